@@ -1,0 +1,147 @@
+"""Validated kernel configurations: the only values that ever reach emitted source.
+
+A `KernelConfig` is frozen and checks every field in `__post_init__`: integers must be real ints
+in their allowed set, enums must be one of a fixed tuple of identifiers. Because emitted source is
+built only from validated fields (never from arbitrary strings), a config loaded from a database or
+a file cannot inject code: anything unexpected raises `ConfigError` before emission.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+GENERATOR_VERSION = "0.1.0"
+
+#: Head dims the Triton backend emits; non-powers of two are split into power-of-two chunks.
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+#: Allowed values of every field. Search spaces draw from these; validation enforces them.
+CHOICES: dict[str, tuple] = {
+    "dtype": ("fp8", "bf16"),
+    "head_dim_qk": HEAD_DIMS,
+    "head_dim_v": HEAD_DIMS,
+    "block_m": (64, 128, 256),
+    "block_n": (32, 64, 128, 256),
+    "num_warps": (4, 8, 16),
+    "num_stages": (1, 2, 3, 4, 5),
+    "maxnreg": (0, 128, 152, 168, 184, 200, 232),
+    "softmax": ("exact", "lean"),
+    "lean_fold": ("fma", "sub_fma"),
+    "lean_clamp": ("imax", "fmax"),
+    "lean_pack": ("prmt", "bfi"),
+    "p_scale_log2": tuple(range(0, 9)),
+    "scale_block": (0, 32, 64, 128, 256),
+    "rowsum": ("fp32", "rounded", "mma"),
+    "q_order": ("forward", "heavy_first"),
+    "loads": ("pointer", "tma"),
+    "v_layout": ("natural", "transposed"),
+}
+
+
+class ConfigError(ValueError):
+    """A kernel configuration value is outside what the generator accepts."""
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One point of the generator's parameter space (Triton backend).
+
+    dtype:        input dtype of Q, K, V and of the probabilities fed to P@V ("fp8" = e4m3fn).
+    head_dim_qk:  head dim of Q and K; head_dim_v: head dim of V and the output.
+    block_m/n:    query rows per program / keys per inner-loop tile.
+    num_warps, num_stages: Triton launch options (warps per program, software-pipeline depth).
+    maxnreg:      register cap per thread (0 = the compiler's choice); lower caps fit more programs
+                  per SM (e.g. 168 lets three 4-warp programs share the 64K registers).
+    softmax:      "exact" = exp2 on the MUFU unit then conversion; "lean" = lean P, an FMA that
+                  writes the e4m3 code of 2^x directly (fp8 only), in inline PTX.
+    lean_fold/clamp/pack: which lean P instruction sequence is emitted (see generator.lean_asm).
+    p_scale_log2: probabilities are scaled by 2^p_scale_log2 before rounding, to use more of the
+                  e4m3 range; the factor cancels in the normalisation.
+    scale_block:  keys sharing one extra power-of-2 exponent taken from their own maximum
+                  (0 = none). The Triton backend supports one exponent per key tile (= block_n).
+    rowsum:       "fp32" = sum of unrounded probabilities; "rounded" = sum of the probabilities as
+                  rounded to the P@V dtype (numerator and denominator agree); "mma" = the same sum
+                  from an extra MMA of P against a ones tile.
+    q_order:      "forward" or "heavy_first" (causal: the longest query blocks are launched first).
+    loads:        "pointer" (masked loads, cp.async pipelining) or "tma" (tensor descriptors built on
+                  the host, TMA copies into shared memory).
+    v_layout:     "natural" reads V as (keys, dim) tiles; "transposed" reads a (dim, keys) copy the
+                  launcher makes (FP8 wgmma needs V K-major; the copy's time counts in every timing).
+    """
+
+    dtype: str = "fp8"
+    head_dim_qk: int = 128
+    head_dim_v: int = 128
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    maxnreg: int = 0
+    softmax: str = "exact"
+    lean_fold: str = "fma"
+    lean_clamp: str = "imax"
+    lean_pack: str = "prmt"
+    p_scale_log2: int = 8
+    scale_block: int = 0
+    rowsum: str = "fp32"
+    q_order: str = "heavy_first"
+    loads: str = "pointer"
+    v_layout: str = "natural"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            allowed = CHOICES[f.name]
+            expected = type(allowed[0])
+            # bool is an int subclass: reject it explicitly so True never passes as 1.
+            if type(value) is not expected:
+                raise ConfigError(
+                    f"{f.name}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
+            if value not in allowed:
+                raise ConfigError(f"{f.name}: {value!r} is not one of {list(allowed)}")
+        self._check_combination()
+
+    def _check_combination(self) -> None:
+        if self.softmax == "lean" and self.dtype != "fp8":
+            raise ConfigError("softmax='lean' writes e4m3 codes and needs dtype='fp8'")
+        if self.softmax == "lean" and self.rowsum == "fp32":
+            raise ConfigError("softmax='lean' has no unrounded probabilities: rowsum must be "
+                              "'rounded' or 'mma'")
+        if self.dtype == "bf16" and self.p_scale_log2 != 0:
+            raise ConfigError("p_scale_log2 must be 0 for dtype='bf16' (bf16 has the range)")
+        if self.scale_block not in (0, self.block_n):
+            raise ConfigError(
+                f"scale_block={self.scale_block}: the Triton backend takes one exponent per key "
+                f"tile, so scale_block must be 0 or block_n={self.block_n}")
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "KernelConfig":
+        """Build from untrusted data (a database row, a JSON file): unknown keys are errors."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise ConfigError(f"unknown config fields: {unknown}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_json(cls, text: str) -> "KernelConfig":
+        try:
+            data = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"config is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> "KernelConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,276 @@
+"""Triton backend: `KernelConfig` -> Python source of one specialised causal-prefill kernel.
+
+Every choice the config makes is resolved here, at emission: the emitted kernel holds only the code
+its config needs (no constexpr branches on config fields), so the source hash identifies the kernel.
+The source is built from validated fields only (ints from fixed sets, enum names mapped through
+dicts), never from free text.
+
+Kernel contract (see kernels/launch.py):
+  Q (B, Sq, H, Dqk), K (B, Sk, Hkv, Dqk), V (B, Sk, Hkv, Dv), O (B, Sq, H, Dv) bf16; last dim contiguous.
+  QD/KD/VD: float32 descales indexed [b * stride_db + hkv * stride_dh] (strides 0 for "none").
+  A 1-D grid of n_m_blocks * B * H programs. Causal masking is bottom-right aligned
+  (query i sees keys j <= i + Sk - Sq), as in FlashAttention 2.1+.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+from .config import GENERATOR_VERSION, KernelConfig
+from .lean_asm import E4M3_ONE_CODE, LEAN_P_CONSTRAINTS, MAGIC, lean_p_asm
+
+KERNEL_NAME = "zyfa_attn_fwd"
+#: Cap of the per-tile extra exponent (scale_block): keeps acc rescale factors within 2^16.
+SCALE_EXP_CAP = 16
+
+_TL_DTYPE = {"fp8": "tl.float8e4nv", "bf16": "tl.bfloat16"}
+#: Rows with no visible key start from this finite maximum, so no inf - inf appears.
+_M_INIT = "-1.0e30"
+
+
+@dataclass(frozen=True)
+class EmittedKernel:
+    config: KernelConfig
+    source: str
+    source_hash: str
+    kernel_name: str = KERNEL_NAME
+
+
+def head_chunks(dim: int) -> list[tuple[int, int]]:
+    """Split a head dim into power-of-two (offset, width) chunks, widest first: 96 -> 64+32."""
+    chunks, offset = [], 0
+    while offset < dim:
+        width = 1 << int(math.log2(dim - offset))
+        chunks.append((offset, width))
+        offset += width
+    return chunks
+
+
+def emit(config: KernelConfig) -> EmittedKernel:
+    """Emit the kernel source for `config` (deterministic; same config -> same bytes)."""
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
+    source = _Emitter(config).source()
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return EmittedKernel(config=config, source=source, source_hash=digest)
+
+
+class _Emitter:
+    def __init__(self, c: KernelConfig):
+        self.c = c
+        self.qk_chunks = head_chunks(c.head_dim_qk)
+        self.v_chunks = head_chunks(c.head_dim_v)
+        self.pdt = _TL_DTYPE[c.dtype]
+        self.lean = c.softmax == "lean"
+
+    # ---- pieces -------------------------------------------------------------------------
+    def _header(self) -> list[str]:
+        c = self.c
+        out = [
+            f'"""zyfa-tune generated kernel (generator {GENERATOR_VERSION}). Do not edit.',
+            "",
+            f"config: {c.to_json()}",
+            '"""',
+            "import triton",
+            "import triton.language as tl",
+            "",
+            f"NUM_WARPS = {int(c.num_warps)}",
+            f"NUM_STAGES = {int(c.num_stages)}",
+            f"MAXNREG = {int(c.maxnreg) or None}",
+            f"BLOCK_M = {int(c.block_m)}",
+            f"KERNEL_NAME = {KERNEL_NAME!r}",
+            "",
+        ]
+        if self.lean:
+            asm = lean_p_asm(c.lean_fold, c.lean_clamp, c.lean_pack)
+            out += [
+                "",
+                "@triton.jit",
+                "def _lean_p(s, a, b):",
+                "    # lean P: 4 fp32 scores -> 4 e4m3 codes in one register, no ex2, no cvt",
+                "    return tl.inline_asm_elementwise(",
+                f"        {asm!r},",
+                f"        {LEAN_P_CONSTRAINTS!r},",
+                "        [s, a, b], dtype=tl.float8e4nv, is_pure=True, pack=4)",
+                "",
+            ]
+        return out
+
+    def _signature(self) -> list[str]:
+        c = self.c
+        if c.loads == "tma":
+            descs = [f"desc_{t}_{w}" for t, chunks in (("q", self.qk_chunks), ("k", self.qk_chunks),
+                                                      ("v", self.v_chunks))
+                     for w in sorted({w for _, w in chunks}, reverse=True)]
+            inputs = ["    " + ", ".join(descs) + ","]
+        else:
+            vrow = "stride_vd" if c.v_layout == "transposed" else "stride_vs"
+            inputs = ["    Q, K, V,",
+                      "    stride_qb, stride_qs, stride_qh,",
+                      "    stride_kb, stride_ks, stride_kh,",
+                      f"    stride_vb, {vrow}, stride_vh,"]
+        return ["", "@triton.jit", f"def {KERNEL_NAME}("] + inputs + [
+            "    O, QD, KD, VD,",
+            "    stride_ob, stride_os, stride_oh,",
+            "    stride_db, stride_dh,",
+            "    H, GROUP, SEQ_Q, SEQ_K, N_M_BLOCKS, sm_scale_log2,",
+            "    CAUSAL: tl.constexpr,",
+            "):",
+        ]
+
+    def _prologue(self) -> list[str]:
+        c = self.c
+        bm, bn = c.block_m, c.block_n
+        lines = ["    pid = tl.program_id(0)", "    n_bh = tl.num_programs(0) // N_M_BLOCKS"]
+        if c.q_order == "heavy_first":
+            lines += ["    start_m = N_M_BLOCKS - 1 - pid // n_bh", "    bh = pid % n_bh"]
+        else:
+            lines += ["    start_m = pid % N_M_BLOCKS", "    bh = pid // N_M_BLOCKS"]
+        lines += [
+            "    b = bh // H",
+            "    h = bh % H",
+            "    hk = h // GROUP",
+            f"    offs_m = start_m * {bm} + tl.arange(0, {bm})",
+            f"    offs_n = tl.arange(0, {bn})",
+            "    row_ok = offs_m < SEQ_Q",
+            "    d_off = b * stride_db + hk * stride_dh",
+        ]
+        if c.loads == "pointer":
+            lines += ["    q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh",
+                      "    k_base = K + b.to(tl.int64) * stride_kb + hk * stride_kh",
+                      "    v_base = V + b.to(tl.int64) * stride_vb + hk * stride_vh"]
+        if c.dtype == "fp8":
+            lines += ["    qk_scale = sm_scale_log2 * tl.load(QD + d_off) * tl.load(KD + d_off)",
+                      "    v_descale = tl.load(VD + d_off)"]
+        else:
+            lines += ["    qk_scale = sm_scale_log2"]
+        for i, (off, w) in enumerate(self.qk_chunks):
+            if c.loads == "tma":  # 2-D views: q (B*Sq, H*Dqk), rows past Sq are never stored
+                lines.append(f"    q{i} = desc_q_{w}.load([b * SEQ_Q + start_m * {bm}, h * {c.head_dim_qk} + {off}])")
+            else:
+                lines.append(
+                    f"    q{i} = tl.load(q_base + offs_m[:, None] * stride_qs + ({off} + tl.arange(0, {w}))[None, :],"
+                    f" mask=row_ok[:, None], other=0.0)")
+        for i, (_, w) in enumerate(self.v_chunks):
+            lines.append(f"    acc{i} = tl.zeros([{bm}, {w}], dtype=tl.float32)")
+        lines += [
+            f"    m_i = tl.full([{bm}], {_M_INIT}, dtype=tl.float32)",
+            f"    ref_i = tl.full([{bm}], {_M_INIT}, dtype=tl.float32)",
+            f"    l_i = tl.zeros([{bm}], dtype=tl.float32)",
+        ]
+        if c.rowsum == "mma":
+            lines.append(f"    ones = tl.full([{bn}, 16], 1.0, dtype=tl.float32).to({self.pdt})")
+        # Key range: [0, full_end) needs no mask; [full_end, hi) is the causal diagonal band
+        # and the ragged end of the keys.
+        lines += [
+            "    off = SEQ_K - SEQ_Q",
+            "    if CAUSAL:",
+            f"        hi = tl.minimum(SEQ_K, tl.maximum(start_m * {bm} + {bm} + off, 0))",
+            f"        full_end = tl.minimum(tl.maximum(start_m * {bm} + off + 1, 0) // {bn} * {bn},"
+            f" SEQ_K // {bn} * {bn})",
+            "    else:",
+            "        hi = SEQ_K",
+            f"        full_end = SEQ_K // {bn} * {bn}",
+        ]
+        return lines
+
+    def _load_k(self, i: int, off: int, w: int, masked: bool) -> str:
+        """A (block_n, w) tile of K. TMA zero-fills past the tensor's end; inside it, keys past
+        SEQ_K (the next batch entry's) only meet probabilities that the score mask made zero."""
+        c = self.c
+        if c.loads == "tma":
+            return f"desc_k_{w}.load([b * SEQ_K + n0, hk * {c.head_dim_qk} + {off}])"
+        mask = ", mask=(offs_k < SEQ_K)[:, None], other=0.0" if masked else ""
+        return f"tl.load(k_base + offs_k[:, None] * stride_ks + ({off} + tl.arange(0, {w}))[None, :]{mask})"
+
+    def _load_v(self, off: int, w: int, masked: bool) -> str:
+        """A (block_n, w) tile of V, read from V or from its (dim, keys) transposed copy."""
+        c = self.c
+        if c.v_layout == "transposed":
+            if c.loads == "tma":  # V^T viewed (B*Hkv*Dv, Sk): keys past SEQ_K are zero-filled
+                return f"tl.trans(desc_v_{w}.load([(b * (H // GROUP) + hk) * {c.head_dim_v} + {off}, n0]))"
+            mask = ", mask=(offs_k < SEQ_K)[None, :], other=0.0" if masked else ""
+            return (f"tl.trans(tl.load(v_base + ({off} + tl.arange(0, {w}))[:, None] * stride_vd"
+                    f" + offs_k[None, :]{mask}))")
+        if c.loads == "tma":
+            return f"desc_v_{w}.load([b * SEQ_K + n0, hk * {c.head_dim_v} + {off}])"
+        mask = ", mask=(offs_k < SEQ_K)[:, None], other=0.0" if masked else ""
+        return f"tl.load(v_base + offs_k[:, None] * stride_vs + ({off} + tl.arange(0, {w}))[None, :]{mask})"
+
+    def _tile(self, masked: bool) -> list[str]:
+        """Body of one key tile starting at `n0`; `masked` adds bounds and causal masks."""
+        c = self.c
+        ind = "        "
+        L: list[str] = [f"{ind}offs_k = n0 + offs_n"]
+        for i, (off, w) in enumerate(self.qk_chunks):
+            L.append(f"{ind}k{i} = {self._load_k(i, off, w, masked)}")
+        for i in range(len(self.qk_chunks)):
+            acc = "" if i == 0 else ", qk"
+            L.append(f"{ind}qk = tl.dot(q{i}, tl.trans(k{i}){acc})")
+        if masked:
+            L += [f"{ind}ok = (offs_k < SEQ_K)[None, :]",
+                  f"{ind}if CAUSAL:",
+                  f"{ind}    ok = ok & (offs_k[None, :] <= offs_m[:, None] + off)",
+                  f"{ind}qk = tl.where(ok, qk, float('-inf'))"]
+        L += [f"{ind}m_tile = tl.max(qk, 1) * qk_scale",
+              f"{ind}m_new = tl.maximum(m_i, m_tile)"]
+        if self.lean and c.lean_fold == "fma":
+            # b = magic + 56 - 8*ref must be exact in fp32: keep the reference on a 1/8 grid.
+            L.append(f"{ind}m_new = tl.ceil(m_new * 8.0) * 0.125")
+        ref = f"m_new - {c.p_scale_log2}.0"
+        if c.scale_block:
+            L.append(f"{ind}k_exp = tl.minimum(tl.floor(m_new - m_tile), {SCALE_EXP_CAP}.0)")
+            ref += " - k_exp"
+        L += [f"{ind}ref = {ref}",
+              f"{ind}alpha = tl.math.exp2(ref_i - ref)"]
+        if self.lean:
+            if c.lean_fold == "fma":
+                L += [f"{ind}a = qk_scale * 8.0",
+                      f"{ind}bias = {MAGIC + E4M3_ONE_CODE!r} - 8.0 * ref"]
+            else:
+                L += [f"{ind}a = qk_scale", f"{ind}bias = -ref"]
+            L.append(f"{ind}p = _lean_p(qk, a, bias[:, None])")
+        else:
+            L.append(f"{ind}p32 = tl.math.exp2(qk * qk_scale - ref[:, None])")
+            if c.rowsum == "fp32":
+                L.append(f"{ind}l_ij = tl.sum(p32, 1)")
+            L.append(f"{ind}p = p32.to({self.pdt})")
+        if c.rowsum == "rounded":
+            L.append(f"{ind}l_ij = tl.sum(p.to(tl.float32), 1)")
+        if c.rowsum == "mma":
+            # a fresh accumulator per tile: FP8 wgmma accumulates with reduced precision, so the
+            # running sum stays in fp32 registers (all 16 columns hold the same row sum)
+            L.append(f"{ind}l_ij = tl.max(tl.dot(p, ones), 1)")
+        L.append(f"{ind}l_i = l_i * alpha + l_ij")
+        for i, (off, w) in enumerate(self.v_chunks):
+            L.append(f"{ind}v{i} = {self._load_v(off, w, masked)}")
+            L.append(f"{ind}acc{i} = tl.dot(p, v{i}, acc{i} * alpha[:, None])")
+        L += [f"{ind}m_i = m_new", f"{ind}ref_i = ref"]
+        return L
+
+    def _loops(self) -> list[str]:
+        bn = self.c.block_n
+        stages = int(self.c.num_stages)
+        return ([f"    for n0 in tl.range(0, full_end, {bn}, num_stages={stages}):"] + self._tile(False)
+                + [f"    for n0 in tl.range(full_end, hi, {bn}, num_stages={stages}):"] + self._tile(True))
+
+    def _epilogue(self) -> list[str]:
+        c = self.c
+        lines = []
+        scale = " * v_descale" if c.dtype == "fp8" else ""
+        lines += [
+            "    inv_l = tl.where(l_i > 0.0, 1.0 / l_i, 0.0)" + scale,
+            "    o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh",
+        ]
+        for i, (off, w) in enumerate(self.v_chunks):
+            lines.append(
+                f"    tl.store(o_base + offs_m[:, None] * stride_os + ({off} + tl.arange(0, {w}))[None, :],"
+                f" (acc{i} * inv_l[:, None]).to(tl.bfloat16), mask=row_ok[:, None])")
+        return lines
+
+    def source(self) -> str:
+        lines = (self._header() + self._signature() + self._prologue() + self._loops()
+                 + self._epilogue())
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,76 @@
+"""Lean P in hand-written PTX: four scores -> one 32-bit register holding four e4m3 codes.
+
+The e4m3 bit pattern of 2^x, read as an integer, is about 8x + 56 (exponent bias 7, three
+mantissa bits, linear in between). One FMA computes y = s*a + b with b holding the row reference,
+the scale, the bias 56 and the magic constant 1.5 * 2^23: the FMA's own round-to-nearest then
+leaves round(8x + 56) in the low mantissa bits of y, with no exponential and no conversion. An
+integer (or float) max against the magic constant clamps negative codes (probabilities below the
+smallest subnormal, masked -inf scores) to code 0, and byte moves pack the low bytes of four such
+registers into one.
+
+Every variant computes the same codes; they differ only in the instruction sequence, which is what
+the tuner searches:
+
+- fold:  "fma"     one FMA, s*a + b, a = 8*scale and b = magic + 56 - 8*reference (needs the
+                   reference quantised to 1/8 so that b is exact, which the kernel does);
+         "sub_fma" t = s*a - b (the exact path's scale-and-subtract), then y = 8t + magic + 56.
+- clamp: "imax"    max.s32 on the bit pattern; "fmax" max.f32 against the magic float.
+- pack:  "prmt"    three byte permutes; "bfi" three bit-field inserts.
+"""
+
+from __future__ import annotations
+
+#: 1.5 * 2^23: adding it to a float in [-2^22, 2^22) leaves the rounded integer in the low bits.
+MAGIC = 12582912.0
+MAGIC_BITS = 0x4B400000
+#: e4m3 code of 1.0 = (0 + bias 7) << 3.
+E4M3_ONE_CODE = 56
+
+def _f32_hex(value: float) -> str:
+    import struct
+
+    return struct.pack(">f", value).hex().upper()
+
+
+def _fold_lines(fold: str) -> list[str]:
+    if fold == "fma":
+        # $1..$4 scores, $5..$8 a = 8*scale, $9..$12 b = magic + 56 - 8*ref
+        return [f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};" for i in range(4)]
+    if fold == "sub_fma":
+        # $5..$8 a = scale, $9..$12 b = -ref; then y = 8*t + (magic + 56)
+        bias = _f32_hex(MAGIC + E4M3_ONE_CODE)
+        return [line for i in range(4) for line in (
+            f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};",
+            f"fma.rn.f32 r{i}, r{i}, 0f41000000, 0f{bias};")]
+    raise ValueError(f"unknown lean fold {fold!r}")
+
+
+def _clamp_lines(clamp: str) -> list[str]:
+    if clamp == "imax":
+        return [f"max.s32 r{i}, r{i}, {MAGIC_BITS};" for i in range(4)]
+    if clamp == "fmax":
+        return [f"max.f32 r{i}, r{i}, 0f{_f32_hex(MAGIC)};" for i in range(4)]
+    raise ValueError(f"unknown lean clamp {clamp!r}")
+
+
+def _pack_lines(pack: str) -> list[str]:
+    if pack == "prmt":
+        # {b,a} bytes are numbered 7..0 (a = 0..3): 0x0040 puts a.b0 in byte 0 and b.b0 in byte 1.
+        return ["prmt.b32 r0, r0, r1, 0x0040;",
+                "prmt.b32 r2, r2, r3, 0x0040;",
+                "prmt.b32 $0, r0, r2, 0x5410;"]
+    if pack == "bfi":
+        return ["bfi.b32 r0, r1, r0, 8, 8;",
+                "bfi.b32 r0, r2, r0, 16, 8;",
+                "bfi.b32 $0, r3, r0, 24, 8;"]
+    raise ValueError(f"unknown lean pack {pack!r}")
+
+
+def lean_p_asm(fold: str, clamp: str, pack: str) -> str:
+    """PTX for one pack of four scores ($1..$4) with per-element a ($5..$8) and b ($9..$12)."""
+    body = _fold_lines(fold) + _clamp_lines(clamp) + _pack_lines(pack)
+    return "{\n.reg .b32 r0, r1, r2, r3;\n" + "\n".join(body) + "\n}"
+
+
+#: Inline-asm constraints: one packed output register, then 3 x 4 float inputs.
+LEAN_P_CONSTRAINTS = "=r," + ",".join(["f"] * 12)

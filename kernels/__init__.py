@@ -1,0 +1,1 @@
+"""Runtime side: float64 reference, default configs, dispatch, build cache and launcher."""

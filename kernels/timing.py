@@ -1,0 +1,109 @@
+"""The one timing function (device events, medians, rotated inputs) and GPU state from NVML."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    min_ms: float
+    reps: int
+    sm_clock_mhz: float | None = None  # mean of NVML reads during timing
+    power_w: float | None = None
+    energy_j_per_call: float | None = None
+
+
+def _nvml_handle(device: int):
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(device)
+    except Exception:  # NVML missing or unsupported: timings stay valid, energy is unknown
+        return None, None
+
+
+def gpu_state(device: int = 0) -> dict[str, Any]:
+    """Clocks, power, temperature and name from NVML (empty where NVML is unavailable)."""
+    nv, h = _nvml_handle(device)
+    if h is None:
+        return {}
+    state: dict[str, Any] = {"name": nv.nvmlDeviceGetName(h)}
+    for key, fn in (("sm_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+                    ("mem_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)),
+                    ("max_sm_clock_mhz", lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM)),
+                    ("power_w", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
+                    ("power_limit_w", lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0),
+                    ("temp_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))):
+        try:
+            state[key] = fn()
+        except Exception:
+            pass
+    return state
+
+
+def warm_gpu(seconds: float = 2.0, device: int = 0) -> None:
+    """Run dense matrix products until the clocks settle at their sustained level."""
+    a = torch.randn(8192, 8192, device=f"cuda:{device}", dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize(device)
+
+
+def time_cuda(calls: Sequence[Callable[[], Any]], *, warmup: int = 5, reps: int = 30, device: int = 0) -> Timing:
+    """Median device time of one call, round-robin over `calls` (one per input set, so that
+    inputs rotate and the L2 cache does not flatter small shapes). Each call is timed by its own
+    pair of CUDA events; launches queue back to back."""
+    if not calls:
+        raise ValueError("calls: need at least one callable")
+    for i in range(warmup):
+        calls[i % len(calls)]()
+    torch.cuda.synchronize(device)
+    nv, h = _nvml_handle(device)
+    e0 = _energy_mj(nv, h)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    clocks, powers = [], []
+    for i in range(reps):
+        starts[i].record()
+        calls[i % len(calls)]()
+        ends[i].record()
+        if h is not None and i % max(1, reps // 8) == 0:
+            clocks.append(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+            powers.append(nv.nvmlDeviceGetPowerUsage(h) / 1000.0)
+    torch.cuda.synchronize(device)
+    e1 = _energy_mj(nv, h)
+    ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    q = statistics.quantiles(ms, n=5) if len(ms) >= 5 else [ms[0]] * 4
+    energy = (e1 - e0) / 1000.0 / reps if e0 is not None and e1 is not None and e1 > e0 else None
+    return Timing(median_ms=statistics.median(ms), p20_ms=q[0], p80_ms=q[3], min_ms=ms[0], reps=reps,
+                  sm_clock_mhz=statistics.mean(clocks) if clocks else None,
+                  power_w=statistics.mean(powers) if powers else None,
+                  energy_j_per_call=energy)
+
+
+def _energy_mj(nv, h) -> float | None:
+    if h is None:
+        return None
+    try:
+        return float(nv.nvmlDeviceGetTotalEnergyConsumption(h))
+    except Exception:
+        return None
+
+
+def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim_qk: int,
+                    head_dim_v: int, causal: bool) -> float:
+    """FLOPs of the two matrix products; causal counts half (FlashAttention's convention)."""
+    flops = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim_qk + head_dim_v)
+    return flops / 2 if causal else flops

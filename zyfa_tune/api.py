@@ -1,0 +1,107 @@
+"""`flash_attn_func`: a drop-in for FlashAttention-3's forward, backed by generated kernels."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zyfa_tune.generator import HEAD_DIMS, KernelConfig
+from zyfa_tune.kernels import dispatch
+from zyfa_tune.kernels.launch import launch
+
+_DTYPES = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"}
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported; use torch.float8_e4m3fn or torch.bfloat16")
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: tensor is on {t.device}; zyfa_tune kernels run on CUDA devices")
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_descale(name: str, d: object, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    if not isinstance(d, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of shape {shape}, got {type(d).__name__}")
+    if d.device != device:
+        raise ValueError(f"{name}: on {d.device}, but q is on {device}")
+    if tuple(d.shape) != shape:
+        raise ValueError(f"{name}: expected shape (batch, kv_heads) = {shape}, got {tuple(d.shape)}")
+    if not d.dtype.is_floating_point:
+        raise TypeError(f"{name}: expected a floating dtype, got {d.dtype}")
+    return d.to(torch.float32).contiguous()
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                    causal: bool = True, q_descale: torch.Tensor | None = None,
+                    k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
+                    *, config: KernelConfig | None = None) -> torch.Tensor:
+    """Attention forward like FlashAttention-3's `flash_attn_func`; returns the bf16 output.
+
+    q: (batch, seqlen_q, heads, head_dim_qk); k: (batch, seqlen_k, kv_heads, head_dim_qk);
+    v: (batch, seqlen_k, kv_heads, head_dim_v); all torch.float8_e4m3fn or all torch.bfloat16,
+    on one CUDA device. kv_heads must divide heads (GQA / MQA). Descales (fp8 only) are
+    (batch, kv_heads) tensors; a missing one counts as ones. Causal masking is bottom-right
+    aligned when seqlen_q != seqlen_k. `config` forces a kernel config instead of the dispatcher's.
+    Returns (batch, seqlen_q, heads, head_dim_v) in torch.bfloat16.
+    """
+    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name}: batch {t.shape[0]} differs from q's {q.shape[0]}")
+    b, sq, h, dqk = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if tuple(v.shape[:3]) != (b, sk, hk):
+        raise ValueError(f"v: shape {tuple(v.shape)} must match k's (batch, seqlen_k, kv_heads) = {(b, sk, hk)}")
+    if k.shape[3] != dqk:
+        raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {dqk}")
+    if hk == 0 or h % hk:
+        raise ValueError(f"k: kv_heads={hk} must divide q's heads={h}")
+    dv = v.shape[3]
+    for name, d in (("q", dqk), ("v", dv)):
+        if d not in HEAD_DIMS:
+            raise ValueError(f"{name}: head_dim {d} is not supported; supported: {list(HEAD_DIMS)}")
+    if softmax_scale is None:
+        softmax_scale = dqk ** -0.5
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        raise ValueError(f"softmax_scale: expected a positive finite number, got {softmax_scale!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
+    dtype = _DTYPES[q.dtype]
+    descales = (q_descale, k_descale, v_descale)
+    if dtype == "bf16" and any(d is not None for d in descales):
+        raise ValueError("q_descale/k_descale/v_descale apply to float8_e4m3fn inputs only")
+    if any(d is not None for d in descales):
+        ones = None
+        checked = []
+        for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+            if d is None:
+                ones = ones if ones is not None else torch.ones(b, hk, dtype=torch.float32, device=q.device)
+                checked.append(ones)
+            else:
+                checked.append(_check_descale(name, d, (b, hk), q.device))
+        q_descale, k_descale, v_descale = checked
+    if config is None:
+        config = dispatch.select_config(dtype, dqk, dv)
+    elif not isinstance(config, KernelConfig):
+        raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
+    elif (config.dtype, config.head_dim_qk, config.head_dim_v) != (dtype, dqk, dv):
+        raise ValueError(f"config: built for {config.dtype} {config.head_dim_qk}/{config.head_dim_v}, "
+                         f"inputs are {dtype} {dqk}/{dv}")
+    out = torch.empty(b, sq, h, dv, dtype=torch.bfloat16, device=q.device)
+    if out.numel() == 0:
+        return out
+    if sk == 0:
+        return out.zero_()
+    with torch.cuda.device(q.device):
+        return launch(config, q, k, v, out, float(softmax_scale), causal, q_descale, k_descale, v_descale)

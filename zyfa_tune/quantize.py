@@ -1,0 +1,66 @@
+"""FP8 quantisation of attention inputs with per-(batch, kv-head) descales, optionally after a
+normalised Hadamard rotation of Q and K (QK^T is unchanged, outliers are spread over channels)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+E4M3_MAX = 448.0
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def hadamard_matrix(dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Orthonormal (dim x dim) rotation: Sylvester-Hadamard blocks of the largest power of two
+    dividing `dim` on the diagonal (96 -> three 32 x 32 blocks)."""
+    if dim <= 0:
+        raise ValueError(f"dim: expected a positive head dim, got {dim}")
+    block = dim & -dim
+    h = torch.block_diag(*[_hadamard_cpu(block)] * (dim // block))
+    return h.to(device=device, dtype=dtype)
+
+
+def _quantize(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    b, s, h, d = x.shape
+    xf = x.float().view(b, s, kv_heads, h // kv_heads, d)
+    amax = xf.abs().amax(dim=(1, 3, 4)).clamp_min(1e-12)  # (b, kv_heads)
+    descale = amax / E4M3_MAX
+    q8 = (xf / descale.view(b, 1, kv_heads, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX)
+    return q8.view(b, s, h, d).to(torch.float8_e4m3fn), descale.contiguous()
+
+
+def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bool = False):
+    """Return (q8, k8, v8, q_descale, k_descale, v_descale) for `flash_attn_func`.
+
+    Inputs are (batch, seqlen, heads, dim) floating tensors; descales are float32 (batch, kv_heads)
+    as FlashAttention-3 expects (the q heads of one GQA group share one descale). With
+    `hadamard=True`, Q and K are first multiplied by the same orthonormal Hadamard matrix.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+    hk = k.shape[2]
+    if v.shape[2] != hk or q.shape[2] % hk:
+        raise ValueError(f"k/v: kv_heads={hk} (v has {v.shape[2]}) must divide q's heads={q.shape[2]}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {q.shape[3]}")
+    if hadamard:
+        rot = hadamard_matrix(q.shape[3], device=q.device)
+        q = q.float() @ rot
+        k = k.float() @ rot
+    q8, qd = _quantize(q, hk)
+    k8, kd = _quantize(k, hk)
+    v8, vd = _quantize(v, hk)
+    return q8, k8, v8, qd, kd, vd
