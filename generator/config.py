@@ -139,7 +139,7 @@ class KernelConfig:
     def from_json(cls, text: str) -> "KernelConfig":
         try:
             data = json.loads(text)
-        except (TypeError, json.JSONDecodeError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise ConfigError(f"config is not valid JSON: {exc}") from exc
         return cls.from_dict(data)
 

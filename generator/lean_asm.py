@@ -8,6 +8,11 @@ integer (or float) max against the magic constant clamps negative codes (probabi
 smallest subnormal, masked -inf scores) to code 0, and byte moves pack the low bytes of four such
 registers into one.
 
+Accuracy (pinned by tests/test_lean_numerics.py): on the normal range the code is the e4m3 rounding
+of the straight-line interpolation of 2^x between powers of two; the interpolation is within 6.15%
+of 2^x and, with the half-code rounding, the decoded value is within 10.8% (never more than 4.3%
+low); 45% of codes over x in [-9, 8] equal the correctly rounded e4m3 of 2^x.
+
 Every variant computes the same codes; they differ only in the instruction sequence, which is what
 the tuner searches:
 

@@ -1,0 +1,358 @@
+"""flash_attn_func argument validation, and quantize_fp8 / hadamard_matrix, on the CPU.
+
+flash_attn_func checks q, k and v one at a time with `_check_tensor` (type, rank, dtype, then
+device) before any check that relates them. On a machine without a GPU every tensor fails the
+device check, so:
+
+1. With plain CPU tensors only q's own checks are reachable (and an error in k or v is reported
+   as q's device error: q is checked first). These tests use flash_attn_func as is.
+2. The later checks (k/v against q, head dims, softmax_scale, causal, descales, config) are
+   reached by relaxing *only* the device part of `_check_tensor` (fixture `cpu_ok`): the original
+   function still runs and its type/rank/dtype errors still propagate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import zyfa_tune.api as api
+from zyfa_tune import flash_attn_func, hadamard_matrix, quantize_fp8
+from zyfa_tune.generator import KernelConfig
+from zyfa_tune.kernels.reference import rel_l2
+
+FP8 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+
+
+def qkv(b=2, sq=16, sk=16, h=4, hk=2, dqk=64, dv=64, dtype=BF16):
+    q = torch.randn(b, sq, h, dqk).to(dtype)
+    k = torch.randn(b, sk, hk, dqk).to(dtype)
+    v = torch.randn(b, sk, hk, dv).to(dtype)
+    return q, k, v
+
+
+# ---- 1. reachable with CPU tensors: q's own checks, in order ---------------------------------
+
+def test_q_not_a_tensor():
+    _, k, v = qkv()
+    for bad in (None, [[1.0]], np.zeros((1, 16, 4, 64), dtype=np.float32), 1.0):
+        with pytest.raises(TypeError, match="^q: expected a torch.Tensor"):
+            flash_attn_func(bad, k, v)
+
+
+@pytest.mark.parametrize("shape", [(16, 4, 64), (1, 1, 16, 4, 64), (64,), ()])
+def test_q_wrong_rank(shape):
+    _, k, v = qkv()
+    with pytest.raises(ValueError, match=r"^q: expected 4 dims"):
+        flash_attn_func(torch.zeros(shape, dtype=BF16), k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.int8,
+                                   torch.float8_e5m2, torch.uint8])
+def test_q_unsupported_dtype(dtype):
+    _, k, v = qkv()
+    with pytest.raises(TypeError, match=r"^q: dtype .* is not supported"):
+        flash_attn_func(torch.zeros(1, 16, 4, 64, dtype=dtype), k, v)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP8])
+def test_cpu_tensors_rejected(dtype):
+    q, k, v = qkv(dtype=dtype)
+    with pytest.raises(ValueError, match=r"^q: tensor is on cpu; .*CUDA") as info:
+        flash_attn_func(q, k, v)
+    assert "device" in str(info.value) or "cuda" in str(info.value).lower()
+    meta = torch.empty(1, 16, 4, 64, dtype=dtype, device="meta")
+    with pytest.raises(ValueError, match=r"^q: tensor is on meta"):
+        flash_attn_func(meta, k, v)
+
+
+def test_q_is_checked_before_k_and_v():
+    """Rank is checked before dtype, dtype before device, and q entirely before k and v."""
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="^q: expected 4 dims"):
+        flash_attn_func(torch.zeros(2, 3, dtype=torch.float32), k, v)  # also a bad dtype
+    with pytest.raises(TypeError, match="^q: dtype"):
+        flash_attn_func(q.float(), k, v)  # also on the CPU
+    with pytest.raises(ValueError, match="^q: tensor is on cpu"):
+        flash_attn_func(q, "not a tensor", v)  # k's error comes later
+
+
+# ---- 2. later checks, with the device check relaxed -------------------------------------------
+
+_original_check_tensor = api._check_tensor
+
+
+def _check_tensor_cpu_ok(name, t):
+    try:
+        return _original_check_tensor(name, t)
+    except ValueError as exc:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and "CUDA" in str(exc):
+            return t.contiguous()
+        raise
+
+
+@pytest.fixture
+def cpu_ok(monkeypatch):
+    """Accept CPU tensors as if they were on a CUDA device; the launch must never be reached."""
+    monkeypatch.setattr(api, "_check_tensor", _check_tensor_cpu_ok)
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("validation let bad arguments through to the launch")
+
+    monkeypatch.setattr(api, "launch", no_launch)
+
+
+def test_relaxed_check_still_checks_everything_but_the_device(cpu_ok):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="^k: expected a torch.Tensor"):
+        flash_attn_func(q, None, v)
+    with pytest.raises(ValueError, match="^v: expected 4 dims"):
+        flash_attn_func(q, k, v[0])
+    with pytest.raises(TypeError, match="^k: dtype torch.float32 is not supported"):
+        flash_attn_func(q, k.float(), v)
+
+
+def test_empty_query_returns_before_launch(cpu_ok):
+    q, k, v = qkv(sq=0)
+    out = flash_attn_func(q, k, v)
+    assert out.shape == (2, 0, 4, 64) and out.dtype == BF16
+
+
+def test_empty_keys_give_zeros(cpu_ok):
+    q, k, v = qkv(sk=0, dv=128)
+    out = flash_attn_func(q, k, v)
+    assert out.shape == (2, 16, 4, 128) and out.dtype == BF16
+    assert torch.count_nonzero(out) == 0
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_dtype_mismatch(cpu_ok, which):
+    q, k, v = qkv()
+    args = {"k": k, "v": v}
+    args[which] = args[which].to(FP8)
+    with pytest.raises(TypeError, match=rf"^{which}: dtype torch.float8_e4m3fn differs from q's torch.bfloat16"):
+        flash_attn_func(q, **args)
+
+
+def test_batch_mismatch(cpu_ok):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"^k: batch 1 differs from q's 2"):
+        flash_attn_func(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match=r"^v: batch 1 differs from q's 2"):
+        flash_attn_func(q, k, v[:1])
+
+
+@pytest.mark.parametrize("h,hk", [(4, 3), (3, 2), (5, 4), (2, 4)])
+def test_kv_heads_must_divide_heads(cpu_ok, h, hk):
+    q, k, v = qkv(h=h, hk=hk)
+    with pytest.raises(ValueError, match=rf"^k: kv_heads={hk} must divide q's heads={h}"):
+        flash_attn_func(q, k, v)
+
+
+def test_zero_kv_heads(cpu_ok):
+    q, k, v = qkv(hk=0)
+    with pytest.raises(ValueError, match="^k: kv_heads=0"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("dqk,dv,name", [(80, 80, "q"), (32, 32, "q"), (512, 64, "q"), (64, 80, "v"), (128, 48, "v")])
+def test_unsupported_head_dim(cpu_ok, dqk, dv, name):
+    q, k, v = qkv(dqk=dqk, dv=dv)
+    with pytest.raises(ValueError, match=rf"^{name}: head_dim \d+ is not supported"):
+        flash_attn_func(q, k, v)
+
+
+def test_k_head_dim_mismatch(cpu_ok):
+    q, _, v = qkv(dqk=128)
+    k = torch.zeros(2, 16, 2, 64, dtype=BF16)
+    with pytest.raises(ValueError, match=r"^k: head_dim 64 differs from q's 128"):
+        flash_attn_func(q, k, v)
+
+
+@pytest.mark.parametrize("vshape", [(2, 15, 2, 64), (2, 16, 1, 64), (2, 16, 4, 64)])
+def test_v_shape_mismatch(cpu_ok, vshape):
+    q, k, _ = qkv()
+    with pytest.raises(ValueError, match=r"^v: shape .* must match k's \(batch, seqlen_k, kv_heads\)"):
+        flash_attn_func(q, k, torch.zeros(vshape, dtype=BF16))
+
+
+@pytest.mark.parametrize("scale", [0, 0.0, -1, -0.125, math.nan, math.inf, -math.inf, "x", True, False,
+                                   [0.125]])
+def test_bad_softmax_scale(cpu_ok, scale):
+    q, k, v = qkv()
+    with pytest.raises((TypeError, ValueError), match="^softmax_scale: expected a positive finite number"):
+        flash_attn_func(q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("causal", [1, 0, "yes", None])
+def test_causal_must_be_bool(cpu_ok, causal):
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="^causal: expected bool"):
+        flash_attn_func(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("which", ["q_descale", "k_descale", "v_descale"])
+def test_descales_with_bf16(cpu_ok, which):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="descale.* apply to float8_e4m3fn inputs only"):
+        flash_attn_func(q, k, v, **{which: torch.ones(2, 2)})
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (torch.ones(2, 4), ValueError, r"expected shape \(batch, kv_heads\) = \(2, 2\), got \(2, 4\)"),
+    (torch.ones(2), ValueError, r"expected shape \(batch, kv_heads\)"),
+    (torch.ones(2, 2, dtype=torch.int32), TypeError, "expected a floating dtype"),
+    ([[1.0, 1.0], [1.0, 1.0]], TypeError, "expected a torch.Tensor of shape"),
+    (torch.ones(2, 2, device="meta"), ValueError, "on meta, but q is on cpu"),
+])
+@pytest.mark.parametrize("which", ["q_descale", "k_descale", "v_descale"])
+def test_bad_fp8_descales(cpu_ok, which, bad, exc, match):
+    q, k, v = qkv(dtype=FP8)
+    with pytest.raises(exc, match=rf"^{which}: {match}"):
+        flash_attn_func(q, k, v, **{which: bad})
+
+
+def test_config_checks(cpu_ok):
+    q, k, v = qkv(dqk=128, dv=128, dtype=FP8)
+    with pytest.raises(TypeError, match="^config: expected a KernelConfig"):
+        flash_attn_func(q, k, v, config=KernelConfig().to_dict())
+    with pytest.raises(ValueError, match="^config: built for bf16 128/128, inputs are fp8 128/128"):
+        flash_attn_func(q, k, v, config=KernelConfig(dtype="bf16", p_scale_log2=0))
+    with pytest.raises(ValueError, match="^config: built for fp8 64/64, inputs are fp8 128/128"):
+        flash_attn_func(q, k, v, config=KernelConfig(head_dim_qk=64, head_dim_v=64))
+
+
+# ---- quantize_fp8 ----------------------------------------------------------------------------
+
+def dequant(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    b, _, h, _ = x8.shape
+    group = h // descale.shape[1]
+    return x8.double() * descale.double().repeat_interleave(group, dim=1).view(b, 1, h, 1)
+
+
+def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """(b, h, sq, sk) float64 QK^T with the GQA head mapping."""
+    group = q.shape[2] // k.shape[2]
+    kk = k.double().repeat_interleave(group, dim=2)
+    return torch.einsum("bqhd,bkhd->bhqk", q.double(), kk)
+
+
+@pytest.fixture
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 64, 4, 128, generator=g)
+    k = torch.randn(2, 48, 2, 128, generator=g) * 3.0
+    v = torch.randn(2, 48, 2, 96, generator=g) * 0.01
+    return q, k, v
+
+
+def test_quantize_shapes_and_dtypes(inputs):
+    q, k, v = inputs
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
+    for x8, x in ((q8, q), (k8, k), (v8, v)):
+        assert x8.shape == x.shape and x8.dtype == FP8
+    for d in (qd, kd, vd):
+        assert d.shape == (2, 2) and d.dtype == torch.float32 and d.is_contiguous()
+        assert torch.all(d > 0)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_quantize_round_trip(inputs, src_dtype):
+    q, k, v = (x.to(src_dtype) for x in inputs)
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
+    for x8, d, x in ((q8, qd, q), (k8, kd, k), (v8, vd, v)):
+        deq, ref = dequant(x8, d), x.double()
+        assert rel_l2(deq, ref) < 0.07
+        # elementwise: half an e4m3 ulp (2^-4 relative), or half the smallest subnormal (2^-10)
+        scaled = ref / d.double().repeat_interleave(x.shape[2] // d.shape[1], dim=1).view(2, 1, -1, 1)
+        err = (x8.double() - scaled).abs()
+        assert torch.all(err <= torch.maximum(scaled.abs() * 2.0**-4, torch.full_like(err, 2.0**-10)) * (1 + 1e-6))
+        # the largest magnitude of each (batch, kv head) group maps to the top of the e4m3 range
+        group = x.shape[2] // d.shape[1]
+        amax8 = x8.double().abs().view(2, x.shape[1], d.shape[1], group, -1).amax(dim=(1, 3, 4))
+        assert torch.all(amax8 == 448.0)
+
+
+def test_quantize_descale_is_per_kv_head_group(inputs):
+    q, k, v = inputs
+    _, _, _, qd, _, _ = quantize_fp8(q, k, v)
+    q2 = q.clone()
+    q2[1, :, 3] *= 100.0  # batch 1, q head 3 -> kv head 1 (heads 2, 3 share kv head 1)
+    _, _, _, qd2, _, _ = quantize_fp8(q2, k, v)
+    assert torch.equal(qd2[0], qd[0]) and qd2[1, 0] == qd[1, 0]
+    assert torch.allclose(qd2[1, 1], q2[1, :, 2:4].abs().max() / 448.0)
+
+
+def test_quantize_non_contiguous_inputs(inputs):
+    q, k, v = inputs
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # (b, h, s, d) memory, (b, s, h, d) view
+    kt = k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not qt.is_contiguous()
+    a = quantize_fp8(q, k, v)
+    b = quantize_fp8(qt, kt, v)
+    for x, y in zip(a, b):
+        assert torch.equal(x.view(torch.uint8) if x.dtype == FP8 else x,
+                           y.contiguous().view(torch.uint8) if y.dtype == FP8 else y)
+
+
+@pytest.mark.parametrize("outlier", [False, True])
+def test_quantize_hadamard_preserves_qk(inputs, outlier):
+    q, k, v = inputs
+    if outlier:  # an outlier channel, which the rotation spreads out
+        q[..., 5] *= 20.0
+        k[..., 5] *= 20.0
+    exact = scores(q, k)
+    q8, k8, _, qd, kd, _ = quantize_fp8(q, k, v, hadamard=True)
+    rot = hadamard_matrix(128, dtype=torch.float64)
+    deq_q, deq_k = dequant(q8, qd), dequant(k8, kd)
+    # the stored values are the rotated inputs ...
+    assert rel_l2(deq_q, q.double() @ rot) < 0.07
+    assert rel_l2(deq_q, q.double()) > 0.5
+    # ... whose QK^T is the original QK^T
+    err_had = rel_l2(scores(deq_q, deq_k), exact)
+    q8p, k8p, _, qdp, kdp, _ = quantize_fp8(q, k, v, hadamard=False)
+    err_plain = rel_l2(scores(dequant(q8p, qdp), dequant(k8p, kdp)), exact)
+    print(f"\nQK^T rel. L2 after fp8 (outlier={outlier}): hadamard {err_had:.4f}, plain {err_plain:.4f}")
+    assert err_had < 0.05 and err_plain < 0.1
+    if outlier:  # the rotation helps
+        assert err_had < err_plain / 2
+
+
+@pytest.mark.parametrize("dim", [64, 96, 128, 192, 256])
+def test_hadamard_matrix_orthonormal(dim):
+    h = hadamard_matrix(dim, dtype=torch.float64)
+    assert h.shape == (dim, dim) and h.dtype == torch.float64
+    torch.testing.assert_close(h @ h.T, torch.eye(dim, dtype=torch.float64), rtol=0, atol=1e-12)
+    block = dim & -dim  # entries are +-1/sqrt(block) inside the diagonal blocks, 0 outside
+    nonzero = h.abs() > 0
+    assert torch.allclose(h.abs()[nonzero], torch.tensor(block ** -0.5, dtype=torch.float64))
+    assert int(nonzero.sum()) == block * dim
+    h32 = hadamard_matrix(dim)
+    assert h32.dtype == torch.float32
+    torch.testing.assert_close(h32 @ h32.T, torch.eye(dim), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [0, -64])
+def test_hadamard_matrix_bad_dim(dim):
+    with pytest.raises(ValueError, match="^dim:"):
+        hadamard_matrix(dim)
+
+
+def test_quantize_bad_arguments(inputs):
+    q, k, v = inputs
+    with pytest.raises(TypeError, match="^q: expected a torch.Tensor"):
+        quantize_fp8(q.numpy(), k, v)
+    with pytest.raises(ValueError, match="^k: expected 4 dims"):
+        quantize_fp8(q, k[0], v)
+    with pytest.raises(TypeError, match="^v: expected a floating dtype"):
+        quantize_fp8(q, k, v.to(torch.int32))
+    with pytest.raises(ValueError, match="kv_heads=2 .*must divide q's heads=3"):
+        quantize_fp8(q[:, :, :3], k, v)
+    with pytest.raises(ValueError, match="kv_heads"):
+        quantize_fp8(q, k, v[:, :, :1])
+    with pytest.raises(ValueError, match="^k: head_dim 64 differs from q's 128"):
+        quantize_fp8(q, k[..., :64], v)

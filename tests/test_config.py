@@ -1,0 +1,254 @@
+"""KernelConfig validation: the only gate between untrusted data (database rows, JSON files) and
+emitted kernel source."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig
+from zyfa_tune.generator.config import HEAD_DIMS
+
+FIELDS = [f.name for f in dataclasses.fields(KernelConfig)]
+
+
+def valid_with(field: str, value) -> KernelConfig:
+    """A config holding `field=value`, with the other fields adjusted to satisfy the
+    combination rules (so that only the value under test decides acceptance)."""
+    changes = {field: value}
+    if field == "softmax" and value == "lean":
+        changes["rowsum"] = "rounded"
+    if field == "dtype" and value == "bf16":
+        changes["p_scale_log2"] = 0
+    if field == "scale_block" and value != 0:
+        changes["block_n"] = value
+    return KernelConfig(**changes)
+
+
+# ---- accepted values ------------------------------------------------------------------------
+
+def test_defaults_are_valid():
+    cfg = KernelConfig()
+    assert cfg.dtype == "fp8" and cfg.softmax == "exact"
+    for name in FIELDS:
+        assert getattr(cfg, name) in CHOICES[name]
+
+
+def test_choices_cover_exactly_the_fields():
+    assert set(CHOICES) == set(FIELDS)
+    assert CHOICES["head_dim_qk"] == CHOICES["head_dim_v"] == HEAD_DIMS
+
+
+@pytest.mark.parametrize("field,value", [(f, v) for f in FIELDS for v in CHOICES[f]])
+def test_every_choice_is_accepted(field, value):
+    cfg = valid_with(field, value)
+    assert getattr(cfg, field) == value
+    assert type(getattr(cfg, field)) is type(value)
+
+
+def test_valid_combinations():
+    KernelConfig(softmax="lean", rowsum="rounded")
+    KernelConfig(softmax="lean", rowsum="mma", lean_fold="sub_fma", lean_clamp="fmax", lean_pack="bfi")
+    KernelConfig(dtype="bf16", p_scale_log2=0, rowsum="mma")
+    KernelConfig(block_n=64, scale_block=64)
+    KernelConfig(block_n=256, scale_block=256, block_m=64, num_warps=4)
+
+
+# ---- rejected values ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field,value", [
+    ("block_m", 32), ("block_m", 512), ("block_m", 0), ("block_m", -128), ("block_m", 129),
+    ("block_n", 16), ("block_n", 512),
+    ("head_dim_qk", 80), ("head_dim_qk", 0), ("head_dim_v", 512), ("head_dim_v", -64),
+    ("num_warps", 2), ("num_warps", 32),
+    ("num_stages", 0), ("num_stages", 6),
+    ("p_scale_log2", -1), ("p_scale_log2", 9), ("p_scale_log2", 2**64),
+    ("scale_block", 16), ("scale_block", 512),
+])
+def test_out_of_range_int_rejected(field, value):
+    with pytest.raises(ConfigError, match=rf"^{field}: {value!r} is not one of"):
+        KernelConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("block_m", "128"), ("block_m", 128.0), ("block_m", True), ("block_m", None),
+    ("block_m", np.int64(128)), ("block_m", [128]),
+    ("num_warps", 8.0), ("head_dim_qk", "128"),
+    # bool is an int subclass and True == 1 is inside range(0, 9): must still be refused
+    ("p_scale_log2", True), ("p_scale_log2", False), ("scale_block", False), ("num_stages", True),
+    ("softmax", None), ("softmax", 1), ("softmax", b"exact"), ("dtype", ["fp8"]),
+])
+def test_wrong_type_rejected(field, value):
+    with pytest.raises(ConfigError, match=rf"^{field}: expected (int|str), got"):
+        KernelConfig(**{field: value})
+
+
+def test_str_subclass_rejected():
+    class Sneaky(str):
+        def __repr__(self):  # would change what an f-string with !r writes
+            return "__import__('os')"
+
+    with pytest.raises(ConfigError, match="^softmax: expected str, got Sneaky"):
+        KernelConfig(softmax=Sneaky("exact"))
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dtype", "fp16"), ("dtype", "FP8"), ("dtype", "e4m3"), ("dtype", ""),
+    ("softmax", "EXACT"), ("softmax", "exact "), ("softmax", "fast"),
+    ("lean_fold", "fma2"), ("lean_clamp", "max"), ("lean_pack", "shf"),
+    ("rowsum", "fp16"), ("q_order", "backward"),
+])
+def test_unknown_enum_rejected(field, value):
+    with pytest.raises(ConfigError, match=rf"^{field}: .* is not one of"):
+        KernelConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("softmax", "exact\nimport os"),
+    ("dtype", "fp8'); import os; #"),
+    ("lean_pack", "prmt;\n}"),
+    ("lean_fold", 'fma", "=r"); __import__("os").system("id"); ("'),
+    ("lean_clamp", "imax;\nst.global.u32 [0], 0;"),
+    ("rowsum", "fp32\n    import os"),
+    ("q_order", "forward # "),
+    ("dtype", "bf16\x00"),
+])
+def test_injection_strings_rejected(field, value):
+    with pytest.raises(ConfigError, match=rf"^{field}: .* is not one of"):
+        KernelConfig(**{field: value})
+    with pytest.raises(ConfigError, match=rf"^{field}: "):
+        KernelConfig.from_json(json.dumps({field: value}))
+
+
+# ---- combination rules ----------------------------------------------------------------------
+
+def test_lean_needs_fp8():
+    with pytest.raises(ConfigError, match=r"softmax='lean'.*dtype='fp8'"):
+        KernelConfig(dtype="bf16", p_scale_log2=0, softmax="lean", rowsum="rounded")
+
+
+def test_lean_with_fp32_rowsum_rejected():
+    with pytest.raises(ConfigError, match=r"softmax='lean'.*rowsum"):
+        KernelConfig(softmax="lean", rowsum="fp32")
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_bf16_needs_p_scale_zero(p):
+    with pytest.raises(ConfigError, match=r"^p_scale_log2 must be 0 for dtype='bf16'"):
+        KernelConfig(dtype="bf16", p_scale_log2=p)
+
+
+@pytest.mark.parametrize("block_n,scale_block", [(128, 64), (64, 128), (32, 256), (256, 32)])
+def test_scale_block_must_be_zero_or_block_n(block_n, scale_block):
+    with pytest.raises(ConfigError, match=rf"^scale_block={scale_block}: .*block_n={block_n}"):
+        KernelConfig(block_n=block_n, scale_block=scale_block)
+
+
+def test_replace_revalidates():
+    cfg = KernelConfig()
+    assert cfg.replace(block_m=64).block_m == 64
+    with pytest.raises(ConfigError, match="^block_m:"):
+        cfg.replace(block_m=7)
+    with pytest.raises(ConfigError, match="softmax='lean'"):
+        cfg.replace(softmax="lean")  # rowsum stays fp32
+    with pytest.raises(ConfigError, match="^scale_block="):
+        cfg.replace(block_n=64, scale_block=128)
+
+
+# ---- from_dict / from_json ------------------------------------------------------------------
+
+def test_from_dict_unknown_keys():
+    with pytest.raises(ConfigError, match=r"unknown config fields: \['evil'\]"):
+        KernelConfig.from_dict({"block_m": 128, "evil": 1})
+    with pytest.raises(ConfigError, match=r"unknown config fields: \['1', '__class__'\]"):
+        KernelConfig.from_dict({1: 2, "__class__": "x"})
+
+
+@pytest.mark.parametrize("data", [[("block_m", 128)], "block_m=128", None, 128, ("fp8",)])
+def test_from_dict_non_mapping(data):
+    with pytest.raises(ConfigError, match="config must be a mapping"):
+        KernelConfig.from_dict(data)
+
+
+def test_from_dict_validates_values():
+    with pytest.raises(ConfigError, match="^block_m: expected int"):
+        KernelConfig.from_dict({"block_m": "128"})
+    assert KernelConfig.from_dict({}) == KernelConfig()
+    assert KernelConfig.from_dict({"block_m": 64}).block_m == 64
+
+
+@pytest.mark.parametrize("text", ["", "{", "not json", "{'block_m': 128}", "{\"block_m\": 128,}", None])
+def test_from_json_invalid(text):
+    with pytest.raises(ConfigError, match="config is not valid JSON"):
+        KernelConfig.from_json(text)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"a":' * 100_000], ids=["array", "object"])
+def test_from_json_deeply_nested(text):
+    with pytest.raises(ConfigError, match="config is not valid JSON"):
+        KernelConfig.from_json(text)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[1, 2]", "config must be a mapping"),
+    ('"fp8"', "config must be a mapping"),
+    ("null", "config must be a mapping"),
+    ('{"block_m": 128.0}', "^block_m: expected int, got float"),
+    ('{"block_m": true}', "^block_m: expected int, got bool"),
+    ('{"p_scale_log2": 1e0}', "^p_scale_log2: expected int, got float"),
+    ('{"softmax": ["exact"]}', "^softmax: expected str, got list"),
+    ('{"dtype": "fp8", "dtype2": "x"}', "unknown config fields"),
+])
+def test_from_json_bad_content(text, match):
+    with pytest.raises(ConfigError, match=match):
+        KernelConfig.from_json(text)
+
+
+def test_config_error_is_value_error():
+    assert issubclass(ConfigError, ValueError)
+    with pytest.raises(ValueError):
+        KernelConfig(block_m=1)
+
+
+# ---- serialisation, immutability ------------------------------------------------------------
+
+ROUND_TRIP = [
+    KernelConfig(),
+    KernelConfig(dtype="bf16", p_scale_log2=0, head_dim_qk=192, head_dim_v=128, block_n=64,
+                 num_stages=2, rowsum="mma", q_order="forward"),
+    KernelConfig(softmax="lean", rowsum="rounded", lean_fold="sub_fma", lean_clamp="fmax",
+                 lean_pack="bfi", p_scale_log2=5, block_n=64, scale_block=64),
+]
+
+
+@pytest.mark.parametrize("cfg", ROUND_TRIP, ids=range(len(ROUND_TRIP)))
+def test_round_trip(cfg):
+    text = cfg.to_json()
+    back = KernelConfig.from_json(text)
+    assert back == cfg and hash(back) == hash(cfg)
+    assert back.to_json() == text
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert json.loads(text) == cfg.to_dict()
+    # canonical form: sorted keys, no whitespace (so it can serve as a database key)
+    assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+    assert list(json.loads(text)) == sorted(FIELDS)
+
+
+def test_frozen():
+    cfg = KernelConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_m = 64
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.softmax = "exact\nimport os"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del cfg.dtype
+    assert cfg.block_m == 128 and cfg.softmax == "exact"
+
+
+def test_equal_configs_hash_equal():
+    a, b = KernelConfig(block_m=64), KernelConfig(block_m=64)
+    assert a == b and hash(a) == hash(b)
+    assert len({a, b, KernelConfig()}) == 2
