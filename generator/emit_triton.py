@@ -141,9 +141,13 @@ class _Emitter:
             lines += ["    q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh",
                       "    k_base = K + b.to(tl.int64) * stride_kb + hk * stride_kh",
                       "    v_base = V + b.to(tl.int64) * stride_vb + hk * stride_vh"]
-        if c.dtype == "fp8":
-            lines += ["    qk_scale = sm_scale_log2 * tl.load(QD + d_off) * tl.load(KD + d_off)",
-                      "    v_descale = tl.load(VD + d_off)"]
+        if c.dtype == "fp8":  # QD is None (a compile-time constant) when no descales are given
+            lines += ["    if QD is None:",
+                      "        qk_scale = sm_scale_log2",
+                      "        v_descale = 1.0",
+                      "    else:",
+                      "        qk_scale = sm_scale_log2 * tl.load(QD + d_off) * tl.load(KD + d_off)",
+                      "        v_descale = tl.load(VD + d_off)"]
         else:
             lines += ["    qk_scale = sm_scale_log2"]
         for i, (off, w) in enumerate(self.qk_chunks):

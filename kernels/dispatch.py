@@ -1,15 +1,239 @@
-"""Runtime kernel choice. For now every shape gets the safe default config of its head dims;
-the tuned-database lookup (issue 3) plugs in here."""
+"""Runtime kernel choice: problem shape -> tuned config, from layered databases, cached.
+
+Lookup order for a problem key (dtype, head dims, causal, GQA group, seqlen and batch*heads buckets):
+  1. "exact":        the key tuned on this device (same GPU name, compute capability, generator
+                     version), from the first database layer that has it;
+  2. "nearest":      the closest tuned key of the same dtype, head dims and causality on this device
+                     (distance in log2 of the seqlen and batch*heads buckets);
+  3. "other-device": the same two steps over entries tuned on another GPU or generator version of
+                     the same compute capability, with a warning (they compile here, but were timed
+                     elsewhere);
+  4. "default":      the safe default config of the head dims.
+It never raises for a valid input. Database rows are validated by `KernelConfig.from_json`; a row
+that fails is skipped with a warning and never reaches the generator.
+
+Layers, first wins: `set_databases(...)` or $ZYFA_TUNE_DATABASES (os.pathsep-separated), then the
+user's default database (zyfa_tune.db.default_db_path(), if it exists), then the databases shipped
+in zyfa_tune/kernels/tuned/. Databases are read once; per call the choice is a dict lookup.
+"""
 
 from __future__ import annotations
 
 import functools
+import logging
+import math
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
 
-from zyfa_tune.generator import KernelConfig
+from zyfa_tune.generator import GENERATOR_VERSION, ConfigError, KernelConfig
 
 from .defaults import default_config
 
+log = logging.getLogger("zyfa_tune.dispatch")
 
-@functools.lru_cache(maxsize=None)
-def select_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
-    return default_config(dtype, head_dim_qk, head_dim_v)
+TUNED_DIR = Path(__file__).parent / "tuned"
+ENV_DATABASES = "ZYFA_TUNE_DATABASES"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Which config runs for a problem, and why (`zyfa_tune.explain` returns this)."""
+
+    config: KernelConfig
+    source: str                 # "exact" | "nearest" | "other-device" | "default" | "forced"
+    key: object                 # zyfa_tune.db.ProblemKey
+    database: str | None = None
+    tuned_key: object | None = None   # the key of the entry used (differs from `key` when nearest)
+    tuned_on: str | None = None       # GPU name of the entry used
+    tflops: float | None = None       # as measured when tuned
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: object
+    device_key: tuple[str, str, str]
+    config: KernelConfig
+    median_ms: float
+    tflops: float | None
+    database: str
+    provenance: str
+
+
+class Dispatcher:
+    """Holds the validated best entries of every database layer; answers `choose` from memory."""
+
+    def __init__(self, databases: Sequence[str | os.PathLike] | None = None):
+        self.layers = [str(p) for p in (databases if databases is not None else default_layers())]
+        self._entries: list[list[_Entry]] | None = None
+        self._cache: dict[tuple, Choice] = {}
+        self._fast: dict[tuple, KernelConfig] = {}
+        self._lock = threading.Lock()
+
+    def config_for(self, dtype: str, dqk: int, dv: int, causal: bool, batch: int, heads: int, kv_heads: int,
+                   seqlen: int, device_index: int) -> KernelConfig:
+        """The per-call path: one dict lookup on the raw shape once it has been seen."""
+        raw = (dtype, dqk, dv, causal, batch, heads, kv_heads, seqlen, device_index)
+        cfg = self._fast.get(raw)
+        if cfg is None:
+            cfg = self.choose(problem_key(dtype, dqk, dv, causal, batch, heads, kv_heads, seqlen),
+                              device_key(device_index)).config
+            if len(self._fast) > 65536:  # unbounded shape streams: start over rather than grow
+                self._fast.clear()
+            self._fast[raw] = cfg
+        return cfg
+
+    # ---- loading ------------------------------------------------------------------------------
+    def _load(self) -> list[list[_Entry]]:
+        if self._entries is None:
+            self._entries = [self._read_layer(path) for path in self.layers]
+        return self._entries
+
+    @staticmethod
+    def _read_layer(path: str) -> list[_Entry]:
+        from zyfa_tune.db import DatabaseError, open_store
+
+        try:
+            with open_store(path, readonly=True, create=False) as store:
+                rows = store.best_entries()
+        except (DatabaseError, OSError) as exc:
+            warnings.warn(f"zyfa_tune: skipping tuning database {path}: {exc}", RuntimeWarning, stacklevel=3)
+            return []
+        out = []
+        for row in rows:
+            try:
+                cfg = KernelConfig.from_json(row.config_json)
+            except ConfigError as exc:
+                warnings.warn(f"zyfa_tune: {path}: rejecting a stored config for {row.key}: {exc}",
+                              RuntimeWarning, stacklevel=3)
+                continue
+            k = row.key
+            if (cfg.dtype, cfg.head_dim_qk, cfg.head_dim_v) != (k.dtype, k.head_dim_qk, k.head_dim_v):
+                warnings.warn(f"zyfa_tune: {path}: config for {cfg.dtype} {cfg.head_dim_qk}/{cfg.head_dim_v} "
+                              f"stored under {k}; rejected", RuntimeWarning, stacklevel=3)
+                continue
+            out.append(_Entry(key=k, device_key=row.fingerprint.device_key(), config=cfg,
+                              median_ms=row.median_ms, tflops=row.tflops, database=path,
+                              provenance=row.provenance))
+        log.debug("loaded %d tuned entries from %s", len(out), path)
+        return out
+
+    # ---- choosing -----------------------------------------------------------------------------
+    def choose(self, key, device_key: tuple[str, str, str]) -> Choice:
+        cache_key = (key, device_key)
+        choice = self._cache.get(cache_key)
+        if choice is None:
+            with self._lock:
+                choice = self._cache.get(cache_key) or self._resolve(key, device_key)
+                self._cache[cache_key] = choice
+            log.debug("dispatch %s on %s -> %s (%s) %s", key, device_key[0], choice.source,
+                      choice.database or "built-in", choice.detail)
+            if choice.source == "other-device":
+                warnings.warn(f"zyfa_tune: no tuned kernel for {key} on {device_key[0]} "
+                              f"(generator {device_key[2]}); using one tuned on {choice.tuned_on} "
+                              f"from {choice.database}", RuntimeWarning, stacklevel=4)
+        return choice
+
+    def _resolve(self, key, device_key) -> Choice:
+        layers = self._load()
+        found = _pick(key, [[e for e in layer if e.device_key == device_key] for layer in layers])
+        foreign = found is None
+        if foreign:  # same architecture, another GPU model or generator version
+            found = _pick(key, [[e for e in layer if e.device_key[1] == device_key[1] and e.device_key != device_key]
+                                for layer in layers])
+        if found is None:
+            return Choice(config=default_config(key.dtype, key.head_dim_qk, key.head_dim_v), source="default",
+                          key=key, detail="no tuned entry for these head dims on this architecture")
+        how, entry = found
+        return Choice(config=entry.config, source="other-device" if foreign else how, key=key, database=entry.database,
+                      tuned_key=entry.key, tuned_on=entry.device_key[0], tflops=entry.tflops,
+                      detail=f"{how} match; {entry.provenance}")
+
+
+def _distance(a, b) -> float:
+    """How far two keys of the same dtype/head dims/causality are: log2 steps of the buckets."""
+    return (abs(math.log2(a.seqlen_bucket) - math.log2(b.seqlen_bucket))
+            + 0.5 * abs(math.log2(a.bh_bucket) - math.log2(b.bh_bucket))
+            + (0.25 if a.gqa_group != b.gqa_group else 0.0))
+
+
+def _pick(key, layers: Iterable[list[_Entry]]) -> tuple[str, _Entry] | None:
+    """Exact key from the first layer that has it, else the nearest compatible key (first layer
+    wins ties), else None. Within a layer the fastest entry wins."""
+    layers = list(layers)
+    for layer in layers:
+        exact = [e for e in layer if e.key == key]
+        if exact:
+            return "exact", min(exact, key=lambda e: e.median_ms)
+    best: tuple[float, int, float, _Entry] | None = None
+    for rank, layer in enumerate(layers):
+        for e in layer:
+            k = e.key
+            if (k.dtype, k.head_dim_qk, k.head_dim_v, k.causal) != (key.dtype, key.head_dim_qk, key.head_dim_v, key.causal):
+                continue
+            cand = (_distance(k, key), rank, e.median_ms, e)
+            if best is None or cand[:3] < best[:3]:
+                best = cand
+    return None if best is None else ("nearest", best[3])
+
+
+# ---- process-wide dispatcher --------------------------------------------------------------------
+
+_lock = threading.Lock()
+_dispatcher: Dispatcher | None = None
+_user_layers: list[str] | None = None
+
+
+def default_layers() -> list[str]:
+    """Database layers in lookup order (see module docstring); only files that exist."""
+    from zyfa_tune.db import default_db_path
+
+    layers: list[str] = list(_user_layers or [])
+    env = os.environ.get(ENV_DATABASES)
+    if _user_layers is None and env:
+        layers += [p for p in env.split(os.pathsep) if p]
+    user_db = default_db_path()
+    if user_db.exists():
+        layers.append(str(user_db))
+    layers += sorted(str(p) for p in TUNED_DIR.glob("*.db"))
+    seen: set[str] = set()
+    return [p for p in layers if not (p in seen or seen.add(p))]
+
+
+def set_databases(paths: Sequence[str | os.PathLike] | None) -> None:
+    """Put these databases (user's first) ahead of the default layers; None restores the default."""
+    global _user_layers, _dispatcher
+    with _lock:
+        _user_layers = None if paths is None else [str(p) for p in paths]
+        _dispatcher = None
+
+
+def dispatcher() -> Dispatcher:
+    global _dispatcher
+    d = _dispatcher
+    if d is None:
+        with _lock:
+            if _dispatcher is None:
+                _dispatcher = Dispatcher()
+            d = _dispatcher
+    return d
+
+
+def problem_key(dtype: str, dqk: int, dv: int, causal: bool, batch: int, heads: int, kv_heads: int, seqlen: int):
+    from zyfa_tune.db import ProblemKey
+
+    return ProblemKey.from_shape(dtype=dtype, head_dim_qk=dqk, head_dim_v=dv, causal=causal, batch=batch,
+                                 heads=heads, kv_heads=kv_heads, seqlen=seqlen)
+
+
+@functools.lru_cache(maxsize=64)
+def device_key(device_index: int) -> tuple[str, str, str]:
+    """(GPU name, compute capability, generator version) of a CUDA device, read once."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device_index)
+    return props.name, f"{props.major}.{props.minor}", GENERATOR_VERSION

@@ -22,13 +22,9 @@ def emitted(config: KernelConfig) -> EmittedKernel:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(config: KernelConfig):
+def kernel(config: KernelConfig):
+    """The Triton JIT function of `config` (emitted, written and imported once per process)."""
     return jit_function(emitted(config))
-
-
-@functools.lru_cache(maxsize=16)
-def _unit_descale(device: torch.device) -> torch.Tensor:
-    return torch.ones(1, dtype=torch.float32, device=device)
 
 
 def launch(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -39,6 +35,15 @@ def launch(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     Descales are all None or all contiguous float32 (batch, kv_heads) tensors.
     """
+    grid, args, options = prepare(config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale)
+    kernel(config)[grid](*args, **options)
+    return out
+
+
+def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            softmax_scale: float, causal: bool, q_descale: torch.Tensor | None = None,
+            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None):
+    """Grid, positional arguments and launch options of one call (makes the V^T copy if needed)."""
     b, sq, h, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
@@ -47,12 +52,9 @@ def launch(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     n_m = math.ceil(sq / config.block_m)
     if n_m * b * h > _INT32_MAX:
         raise ValueError(f"q: {n_m * b * h} programs exceed the grid limit; split the batch")
-    if q_descale is None:  # one element read with zero strides
-        qd = kd = vd = _unit_descale(q.device)
-        ds0 = ds1 = 0
-    else:
-        qd, kd, vd = q_descale, k_descale, v_descale
-        ds0, ds1 = q_descale.stride()
+    # no descales: None specialises the kernel to skip them (no tensor to allocate, so a first
+    # call inside CUDA graph capture is safe)
+    ds0, ds1 = q_descale.stride() if q_descale is not None else (0, 0)
     if config.v_layout == "transposed":
         v = transpose_v(v)
     if config.loads == "tma":
@@ -62,15 +64,12 @@ def launch(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         vhead = v.stride(1) if config.v_layout == "transposed" else v.stride(2)
         inputs = (q, k, v, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                   v.stride(0), vrow, vhead)
-    _kernel(config)[(n_m * b * h,)](
-        *inputs, out, qd, kd, vd,
-        out.stride(0), out.stride(1), out.stride(2),
-        ds0, ds1,
-        h, h // hk, sq, sk, n_m, float(softmax_scale) * LOG2E,
-        CAUSAL=bool(causal), num_warps=config.num_warps, num_stages=config.num_stages,
-        maxnreg=config.maxnreg or None,
-    )
-    return out
+    args = (*inputs, out, q_descale, k_descale, v_descale,
+            out.stride(0), out.stride(1), out.stride(2), ds0, ds1,
+            h, h // hk, sq, sk, n_m, float(softmax_scale) * LOG2E)
+    options = dict(CAUSAL=bool(causal), num_warps=config.num_warps, num_stages=config.num_stages,
+                   maxnreg=config.maxnreg or None)
+    return (n_m * b * h,), args, options
 
 
 def transpose_v(v: torch.Tensor) -> torch.Tensor:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zyfa_tune import flash_attn_func, quantize_fp8
+from zyfa_tune import flash_attn_func
 from zyfa_tune.kernels.defaults import default_config
 from zyfa_tune.kernels.reference import attention_reference, rel_l2
+from zyfa_tune.kernels.verify import make_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -19,14 +20,7 @@ BF16_BOUND = 0.01
 
 
 def _inputs(b, sq, sk, h, hk, dqk, dv, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(b, sq, h, dqk, device="cuda", generator=g)
-    k = torch.randn(b, sk, hk, dqk, device="cuda", generator=g)
-    v = torch.randn(b, sk, hk, dv, device="cuda", generator=g)
-    if dtype == "fp8":
-        q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
-        return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    return (q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)), {}
+    return make_inputs(dtype, dqk, dv, batch=b, heads=h, kv_heads=hk, seqlen=sq, seqlen_k=sk, seed=seed)
 
 
 def _configs(dtype, dqk, dv):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -37,19 +38,18 @@ def _check_descale(name: str, d: object, shape: tuple[int, int], device: torch.d
     return d.to(torch.float32).contiguous()
 
 
-def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                    causal: bool = True, q_descale: torch.Tensor | None = None,
-                    k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
-                    *, config: KernelConfig | None = None) -> torch.Tensor:
-    """Attention forward like FlashAttention-3's `flash_attn_func`; returns the bf16 output.
+@dataclass(frozen=True)
+class _Problem:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dtype: str
+    softmax_scale: float
+    descales: tuple  # (q, k, v) contiguous float32 (batch, kv_heads) tensors, or three Nones
 
-    q: (batch, seqlen_q, heads, head_dim_qk); k: (batch, seqlen_k, kv_heads, head_dim_qk);
-    v: (batch, seqlen_k, kv_heads, head_dim_v); all torch.float8_e4m3fn or all torch.bfloat16,
-    on one CUDA device. kv_heads must divide heads (GQA / MQA). Descales (fp8 only) are
-    (batch, kv_heads) tensors; a missing one counts as ones. Causal masking is bottom-right
-    aligned when seqlen_q != seqlen_k. `config` forces a kernel config instead of the dispatcher's.
-    Returns (batch, seqlen_q, heads, head_dim_v) in torch.bfloat16.
-    """
+
+def _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale) -> _Problem:
+    """Validate the arguments of flash_attn_func / explain; errors name the argument."""
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
@@ -79,9 +79,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
     dtype = _DTYPES[q.dtype]
     descales = (q_descale, k_descale, v_descale)
-    if dtype == "bf16" and any(d is not None for d in descales):
-        raise ValueError("q_descale/k_descale/v_descale apply to float8_e4m3fn inputs only")
     if any(d is not None for d in descales):
+        if dtype == "bf16":
+            raise ValueError("q_descale/k_descale/v_descale apply to float8_e4m3fn inputs only")
         ones = None
         checked = []
         for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
@@ -90,18 +90,51 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                 checked.append(ones)
             else:
                 checked.append(_check_descale(name, d, (b, hk), q.device))
-        q_descale, k_descale, v_descale = checked
-    if config is None:
-        config = dispatch.select_config(dtype, dqk, dv)
-    elif not isinstance(config, KernelConfig):
+        descales = tuple(checked)
+    return _Problem(q, k, v, dtype, float(softmax_scale), descales)
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                    causal: bool = True, q_descale: torch.Tensor | None = None,
+                    k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
+                    *, config: KernelConfig | None = None) -> torch.Tensor:
+    """Attention forward like FlashAttention-3's `flash_attn_func`; returns the bf16 output.
+
+    q: (batch, seqlen_q, heads, head_dim_qk); k: (batch, seqlen_k, kv_heads, head_dim_qk);
+    v: (batch, seqlen_k, kv_heads, head_dim_v); all torch.float8_e4m3fn or all torch.bfloat16,
+    on one CUDA device. kv_heads must divide heads (GQA / MQA). Descales (fp8 only) are
+    (batch, kv_heads) tensors; a missing one counts as ones. Causal masking is bottom-right
+    aligned when seqlen_q != seqlen_k. The kernel comes from the tuning databases
+    (`zyfa_tune.explain` says which and why); `config` forces one instead.
+    Returns (batch, seqlen_q, heads, head_dim_v) in torch.bfloat16.
+    """
+    p = _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale)
+    b, sq, h, dqk = p.q.shape
+    sk, hk, dv = p.k.shape[1], p.k.shape[2], p.v.shape[3]
+    if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
-    elif (config.dtype, config.head_dim_qk, config.head_dim_v) != (dtype, dqk, dv):
+    if config is not None and (config.dtype, config.head_dim_qk, config.head_dim_v) != (p.dtype, dqk, dv):
         raise ValueError(f"config: built for {config.dtype} {config.head_dim_qk}/{config.head_dim_v}, "
-                         f"inputs are {dtype} {dqk}/{dv}")
-    out = torch.empty(b, sq, h, dv, dtype=torch.bfloat16, device=q.device)
+                         f"inputs are {p.dtype} {dqk}/{dv}")
+    out = torch.empty(b, sq, h, dv, dtype=torch.bfloat16, device=p.q.device)
     if out.numel() == 0:
         return out
     if sk == 0:
         return out.zero_()
-    with torch.cuda.device(q.device):
-        return launch(config, q, k, v, out, float(softmax_scale), causal, q_descale, k_descale, v_descale)
+    if config is None:
+        config = dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, b, h, hk, sq, p.q.device.index)
+    device = p.q.device.index
+    if device == torch.cuda.current_device():  # entering a device context costs microseconds
+        return launch(config, p.q, p.k, p.v, out, p.softmax_scale, causal, *p.descales)
+    with torch.cuda.device(device):
+        return launch(config, p.q, p.k, p.v, out, p.softmax_scale, causal, *p.descales)
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+            causal: bool = True, q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
+            v_descale: torch.Tensor | None = None) -> dispatch.Choice:
+    """Which kernel `flash_attn_func` would run for these arguments, from which database, and why."""
+    p = _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale)
+    b, sq, h, dqk = p.q.shape
+    key = dispatch.problem_key(p.dtype, dqk, p.v.shape[3], causal, b, h, p.k.shape[2], sq)
+    return dispatch.dispatcher().choose(key, dispatch.device_key(p.q.device.index or 0))

@@ -1,0 +1,84 @@
+"""Schema creation and in-place upgrades (alembic's Operations API, driven from code).
+
+Each step `MIGRATIONS[v]` takes a version-v database to v+1 and only adds: data is never dropped.
+The whole upgrade runs in one transaction (SQLite and PostgreSQL both have transactional DDL) under
+the write lock (SQLite: BEGIN IMMEDIATE; PostgreSQL: an advisory lock), re-reading the version
+inside it, so concurrent openers upgrade once. A newer version than SCHEMA_VERSION is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from alembic.migration import MigrationContext
+from alembic.operations import Operations
+from sqlalchemy import Column, Float, insert, inspect, select, text, update
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.orm import Session
+
+from .errors import DatabaseError
+from .models import META_TABLE, SCHEMA_VERSION, Base, MetaModel
+from .session import reading, run_transaction
+from .sqlite_file import parse_version
+
+#: Arbitrary constant key of the PostgreSQL advisory lock held while creating/upgrading.
+_PG_LOCK_KEY = 0x7A79_6661
+
+
+def _v1_to_v2(op: Operations) -> None:
+    """Version 2 records energy: joules per call and TFLOP per joule."""
+    op.add_column("trials", Column("energy_j", Float(precision=53), nullable=True))
+    op.add_column("trials", Column("tflop_per_j", Float(precision=53), nullable=True))
+
+
+MIGRATIONS: dict[int, Callable[[Operations], None]] = {1: _v1_to_v2}
+
+
+def read_version(conn: Connection, where: str) -> int | None:
+    """The schema version, or None when the database has no zyfa-tune schema yet."""
+    if not inspect(conn).has_table(META_TABLE):
+        return None
+    rows = conn.execute(select(MetaModel.value).where(MetaModel.key == "schema_version")).fetchall()
+    return parse_version([tuple(r) for r in rows], where)
+
+
+def ensure_schema(engine: Engine, *, where: str, readonly: bool, create: bool = True,
+                  allow_old: bool = False) -> int:
+    """Create the schema in an empty database (if `create`) or upgrade an older one; refuse a newer
+    one. `allow_old` (read-only import sources) reads an older version as it is. Returns the version."""
+    version = run_transaction(reading(engine), lambda s: read_version(s.connection(), where),
+                              where=where)
+    refuse_newer(version, where)
+    if version == SCHEMA_VERSION or (readonly and allow_old and version is not None):
+        return version
+    if version is None and (readonly or not create):
+        raise DatabaseError(f"{where}: holds no zyfa-tune database"
+                            + ("; open it writable once to create one" if readonly else ""))
+    if readonly:
+        raise DatabaseError(f"{where}: schema version {version} is older than {SCHEMA_VERSION}; open "
+                            f"it writable once (open_store without readonly=True) to upgrade it")
+    run_transaction(engine, lambda s: _create_or_upgrade(s, where), where=where)
+    return SCHEMA_VERSION
+
+
+def refuse_newer(version: int | None, where: str) -> None:
+    if version is not None and version > SCHEMA_VERSION:
+        raise DatabaseError(f"{where}: schema version {version} is newer than this zyfa-tune "
+                            f"understands ({SCHEMA_VERSION}); upgrade zyfa-tune to use it")
+
+
+def _create_or_upgrade(session: Session, where: str) -> None:
+    conn = session.connection()
+    if conn.dialect.name == "postgresql":
+        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_LOCK_KEY})
+    version = read_version(conn, where)  # again, under the lock: someone may have done it
+    refuse_newer(version, where)
+    if version is None:
+        Base.metadata.create_all(conn)
+        conn.execute(insert(MetaModel).values(key="schema_version", value=str(SCHEMA_VERSION)))
+        return
+    op = Operations(MigrationContext.configure(connection=conn))
+    while version < SCHEMA_VERSION:
+        MIGRATIONS[version](op)
+        version += 1
+    conn.execute(update(MetaModel).where(MetaModel.key == "schema_version").values(value=str(version)))

@@ -1,0 +1,93 @@
+"""What a tuning trial measured, what the store hands back, and what an import did."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from .checks import optional_float, optional_int, short_repr
+from .fingerprint import Fingerprint
+from .keys import ProblemKey
+
+TRIAL_STATUSES = ("ok", "compile_error", "wrong", "timeout", "crash")
+
+#: Float fields of a trial; all must be finite and >= 0 when present.
+TRIAL_FLOATS = ("median_ms", "p20_ms", "p80_ms", "tflops", "error_rel_l2", "error_max",
+                "sm_clock_mhz", "power_w", "energy_j", "tflop_per_j")
+TRIAL_SHAPE = ("batch", "heads", "seqlen")
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """One measured (or failed) config. Only status "ok" with a median can become a best entry."""
+
+    status: str
+    median_ms: float | None = None
+    p20_ms: float | None = None
+    p80_ms: float | None = None
+    tflops: float | None = None
+    error_rel_l2: float | None = None
+    error_max: float | None = None
+    sm_clock_mhz: float | None = None
+    power_w: float | None = None
+    energy_j: float | None = None
+    tflop_per_j: float | None = None
+    message: str = ""        # compile error text, traceback tail: stored as data, never executed
+    batch: int | None = None
+    heads: int | None = None
+    seqlen: int | None = None
+
+    def __post_init__(self) -> None:
+        if type(self.status) is not str or self.status not in TRIAL_STATUSES:
+            raise ValueError(f"status: {short_repr(self.status)} is not one of {list(TRIAL_STATUSES)}")
+        for name in TRIAL_FLOATS:
+            # plain floats: equal results compare equal, and numpy scalars bind to any driver
+            object.__setattr__(self, name, optional_float(name, getattr(self, name),
+                                                          positive=name.endswith("_ms")))
+        if self.status == "ok" and self.median_ms is None:
+            raise ValueError("median_ms: a trial with status 'ok' needs its median time")
+        for name in TRIAL_SHAPE:
+            object.__setattr__(self, name, optional_int(name, getattr(self, name), lo=1, hi=1 << 31))
+        if type(self.message) is not str:
+            raise ValueError(f"message: expected str, got {type(self.message).__name__}")
+
+
+@dataclass(frozen=True)
+class BestEntry:
+    """The fastest correct trial of one (fingerprint, problem class).
+
+    `config_json` is the stored text: callers must validate it with `KernelConfig.from_json`
+    (and check dtype/head dims against `key`) before use. batch/heads/seqlen are the shape the
+    winning trial measured (None if it did not record one).
+    """
+
+    fingerprint: Fingerprint
+    key: ProblemKey
+    backend: str
+    config_json: str
+    source_hash: str
+    median_ms: float
+    tflops: float | None
+    error_rel_l2: float | None
+    provenance: str
+    updated_at: datetime
+    batch: int | None = None
+    heads: int | None = None
+    seqlen: int | None = None
+
+
+@dataclass
+class ImportReport:
+    """Outcome of `Store.import_from`.
+
+    accepted: trial and best rows that passed validation (copied, or already present);
+    rejected: (row description, reason) for every source row that failed validation, including
+              environments/problems/variants rows and rows that reference a rejected row;
+    replaced / kept: best entries of the target replaced by a faster imported one / kept because
+              ours was faster or equal (entries new to the target count in neither).
+    """
+
+    accepted: int = 0
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    replaced: int = 0
+    kept: int = 0

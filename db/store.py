@@ -1,0 +1,321 @@
+"""`Store`: record tuning trials, keep the best per (fingerprint, problem class), read them back.
+
+Writes are one short transaction each (see session.py for locking and retries). Reads validate
+every row into frozen records; a damaged row is skipped with a RuntimeWarning rather than breaking
+the caller. Config text is returned as stored: callers validate it with `KernelConfig.from_json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+from zyfa_tune.generator import KernelConfig
+
+from . import rows, transfer
+from .checks import finite_float, optional_float, optional_int, optional_text, text
+from .errors import DatabaseError
+from .fingerprint import Fingerprint
+from .keys import ProblemKey
+from .migrations import ensure_schema, refuse_newer
+from .models import SCHEMA_VERSION, BestModel, EnvironmentModel, ProblemModel, TrialModel, VariantModel
+from .records import TRIAL_FLOATS, TRIAL_SHAPE, TRIAL_STATUSES, BestEntry, ImportReport, TrialResult
+from .session import Target, make_engine, reading, resolve_target, run_transaction
+from .sqlite_file import backup, inspect_file
+
+E, P, V, T, B = EnvironmentModel, ProblemModel, VariantModel, TrialModel, BestModel
+
+
+class Store:
+    """A tuning database. Use `open_store()` to get one; close it (or use `with`)."""
+
+    def __init__(self, engine: Engine, target: Target, *, readonly: bool):
+        self._engine = engine
+        self._target = target
+        self.readonly = readonly
+        self.url: str = target.url_text  # password masked
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r}, readonly={self.readonly})"
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release every connection (SQLite then checkpoints and removes its WAL file)."""
+        if not self._closed:
+            self._closed = True
+            self._engine.dispose()
+
+    # ---- writing ------------------------------------------------------------------------------
+    def record_trial(self, fingerprint: Fingerprint, key: ProblemKey, config: KernelConfig,
+                     result: TrialResult, *, backend: str = "triton", source_hash: str,
+                     study: str | None = None, provenance: str | None = None) -> int:
+        """Store one trial (and its environment/problem/variant rows if new); if it is "ok" and
+        faster than the current best of (fingerprint, key), it becomes the best. One transaction.
+        Returns the trial's id."""
+        _expect("fingerprint", fingerprint, Fingerprint)
+        _expect("key", key, ProblemKey)
+        _expect("config", config, KernelConfig)
+        _expect("result", result, TrialResult)
+        rows.check_config_matches(config, key)
+        text("backend", backend, max_len=32, allow_empty=False, pattern=rows.BACKEND_PATTERN)
+        text("source_hash", source_hash, max_len=64, allow_empty=False, pattern=rows.SOURCE_HASH_PATTERN)
+        optional_text("study", study)
+        now = rows.utc_now()
+        if provenance is None:
+            provenance = (f"study={study or '-'} host={socket.gethostname()} "
+                          f"{now.isoformat(timespec='seconds')}Z")
+        text("provenance", provenance, max_len=rows.MAX_PROVENANCE_CHARS)
+
+        def work(session: Session) -> int:
+            env = rows.environment_id(session, fingerprint)
+            problem = rows.problem_id(session, key)
+            variant = rows.variant_id(session, backend=backend, config=config, source_hash=source_hash,
+                                      generator_version=fingerprint.generator_version)
+            trial = T(environment_id=env, problem_id=problem, variant_id=variant, status=result.status,
+                      message=rows.clip_message(result.message), study=study, provenance=provenance,
+                      created_at=now, **{f: getattr(result, f) for f in TRIAL_FLOATS + TRIAL_SHAPE})
+            session.add(trial)
+            session.flush()
+            if result.status == "ok":
+                rows.offer_best(session, environment=env, problem=problem, variant=variant, trial=trial.id,
+                                median_ms=result.median_ms, tflops=result.tflops,
+                                error_rel_l2=result.error_rel_l2, provenance=provenance, now=now)
+            return trial.id
+
+        return self._write("record_trial", work)
+
+    # ---- reading ------------------------------------------------------------------------------
+    def best_entries(self, *, gpu_name: str | None = None, head_dims: tuple[int, int] | None = None,
+                     dtype: str | None = None) -> list[BestEntry]:
+        """Best entries, optionally of one GPU model / (head_dim_qk, head_dim_v) / dtype, ordered by
+        GPU, dtype, head dims, problem class."""
+        where = []
+        if gpu_name is not None:
+            where.append(E.gpu_name == gpu_name)
+        if head_dims is not None:
+            qk, v = head_dims
+            where += [P.head_dim_qk == qk, P.head_dim_v == v]
+        if dtype is not None:
+            where.append(P.dtype == dtype)
+        order = (E.gpu_name, E.digest, P.dtype, P.head_dim_qk, P.head_dim_v, P.causal, P.gqa_group,
+                 P.seqlen_bucket, P.bh_bucket)
+        return self._best(where, order)
+
+    def best_for(self, key: ProblemKey) -> list[BestEntry]:
+        """The best entry of `key` on every fingerprint, fastest first."""
+        _expect("key", key, ProblemKey)
+        return self._best([getattr(P, k) == v for k, v in key.to_dict().items()], (B.median_ms,))
+
+    def trials(self, *, key: ProblemKey | None = None, status: str | None = None,
+               limit: int | None = None) -> list[dict[str, Any]]:
+        """Trials as dicts (newest first): every trial field, plus study, provenance, created_at (UTC),
+        backend, config_json (unvalidated text), source_hash, fingerprint_digest, gpu_name and the
+        problem key's fields."""
+        optional_int("limit", limit, lo=0)
+        where = _trial_filters(key, status)
+        cols = ([rows.raw(getattr(T, n)) for n in ("id", "status", *TRIAL_FLOATS, "message", *TRIAL_SHAPE,
+                                                    "study", "provenance", "created_at")]
+                + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash),
+                   rows.raw(E.digest, "fingerprint_digest"), rows.raw(E.gpu_name)]
+                + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS])
+        stmt = (select(*cols).join_from(T, E, T.environment_id == E.id).join(P, T.problem_id == P.id)
+                .join(V, T.variant_id == V.id).where(*where).order_by(T.id.desc()).limit(limit))
+        found = self._read("trials", lambda s: [dict(r._mapping) for r in s.execute(stmt)])
+        for r in found:  # informational listing: values that do not convert are shown as stored
+            with contextlib.suppress(ValueError):
+                r["created_at"] = rows.aware(rows.as_utc("created_at", r["created_at"]))
+            with contextlib.suppress(ValueError):
+                r["causal"] = rows.as_bool("causal", r["causal"])
+        return found
+
+    def count_trials(self, *, key: ProblemKey | None = None, status: str | None = None) -> int:
+        where = _trial_filters(key, status)
+        stmt = select(func.count(T.id)).join_from(T, P, T.problem_id == P.id).where(*where)
+        return int(self._read("count_trials", lambda s: s.scalar(stmt)))
+
+    # ---- moving rows between databases ---------------------------------------------------------
+    def export(self, path: str | os.PathLike, *, gpu_name: str | None = None,
+               head_dims: tuple[int, int] | None = None, best_only: bool = True) -> int:
+        """Write a NEW self-contained SQLite file (rollback journal, no WAL: it can be shipped and
+        opened read-only) with the best entries (and their trials), or with every trial if not
+        `best_only`, filtered by GPU model and head dims. Never overwrites an existing file.
+        Returns the number of best entries (best_only) or of trials written."""
+        dest = Path(os.path.abspath(os.fspath(path)))
+        if os.path.lexists(dest):
+            raise DatabaseError(f"{dest}: already exists; export writes a new file and never overwrites")
+        if not dest.parent.is_dir():
+            raise DatabaseError(f"{dest}: its folder does not exist")
+        source = self._read("export", lambda s: transfer.read_source(
+            s, gpu_name=gpu_name, head_dims=head_dims, best_only=best_only))
+        for row, reason in source.rejected:
+            warnings.warn(f"{self._target.display}: export skips {row}: {reason}", RuntimeWarning, stacklevel=2)
+        source.rejected = []
+        report = ImportReport()
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            with _open(resolve_target(tmp), readonly=False, create=True, wal=False) as out:
+                trials, best = transfer.write_rows(out._engine, f"{dest}: export", source, report,
+                                                   provenance_prefix=None)
+            _publish(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+            Path(f"{tmp}-journal").unlink(missing_ok=True)
+        return best if best_only else trials
+
+    def import_from(self, source: "str | os.PathLike | Store", *, mode: str = "merge") -> ImportReport:
+        """Merge another database into this one, validating every row first (see transfer.py):
+        bad rows are rejected with a reason and nothing from them is written; trials are copied
+        (duplicates skipped); per (fingerprint, problem) the faster best entry is kept, with
+        provenance "imported from <source>; <original provenance>"."""
+        if mode != "merge":
+            raise ValueError(f"mode: {mode!r} is not supported (only 'merge')")
+        self._check_writable("import_from")
+        owned = not isinstance(source, Store)
+        src = _open(resolve_target(source), readonly=True, create=False, allow_old=True) if owned else source
+        try:
+            name = src._target.path.name if src._target.path is not None else src.url
+            name = "".join(c if c.isprintable() else "?" for c in name)
+            report = ImportReport()
+            rows_in = src._read("import_from", transfer.read_source)
+            transfer.write_rows(self._engine, f"{self._target.display}: import_from", rows_in, report,
+                                provenance_prefix=f"imported from {name}")
+            return report
+        finally:
+            if owned:
+                src.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _check_writable(self, op: str) -> None:
+        if self._closed:
+            raise DatabaseError(f"{self._target.display}: {op} on a closed store")
+        if self.readonly:
+            raise DatabaseError(f"{self._target.display}: opened readonly; {op} needs a writable store")
+
+    def _write(self, op: str, work: Callable[[Session], Any]) -> Any:
+        self._check_writable(op)
+        return run_transaction(self._engine, work, where=f"{self._target.display}: {op}")
+
+    def _read(self, op: str, work: Callable[[Session], Any]) -> Any:
+        if self._closed:
+            raise DatabaseError(f"{self._target.display}: {op} on a closed store")
+        return run_transaction(reading(self._engine), work, where=f"{self._target.display}: {op}")
+
+    def _best(self, where: list, order: tuple) -> list[BestEntry]:
+        cols = ([rows.raw(getattr(E, n)) for n in rows.FINGERPRINT_FIELDS]
+                + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS]
+                + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash)]
+                + [rows.raw(getattr(B, n)) for n in ("median_ms", "tflops", "error_rel_l2", "provenance",
+                                                     "updated_at")]
+                + [rows.raw(getattr(T, n)) for n in TRIAL_SHAPE])
+        stmt = (select(*cols).join_from(B, E, B.environment_id == E.id).join(P, B.problem_id == P.id)
+                .join(V, B.variant_id == V.id).outerjoin(T, B.trial_id == T.id)
+                .where(*where).order_by(*order, B.median_ms))
+        found = self._read("best entries", lambda s: [dict(r._mapping) for r in s.execute(stmt)])
+        out = []
+        for r in found:
+            try:
+                out.append(_best_entry(r))
+            except ValueError as exc:
+                warnings.warn(f"{self._target.display}: skipping a damaged best entry: {exc}",
+                              RuntimeWarning, stacklevel=3)
+        return out
+
+
+def _best_entry(r: dict[str, Any]) -> BestEntry:
+    """A validated BestEntry from one raw row (config_json stays unparsed text, but must be text)."""
+    if type(r["config_json"]) is not str:
+        raise ValueError("config_json: not text")
+    return BestEntry(
+        fingerprint=rows.fingerprint_from(r), key=rows.key_from(r),
+        backend=text("backend", r["backend"], max_len=32, pattern=rows.BACKEND_PATTERN),
+        config_json=r["config_json"],
+        source_hash=text("source_hash", r["source_hash"], max_len=64, pattern=rows.SOURCE_HASH_PATTERN),
+        median_ms=finite_float("median_ms", r["median_ms"], positive=True),
+        tflops=optional_float("tflops", r["tflops"]),
+        error_rel_l2=optional_float("error_rel_l2", r["error_rel_l2"]),
+        provenance=text("provenance", r["provenance"] or "", max_len=rows.MAX_PROVENANCE_CHARS),
+        updated_at=rows.aware(rows.as_utc("updated_at", r["updated_at"])),
+        **{n: _shape_or_none(r[n]) for n in TRIAL_SHAPE})
+
+
+def _shape_or_none(value: Any) -> int | None:
+    return value if type(value) is int and value > 0 else None
+
+
+def _trial_filters(key: ProblemKey | None, status: str | None) -> list:
+    where = []
+    if key is not None:
+        _expect("key", key, ProblemKey)
+        where += [getattr(P, k) == v for k, v in key.to_dict().items()]
+    if status is not None:
+        if status not in TRIAL_STATUSES:
+            raise ValueError(f"status: {status!r} is not one of {list(TRIAL_STATUSES)}")
+        where.append(T.status == status)
+    return where
+
+
+def _expect(name: str, value: Any, cls: type) -> None:
+    if not isinstance(value, cls):
+        raise TypeError(f"{name}: expected {cls.__name__}, got {type(value).__name__}")
+
+
+def _publish(tmp: Path, dest: Path) -> None:
+    """Move the finished export into place without ever replacing a file that appeared meanwhile."""
+    try:
+        os.link(tmp, dest)
+    except FileExistsError:
+        raise DatabaseError(f"{dest}: already exists; export writes a new file and never overwrites") from None
+    except OSError:  # no hard links on this filesystem
+        if os.path.lexists(dest):
+            raise DatabaseError(f"{dest}: already exists; export writes a new file and never overwrites") from None
+        os.rename(tmp, dest)
+
+
+def open_store(target: str | os.PathLike | None = None, *, readonly: bool = False,
+               create: bool = True) -> Store:
+    """Open (and if needed create or upgrade) a tuning database.
+
+    target: None -> default_db_path(); a filesystem path -> that SQLite file; a string containing
+    "://" -> an SQLAlchemy URL as is (e.g. postgresql+psycopg://user:pw@host/db).
+    readonly: never writes (SQLite: opened with mode=ro); an older schema is then an error.
+    create: create a missing (or 0-byte) database; otherwise that is a DatabaseError.
+    """
+    resolved = resolve_target(target)
+    if target is None and create and not readonly:
+        resolved.path.parent.mkdir(parents=True, exist_ok=True)
+    return _open(resolved, readonly=readonly, create=create)
+
+
+def _open(target: Target, *, readonly: bool, create: bool, wal: bool = True,
+          allow_old: bool = False) -> Store:
+    if target.path is not None:
+        # decide on the untouched file first: opening it through the engine switches it to WAL
+        state = inspect_file(target.path)
+        if state.version is None and (readonly or not create):
+            what = "does not exist" if not state.exists else "holds no zyfa-tune database"
+            raise DatabaseError(f"{target.path}: {what}")
+        refuse_newer(state.version, target.display)
+        if state.version is not None and state.version < SCHEMA_VERSION and not readonly:
+            backup(target.path, state.version)
+    engine = make_engine(target, readonly=readonly, wal=wal)
+    try:
+        ensure_schema(engine, where=target.display, readonly=readonly, create=create, allow_old=allow_old)
+    except BaseException:
+        engine.dispose()
+        raise
+    return Store(engine, target, readonly=readonly)

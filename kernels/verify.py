@@ -1,0 +1,108 @@
+"""Verification of a config on the GPU: fresh random inputs, float64 reference, error gate
+relative to the exact-softmax default on the same inputs, and a timing.
+
+Used by `zyfa-tune verify` (re-check a database's best kernels on this GPU) and by the tuner's
+worker, so that both apply the same rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zyfa_tune.generator import ConfigError, KernelConfig
+
+from .defaults import default_config
+from .reference import attention_reference, rel_l2
+from .timing import time_cuda
+
+#: a variant passes when its error is at most this multiple of the exact default's on the same inputs
+DEFAULT_ERROR_GATE = 1.25
+
+
+def make_inputs(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int,
+                seqlen: int, seed: int, seqlen_k: int | None = None, device: str = "cuda"):
+    """Fresh Gaussian q, k, v; FP8 ones quantised per (batch, kv-head) with their descales.
+    Returns (positional args, keyword args) for `flash_attn_func`."""
+    from zyfa_tune.quantize import quantize_fp8
+
+    sk = seqlen if seqlen_k is None else seqlen_k
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, seqlen, heads, head_dim_qk, device=device, generator=g)
+    k = torch.randn(batch, sk, kv_heads, head_dim_qk, device=device, generator=g)
+    v = torch.randn(batch, sk, kv_heads, head_dim_v, device=device, generator=g)
+    if dtype == "fp8":
+        q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
+        return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    return (q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)), {}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str = ""
+    error_rel_l2: float | None = None
+    error_limit: float | None = None
+    median_ms: float | None = None
+    slowdown: float | None = None  # (now - stored) / stored
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One shape's fresh inputs, their float64 reference and the error limit for variants."""
+
+    args: tuple
+    kwargs: dict
+    causal: bool
+    reference: torch.Tensor
+    error_limit: float
+
+
+def make_probe(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int,
+               seqlen: int, causal: bool = True, seed: int = 0, gate: float = DEFAULT_ERROR_GATE) -> Probe:
+    """Inputs + reference + limit = gate x the exact default config's error on the same inputs."""
+    from zyfa_tune.api import flash_attn_func
+
+    args, kw = make_inputs(dtype, head_dim_qk, head_dim_v, batch=batch, heads=heads, kv_heads=kv_heads,
+                           seqlen=seqlen, seed=seed)
+    ref = attention_reference(*args, causal=causal, **kw)
+    base = default_config(dtype, head_dim_qk, head_dim_v)
+    limit = gate * rel_l2(flash_attn_func(*args, causal=causal, config=base, **kw), ref)
+    return Probe(args, kw, causal, ref, limit)
+
+
+def check_config(config: KernelConfig, probe: Probe, *, reps: int = 20) -> Verdict:
+    """Gate `config`'s error on the probe's inputs, then time it (CUDA events, median)."""
+    from zyfa_tune.api import flash_attn_func
+
+    def call():
+        return flash_attn_func(*probe.args, causal=probe.causal, config=config, **probe.kwargs)
+
+    err = rel_l2(call(), probe.reference)
+    if not err <= probe.error_limit:  # NaN fails too
+        return Verdict(False, f"error {err:.3e} > {probe.error_limit:.3e}", err, probe.error_limit)
+    t = time_cuda([call], warmup=3, reps=reps)
+    return Verdict(True, "", err, probe.error_limit, t.median_ms)
+
+
+def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERROR_GATE) -> Verdict:
+    """Re-check one stored best entry (zyfa_tune.db.BestEntry) on this GPU."""
+    try:
+        config = KernelConfig.from_json(entry.config_json)
+    except ConfigError as exc:
+        return Verdict(False, f"invalid config: {exc}")
+    k = entry.key
+    batch, heads, seqlen = entry.batch, entry.heads, entry.seqlen
+    if not (batch and heads and seqlen):  # shape not recorded: the bucket's largest shape
+        heads = max(k.gqa_group, min(k.bh_bucket, 64))
+        batch, seqlen = max(1, k.bh_bucket // heads), k.seqlen_bucket
+    probe = make_probe(config.dtype, config.head_dim_qk, config.head_dim_v, batch=batch, heads=heads,
+                       kv_heads=max(1, heads // k.gqa_group), seqlen=seqlen, causal=k.causal, gate=gate)
+    v = check_config(config, probe)
+    if not v.ok:
+        return v
+    slowdown = (v.median_ms - entry.median_ms) / entry.median_ms
+    if slowdown > max_slowdown:
+        return Verdict(False, f"{slowdown:+.1%} slower than stored", v.error_rel_l2, v.error_limit, v.median_ms, slowdown)
+    return Verdict(True, "", v.error_rel_l2, v.error_limit, v.median_ms, slowdown)

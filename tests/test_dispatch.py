@@ -1,0 +1,173 @@
+"""Dispatcher: exact / nearest / other-device / default rules, layering, validation of stored
+configs, caching, and the end-to-end path database -> dispatcher on the CPU."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+
+from zyfa_tune.db import Fingerprint, ProblemKey, TrialResult, open_store
+from zyfa_tune.generator import GENERATOR_VERSION, KernelConfig, emit
+from zyfa_tune.kernels import dispatch
+from zyfa_tune.kernels.defaults import default_config
+
+H200 = ("NVIDIA H200", "9.0", GENERATOR_VERSION)
+
+
+def fingerprint(gpu="NVIDIA H200", cc="9.0", gen=GENERATOR_VERSION) -> Fingerprint:
+    return Fingerprint(gpu_name=gpu, compute_capability=cc, sm_count=132, memory_bytes=150_000_000_000,
+                       driver="580.159.04", cuda="13.0", torch="2.11.0", triton="3.6.0", generator_version=gen)
+
+
+def key(seqlen=8192, batch=2, heads=32, kv_heads=32, dtype="fp8", d=128, causal=True) -> ProblemKey:
+    return ProblemKey.from_shape(dtype=dtype, head_dim_qk=d, head_dim_v=d, causal=causal, batch=batch,
+                                 heads=heads, kv_heads=kv_heads, seqlen=seqlen)
+
+
+def cfg(**changes) -> KernelConfig:
+    return default_config("fp8", 128, 128).replace(**changes)
+
+
+def record(store, k, c, ms, fp=None):
+    store.record_trial(fp or fingerprint(), k, c, TrialResult(status="ok", median_ms=ms, tflops=1.0 / ms,
+                                                                error_rel_l2=0.02),
+                       source_hash=emit(c).source_hash, study="test")
+
+
+@pytest.fixture
+def db(tmp_path):
+    def make(name="a.db"):
+        return open_store(tmp_path / name)
+    return make
+
+
+def test_exact_match(db):
+    with db() as s:
+        record(s, key(8192), cfg(num_stages=2), 1.0)
+        record(s, key(8192), cfg(num_stages=4), 0.5)   # faster: the best
+        record(s, key(16384), cfg(block_n=64), 0.7)
+        path = s.url
+    d = dispatch.Dispatcher([path.replace("sqlite:///", "")])
+    choice = d.choose(key(8192), H200)
+    assert choice.source == "exact" and choice.config == cfg(num_stages=4)
+    assert choice.tuned_key == key(8192)
+
+
+def test_nearest_same_head_dims(db):
+    with db() as s:
+        record(s, key(4096), cfg(num_stages=2), 1.0)
+        record(s, key(32768), cfg(block_n=64), 1.0)
+        record(s, key(16384, dtype="fp8", d=64), default_config("fp8", 64, 64).replace(num_stages=2), 0.1)
+        path = str(s.url).replace("sqlite:///", "")
+    d = dispatch.Dispatcher([path])
+    # 8K is one bucket from 4K and two from 32K
+    choice = d.choose(key(8192), H200)
+    assert choice.source == "nearest" and choice.config == cfg(num_stages=2) and choice.tuned_key == key(4096)
+    # other head dims never serve as "nearest"
+    assert d.choose(key(8192, d=256), H200).source == "default"
+
+
+def test_other_device_warns_and_other_arch_is_ignored(db):
+    with db() as s:
+        record(s, key(8192), cfg(num_stages=2), 1.0, fp=fingerprint(gpu="NVIDIA H100 80GB HBM3"))
+        record(s, key(8192), cfg(num_stages=4), 0.1, fp=fingerprint(gpu="NVIDIA A100", cc="8.0"))
+        path = str(s.url).replace("sqlite:///", "")
+    d = dispatch.Dispatcher([path])
+    with pytest.warns(RuntimeWarning, match="tuned on NVIDIA H100"):
+        choice = d.choose(key(8192), H200)
+    assert choice.source == "other-device" and choice.config == cfg(num_stages=2)
+    # a new generator version on the same GPU also goes through the other-device rule
+    d2 = dispatch.Dispatcher([path])
+    with pytest.warns(RuntimeWarning):
+        assert d2.choose(key(8192), ("NVIDIA H100 80GB HBM3", "9.0", "9.9.9")).source == "other-device"
+
+
+def test_default_when_nothing_matches(tmp_path):
+    d = dispatch.Dispatcher([])
+    choice = d.choose(key(8192, dtype="bf16"), H200)
+    assert choice.source == "default" and choice.config == default_config("bf16", 128, 128)
+
+
+def test_layers_user_first(db):
+    with db("user.db") as u:
+        record(u, key(8192), cfg(num_stages=2), 5.0)   # slower, but the user's layer wins
+        user = str(u.url).replace("sqlite:///", "")
+    with db("shipped.db") as s:
+        record(s, key(8192), cfg(num_stages=4), 1.0)
+        record(s, key(16384), cfg(block_n=64), 1.0)
+        shipped = str(s.url).replace("sqlite:///", "")
+    d = dispatch.Dispatcher([user, shipped])
+    assert d.choose(key(8192), H200).config == cfg(num_stages=2)
+    assert d.choose(key(8192), H200).database == user
+    assert d.choose(key(16384), H200).config == cfg(block_n=64)
+
+
+def test_invalid_stored_config_never_reaches_the_generator(db, monkeypatch):
+    with db() as s:
+        record(s, key(8192), cfg(num_stages=2), 1.0)
+        path = str(s.url).replace("sqlite:///", "")
+    # tamper with the stored config text behind the store's back
+    import sqlite3
+    con = sqlite3.connect(path)
+    con.execute("UPDATE variants SET config_json = ?",
+                ('{"dtype": "fp8\\nimport os; os.system(\\"echo pwned\\")", "head_dim_qk": 128}',))
+    con.commit()
+    con.close()
+    emitted = []
+    monkeypatch.setattr(dispatch, "default_config", lambda *a: (emitted.append(a), default_config(*a))[1])
+    d = dispatch.Dispatcher([path])
+    with pytest.warns(RuntimeWarning, match="rejecting a stored config"):
+        choice = d.choose(key(8192), H200)
+    assert choice.source == "default"
+
+
+def test_damaged_layer_is_skipped_with_a_warning(tmp_path):
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"this is not a database" * 100)
+    before = bad.read_bytes()
+    d = dispatch.Dispatcher([str(bad)])
+    with pytest.warns(RuntimeWarning, match="bad.db"):
+        assert d.choose(key(8192), H200).source == "default"
+    assert bad.read_bytes() == before
+
+
+def test_missing_layer_is_skipped(tmp_path):
+    d = dispatch.Dispatcher([str(tmp_path / "nope.db")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert d.choose(key(8192), H200).source == "default"
+    assert not (tmp_path / "nope.db").exists()
+
+
+def test_cached_and_logged(db, caplog, monkeypatch):
+    with db() as s:
+        record(s, key(8192), cfg(num_stages=2), 1.0)
+        path = str(s.url).replace("sqlite:///", "")
+    d = dispatch.Dispatcher([path])
+    monkeypatch.setattr(dispatch, "device_key", lambda i: H200)
+    with caplog.at_level(logging.DEBUG, logger="zyfa_tune.dispatch"):
+        c1 = d.config_for("fp8", 128, 128, True, 2, 32, 32, 8000, 0)
+    assert c1 == cfg(num_stages=2)
+    assert any("exact" in r.getMessage() for r in caplog.records)
+    calls = []
+    monkeypatch.setattr(d, "_resolve", lambda *a: calls.append(a))
+    for _ in range(3):  # same raw shape and same bucket: no new resolution, no database access
+        assert d.config_for("fp8", 128, 128, True, 2, 32, 32, 8000, 0) == c1
+    assert d.choose(key(8000), H200).config == c1
+    assert calls == []
+
+
+def test_set_databases_and_env_layers(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZYFA_TUNE_DB", str(tmp_path / "default.db"))
+    monkeypatch.setenv(dispatch.ENV_DATABASES, f"{tmp_path / 'e1.db'}{__import__('os').pathsep}{tmp_path / 'e2.db'}")
+    layers = dispatch.default_layers()
+    assert layers[:2] == [str(tmp_path / "e1.db"), str(tmp_path / "e2.db")]
+    assert str(tmp_path / "default.db") not in layers  # only existing default file is used
+    dispatch.set_databases([tmp_path / "mine.db"])
+    try:
+        layers = dispatch.default_layers()
+        assert layers[0] == str(tmp_path / "mine.db") and str(tmp_path / "e1.db") not in layers
+    finally:
+        dispatch.set_databases(None)

@@ -1,0 +1,64 @@
+"""GPU: flash_attn_func picks kernels from a database, falls back, and works in CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zyfa_tune import explain, flash_attn_func
+from zyfa_tune.db import ProblemKey, TrialResult, current_fingerprint, open_store
+from zyfa_tune.generator import emit
+from zyfa_tune.kernels import dispatch
+from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.kernels.reference import attention_reference, rel_l2
+from zyfa_tune.kernels.verify import make_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def tuned_db(tmp_path, monkeypatch):
+    """A database holding one tuned fp8 hd128 entry for this GPU, installed as the only layer."""
+    cfg = default_config("fp8", 128, 128).replace(softmax="lean", rowsum="rounded", num_stages=2)
+    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=8,
+                                kv_heads=8, seqlen=2048)
+    with open_store(tmp_path / "t.db") as store:
+        store.record_trial(current_fingerprint(), key, cfg,
+                           TrialResult(status="ok", median_ms=0.1, tflops=100.0, error_rel_l2=0.03,
+                                       batch=2, heads=8, seqlen=2048),
+                           source_hash=emit(cfg).source_hash, study="gpu-test")
+    monkeypatch.setattr(dispatch, "_dispatcher", dispatch.Dispatcher([str(tmp_path / "t.db")]))
+    return cfg
+
+
+def test_tuned_entry_is_used_then_nearest_then_default(tuned_db):
+    args, kw = make_inputs("fp8", 128, 128, batch=2, heads=8, kv_heads=8, seqlen=2000, seed=1)
+    choice = explain(*args, **kw)
+    assert choice.source == "exact" and choice.config == tuned_db
+    out = flash_attn_func(*args, **kw)
+    assert rel_l2(out, attention_reference(*args, **kw)) < 0.05
+    assert torch.equal(out, flash_attn_func(*args, config=tuned_db, **kw))
+    args, kw = make_inputs("fp8", 128, 128, batch=1, heads=4, kv_heads=4, seqlen=9000, seed=2)
+    assert explain(*args, **kw).source == "nearest"
+    args, kw = make_inputs("fp8", 64, 64, batch=1, heads=4, kv_heads=4, seqlen=300, seed=3)
+    choice = explain(*args, **kw)
+    assert choice.source == "default"
+    assert rel_l2(flash_attn_func(*args, **kw), attention_reference(*args, **kw)) < 0.03
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_cuda_graph_capture(dtype):
+    args, kw = make_inputs(dtype, 128, 128, batch=1, heads=8, kv_heads=2, seqlen=777, seed=4)
+    eager = flash_attn_func(*args, **kw)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flash_attn_func(*args, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        static = flash_attn_func(*args, **kw)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, eager)
