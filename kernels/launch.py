@@ -36,8 +36,51 @@ def launch(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     Descales are all None or all contiguous float32 (batch, kv_heads) tensors.
     """
     grid, args, options = prepare(config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale)
-    kernel(config)[grid](*args, **options)
+    _run(config, grid, args, options, q.device.index)
     return out
+
+
+# ---- launch fast path ---------------------------------------------------------------------------
+# Triton's `kernel[grid](...)` binds and specialises every argument and builds a cache key on each
+# call (tens of microseconds). The compiled kernel depends only on the config and on the argument
+# properties Triton specialises on, so after the first launch we key the CompiledKernel by those
+# properties (conservatively: more than Triton distinguishes, never less) and launch it directly.
+
+_compiled: dict[tuple, object] = {}
+_I32 = (-(2**31), 2**31 - 1)
+
+
+def _arg_class(a) -> object:
+    """The properties of one argument that Triton's specialisation can depend on."""
+    if a is None or isinstance(a, bool):
+        return a
+    if isinstance(a, int):  # ==1 becomes a constant, %16 a divisibility hint, beyond int32 an i64
+        return 1 if a == 1 else (16 if a % 16 == 0 else 0) if _I32[0] <= a <= _I32[1] else "i64"
+    if isinstance(a, float):
+        return "f"
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    # host TensorDescriptor
+    return (a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.block_shape),
+            tuple(x % 16 == 0 for x in a.shape), tuple(x % 16 == 0 for x in a.strides), a.padding)
+
+
+def _run(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int) -> None:
+    from triton import knobs
+    from triton.runtime import driver
+
+    key = (config, device, options["CAUSAL"], tuple(_arg_class(a) for a in args))
+    compiled = _compiled.get(key)
+    if compiled is None:  # first launch of this specialisation: Triton's own path (compiles)
+        compiled = kernel(config)[grid](*args, **options)
+        _compiled[key] = compiled
+        return
+    stream = driver.active.get_current_stream(device)
+    full = (*args, options["CAUSAL"])
+    hook = knobs.runtime.launch_enter_hook
+    meta = compiled.launch_metadata(grid, stream, *full) if hook is not None else None
+    compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, meta, hook,
+                 knobs.runtime.launch_exit_hook, *full)
 
 
 def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -88,25 +131,30 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@functools.lru_cache(maxsize=None)
+def _descriptor_widths(config: KernelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Distinct head-dim chunk widths of Q/K and of V, widest first (one descriptor each)."""
+    def widths(dim: int) -> tuple[int, ...]:
+        return tuple(sorted({w for _, w in head_chunks(dim)}, reverse=True))
+    return widths(config.head_dim_qk), widths(config.head_dim_v)
+
+
 def _descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list:
     """Host TMA descriptors over 2-D views: Q (B*Sq, H*Dqk), K (B*Sk, Hkv*Dqk), V (B*Sk, Hkv*Dv)
     or V^T (B*Hkv*Dv, Sk); one descriptor per tensor and head-dim chunk width."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    b, sq, h, dqk = q.shape
-    sk, hk, dv = k.shape[1], k.shape[2], (v.shape[3] if config.v_layout == "natural" else v.shape[2])
+    wqk, wv = _descriptor_widths(config)
+    bm, bn = config.block_m, config.block_n
     q, k = _tma_ready(q), _tma_ready(k)
-    if config.v_layout == "natural":
+    b, sq, h, dqk = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    descs = [TensorDescriptor(q, [b * sq, h * dqk], [q.stride(1), 1], [bm, w]) for w in wqk]
+    descs += [TensorDescriptor(k, [b * sk, hk * dqk], [k.stride(1), 1], [bn, w]) for w in wqk]
+    if config.v_layout == "transposed":  # v is the (B, Hkv, Dv, Sk) copy
+        rows = b * hk * v.shape[2]
+        descs += [TensorDescriptor(v, [rows, sk], [v.stride(2), 1], [w, bn]) for w in wv]
+    else:
         v = _tma_ready(v)
-    descs = []
-    for tname, t, chunks, rows_block in (("q", q, head_chunks(dqk), config.block_m),
-                                         ("k", k, head_chunks(dqk), config.block_n),
-                                         ("v", v, head_chunks(dv), config.block_n)):
-        for w in sorted({w for _, w in chunks}, reverse=True):
-            if tname == "v" and config.v_layout == "transposed":
-                d = TensorDescriptor(t, [b * hk * dv, sk], [t.stride(2), 1], [w, rows_block])
-            else:
-                d = TensorDescriptor(t, [t.shape[0] * t.shape[1], t.shape[2] * t.shape[3]],
-                                     [t.stride(1), 1], [rows_block, w])
-            descs.append(d)
+        descs += [TensorDescriptor(v, [b * sk, hk * v.shape[3]], [v.stride(1), 1], [bn, w]) for w in wv]
     return descs
