@@ -75,9 +75,9 @@ class KernelConfig:
     dtype: str = "fp8"
     head_dim_qk: int = 128
     head_dim_v: int = 128
-    block_m: int = 128
+    block_m: int = 64
     block_n: int = 128
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 3
     maxnreg: int = 0
     softmax: str = "exact"
@@ -88,8 +88,8 @@ class KernelConfig:
     scale_block: int = 0
     rowsum: str = "fp32"
     q_order: str = "heavy_first"
-    loads: str = "pointer"
-    v_layout: str = "natural"
+    loads: str = "tma"
+    v_layout: str = "transposed"
 
     def __post_init__(self) -> None:
         for f in fields(self):

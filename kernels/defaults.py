@@ -11,14 +11,11 @@ from zyfa_tune.generator import KernelConfig
 
 
 def default_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
-    """A config that compiles without spills and fits shared memory for this head-dim pair."""
+    """A config that compiles without spills and fits shared memory for this head-dim pair.
+    KernelConfig's own defaults are the FP8 head-dim-128 default."""
     big = max(head_dim_qk, head_dim_v) > 128
+    dims = dict(head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, block_n=64 if big else 128)
     if dtype == "fp8":
-        return KernelConfig(dtype="fp8", head_dim_qk=head_dim_qk, head_dim_v=head_dim_v,
-                            block_m=64, block_n=64 if big else 128, num_warps=4, num_stages=3,
-                            softmax="exact", p_scale_log2=8, rowsum="fp32", q_order="heavy_first",
-                            loads="tma", v_layout="transposed")
-    return KernelConfig(dtype="bf16", head_dim_qk=head_dim_qk, head_dim_v=head_dim_v,
-                        block_m=128, block_n=64 if big else 128, num_warps=8, num_stages=2,
-                        softmax="exact", p_scale_log2=0, rowsum="fp32", q_order="heavy_first",
-                        loads="tma", v_layout="natural")
+        return KernelConfig(dtype="fp8", **dims)
+    return KernelConfig(dtype="bf16", block_m=128, num_warps=8, num_stages=2, p_scale_log2=0,
+                        v_layout="natural", **dims)
