@@ -14,8 +14,8 @@ import torch
 from zyfa_tune.generator import ConfigError, KernelConfig
 
 from .defaults import default_config
-from .reference import attention_reference, rel_l2
-from .timing import time_cuda
+from .reference import attention_reference, max_abs_err, rel_l2
+from .timing import Timing, time_cuda
 
 #: a variant passes when its error is at most this multiple of the exact default's on the same inputs
 DEFAULT_ERROR_GATE = 1.25
@@ -46,6 +46,8 @@ class Verdict:
     error_limit: float | None = None
     median_ms: float | None = None
     slowdown: float | None = None  # (now - stored) / stored
+    error_max: float | None = None  # max |out - reference| (check_config fills it)
+    timing: Timing | None = None    # the whole timing: quantiles, NVML clock/power/energy (check_config)
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,15 @@ def check_config(config: KernelConfig, probe: Probe, *, reps: int = 20) -> Verdi
     def call():
         return flash_attn_func(*probe.args, causal=probe.causal, config=config, **probe.kwargs)
 
-    err = rel_l2(call(), probe.reference)
+    out = call()
+    err = rel_l2(out, probe.reference)
+    emax = max_abs_err(out, probe.reference)
+    del out
     if not err <= probe.error_limit:  # NaN fails too
-        return Verdict(False, f"error {err:.3e} > {probe.error_limit:.3e}", err, probe.error_limit)
+        return Verdict(False, f"error {err:.3e} > {probe.error_limit:.3e}", err, probe.error_limit,
+                       error_max=emax)
     t = time_cuda([call], warmup=3, reps=reps)
-    return Verdict(True, "", err, probe.error_limit, t.median_ms)
+    return Verdict(True, "", err, probe.error_limit, t.median_ms, error_max=emax, timing=t)
 
 
 def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERROR_GATE) -> Verdict:

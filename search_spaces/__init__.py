@@ -1,1 +1,36 @@
-"""placeholder"""
+"""Search spaces of the Optuna tuner, one module per kernel family.
+
+    from zyfa_tune.search_spaces import get_space
+    space = get_space("fp8")
+    for seed in space.seeds(128, 128):
+        study.enqueue_trial(space.as_optuna_params(seed))
+    trial = study.ask()
+    config = space.suggest(trial, 128, 128)   # None: invalid or statically infeasible, reason in
+                                              # trial.user_attrs["infeasible"]
+
+base.py holds the machinery (Param, SearchSpace, the static shared-memory / register / wgmma
+checks); fp8_causal.py and bf16_causal.py declare one line per searched KernelConfig field.
+"""
+
+from __future__ import annotations
+
+from .base import (MAX_REGISTERS, SEED_DATABASES, SMEM_LIMIT, Param, SearchSpace, register_estimate,
+                   smem_estimate, static_infeasibility)
+from .bf16_causal import SPACE as BF16_CAUSAL
+from .fp8_causal import SPACE as FP8_CAUSAL
+
+#: family name -> search space
+FAMILIES: dict[str, SearchSpace] = {s.family: s for s in (FP8_CAUSAL, BF16_CAUSAL)}
+_BY_DTYPE = {s.dtype: s for s in FAMILIES.values()}
+
+
+def get_space(dtype: str) -> SearchSpace:
+    """The search space of a dtype: "fp8" -> fp8-causal, "bf16" -> bf16-causal."""
+    space = _BY_DTYPE.get(dtype) if isinstance(dtype, str) else None
+    if space is None:
+        raise ValueError(f"dtype: {dtype!r} has no search space; expected one of {sorted(_BY_DTYPE)}")
+    return space
+
+
+__all__ = ["Param", "SearchSpace", "FAMILIES", "get_space", "FP8_CAUSAL", "BF16_CAUSAL", "SMEM_LIMIT",
+           "MAX_REGISTERS", "SEED_DATABASES", "smem_estimate", "register_estimate", "static_infeasibility"]

@@ -1,5 +1,6 @@
 """`zyfa-tune` command line.
 
+    zyfa-tune tune    --head-dim 96 [--dtype fp8] --seqlens 2048,8192 [--trials N | --time 15m] [--gpus 0,1|all]
     zyfa-tune compile [--dtype fp8] [--head-dim 128] [--set key=val ...]   # no GPU needed
     zyfa-tune check   [--dtype fp8] [--head-dim 128] [--seqlen 4096]        # GPU: vs float64
     zyfa-tune show    [--storage DB]            # what a database holds
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from rich.console import Console
 from rich.table import Table
@@ -192,6 +194,79 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{what}: expected comma-separated integers, got {text!r}") from None
+
+
+def _gpus(text: str | None) -> tuple[int | None, ...]:
+    if text is None:
+        return (None,)
+    if text == "all":
+        import torch
+
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise ValueError("--gpus all: no CUDA device is visible")
+        return tuple(range(n))
+    return _int_list(text, "--gpus")
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Optuna study over the family's search space; results go to the tuning database."""
+    from rich.live import Live
+
+    from zyfa_tune.tune import Progress, Tuner, TuneSpec, best_per_shape, parse_duration
+
+    runner = args.runner
+    if runner == "replay":  # the shipped H200 measurements
+        from zyfa_tune.kernels.dispatch import TUNED_DIR
+
+        runner = f"replay:{TUNED_DIR / 'h200.db'}"
+    spec = TuneSpec(dtype=args.dtype, head_dim_qk=args.head_dim, head_dim_v=args.head_dim_v or args.head_dim,
+                    seqlens=_int_list(args.seqlens, "--seqlens"), heads=args.heads, kv_heads=args.kv_heads,
+                    batches=_int_list(args.batches, "--batches") if args.batches else None,
+                    causal=not args.non_causal, trials=args.trials,
+                    time_budget_s=parse_duration(args.time) if args.time else None, gpus=_gpus(args.gpus),
+                    storage=args.storage, study_storage=args.study_storage, study_name=args.study,
+                    resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
+                    runner=runner, timeout_s=args.timeout, seed=args.seed)
+
+    def render(p: Progress) -> Table:
+        t = Table(title=f"zyfa-tune {spec.name}: {len(spec.gpus)} worker(s), runner={spec.runner}")
+        t.add_column("what")
+        t.add_column("value", overflow="fold")
+        t.add_row("trials done", f"{p.done}" + (f" / {spec.trials}" if spec.trials else ""))
+        t.add_row("elapsed", f"{time.time() - p.started:.0f} s")
+        t.add_row("best (geo-mean TFLOP/s)", f"{p.best_value:.1f}" if p.best_value else "-")
+        if p.best_config is not None:
+            c = p.best_config
+            t.add_row("best config", f"{c.softmax} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} "
+                                     f"{c.loads}/{c.v_layout} rowsum={c.rowsum} {c.q_order}")
+        t.add_row("by status", ", ".join(f"{k}={v}" for k, v in sorted(p.by_status.items())) or "-")
+        t.add_row("SM clock", f"{p.last_clock_mhz:.0f} MHz" if p.last_clock_mhz else "-")
+        return t
+
+    tuner = Tuner(spec)
+    with Live(render(tuner.progress), console=console, refresh_per_second=2, transient=False) as live:
+        tuner.on_progress = lambda p: live.update(render(p))
+        tuner.run()
+    console.print(f"study storage: {tuner.study_storage}  (optuna-dashboard {tuner.study_storage})")
+    table = Table(title="best kernel per shape (tuning database) vs the default config")
+    for col in ("shape", "best TFLOP/s", "default TFLOP/s", "speed-up", "best config"):
+        table.add_column(col, overflow="fold")
+    for row in best_per_shape(spec):
+        sh, best, dflt = row["shape"], row["best"], row["default_tflops"]
+        best_tf = best.tflops if best else None
+        table.add_row(f"B={sh.batch} S={sh.seqlen} H={sh.heads}/{sh.kv_heads}",
+                      f"{best_tf:.1f}" if best_tf else "-", f"{dflt:.1f}" if dflt else "-",
+                      f"{best_tf / dflt:.2f}x" if best_tf and dflt else "-", best.config_json if best else "-")
+    console.print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zyfa-tune", description="Autotuned FP8/BF16 attention for Hopper")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -202,6 +277,28 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--head-dim-v", type=int, default=None)
         p.add_argument("--set", action="append", metavar="KEY=VAL", help="override a config field")
 
+    p = sub.add_parser("tune", help="search kernel configs with Optuna; store the fastest correct per shape")
+    p.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--head-dim", type=int, required=True)
+    p.add_argument("--head-dim-v", type=int, default=None)
+    p.add_argument("--seqlens", default="4096,8192,16384")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--batches", default=None, help="one batch size per seqlen (default: 16384 tokens / seqlen)")
+    p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--trials", type=int, default=None)
+    p.add_argument("--time", default=None, help="time budget, e.g. 15m (default: --trials only; 40 trials if neither)")
+    p.add_argument("--gpus", default=None, help="comma list of GPU indices, or 'all' (one worker per GPU)")
+    p.add_argument("--storage", default=None, help="tuning database path or SQLAlchemy URL")
+    p.add_argument("--study-storage", default=None, help="Optuna storage: RDB URL or journal file")
+    p.add_argument("--study", default=None, help="study name (default: <dtype>-<dqk>x<dv>-causal)")
+    p.add_argument("--resume", action="store_true", help="continue an existing study")
+    p.add_argument("--sampler", choices=["tpe", "random"], default="tpe")
+    p.add_argument("--multi-objective", action="store_true", help="Pareto front over (TFLOP/s, error)")
+    p.add_argument("--runner", default="gpu", help="gpu | replay[:<db>] (no GPU: stored measurements, real sm_90a compiles)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds per trial before the worker is killed")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_tune)
     p = sub.add_parser("compile", help="compile a kernel config for sm_90a (no GPU needed)")
     common(p)
     p.add_argument("--non-causal", action="store_true")
@@ -248,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--margin", type=float, default=0.10, help="largest accepted slowdown (0.10 = 10%%)")
     p.set_defaults(fn=cmd_verify)
     args = ap.parse_args(argv)
+    if args.command == "tune" and args.trials is None and args.time is None:
+        args.trials = 40
     try:
         return args.fn(args)
     except (ConfigError, ValueError, TypeError, RuntimeError) as exc:

@@ -1,0 +1,395 @@
+"""Shared machinery of the per-family search spaces: `Param`, `SearchSpace`, static feasibility.
+
+A family module (fp8_causal.py, bf16_causal.py) declares one `Param` per searched `KernelConfig`
+field; everything else comes from the family's safe default (`kernels.defaults.default_config`),
+so adding a parameter to the generator means adding one line to a family module.
+
+How a trial becomes a config (`SearchSpace.suggest`):
+
+* every param is suggested on every trial, with `trial.suggest_categorical` under the field's own
+  name (or the param's `label`) and plain Python choices. The space is therefore static, which is
+  what TPE handles best: `TPESampler(multivariate=True)` can model interacting fields (tiles x
+  warps x stages x maxnreg) jointly without `group=True`'s split into sub-spaces, every trial is
+  an observation of every param, `enqueue_trial` always fixes the whole space, and a study can
+  switch samplers. The price: under softmax="exact" the lean fields' suggested values carry no
+  signal (three two-way choices of noise for the independent model).
+* a param can be irrelevant under another field's value (the lean P instruction sequence when
+  softmax="exact"): it is still suggested, but the config takes the family default's value for it
+  (`only_if`), so equal kernels are equal configs (one source hash, one compile, one database row).
+* a few fields are suggested through a stand-in that can only produce valid combinations:
+  scale_block is the boolean "scale_per_tile" (-> 0 or block_n, the only values the Triton backend
+  takes), and under softmax="lean" a suggested rowsum "fp32" becomes "rounded" (lean P has no
+  unrounded probabilities). Such a mapping may read fields declared before it in the family module.
+
+`feasible()` prunes before compiling, after FlashAttention-4's SM90 config search: wgmma shape
+rules, a shared-memory estimate and a register estimate, both calibrated against
+`generator.build.compile_for_target` (Triton 3.6, sm_90a; tables in tests/test_search_spaces.py).
+The resource estimates are deliberately optimistic: they never rejected a config that compiles
+within 227 KiB of shared memory without spills; a compile-time check catches the few that pass
+here and still fail. The wgmma rule "64 query rows per warpgroup" does prune configs that compile
+(block_m=64 on 8 warps), because they measured 1.6-3x slower (see `static_infeasibility`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+
+import zyfa_tune.kernels as _kernels
+from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig
+from zyfa_tune.kernels.defaults import default_config
+
+if TYPE_CHECKING:  # optuna is imported lazily: a config can be built without it
+    import optuna
+
+log = logging.getLogger("zyfa_tune.search_spaces")
+
+_FIELDS = tuple(f.name for f in fields(KernelConfig))
+#: Fields that are the problem, not the kernel: never searched.
+_PROBLEM_FIELDS = ("dtype", "head_dim_qk", "head_dim_v")
+#: The types Optuna accepts as categorical choices.
+_PLAIN = (bool, int, float, str, type(None))
+
+#: sm_90 maximum dynamic shared memory per block (227 KiB).
+SMEM_LIMIT = 232448
+#: Registers per thread the hardware allows.
+MAX_REGISTERS = 255
+#: Databases whose best entries seed every study (known-good configs measured on an H200).
+SEED_DATABASES: tuple[Path, ...] = (Path(_kernels.__file__).resolve().parent / "tuned" / "h200.db",)
+
+Decode = Callable[[Any, Mapping[str, Any]], Any]
+Encode = Callable[[Any, KernelConfig], Any]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One searched `KernelConfig` field.
+
+    name:    the field.
+    choices: the values the field can take in this family (a subset of generator CHOICES[name]).
+    label / options: the Optuna parameter name and its choices when they are not the field's own
+             (e.g. scale_block is searched as the boolean "scale_per_tile"); default: name/choices.
+    decode:  (suggested option, fields so far) -> field value; `fields so far` is the family
+             default updated with the params declared before this one. Default: the option itself.
+    encode:  (field value, config) -> option, the inverse used by `SearchSpace.as_optuna_params`.
+    only_if: (field, value): the param matters only when that field has that value; otherwise the
+             config keeps the family default's value (it is still suggested: see the module doc).
+    """
+
+    name: str
+    choices: tuple
+    label: str = ""
+    options: tuple = ()
+    decode: Decode | None = dataclasses.field(default=None, compare=False, repr=False)
+    encode: Encode | None = dataclasses.field(default=None, compare=False, repr=False)
+    only_if: tuple[str, Any] | None = None
+
+    @property
+    def key(self) -> str:
+        """The Optuna parameter name."""
+        return self.label or self.name
+
+    @property
+    def suggest_choices(self) -> tuple:
+        """The Optuna categorical choices."""
+        return self.options or self.choices
+
+    def to_field(self, option: Any, so_far: Mapping[str, Any]) -> Any:
+        return self.decode(option, so_far) if self.decode is not None else option
+
+    def to_option(self, value: Any, config: KernelConfig) -> Any:
+        return self.encode(value, config) if self.encode is not None else value
+
+    def relevant(self, so_far: Mapping[str, Any]) -> bool:
+        return self.only_if is None or so_far[self.only_if[0]] == self.only_if[1]
+
+
+# ---- declaration helpers used by the family modules (one line per field) ---------------------
+
+def lean_only(name: str, choices: tuple) -> Param:
+    """A lean P instruction-sequence field: matters only under softmax="lean"."""
+    return Param(name, choices, only_if=("softmax", "lean"))
+
+
+def scale_per_tile(block_n_choices: tuple) -> Param:
+    """scale_block searched as the boolean "scale_per_tile": False -> 0, True -> block_n (the
+    Triton backend takes one extra exponent per key tile), so no suggestion is ever invalid."""
+    return Param("scale_block", (0,) + tuple(block_n_choices), label="scale_per_tile", options=(False, True),
+                 decode=lambda on, f: f["block_n"] if on else 0,
+                 encode=lambda value, config: value != 0)
+
+
+def rowsum_param(choices: tuple = ("fp32", "rounded", "mma")) -> Param:
+    """rowsum; under softmax="lean" (no unrounded probabilities) a suggested "fp32" becomes "rounded"."""
+    return Param("rowsum", choices,
+                 decode=lambda v, f: "rounded" if v == "fp32" and f["softmax"] == "lean" else v)
+
+
+# ---- static feasibility ------------------------------------------------------------------------
+
+def _elem_bytes(dtype: str) -> int:
+    return 1 if dtype == "fp8" else 2
+
+
+#: Shared memory beyond the tiles with TMA loads: mbarriers and the 1024-byte alignment of the
+#: swizzled TMA buffers (measured +32..+1024 B beyond the tiles).
+TMA_SMEM_MARGIN = 1024
+
+
+def smem_estimate(c: KernelConfig) -> int:
+    """Shared memory (bytes) the compiled kernel needs, calibrated against compile_for_target.
+
+    Q tile (block_m x head_dim_qk) + num_stages buffers of the K tile (block_n x head_dim_qk) and of
+    the V tile (block_n x head_dim_v) + the rowsum="mma" ones tile (block_n x 16) + TMA barriers.
+    FP8 with V (keys, dim) through pointer loads holds one V buffer: wgmma needs V K-major, so
+    Triton loads V into registers and stores it transposed, unpipelined. Layout-conversion scratch
+    reuses the loop's buffers afterwards. Over 1940 compiled configs (both dtypes, head dims 64..256,
+    every tile/warp/stage/load/layout/rowsum choice) the real size lies between this estimate
+    - 6.5 KiB (FP8 with V (keys, dim), where Triton buffers V differently) and + 1 KiB (BF16 with
+    pointer loads, rowsum="mma" and block_m=64): it never rejected a config that fits, and caught
+    all 222 that did not.
+    """
+    e = _elem_bytes(c.dtype)
+    q = c.block_m * c.head_dim_qk * e
+    k = c.block_n * c.head_dim_qk * e * c.num_stages
+    v_tile = c.block_n * c.head_dim_v * e
+    v_buffers = 1 if (c.dtype == "fp8" and c.loads == "pointer" and c.v_layout == "natural") else c.num_stages
+    ones = c.block_n * 16 * e if c.rowsum == "mma" else 0
+    margin = TMA_SMEM_MARGIN if c.loads == "tma" else 0
+    return q + k + v_tile * v_buffers + ones + margin
+
+
+#: Fixed part of `register_estimate`: row statistics, addresses, loop state (calibrated: see below).
+REGISTER_OVERHEAD = 16
+
+
+def register_estimate(c: KernelConfig) -> int:
+    """Registers per thread the key loop needs at least, calibrated against compile_for_target.
+
+    fp32 accumulators (block_m x head_dim_v) + fp32 scores (block_m x block_n), spread over
+    32*num_warps threads, + P at a quarter of the scores (four e4m3 per register; Triton converts
+    bf16 P as it feeds the P@V wgmma, so its extra registers overlap the scores' the same way)
+    + REGISTER_OVERHEAD. It is close to a lower bound, not a prediction: real counts run 0..100
+    above it with loads, layouts and rowsum (lean P under maxnreg=168 once came 4 below). Over the
+    same 1940 configs (maxnreg 0, 168 and 200) every config whose estimate exceeds its limit spilled
+    (305 of the 586 that spill); every config that did not spill stays 8 or more under its limit.
+    """
+    threads = 32 * c.num_warps
+    acc = c.block_m * c.head_dim_v // threads
+    scores = c.block_m * c.block_n // threads
+    return acc + scores + scores // 4 + REGISTER_OVERHEAD
+
+
+def register_limit(c: KernelConfig) -> int:
+    return c.maxnreg or MAX_REGISTERS
+
+
+def static_infeasibility(c: KernelConfig) -> str | None:
+    """Why `c` cannot compile to a usable sm_90a kernel, from its shape alone; None if it may."""
+    wg_rows = 64 * (c.num_warps // 4)
+    if c.num_warps % 4 or c.block_m % wg_rows:
+        # Triton compiles it by splitting the key / head-dim columns across warpgroups (row
+        # statistics then go through shared memory each tile). Measured on the H200 (B=2, H=32,
+        # S=4096, causal) it ran 1.6-3.0x slower than the same config with 64 rows x 4 warps or
+        # 128 rows x 8 warps, both dtypes, head dims 64, 128 and 256: pruned, as FA3/FA4 do.
+        return (f"wgmma: block_m={c.block_m} with num_warps={c.num_warps} gives a warpgroup fewer than 64 "
+                f"query rows (block_m must be a multiple of {wg_rows}, one 64-row slice per warpgroup)")
+    min_n = 32 if c.dtype == "fp8" else 16
+    if c.block_n % 16 or c.block_n < min_n:
+        return (f"wgmma: block_n={c.block_n} must be a multiple of 16 and >= {min_n} for {c.dtype} "
+                f"(the k dimension of P@V)")
+    smem = smem_estimate(c)
+    if smem > SMEM_LIMIT:
+        return (f"shared memory: about {smem} B (Q, {c.num_stages} stages of K and V"
+                f"{', ones tile' if c.rowsum == 'mma' else ''}) > {SMEM_LIMIT} B (227 KiB)")
+    regs, limit = register_estimate(c), register_limit(c)
+    if regs > limit:
+        return (f"registers: about {regs} per thread (accumulators, scores, P) > "
+                f"{'maxnreg=' + str(c.maxnreg) if c.maxnreg else str(MAX_REGISTERS)}: it would spill")
+    return None
+
+
+# ---- the search space --------------------------------------------------------------------------
+
+class SearchSpace:
+    """The searched parameters of one kernel family; see the module doc for how trials map."""
+
+    def __init__(self, family: str, dtype: str, params: Sequence[Param]):
+        if dtype not in CHOICES["dtype"]:
+            raise ValueError(f"dtype: {dtype!r} is not one of {list(CHOICES['dtype'])}")
+        self.family = family
+        self.dtype = dtype
+        self.params: tuple[Param, ...] = tuple(params)
+        _check_params(self.params)
+
+    def __repr__(self) -> str:
+        return f"SearchSpace({self.family!r}, {[p.key for p in self.params]})"
+
+    # ---- configs ---------------------------------------------------------------------------
+    def base(self, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+        """The family's safe default for these head dims (ConfigError for unsupported ones)."""
+        return default_config(self.dtype, head_dim_qk, head_dim_v)
+
+    def config_from(self, values: Mapping[str, object], head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+        """base() with these fields replaced; ConfigError if a name or the result is invalid."""
+        base = self.base(head_dim_qk, head_dim_v)
+        unknown = sorted(str(k) for k in values if k not in _FIELDS)
+        if unknown:
+            raise ConfigError(f"unknown config fields: {unknown}")
+        fixed = sorted(k for k in values if k in _PROBLEM_FIELDS and values[k] != getattr(base, k))
+        if fixed:
+            raise ConfigError(f"{fixed} are fixed by the search space {self.family} and the head dims")
+        return base.replace(**dict(values))
+
+    def canonical(self, config: KernelConfig) -> KernelConfig:
+        """`config` with every irrelevant searched field (see Param.only_if) at the default's value:
+        the config `suggest` produces for the same kernel."""
+        base = self.base(config.head_dim_qk, config.head_dim_v)
+        current = config.to_dict()
+        changes = {p.name: getattr(base, p.name) for p in self.params if not p.relevant(current)}
+        return config.replace(**changes) if changes else config
+
+    # ---- Optuna ----------------------------------------------------------------------------
+    def suggest(self, trial: "optuna.Trial", head_dim_qk: int, head_dim_v: int) -> KernelConfig | None:
+        """Suggest every param on `trial` and build the config; None (with the trial's user attr
+        "infeasible" set to the reason) when the point is invalid or statically infeasible.
+        Unsupported head dims are the caller's error: ConfigError."""
+        self.base(head_dim_qk, head_dim_v)
+        options = {p.key: trial.suggest_categorical(p.key, list(p.suggest_choices)) for p in self.params}
+        try:
+            config = self._from_options(options, head_dim_qk, head_dim_v)
+        except ConfigError as exc:
+            trial.set_user_attr("infeasible", f"invalid: {exc}")
+            return None
+        reason = self.feasible(config)
+        if reason is not None:
+            trial.set_user_attr("infeasible", reason)
+            return None
+        return config
+
+    def as_optuna_params(self, config: KernelConfig) -> dict:
+        """The `suggest` parameters that reproduce `config` (for study.enqueue_trial). Irrelevant
+        fields (Param.only_if) are reproduced at the default's value; ValueError if `config` is not a
+        point of this space (another dtype, a value outside a param's choices, an unsearched field
+        away from the default)."""
+        if not isinstance(config, KernelConfig):
+            raise TypeError(f"as_optuna_params() takes a KernelConfig, got {type(config).__name__}")
+        if config.dtype != self.dtype:
+            raise ValueError(f"{self.family}: config has dtype {config.dtype!r}, this space is {self.dtype!r}")
+        target = self.canonical(config)
+        out = {}
+        for p in self.params:
+            value = getattr(config, p.name)
+            if value not in p.choices:
+                raise ValueError(f"{self.family}: {p.name}={value!r} is not one of the searched {list(p.choices)}")
+            out[p.key] = p.to_option(value, config)
+        try:
+            again = self._from_options(out, config.head_dim_qk, config.head_dim_v)
+        except ConfigError as exc:
+            raise ValueError(f"{self.family}: config is not a point of this space: {exc}") from exc
+        if again != target:
+            diff = sorted(k for k, v in target.to_dict().items() if getattr(again, k) != v)
+            raise ValueError(f"{self.family}: config is not a point of this space: {diff} are not searched "
+                             f"here and differ from the default")
+        return out
+
+    def _from_options(self, options: Mapping[str, Any], head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+        so_far = self.base(head_dim_qk, head_dim_v).to_dict()
+        base = dict(so_far)
+        values = {}
+        for p in self.params:
+            option = options[p.key]
+            if option not in p.suggest_choices:
+                raise ConfigError(f"{p.key}: {option!r} is not one of {list(p.suggest_choices)}")
+            values[p.name] = so_far[p.name] = p.to_field(option, so_far)
+        for p in self.params:  # irrelevant fields take the default's value
+            if not p.relevant(so_far):
+                values[p.name] = base[p.name]
+        return self.config_from(values, head_dim_qk, head_dim_v)
+
+    # ---- pruning and seeds -----------------------------------------------------------------
+    def feasible(self, config: KernelConfig) -> str | None:
+        """A human reason why `config` is statically infeasible (before any compile), or None."""
+        if config.dtype != self.dtype:
+            return f"{self.family} searches dtype {self.dtype!r}, not {config.dtype!r}"
+        return static_infeasibility(config)
+
+    def seeds(self, head_dim_qk: int, head_dim_v: int, *,
+              databases: Iterable[str | os.PathLike] | None = None) -> list[KernelConfig]:
+        """Known-good configs to enqueue first: the default, then the best configs of these head dims
+        in `databases` (default: SEED_DATABASES, the shipped H200 database), most problem classes won
+        first. Rows that fail validation, are not causal, are not points of this space or are
+        statically infeasible are skipped; the list is deduplicated (after `canonical`)."""
+        base = self.base(head_dim_qk, head_dim_v)
+        wins: Counter[KernelConfig] = Counter()
+        for path in (SEED_DATABASES if databases is None else databases):
+            for config in self._db_configs(path, head_dim_qk, head_dim_v):
+                wins[config] += 1
+        out = [base]
+        for config, _ in sorted(wins.items(), key=lambda kv: -kv[1]):  # stable: database order on ties
+            if config in out:
+                continue
+            try:
+                self.as_optuna_params(config)
+            except ValueError as exc:
+                log.debug("seed skipped: %s", exc)
+                continue
+            reason = self.feasible(config)
+            if reason is not None:
+                log.debug("seed skipped: %s", reason)
+                continue
+            out.append(config)
+        return out
+
+    def _db_configs(self, path: str | os.PathLike, head_dim_qk: int, head_dim_v: int) -> list[KernelConfig]:
+        from zyfa_tune.db import DatabaseError, open_store
+
+        if not Path(path).exists():
+            log.info("seed database %s does not exist", path)
+            return []
+        try:
+            with open_store(path, readonly=True, create=False) as store:
+                entries = store.best_entries(head_dims=(head_dim_qk, head_dim_v), dtype=self.dtype)
+        except DatabaseError as exc:
+            log.warning("seed database skipped: %s", exc)
+            return []
+        out = []
+        for entry in entries:
+            if not entry.key.causal or entry.backend != "triton":
+                continue
+            try:
+                config = KernelConfig.from_json(entry.config_json)
+            except ConfigError as exc:
+                log.warning("%s: skipping an invalid best config: %s", path, exc)
+                continue
+            if (config.dtype, config.head_dim_qk, config.head_dim_v) != (self.dtype, head_dim_qk, head_dim_v):
+                continue
+            out.append(self.canonical(config))
+        return out
+
+
+def _check_params(params: tuple[Param, ...]) -> None:
+    """Every param is a searchable KernelConfig field with allowed, plain choices."""
+    names, keys = set(), set()
+    for p in params:
+        if not isinstance(p, Param):
+            raise TypeError(f"params must be Param, got {type(p).__name__}")
+        if p.name not in _FIELDS or p.name in _PROBLEM_FIELDS:
+            raise ValueError(f"{p.name!r} is not a searchable KernelConfig field")
+        if p.name in names or p.key in keys:
+            raise ValueError(f"{p.name!r} is declared twice")
+        names.add(p.name)
+        keys.add(p.key)
+        if not p.choices or any(v not in CHOICES[p.name] or type(v) is not type(CHOICES[p.name][0])
+                                for v in p.choices):
+            raise ValueError(f"{p.name}: choices {list(p.choices)} are not all in {list(CHOICES[p.name])}")
+        if len(set(p.suggest_choices)) != len(p.suggest_choices) or not all(
+                type(v) in _PLAIN for v in p.suggest_choices):
+            raise ValueError(f"{p.key}: Optuna choices must be distinct plain values: {list(p.suggest_choices)}")
+        if p.only_if is not None and p.only_if[0] not in _FIELDS:
+            raise ValueError(f"{p.name}: only_if names an unknown field {p.only_if[0]!r}")

@@ -1,0 +1,26 @@
+"""BF16 causal forward: one line per searched `KernelConfig` field.
+
+Fields not listed come from `kernels.defaults.default_config("bf16", ...)`: dtype, head dims,
+softmax="exact" (lean P writes e4m3 codes: fp8 only), p_scale_log2=0 (bf16 has the range; the
+generator requires 0) and the unused lean P fields. Adding a parameter to the generator means
+adding its line here (and in fp8_causal.py).
+"""
+
+from .base import Param, SearchSpace, rowsum_param, scale_per_tile
+
+BLOCK_N = (64, 128)
+
+PARAMS = (
+    Param("block_m", (64, 128)),
+    Param("block_n", BLOCK_N),
+    Param("num_warps", (4, 8)),
+    Param("num_stages", (2, 3, 4)),
+    Param("maxnreg", (0, 168, 200)),
+    scale_per_tile(BLOCK_N),                            # Optuna "scale_per_tile": scale_block 0 / block_n
+    rowsum_param(("fp32", "rounded", "mma")),
+    Param("q_order", ("forward", "heavy_first")),
+    Param("loads", ("tma", "pointer")),
+    Param("v_layout", ("natural",)),                    # bf16 wgmma reads V (keys, dim) as is: no copy
+)
+
+SPACE = SearchSpace("bf16-causal", "bf16", PARAMS)

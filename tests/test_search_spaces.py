@@ -1,0 +1,364 @@
+"""Search spaces (zyfa_tune.search_spaces): declarations, Optuna suggestion, round trips, seeds,
+static feasibility and its calibration against real sm_90a compiles.
+
+CPU only. The calibration test compiles CALIBRATION's configs once each (module-scoped cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import warnings
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig, emit
+from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.search_spaces import (FAMILIES, SEED_DATABASES, SMEM_LIMIT, Param, SearchSpace, get_space,
+                                     register_estimate, smem_estimate)
+from zyfa_tune.search_spaces import base as ss_base
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+HEAD_PAIRS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
+FIELDS = {f.name for f in dataclasses.fields(KernelConfig)}
+D = default_config
+#: every field the issue lists for each family (one Param line each)
+FAMILY_FIELDS = {
+    "fp8-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "softmax", "lean_fold",
+                   "lean_clamp", "lean_pack", "p_scale_log2", "scale_block", "rowsum", "q_order", "loads",
+                   "v_layout"},
+    "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
+                    "q_order", "loads", "v_layout"},
+}
+
+
+def study(seed: int = 0) -> optuna.Study:
+    return optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+
+
+def ask_config(space: SearchSpace, s: optuna.Study, dqk: int, dv: int):
+    trial = s.ask()
+    return trial, space.suggest(trial, dqk, dv)
+
+
+# ---- declarations -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_params_are_fields_with_allowed_choices(family):
+    space = FAMILIES[family]
+    assert space.family == family and space.dtype == family.split("-")[0]
+    names = [p.name for p in space.params]
+    assert len(names) == len(set(names))
+    assert set(names) == FAMILY_FIELDS[family]
+    for p in space.params:
+        assert isinstance(p, Param)
+        assert p.name in FIELDS
+        assert p.choices and all(v in CHOICES[p.name] for v in p.choices), p
+        assert all(type(v) in (bool, int, float, str) for v in p.suggest_choices), p
+    keys = [p.key for p in space.params]
+    assert len(keys) == len(set(keys))
+
+
+def test_family_specifics():
+    fp8, bf16 = FAMILIES["fp8-causal"], FAMILIES["bf16-causal"]
+    by = {f: {p.name: p for p in FAMILIES[f].params} for f in FAMILIES}
+    assert by["fp8-causal"]["v_layout"].choices == ("transposed", "natural")
+    assert by["bf16-causal"]["v_layout"].choices == ("natural",)
+    assert by["fp8-causal"]["p_scale_log2"].choices == (6, 7, 8)
+    for name in ("softmax", "lean_fold", "lean_clamp", "lean_pack", "p_scale_log2"):
+        assert name not in by["bf16-causal"]
+    # scale_block is searched as a boolean; rowsum offers all three everywhere
+    for f in FAMILIES:
+        sb = by[f]["scale_block"]
+        assert sb.key == "scale_per_tile" and sb.suggest_choices == (False, True)
+        assert by[f]["rowsum"].suggest_choices == ("fp32", "rounded", "mma")
+    assert fp8.base(128, 128) == D("fp8", 128, 128) and bf16.base(192, 128) == D("bf16", 192, 128)
+
+
+def test_space_rejects_bad_declarations():
+    with pytest.raises(ValueError, match="not a searchable"):
+        SearchSpace("x", "fp8", [Param("nonsense", (1,))])
+    with pytest.raises(ValueError, match="not a searchable"):
+        SearchSpace("x", "fp8", [Param("dtype", ("fp8",))])
+    with pytest.raises(ValueError, match="not all in"):
+        SearchSpace("x", "fp8", [Param("block_m", (64, 96))])
+    with pytest.raises(ValueError, match="declared twice"):
+        SearchSpace("x", "fp8", [Param("block_m", (64,)), Param("block_m", (128,))])
+
+
+def test_get_space():
+    assert get_space("fp8") is FAMILIES["fp8-causal"]
+    assert get_space("bf16") is FAMILIES["bf16-causal"]
+    assert set(FAMILIES) == {"fp8-causal", "bf16-causal"}
+    for bad in ("fp16", "FP8", "", None, 8):
+        with pytest.raises(ValueError, match="dtype"):
+            get_space(bad)
+
+
+# ---- suggestion -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_random_sampler_gives_valid_configs_or_reasons(family):
+    space = FAMILIES[family]
+    s = study(seed=1)
+    got, infeasible, reasons = set(), 0, set()
+    for i in range(300):
+        dqk, dv = HEAD_PAIRS[i % len(HEAD_PAIRS)]
+        trial, config = ask_config(space, s, dqk, dv)
+        # the space is static: every param is suggested on every trial
+        assert set(trial.params) == {p.key for p in space.params}
+        if config is None:
+            reason = trial.user_attrs.get("infeasible")
+            assert isinstance(reason, str) and reason
+            reasons.add(reason.split(":")[0])
+            infeasible += 1
+            s.tell(trial, state=TrialState.PRUNED)
+            continue
+        assert isinstance(config, KernelConfig)
+        assert KernelConfig.from_json(config.to_json()) == config  # passes validation again
+        assert (config.dtype, config.head_dim_qk, config.head_dim_v) == (space.dtype, dqk, dv)
+        assert space.feasible(config) is None
+        assert space.canonical(config) == config
+        assert "infeasible" not in trial.user_attrs
+        if config.softmax == "exact":
+            assert (config.lean_fold, config.lean_clamp, config.lean_pack) == ("fma", "imax", "prmt")
+        assert config.scale_block in (0, config.block_n)
+        got.add(config)
+        s.tell(trial, 1.0)
+    assert 30 < infeasible < 270 and len(got) > 30
+    assert reasons >= {"wgmma", "shared memory", "registers"}
+
+
+def test_suggest_maps_to_valid_combinations():
+    space = get_space("fp8")
+    s = study()
+    base = space.as_optuna_params(space.base(128, 128))
+    s.enqueue_trial({**base, "softmax": "lean", "rowsum": "fp32", "scale_per_tile": True, "block_n": 64,
+                     "lean_fold": "sub_fma"})
+    s.enqueue_trial({**base, "softmax": "exact", "rowsum": "fp32", "lean_pack": "bfi"})
+    _, lean = ask_config(space, s, 128, 128)
+    assert (lean.softmax, lean.rowsum, lean.scale_block, lean.block_n, lean.lean_fold) == (
+        "lean", "rounded", 64, 64, "sub_fma")
+    _, exact = ask_config(space, s, 128, 128)
+    assert (exact.rowsum, exact.lean_pack) == ("fp32", "prmt")  # irrelevant lean field: canonical value
+
+
+def test_suggest_marks_infeasible_trials():
+    space = get_space("bf16")
+    s = study()
+    params = space.as_optuna_params(space.base(256, 256))
+    s.enqueue_trial({**params, "block_n": 128, "num_stages": 4})
+    trial, config = ask_config(space, s, 256, 256)
+    assert config is None
+    assert trial.user_attrs["infeasible"].startswith("shared memory")
+    with pytest.raises(ConfigError):  # unsupported head dims are the caller's error
+        space.suggest(study().ask(), 80, 80)
+
+
+def test_config_from():
+    space = get_space("fp8")
+    c = space.config_from({"block_m": 128, "num_warps": 8, "softmax": "lean", "rowsum": "mma"}, 64, 64)
+    assert c == D("fp8", 64, 64).replace(block_m=128, num_warps=8, softmax="lean", rowsum="mma")
+    assert space.config_from({}, 96, 96) == D("fp8", 96, 96)
+    for bad in ({"softmax": "lean", "rowsum": "fp32"}, {"scale_block": 32}, {"nonsense": 1},
+                {"dtype": "bf16"}, {"block_m": 96}, {"num_warps": True}):
+        with pytest.raises(ConfigError):
+            space.config_from(bad, 128, 128)
+    with pytest.raises(ConfigError):
+        get_space("bf16").config_from({"p_scale_log2": 8}, 128, 128)
+
+
+# ---- round trips ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_as_optuna_params_round_trip(family):
+    space = FAMILIES[family]
+    sampled = study(seed=7)
+    configs = []
+    for i in range(120):
+        dqk, dv = HEAD_PAIRS[i % len(HEAD_PAIRS)]
+        trial, config = ask_config(space, sampled, dqk, dv)
+        sampled.tell(trial, state=TrialState.PRUNED)
+        if config is not None:
+            configs.append(config)
+    configs += [c for dqk, dv in HEAD_PAIRS for c in space.seeds(dqk, dv)]
+    assert len(configs) > 20
+    replay = study(seed=3)
+    for config in configs:
+        params = space.as_optuna_params(config)
+        assert all(type(v) in (bool, int, float, str) for v in params.values())
+        replay.enqueue_trial(params)
+        trial, again = ask_config(space, replay, config.head_dim_qk, config.head_dim_v)
+        assert again == config
+        assert trial.params == params
+        replay.tell(trial, 1.0)
+
+
+def test_as_optuna_params_non_points():
+    fp8, bf16 = get_space("fp8"), get_space("bf16")
+    base = fp8.base(128, 128)
+    # an irrelevant lean field reproduces as the canonical config (the same kernel)
+    odd = base.replace(lean_fold="sub_fma")
+    s = study()
+    s.enqueue_trial(fp8.as_optuna_params(odd))
+    _, again = ask_config(fp8, s, 128, 128)
+    assert again == fp8.canonical(odd) == base
+    for bad in (base.replace(block_m=256, num_warps=16), base.replace(p_scale_log2=3),
+                base.replace(maxnreg=128)):
+        with pytest.raises(ValueError, match="not one of the searched"):
+            fp8.as_optuna_params(bad)
+    with pytest.raises(ValueError, match="dtype"):
+        fp8.as_optuna_params(bf16.base(128, 128))
+    with pytest.raises(ValueError, match="not searched"):  # bf16 does not search the lean fields
+        bf16.as_optuna_params(bf16.base(128, 128).replace(lean_pack="bfi"))
+    with pytest.raises(ValueError, match="not one of the searched"):
+        bf16.as_optuna_params(bf16.base(128, 128).replace(v_layout="transposed"))
+
+
+# ---- seeds ------------------------------------------------------------------------------------
+
+def shipped_best(dtype: str, dqk: int, dv: int) -> list[KernelConfig]:
+    from zyfa_tune.db import open_store
+
+    with open_store(SEED_DATABASES[0], readonly=True, create=False) as store:
+        return [KernelConfig.from_json(e.config_json)
+                for e in store.best_entries(head_dims=(dqk, dv), dtype=dtype) if e.key.causal]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_seeds(family):
+    space = FAMILIES[family]
+    for dqk, dv in HEAD_PAIRS:
+        seeds = space.seeds(dqk, dv)
+        assert seeds[0] == space.base(dqk, dv) == D(space.dtype, dqk, dv)
+        assert len(seeds) == len(set(seeds))
+        for c in seeds:
+            assert KernelConfig.from_json(c.to_json()) == c
+            assert (c.dtype, c.head_dim_qk, c.head_dim_v) == (space.dtype, dqk, dv)
+            assert space.feasible(c) is None, (c, space.feasible(c))
+        assert set(shipped_best(space.dtype, dqk, dv)) <= set(seeds)
+
+
+def test_seeds_fp8_128_include_shipped_best():
+    space = get_space("fp8")
+    best = shipped_best("fp8", 128, 128)
+    assert len(set(best)) >= 2  # the shipped database has two winners for fp8 128/128
+    seeds = space.seeds(128, 128)
+    assert set(best) <= set(seeds)
+    assert seeds[0] == D("fp8", 128, 128)
+
+
+def test_seeds_without_database(tmp_path):
+    space = get_space("bf16")
+    assert space.seeds(128, 128, databases=[tmp_path / "missing.db"]) == [space.base(128, 128)]
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"not a database")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert space.seeds(128, 128, databases=[empty]) == [space.base(128, 128)]
+
+
+# ---- static feasibility -----------------------------------------------------------------------
+
+def test_feasibility_rules():
+    fp8, bf16 = get_space("fp8"), get_space("bf16")
+    base = fp8.base(128, 128)
+    assert fp8.feasible(base) is None and bf16.feasible(bf16.base(256, 256)) is None
+    assert fp8.feasible(base.replace(num_warps=8)).startswith("wgmma")           # 64 rows, 2 warpgroups
+    assert fp8.feasible(base.replace(block_m=128, num_warps=16)).startswith("wgmma")
+    assert fp8.feasible(base.replace(block_m=128, num_warps=8)) is None
+    assert fp8.feasible(base.replace(block_n=32, num_stages=2)) is None            # fp8 k=32 is fine
+    assert fp8.feasible(bf16.base(128, 128)).startswith("fp8-causal")            # other family
+    assert fp8.feasible(base.replace(block_m=128)).startswith("registers")       # 128x128 on 4 warps
+    assert fp8.feasible(base.replace(maxnreg=128)).startswith("registers")
+    assert fp8.feasible(base.replace(maxnreg=168)) is None
+    r = bf16.feasible(bf16.base(256, 256).replace(block_n=128, num_stages=4))
+    assert r.startswith("shared memory") and str(SMEM_LIMIT) in r
+    # every default config is feasible (they compile without spills: test_compile_sm90)
+    for dt, (dqk, dv) in itertools.product(("fp8", "bf16"), HEAD_PAIRS):
+        assert get_space(dt).feasible(D(dt, dqk, dv)) is None
+
+
+#: Calibration (Triton 3.6, sm_90a, compile_for_target): config -> (estimated shared bytes, real
+#: shared bytes, estimated registers, real registers, real spill bytes). The static check must accept
+#: every config that fits 227 KiB without spills and reject every config over 227 KiB; the register
+#: estimate is a lower bound that rejects only clear spills. (A wider sweep of 1940 configs, in
+#: search_spaces/base.py's docstrings, found no false rejection either.)
+CALIBRATION = [
+    # config                                                                            est_smem real_smem est_reg reg spill
+    (D("fp8", 128, 128),                                                                 107520, 107520, 160, 191, 0),
+    (D("fp8", 64, 64).replace(block_m=128, num_warps=8, num_stages=4, loads="pointer",
+                              v_layout="natural", rowsum="mma"),                          51200,  49152, 128, 212, 0),
+    (D("fp8", 96, 96).replace(loads="pointer", v_layout="natural"),                       55296,  51200, 144, 247, 0),
+    (D("fp8", 192, 128),                                                                  74752,  74752, 120, 150, 0),
+    (D("fp8", 192, 128).replace(block_m=128, block_n=128, num_warps=8, num_stages=4),    189440, 189440, 160, 190, 0),
+    (D("fp8", 256, 256),                                                                 115712, 115712, 184, 216, 0),
+    (D("fp8", 256, 256).replace(block_m=128, block_n=128, num_warps=8, num_stages=4),    295936, 295936, 224, 236, 0),
+    (D("fp8", 256, 256).replace(block_m=128, block_n=128, rowsum="mma"),                 232448, 232448, 432, 255, 1440),
+    (D("fp8", 128, 128).replace(softmax="lean", rowsum="rounded", maxnreg=168,
+                                num_stages=2),                                            74752,  74752, 160, 156, 0),
+    (D("fp8", 128, 128).replace(block_m=128),                                            115712, 115712, 304, 255, 192),
+    (D("bf16", 64, 64).replace(num_warps=4, num_stages=3, rowsum="mma"),                 119808, 119808, 240, 254, 0),
+    (D("bf16", 128, 128),                                                                164864, 164864, 160, 188, 0),
+    (D("bf16", 192, 128).replace(block_n=128),                                           214016, 214016, 160, 193, 0),
+    (D("bf16", 256, 256),                                                                197632, 196640, 184, 217, 0),
+    (D("bf16", 256, 256).replace(num_stages=3),                                          263168, 263168, 184, 218, 0),
+    (D("bf16", 256, 256).replace(block_n=128, num_stages=4),                             590848, 590848, 224, 255, 24),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    from zyfa_tune.generator.build import compile_for_target
+
+    cache = {}
+
+    def get(config: KernelConfig):
+        if config not in cache:
+            cache[config] = compile_for_target(emit(config))
+        return cache[config]
+
+    return get
+
+
+@pytest.mark.parametrize("row", CALIBRATION, ids=lambda row: (
+    f"{row[0].dtype}-{row[0].head_dim_qk}/{row[0].head_dim_v}-{row[0].block_m}x{row[0].block_n}"
+    f"-w{row[0].num_warps}-s{row[0].num_stages}-{row[0].loads}-{row[0].v_layout}-{row[0].rowsum}"
+    f"-{row[0].softmax}-r{row[0].maxnreg}"))
+def test_feasibility_calibration(row, compiled):
+    import triton
+
+    config, est_smem, real_smem, est_regs, real_regs, spill = row
+    space = get_space(config.dtype)
+    assert (smem_estimate(config), register_estimate(config)) == (est_smem, est_regs)
+    art = compiled(config)
+    if triton.__version__.startswith("3.6."):  # the pinned Triton: the table is what it compiles
+        assert (art.shared_bytes, art.registers, art.spill_bytes) == (real_smem, real_regs, spill)
+    reason = space.feasible(config)
+    usable = art.shared_bytes <= SMEM_LIMIT and art.spill_bytes == 0
+    if usable:
+        assert reason is None, f"rejected a config that compiles within 227 KiB without spills: {reason}"
+    if art.shared_bytes > SMEM_LIMIT:
+        assert reason is not None and reason.startswith("shared memory")
+    if reason is not None and reason.startswith("registers"):
+        assert art.spill_bytes > 0
+    # the estimate tracks the real size: at most 1 KiB optimistic, at most 6.5 KiB pessimistic
+    assert -1024 <= smem_estimate(config) - art.shared_bytes <= 6656
+    if usable:  # the register estimate stays (about) below what compiles, with headroom to the limit
+        assert register_estimate(config) <= art.registers + 8
+        assert register_estimate(config) <= (config.maxnreg or 255) - 8
+
+
+def test_calibration_covers_the_brief():
+    rows = [r[0] for r in CALIBRATION]
+    pairs = {(c.head_dim_qk, c.head_dim_v) for c in rows}
+    assert {(64, 64), (128, 128), (192, 128), (256, 256)} <= pairs
+    assert {c.block_n for c in rows} == {64, 128} and {c.block_m for c in rows} == {64, 128}
+    over = [r for r in CALIBRATION if r[2] > SMEM_LIMIT]
+    assert len(over) >= 2 and any(c.dtype == "bf16" and c.block_n == 128 and c.num_stages == 4
+                                  for c, *_ in over)
+    assert any(r[2] <= SMEM_LIMIT and r[5] == 0 and r[2] > 0.9 * SMEM_LIMIT for r in CALIBRATION)
+    assert ss_base.SMEM_LIMIT == 232448

@@ -1,0 +1,130 @@
+"""The whole tuning loop on the CPU: Optuna study -> isolated workers (replay runner: stored GPU
+measurements, real sm_90a compiles) -> tuning database -> dispatcher; injected faults; resume after
+SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+
+from zyfa_tune.db import ProblemKey, open_store
+from zyfa_tune.kernels import dispatch
+from zyfa_tune.tune import Tuner, TuneSpec, parse_duration, replay_fingerprint
+
+SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
+
+
+def spec(tmp_path, **kw) -> TuneSpec:
+    base = dict(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(8192,), trials=6,
+                storage=str(tmp_path / "tune.db"), study_storage=str(tmp_path / "study.journal"),
+                runner=f"replay:{SHIPPED}", timeout_s=60.0)
+    base.update(kw)
+    return TuneSpec(**base)
+
+
+def test_spec_validation(tmp_path):
+    with pytest.raises(ValueError, match="head_dim_qk"):
+        spec(tmp_path, head_dim_qk=80)
+    with pytest.raises(ValueError, match="seqlens"):
+        spec(tmp_path, seqlens=())
+    with pytest.raises(ValueError, match="kv_heads"):
+        spec(tmp_path, heads=32, kv_heads=5)
+    with pytest.raises(ValueError, match="trials"):
+        spec(tmp_path, trials=None, time_budget_s=None)
+    assert parse_duration("15m") == 900 and parse_duration("1h30m") == 5400 and parse_duration("90") == 90
+    with pytest.raises(ValueError, match="--time"):
+        parse_duration("soon")
+
+
+def test_loop_ends_with_a_best_entry_the_dispatcher_returns(tmp_path):
+    s = spec(tmp_path, seqlens=(4096, 16384), trials=8)
+    study = Tuner(s).run()
+    finished = [t for t in study.trials if t.state.is_finished()]
+    assert len(finished) == 8
+    assert any(t.state == optuna.trial.TrialState.COMPLETE for t in finished)
+    with open_store(s.storage, readonly=True, create=False) as store:
+        assert store.count_trials() >= 2 * sum(t.state != optuna.trial.TrialState.PRUNED for t in finished) - 2
+        best = store.best_entries()
+    assert {e.key.seqlen_bucket for e in best} == {4096, 16384}
+    d = dispatch.Dispatcher([s.storage])
+    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=1, heads=32,
+                                kv_heads=32, seqlen=16384)
+    choice = d.choose(key, replay_fingerprint(s.runner).device_key())
+    assert choice.source == "exact"
+    fastest = min((e for e in best if e.key == key), key=lambda e: e.median_ms)
+    assert choice.config.to_json() == fastest.config_json
+
+
+def test_existing_study_needs_resume(tmp_path):
+    Tuner(spec(tmp_path, trials=2)).run()
+    with pytest.raises(ValueError, match="--resume"):
+        Tuner(spec(tmp_path, trials=2)).run()
+    study = Tuner(spec(tmp_path, trials=2, resume=True)).run()
+    assert len([t for t in study.trials if t.state.is_finished()]) == 4
+
+
+@pytest.mark.parametrize("mode,status", [("hang", "timeout"), ("exit", "crash"), ("raise", "crash")])
+def test_injected_faults_are_recorded_and_the_study_goes_on(tmp_path, mode, status):
+    # the fault hits only configs with num_stages=2; everything else is answered by the replay runner
+    s = spec(tmp_path, trials=10, sampler="random", runner=f"fault:{mode}@num_stages=2", timeout_s=8.0)
+    study = Tuner(s).run()
+    assert len([t for t in study.trials if t.state.is_finished()]) == 10
+    with open_store(s.storage, readonly=True, create=False) as store:
+        statuses = {t["status"] for t in store.trials()}
+    assert status in statuses and "ok" in statuses
+
+
+_KILL_SCRIPT = textwrap.dedent("""
+    import sys
+    from zyfa_tune.tune import Tuner, TuneSpec
+    storage, journal, shipped, resume = sys.argv[1:5]
+    Tuner(TuneSpec(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(8192,), trials=40, storage=storage,
+                   study_storage=journal, runner="replay:" + shipped, timeout_s=60.0, sampler="random",
+                   resume=resume == "1")).run()
+""")
+
+
+def test_sigkill_and_resume_lose_and_repeat_nothing(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(_KILL_SCRIPT)
+    storage, journal = str(tmp_path / "tune.db"), str(tmp_path / "study.journal")
+    proc = subprocess.Popen([sys.executable, str(script), storage, journal, SHIPPED, "0"])
+    storage_obj = None
+    deadline = time.time() + 120
+    done_before = 0
+    while time.time() < deadline:  # wait until a few trials have finished, then kill -9
+        time.sleep(1.0)
+        if Path(journal).exists():
+            from zyfa_tune.tune import open_study_storage
+            storage_obj = open_study_storage(journal)
+            try:
+                st = optuna.load_study(study_name="fp8-128x128-causal", storage=storage_obj)
+            except KeyError:
+                continue
+            done_before = len([t for t in st.trials if t.state.is_finished()])
+            if done_before >= 3:
+                break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # worker children of the killed tuner may survive it briefly; they exit when their pipe closes
+    st = optuna.load_study(study_name="fp8-128x128-causal", storage=storage_obj)
+    finished_before = {t.number: t.user_attrs.get("config") for t in st.trials if t.state.is_finished()}
+    assert len(finished_before) >= 3
+    subprocess.run([sys.executable, str(script), storage, journal, SHIPPED, "1"], check=True, timeout=600)
+    st = optuna.load_study(study_name="fp8-128x128-causal", storage=storage_obj)
+    after = {t.number: t for t in st.trials}
+    for number, cfg in finished_before.items():  # nothing finished was lost
+        assert after[number].state.is_finished() and after[number].user_attrs.get("config") == cfg
+    assert not any(t.state == optuna.trial.TrialState.RUNNING for t in st.trials)
+    measured = [t.user_attrs["config"] for t in st.trials
+                if t.state.is_finished() and "config" in t.user_attrs
+                and not t.user_attrs.get("duplicate") and not t.user_attrs.get("killed")]
+    assert len(measured) == len(set(measured)), "a configuration was measured twice"

@@ -1,0 +1,334 @@
+"""The tuner: an Optuna study over a family's search space, trials run in isolated workers (one per
+GPU), every per-shape result written to the tuning database that the dispatcher reads.
+
+    search space --suggest--> KernelConfig --Task--> Worker (compile, verify, time) --> TrialResult
+        --> Store.record_trial (per shape: best kept per (GPU, problem class)) and study.tell
+
+The Optuna study lives in its own storage (a journal file by default, an RDB URL for many hosts;
+optuna-dashboard opens either); the tuning database holds the results the runtime uses. A study is
+resumable: finished trials stay in the study storage, a configuration already measured in the study
+is never measured again, and trials left RUNNING by a killed tuner on this host are marked failed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import optuna
+
+from zyfa_tune.db import Fingerprint, ProblemKey, TrialResult, open_store
+from zyfa_tune.generator import GENERATOR_VERSION, HEAD_DIMS, KernelConfig, emit
+from zyfa_tune.search_spaces import get_space
+from zyfa_tune.worker import Shape, Task, Worker
+
+SAMPLERS = ("tpe", "random")
+_HOST = socket.gethostname()
+
+
+@dataclass(frozen=True)
+class TuneSpec:
+    dtype: str
+    head_dim_qk: int
+    head_dim_v: int
+    seqlens: tuple[int, ...]
+    heads: int = 32
+    kv_heads: int | None = None          # default: heads (no GQA)
+    tokens: int = 16384                  # batch = max(1, tokens // seqlen) unless batches is given
+    batches: tuple[int, ...] | None = None
+    causal: bool = True
+    trials: int | None = None
+    time_budget_s: float | None = None
+    gpus: tuple[int | None, ...] = (None,)
+    storage: str | None = None           # tuning database (path or SQLAlchemy URL); None = default
+    study_storage: str | None = None     # Optuna storage URL or journal file; None = journal in cache
+    study_name: str | None = None
+    resume: bool = False
+    sampler: str = "tpe"
+    multi_objective: bool = False
+    runner: str = "gpu"
+    timeout_s: float = 180.0
+    seed: int = 0
+    gate: float = 1.25
+    reps: int = 20
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("fp8", "bf16"):
+            raise ValueError(f"dtype: {self.dtype!r} is not 'fp8' or 'bf16'")
+        for name in ("head_dim_qk", "head_dim_v"):
+            if getattr(self, name) not in HEAD_DIMS:
+                raise ValueError(f"{name}: {getattr(self, name)} is not one of {list(HEAD_DIMS)}")
+        if not self.seqlens or any(not isinstance(s, int) or s < 1 for s in self.seqlens):
+            raise ValueError(f"seqlens: expected positive integers, got {self.seqlens!r}")
+        if self.batches is not None and len(self.batches) != len(self.seqlens):
+            raise ValueError("batches: give one batch size per seqlen")
+        kv = self.kv_heads or self.heads
+        if self.heads < 1 or kv < 1 or self.heads % kv:
+            raise ValueError(f"kv_heads: {kv} must divide heads={self.heads}")
+        if self.trials is None and self.time_budget_s is None:
+            raise ValueError("trials / time_budget_s: give at least one")
+        if self.trials is not None and self.trials < 1:
+            raise ValueError(f"trials: expected >= 1, got {self.trials}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler: {self.sampler!r} is not one of {list(SAMPLERS)}")
+        if not self.gpus:
+            raise ValueError("gpus: need at least one")
+
+    @property
+    def shapes(self) -> tuple[Shape, ...]:
+        kv = self.kv_heads or self.heads
+        batches = self.batches or tuple(max(1, self.tokens // s) for s in self.seqlens)
+        return tuple(Shape(batch=b, heads=self.heads, kv_heads=kv, seqlen=s) for b, s in zip(batches, self.seqlens))
+
+    @property
+    def name(self) -> str:
+        return self.study_name or f"{self.dtype}-{self.head_dim_qk}x{self.head_dim_v}-{'causal' if self.causal else 'full'}"
+
+
+@dataclass
+class Progress:
+    """What the CLI shows while tuning (updated under a lock by the worker threads)."""
+
+    done: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+    best_value: float | None = None
+    best_config: KernelConfig | None = None
+    last_clock_mhz: float | None = None
+    started: float = field(default_factory=time.time)
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '15m', '2h', '1h30m' or plain seconds -> seconds."""
+    text = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"--time: cannot read {text!r}; use e.g. 90s, 15m, 1h30m")
+    return sum(float(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in parts)
+
+
+def default_study_storage(study: str) -> str:
+    from zyfa_tune.db import default_db_path
+
+    folder = default_db_path().parent / "studies"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(folder / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', study)}.journal")
+
+
+def open_study_storage(target: str):
+    """An RDB URL (many hosts) or a journal file (one host, many processes)."""
+    if "://" in target:
+        return optuna.storages.RDBStorage(target)
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    return JournalStorage(JournalFileBackend(target))
+
+
+def replay_fingerprint(runner: str) -> Fingerprint:
+    """The fingerprint results of a non-GPU runner are filed under (never a real GPU's)."""
+    return Fingerprint(gpu_name=f"{runner.split(':')[0]} (no GPU)", compute_capability="9.0", sm_count=132,
+                       memory_bytes=1, driver="none", cuda="none", torch="none", triton="none",
+                       generator_version=GENERATOR_VERSION)
+
+
+def _value(results: list[TrialResult]) -> float:
+    """Geometric mean TFLOP/s over the shapes (every shape must be ok)."""
+    return math.exp(sum(math.log(r.tflops) for r in results) / len(results))
+
+
+def _config_key(cfg: KernelConfig) -> str:
+    return cfg.to_json()
+
+
+class Tuner:
+    def __init__(self, spec: TuneSpec, on_progress: Callable[[Progress], None] | None = None):
+        self.spec = spec
+        self.space = get_space(spec.dtype)
+        self.progress = Progress()
+        self.on_progress = on_progress
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple] = {}  # config json -> (state, values) of finished study trials
+        self.study_storage = spec.study_storage or default_study_storage(spec.name)
+
+    # ---- study ----------------------------------------------------------------------------
+    def _sampler(self):
+        if self.spec.sampler == "random":
+            return optuna.samplers.RandomSampler(seed=self.spec.seed)
+        if self.spec.multi_objective:
+            return optuna.samplers.TPESampler(seed=self.spec.seed, constant_liar=True)
+        return optuna.samplers.TPESampler(seed=self.spec.seed, multivariate=True, constant_liar=True)
+
+    def open_study(self) -> optuna.Study:
+        storage = open_study_storage(self.study_storage)
+        exists = self.spec.name in {s.study_name for s in optuna.get_all_study_summaries(storage)}
+        if exists and not self.spec.resume:
+            raise ValueError(f"study: {self.spec.name!r} already exists in {self.study_storage}; "
+                             f"pass --resume to continue it or --study NAME for a new one")
+        directions = ["maximize", "minimize"] if self.spec.multi_objective else ["maximize"]
+        study = optuna.create_study(study_name=self.spec.name, storage=storage, sampler=self._sampler(),
+                                    directions=directions, load_if_exists=True)
+        study.set_user_attr("spec", {k: v for k, v in self.spec.__dict__.items() if k not in ("gpus",)})
+        self._recover(study)
+        if not exists:
+            for cfg in self.space.seeds(self.spec.head_dim_qk, self.spec.head_dim_v):
+                study.enqueue_trial(self.space.as_optuna_params(cfg), skip_if_exists=True)
+        return study
+
+    def _recover(self, study: optuna.Study) -> None:
+        """Fail trials a killed tuner on this host left RUNNING; index finished configs."""
+        for t in study.get_trials(deepcopy=False):
+            if t.state == optuna.trial.TrialState.RUNNING and t.user_attrs.get("host") == _HOST \
+                    and not _alive(t.user_attrs.get("pid")):
+                study._storage.set_trial_user_attr(t._trial_id, "killed", True)  # unfinished: may run again
+                study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
+            elif t.state.is_finished() and "config" in t.user_attrs:
+                self._seen[t.user_attrs["config"]] = (t.state, t.values)
+
+    # ---- trials ---------------------------------------------------------------------------
+    def _fingerprint(self, gpu: int | None) -> Fingerprint:
+        if self.spec.runner == "gpu":
+            from zyfa_tune.db import current_fingerprint
+
+            return current_fingerprint(gpu or 0)
+        return replay_fingerprint(self.spec.runner)
+
+    def _one(self, study: optuna.Study, worker: Worker, store, fp: Fingerprint) -> None:
+        trial = study.ask()
+        trial.set_user_attr("host", _HOST)
+        trial.set_user_attr("pid", os.getpid())
+        cfg = self.space.suggest(trial, self.spec.head_dim_qk, self.spec.head_dim_v)
+        if cfg is None:
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            self._count("infeasible")
+            return
+        key = _config_key(cfg)
+        trial.set_user_attr("config", key)
+        with self._lock:
+            seen = self._seen.get(key)
+        if seen is not None:  # measured before in this study: never run twice
+            trial.set_user_attr("duplicate", True)
+            state, values = seen
+            if state == optuna.trial.TrialState.COMPLETE:
+                study.tell(trial, values)
+            else:
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            self._count("duplicate")
+            return
+        task = Task(config_json=key, shapes=self.spec.shapes, causal=self.spec.causal,
+                    seed=self.spec.seed, gate=self.spec.gate, reps=self.spec.reps)  # probes cached per study
+        results = worker.run(task)
+        source_hash = emit(cfg).source_hash
+        for shape, res in zip(self.spec.shapes, results):
+            pkey = ProblemKey.from_shape(dtype=cfg.dtype, head_dim_qk=cfg.head_dim_qk, head_dim_v=cfg.head_dim_v,
+                                         causal=self.spec.causal, batch=shape.batch, heads=shape.heads,
+                                         kv_heads=shape.kv_heads, seqlen=shape.seqlen)
+            store.record_trial(fp, pkey, cfg, res, source_hash=source_hash, study=self.spec.name,
+                               provenance=f"study={self.spec.name} trial={trial.number} host={_HOST}")
+        statuses = [r.status for r in results]
+        trial.set_user_attr("statuses", statuses)
+        if all(s == "ok" for s in statuses):
+            value = _value(results)
+            errors = [r.error_rel_l2 or 0.0 for r in results]
+            values = (value, max(errors)) if self.spec.multi_objective else (value,)
+            trial.set_user_attr("tflops", [r.tflops for r in results])
+            study.tell(trial, list(values))
+            state = optuna.trial.TrialState.COMPLETE
+        else:
+            trial.set_user_attr("failure", next(r.message for r in results if r.status != "ok")[-500:])
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            state, values = optuna.trial.TrialState.FAIL, None
+        with self._lock:
+            self._seen[key] = (state, values)
+            p = self.progress
+            p.done += 1
+            for s in set(statuses):
+                p.by_status[s] = p.by_status.get(s, 0) + 1
+            clocks = [r.sm_clock_mhz for r in results if r.sm_clock_mhz]
+            p.last_clock_mhz = clocks[-1] if clocks else p.last_clock_mhz
+            if state == optuna.trial.TrialState.COMPLETE and (p.best_value is None or values[0] > p.best_value):
+                p.best_value, p.best_config = values[0], cfg
+        if self.on_progress:
+            self.on_progress(self.progress)
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.progress.by_status[what] = self.progress.by_status.get(what, 0) + 1
+        if self.on_progress:
+            self.on_progress(self.progress)
+
+    def _budget_left(self, deadline: float | None, launched: list[int]) -> bool:
+        with self._lock:
+            if self.spec.trials is not None and launched[0] >= self.spec.trials:
+                return False
+            if deadline is not None and time.time() >= deadline:
+                return False
+            launched[0] += 1
+            return True
+
+    def run(self) -> optuna.Study:
+        """Run the study until the trial count or the time budget is spent; returns the study."""
+        study = self.open_study()
+        deadline = None if self.spec.time_budget_s is None else time.time() + self.spec.time_budget_s
+        launched = [0]
+        errors: list[BaseException] = []
+
+        def loop(gpu: int | None) -> None:
+            try:
+                with open_store(self.spec.storage) as store, \
+                        Worker(gpu=gpu, runner=self.spec.runner, timeout_s=self.spec.timeout_s) as worker:
+                    fp = self._fingerprint(gpu)
+                    local = optuna.load_study(study_name=self.spec.name, storage=open_study_storage(self.study_storage),
+                                              sampler=self._sampler())
+                    while self._budget_left(deadline, launched):
+                        self._one(local, worker, store, fp)
+            except BaseException as exc:  # surfaced after the other GPUs finish
+                errors.append(exc)
+
+        threads = [threading.Thread(target=loop, args=(g,), name=f"zyfa-tune-gpu{g}") for g in self.spec.gpus]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return study
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def best_per_shape(spec: TuneSpec) -> list[dict]:
+    """For the end-of-run table: per shape, the best stored entry and the default config's result
+    from this study."""
+    from zyfa_tune.kernels.defaults import default_config
+
+    default_json = default_config(spec.dtype, spec.head_dim_qk, spec.head_dim_v).to_json()
+    rows = []
+    with open_store(spec.storage, readonly=True, create=False) as store:
+        for shape in spec.shapes:
+            pkey = ProblemKey.from_shape(dtype=spec.dtype, head_dim_qk=spec.head_dim_qk, head_dim_v=spec.head_dim_v,
+                                         causal=spec.causal, batch=shape.batch, heads=shape.heads,
+                                         kv_heads=shape.kv_heads, seqlen=shape.seqlen)
+            best = store.best_for(pkey)
+            trials = store.trials(key=pkey, status="ok")
+            default = [t for t in trials if t["config_json"] == default_json and t.get("study") == spec.name]
+            rows.append(dict(shape=shape, key=pkey, best=best[0] if best else None,
+                             default_tflops=max((t["tflops"] for t in default if t.get("tflops")), default=None)))
+    return rows
+

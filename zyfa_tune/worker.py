@@ -1,0 +1,594 @@
+"""Isolated trial execution: one child process per worker (one per GPU), so that a kernel variant
+that fails to compile, computes garbage, hangs or takes the CUDA context down never kills the study.
+
+    with Worker(gpu=0, runner="gpu", timeout_s=120) as w:
+        results = w.run(Task(config_json=cfg.to_json(), shapes=(Shape(1, 32, 32, 16384),)))
+
+`Worker.run` sends the task to the child and returns one `TrialResult` per shape, in order. The
+child streams one result per shape as it finishes; the parent turns whatever goes wrong into a
+status and never raises for a failing variant:
+
+  compile_error / wrong / ok   decided by the runner in the child (see zyfa_tune.runners);
+  timeout   no answer within `timeout_s`: the child is killed (SIGTERM, then SIGKILL after a short
+            grace) and replaced; shapes that had finished keep their results, the rest are timeout;
+  crash     the child died (segfault, os._exit, killed), or the runner raised (a CUDA error such
+            as an illegal memory access, or any unexpected exception: the child sends the traceback
+            and exits by itself, so the next task gets a fresh process and CUDA context); the child
+            is replaced. The message holds the exception or exit status and the tail of the child's
+            stderr (faulthandler writes a segfault's Python stack there).
+
+`timeout_s` covers the config's part of a task (compile, verify, time). The config-independent set-up
+before it — starting the child, and in the GPU runner building the inputs and float64 references
+of shapes not yet cached — has its own limit, `setup_timeout_s` (exceeding it is also "timeout").
+
+Child processes: start_method "spawn" (default) starts a fresh interpreter (`sys.executable -c`)
+with CUDA_VISIBLE_DEVICES=<gpu> in its environment from the first instruction, connected by a
+socket carrying multiprocessing.connection messages. Unlike multiprocessing's own spawn it does not
+re-run the caller's __main__ script in the child, so a tuner started from a script without an
+`if __name__ == "__main__"` guard works. "fork" uses multiprocessing's fork context (fast; CPU
+runners only: a forked child cannot use CUDA once the parent has). The child ignores SIGINT (the
+parent decides), and exits when the parent goes away (its end of the socket closes).
+
+Misuse raises: a closed worker, an argument that is not a Task, a bad runner string, a child that
+cannot start at all (`WorkerError`, e.g. no GPU visible for runner "gpu").
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import fcntl
+import json
+import math
+import multiprocessing
+import multiprocessing.connection as mpc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from zyfa_tune.db.records import TrialResult
+
+from .runners import RunnerSpec, exception_text, make_runner, parse_runner, tail
+
+__all__ = ["Shape", "Task", "Worker", "WorkerError", "START_METHODS"]
+
+START_METHODS = ("spawn", "fork")
+#: seconds between SIGTERM and SIGKILL when a child is stopped
+KILL_GRACE_S = 2.0
+#: exit status of a child that ends itself after reporting a crash
+CRASH_EXIT = 70
+#: characters of the child's stderr appended to crash / timeout messages
+STDERR_TAIL = 1500
+
+
+def _positive_int(name: str, value: object) -> int:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads", "kv_heads", "seqlen"):
+            _positive_int(name, getattr(self, name))
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads: {self.kv_heads} does not divide heads={self.heads}")
+
+    def __str__(self) -> str:
+        kv = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
+        return f"B={self.batch} H={self.heads}{kv} S={self.seqlen}"
+
+
+@dataclass(frozen=True)
+class Task:
+    config_json: str          # KernelConfig.to_json(); the child re-validates it with from_json
+    shapes: tuple[Shape, ...]
+    causal: bool = True
+    seed: int = 0             # input seed (fresh inputs per study/shape)
+    gate: float = 1.25        # error gate vs the exact default (kernels.verify.DEFAULT_ERROR_GATE)
+    reps: int = 20
+
+    def __post_init__(self) -> None:
+        if type(self.config_json) is not str:
+            raise ValueError(f"config_json: expected str, got {type(self.config_json).__name__}")
+        shapes = tuple(self.shapes) if isinstance(self.shapes, (list, tuple)) else None
+        if not shapes or not all(isinstance(s, Shape) for s in shapes):
+            raise ValueError(f"shapes: expected a non-empty tuple of Shape, got {self.shapes!r:.200}")
+        object.__setattr__(self, "shapes", shapes)
+        if type(self.causal) is not bool:
+            raise ValueError(f"causal: expected bool, got {type(self.causal).__name__}")
+        if type(self.seed) is not int or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed: expected an int in [0, 2**63), got {self.seed!r}")
+        if isinstance(self.gate, bool) or not isinstance(self.gate, (int, float)) \
+                or not math.isfinite(self.gate) or self.gate <= 0:
+            raise ValueError(f"gate: expected a positive finite number, got {self.gate!r}")
+        object.__setattr__(self, "gate", float(self.gate))
+        _positive_int("reps", self.reps)
+
+
+class WorkerError(RuntimeError):
+    """The worker cannot serve tasks at all (closed, or its child cannot start)."""
+
+
+# ---- child side ----------------------------------------------------------------------------------
+
+class _Reporter:
+    def __init__(self, conn, seq: int) -> None:
+        self.conn, self.seq = conn, seq
+        self.sent = 0  # results sent so far (the index a crash is reported at)
+
+    def setup_done(self) -> None:
+        self.conn.send(("setup", self.seq))
+
+    def result(self, index: int, fields: dict[str, Any]) -> None:
+        self.conn.send(("result", self.seq, index, fields))
+        self.sent = index + 1
+
+
+def _serve(conn, runner, seq: int, task: Task) -> bool:
+    """Run one task; returns True if the child must exit afterwards (the runner raised)."""
+    from zyfa_tune.generator import ConfigError, KernelConfig
+
+    reporter = _Reporter(conn, seq)
+    try:
+        config = KernelConfig.from_json(task.config_json)
+    except ConfigError as exc:  # validated data only ever reaches the generator: nothing ran
+        reporter.setup_done()
+        for i in range(len(task.shapes)):
+            reporter.result(i, dict(status="compile_error", message=tail(f"invalid config: {exc}")))
+        conn.send(("done", seq))
+        return False
+    try:
+        runner.run(config, task, reporter)
+    except BaseException as exc:  # noqa: BLE001 - everything unexpected is a crash of this process
+        conn.send(("crash", seq, reporter.sent, exception_text(exc)))
+        return True
+    conn.send(("done", seq))
+    return False
+
+
+def _child_main(conn, log_fd: int | None, gpu: int | None, runner_text: str, parent_end=None) -> None:
+    if parent_end is not None:  # fork: drop the inherited parent end, so the parent's exit reads as EOF
+        parent_end.close()
+    if log_fd is not None and log_fd != 2:
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+    faulthandler.enable()  # a segfault's Python stack goes to stderr (the log the parent reads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before anything initialises CUDA
+    try:
+        runner = make_runner(parse_runner(runner_text))
+    except BaseException as exc:  # noqa: BLE001
+        try:
+            conn.send(("fatal", exception_text(exc)))
+        finally:
+            os._exit(2)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            os._exit(0)
+        if msg[0] == "stop":
+            conn.close()
+            return
+        _, seq, task = msg
+        try:
+            conn.send(("start", seq))
+            must_exit = _serve(conn, runner, seq, task)
+        except (BrokenPipeError, ConnectionError, EOFError, OSError):  # the parent is gone
+            os._exit(0)
+        if must_exit:
+            sys.stderr.flush()
+            os._exit(CRASH_EXIT)
+
+
+def _child_entry(argv: list[str]) -> None:
+    """Entry point of a "spawn" child: argv = [socket fd, log fd, gpu JSON, runner]."""
+    sock_fd, log_fd, gpu, runner_text = int(argv[0]), int(argv[1]), json.loads(argv[2]), argv[3]
+    _child_main(mpc.Connection(sock_fd), log_fd, gpu, runner_text)
+
+
+_SPAWN_CODE = ("import json, os, sys; "
+               "p = os.environ.pop('ZYFA_TUNE_WORKER_SYS_PATH', None); sys.path[:] = json.loads(p) if p else sys.path; "
+               "from zyfa_tune.worker import _child_entry; _child_entry(sys.argv[1:])")
+
+
+# ---- parent side ---------------------------------------------------------------------------------
+
+class _Child:
+    """One child process, started by subprocess ("spawn") or multiprocessing ("fork")."""
+
+    def __init__(self, start_method: str, gpu: int | None, runner: str) -> None:
+        # stderr of the child: an unlinked temporary file shared by descriptor (nothing left behind)
+        self.log_fd = self._open_log()
+        self._popen: subprocess.Popen | None = None
+        self._process = None
+        try:
+            if start_method == "spawn":
+                self._spawn(gpu, runner)
+            else:
+                ctx = multiprocessing.get_context(start_method)
+                self.conn, child_conn = ctx.Pipe(duplex=True)
+                try:
+                    self._process = ctx.Process(target=_child_main, args=(child_conn, self.log_fd, gpu, runner, self.conn),
+                                                name=f"zyfa-tune-worker-gpu{gpu}", daemon=True)
+                    self._process.start()
+                finally:
+                    child_conn.close()
+                self.pid = self._process.pid
+        except BaseException:
+            os.close(self.log_fd)
+            raise
+
+    def _spawn(self, gpu: int | None, runner: str) -> None:
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ, ZYFA_TUNE_WORKER_SYS_PATH=json.dumps(sys.path))
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        try:
+            self._popen = subprocess.Popen(
+                [sys.executable, "-c", _SPAWN_CODE, str(child_sock.fileno()), str(self.log_fd),
+                 json.dumps(gpu), runner],
+                pass_fds=(child_sock.fileno(), self.log_fd), env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            parent_sock.close()
+            raise
+        finally:
+            child_sock.close()
+        self.conn = mpc.Connection(parent_sock.detach())
+        self.pid = self._popen.pid
+
+    @staticmethod
+    def _open_log() -> int:
+        fd, path = tempfile.mkstemp(prefix="zyfa-worker-", suffix=".log")
+        os.unlink(path)
+        # append mode: after the parent truncates it between tasks, the child writes from the start
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        return fd
+
+    def exitcode(self) -> int | None:
+        if self._popen is not None:
+            return self._popen.poll()
+        return self._process.exitcode
+
+    def alive(self) -> bool:
+        return self.exitcode() is None
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the process to end (and reap it); True if it has ended."""
+        if self._popen is not None:
+            try:
+                self._popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        self._process.join(timeout)
+        return self._process.exitcode is not None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGTERM, a short grace, then SIGKILL; reaps the process."""
+        if not self.alive():
+            self.wait(1.0)
+            return
+        self.signal(signal.SIGTERM)
+        if not self.wait(KILL_GRACE_S):
+            self.signal(signal.SIGKILL)
+            self.wait(10.0)  # a process stuck in the driver may take a moment
+
+    def stderr_tail(self, limit: int = STDERR_TAIL) -> str:
+        try:
+            size = os.fstat(self.log_fd).st_size
+            data = os.pread(self.log_fd, limit, max(0, size - limit))
+        except OSError:
+            return ""
+        text = data.decode("utf-8", "replace")
+        # faulthandler's list of extension modules says nothing about the failure
+        return "\n".join(line for line in text.splitlines() if not line.startswith("Extension modules:")).strip()
+
+    def clear_log(self) -> None:
+        try:
+            os.ftruncate(self.log_fd, 0)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        for close in (self.conn.close, lambda: os.close(self.log_fd)):
+            try:
+                close()
+            except OSError:
+                pass
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _Died(Exception):
+    pass
+
+
+class _TimedOut(Exception):
+    pass
+
+
+class _NotStarted(Exception):
+    """The child died before it acknowledged the task (nothing of the task ran)."""
+
+
+class Worker:
+    """One isolated child process bound to one GPU (or none) that runs tasks with a runner.
+
+    gpu:             the GPU index the child sees as its only device (CUDA_VISIBLE_DEVICES); None
+                     leaves visibility as it is.
+    runner:          "gpu", "replay:<db path>", "fault:<mode>[@<field>=<value>]" (zyfa_tune.runners).
+    timeout_s:       the limit for one task's config work (compile, check, time) over all its shapes.
+    start_method:    "spawn" (fresh interpreter, default) or "fork" (CPU runners only).
+    setup_timeout_s: the limit for starting a child and for a task's config-independent set-up.
+    """
+
+    def __init__(self, *, gpu: int | None = None, runner: str = "gpu", timeout_s: float = 120.0,
+                 start_method: str = "spawn", setup_timeout_s: float = 600.0) -> None:
+        if gpu is not None and (type(gpu) is not int or gpu < 0):
+            raise ValueError(f"gpu: expected None or a GPU index >= 0, got {gpu!r}")
+        self.spec: RunnerSpec = parse_runner(runner)
+        for name, value in (("timeout_s", timeout_s), ("setup_timeout_s", setup_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method: {start_method!r} is not one of {list(START_METHODS)}")
+        self.gpu = gpu
+        self.runner = runner
+        self.timeout_s = float(timeout_s)
+        self.setup_timeout_s = float(setup_timeout_s)
+        self.start_method = start_method
+        self.restarts = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._seq = 0
+        self._child: _Child | None = None
+        self._ready = False
+        self._start()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"pid={self.pid}"
+        return f"Worker(gpu={self.gpu}, runner={self.runner!r}, {state}, restarts={self.restarts})"
+
+    @property
+    def pid(self) -> int | None:
+        """The current child's pid (None once closed)."""
+        return None if self._closed or self._child is None else self._child.pid
+
+    def close(self) -> None:
+        """Stop the child (politely, then by signal) and release everything. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            child, self._child = self._child, None
+            if child is not None:
+                self._stop(child)
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed and self._child is not None:
+                self._child.kill()
+                self._child.close()
+        except Exception:
+            pass
+
+    def _start(self) -> None:
+        self._child = _Child(self.start_method, self.gpu, self.runner)
+        self._ready = False
+
+    def _stop(self, child: _Child) -> None:
+        if child.alive():
+            try:
+                child.conn.send(("stop",))
+            except OSError:
+                pass
+            if not child.wait(10.0):
+                child.kill()
+        else:
+            child.wait(1.0)
+        child.close()
+
+    def _replace(self) -> None:
+        """Kill the current child (if it still runs) and start a fresh one."""
+        old = self._child
+        if old is not None:
+            old.kill()
+            old.close()
+        self.restarts += 1
+        self._start()
+
+    # ---- receiving -----------------------------------------------------------------------------
+    def _recv(self, deadline: float):
+        """The next message from the child; _Died if it ended, _TimedOut past `deadline`."""
+        child = self._child
+        while True:
+            if child.conn.poll(0):
+                try:
+                    return child.conn.recv()
+                except (EOFError, OSError):
+                    raise _Died() from None
+            if not child.alive():
+                # anything it sent before dying is read above first
+                if child.conn.poll(0):
+                    continue
+                raise _Died()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _TimedOut()
+            try:
+                mpc.wait([child.conn], timeout=min(remaining, 0.5))
+            except OSError:
+                raise _Died() from None
+
+    def _ensure_ready(self) -> None:
+        """Replace a child that died between tasks, and wait for the child's ready message
+        (two tries; a child that cannot start twice in a row is a WorkerError)."""
+        if self._ready:
+            if self._child.alive():
+                return
+            self._replace()  # died between tasks (killed from outside, say)
+        for attempt in (1, 2):
+            try:
+                while True:
+                    msg = self._recv(time.monotonic() + self.setup_timeout_s)
+                    if msg[0] == "ready":
+                        self._ready = True
+                        return
+                    if msg[0] == "fatal":
+                        problem = msg[1]
+                        break
+            except _Died:
+                self._child.wait(2.0)
+                problem = f"the worker process died while starting ({describe_exit(self._child.exitcode())})"
+            except _TimedOut:
+                problem = f"the worker process did not start within {self.setup_timeout_s:g} s"
+            err = self._child.stderr_tail()
+            self._replace()
+            if attempt == 2:
+                raise WorkerError(f"worker (gpu={self.gpu}, runner={self.runner!r}) cannot start: "
+                                  f"{problem}" + (f"\n--- worker stderr ---\n{err}" if err else ""))
+
+    # ---- running -------------------------------------------------------------------------------
+    def run(self, task: Task) -> list[TrialResult]:
+        """Run `task` in the child; one TrialResult per shape, in order (see the module docstring)."""
+        if not isinstance(task, Task):
+            raise TypeError(f"task: expected a zyfa_tune.worker.Task, got {type(task).__name__}")
+        with self._lock:
+            if self._closed:
+                raise WorkerError("this Worker is closed")
+            try:
+                try:
+                    return self._attempt(task)
+                except _NotStarted:  # the child died before it took the task: a fresh one, once more
+                    self._replace()
+                    return self._attempt(task, retried=True)
+            except WorkerError:
+                raise
+            except BaseException:
+                # interrupted (KeyboardInterrupt, say): the child's state is unknown, replace it
+                self._replace()
+                raise
+
+    def _attempt(self, task: Task, retried: bool = False) -> list[TrialResult]:
+        self._ensure_ready()
+        child = self._child
+        self._seq += 1
+        seq = self._seq
+        n = len(task.shapes)
+        results: list[TrialResult | None] = [None] * n
+        child.clear_log()
+        try:
+            child.conn.send(("task", seq, task))
+        except OSError:
+            pass  # it died just now: seen below
+        deadline = time.monotonic() + self.setup_timeout_s
+        started = in_setup = False
+        failure: tuple[str, str] | None = None  # (status, message) for the shapes without a result
+        stderr = True  # append the child's stderr tail to the failure message
+        while True:
+            try:
+                msg = self._recv(deadline)
+            except _TimedOut:
+                where = "set-up (inputs, references)" if in_setup or not started \
+                    else f"shape {_first_missing(results) + 1}/{n}"
+                limit = self.setup_timeout_s if in_setup or not started else self.timeout_s
+                child.kill()
+                failure = ("timeout", f"no answer within {limit:g} s during {where}; worker process "
+                                      f"{child.pid} killed")
+                break
+            except _Died:
+                child.wait(2.0)
+                if not started and not retried:
+                    raise _NotStarted() from None
+                failure = ("crash", f"worker process {child.pid} died ({describe_exit(child.exitcode())}) "
+                                    f"during shape {_first_missing(results) + 1}/{n}")
+                break
+            kind, msg_seq = msg[0], msg[1]
+            if msg_seq != seq:
+                continue  # left over from an earlier, interrupted task
+            if kind == "start":
+                started = in_setup = True
+            elif kind == "setup":
+                in_setup = False
+                deadline = time.monotonic() + self.timeout_s
+            elif kind == "result":
+                _, _, index, fields = msg
+                if type(index) is int and 0 <= index < n:
+                    results[index] = _trial_result(fields, task.shapes[index])
+            elif kind == "done":
+                break
+            elif kind == "crash":
+                _, _, index, text = msg
+                child.wait(5.0)  # it exits by itself; replaced below either way
+                failure = ("crash", f"worker raised during shape {index + 1}/{n}:\n{text}")
+                stderr = False  # the traceback says it
+                break
+        if failure is not None:
+            status, message = failure
+            err = child.stderr_tail() if stderr else ""
+            if err:
+                message += f"\n--- worker stderr (tail) ---\n{err}"
+            head, _, rest = message.partition("\n")
+            message = head + ("\n" + tail(rest, 3500) if rest else "")
+            self._replace()
+            for i, shape in enumerate(task.shapes):
+                if results[i] is None:
+                    results[i] = TrialResult(status=status, message=message, batch=shape.batch,
+                                             heads=shape.heads, seqlen=shape.seqlen)
+        for i, shape in enumerate(task.shapes):  # "done" without every result: a runner bug
+            if results[i] is None:
+                results[i] = TrialResult(status="crash", message="worker finished without a result for this shape",
+                                         batch=shape.batch, heads=shape.heads, seqlen=shape.seqlen)
+        return results  # type: ignore[return-value]
+
+
+def _first_missing(results: list) -> int:
+    return next((i for i, r in enumerate(results) if r is None), len(results) - 1)
+
+
+def _trial_result(fields: dict[str, Any], shape: Shape) -> TrialResult:
+    try:
+        return TrialResult(**fields, batch=shape.batch, heads=shape.heads, seqlen=shape.seqlen)
+    except (TypeError, ValueError) as exc:
+        return TrialResult(status="crash", message=tail(f"the worker sent an invalid result ({exc}): {fields!r:.1000}"),
+                           batch=shape.batch, heads=shape.heads, seqlen=shape.seqlen)
