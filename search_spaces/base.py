@@ -393,3 +393,14 @@ def _check_params(params: tuple[Param, ...]) -> None:
             raise ValueError(f"{p.key}: Optuna choices must be distinct plain values: {list(p.suggest_choices)}")
         if p.only_if is not None and p.only_if[0] not in _FIELDS:
             raise ValueError(f"{p.name}: only_if names an unknown field {p.only_if[0]!r}")
+
+
+#: Tile, warp, pipeline and register parameters shared by every family (one line each).
+BLOCK_N = (64, 128)
+TILE_PARAMS = (
+    Param("block_m", (64, 128)),
+    Param("block_n", BLOCK_N),
+    Param("num_warps", (4, 8)),
+    Param("num_stages", (2, 3, 4)),
+    Param("maxnreg", (0, 168, 200)),
+)

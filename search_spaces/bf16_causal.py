@@ -6,16 +6,9 @@ generator requires 0) and the unused lean P fields. Adding a parameter to the ge
 adding its line here (and in fp8_causal.py).
 """
 
-from .base import Param, SearchSpace, rowsum_param, scale_per_tile
+from .base import BLOCK_N, TILE_PARAMS, Param, SearchSpace, rowsum_param, scale_per_tile
 
-BLOCK_N = (64, 128)
-
-PARAMS = (
-    Param("block_m", (64, 128)),
-    Param("block_n", BLOCK_N),
-    Param("num_warps", (4, 8)),
-    Param("num_stages", (2, 3, 4)),
-    Param("maxnreg", (0, 168, 200)),
+PARAMS = TILE_PARAMS + (
     scale_per_tile(BLOCK_N),                            # Optuna "scale_per_tile": scale_block 0 / block_n
     rowsum_param(("fp32", "rounded", "mma")),
     Param("q_order", ("forward", "heavy_first")),

@@ -4,16 +4,9 @@ Fields not listed (dtype, head dims) come from `kernels.defaults.default_config(
 Adding a parameter to the generator means adding its line here (and in bf16_causal.py).
 """
 
-from .base import Param, SearchSpace, lean_only, rowsum_param, scale_per_tile
+from .base import BLOCK_N, TILE_PARAMS, Param, SearchSpace, lean_only, rowsum_param, scale_per_tile
 
-BLOCK_N = (64, 128)
-
-PARAMS = (
-    Param("block_m", (64, 128)),
-    Param("block_n", BLOCK_N),
-    Param("num_warps", (4, 8)),
-    Param("num_stages", (2, 3, 4)),
-    Param("maxnreg", (0, 168, 200)),
+PARAMS = TILE_PARAMS + (
     Param("softmax", ("exact", "lean")),
     lean_only("lean_fold", ("fma", "sub_fma")),         # only under softmax="lean"
     lean_only("lean_clamp", ("imax", "fmax")),          # only under softmax="lean"
