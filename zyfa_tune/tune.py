@@ -258,7 +258,9 @@ class Tuner:
             self.on_progress(self.progress)
 
     def _count(self, what: str) -> None:
+        """A trial finished without being measured (infeasible, or measured before)."""
         with self._lock:
+            self.progress.done += 1
             self.progress.by_status[what] = self.progress.by_status.get(what, 0) + 1
         if self.on_progress:
             self.on_progress(self.progress)
