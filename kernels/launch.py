@@ -50,6 +50,17 @@ _compiled: dict[tuple, object] = {}
 _I32 = (-(2**31), 2**31 - 1)
 
 
+def compiled_kernels(config: KernelConfig) -> list:
+    """The CompiledKernels launched so far for `config` (one per specialisation and device)."""
+    return [ck for key, ck in _compiled.items() if key[0] == config]
+
+
+def forget(config: KernelConfig) -> None:
+    """Drop `config`'s compiled kernels from the fast path (a tuning worker serves many configs)."""
+    for key in [k for k in _compiled if k[0] == config]:
+        del _compiled[key]
+
+
 def _arg_class(a) -> object:
     """The properties of one argument that Triton's specialisation can depend on."""
     if a is None or isinstance(a, bool):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -22,14 +24,35 @@ class Timing:
     energy_j_per_call: float | None = None
 
 
+@functools.lru_cache(maxsize=16)
 def _nvml_handle(device: int):
+    """(pynvml, handle) of CUDA device `device`, or (None, None) where NVML is unavailable.
+
+    NVML ignores CUDA_VISIBLE_DEVICES, so the CUDA device is matched by PCI address; failing that,
+    by the physical index CUDA_VISIBLE_DEVICES names, else by the same index."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(device)
     except Exception:  # NVML missing or unsupported: timings stay valid, energy is unknown
         return None, None
+    return pynvml, _nvml_device(pynvml, device)
+
+
+def _nvml_device(nv, device: int):
+    try:
+        import torch
+
+        p = torch.cuda.get_device_properties(device)
+        bus = f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
+        return nv.nvmlDeviceGetHandleByPciBusId(bus.encode())  # nvidia-ml-py takes bytes here
+    except Exception:
+        pass
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    try:
+        return nv.nvmlDeviceGetHandleByIndex(int(visible[device]))
+    except (ValueError, IndexError):
+        return nv.nvmlDeviceGetHandleByIndex(device)
 
 
 def gpu_state(device: int = 0) -> dict[str, Any]:

@@ -200,6 +200,10 @@ def test_nvml_follows_the_visible_gpu(monkeypatch):
     """Inside a child CUDA device 0 is the worker's GPU; NVML must be read for that GPU."""
     from types import SimpleNamespace as NS
 
+    import torch
+
+    from zyfa_tune.kernels import timing
+
     class FakeNvml:
         def nvmlDeviceGetHandleByIndex(self, index):
             return f"index {index}"
@@ -210,21 +214,18 @@ def test_nvml_follows_the_visible_gpu(monkeypatch):
             return f"pci {bus.decode()}"
 
     nv = FakeNvml()
-
-    def bind(props):
-        timing = NS(_nvml_handle=lambda device=0: (nv, nv.nvmlDeviceGetHandleByIndex(device)))
-        torch = NS(cuda=NS(get_device_properties=props))
-        runners._bind_nvml_to_visible_device(torch, timing)
-        return timing._nvml_handle
-
-    handle = bind(lambda d: NS(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0))
-    assert handle(0) == (nv, "pci 00000000:3B:00.0")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: NS(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0))
+    assert timing._nvml_device(nv, 0) == "pci 00000000:3B:00.0"
 
     def no_pci(d):
         raise AttributeError("pci_bus_id")
 
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_pci)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
-    assert bind(no_pci)(0) == (nv, "index 5")
+    assert timing._nvml_device(nv, 0) == "index 5"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert timing._nvml_device(nv, 1) == "index 1"
 
 
 def test_synthetic_model_is_near_the_measured_defaults():

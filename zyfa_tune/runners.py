@@ -222,40 +222,6 @@ def is_compile_error(exc: BaseException) -> bool:
     return False
 
 
-def _bind_nvml_to_visible_device(torch, timing=None) -> None:
-    """kernels.timing reads NVML by index, but NVML ignores CUDA_VISIBLE_DEVICES: inside this child
-    CUDA device 0 is the worker's GPU, whose NVML index may be anything. Point timing's handle
-    lookup at the NVML device with the same PCI address; failing that, at the physical index that
-    CUDA_VISIBLE_DEVICES names."""
-    if timing is None:
-        from zyfa_tune.kernels import timing
-
-    original = timing._nvml_handle
-    handles: dict[int, tuple] = {}
-
-    def handle(device: int = 0):
-        if device in handles:
-            return handles[device]
-        nv, h = original(device)
-        if nv is not None:
-            try:
-                p = torch.cuda.get_device_properties(device)
-                bus = f"{p.pci_domain_id:08X}:{p.pci_bus_id:02X}:{p.pci_device_id:02X}.0"
-                h = nv.nvmlDeviceGetHandleByPciBusId(bus.encode())  # takes bytes (no str wrapper)
-            except Exception:
-                try:
-                    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-                    h = nv.nvmlDeviceGetHandleByIndex(int(visible[device]))
-                except (ValueError, IndexError):
-                    pass  # no visibility list (or UUIDs): CUDA and NVML indices agree as far as we know
-                except Exception:
-                    nv, h = None, None
-        handles[device] = (nv, h)
-        return nv, h
-
-    timing._nvml_handle = handle
-
-
 class GpuRunner:
     def __init__(self) -> None:
         import torch
@@ -265,7 +231,6 @@ class GpuRunner:
                                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
         self.torch = torch
         torch.cuda.set_device(0)
-        _bind_nvml_to_visible_device(torch)
         self._probes: OrderedDict[tuple, Any] = OrderedDict()
 
     def _probe(self, config: KernelConfig, shape: "Shape", task: "Task"):
@@ -292,7 +257,7 @@ class GpuRunner:
 
         flash_attn_func(*probe.args, causal=probe.causal, config=config, **probe.kwargs)
         self.torch.cuda.synchronize()
-        kernels = [ck for key, ck in launch._compiled.items() if key[0] == config]
+        kernels = launch.compiled_kernels(config)
         spills = [getattr(ck, "n_spills", None) for ck in kernels]
         regs = [getattr(ck, "n_regs", None) for ck in kernels]
         spills = [s for s in spills if s is not None]
@@ -304,8 +269,7 @@ class GpuRunner:
         of configs; each would otherwise stay loaded)."""
         from zyfa_tune.kernels import launch
 
-        for key in [k for k in launch._compiled if k[0] == config]:
-            del launch._compiled[key]
+        launch.forget(config)
 
     def run(self, config: KernelConfig, task: "Task", reporter: Reporter) -> None:
         from zyfa_tune.kernels.verify import check_config
