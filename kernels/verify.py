@@ -7,7 +7,9 @@ worker, so that both apply the same rule.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -19,6 +21,44 @@ from .timing import Timing, time_cuda
 
 #: a variant passes when its error is at most this multiple of the exact default's on the same inputs
 DEFAULT_ERROR_GATE = 1.25
+
+
+def load_activations(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Captured q, k, v (batch, seqlen, heads, dim) from a .pt or .safetensors file, as float32 on
+    the CPU. A .pt file holds a dict with keys q, k, v or a (q, k, v) sequence; it is read with
+    `torch.load(weights_only=True)`, so loading it runs no code from the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"inputs: {path} is not a file")
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError as exc:
+            raise ValueError("inputs: reading .safetensors needs the safetensors package") from exc
+        data = load_file(str(path))
+    elif path.suffix in (".pt", ".pth"):
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ValueError(f"inputs: {path} is not a readable torch file: {exc}") from exc
+    else:
+        raise ValueError(f"inputs: {path} must end in .pt, .pth or .safetensors")
+    if isinstance(data, dict):
+        missing = [n for n in ("q", "k", "v") if n not in data]
+        if missing:
+            raise ValueError(f"inputs: {path} lacks {missing} (keys: {sorted(map(str, data))[:10]})")
+        q, k, v = data["q"], data["k"], data["v"]
+    elif isinstance(data, (list, tuple)) and len(data) == 3:
+        q, k, v = data
+    else:
+        raise ValueError(f"inputs: {path} must hold a dict with q, k, v or a (q, k, v) sequence")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.dtype.is_floating_point:
+            raise ValueError(f"inputs: {name} must be a 4-dim floating tensor (batch, seqlen, heads, dim)")
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] \
+            or k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"inputs: inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    return q.float(), k.float(), v.float()
 
 
 def make_inputs(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int,
@@ -62,12 +102,27 @@ class Probe:
 
 
 def make_probe(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int,
-               seqlen: int, causal: bool = True, seed: int = 0, gate: float = DEFAULT_ERROR_GATE) -> Probe:
-    """Inputs + reference + limit = gate x the exact default config's error on the same inputs."""
+               seqlen: int, causal: bool = True, seed: int = 0, gate: float = DEFAULT_ERROR_GATE,
+               inputs: str | None = None) -> Probe:
+    """Inputs + reference + limit = gate x the exact default config's error on the same inputs.
+    `inputs` names a file of captured activations (load_activations) used instead of random ones;
+    its shape must be the one given."""
     from zyfa_tune.api import flash_attn_func
+    from zyfa_tune.quantize import quantize_fp8
 
-    args, kw = make_inputs(dtype, head_dim_qk, head_dim_v, batch=batch, heads=heads, kv_heads=kv_heads,
-                           seqlen=seqlen, seed=seed)
+    if inputs is None:
+        args, kw = make_inputs(dtype, head_dim_qk, head_dim_v, batch=batch, heads=heads, kv_heads=kv_heads,
+                               seqlen=seqlen, seed=seed)
+    else:
+        q, k, v = (t.cuda() for t in load_activations(inputs))
+        if (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]) != \
+                (batch, seqlen, heads, kv_heads, head_dim_qk, head_dim_v):
+            raise ValueError(f"inputs: {inputs} holds q {tuple(q.shape)}, v {tuple(v.shape)}, not the shape asked for")
+        if dtype == "fp8":
+            q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
+            args, kw = (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
+        else:
+            args, kw = (q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)), {}
     ref = attention_reference(*args, causal=causal, **kw)
     base = default_config(dtype, head_dim_qk, head_dim_v)
     limit = gate * rel_l2(flash_attn_func(*args, causal=causal, config=base, **kw), ref)

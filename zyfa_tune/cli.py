@@ -226,13 +226,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
         runner = f"replay:{TUNED_DIR / 'h200.db'}"
     spec = TuneSpec(dtype=args.dtype, head_dim_qk=args.head_dim, head_dim_v=args.head_dim_v or args.head_dim,
-                    seqlens=_int_list(args.seqlens, "--seqlens"), heads=args.heads, kv_heads=args.kv_heads,
+                    seqlens=() if args.inputs else _int_list(args.seqlens, "--seqlens"), heads=args.heads, kv_heads=args.kv_heads,
                     batches=_int_list(args.batches, "--batches") if args.batches else None,
                     causal=not args.non_causal, trials=args.trials,
                     time_budget_s=parse_duration(args.time) if args.time else None, gpus=_gpus(args.gpus),
                     storage=args.storage, study_storage=args.study_storage, study_name=args.study,
                     resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
-                    runner=runner, timeout_s=args.timeout, seed=args.seed)
+                    runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs)
 
     def render(p: Progress) -> Table:
         t = Table(title=f"zyfa-tune {spec.name}: {len(spec.gpus)} worker(s), runner={spec.runner}")
@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, required=True)
     p.add_argument("--head-dim-v", type=int, default=None)
     p.add_argument("--seqlens", default="4096,8192,16384")
+    p.add_argument("--inputs", default=None, metavar="FILE",
+                   help="tune on captured activations: a .pt or .safetensors file of q, k, v (batch, seqlen, heads, dim)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--batches", default=None, help="one batch size per seqlen (default: 16384 tokens / seqlen)")

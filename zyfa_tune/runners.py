@@ -236,7 +236,8 @@ class GpuRunner:
     def _probe(self, config: KernelConfig, shape: "Shape", task: "Task"):
         from zyfa_tune.kernels.verify import make_probe
 
-        key = (shape, config.dtype, config.head_dim_qk, config.head_dim_v, task.causal, task.seed, task.gate)
+        key = (shape, config.dtype, config.head_dim_qk, config.head_dim_v, task.causal, task.seed, task.gate,
+               task.inputs)
         probe = self._probes.get(key)
         if probe is None:
             while len(self._probes) >= PROBE_CACHE:
@@ -244,7 +245,7 @@ class GpuRunner:
                 self.torch.cuda.empty_cache()
             probe = make_probe(config.dtype, config.head_dim_qk, config.head_dim_v, batch=shape.batch,
                                heads=shape.heads, kv_heads=shape.kv_heads, seqlen=shape.seqlen,
-                               causal=task.causal, seed=task.seed, gate=task.gate)
+                               causal=task.causal, seed=task.seed, gate=task.gate, inputs=task.inputs)
             self._probes[key] = probe
         self._probes.move_to_end(key)
         return probe

@@ -12,6 +12,8 @@ is never measured again, and trials left RUNNING by a killed tuner on this host 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import re
@@ -37,7 +39,7 @@ class TuneSpec:
     dtype: str
     head_dim_qk: int
     head_dim_v: int
-    seqlens: tuple[int, ...]
+    seqlens: tuple[int, ...] = ()
     heads: int = 32
     kv_heads: int | None = None          # default: heads (no GQA)
     tokens: int = 16384                  # batch = max(1, tokens // seqlen) unless batches is given
@@ -57,6 +59,7 @@ class TuneSpec:
     seed: int = 0
     gate: float = 1.25
     reps: int = 20
+    inputs: str | None = None            # captured q, k, v (.pt / .safetensors): the one shape tuned
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp8", "bf16"):
@@ -64,7 +67,11 @@ class TuneSpec:
         for name in ("head_dim_qk", "head_dim_v"):
             if getattr(self, name) not in HEAD_DIMS:
                 raise ValueError(f"{name}: {getattr(self, name)} is not one of {list(HEAD_DIMS)}")
-        if not self.seqlens or any(not isinstance(s, int) or s < 1 for s in self.seqlens):
+        if self.inputs is not None:
+            if self.seqlens:
+                raise ValueError("seqlens: the shape comes from --inputs; give one or the other")
+            self.shapes  # load and check the file now, not in the middle of a study
+        elif not self.seqlens or any(not isinstance(s, int) or s < 1 for s in self.seqlens):
             raise ValueError(f"seqlens: expected positive integers, got {self.seqlens!r}")
         if self.batches is not None and len(self.batches) != len(self.seqlens):
             raise ValueError("batches: give one batch size per seqlen")
@@ -80,8 +87,16 @@ class TuneSpec:
         if not self.gpus:
             raise ValueError("gpus: need at least one")
 
-    @property
+    @functools.cached_property
     def shapes(self) -> tuple[Shape, ...]:
+        if self.inputs is not None:
+            from zyfa_tune.kernels.verify import load_activations
+
+            q, k, v = load_activations(self.inputs)
+            if (q.shape[3], v.shape[3]) != (self.head_dim_qk, self.head_dim_v):
+                raise ValueError(f"inputs: head dims {q.shape[3]}/{v.shape[3]} in {self.inputs}, "
+                                 f"but the study tunes {self.head_dim_qk}/{self.head_dim_v}")
+            return (Shape(batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2], seqlen=q.shape[1]),)
         kv = self.kv_heads or self.heads
         batches = self.batches or tuple(max(1, self.tokens // s) for s in self.seqlens)
         return tuple(Shape(batch=b, heads=self.heads, kv_heads=kv, seqlen=s) for b, s in zip(batches, self.seqlens))
@@ -174,7 +189,7 @@ class Tuner:
         directions = ["maximize", "minimize"] if self.spec.multi_objective else ["maximize"]
         study = optuna.create_study(study_name=self.spec.name, storage=storage, sampler=self._sampler(),
                                     directions=directions, load_if_exists=True)
-        study.set_user_attr("spec", {k: v for k, v in self.spec.__dict__.items() if k not in ("gpus",)})
+        study.set_user_attr("spec", {f.name: getattr(self.spec, f.name) for f in dataclasses.fields(self.spec)})
         self._recover(study)
         if not exists:
             for cfg in self.space.seeds(self.spec.head_dim_qk, self.spec.head_dim_v):
@@ -221,8 +236,9 @@ class Tuner:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
             self._count("duplicate")
             return
-        task = Task(config_json=key, shapes=self.spec.shapes, causal=self.spec.causal,
-                    seed=self.spec.seed, gate=self.spec.gate, reps=self.spec.reps)  # probes cached per study
+        task = Task(config_json=key, shapes=self.spec.shapes, causal=self.spec.causal, seed=self.spec.seed,
+                    gate=self.spec.gate, reps=self.spec.reps,  # probes cached per study
+                    inputs=None if self.spec.inputs is None else os.path.abspath(self.spec.inputs))
         results = worker.run(task)
         source_hash = emit(cfg).source_hash
         for shape, res in zip(self.spec.shapes, results):

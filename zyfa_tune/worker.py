@@ -99,8 +99,11 @@ class Task:
     seed: int = 0             # input seed (fresh inputs per study/shape)
     gate: float = 1.25        # error gate vs the exact default (kernels.verify.DEFAULT_ERROR_GATE)
     reps: int = 20
+    inputs: str | None = None # captured activations (.pt / .safetensors) instead of random inputs
 
     def __post_init__(self) -> None:
+        if self.inputs is not None and (type(self.inputs) is not str or not os.path.isfile(self.inputs)):
+            raise ValueError(f"inputs: {self.inputs!r} is not a file")
         if type(self.config_json) is not str:
             raise ValueError(f"config_json: expected str, got {type(self.config_json).__name__}")
         shapes = tuple(self.shapes) if isinstance(self.shapes, (list, tuple)) else None
