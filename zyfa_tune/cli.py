@@ -65,24 +65,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Run the kernel on fresh random inputs and compare with float64 attention."""
     import torch
 
-    from zyfa_tune import flash_attn_func, quantize_fp8
+    from zyfa_tune import flash_attn_func
     from zyfa_tune.kernels.reference import attention_reference, rel_l2
+    from zyfa_tune.kernels.verify import make_inputs
 
     if not torch.cuda.is_available():
         console.print("[red]check needs a CUDA GPU[/red]")
         return 2
     cfg = _config(args)
     b, s, h = args.batch, args.seqlen, args.heads
-    g = torch.Generator(device="cuda").manual_seed(args.seed)
-    q = torch.randn(b, s, h, cfg.head_dim_qk, device="cuda", generator=g)
-    k = torch.randn(b, s, h, cfg.head_dim_qk, device="cuda", generator=g)
-    v = torch.randn(b, s, h, cfg.head_dim_v, device="cuda", generator=g)
-    if cfg.dtype == "fp8":
-        q, k, v, qd, kd, vd = quantize_fp8(q, k, v)
-        kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    else:
-        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-        kw = {}
+    (q, k, v), kw = make_inputs(cfg.dtype, cfg.head_dim_qk, cfg.head_dim_v, batch=b, heads=h, kv_heads=h,
+                                seqlen=s, seed=args.seed)
     out = flash_attn_func(q, k, v, causal=True, config=cfg, **kw)
     err = rel_l2(out, attention_reference(q, k, v, causal=True, **kw))
     console.print(f"rel. L2 error vs float64: {err:.4e}  ({cfg.dtype} {cfg.head_dim_qk}/{cfg.head_dim_v} "

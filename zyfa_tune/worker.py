@@ -52,6 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from zyfa_tune.db.checks import strict_int
 from zyfa_tune.db.records import TrialResult
 
 from .runners import RunnerSpec, exception_text, make_runner, parse_runner, tail
@@ -67,11 +68,6 @@ CRASH_EXIT = 70
 STDERR_TAIL = 1500
 
 
-def _positive_int(name: str, value: object) -> int:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return value
-
 
 @dataclass(frozen=True)
 class Shape:
@@ -82,7 +78,7 @@ class Shape:
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "kv_heads", "seqlen"):
-            _positive_int(name, getattr(self, name))
+            object.__setattr__(self, name, strict_int(name, getattr(self, name), lo=1))
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads: {self.kv_heads} does not divide heads={self.heads}")
 
@@ -118,7 +114,7 @@ class Task:
                 or not math.isfinite(self.gate) or self.gate <= 0:
             raise ValueError(f"gate: expected a positive finite number, got {self.gate!r}")
         object.__setattr__(self, "gate", float(self.gate))
-        _positive_int("reps", self.reps)
+        strict_int("reps", self.reps, lo=1)
 
 
 class WorkerError(RuntimeError):
