@@ -29,7 +29,7 @@ CHOICES: dict[str, tuple] = {
     "num_stages": (1, 2, 3, 4, 5),
     "maxnreg": (0, 128, 152, 168, 184, 200, 232),
     "softmax": ("exact", "lean"),
-    "lean_fold": ("fma", "sub_fma"),
+    "lean_fold": ("fma", "sub_fma", "corrected"),
     "lean_clamp": ("imax", "fmax"),
     "lean_pack": ("prmt", "bfi"),
     "p_scale_log2": tuple(range(0, 9)),

@@ -19,6 +19,10 @@ the tuner searches:
 - fold:  "fma"     one FMA, s*a + b, a = 8*scale and b = magic + 56 - 8*reference (needs the
                    reference quantised to 1/8 so that b is exact, which the kernel does);
          "sub_fma" t = s*a - b (the exact path's scale-and-subtract), then y = 8t + magic + 56.
+         "corrected" x = s*a - b, then a second-order mantissa correction with FMA-pipe ops only:
+                   z = x - c*f*(1-f) with f = frac(x) (floor by a round-down add of the magic
+                   constant), y = 8z + magic + 56. Makes the code equal the correctly rounded e4m3
+                   of 2^x for ~97% of x in the normal range (53% without), at 8 FP ops per score.
 - clamp: "imax"    max.s32 on the bit pattern; "fmax" max.f32 against the magic float.
 - pack:  "prmt"    three byte permutes; "bfi" three bit-field inserts.
 """
@@ -37,6 +41,13 @@ def _f32_hex(value: float) -> str:
     return struct.pack(">f", value).hex().upper()
 
 
+#: c of the correction 2^f - 1 ~ f - c*f*(1-f), chosen for the largest share of correctly rounded codes
+LEAN_CORRECTION = 0.346
+#: scores below 2^-64 of the row maximum give code 0 anyway; clamping x there keeps -inf out of
+#: the fraction arithmetic (inf - inf would be NaN)
+_X_FLOOR = -64.0
+
+
 def _fold_lines(fold: str) -> list[str]:
     if fold == "fma":
         # $1..$4 scores, $5..$8 a = 8*scale, $9..$12 b = magic + 56 - 8*ref
@@ -47,6 +58,18 @@ def _fold_lines(fold: str) -> list[str]:
         return [line for i in range(4) for line in (
             f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};",
             f"fma.rn.f32 r{i}, r{i}, 0f41000000, 0f{bias};")]
+    if fold == "corrected":
+        # $5..$8 a = scale, $9..$12 b = -ref (as sub_fma); t, u are scratch registers
+        magic, bias = _f32_hex(MAGIC), _f32_hex(MAGIC + E4M3_ONE_CODE)
+        return [line for i in range(4) for line in (
+            f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};",
+            f"max.f32 r{i}, r{i}, 0f{_f32_hex(_X_FLOOR)};",
+            f"add.rm.f32 t, r{i}, 0f{magic};",          # magic + floor(x)
+            f"sub.f32 t, t, 0f{magic};",                # floor(x), exact
+            "sub.f32 t, t, r{i};".format(i=i),          # -f
+            "fma.rn.f32 u, t, t, t;",                   # f*f - f = -f(1-f)
+            f"fma.rn.f32 r{i}, u, 0f{_f32_hex(LEAN_CORRECTION)}, r{i};",  # z = x - c f(1-f)
+            f"fma.rn.f32 r{i}, r{i}, 0f41000000, 0f{bias};")]          # y = 8z + magic + 56
     raise ValueError(f"unknown lean fold {fold!r}")
 
 
@@ -74,7 +97,8 @@ def _pack_lines(pack: str) -> list[str]:
 def lean_p_asm(fold: str, clamp: str, pack: str) -> str:
     """PTX for one pack of four scores ($1..$4) with per-element a ($5..$8) and b ($9..$12)."""
     body = _fold_lines(fold) + _clamp_lines(clamp) + _pack_lines(pack)
-    return "{\n.reg .b32 r0, r1, r2, r3;\n" + "\n".join(body) + "\n}"
+    regs = "r0, r1, r2, r3, t, u" if fold == "corrected" else "r0, r1, r2, r3"
+    return "{\n.reg .b32 " + regs + ";\n" + "\n".join(body) + "\n}"
 
 
 #: Inline-asm constraints: one packed output register, then 3 x 4 float inputs.

@@ -8,7 +8,7 @@ from .base import BLOCK_N, TILE_PARAMS, Param, SearchSpace, lean_only, rowsum_pa
 
 PARAMS = TILE_PARAMS + (
     Param("softmax", ("exact", "lean")),
-    lean_only("lean_fold", ("fma", "sub_fma")),         # only under softmax="lean"
+    lean_only("lean_fold", ("fma", "sub_fma", "corrected")),  # only under softmax="lean"
     lean_only("lean_clamp", ("imax", "fmax")),          # only under softmax="lean"
     lean_only("lean_pack", ("prmt", "bfi")),            # only under softmax="lean"
     Param("p_scale_log2", (6, 7, 8)),

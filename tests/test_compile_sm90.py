@@ -27,7 +27,7 @@ SOFTMAX_ROWSUM = [("exact", "fp32"), ("exact", "rounded"), ("exact", "mma"),
 LEAN_VARIANTS = list(itertools.product(CHOICES["lean_fold"], CHOICES["lean_clamp"], CHOICES["lean_pack"]))
 #: SASS of the fp32 -> e4m3 conversion of P (the exact path's cvt.rn.satfinite.e4m3x2.f32)
 E4M3_CVT = "F2FP.SATFINITE.E4M3"
-LEAN_BLOCK_RE = re.compile(r"// begin inline asm\s*\{\s*\.reg \.b32 r0, r1, r2, r3;(.*?)\}\s*// end inline asm", re.S)
+LEAN_BLOCK_RE = re.compile(r"// begin inline asm\s*\{\s*\.reg \.b32 r0, r1, r2, r3[^;]*;(.*?)\}\s*// end inline asm", re.S)
 
 
 def lean(fold="fma", clamp="imax", pack="prmt", rowsum="rounded") -> KernelConfig:

@@ -215,14 +215,21 @@ def asm_ops(text: str) -> list[str]:
 def test_lean_asm_instruction_counts(fold, clamp, pack):
     text = lean_p_asm(fold, clamp, pack)
     lines = text.splitlines()
-    assert lines[0] == "{" and lines[1] == ".reg .b32 r0, r1, r2, r3;" and lines[-1] == "}"
+    scratch = ", t, u" if fold == "corrected" else ""
+    assert lines[0] == "{" and lines[1] == f".reg .b32 r0, r1, r2, r3{scratch};" and lines[-1] == "}"
     ops = asm_ops(text)
-    assert ops.count("fma.rn.f32") == (4 if fold == "fma" else 8)
-    assert ops.count("max.s32" if clamp == "imax" else "max.f32") == 4
-    assert ops.count("max.f32" if clamp == "imax" else "max.s32") == 0
+    # per score: fma 1 FMA; sub_fma 2; corrected 4 FMAs + max (x floor) + add.rm + 2 sub
+    fold_fmas = {"fma": 4, "sub_fma": 8, "corrected": 16}[fold]
+    fold_other = {"fma": 0, "sub_fma": 0, "corrected": 16}[fold]
+    assert ops.count("fma.rn.f32") == fold_fmas
+    if fold == "corrected":
+        assert ops.count("add.rm.f32") == 4 and ops.count("sub.f32") == 8
+    x_floor = 4 if fold == "corrected" else 0
+    assert ops.count("max.s32" if clamp == "imax" else "max.f32") == 4 + (x_floor if clamp == "fmax" else 0)
+    assert ops.count("max.f32" if clamp == "imax" else "max.s32") == (x_floor if clamp == "imax" else 0)
     assert ops.count("prmt.b32" if pack == "prmt" else "bfi.b32") == 3
     assert ops.count("bfi.b32" if pack == "prmt" else "prmt.b32") == 0
-    assert len(ops) == ops.count("fma.rn.f32") + 4 + 3
+    assert len(ops) == fold_fmas + fold_other + 4 + 3
     assert "ex2" not in text and "cvt" not in text and "mufu" not in text.lower()
     # operands: $0 written once (last), $1..$12 all read, nothing beyond
     assert [ln for ln in lines if "$0" in ln] == [lines[-2]]
