@@ -137,4 +137,4 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     p = _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale)
     b, sq, h, dqk = p.q.shape
     key = dispatch.problem_key(p.dtype, dqk, p.v.shape[3], causal, b, h, p.k.shape[2], sq)
-    return dispatch.dispatcher().choose(key, dispatch.device_key(p.q.device.index or 0))
+    return dispatch.dispatcher().choose(key, dispatch.device_key(p.q.device.index))

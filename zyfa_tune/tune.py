@@ -320,6 +320,7 @@ class Tuner:
 
 
 def _alive(pid: object) -> bool:
+    """Whether a process with this pid exists (on this host)."""
     if not isinstance(pid, int):
         return False
     try:
@@ -327,7 +328,7 @@ def _alive(pid: object) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
-        return True
+        pass
     return True
 
 
