@@ -2,8 +2,10 @@
 
 Small shapes, where launch cost dominates. Host time per call is measured while launches queue
 (no synchronisation inside the timed loop, fewer calls than the launch queue holds), so it is the
-CPU time each path spends before the kernel is enqueued. Also checks that `flash_attn_func` can be
-captured in a CUDA graph and replays bitwise identically.
+CPU time each path spends before the kernel is enqueued. For FP8 the dispatcher's config reads a
+V^T copy that `flash_attn_func` makes per call; the natural-V variant of the same config (V read as
+is, transposed in the kernel) is measured beside it, with the device time per call of each. Also
+checks that `flash_attn_func` can be captured in a CUDA graph and replays bitwise identically.
 
     python benchmarks/dispatch_overhead.py [--json out.json]
 """
@@ -18,23 +20,28 @@ import time
 
 import torch
 
-from zyfa_tune import explain, flash_attn_func, quantize_fp8
+from zyfa_tune import explain, flash_attn_func
 from zyfa_tune.kernels import launch as launch_mod
+from zyfa_tune.kernels.timing import gpu_state, time_cuda
+from zyfa_tune.kernels.verify import make_inputs
 
 
-def host_us(fn, calls: int = 200, rounds: int = 15) -> float:
-    """Median over rounds of the host time per call of `calls` back-to-back calls."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def host_us(fns: dict, calls: int = 200, rounds: int = 21) -> dict:
+    """Median over rounds of the host time per call of `calls` back-to-back calls, for each of
+    `fns`; the functions take turns round by round so that drift of the host affects all alike."""
+    for fn in fns.values():
+        for _ in range(20):
             fn()
-        per_call.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per_call)
+    torch.cuda.synchronize()
+    per_call: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call[name].append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: statistics.median(v) for name, v in per_call.items()}
 
 
 def main(argv=None) -> int:
@@ -42,54 +49,77 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     rows = []
+    print(gpu_state(), flush=True)
     for dtype in ("fp8", "bf16"):
         for (b, s, h) in ((1, 128, 8), (1, 512, 16), (4, 1024, 16)):
-            q = torch.randn(b, s, h, 128, device="cuda")
-            k = torch.randn(b, s, h, 128, device="cuda")
-            v = torch.randn(b, s, h, 128, device="cuda")
-            if dtype == "fp8":
-                q, k, v, qd, kd, vd = quantize_fp8(q, k, v)
-                kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
-            else:
-                q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-                kw = {}
-            choice = explain(q, k, v, **kw)
-            out = flash_attn_func(q, k, v, **kw)
-            grid, args, opts = launch_mod.prepare(choice.config, q, k, v, torch.empty_like(out), q.shape[-1] ** -0.5,
-                                                  True, *(kw.get(n) for n in ("q_descale", "k_descale", "v_descale")))
-            kern = launch_mod.kernel(choice.config)
-            direct = host_us(lambda: kern[grid](*args, **opts))  # Triton's JIT launch
-            runner = kern[grid](*args, **opts)[(grid[0], 1, 1)]  # the CompiledKernel's own launcher
-            compiled = host_us(lambda: runner(*args, opts["CAUSAL"]))
-            ours = host_us(lambda: flash_attn_func(q, k, v, **kw))
-            forced = host_us(lambda: flash_attn_func(q, k, v, config=choice.config, **kw))
-            # CUDA graph capture and bitwise replay
-            static_out = None
-            g = torch.cuda.CUDAGraph()
-            s_ = torch.cuda.Stream()
-            s_.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s_):
-                flash_attn_func(q, k, v, **kw)
-            torch.cuda.current_stream().wait_stream(s_)
-            with torch.cuda.graph(g):
-                static_out = flash_attn_func(q, k, v, **kw)
-            g.replay()
-            torch.cuda.synchronize()
-            graph_ok = torch.equal(static_out, flash_attn_func(q, k, v, **kw))
-            t_replay = host_us(g.replay)
-            row = dict(dtype=dtype, b=b, s=s, h=h, source=choice.source, triton_jit_launch_us=direct,
-                       compiled_launch_us=compiled, flash_attn_func_us=ours, forced_config_us=forced,
-                       added_vs_triton_us=ours - direct, added_vs_compiled_us=ours - compiled, graph_bitwise=graph_ok,
-                       graph_replay_host_us=t_replay, config=choice.config.to_dict())
-            rows.append(row)
-            print(f"{dtype} B={b} S={s} H={h}: triton launch {direct:6.1f} us  compiled launch {compiled:6.1f} us  "
-                  f"flash_attn_func {ours:6.1f} us (config forced {forced:6.1f})  added vs triton {ours - direct:+6.1f} "
-                  f"vs compiled {ours - compiled:+6.1f} us  graph bitwise={graph_ok} replay {t_replay:5.1f} us "
-                  f"[{choice.source}]", flush=True)
+            args, kw = make_inputs(dtype, 128, 128, batch=b, heads=h, kv_heads=h, seqlen=s, seed=0)
+            q, k, v = args
+            choice = explain(*args, **kw)
+            configs = [("auto", choice.config)]
+            if dtype == "fp8" and choice.config.v_layout == "transposed":  # the V^T copy is host time too
+                configs.append(("natural V", choice.config.replace(v_layout="natural")))
+            for label, cfg in configs:
+                out = flash_attn_func(*args, config=cfg, **kw)
+                grid, largs, opts = launch_mod.prepare(cfg, q, k, v, torch.empty_like(out), q.shape[-1] ** -0.5,
+                                                       True, *(kw.get(n) for n in DESCALES))
+                runner = launch_mod.kernel(cfg)[grid](*largs, **opts)[(grid[0], 1, 1)]  # the CompiledKernel
+                fns = dict(direct=lambda: runner(*largs, opts["CAUSAL"]),  # arguments (and V^T) made beforehand
+                           forced=lambda: flash_attn_func(*args, config=cfg, **kw))
+                if label == "auto":
+                    fns["auto"] = lambda: flash_attn_func(*args, **kw)  # the dispatcher's choice
+                t = host_us(fns)
+                ours = t.get("auto", t["forced"])
+                gpu_ms = device_ms(lambda: flash_attn_func(*args, config=cfg, **kw))
+                row = dict(dtype=dtype, b=b, s=s, h=h, variant=label, source=choice.source,
+                           compiled_launch_us=t["direct"], flash_attn_func_us=t.get("auto"),
+                           forced_config_us=t["forced"], added_vs_compiled_us=ours - t["direct"],
+                           gpu_us_per_call=gpu_ms * 1e3, config=cfg.to_dict())
+                if label == "auto":
+                    row.update(graph_capture(args, kw))
+                rows.append(row)
+                print(f"{dtype} B={b} S={s} H={h} {label:9s}: compiled launch {t['direct']:5.1f} us  "
+                      f"flash_attn_func {ours:5.1f} us (config given {t['forced']:5.1f})  added "
+                      f"{ours - t['direct']:+5.1f} us  device time {gpu_ms * 1e3:6.1f} us/call"
+                      + (f"  graph bitwise={row['graph_bitwise']} replay {row['graph_replay_host_us']:4.1f} us "
+                         f"[{choice.source}]" if label == "auto" else ""), flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)
     return 0
+
+
+DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def device_ms(fn, calls: int = 20) -> float:
+    """Device time of one call, without the host's launch gaps: `calls` calls captured in a CUDA
+    graph, replays timed with events (METHOD.md: time many small launches through a graph)."""
+    g = capture(lambda: [fn() for _ in range(calls)])
+    return time_cuda([g.replay], reps=50).median_ms / calls
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn` (run once on a side stream first, as graph capture wants)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def graph_capture(args, kw) -> dict:
+    """Capture flash_attn_func in a CUDA graph; replay must equal an eager call bitwise."""
+    outs = []
+    g = capture(lambda: outs.append(flash_attn_func(*args, **kw)))
+    static_out = outs[-1]
+    g.replay()
+    torch.cuda.synchronize()
+    return dict(graph_bitwise=torch.equal(static_out, flash_attn_func(*args, **kw)),
+                graph_replay_host_us=host_us(dict(replay=g.replay))["replay"])
 
 
 if __name__ == "__main__":

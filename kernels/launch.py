@@ -6,6 +6,9 @@ import functools
 import math
 
 import torch
+from triton import knobs
+from triton.runtime import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from zyfa_tune.generator import EmittedKernel, KernelConfig, emit, head_chunks
 from zyfa_tune.generator.build import jit_function
@@ -76,22 +79,89 @@ def _arg_class(a) -> object:
             tuple(x % 16 == 0 for x in a.shape), tuple(x % 16 == 0 for x in a.strides), a.padding)
 
 
-def _run(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int) -> None:
-    from triton import knobs
-    from triton.runtime import driver
-
+def _run(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int):
+    """Launch through the fast path; returns the CompiledKernel that ran."""
     key = (config, device, options["CAUSAL"], tuple(_arg_class(a) for a in args))
     compiled = _compiled.get(key)
     if compiled is None:  # first launch of this specialisation: Triton's own path (compiles)
         compiled = kernel(config)[grid](*args, **options)
         _compiled[key] = compiled
-        return
+        return compiled
+    _launch_compiled(compiled, grid[0], device, (*args, options["CAUSAL"]))
+    return compiled
+
+
+def _launch_compiled(compiled, programs: int, device: int, full: tuple) -> None:
+    """Enqueue `compiled` on the current stream of `device` (launch hooks honoured, as Triton does)."""
     stream = driver.active.get_current_stream(device)
-    full = (*args, options["CAUSAL"])
     hook = knobs.runtime.launch_enter_hook
-    meta = compiled.launch_metadata(grid, stream, *full) if hook is not None else None
-    compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, meta, hook,
+    meta = compiled.launch_metadata((programs,), stream, *full) if hook is not None else None
+    compiled.run(programs, 1, 1, stream, compiled.function, compiled.packed_metadata, meta, hook,
                  knobs.runtime.launch_exit_hook, *full)
+
+
+# ---- bound launches ------------------------------------------------------------------------------
+# `flash_attn_func` calls with the same shapes, strides, dtypes and device differ only in their data
+# pointers. A BoundLaunch holds everything else (grid, scalar arguments, the CompiledKernel chosen by
+# the specialisation key) and rebuilds per call only what holds a pointer: the TMA descriptors.
+
+class BoundLaunch:
+    """`config` launched on one argument layout; call it with new tensors of that same layout.
+
+    Valid only for tensors whose shapes, strides, dtypes and device equal those `bind` saw and whose
+    data pointers are 16-byte aligned (the caller checks both: see `zyfa_tune.api`). The call path is
+    written flat: every microsecond here is dispatch overhead (docs/PERF.md)."""
+
+    __slots__ = ("compiled", "programs", "device", "transpose", "specs", "strides", "tail", "stream_of")
+
+    def __init__(self, compiled, programs: int, device: int, transpose: bool, specs: tuple | None,
+                 strides: tuple, tail: tuple):
+        self.compiled, self.programs, self.device = compiled, programs, device
+        self.transpose, self.specs, self.strides, self.tail = transpose, specs, strides, tail
+        self.stream_of = driver.active.get_current_stream
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
+                 v_descale: torch.Tensor | None) -> torch.Tensor:
+        if self.transpose:
+            v = transpose_v(v)
+        if self.specs is not None:
+            qkv = (q, k, v)
+            inputs = [_unchecked_descriptor(qkv[i], shape, strides, block) for i, shape, strides, block in self.specs]
+        else:
+            inputs = [q, k, v, *self.strides]
+        c = self.compiled
+        full = (*inputs, out, q_descale, k_descale, v_descale, *self.tail)
+        stream = self.stream_of(self.device)
+        hook = knobs.runtime.launch_enter_hook
+        meta = c.launch_metadata((self.programs,), stream, *full) if hook is not None else None
+        c.run(self.programs, 1, 1, stream, c.function, c.packed_metadata, meta, hook,
+              knobs.runtime.launch_exit_hook, *full)
+        return out
+
+
+def bind(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+         softmax_scale: float, causal: bool, q_descale: torch.Tensor | None = None,
+         k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None) -> BoundLaunch | None:
+    """Launch like `launch` and return a BoundLaunch for later calls with this layout, or None where
+    this layout needs a hidden copy (unaligned or padded rows for TMA) and so no fast path."""
+    grid, args, options = prepare(config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale)
+    device = q.device.index
+    compiled = _run(config, grid, args, options, device)
+    tensors = (q, k, v, q_descale, k_descale, v_descale)
+    if any(t is not None and t.data_ptr() % 16 for t in tensors):
+        return None
+    n_inputs = 12
+    specs = None
+    if config.loads == "tma":
+        if any(_tma_ready(t) is not t for t in (q, k) + (() if config.v_layout == "transposed" else (v,))):
+            return None
+        wqk, wv = _descriptor_widths(config)  # prepare's descriptors, in _descriptor_specs' order
+        owners = (0,) * len(wqk) + (1,) * len(wqk) + (2,) * len(wv)
+        specs = tuple((i, d.shape, d.strides, d.block_shape) for i, d in zip(owners, args))
+        n_inputs = len(specs)
+    return BoundLaunch(compiled, grid[0], device, config.v_layout == "transposed", specs,
+                       tuple(args[3:12]) if specs is None else (), (*args[n_inputs + 4:], options["CAUSAL"]))
 
 
 def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -129,6 +199,8 @@ def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 def transpose_v(v: torch.Tensor) -> torch.Tensor:
     """(B, Sk, Hkv, Dv) -> (B, Hkv, Dv, Sk) copy whose key stride is padded to 16 bytes (TMA)."""
     b, sk, hk, dv = v.shape
+    if sk % 16 == 0:  # one op: fewer host microseconds than empty + sliced copy
+        return v.permute(0, 2, 3, 1).contiguous()
     pad = -(-sk // 16) * 16
     vt = torch.empty(b, hk, dv, pad, dtype=v.dtype, device=v.device)
     vt[..., :sk].copy_(v.permute(0, 2, 3, 1))
@@ -150,22 +222,36 @@ def _descriptor_widths(config: KernelConfig) -> tuple[tuple[int, ...], tuple[int
     return widths(config.head_dim_qk), widths(config.head_dim_v)
 
 
-def _descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list:
-    """Host TMA descriptors over 2-D views: Q (B*Sq, H*Dqk), K (B*Sk, Hkv*Dqk), V (B*Sk, Hkv*Dv)
-    or V^T (B*Hkv*Dv, Sk); one descriptor per tensor and head-dim chunk width."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+def _descriptor_specs(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list:
+    """(tensor index in (q, k, v), 2-D shape, strides, block) of each host TMA descriptor: Q (B*Sq, H*Dqk),
+    K (B*Sk, Hkv*Dqk), V (B*Sk, Hkv*Dv) or V^T (B*Hkv*Dv, Sk); one per tensor and head-dim chunk width.
+    q, k (and natural v) must be TMA-ready; a transposed v is the copy `transpose_v` made."""
     wqk, wv = _descriptor_widths(config)
     bm, bn = config.block_m, config.block_n
-    q, k = _tma_ready(q), _tma_ready(k)
     b, sq, h, dqk = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    descs = [TensorDescriptor(q, [b * sq, h * dqk], [q.stride(1), 1], [bm, w]) for w in wqk]
-    descs += [TensorDescriptor(k, [b * sk, hk * dqk], [k.stride(1), 1], [bn, w]) for w in wqk]
+    specs = [(0, [b * sq, h * dqk], [q.stride(1), 1], [bm, w]) for w in wqk]
+    specs += [(1, [b * sk, hk * dqk], [k.stride(1), 1], [bn, w]) for w in wqk]
     if config.v_layout == "transposed":  # v is the (B, Hkv, Dv, Sk) copy
-        rows = b * hk * v.shape[2]
-        descs += [TensorDescriptor(v, [rows, sk], [v.stride(2), 1], [w, bn]) for w in wv]
+        specs += [(2, [b * hk * v.shape[2], sk], [v.stride(2), 1], [w, bn]) for w in wv]
     else:
+        specs += [(2, [b * sk, hk * v.shape[3]], [v.stride(1), 1], [bn, w]) for w in wv]
+    return specs
+
+
+def _descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list:
+    """Host TMA descriptors of one call (copies q, k, natural v first where TMA cannot read them)."""
+    q, k = _tma_ready(q), _tma_ready(k)
+    if config.v_layout != "transposed":
         v = _tma_ready(v)
-        descs += [TensorDescriptor(v, [b * sk, hk * v.shape[3]], [v.stride(1), 1], [bn, w]) for w in wv]
-    return descs
+    qkv = (q, k, v)
+    return [TensorDescriptor(qkv[i], shape, strides, block) for i, shape, strides, block in
+            _descriptor_specs(config, q, k, v)]
+
+
+def _unchecked_descriptor(base: torch.Tensor, shape: list, strides: list, block: list):
+    """A TensorDescriptor without its constructor's checks (about 1 us each): for a BoundLaunch,
+    whose layout passed those checks at `bind` and whose pointers the caller checked for alignment."""
+    d = object.__new__(TensorDescriptor)
+    d.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block, padding="zero")
+    return d

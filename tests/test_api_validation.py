@@ -103,7 +103,7 @@ def cpu_ok(monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("validation let bad arguments through to the launch")
 
-    monkeypatch.setattr(api, "launch", no_launch)
+    monkeypatch.setattr(api, "bind", no_launch)
 
 
 def test_relaxed_check_still_checks_everything_but_the_device(cpu_ok):

@@ -74,3 +74,34 @@ def test_launch_fast_path_matches_first_launch():
         again = flash_attn_func(*args, config=cfg, **kw)
         assert torch.equal(first, again)
         assert rel_l2(again, attention_reference(*args, **kw)) < 0.03
+
+
+@pytest.mark.parametrize("dtype,dqk,dv,variant", [
+    ("fp8", 128, 128, {}), ("fp8", 128, 128, dict(loads="pointer")), ("fp8", 64, 64, dict(v_layout="natural")),
+    ("bf16", 128, 128, {}), ("bf16", 192, 128, {}), ("fp8", 256, 256, dict(loads="pointer", v_layout="natural")),
+])
+def test_fast_path_equals_checked_path(dtype, dqk, dv, variant, monkeypatch):
+    """Later calls with one layout take the bound launch; they must equal a fresh checked call bitwise,
+    for new data, for the descales passed, and for a view with an unaligned pointer (checked path)."""
+    from zyfa_tune import api
+
+    cfg = default_config(dtype, dqk, dv).replace(**variant)
+    monkeypatch.setattr(api, "_plans", {})
+    shape = dict(batch=2, heads=8, kv_heads=2, seqlen=1000)
+    args, kw = make_inputs(dtype, dqk, dv, seed=100, **shape)
+    flash_attn_func(*args, config=cfg, **kw)  # checked: leaves the plan
+    assert len(api._plans) == 1
+    for seed in range(3):
+        args, kw = make_inputs(dtype, dqk, dv, seed=seed, **shape)
+        fast = flash_attn_func(*args, config=cfg, **kw)
+        api._plans.clear()
+        checked = flash_attn_func(*args, config=cfg, **kw)
+        assert len(api._plans) == 1
+        assert torch.equal(fast, checked), seed
+        assert rel_l2(fast, attention_reference(*args, **kw)) < (0.05 if dtype == "fp8" else 0.01)
+    q, k, v = args
+    buf = torch.empty(q.numel() * q.element_size() + 16, dtype=torch.uint8, device=q.device)
+    q_odd = buf[8:8 + q.numel() * q.element_size()].view(q.dtype).view(q.shape)
+    q_odd.copy_(q)
+    assert q_odd.data_ptr() % 16 and q_odd.stride() == q.stride()
+    assert torch.equal(flash_attn_func(q_odd, k, v, config=cfg, **kw), checked)

@@ -9,7 +9,7 @@ import torch
 
 from zyfa_tune.generator import HEAD_DIMS, KernelConfig
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.launch import launch
+from zyfa_tune.kernels.launch import BoundLaunch, bind
 
 _DTYPES = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"}
 
@@ -94,6 +94,28 @@ def _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale) ->
     return _Problem(q, k, v, dtype, float(softmax_scale), descales)
 
 
+# ---- per-layout fast path -------------------------------------------------------------------------
+# Validation, the dispatcher's choice, the grid and the launch arguments depend only on the shapes,
+# strides, dtypes and devices of the arguments (and on the scale, causal flag, forced config and
+# database layers), not on the data. The first call with a layout takes the checked path and leaves a
+# _Plan under a key of exactly those properties; later calls with that layout and 16-byte aligned
+# pointers allocate the output and launch (docs/PERF.md: dispatch overhead).
+
+_PLAN_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class _Plan:
+    launch: BoundLaunch
+    out_shape: tuple[int, int, int, int]
+    device: torch.device
+    ones: torch.Tensor | None  # stands in for descales left out when others are given
+    only_device: bool  # the only visible GPU: no need to ask which device is current
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                     causal: bool = True, q_descale: torch.Tensor | None = None,
                     k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
@@ -108,6 +130,36 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     (`zyfa_tune.explain` says which and why); `config` forces one instead.
     Returns (batch, seqlen_q, heads, head_dim_v) in torch.bfloat16.
     """
+    try:  # the layout key: every argument property the checked path depends on except data pointers
+        key = (type(q), q.shape, q.stride(), q.dtype, q.device, type(k), k.shape, k.stride(), k.dtype, k.device,
+               type(v), v.shape, v.stride(), v.dtype, v.device, type(softmax_scale), softmax_scale,
+               type(causal), causal, config, dispatch.dispatcher(),
+               None if q_descale is None else (type(q_descale), q_descale.shape, q_descale.stride(),
+                                               q_descale.dtype, q_descale.device),
+               None if k_descale is None else (type(k_descale), k_descale.shape, k_descale.stride(),
+                                               k_descale.dtype, k_descale.device),
+               None if v_descale is None else (type(v_descale), v_descale.shape, v_descale.stride(),
+                                               v_descale.dtype, v_descale.device))
+        plan = _plans.get(key)
+    except Exception:  # not tensors, unhashable values: the checked path names the problem
+        key = plan = None
+    # the kernels were specialised on 16-byte aligned pointers when the plan was made
+    if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 and (
+            q_descale is None or not q_descale.data_ptr() & 15) and (
+            k_descale is None or not k_descale.data_ptr() & 15) and (
+            v_descale is None or not v_descale.data_ptr() & 15):
+        out = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=plan.device)
+        if plan.ones is not None:
+            q_descale, k_descale, v_descale = (plan.ones if d is None else d for d in (q_descale, k_descale, v_descale))
+        if plan.only_device or plan.device.index == torch.cuda.current_device():
+            return plan.launch(q, k, v, out, q_descale, k_descale, v_descale)
+        with torch.cuda.device(plan.device):
+            return plan.launch(q, k, v, out, q_descale, k_descale, v_descale)
+    return _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config)
+
+
+def _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config) -> torch.Tensor:
+    """Validate, choose the kernel, launch; leave a _Plan for this layout when it needs no copies."""
     p = _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale)
     b, sq, h, dqk = p.q.shape
     sk, hk, dv = p.k.shape[1], p.k.shape[2], p.v.shape[3]
@@ -121,13 +173,17 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
         return out
     if sk == 0:
         return out.zero_()
-    if config is None:
-        config = dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, b, h, hk, sq, p.q.device.index)
-    device = p.q.device.index
-    if device == torch.cuda.current_device():  # entering a device context costs microseconds
-        return launch(config, p.q, p.k, p.v, out, p.softmax_scale, causal, *p.descales)
-    with torch.cuda.device(device):
-        return launch(config, p.q, p.k, p.v, out, p.softmax_scale, causal, *p.descales)
+    chosen = config or dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, b, h, hk, sq, p.q.device.index)
+    with torch.cuda.device(p.q.device):
+        bound = bind(chosen, p.q, p.k, p.v, out, p.softmax_scale, causal, *p.descales)
+    given = (q_descale, k_descale, v_descale)
+    as_given = p.q is q and p.k is k and p.v is v and all(d is None or d is c for d, c in zip(given, p.descales))
+    if bound is not None and key is not None and as_given:
+        ones = next((c for d, c in zip(given, p.descales) if d is None and c is not None), None)
+        if len(_plans) >= _PLAN_LIMIT:  # unbounded layout streams: start over rather than grow
+            _plans.clear()
+        _plans[key] = _Plan(bound, (b, sq, h, dv), p.q.device, ones, torch.cuda.device_count() == 1)
+    return out
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
