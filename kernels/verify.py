@@ -16,6 +16,7 @@ import torch
 from zyfa_tune.generator import ConfigError, KernelConfig
 
 from .defaults import default_config
+from .inputs import check_input_family, make_qkv
 from .reference import attention_reference, max_abs_err, rel_l2
 from .timing import Timing, time_cuda
 
@@ -61,21 +62,25 @@ def load_activations(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tenso
     return q.float(), k.float(), v.float()
 
 
-def make_inputs(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int,
-                seqlen: int, seed: int, seqlen_k: int | None = None, device: str = "cuda"):
-    """Fresh Gaussian q, k, v; FP8 ones quantised per (batch, kv-head) with their descales.
-    Returns (positional args, keyword args) for `flash_attn_func`."""
+def kernel_args(dtype: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple, dict]:
+    """Float q, k, v -> (positional args, keyword args) for `flash_attn_func`: FP8 ones quantised
+    per (batch, kv-head) with their descales (`quantize_fp8`), BF16 ones cast."""
     from zyfa_tune.quantize import quantize_fp8
 
-    sk = seqlen if seqlen_k is None else seqlen_k
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(batch, seqlen, heads, head_dim_qk, device=device, generator=g)
-    k = torch.randn(batch, sk, kv_heads, head_dim_qk, device=device, generator=g)
-    v = torch.randn(batch, sk, kv_heads, head_dim_v, device=device, generator=g)
     if dtype == "fp8":
         q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
         return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
     return (q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)), {}
+
+
+def make_inputs(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int,
+                seqlen: int, seed: int, seqlen_k: int | None = None, device: str = "cuda",
+                family: str = "gaussian"):
+    """Fresh q, k, v of an input family (`kernels.inputs`; "gaussian" = i.i.d. N(0, 1)), as
+    `kernel_args`. Returns (positional args, keyword args) for `flash_attn_func`."""
+    q, k, v = make_qkv(family, batch=batch, seqlen=seqlen, heads=heads, kv_heads=kv_heads, head_dim_qk=head_dim_qk,
+                       head_dim_v=head_dim_v, seed=seed, seqlen_k=seqlen_k, device=device)
+    return kernel_args(dtype, q, k, v)
 
 
 @dataclass(frozen=True)
@@ -103,26 +108,22 @@ class Probe:
 
 def make_probe(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int,
                seqlen: int, causal: bool = True, seed: int = 0, gate: float = DEFAULT_ERROR_GATE,
-               inputs: str | None = None) -> Probe:
+               inputs: str | None = None, family: str = "gaussian") -> Probe:
     """Inputs + reference + limit = gate x the exact default config's error on the same inputs.
-    `inputs` names a file of captured activations (load_activations) used instead of random ones;
-    its shape must be the one given."""
+    Random inputs come from the input family `family` (`kernels.inputs`); `inputs` names a file of
+    captured activations (load_activations) used instead, whose shape must be the one given."""
     from zyfa_tune.api import flash_attn_func
-    from zyfa_tune.quantize import quantize_fp8
 
+    check_input_family(family, inputs)
     if inputs is None:
         args, kw = make_inputs(dtype, head_dim_qk, head_dim_v, batch=batch, heads=heads, kv_heads=kv_heads,
-                               seqlen=seqlen, seed=seed)
+                               seqlen=seqlen, seed=seed, family=family)
     else:
         q, k, v = (t.cuda() for t in load_activations(inputs))
         if (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]) != \
                 (batch, seqlen, heads, kv_heads, head_dim_qk, head_dim_v):
             raise ValueError(f"inputs: {inputs} holds q {tuple(q.shape)}, v {tuple(v.shape)}, not the shape asked for")
-        if dtype == "fp8":
-            q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
-            args, kw = (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
-        else:
-            args, kw = (q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)), {}
+        args, kw = kernel_args(dtype, q, k, v)
     ref = attention_reference(*args, causal=causal, **kw)
     base = default_config(dtype, head_dim_qk, head_dim_v)
     limit = gate * rel_l2(flash_attn_func(*args, causal=causal, config=base, **kw), ref)

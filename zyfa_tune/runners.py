@@ -9,10 +9,11 @@ a clean CUDA context). Runner strings:
 
 "gpu"
     The real measurement, on the one GPU the child sees. Per shape: `kernels.verify.make_probe`
-    (fresh inputs from `task.seed`, float64 reference, error limit = `task.gate` x the exact default
-    config's error; cached in the child per (shape, dtype, head dims, causal, seed, gate), a few at
-    a time), then a warm call of the config, then `kernels.verify.check_config` (error gate, CUDA-
-    event timing with NVML clock/power/energy reads). Statuses:
+    (fresh inputs of `task.input_family` from `task.seed`, or `task.inputs`; float64 reference, error
+    limit = `task.gate` x the exact default config's error; cached in the child per (shape, dtype,
+    head dims, causal, seed, gate, inputs, input family), a few at a time), then a warm call of the
+    config, then `kernels.verify.check_config` (error gate, CUDA-event timing with NVML
+    clock/power/energy reads). Statuses:
       compile_error  the warm call raised from emission or from Triton's compiler / module loader
                      (CompilationError, PTXASError, OutOfResources, MLIR pass failures: anything
                      raised inside triton/compiler, the NVIDIA backend compiler or our generator),
@@ -46,8 +47,8 @@ a clean CUDA context). Runner strings:
         p_scale_log2 and scale_block (calibrated on docs/PERF.md: lean P ~1.35x the exact
         default's error, hence "wrong" under the default gate), gated like the GPU runner against
         the same model's error for the default config. Message "replay: synthetic ...". No
-        clocks/power. The same config and shape give the same numbers in every run; the seed does
-        not enter.
+        clocks/power. The same config and shape give the same numbers in every run; the seed and
+        the input family do not enter.
 
 "fault:<mode>" / "fault:<mode>@<field>=<value>"  (tests)
     Injected failures: "raise" (an exception in the runner -> crash with its traceback), "hang"
@@ -237,7 +238,7 @@ class GpuRunner:
         from zyfa_tune.kernels.verify import make_probe
 
         key = (shape, config.dtype, config.head_dim_qk, config.head_dim_v, task.causal, task.seed, task.gate,
-               task.inputs)
+               task.inputs, task.input_family)
         probe = self._probes.get(key)
         if probe is None:
             while len(self._probes) >= PROBE_CACHE:
@@ -245,7 +246,8 @@ class GpuRunner:
                 self.torch.cuda.empty_cache()
             probe = make_probe(config.dtype, config.head_dim_qk, config.head_dim_v, batch=shape.batch,
                                heads=shape.heads, kv_heads=shape.kv_heads, seqlen=shape.seqlen,
-                               causal=task.causal, seed=task.seed, gate=task.gate, inputs=task.inputs)
+                               causal=task.causal, seed=task.seed, gate=task.gate, inputs=task.inputs,
+                               family=task.input_family)
             self._probes[key] = probe
         self._probes.move_to_end(key)
         return probe

@@ -27,6 +27,7 @@ import optuna
 
 from zyfa_tune.db import Fingerprint, ProblemKey, TrialResult, open_store
 from zyfa_tune.generator import GENERATOR_VERSION, HEAD_DIMS, KernelConfig, emit
+from zyfa_tune.kernels.inputs import check_input_family
 from zyfa_tune.search_spaces import get_space
 from zyfa_tune.worker import Shape, Task, Worker
 
@@ -60,6 +61,7 @@ class TuneSpec:
     gate: float = 1.25
     reps: int = 20
     inputs: str | None = None            # captured q, k, v (.pt / .safetensors): the one shape tuned
+    input_family: str = "gaussian"       # random inputs' family for the accuracy gate (kernels.inputs)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp8", "bf16"):
@@ -67,6 +69,7 @@ class TuneSpec:
         for name in ("head_dim_qk", "head_dim_v"):
             if getattr(self, name) not in HEAD_DIMS:
                 raise ValueError(f"{name}: {getattr(self, name)} is not one of {list(HEAD_DIMS)}")
+        check_input_family(self.input_family, self.inputs, what="input_family")
         if self.inputs is not None:
             if self.seqlens:
                 raise ValueError("seqlens: the shape comes from --inputs; give one or the other")
@@ -103,7 +106,15 @@ class TuneSpec:
 
     @property
     def name(self) -> str:
-        return self.study_name or f"{self.dtype}-{self.head_dim_qk}x{self.head_dim_v}-{'causal' if self.causal else 'full'}"
+        """The study name; by default one study per input family (gaussian keeps the plain name)."""
+        family = "" if self.input_family == "gaussian" else f"-{self.input_family}"
+        return self.study_name or \
+            f"{self.dtype}-{self.head_dim_qk}x{self.head_dim_v}-{'causal' if self.causal else 'full'}{family}"
+
+    @property
+    def inputs_label(self) -> str:
+        """What the accuracy gate's inputs were, for the trial's provenance (no schema column)."""
+        return f"file:{os.path.basename(self.inputs)}" if self.inputs is not None else self.input_family
 
 
 @dataclass
@@ -238,7 +249,8 @@ class Tuner:
             return
         task = Task(config_json=key, shapes=self.spec.shapes, causal=self.spec.causal, seed=self.spec.seed,
                     gate=self.spec.gate, reps=self.spec.reps,  # probes cached per study
-                    inputs=None if self.spec.inputs is None else os.path.abspath(self.spec.inputs))
+                    inputs=None if self.spec.inputs is None else os.path.abspath(self.spec.inputs),
+                    input_family=self.spec.input_family)
         results = worker.run(task)
         source_hash = emit(cfg).source_hash
         for shape, res in zip(self.spec.shapes, results):
@@ -246,7 +258,8 @@ class Tuner:
                                          causal=self.spec.causal, batch=shape.batch, heads=shape.heads,
                                          kv_heads=shape.kv_heads, seqlen=shape.seqlen)
             store.record_trial(fp, pkey, cfg, res, source_hash=source_hash, study=self.spec.name,
-                               provenance=f"study={self.spec.name} trial={trial.number} host={_HOST}")
+                               provenance=f"study={self.spec.name} trial={trial.number} host={_HOST} "
+                                          f"inputs={self.spec.inputs_label}")
         statuses = [r.status for r in results]
         trial.set_user_attr("statuses", statuses)
         if all(s == "ok" for s in statuses):

@@ -55,6 +55,8 @@ from typing import Any
 from zyfa_tune.db.checks import strict_int
 from zyfa_tune.db.records import TrialResult
 
+from zyfa_tune.kernels.inputs import check_input_family
+
 from .runners import RunnerSpec, exception_text, make_runner, parse_runner, tail
 
 __all__ = ["Shape", "Task", "Worker", "WorkerError", "START_METHODS"]
@@ -96,10 +98,12 @@ class Task:
     gate: float = 1.25        # error gate vs the exact default (kernels.verify.DEFAULT_ERROR_GATE)
     reps: int = 20
     inputs: str | None = None # captured activations (.pt / .safetensors) instead of random inputs
+    input_family: str = "gaussian"  # random inputs' family (zyfa_tune.kernels.inputs)
 
     def __post_init__(self) -> None:
         if self.inputs is not None and (type(self.inputs) is not str or not os.path.isfile(self.inputs)):
             raise ValueError(f"inputs: {self.inputs!r} is not a file")
+        check_input_family(self.input_family, self.inputs, what="input_family")
         if type(self.config_json) is not str:
             raise ValueError(f"config_json: expected str, got {type(self.config_json).__name__}")
         shapes = tuple(self.shapes) if isinstance(self.shapes, (list, tuple)) else None
