@@ -8,6 +8,8 @@
     zyfa-tune export  OUT.db [--storage DB] [--gpu NAME] [--head-dim D] [--all-trials]
     zyfa-tune import  SRC.db [--storage DB]     # alias: merge; keeps the faster entry per key
     zyfa-tune verify  [--storage DB] [--margin 0.1]   # GPU: re-check this GPU's best kernels
+    zyfa-tune bench   [--dtype fp8] [--head-dim 128] --seqlens 4096,8192 [--peers ...] [--json F] [--plot F.png]
+    zyfa-tune bench   --from results.json --plot out.png      # redraw a saved run, no GPU needed
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import time
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from zyfa_tune.generator import ConfigError, KernelConfig, emit
@@ -207,6 +210,15 @@ def _gpus(text: str | None) -> tuple[int | None, ...]:
     return _int_list(text, "--gpus")
 
 
+def config_changes(config: KernelConfig) -> str:
+    """The fields where `config` differs from the default config of its dtype and head dims."""
+    from zyfa_tune.kernels.defaults import default_config
+
+    base = default_config(config.dtype, config.head_dim_qk, config.head_dim_v).to_dict()
+    changed = [f"{k}={v}" for k, v in config.to_dict().items() if base[k] != v]
+    return " ".join(changed) or "(the default config)"
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     """Optuna study over the family's search space; results go to the tuning database."""
     from rich.live import Live
@@ -225,7 +237,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                     time_budget_s=parse_duration(args.time) if args.time else None, gpus=_gpus(args.gpus),
                     storage=args.storage, study_storage=args.study_storage, study_name=args.study,
                     resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
-                    runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs)
+                    runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
+                    input_family=args.input_family)
 
     def render(p: Progress) -> Table:
         t = Table(title=f"zyfa-tune {spec.name}: {len(spec.gpus)} worker(s), runner={spec.runner}")
@@ -235,9 +248,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         t.add_row("elapsed", f"{time.time() - p.started:.0f} s")
         t.add_row("best (geo-mean TFLOP/s)", f"{p.best_value:.1f}" if p.best_value else "-")
         if p.best_config is not None:
-            c = p.best_config
-            t.add_row("best config", f"{c.softmax} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} "
-                                     f"{c.loads}/{c.v_layout} rowsum={c.rowsum} {c.q_order}")
+            t.add_row("best config", config_changes(p.best_config))
         t.add_row("by status", ", ".join(f"{k}={v}" for k, v in sorted(p.by_status.items())) or "-")
         t.add_row("SM clock", f"{p.last_clock_mhz:.0f} MHz" if p.last_clock_mhz else "-")
         return t
@@ -255,9 +266,45 @@ def cmd_tune(args: argparse.Namespace) -> int:
         best_tf = best.tflops if best else None
         table.add_row(f"B={sh.batch} S={sh.seqlen} H={sh.heads}/{sh.kv_heads}",
                       f"{best_tf:.1f}" if best_tf else "-", f"{dflt:.1f}" if dflt else "-",
-                      f"{best_tf / dflt:.2f}x" if best_tf and dflt else "-", best.config_json if best else "-")
+                      f"{best_tf / dflt:.2f}x" if best_tf and dflt else "-",
+                      config_changes(KernelConfig.from_json(best.config_json)) if best else "-")
     console.print(table)
     return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Ours (dispatcher + forced configs) against the peers on the same inputs; table, JSON, plot."""
+    from zyfa_tune import bench, bench_report
+
+    if args.plot:
+        bench_report.require_matplotlib()
+    if args.from_json:
+        result = bench.BenchResult.load(args.from_json)
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            console.print("[red]bench: no CUDA device is visible; measuring needs the GPU.[/red] "
+                          "A saved run is redrawn without one: zyfa-tune bench --from results.json --plot out.png")
+            return 2
+        dtypes = bench.DTYPES if args.dtype == "both" else (args.dtype,)
+        shapes = (tuple(bench.parse_shape(s) for s in args.shape) if args.shape else
+                  bench.shapes_from(args.head_dim, args.head_dim_v, args.seqlens, args.batch_heads, args.kv_heads))
+        ours = [bench.OursSpec(f"ours-{dt}", dt) for dt in dtypes]
+        for text in args.ours or []:
+            ours += bench.parse_ours(text, dtypes)
+        plan = bench.BenchPlan(shapes=shapes, ours=tuple(ours), peers=bench.parse_peers(args.peers, dtypes),
+                               reps=args.reps, seed=args.seed, rotate=args.rotate, warm_s=args.warm)
+        result = bench.run(plan, on_row=lambda r: console.print(bench_report.row_line(r), markup=False,
+                                                                highlight=False))
+    wide = console if console.is_terminal else Console(width=200)  # logs: one line per row
+    wide.print(bench_report.results_table(result))
+    if args.json:
+        result.save(args.json)
+        console.print(f"results: {args.json}")
+    if args.plot:
+        console.print(f"plot: {bench_report.plot(result, args.plot)}")
+    return 1 if any(r.error for r in result.rows if r.kind != "peer") else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seqlens", default="4096,8192,16384")
     p.add_argument("--inputs", default=None, metavar="FILE",
                    help="tune on captured activations: a .pt or .safetensors file of q, k, v (batch, seqlen, heads, dim)")
+    from zyfa_tune.kernels.inputs import FAMILY_NAMES
+
+    p.add_argument("--input-family", default="gaussian", metavar="NAME",
+                   help=f"activation-like random inputs for the accuracy gate: {', '.join(FAMILY_NAMES)} "
+                        "(docs/ACCURACY.md; default gaussian)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--batches", default=None, help="one batch size per seqlen (default: 16384 tokens / seqlen)")
@@ -339,13 +391,37 @@ def main(argv: list[str] | None = None) -> int:
     storage(p)
     p.add_argument("--margin", type=float, default=0.10, help="largest accepted slowdown (0.10 = 10%%)")
     p.set_defaults(fn=cmd_verify)
+    p = sub.add_parser("bench", help="ours vs FA3 / cuDNN / torch SDPA on the same inputs: table, JSON, plot")
+    p.add_argument("--dtype", choices=["fp8", "bf16", "both"], default="fp8")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--head-dim-v", type=int, default=None)
+    p.add_argument("--seqlens", default="4096,8192,16384")
+    p.add_argument("--batch-heads", default=None, metavar="BxH,...",
+                   help="one batch x heads per seqlen, or one for all (default: 16384 tokens / seqlen x 32)")
+    p.add_argument("--kv-heads", type=int, default=None, help="GQA: fewer KV heads (default: = heads)")
+    p.add_argument("--shape", action="append", metavar="DQK,DV,B,S,H[,HK]",
+                   help="an explicit shape (repeatable; replaces --head-dim/--seqlens/--batch-heads)")
+    p.add_argument("--peers", default=None,
+                   help="comma list from fa3-fp8,cudnn-fp8,fa3-bf16,sdpa-cudnn-bf16,sdpa-flash-bf16, or 'none' "
+                        "(default: all of the benched dtypes)")
+    p.add_argument("--ours", action="append", metavar="[LABEL:]KEY=VAL,...",
+                   help="also time a forced config: the default config with these fields changed (repeatable)")
+    p.add_argument("--reps", type=int, default=30, help="timed calls per system (median reported)")
+    p.add_argument("--rotate", type=int, default=1, help="input sets timed round-robin (for shapes that fit in L2)")
+    p.add_argument("--warm", type=float, default=3.0, help="seconds of GEMMs to reach sustained clocks first")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="OUT.json", help="save every row and the GPU state")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="TFLOP/s vs seqlen (needs zyfa-tune[plot])")
+    p.add_argument("--from", dest="from_json", default=None, metavar="RESULTS.json",
+                   help="no measuring: redraw the table / --plot of a saved run (no GPU needed)")
+    p.set_defaults(fn=cmd_bench)
     args = ap.parse_args(argv)
     if args.command == "tune" and args.trials is None and args.time is None:
         args.trials = 40
     try:
         return args.fn(args)
     except (ConfigError, ValueError, TypeError, RuntimeError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}")  # messages may hold [brackets]
         return 2
 
 

@@ -1,0 +1,258 @@
+"""`zyfa-tune bench` on the CPU: argument parsing, the measuring loop with a CPU system and a fake
+timer, JSON round trip (including the old benchmarks/peers.py JSON), the table, the plot from
+saved JSON, and the clear errors without a GPU or without matplotlib. One GPU test runs the real
+thing."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zyfa_tune import bench, bench_report, cli
+from zyfa_tune.generator import ConfigError
+from zyfa_tune.kernels.timing import Timing
+
+OLD_JSON = Path(__file__).resolve().parents[1] / "docs" / "results" / "2026-11-30-peers-defaults.json"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def fake_timer(calls, warmup, reps):
+    """Runs every call once (round-robin is the real timer's job) and reports 2 ms."""
+    fake_timer.calls = len(calls)
+    for c in calls:
+        c()
+    return Timing(median_ms=2.0, p20_ms=1.9, p80_ms=2.1, min_ms=1.8, reps=reps, sm_clock_mhz=1755.0, power_w=500.0,
+                  energy_j_per_call=1.0)
+
+
+def dequantised_sdpa(x: bench.Inputs) -> bench.Bound:
+    """An 'fp8 system' for the CPU: SDPA on the e4m3 inputs times their scales."""
+    args, kw = x.args("fp8")
+    q, k, v = (a.float() * x.scales[i] for i, a in enumerate(args))
+    assert all(torch.all(kw[f"{n}_descale"] == float(kw[f"{n}_descale"][0, 0])) for n in "qkv")
+    return bench.Bound(*bench._boxed(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+        enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)))
+
+
+def broken(x: bench.Inputs) -> bench.Bound:
+    raise ImportError("no module named fa3_fwd_interface")
+
+
+def sample_result(rows=None) -> bench.BenchResult:
+    def row(system, kind, s, tflops, dtype="fp8", **kw):
+        return bench.BenchRow(shape=f"128/128 B=1 S={s} H=32", system=system, kind=kind, dtype=dtype, dqk=128,
+                              dv=128, b=1, s=s, h=32, hk=32, tflops=tflops, median_ms=1.0, rel_l2=0.02, **kw)
+    rows = rows or [r for s, f in ((4096, 1.0), (8192, 1.2), (16384, 1.3)) for r in (
+        row("ours-fp8", "ours", s, 500 * f, config=None, source="exact"),
+        row("lean", "forced", s, 480 * f),
+        row("fa3-fp8", "peer", s, 700 * f),
+        row("cudnn-fp8", "peer", s, 0, error="ImportError: no cudnn"))]
+    return bench.BenchResult(date="2026-12-01T10:00:00+00:00", gpu={"name": "NVIDIA H200"}, gpu_after={},
+                             environment={}, settings={}, rows=tuple(rows))
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+
+def test_shapes_from_flags():
+    shapes = bench.shapes_from(128, None, "4096,8192,16384")
+    assert [(s.batch, s.seqlen, s.heads, s.kv_heads) for s in shapes] == [(4, 4096, 32, 32), (2, 8192, 32, 32),
+                                                                         (1, 16384, 32, 32)]
+    one = bench.shapes_from(192, 128, "1024,2048", "2x16", kv_heads=4)
+    assert [(s.head_dim_v, s.batch, s.heads, s.kv_heads) for s in one] == [(128, 2, 16, 4)] * 2
+    per = bench.shapes_from(64, None, "1024,2048", "3x8,1x8")
+    assert [s.batch for s in per] == [3, 1]
+    with pytest.raises(ValueError, match="--batch-heads"):
+        bench.shapes_from(128, None, "1024,2048,4096", "1x8,1x8")
+    with pytest.raises(ValueError, match="--seqlens"):
+        bench.shapes_from(128, None, "4k")
+    with pytest.raises(ValueError, match="head_dim_qk"):
+        bench.shapes_from(80, None, "1024")
+    with pytest.raises(ValueError, match="kv_heads"):
+        bench.shapes_from(128, None, "1024", "1x8", kv_heads=3)
+
+
+def test_parse_shape_and_peers():
+    assert bench.parse_shape("192,128,2,8192,16") == bench.BenchShape(head_dim_qk=192, head_dim_v=128, batch=2,
+                                                                 seqlen=8192, heads=16, kv_heads=16)
+    assert bench.parse_shape("128,128,1,4096,32,8").kv_heads == 8
+    assert bench.parse_shape("128,128,1,4096,32").label == "128/128 B=1 S=4096 H=32"
+    with pytest.raises(ValueError, match="--shape"):
+        bench.parse_shape("128,128,4096")
+    assert bench.parse_peers(None, ["fp8"]) == ("fa3-fp8", "cudnn-fp8")
+    assert set(bench.parse_peers(None, ["bf16"])) == {"fa3-bf16", "sdpa-cudnn-bf16", "sdpa-flash-bf16"}
+    assert bench.parse_peers("none", ["fp8"]) == ()
+    with pytest.raises(ValueError, match="--peers.*fa4"):
+        bench.parse_peers("fa3-fp8,fa4", ["fp8"])
+
+
+def test_parse_ours_labels_and_dtypes():
+    (lean,) = bench.parse_ours("lean:softmax=lean,rowsum=rounded", ["fp8"])
+    assert (lean.label, lean.dtype, lean.overrides) == ("lean", "fp8", (("softmax", "lean"), ("rowsum", "rounded")))
+    cfg = lean.config_for(128, 128)
+    assert (cfg.softmax, cfg.rowsum, cfg.head_dim_qk) == ("lean", "rounded", 128)
+    both = bench.parse_ours("fwd:q_order=forward", ["fp8", "bf16"])
+    assert [(o.label, o.dtype) for o in both] == [("fwd-fp8", "fp8"), ("fwd-bf16", "bf16")]
+    (named,) = bench.parse_ours("block_m=128,dtype=bf16", ["fp8", "bf16"])
+    assert (named.label, named.dtype, dict(named.overrides)) == ("ours-block_m=128", "bf16", {"block_m": 128})
+    assert bench.OursSpec("ours-fp8", "fp8").config_for(128, 128) is None  # the dispatcher chooses
+    with pytest.raises(ValueError, match="--ours"):
+        bench.parse_ours("lean:softmax", ["fp8"])
+    with pytest.raises(ValueError, match="dtype"):
+        bench.parse_ours("dtype=fp16", ["fp8"])
+
+
+def test_plan_rejects_bad_forced_configs_before_measuring():
+    shapes = bench.shapes_from(128, None, "1024")
+    with pytest.raises(ConfigError, match="--ours bad"):
+        bench.BenchPlan(shapes=shapes, ours=tuple(bench.parse_ours("bad:block_m=7", ["fp8"])), peers=())
+    with pytest.raises(ValueError, match="reps"):
+        bench.BenchPlan(shapes=shapes, ours=(), peers=(), reps=2)
+    with pytest.raises(ValueError, match="peers"):
+        bench.BenchPlan(shapes=shapes, ours=(), peers=("fa2",))
+
+
+# ---- measuring on the CPU ----------------------------------------------------------------------
+
+def test_measure_shape_on_cpu_rows_errors_and_flops():
+    shape = bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=256, heads=4, kv_heads=2)
+    systems = [bench.System("sdpa-math-bf16", "peer", "bf16", bench._sdpa("MATH")),
+               bench.System("dequant-fp8", "peer", "fp8", dequantised_sdpa),
+               bench.System("missing", "peer", "fp8", broken),
+               bench.ours_system(bench.OursSpec("ours-bf16", "bf16"), shape)]  # CUDA only: fails cleanly
+    seen = []
+    rows = bench.measure_shape(shape, systems, seed=0, reps=5, rotate=2, device="cpu", timer=fake_timer,
+                               on_row=seen.append)
+    assert seen == rows and [r.system for r in rows] == ["sdpa-math-bf16", "dequant-fp8", "missing", "ours-bf16"]
+    sdpa, fp8, missing, ours = rows
+    assert fake_timer.calls == 2  # both input sets timed
+    assert 1e-4 < sdpa.rel_l2 < 1e-2 and sdpa.max_err > 0  # bf16 output vs float64
+    assert fp8.rel_l2 < 1e-5  # the fp8 reference is on exactly the dequantised e4m3 inputs
+    assert sdpa.tflops == pytest.approx(shape.flops / 2e-3 / 1e12)
+    assert shape.flops == 2 * 1 * 4 * 256 * 256 * 128 / 2
+    assert sdpa.tflop_per_j == pytest.approx(shape.flops / 1e12) and sdpa.sm_clock_mhz == 1755.0
+    assert (sdpa.shape, sdpa.hk, sdpa.kind, sdpa.dtype) == ("64/64 B=1 S=256 H=4/2", 2, "peer", "bf16")
+    assert missing.error.startswith("ImportError") and missing.tflops is None
+    assert ours.error and "cuda" in ours.error.lower() and ours.kind == "ours"
+
+
+def test_inputs_share_one_quantisation():
+    x = bench.Inputs.random(bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=2, seqlen=128, heads=4, kv_heads=4),
+                            seed=3, device="cpu")
+    _, kw = x.args("fp8")
+    assert set(kw) == {"q_descale", "k_descale", "v_descale"}
+    assert kw["q_descale"].shape == (2, 4) and float(kw["q_descale"][0, 0]) == pytest.approx(x.scales[0])
+    assert float(x.q8.float().abs().max()) == 448.0  # per-tensor scale uses the whole e4m3 range
+    again = bench.Inputs.random(x.shape, seed=3, device="cpu")
+    assert torch.equal(x.q16, again.q16) and not torch.equal(x.q16, bench.Inputs.random(x.shape, 4, "cpu").q16)
+
+
+# ---- results, table, plot ----------------------------------------------------------------------
+
+def test_json_round_trip(tmp_path):
+    res = sample_result()
+    res.save(tmp_path / "r.json")
+    assert bench.BenchResult.load(tmp_path / "r.json") == res
+
+
+def test_old_peers_json_loads():
+    res = bench.BenchResult.load(OLD_JSON)
+    first = res.rows[0]
+    assert (first.system, first.kind, first.dtype, first.hk) == ("ours-fp8", "ours", "fp8", 32)
+    assert {r.dtype for r in res.rows if r.system.startswith("sdpa")} == {"bf16"}
+    assert res.gpu["name"] == "NVIDIA H200"
+
+
+def test_load_errors_name_the_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"date": "x"}')
+    with pytest.raises(ValueError, match="--from.*rows"):
+        bench.BenchResult.load(bad)
+    with pytest.raises(ValueError, match="--from"):
+        bench.BenchResult.load(tmp_path / "missing.json")
+
+
+def test_table_ratios_to_the_best_peer():
+    from rich.console import Console
+
+    console = Console(width=250, record=True)
+    console.print(bench_report.results_table(sample_result()))
+    text = console.export_text()
+    assert "0.71x" in text  # ours 500 vs FA3 700
+    assert "ImportError: no cudnn" in text
+    assert bench_report.best_peer(sample_result().rows)[("128/128 B=1 S=4096 H=32", "fp8")] == 700
+
+
+def test_plot_from_saved_json_via_cli(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    saved, png = tmp_path / "r.json", tmp_path / "r.png"
+    sample_result().save(saved)
+    assert cli.main(["bench", "--from", str(saved), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+    assert "fa3-fp8" in capsys.readouterr().out
+    many = tmp_path / "old.png"  # several panels (head dims) from the old peers.py JSON
+    assert cli.main(["bench", "--from", str(OLD_JSON), "--plot", str(many)]) == 0
+    assert many.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_lines_per_system_and_batch():
+    rows = sample_result().rows
+    panels = bench_report._panels(rows)
+    assert list(panels) == [(128, 128, 32, 32)]
+    lines = bench_report._lines(panels[(128, 128, 32, 32)])
+    assert list(lines) == ["ours-fp8", "lean", "fa3-fp8"]  # ours first; the failed peer has no line
+    assert [p.s for p in lines["ours-fp8"]] == [4096, 8192, 16384]
+    extra = [*rows, bench.BenchRow(shape="128/128 B=2 S=4096 H=32", system="fa3-fp8", kind="peer", dtype="fp8",
+                                   dqk=128, dv=128, b=2, s=4096, h=32, hk=32, tflops=800.0)]
+    assert "fa3-fp8 B=2" in bench_report._lines(bench_report._panels(extra)[(128, 128, 32, 32)])
+    assert "NVIDIA H200 · fp8 · hd · causal · 2026-12-01" == bench_report._title(sample_result(), "hd")
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch, capsys):
+    saved, png = tmp_path / "r.json", tmp_path / "r.png"
+    sample_result().save(saved)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    assert cli.main(["bench", "--from", str(saved), "--plot", str(png)]) == 2
+    assert "zyfa-tune[plot]" in capsys.readouterr().out
+    assert not png.exists()
+    with pytest.raises(RuntimeError, match="pip install"):
+        bench_report.plot(sample_result(), png)
+
+
+def test_bench_without_gpu_exits_with_a_message(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "--head-dim", "128", "--seqlens", "4096"]) == 2
+    out = capsys.readouterr().out
+    assert "no CUDA device" in out and "--from" in out and "Traceback" not in out
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        bench.run(bench.BenchPlan(shapes=bench.shapes_from(128, None, "1024"), ours=(), peers=()))
+
+
+def test_bench_bad_arguments_exit_2(tmp_path, capsys):
+    assert cli.main(["bench", "--from", str(tmp_path / "none.json")]) == 2
+    assert "--from" in capsys.readouterr().out
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_bench_on_gpu(tmp_path, dtype):
+    out = tmp_path / "r.json"
+    peers = "sdpa-flash-bf16" if dtype == "bf16" else "none"
+    rc = cli.main(["bench", "--dtype", dtype, "--head-dim", "128", "--seqlens", "1024,2048", "--batch-heads", "1x8",
+                   "--peers", peers, "--ours", "fwd:q_order=forward", "--reps", "5", "--warm", "0.2",
+                   "--json", str(out)])
+    assert rc == 0
+    res = bench.BenchResult.load(out)
+    ours = [r for r in res.rows if r.kind != "peer"]
+    assert len(ours) == 4 and all(r.error is None for r in ours)
+    for r in ours:
+        assert r.tflops > 0 and r.rel_l2 < (5e-2 if dtype == "fp8" else 1e-2) and r.config
+    assert {r.source for r in ours if r.kind == "ours"} <= {"exact", "nearest", "other-device", "default"}
+    assert {r.source for r in ours if r.kind == "forced"} == {"forced"}
+    assert res.environment.get("gpu_name") and json.loads(out.read_text())["settings"]["reps"] == 5

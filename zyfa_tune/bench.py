@@ -1,0 +1,529 @@
+"""`zyfa-tune bench`: our kernels against the peers (FlashAttention-3, cuDNN, torch SDPA), in one
+process, on the same fresh inputs, by one timer and against one float64 reference.
+
+Why one process and one timer: numbers from different scripts differ by clocks, warm-up and timing
+method more than the kernels differ. So every system here is timed by `kernels.timing.time_cuda`
+(CUDA events, median after warm-up) right after the others on the same tensors, its error is rel.
+L2 against `kernels.reference.attention_reference` (float64) on exactly the inputs it was given,
+and the GPU state (NVML clocks, power, temperature) is recorded before and after the run and the
+mean SM clock per row.
+
+FP8 systems all get the same e4m3 tensors, quantised with one per-tensor scale (given to FA3 and us
+as (batch, kv_heads) descales, to cuDNN as scalars); BF16 systems get the bf16 tensors the FP8
+ones were quantised from. "ours" is `flash_attn_func` through the dispatcher (what a user gets);
+forced configs (`--ours label:key=val,...`) run beside it. FLOPs = 2*B*H*S^2*(Dqk+Dv)/2 (causal).
+
+Results are a `BenchResult` (JSON: `save` / `load`); `zyfa_tune.bench_report` draws the table and
+the plot from it, so a saved run can be redrawn on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from zyfa_tune.generator import HEAD_DIMS, ConfigError, KernelConfig
+from zyfa_tune.worker import Shape
+
+E4M3_MAX = 448.0
+DTYPES = ("fp8", "bf16")
+#: tokens per shape when no batch is given: batch = max(1, TOKENS // seqlen), as `zyfa-tune tune`
+TOKENS = 16384
+DEFAULT_HEADS = 32
+
+
+# ---- what to measure ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BenchShape(Shape):
+    """A tuner shape (batch, heads, kv_heads, seqlen; validated there) with its head dims."""
+
+    head_dim_qk: int
+    head_dim_v: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("head_dim_qk", "head_dim_v"):
+            if getattr(self, name) not in HEAD_DIMS:
+                raise ValueError(f"{name}: {getattr(self, name)} is not one of {list(HEAD_DIMS)}")
+
+    @property
+    def label(self) -> str:
+        heads = f"H={self.heads}" + (f"/{self.kv_heads}" if self.kv_heads != self.heads else "")
+        return f"{self.head_dim_qk}/{self.head_dim_v} B={self.batch} S={self.seqlen} {heads}"
+
+    @property
+    def flops(self) -> float:
+        from zyfa_tune.kernels.timing import attention_flops
+
+        return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim_qk,
+                               self.head_dim_v, True)
+
+
+def _ints(text: str, what: str, sep: str = ",") -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(sep) if x.strip())
+    except ValueError:
+        raise ValueError(f"{what}: expected integers separated by {sep!r}, got {text!r}") from None
+
+
+def parse_shape(text: str) -> BenchShape:
+    """'dqk,dv,batch,seqlen,heads[,kv_heads]' (the format of the old benchmarks/peers.py)."""
+    v = _ints(text, "--shape")
+    if len(v) not in (5, 6):
+        raise ValueError(f"--shape: expected dqk,dv,batch,seqlen,heads[,kv_heads], got {text!r}")
+    return BenchShape(head_dim_qk=v[0], head_dim_v=v[1], batch=v[2], seqlen=v[3], heads=v[4],
+                      kv_heads=v[5] if len(v) == 6 else v[4])
+
+
+def shapes_from(head_dim: int, head_dim_v: int | None, seqlens: str, batch_heads: str | None = None,
+                kv_heads: int | None = None) -> tuple[BenchShape, ...]:
+    """Shapes from `--seqlens 4096,8192` and `--batch-heads 4x32,2x32` (one BxH per seqlen, or one
+    for all; default: B = 16384 tokens / S, H = 32)."""
+    lens = _ints(seqlens, "--seqlens")
+    if not lens:
+        raise ValueError("--seqlens: give at least one sequence length")
+    if batch_heads:
+        pairs = [_ints(item, "--batch-heads", "x") for item in batch_heads.split(",") if item.strip()]
+        if any(len(p) != 2 for p in pairs) or len(pairs) not in (1, len(lens)):
+            raise ValueError(f"--batch-heads: expected BxH, one for all or one per seqlen ({len(lens)}), "
+                             f"got {batch_heads!r}")
+        pairs = pairs * len(lens) if len(pairs) == 1 else pairs
+    else:
+        pairs = [(max(1, TOKENS // s), DEFAULT_HEADS) for s in lens]
+    dv = head_dim_v or head_dim
+    return tuple(BenchShape(head_dim_qk=head_dim, head_dim_v=dv, batch=b, seqlen=s, heads=h, kv_heads=kv_heads or h)
+                 for s, (b, h) in zip(lens, pairs))
+
+
+def parse_overrides(text: str) -> dict[str, Any]:
+    """'key=val,key=val' -> {key: int or str}."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--ours: expected key=value, got {item!r}")
+        val = val.strip()
+        out[key.strip()] = int(val) if val.lstrip("-").isdigit() else val
+    return out
+
+
+@dataclass(frozen=True)
+class OursSpec:
+    """One of our systems: the dispatcher's choice (`overrides` None) or a forced config (the
+    default config of the shape's head dims with these fields changed)."""
+
+    label: str
+    dtype: str
+    overrides: tuple[tuple[str, Any], ...] | None = None
+
+    def config_for(self, head_dim_qk: int, head_dim_v: int) -> KernelConfig | None:
+        from zyfa_tune.kernels.defaults import default_config
+
+        if self.overrides is None:
+            return None
+        base = default_config(self.dtype, head_dim_qk, head_dim_v)
+        return KernelConfig.from_dict({**base.to_dict(), **dict(self.overrides)})
+
+
+def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
+    """'[label:]key=val,...' -> one forced config per benched dtype (only the named one if the text
+    sets dtype=), labelled -<dtype> when there are several, so that the labels stay distinct."""
+    label, sep, body = text.partition(":")
+    if not sep or "=" in label:
+        label, body = "", text
+    over = parse_overrides(body)
+    named = over.pop("dtype", None)
+    if named is not None and named not in DTYPES:
+        raise ValueError(f"--ours: dtype={named!r} is not one of {list(DTYPES)}")
+    kinds = [named] if named else list(dtypes)
+    base = label or "ours-" + (",".join(f"{k}={v}" for k, v in over.items()) or "default")
+    return [OursSpec(base if len(kinds) == 1 else f"{base}-{dt}", dt, tuple(over.items())) for dt in kinds]
+
+
+# ---- inputs and systems ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Inputs:
+    """One shape's Gaussian bf16 tensors and their per-tensor e4m3 quantisation."""
+
+    shape: BenchShape
+    q16: torch.Tensor
+    k16: torch.Tensor
+    v16: torch.Tensor
+    q8: torch.Tensor
+    k8: torch.Tensor
+    v8: torch.Tensor
+    scales: tuple[float, float, float]     # per-tensor q, k, v scales (dequantised = e4m3 * scale)
+
+    @classmethod
+    def random(cls, shape: BenchShape, seed: int, device: str = "cuda") -> "Inputs":
+        g = torch.Generator(device=device).manual_seed(seed)
+        b, s, h, hk = shape.batch, shape.seqlen, shape.heads, shape.kv_heads
+        q = torch.randn(b, s, h, shape.head_dim_qk, device=device, generator=g).to(torch.bfloat16)
+        k = torch.randn(b, s, hk, shape.head_dim_qk, device=device, generator=g).to(torch.bfloat16)
+        v = torch.randn(b, s, hk, shape.head_dim_v, device=device, generator=g).to(torch.bfloat16)
+        (q8, qs), (k8, ks), (v8, vs) = (_quantise(t) for t in (q, k, v))
+        return cls(shape, q, k, v, q8, k8, v8, (qs, ks, vs))
+
+    def descales(self) -> dict[str, torch.Tensor]:
+        """FA3-style (batch, kv_heads) descales, all equal to the per-tensor scale."""
+        b, hk = self.shape.batch, self.shape.kv_heads
+        return {f"{n}_descale": torch.full((b, hk), s, device=self.q16.device)
+                for n, s in zip("qkv", self.scales)}
+
+    def args(self, dtype: str) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        """(q, k, v) and descale keywords as `flash_attn_func` and FA3 take them."""
+        if dtype == "fp8":
+            return (self.q8, self.k8, self.v8), self.descales()
+        return (self.q16, self.k16, self.v16), {}
+
+    def reference(self, dtype: str) -> torch.Tensor:
+        from zyfa_tune.kernels.reference import attention_reference
+
+        args, kw = self.args(dtype)
+        return attention_reference(*args, causal=True, **kw)
+
+
+def _quantise(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    scale = float(x.float().abs().amax()) / E4M3_MAX
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A system bound to one input set: `call()` runs it, `output()` is its last output in
+    (batch, seqlen, heads, head_dim_v) layout; `config`/`source` say which of our kernels ran."""
+
+    call: Callable[[], None]
+    output: Callable[[], torch.Tensor]
+    config: str | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    kind: str                          # "ours" (dispatcher) | "forced" (config given) | "peer"
+    dtype: str
+    bind: Callable[[Inputs], Bound]
+
+
+def _boxed(fn: Callable[[], Any], pick: Callable[[Any], torch.Tensor] = lambda r: r):
+    """(call, output): call() runs fn and keeps pick(result) for output()."""
+    box: dict[str, torch.Tensor] = {}
+
+    def call() -> None:
+        box["o"] = pick(fn())
+    return call, lambda: box["o"]
+
+
+def ours_system(spec: OursSpec, shape: BenchShape) -> System:
+    config = spec.config_for(shape.head_dim_qk, shape.head_dim_v)
+
+    def bind(x: Inputs) -> Bound:
+        from zyfa_tune.api import explain, flash_attn_func
+
+        args, kw = x.args(spec.dtype)
+        call, output = _boxed(lambda: flash_attn_func(*args, causal=True, config=config, **kw))
+        if config is not None:
+            return Bound(call, output, config.to_json(), "forced")
+        choice = explain(*args, causal=True, **kw)
+        return Bound(call, output, choice.config.to_json(), choice.source)
+    return System(spec.label, "ours" if config is None else "forced", spec.dtype, bind)
+
+
+def _fa3(dtype: str) -> Callable[[Inputs], Bound]:
+    def bind(x: Inputs) -> Bound:
+        from fa3_fwd_interface import flash_attn_func as fa3_func
+
+        args, kw = x.args(dtype)
+        return Bound(*_boxed(lambda: fa3_func(*args, causal=True, **kw),
+                             lambda r: r[0] if isinstance(r, tuple) else r))
+    return bind
+
+
+def _sdpa(backend_name: str) -> Callable[[Inputs], Bound]:
+    def bind(x: Inputs) -> Bound:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, backend_name)
+        q, k, v = (t.transpose(1, 2) for t in (x.q16, x.k16, x.v16))
+        gqa = q.shape[1] != k.shape[1]
+
+        def run() -> torch.Tensor:
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return Bound(*_boxed(run, lambda o: o.transpose(1, 2)))
+    return bind
+
+
+def _cudnn_fp8(x: Inputs) -> Bound:
+    """cuDNN's sdpa_fp8 graph; its FP8 output is dequantised for the error."""
+    import cudnn
+
+    sh = x.shape
+    qs, ks, vs = x.scales
+    q, k, v = (t.permute(0, 2, 1, 3) for t in (x.q8, x.k8, x.v8))  # (b, h, s, d) views
+    o = torch.empty(sh.batch, sh.seqlen, sh.heads, sh.head_dim_v, device=x.q8.device,
+                    dtype=torch.float8_e4m3fn).permute(0, 2, 1, 3)
+    scalars = {n: torch.full((1, 1, 1, 1), val, device=x.q8.device, dtype=torch.float32) for n, val in (
+        ("dq", qs), ("dk", ks), ("dv", vs), ("ds", 1.0), ("ss", 1.0),
+        ("so", 1.0 / vs))}  # |o| <= max|v| = 448 * vs: fills the e4m3 range
+    amax = {n: torch.zeros(1, 1, 1, 1, device=x.q8.device, dtype=torch.float32) for n in ("s", "o")}
+    graph = cudnn.pygraph(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT)
+    tq, tk, tv = graph.tensor_like(q), graph.tensor_like(k), graph.tensor_like(v)
+    ts = {n: graph.tensor_like(t) for n, t in scalars.items()}
+    to, _, ta_s, ta_o = graph.sdpa_fp8(q=tq, k=tk, v=tv, descale_q=ts["dq"], descale_k=ts["dk"], descale_v=ts["dv"],
+                                       descale_s=ts["ds"], scale_s=ts["ss"], scale_o=ts["so"], is_inference=True,
+                                       attn_scale=sh.head_dim_qk ** -0.5, use_causal_mask=True, name="sdpa_fp8")
+    to.set_output(True).set_dim(list(o.shape)).set_stride(list(o.stride())).set_data_type(cudnn.data_type.FP8_E4M3)
+    for t in (ta_s, ta_o):
+        t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(cudnn.data_type.FLOAT)
+    graph.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    ws = torch.empty(max(1, graph.get_workspace_size()), device=x.q8.device, dtype=torch.uint8)
+    pack = {tq: q, tk: k, tv: v, to: o, ta_s: amax["s"], ta_o: amax["o"]}
+    pack.update({ts[n]: scalars[n] for n in ts})
+    return Bound(lambda: graph.execute(pack, ws), lambda: (o.float() / scalars["so"].view(1)).permute(0, 2, 1, 3))
+
+
+#: peer name -> (dtype, bind, needs equal head dims)
+PEERS: dict[str, tuple[str, Callable[[Inputs], Bound], bool]] = {
+    "fa3-fp8": ("fp8", _fa3("fp8"), False),
+    "cudnn-fp8": ("fp8", _cudnn_fp8, False),
+    "fa3-bf16": ("bf16", _fa3("bf16"), False),
+    "sdpa-cudnn-bf16": ("bf16", _sdpa("CUDNN_ATTENTION"), True),
+    "sdpa-flash-bf16": ("bf16", _sdpa("FLASH_ATTENTION"), True),
+}
+
+
+def parse_peers(text: str | None, dtypes: Sequence[str]) -> tuple[str, ...]:
+    """Comma list of PEERS names, 'none', or None: every peer of the benched dtypes."""
+    if text is None:
+        return tuple(n for n, (dt, _, _) in PEERS.items() if dt in dtypes)
+    if text.strip() == "none":
+        return ()
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in names if p not in PEERS]
+    if unknown:
+        raise ValueError(f"--peers: unknown {unknown}; choose from {list(PEERS)} or 'none'")
+    return names
+
+
+def systems_for(shape: BenchShape, ours: Iterable[OursSpec], peers: Iterable[str]) -> list[System]:
+    out = [ours_system(spec, shape) for spec in ours]
+    for name in peers:
+        dtype, bind, equal_dims = PEERS[name]
+        if equal_dims and shape.head_dim_qk != shape.head_dim_v:
+            continue  # torch SDPA needs equal head dims
+        out.append(System(name, "peer", dtype, bind))
+    return out
+
+
+# ---- results -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BenchRow:
+    """One system on one shape. Field names match the JSON of the old benchmarks/peers.py."""
+
+    shape: str
+    system: str
+    kind: str
+    dtype: str
+    dqk: int
+    dv: int
+    b: int
+    s: int
+    h: int
+    hk: int
+    tflops: float | None = None
+    median_ms: float | None = None
+    p20_ms: float | None = None
+    p80_ms: float | None = None
+    min_ms: float | None = None
+    reps: int | None = None
+    sm_clock_mhz: float | None = None
+    power_w: float | None = None
+    energy_j_per_call: float | None = None
+    tflop_per_j: float | None = None
+    rel_l2: float | None = None
+    max_err: float | None = None
+    config: str | None = None
+    source: str | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BenchRow":
+        """From saved JSON; rows of the old peers.py lack kind/dtype/hk, which are inferred."""
+        if not isinstance(d, dict) or not isinstance(d.get("system"), str):
+            raise ValueError(f"rows: expected objects with a 'system' name, got {str(d)[:80]}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        name = d["system"]
+        d.setdefault("kind", "ours" if name.startswith("ours") else "peer")
+        d.setdefault("dtype", "fp8" if "fp8" in name else "bf16")
+        d.setdefault("hk", d.get("h"))
+        try:
+            return cls(**d)
+        except TypeError as exc:
+            raise ValueError(f"rows: {name}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    date: str                            # ISO 8601, UTC
+    gpu: dict[str, Any]                  # NVML state before the run (kernels.timing.gpu_state)
+    gpu_after: dict[str, Any]
+    environment: dict[str, Any]          # driver, CUDA, torch, Triton, generator version
+    settings: dict[str, Any]             # reps, seed, rotate, warm-up seconds
+    rows: tuple[BenchRow, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["rows"] = [dataclasses.asdict(r) for r in self.rows]
+        return out
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "BenchResult":
+        """Read a saved run (this module's or the old benchmarks/peers.py's JSON)."""
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--from: cannot read {path}: {exc}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise ValueError(f"--from: {path} holds no 'rows' list; is it a zyfa-tune bench JSON?")
+        rows = tuple(BenchRow.from_dict(r) for r in data["rows"])
+        return cls(date=str(data.get("date", "")), gpu=dict(data.get("gpu") or {}),
+                   gpu_after=dict(data.get("gpu_after") or {}), environment=dict(data.get("environment") or {}),
+                   settings=dict(data.get("settings") or {}), rows=rows)
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+def _error_text(exc: BaseException) -> str:
+    first = str(exc).splitlines()[0][:160] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"
+
+
+def measure_system(system: System, inputs: Sequence[Inputs], reference: Callable[[str], torch.Tensor], *,
+                   reps: int, timer: Callable[..., Any]) -> BenchRow:
+    """Run `system` once on the first input set, take its error against the float64 reference,
+    then time it round-robin over all input sets. A failing system gives a row with `error`."""
+    from zyfa_tune.kernels.reference import max_abs_err, rel_l2
+
+    sh = inputs[0].shape
+    base = dict(shape=sh.label, system=system.name, kind=system.kind, dtype=system.dtype, dqk=sh.head_dim_qk,
+                dv=sh.head_dim_v, b=sh.batch, s=sh.seqlen, h=sh.heads, hk=sh.kv_heads)
+    bound: list[Bound] = []
+    try:
+        bound = [system.bind(x) for x in inputs]
+        bound[0].call()
+        if inputs[0].q16.is_cuda:
+            torch.cuda.synchronize()
+        out, ref = bound[0].output(), reference(system.dtype)
+        errors = dict(rel_l2=rel_l2(out, ref), max_err=max_abs_err(out, ref))
+        del out
+        t = timer([b.call for b in bound], warmup=3, reps=reps)
+    except Exception as exc:  # a missing or failing peer is reported, not fatal
+        info = dict(config=bound[0].config, source=bound[0].source) if bound else {}
+        return BenchRow(**base, **info, error=_error_text(exc))
+    flops = sh.flops
+    energy = t.energy_j_per_call
+    return BenchRow(**base, **errors, tflops=flops / (t.median_ms * 1e-3) / 1e12, median_ms=t.median_ms,
+                    p20_ms=t.p20_ms, p80_ms=t.p80_ms, min_ms=t.min_ms, reps=t.reps, sm_clock_mhz=t.sm_clock_mhz,
+                    power_w=t.power_w, energy_j_per_call=energy,
+                    tflop_per_j=flops / energy / 1e12 if energy else None,
+                    config=bound[0].config, source=bound[0].source)
+
+
+def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, reps: int, rotate: int = 1,
+                  device: str = "cuda", timer: Callable[..., Any] | None = None,
+                  on_row: Callable[[BenchRow], None] | None = None) -> list[BenchRow]:
+    """All systems on `rotate` fresh input sets of one shape (seeds seed, seed+1, ...); the error is
+    taken on the first set, whose float64 references are computed once per dtype."""
+    from zyfa_tune.kernels.timing import time_cuda
+
+    inputs = [Inputs.random(shape, seed + i, device) for i in range(rotate)]
+    refs: dict[str, torch.Tensor] = {}
+
+    def reference(dtype: str) -> torch.Tensor:
+        if dtype not in refs:
+            refs[dtype] = inputs[0].reference(dtype)
+        return refs[dtype]
+
+    rows = []
+    for system in systems:
+        rows.append(measure_system(system, inputs, reference, reps=reps, timer=timer or time_cuda))
+        if on_row:
+            on_row(rows[-1])
+    return rows
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    shapes: tuple[BenchShape, ...]
+    ours: tuple[OursSpec, ...]
+    peers: tuple[str, ...]
+    reps: int = 30
+    seed: int = 0
+    rotate: int = 1          # input sets timed round-robin (>1 where inputs would sit in L2)
+    warm_s: float = 3.0      # seconds of bf16 GEMMs before the first timing
+
+    def __post_init__(self) -> None:
+        if not self.shapes:
+            raise ValueError("shapes: need at least one")
+        for name, lo in (("reps", 5), ("rotate", 1)):
+            if getattr(self, name) < lo:
+                raise ValueError(f"{name}: expected >= {lo}, got {getattr(self, name)}")
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise ValueError(f"peers: unknown {unknown}; choose from {list(PEERS)}")
+        for spec in self.ours:  # a bad forced config fails now, not after minutes of measuring
+            for dims in {(s.head_dim_qk, s.head_dim_v) for s in self.shapes}:
+                try:
+                    spec.config_for(*dims)
+                except (ConfigError, TypeError) as exc:
+                    raise ConfigError(f"--ours {spec.label}: {exc}") from None
+
+
+def environment() -> dict[str, Any]:
+    """Driver, CUDA, torch, Triton and generator versions of GPU 0 (empty without a GPU)."""
+    try:
+        from zyfa_tune.db import current_fingerprint
+
+        return dataclasses.asdict(current_fingerprint(0))
+    except Exception:  # informational only
+        return {"torch": torch.__version__}
+
+
+def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> BenchResult:
+    """Warm the GPU, then measure every shape; GPU state recorded before and after."""
+    from zyfa_tune.kernels.timing import gpu_state, warm_gpu
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench: no CUDA device is visible; measuring needs the GPU "
+                           "(redraw a saved run without one: zyfa-tune bench --from results.json --plot out.png)")
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    before = gpu_state()
+    warm_gpu(plan.warm_s)
+    rows: list[BenchRow] = []
+    for shape in plan.shapes:
+        rows += measure_shape(shape, systems_for(shape, plan.ours, plan.peers), seed=plan.seed, reps=plan.reps,
+                              rotate=plan.rotate, on_row=on_row)
+        torch.cuda.empty_cache()
+    settings = dict(reps=plan.reps, seed=plan.seed, rotate=plan.rotate, warm_s=plan.warm_s,
+                    peers=list(plan.peers), ours=[dataclasses.asdict(o) for o in plan.ours])
+    return BenchResult(date=date, gpu=before, gpu_after=gpu_state(), environment=environment(),
+                       settings=settings, rows=tuple(rows))

@@ -1,0 +1,170 @@
+"""The table and the plot of a `zyfa_tune.bench.BenchResult`, from a live run or from saved JSON.
+
+Kept apart from the measuring code so that it runs where the plot is drawn: the GPU machine has
+no matplotlib, so runs are saved as JSON there and drawn on the CPU side (`zyfa-tune bench --from
+results.json --plot out.png`). matplotlib is an optional extra (`pip install zyfa-tune[plot]`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable
+
+from rich.table import Table
+
+from zyfa_tune.bench import BenchResult, BenchRow
+
+OURS_COLORS = ("#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#bcbd22")
+PEER_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#7f7f7f", "#393b79")
+
+
+def require_matplotlib() -> None:
+    """Fail before measuring, not after, when --plot cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib, an optional extra: pip install 'zyfa-tune[plot]' "
+                           "(or save --json here and draw it elsewhere with --from)") from None
+
+
+def best_peer(rows: Iterable[BenchRow]) -> dict[tuple[str, str], float]:
+    """(shape, dtype) -> the highest peer TFLOP/s."""
+    best: dict[tuple[str, str], float] = {}
+    for r in rows:
+        if r.kind == "peer" and r.tflops:
+            key = (r.shape, r.dtype)
+            best[key] = max(best.get(key, 0.0), r.tflops)
+    return best
+
+
+def _kernel(r: BenchRow) -> str:
+    """Which of our kernels ran: the dispatcher's source and a config summary."""
+    if r.config is None:
+        return ""
+    from zyfa_tune.generator import ConfigError, KernelConfig
+
+    try:
+        c = KernelConfig.from_json(r.config)
+    except ConfigError:
+        return f"{r.source}: (invalid config)"
+    return f"{r.source}: {c.softmax} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} {c.loads}/{c.v_layout}"
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return format(value, fmt) if value is not None and math.isfinite(value) else "-"
+
+
+def results_table(result: BenchResult) -> Table:
+    """A row per (shape, system); quantiles and max error stay in the JSON."""
+    gpu = result.gpu.get("name") or result.environment.get("gpu_name") or "GPU"
+    table = Table(title=f"zyfa-tune bench: {gpu}, causal, {result.date[:16]}")
+    for col in ("shape", "system", "TFLOP/s", "vs best peer", "median ms", "rel.L2", "SM MHz", "W", "TFLOP/J",
+                "kernel"):
+        table.add_column(col, overflow="fold", justify="left" if col in ("shape", "system", "kernel") else "right")
+    peers = best_peer(result.rows)
+    for r in result.rows:
+        style = "bold" if r.kind != "peer" else None
+        if r.error:
+            table.add_row(r.shape, r.system, *["-"] * 7, f"[red]{r.error}[/red]", style=style)
+            continue
+        ref = peers.get((r.shape, r.dtype))
+        table.add_row(r.shape, r.system, _num(r.tflops, ".1f"), f"{r.tflops / ref:.2f}x" if ref and r.tflops else "-",
+                      _num(r.median_ms, ".3f"), _num(r.rel_l2, ".2e"), _num(r.sm_clock_mhz, ".0f"),
+                      _num(r.power_w, ".0f"), _num(r.tflop_per_j, ".2f"), _kernel(r), style=style)
+    return table
+
+
+def row_line(r: BenchRow) -> str:
+    """One line per measured row, printed while a run goes on."""
+    if r.error:
+        return f"{r.shape:<28} {r.system:<22} ERROR {r.error}"
+    return (f"{r.shape:<28} {r.system:<22} {_num(r.tflops, '7.1f')} TFLOP/s  {_num(r.median_ms, '8.3f')} ms  "
+            f"relL2 {_num(r.rel_l2, '.3e')}  {_num(r.sm_clock_mhz, '.0f')} MHz  {_num(r.power_w, '.0f')} W")
+
+
+# ---- plot --------------------------------------------------------------------------------------
+
+def _seqlen_label(s: int) -> str:
+    return f"{s // 1024}K" if s % 1024 == 0 else str(s)
+
+
+def _panels(rows: Iterable[BenchRow]) -> dict[tuple[int, int, int, int], list[BenchRow]]:
+    """Measured rows grouped by (dqk, dv, heads, kv_heads): one panel each."""
+    panels: dict[tuple[int, int, int, int], list[BenchRow]] = defaultdict(list)
+    for r in rows:
+        if r.tflops:
+            panels[(r.dqk, r.dv, r.h, r.hk)].append(r)
+    return dict(panels)
+
+
+def _lines(rows: list[BenchRow]) -> dict[str, list[BenchRow]]:
+    """One line per system (per system and batch where a panel holds several batches per seqlen),
+    ours first, points by seqlen."""
+    multi = len({(r.s, r.b) for r in rows}) > len({r.s for r in rows})
+    lines: dict[str, list[BenchRow]] = defaultdict(list)
+    for r in sorted(rows, key=lambda r: (r.kind == "peer", r.kind == "forced", r.s)):
+        lines[f"{r.system} B={r.b}" if multi else r.system].append(r)
+    return dict(lines)
+
+
+def _style(kind: str, dtype: str, index: int) -> dict:
+    dash = "-" if dtype == "fp8" else "--"
+    if kind == "peer":
+        return dict(color=PEER_COLORS[index % len(PEER_COLORS)], lw=1.4, ls=dash, marker="s", ms=4, alpha=0.85,
+                    zorder=2)
+    return dict(color=OURS_COLORS[index % len(OURS_COLORS)], lw=3.0 if kind == "ours" else 2.0, ls=dash,
+                marker="o", ms=6, zorder=3)
+
+
+def _title(result: BenchResult, dims: str | None) -> str:
+    gpu = result.gpu.get("name") or result.environment.get("gpu_name") or "unknown GPU"
+    dtypes = "/".join(sorted({r.dtype for r in result.rows}, key=("fp8", "bf16").index))
+    parts = [gpu, dtypes, dims, "causal", result.date[:10] or "undated"]
+    return " · ".join(p for p in parts if p)
+
+
+def plot(result: BenchResult, path: str | os.PathLike) -> Path:
+    """TFLOP/s against sequence length (log2 axis), a line per system, ours thick and warm-coloured,
+    peers thin; a panel per head-dim/heads combination. Writes a PNG and returns its path."""
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    panels = _panels(result.rows)
+    if not panels:
+        raise ValueError("--plot: the results hold no measured row to draw")
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(6.4 * ncols, 4.6 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, ((dqk, dv, h, hk), rows) in zip(axes, sorted(panels.items())):
+        counters = {"peer": 0, "ours": 0}
+        for label, points in _lines(rows).items():
+            kind = points[0].kind
+            group = "peer" if kind == "peer" else "ours"
+            ax.plot([p.s for p in points], [p.tflops for p in points], label=label,
+                    **_style(kind, points[0].dtype, counters[group]))
+            counters[group] += 1
+        seqlens = sorted({r.s for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqlens, [_seqlen_label(s) for s in seqlens])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small", loc="best")
+        heads = f"H={h}" + (f"/{hk}" if hk != h else "")
+        if len(panels) > 1:
+            ax.set_title(f"head dims {dqk}/{dv}, {heads}", fontsize="medium")
+        else:
+            ax.set_title(_title(result, f"head dims {dqk}/{dv}, {heads}"))
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    if len(panels) > 1:
+        fig.suptitle(_title(result, None))
+    out = Path(path)
+    fig.savefig(out, dpi=150)
+    return out
