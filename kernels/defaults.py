@@ -15,7 +15,7 @@ def default_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfi
     KernelConfig's own defaults are the FP8 head-dim-128 default."""
     big = max(head_dim_qk, head_dim_v) > 128
     dims = dict(head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, block_n=64 if big else 128)
-    if dtype == "fp8":
-        return KernelConfig(dtype="fp8", **dims)
+    if dtype == "fp8":  # query blocks in launch order: every fp8 study so far preferred it (1.02-1.23x)
+        return KernelConfig(dtype="fp8", q_order="forward", **dims)
     return KernelConfig(dtype="bf16", block_m=128, num_warps=8, num_stages=2, p_scale_log2=0,
                         v_layout="natural", **dims)

@@ -181,6 +181,8 @@ def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     ds0, ds1 = q_descale.stride() if q_descale is not None else (0, 0)
     if config.v_layout == "transposed":
         v = transpose_v(v)
+    elif v.stride(-1) != 1:  # a keys-fastest V, for a kernel that reads (keys, dim) rows
+        v = v.contiguous()
     if config.loads == "tma":
         inputs = _descriptors(config, q, k, v)
     else:
@@ -197,10 +199,16 @@ def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 def transpose_v(v: torch.Tensor) -> torch.Tensor:
-    """(B, Sk, Hkv, Dv) -> (B, Hkv, Dv, Sk) copy whose key stride is padded to 16 bytes (TMA)."""
+    """(B, Sk, Hkv, Dv) -> (B, Hkv, Dv, Sk) with keys contiguous and rows 16-byte aligned (TMA): a
+    view when v is already stored that way (`quantize_fp8(..., v_layout="k_major")`), else a copy."""
     b, sk, hk, dv = v.shape
+    vt = v.permute(0, 2, 3, 1)
+    row = vt.stride(2)
+    if vt.stride(3) == 1 and (row * v.element_size()) % 16 == 0 and row >= sk and vt.stride(1) == dv * row \
+            and vt.stride(0) == hk * dv * row and v.data_ptr() % 16 == 0:
+        return vt
     if sk % 16 == 0:  # one op: fewer host microseconds than empty + sliced copy
-        return v.permute(0, 2, 3, 1).contiguous()
+        return vt.contiguous()
     pad = -(-sk // 16) * 16
     vt = torch.empty(b, hk, dv, pad, dtype=v.dtype, device=v.device)
     vt[..., :sk].copy_(v.permute(0, 2, 3, 1))

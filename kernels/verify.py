@@ -62,25 +62,26 @@ def load_activations(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tenso
     return q.float(), k.float(), v.float()
 
 
-def kernel_args(dtype: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tuple, dict]:
+def kernel_args(dtype: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                v_layout: str = "natural") -> tuple[tuple, dict]:
     """Float q, k, v -> (positional args, keyword args) for `flash_attn_func`: FP8 ones quantised
-    per (batch, kv-head) with their descales (`quantize_fp8`), BF16 ones cast."""
+    per (batch, kv-head) with their descales (`quantize_fp8`, V in `v_layout`), BF16 ones cast."""
     from zyfa_tune.quantize import quantize_fp8
 
     if dtype == "fp8":
-        q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
+        q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, v_layout=v_layout)
         return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
     return (q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)), {}
 
 
 def make_inputs(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int,
                 seqlen: int, seed: int, seqlen_k: int | None = None, device: str = "cuda",
-                family: str = "gaussian"):
+                family: str = "gaussian", v_layout: str = "natural"):
     """Fresh q, k, v of an input family (`kernels.inputs`; "gaussian" = i.i.d. N(0, 1)), as
     `kernel_args`. Returns (positional args, keyword args) for `flash_attn_func`."""
     q, k, v = make_qkv(family, batch=batch, seqlen=seqlen, heads=heads, kv_heads=kv_heads, head_dim_qk=head_dim_qk,
                        head_dim_v=head_dim_v, seed=seed, seqlen_k=seqlen_k, device=device)
-    return kernel_args(dtype, q, k, v)
+    return kernel_args(dtype, q, k, v, v_layout)
 
 
 @dataclass(frozen=True)

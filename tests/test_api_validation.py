@@ -13,6 +13,7 @@ device check, so:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -83,22 +84,10 @@ def test_q_is_checked_before_k_and_v():
 
 # ---- 2. later checks, with the device check relaxed -------------------------------------------
 
-_original_check_tensor = api._check_tensor
-
-
-def _check_tensor_cpu_ok(name, t):
-    try:
-        return _original_check_tensor(name, t)
-    except ValueError as exc:
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and "CUDA" in str(exc):
-            return t.contiguous()
-        raise
-
-
 @pytest.fixture
 def cpu_ok(monkeypatch):
     """Accept CPU tensors as if they were on a CUDA device; the launch must never be reached."""
-    monkeypatch.setattr(api, "_check_tensor", _check_tensor_cpu_ok)
+    monkeypatch.setattr(api, "_on_cuda", lambda name, t: None)
 
     def no_launch(*args, **kwargs):
         raise AssertionError("validation let bad arguments through to the launch")
@@ -356,3 +345,51 @@ def test_quantize_bad_arguments(inputs):
         quantize_fp8(q, k, v[:, :, :1])
     with pytest.raises(ValueError, match="^k: head_dim 64 differs from q's 128"):
         quantize_fp8(q, k[..., :64], v)
+    with pytest.raises(ValueError, match="^v_layout: expected 'natural' or 'k_major'"):
+        quantize_fp8(q, k, v, v_layout="transposed")
+
+
+@pytest.mark.parametrize("sk", [48, 45, 1])
+def test_quantize_k_major_v(sk):
+    """v_layout="k_major": the same codes, stored keys-fastest with 16-byte rows, which transpose_v
+    then reads as the kernels' V^T without a copy (a natural V is copied)."""
+    from zyfa_tune.kernels.launch import transpose_v
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, sk, 4, 64, generator=g), torch.randn(2, sk, 2, 64, generator=g), \
+        torch.randn(2, sk, 2, 96, generator=g)
+    nat = quantize_fp8(q, k, v)
+    km = quantize_fp8(q, k, v, v_layout="k_major")
+    v8, v8k = nat[2], km[2]
+    assert v8k.shape == v8.shape and v8k.dtype == FP8 and v8k.stride(1) == 1
+    assert torch.equal(v8k.view(torch.uint8), v8.view(torch.uint8)) and torch.equal(km[5], nat[5])
+    vt = transpose_v(v8k)
+    assert vt.data_ptr() == v8k.data_ptr() and vt.shape == (2, 2, 96, sk)  # a view: no copy
+    assert vt.stride(3) == 1 and vt.stride(2) % 16 == 0
+    vt_copy = transpose_v(v8)
+    assert vt_copy.data_ptr() != v8.data_ptr()
+    assert torch.equal(vt_copy.view(torch.uint8), vt.view(torch.uint8))
+
+
+def test_k_major_v_passes_validation_uncopied(monkeypatch):
+    """An FP8 V stored keys-fastest reaches the launch as given; a BF16 one is made contiguous."""
+    seen = {}
+
+    def record_bind(config, q, k, v, *rest):
+        seen["v"] = v
+        return None
+
+    monkeypatch.setattr(api, "_on_cuda", lambda name, t: None)
+    monkeypatch.setattr(api, "bind", record_bind)
+    monkeypatch.setattr(api.torch.cuda, "device", lambda d: contextlib.nullcontext())
+    from zyfa_tune.kernels.defaults import default_config
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 32, 2, 64, generator=g), torch.randn(1, 32, 2, 64, generator=g), \
+        torch.randn(1, 32, 2, 64, generator=g)
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, v_layout="k_major")
+    flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, config=default_config("fp8", 64, 64))
+    assert seen["v"] is v8
+    vb = v.to(BF16).permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # keys-fastest bf16
+    flash_attn_func(q.to(BF16), k.to(BF16), vb, config=default_config("bf16", 64, 64))
+    assert seen["v"] is not vb and seen["v"].is_contiguous() and torch.equal(seen["v"], vb)

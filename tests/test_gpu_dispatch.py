@@ -105,3 +105,18 @@ def test_fast_path_equals_checked_path(dtype, dqk, dv, variant, monkeypatch):
     q_odd.copy_(q)
     assert q_odd.data_ptr() % 16 and q_odd.stride() == q.stride()
     assert torch.equal(flash_attn_func(q_odd, k, v, config=cfg, **kw), checked)
+
+
+@pytest.mark.parametrize("variant", [{}, dict(loads="pointer"), dict(v_layout="natural")])
+def test_k_major_v_equals_natural_v(variant):
+    """quantize_fp8(..., v_layout="k_major") gives the same output bitwise, on the checked path and
+    on the fast path (the transposed-V kernels then read it without the V^T copy)."""
+    cfg = default_config("fp8", 128, 128).replace(**variant)
+    shape = dict(batch=2, heads=8, kv_heads=2, seqlen=1000)
+    for seed in range(2):
+        args, kw = make_inputs("fp8", 128, 128, seed=seed, **shape)
+        args_k, kw_k = make_inputs("fp8", 128, 128, seed=seed, v_layout="k_major", **shape)
+        assert args_k[2].stride(1) == 1
+        natural = flash_attn_func(*args, config=cfg, **kw)
+        for _ in range(2):  # checked path, then the fast path
+            assert torch.equal(natural, flash_attn_func(*args_k, config=cfg, **kw_k)), seed

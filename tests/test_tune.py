@@ -63,6 +63,23 @@ def test_loop_ends_with_a_best_entry_the_dispatcher_returns(tmp_path):
     assert choice.config.to_json() == fastest.config_json
 
 
+def test_two_workers_share_one_study(tmp_path):
+    """--gpus 0,1: one worker per GPU, both feeding one study; each trial says where it ran."""
+    s = spec(tmp_path, gpus=(0, 1), trials=10)
+    tuner = Tuner(s)
+    study = tuner.run()
+    finished = [t for t in study.trials if t.state.is_finished()]
+    assert len(finished) == 10
+    measured = [t for t in finished if "statuses" in t.user_attrs]
+    by_gpu = {g: sum(t.user_attrs["gpu"] == g for t in measured) for g in (0, 1)}
+    assert by_gpu[0] > 0 and by_gpu[1] > 0, by_gpu
+    assert tuner.progress.by_gpu == {str(g): n for g, n in by_gpu.items()}
+    assert len({t.user_attrs["pid"] for t in finished}) == 1  # one tuner process, two worker threads
+    with open_store(s.storage, readonly=True, create=False) as store:
+        provenance = {row["provenance"].split(" gpu=")[1].split()[0] for row in store.trials()}
+    assert provenance == {"0", "1"}
+
+
 def test_existing_study_needs_resume(tmp_path):
     Tuner(spec(tmp_path, trials=2)).run()
     with pytest.raises(ValueError, match="--resume"):

@@ -14,16 +14,22 @@ from zyfa_tune.kernels.launch import BoundLaunch, bind
 _DTYPES = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"}
 
 
-def _check_tensor(name: str, t: object) -> torch.Tensor:
+def _on_cuda(name: str, t: torch.Tensor) -> None:
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: tensor is on {t.device}; zyfa_tune kernels run on CUDA devices")
+
+
+def _check_tensor(name: str, t: object, k_major_ok: bool = False) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 4:
         raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
     if t.dtype not in _DTYPES:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported; use torch.float8_e4m3fn or torch.bfloat16")
-    if t.device.type != "cuda":
-        raise ValueError(f"{name}: tensor is on {t.device}; zyfa_tune kernels run on CUDA devices")
-    return t if t.stride(-1) == 1 else t.contiguous()
+    _on_cuda(name, t)
+    if t.stride(-1) == 1 or (k_major_ok and t.stride(1) == 1 and t.dtype == torch.float8_e4m3fn):
+        return t  # rows contiguous, or an FP8 V stored keys-fastest (what FP8 kernels read)
+    return t.contiguous()
 
 
 def _check_descale(name: str, d: object, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -50,7 +56,7 @@ class _Problem:
 
 def _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale) -> _Problem:
     """Validate the arguments of flash_attn_func / explain; errors name the argument."""
-    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
+    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v, k_major_ok=True)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")

@@ -251,6 +251,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
             t.add_row("best config", config_changes(p.best_config))
         t.add_row("by status", ", ".join(f"{k}={v}" for k, v in sorted(p.by_status.items())) or "-")
         t.add_row("SM clock", f"{p.last_clock_mhz:.0f} MHz" if p.last_clock_mhz else "-")
+        if len(spec.gpus) > 1:
+            t.add_row("measured per GPU", ", ".join(f"gpu {g}: {n}" for g, n in sorted(p.by_gpu.items())) or "-")
         return t
 
     tuner = Tuner(spec)

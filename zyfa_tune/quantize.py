@@ -37,13 +37,19 @@ def _quantize(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tenso
     return q8.view(b, s, h, d).to(torch.float8_e4m3fn), descale.contiguous()
 
 
-def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bool = False):
+def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bool = False,
+                 v_layout: str = "natural"):
     """Return (q8, k8, v8, q_descale, k_descale, v_descale) for `flash_attn_func`.
 
     Inputs are (batch, seqlen, heads, dim) floating tensors; descales are float32 (batch, kv_heads)
     as FlashAttention-3 expects (the q heads of one GQA group share one descale). With
     `hadamard=True`, Q and K are first multiplied by the same orthonormal Hadamard matrix.
+    `v_layout="k_major"` writes v8 keys-fastest: still a (batch, seqlen, kv_heads, dim) tensor, but
+    a view of a (batch, kv_heads, dim, seqlen) buffer (rows padded to 16 bytes). FP8 kernels read
+    V that way (the P@V wgmma wants V K-major); given it, `flash_attn_func` skips its V^T copy.
     """
+    if v_layout not in ("natural", "k_major"):
+        raise ValueError(f"v_layout: expected 'natural' or 'k_major', got {v_layout!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -63,4 +69,9 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     q8, qd = _quantize(q, hk)
     k8, kd = _quantize(k, hk)
     v8, vd = _quantize(v, hk)
+    if v_layout == "k_major":
+        b, sk, _, dv = v8.shape
+        buf = torch.empty(b, hk, dv, -(-sk // 16) * 16, dtype=v8.dtype, device=v8.device)
+        buf[..., :sk].copy_(v8.permute(0, 2, 3, 1))
+        v8 = buf[..., :sk].permute(0, 3, 1, 2)
     return q8, k8, v8, qd, kd, vd

@@ -127,6 +127,7 @@ class Progress:
     best_config: KernelConfig | None = None
     last_clock_mhz: float | None = None
     started: float = field(default_factory=time.time)
+    by_gpu: dict[str, int] = field(default_factory=dict)  # measured trials per worker GPU
 
 
 def parse_duration(text: str) -> float:
@@ -229,6 +230,7 @@ class Tuner:
         trial = study.ask()
         trial.set_user_attr("host", _HOST)
         trial.set_user_attr("pid", os.getpid())
+        trial.set_user_attr("gpu", worker.gpu)
         cfg = self.space.suggest(trial, self.spec.head_dim_qk, self.spec.head_dim_v)
         if cfg is None:
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
@@ -259,7 +261,7 @@ class Tuner:
                                          kv_heads=shape.kv_heads, seqlen=shape.seqlen)
             store.record_trial(fp, pkey, cfg, res, source_hash=source_hash, study=self.spec.name,
                                provenance=f"study={self.spec.name} trial={trial.number} host={_HOST} "
-                                          f"inputs={self.spec.inputs_label}")
+                                          f"gpu={worker.gpu} inputs={self.spec.inputs_label}")
         statuses = [r.status for r in results]
         trial.set_user_attr("statuses", statuses)
         if all(s == "ok" for s in statuses):
@@ -277,6 +279,8 @@ class Tuner:
             self._seen[key] = (state, values)
             p = self.progress
             p.done += 1
+            gpu = "-" if worker.gpu is None else str(worker.gpu)
+            p.by_gpu[gpu] = p.by_gpu.get(gpu, 0) + 1
             for s in set(statuses):
                 p.by_status[s] = p.by_status.get(s, 0) + 1
             clocks = [r.sm_clock_mhz for r in results if r.sm_clock_mhz]
