@@ -38,12 +38,19 @@ def _quantize(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bool = False,
-                 v_layout: str = "natural"):
+                 v_layout: str = "natural", smooth_k: bool = False):
     """Return (q8, k8, v8, q_descale, k_descale, v_descale) for `flash_attn_func`.
 
     Inputs are (batch, seqlen, heads, dim) floating tensors; descales are float32 (batch, kv_heads)
     as FlashAttention-3 expects (the q heads of one GQA group share one descale). With
     `hadamard=True`, Q and K are first multiplied by the same orthonormal Hadamard matrix.
+    `smooth_k=True` first subtracts K's mean over tokens (per batch, kv head and channel): q.mean(k)
+    is the same for every key of a query row, so softmax, and the attention output, are unchanged in
+    exact arithmetic, while the nearly constant outlier channels of real keys, which otherwise set the
+    FP8 scale and leave the rest of K a few codes, are removed (SageAttention's K smoothing; on the
+    `outliers` input family it cuts the input-quantisation error ~9x: docs/ACCURACY.md). k8 is then
+    the smoothed K. Hadamard rotation does not help that family (it spreads Q's constant outlier
+    channels into every channel); it helps outliers in random entries.
     `v_layout="k_major"` writes v8 keys-fastest: still a (batch, seqlen, kv_heads, dim) tensor, but
     a view of a (batch, kv_heads, dim, seqlen) buffer (rows padded to 16 bytes). FP8 kernels read
     V that way (the P@V wgmma wants V K-major); given it, `flash_attn_func` skips its V^T copy.
@@ -62,6 +69,10 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
         raise ValueError(f"k/v: kv_heads={hk} (v has {v.shape[2]}) must divide q's heads={q.shape[2]}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {q.shape[3]}")
+    if not isinstance(smooth_k, bool) or not isinstance(hadamard, bool):
+        raise TypeError("hadamard, smooth_k: expected bool")
+    if smooth_k:
+        k = k.float() - k.float().mean(dim=1, keepdim=True)
     if hadamard:
         rot = hadamard_matrix(q.shape[3], device=q.device)
         q = q.float() @ rot
