@@ -80,6 +80,55 @@ def test_two_workers_share_one_study(tmp_path):
     assert provenance == {"0", "1"}
 
 
+def slow_compile(config_json, shapes, causal):
+    """Stands in for a compile in the precompile pool (runs in a spawned process)."""
+    time.sleep(0.05)
+    return 0.05
+
+
+def broken_compile(config_json, shapes, causal):
+    raise RuntimeError("compiler crashed")
+
+
+def test_next_trial_is_precompiled_while_this_one_measures(tmp_path):
+    tuner = Tuner(spec(tmp_path, trials=10, precompile=True))
+    tuner.precompile_fn = slow_compile
+    study = tuner.run()
+    measured = sorted((t for t in study.trials if "statuses" in t.user_attrs), key=lambda t: t.number)
+    assert len(measured) >= 3
+    # every measured trial was handed to the pool when asked, i.e. before the previous one measured
+    assert tuner.precompiler.submitted == [t.user_attrs["config"] for t in measured]
+    assert set(tuner.precompiler.compiled) <= set(tuner.precompiler.submitted)
+
+
+def test_precompile_failures_never_reach_the_study(tmp_path):
+    tuner = Tuner(spec(tmp_path, trials=6, precompile=True))
+    tuner.precompile_fn = broken_compile
+    study = tuner.run()
+    assert len([t for t in study.trials if t.state.is_finished()]) == 6
+    assert any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    assert "compiler crashed" not in " ".join(str(t.user_attrs.get("failure", "")) for t in study.trials)
+
+
+def test_precompile_runs_the_replay_compile(tmp_path):
+    """Compile-ahead is on by default only with the GPU runner; for the others it runs their real
+    sm_90a compile (what the worker then finds in Triton's cache)."""
+    from zyfa_tune.kernels.defaults import default_config
+    from zyfa_tune.precompile import Precompiler, compile_fn_for, compile_for_replay
+
+    plain = Tuner(spec(tmp_path, trials=2))
+    plain.run()
+    assert plain.precompiler is None
+    assert compile_fn_for(f"replay:{SHIPPED}") is compile_for_replay
+    cfg = default_config("fp8", 128, 128).replace(num_stages=2)
+    with Precompiler(f"replay:{SHIPPED}", [(1, 8192, 32, 32)], True) as pc:
+        pc.submit(cfg)
+        deadline = time.time() + 180
+        while not (pc.compiled or pc.failed) and time.time() < deadline:
+            time.sleep(0.2)
+        assert pc.compiled == [cfg.to_json()] and not pc.failed
+
+
 def test_existing_study_needs_resume(tmp_path):
     Tuner(spec(tmp_path, trials=2)).run()
     with pytest.raises(ValueError, match="--resume"):

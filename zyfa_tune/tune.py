@@ -62,6 +62,8 @@ class TuneSpec:
     reps: int = 20
     inputs: str | None = None            # captured q, k, v (.pt / .safetensors): the one shape tuned
     input_family: str = "gaussian"       # random inputs' family for the accuracy gate (kernels.inputs)
+    precompile: bool | None = None       # compile the next trial's kernel in a CPU process while the GPU
+                                         # measures (zyfa_tune.precompile); None: with the gpu runner only
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp8", "bf16"):
@@ -174,14 +176,27 @@ def _config_key(cfg: KernelConfig) -> str:
     return cfg.to_json()
 
 
+@dataclass(frozen=True)
+class _Asked:
+    """A trial asked from the study that needs the GPU."""
+    trial: optuna.Trial
+    cfg: KernelConfig
+    key: str
+
+
 class Tuner:
+    #: what the compile-ahead pool runs (None: by runner, see zyfa_tune.precompile); tests replace it
+    precompile_fn = None
+
     def __init__(self, spec: TuneSpec, on_progress: Callable[[Progress], None] | None = None):
         self.spec = spec
+        self.precompiler = None
         self.space = get_space(spec.dtype)
         self.progress = Progress()
         self.on_progress = on_progress
         self._lock = threading.Lock()
         self._seen: dict[str, tuple] = {}  # config json -> (state, values) of finished study trials
+        self._running: set[str] = set()    # config json of asked trials not finished yet
         self.study_storage = spec.study_storage or default_study_storage(spec.name)
 
     # ---- study ----------------------------------------------------------------------------
@@ -215,7 +230,7 @@ class Tuner:
                     and not _alive(t.user_attrs.get("pid")):
                 study._storage.set_trial_user_attr(t._trial_id, "killed", True)  # unfinished: may run again
                 study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-            elif t.state.is_finished() and "config" in t.user_attrs:
+            elif t.state.is_finished() and "config" in t.user_attrs and not t.user_attrs.get("killed"):
                 self._seen[t.user_attrs["config"]] = (t.state, t.values)
 
     # ---- trials ---------------------------------------------------------------------------
@@ -226,7 +241,9 @@ class Tuner:
             return current_fingerprint(gpu or 0)
         return replay_fingerprint(self.spec.runner)
 
-    def _one(self, study: optuna.Study, worker: Worker, store, fp: Fingerprint) -> None:
+    def _ask(self, study: optuna.Study, worker: Worker) -> _Asked | None:
+        """Ask for the next trial; settle it at once when it needs no GPU (infeasible, or a config
+        measured before in this study) and return None, else return it for measuring."""
         trial = study.ask()
         trial.set_user_attr("host", _HOST)
         trial.set_user_attr("pid", os.getpid())
@@ -235,20 +252,35 @@ class Tuner:
         if cfg is None:
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             self._count("infeasible")
-            return
+            return None
         key = _config_key(cfg)
         trial.set_user_attr("config", key)
         with self._lock:
             seen = self._seen.get(key)
-        if seen is not None:  # measured before in this study: never run twice
+            running = seen is None and key in self._running
+            if seen is None and not running:
+                self._running.add(key)
+        if seen is not None or running:  # measured before, or being measured: never run twice
             trial.set_user_attr("duplicate", True)
-            state, values = seen
+            state, values = seen or (optuna.trial.TrialState.FAIL, None)  # FAIL: TPE ignores it
             if state == optuna.trial.TrialState.COMPLETE:
                 study.tell(trial, values)
             else:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
             self._count("duplicate")
-            return
+            return None
+        return _Asked(trial, cfg, key)
+
+    def _measure(self, study: optuna.Study, asked: _Asked, worker: Worker, store, fp: Fingerprint) -> None:
+        """Run an asked trial in the worker, record every shape's result, tell the study."""
+        try:
+            self._measure_one(study, asked, worker, store, fp)
+        finally:
+            with self._lock:
+                self._running.discard(asked.key)
+
+    def _measure_one(self, study: optuna.Study, asked: _Asked, worker: Worker, store, fp: Fingerprint) -> None:
+        trial, cfg, key = asked.trial, asked.cfg, asked.key
         task = Task(config_json=key, shapes=self.spec.shapes, causal=self.spec.causal, seed=self.spec.seed,
                     gate=self.spec.gate, reps=self.spec.reps,  # probes cached per study
                     inputs=None if self.spec.inputs is None else os.path.abspath(self.spec.inputs),
@@ -321,16 +353,38 @@ class Tuner:
                     fp = self._fingerprint(gpu)
                     local = optuna.load_study(study_name=self.spec.name, storage=open_study_storage(self.study_storage),
                                               sampler=self._sampler())
-                    while self._budget_left(deadline, launched):
-                        self._one(local, worker, store, fp)
+                    pending: _Asked | None = None
+                    while True:  # one trial asked ahead: its kernel compiles while this one measures
+                        current, pending = pending, None
+                        while pending is None and self._budget_left(deadline, launched):
+                            pending = self._ask(local, worker)
+                        if pending is not None and precompiler is not None:
+                            precompiler.submit(pending.cfg)
+                        if current is None and pending is None:
+                            break
+                        if current is not None:
+                            self._measure(local, current, worker, store, fp)
             except BaseException as exc:  # surfaced after the other GPUs finish
                 errors.append(exc)
 
+        precompiler = None
+        if self.spec.precompile or (self.spec.precompile is None and self.spec.runner == "gpu"):
+            from zyfa_tune.precompile import Precompiler
+
+            precompiler = Precompiler(self.spec.runner, [(sh.batch, sh.seqlen, sh.heads, sh.kv_heads)
+                                                         for sh in self.spec.shapes], self.spec.causal,
+                                      processes=len(self.spec.gpus), gpu=self.spec.gpus[0],
+                                      compile_fn=self.precompile_fn)
+        self.precompiler = precompiler
         threads = [threading.Thread(target=loop, args=(g,), name=f"zyfa-tune-gpu{g}") for g in self.spec.gpus]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            if precompiler is not None:
+                precompiler.close()
         if errors:
             raise errors[0]
         return study

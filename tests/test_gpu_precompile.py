@@ -1,0 +1,38 @@
+"""GPU: a kernel compiled ahead in a compile process is what the worker's JIT then finds in
+Triton's on-disk cache (the point of compile-ahead, zyfa_tune/precompile.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from zyfa_tune import flash_attn_func
+from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.kernels.verify import make_inputs
+from zyfa_tune.precompile import Precompiler
+
+pytestmark = pytest.mark.gpu
+
+
+def _compiled_kernels(cache: Path) -> set[str]:
+    """Triton cache entries holding a kernel (launcher modules hold no cubin)."""
+    return {p.parent.name for p in cache.rglob("*.cubin")}
+
+
+def test_precompiled_kernel_is_a_cache_hit(tmp_path, monkeypatch):
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    cfg = default_config("fp8", 128, 128).replace(num_stages=2, maxnreg=184)  # used by no other test
+    with Precompiler("gpu", [(2, 1000, 8, 2)], True) as pc:
+        pc.submit(cfg)
+        deadline = time.time() + 300
+        while not (pc.compiled or pc.failed) and time.time() < deadline:
+            time.sleep(0.2)
+        assert pc.compiled == [cfg.to_json()], pc.failed
+    ahead = _compiled_kernels(cache)
+    assert ahead
+    args, kw = make_inputs("fp8", 128, 128, batch=2, heads=8, kv_heads=2, seqlen=1000, seed=0)
+    flash_attn_func(*args, config=cfg, **kw)
+    assert _compiled_kernels(cache) == ahead  # the JIT compiled nothing new: it loaded the precompiled one
