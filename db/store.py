@@ -62,17 +62,22 @@ class Store:
 
     # ---- writing ------------------------------------------------------------------------------
     def record_trial(self, fingerprint: Fingerprint, key: ProblemKey, config: KernelConfig,
-                     result: TrialResult, *, backend: str = "triton", source_hash: str,
+                     result: TrialResult, *, backend: str | None = None, source_hash: str,
                      study: str | None = None, provenance: str | None = None) -> int:
         """Store one trial (and its environment/problem/variant rows if new); if it is "ok" and
         faster than the current best of (fingerprint, key), it becomes the best. One transaction.
-        Returns the trial's id."""
+        Returns the trial's id. The variant's backend column is the config's backend (`backend`,
+        if given, must agree)."""
         _expect("fingerprint", fingerprint, Fingerprint)
         _expect("key", key, ProblemKey)
         _expect("config", config, KernelConfig)
         _expect("result", result, TrialResult)
         rows.check_config_matches(config, key)
+        if backend is None:
+            backend = config.backend
         text("backend", backend, max_len=32, allow_empty=False, pattern=rows.BACKEND_PATTERN)
+        if backend != config.backend:
+            raise ValueError(f"backend: {backend!r} differs from the config's backend {config.backend!r}")
         text("source_hash", source_hash, max_len=64, allow_empty=False, pattern=rows.SOURCE_HASH_PATTERN)
         optional_text("study", study)
         now = rows.utc_now()

@@ -121,9 +121,13 @@ def _environment(r: dict[str, Any]) -> Fingerprint:
 def _variant(r: dict[str, Any]) -> _Variant:
     if type(r["config_json"]) is not str:
         raise ValueError(f"config_json: expected str, got {type(r['config_json']).__name__}")
+    backend = text("backend", r["backend"], max_len=32, allow_empty=False, pattern=rows.BACKEND_PATTERN)
+    config = KernelConfig.from_json(r["config_json"])
+    if backend != config.backend:
+        raise ValueError(f"backend: {backend!r} differs from the config's backend {config.backend!r}")
     return _Variant(
-        backend=text("backend", r["backend"], max_len=32, allow_empty=False, pattern=rows.BACKEND_PATTERN),
-        config=KernelConfig.from_json(r["config_json"]),
+        backend=backend,
+        config=config,
         source_hash=text("source_hash", r["source_hash"], max_len=64, allow_empty=False,
                          pattern=rows.SOURCE_HASH_PATTERN),
         generator_version=text("generator_version", r["generator_version"], max_len=64, allow_empty=False,

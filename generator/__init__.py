@@ -1,7 +1,18 @@
-"""Kernel generator: validated `KernelConfig` -> kernel source (Triton backend)."""
+"""Kernel generator: validated `KernelConfig` -> kernel source, by backend (Triton or Gluon)."""
 
-from .config import CHOICES, GENERATOR_VERSION, HEAD_DIMS, ConfigError, KernelConfig
-from .emit_triton import EmittedKernel, emit, head_chunks
+from . import emit_gluon, emit_triton
+from .config import (CHOICES, GENERATOR_VERSION, GLUON_HEAD_DIMS, HEAD_DIMS, ConfigError, KernelConfig,
+                     gluon_registers)
+from .emit_triton import head_chunks
+from .emitted import EmittedKernel
 
-__all__ = ["CHOICES", "GENERATOR_VERSION", "HEAD_DIMS", "ConfigError", "KernelConfig",
-           "EmittedKernel", "emit", "head_chunks"]
+
+def emit(config: KernelConfig) -> EmittedKernel:
+    """Emit the kernel source of `config` with its backend's emitter (deterministic)."""
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
+    return (emit_gluon if config.backend == "gluon" else emit_triton).emit(config)
+
+
+__all__ = ["CHOICES", "GENERATOR_VERSION", "GLUON_HEAD_DIMS", "HEAD_DIMS", "ConfigError", "KernelConfig",
+           "EmittedKernel", "emit", "gluon_registers", "head_chunks"]

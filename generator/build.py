@@ -1,4 +1,4 @@
-"""Emitted source -> Triton JIT function (cached per source hash in memory and on disk), and
+"""Emitted source -> Triton / Gluon JIT function (cached per source hash in memory and on disk), and
 ahead-of-time compilation for a GPU target without a GPU (sm_90 from a CPU machine).
 
 Triton's JIT reads a kernel's source with `inspect`, so each emitted kernel is written to a file
@@ -8,6 +8,7 @@ on-disk cache of compiled binaries keyed by that source, so a kernel compiles on
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from .emit_triton import KERNEL_NAME, EmittedKernel
+from .emitted import KERNEL_NAME, EmittedKernel
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
@@ -65,6 +66,9 @@ def jit_function(kernel: EmittedKernel):
 # ---- ahead-of-time compilation (no GPU needed) ------------------------------------------------
 
 _PTR = {"fp8": "*fp8e4nv", "bf16": "*bf16"}
+#: ptxas's warning when it gives up overlapping wgmmas (C7514 and its siblings): every wgmma of the
+#: function then waits for the previous one, which undoes any hand-made schedule.
+_SERIALISED_WGMMA = re.compile(r"^.*wgmma\.mma_async instructions are serialized.*$", re.M)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,37 @@ class CompiledArtifacts:
         pattern = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?" + re.escape(opcode), re.M)
         return len(pattern.findall(self.sass))
 
+    @functools.cached_property
+    def ptxas_log(self) -> str:
+        """ptxas's verbose output and warnings for this PTX (Triton's own compile discards them);
+        computed on first use (one more ptxas run)."""
+        return ptxas_log(self.ptx)
+
+    @property
+    def serialised_wgmma(self) -> str | None:
+        """The ptxas warning that it serialised the wgmmas (C7514 ...), or None."""
+        return _serialisation(self.ptxas_log)
+
+
+def ptxas_log(ptx: str, capability: int = 90) -> str:
+    """Run ptxas (the one Triton ships) on `ptx` for sm_<capability>a; its stdout and stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run([_tool("ptxas"), f"-arch=sm_{capability}a", "-v", "--warn-on-spills", str(src),
+                              "-o", str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    return run.stdout + run.stderr
+
+
+def serialised_wgmma(ptx: str) -> str | None:
+    """The ptxas warning that it serialised a kernel's wgmmas (C7514 ...), or None."""
+    return _serialisation(ptxas_log(ptx))
+
+
+def _serialisation(log: str) -> str | None:
+    match = _SERIALISED_WGMMA.search(log)
+    return match.group(0).strip() if match else None
+
 
 def _tool(name: str) -> str:
     import triton
@@ -92,49 +127,94 @@ def _tool(name: str) -> str:
     return str(path)
 
 
-def compile_for_target(kernel: EmittedKernel, *, causal: bool = True, capability: int = 90) -> CompiledArtifacts:
+def compile_for_target(kernel: EmittedKernel, *, causal: bool = True, capability: int = 90,
+                       descales: bool = True) -> CompiledArtifacts:
     """Compile the kernel for `capability` (default sm_90a) with no GPU present.
 
     Integer arguments that a real launch marks as multiples of 16 (strides, with contiguous
-    last dims) are marked the same way, so the code matches what runs on the GPU.
+    last dims) are marked the same way, so the code matches what runs on the GPU. `descales=False`
+    compiles the specialisation a call without descales gets (QD/KD/VD None).
     """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if kernel.config.backend == "gluon":
+        return _compile_gluon(kernel, causal=causal, capability=capability, descales=descales)
     fn = jit_function(kernel)
     cfg = kernel.config
     ptr = _PTR[cfg.dtype]
     names = [p.name for p in fn.params]
-    sig: dict[str, str] = {}
-    for n in names:
+    sig, constexprs, attrs = _scalar_signature(names, causal, descales)
+    for i, n in enumerate(names):
         if n.startswith("desc_"):  # desc_<tensor>_<width>: block shapes as launch.py builds them
             _, tname, width = n.split("_")
             rows = cfg.block_m if tname == "q" else cfg.block_n
             block = [int(width), rows] if tname == "v" and cfg.v_layout == "transposed" else [rows, int(width)]
             sig[n] = f"tensordesc<{ptr[1:]}[{block[0]},{block[1]}]>"
-        elif n in ("Q", "K", "V"):
-            sig[n] = ptr
-        elif n == "O":
-            sig[n] = "*bf16"
-        elif n in ("QD", "KD", "VD"):
-            sig[n] = "*fp32"
+        elif n in ("Q", "K", "V", "O"):
+            sig[n] = "*bf16" if n == "O" else ptr
+            attrs[(i,)] = _DIV16
+        elif n.startswith("stride_") and not n.startswith("stride_d"):
+            attrs[(i,)] = _DIV16
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    module = load_module(kernel)
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", capability, 32),
+        options={"num_warps": module.NUM_WARPS, "num_stages": module.NUM_STAGES, "maxnreg": module.MAXNREG})
+    return _artifacts(compiled)
+
+
+def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int,
+                   descales: bool = True) -> CompiledArtifacts:
+    """The Gluon kernel for sm_<capability>a: descriptors typed from the config's blocks (their
+    shared layouts are what the launcher builds); its integers are never specialised (emit_gluon's
+    UNSPECIALISED), so plain i32 is exactly what a launch compiles."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .emit_gluon import SCALAR_PARAMS, descriptor_blocks, descriptor_type
+
+    fn = jit_function(kernel)
+    blocks = descriptor_blocks(kernel.config)
+    names = [p.name for p in fn.params]
+    assert names == [*blocks, *SCALAR_PARAMS, "CAUSAL"], names
+    sig, constexprs, attrs = _scalar_signature(names, causal, descales)
+    sig.update({n: descriptor_type(*blocks[n]) for n in blocks})
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": load_module(kernel).NUM_WARPS})
+    return _artifacts(compiled)
+
+
+_DIV16 = [["tt.divisibility", 16]]
+
+
+def _scalar_signature(names: list[str], causal: bool, descales: bool) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of the parameters both backends share: descales (16-byte
+    aligned float32 pointers, or None), the softmax scale, CAUSAL, and every other as plain i32."""
+    sig: dict[str, str] = {}
+    constexprs: dict[str, object] = {"CAUSAL": bool(causal)}
+    attrs: dict[tuple, list] = {}
+    for i, n in enumerate(names):
+        if n in ("QD", "KD", "VD"):
+            if descales:
+                sig[n] = "*fp32"
+                attrs[(i,)] = _DIV16
+            else:
+                sig[n] = "constexpr"
+                constexprs[n] = None
         elif n == "sm_scale_log2":
             sig[n] = "fp32"
         elif n == "CAUSAL":
             sig[n] = "constexpr"
         else:
             sig[n] = "i32"
-    div16 = [i for i, n in enumerate(names) if n.startswith("stride_") and not n.startswith("stride_d")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in div16}
-    for i, n in enumerate(names):
-        if n in ("Q", "K", "V", "O", "QD", "KD", "VD"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs={"CAUSAL": bool(causal)}, attrs=attrs)
-    module = load_module(kernel)
-    compiled = triton.compile(
-        src, target=GPUTarget("cuda", capability, 32),
-        options={"num_warps": module.NUM_WARPS, "num_stages": module.NUM_STAGES, "maxnreg": module.MAXNREG})
+    return sig, constexprs, attrs
+
+
+def _artifacts(compiled) -> CompiledArtifacts:
     cubin = compiled.asm["cubin"]
     sass, usage = _disassemble(cubin)
     return CompiledArtifacts(ttgir=compiled.asm["ttgir"], ptx=compiled.asm["ptx"], cubin=cubin, sass=sass,

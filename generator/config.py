@@ -17,6 +17,8 @@ GENERATOR_VERSION = "0.1.0"
 
 #: Head dims the Triton backend emits; non-powers of two are split into power-of-two chunks.
 HEAD_DIMS = (64, 96, 128, 192, 256)
+#: Head dims the Gluon backend emits (one 64 x 128 accumulator per consumer warpgroup).
+GLUON_HEAD_DIMS = (128,)
 
 #: Allowed values of every field. Search spaces draw from these; validation enforces them.
 CHOICES: dict[str, tuple] = {
@@ -38,7 +40,21 @@ CHOICES: dict[str, tuple] = {
     "q_order": ("forward", "heavy_first"),
     "loads": ("pointer", "tma"),
     "v_layout": ("natural", "transposed"),
+    "backend": ("triton", "gluon"),
+    "ping_pong": (False, True),
+    "overlap": (False, True),
+    "q_stages": (1, 2),
+    "v_permute": (False, True),
+    "persistent": (False, True),
+    "producer_regs": (24, 40, 56),
 }
+
+#: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
+GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs")
+#: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
+#: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, V^T, exact softmax).
+TRITON_FIELDS = ("num_warps", "maxnreg", "softmax", "lean_fold", "lean_clamp", "lean_pack", "scale_block",
+                 "rowsum", "loads", "v_layout")
 
 
 class ConfigError(ValueError):
@@ -47,7 +63,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One point of the generator's parameter space (Triton backend).
+    """One point of the generator's parameter space (both backends).
 
     dtype:        input dtype of Q, K, V and of the probabilities fed to P@V ("fp8" = e4m3fn).
     head_dim_qk:  head dim of Q and K; head_dim_v: head dim of V and the output.
@@ -70,6 +86,24 @@ class KernelConfig:
                   the host, TMA copies into shared memory).
     v_layout:     "natural" reads V as (keys, dim) tiles; "transposed" reads a (dim, keys) copy the
                   launcher makes (FP8 wgmma needs V K-major; the copy's time counts in every timing).
+
+    backend:      "triton" (generator/emit_triton.py: Triton schedules the kernel) or "gluon"
+                  (generator/emit_gluon.py: a warp-specialised FP8 kernel whose schedule the config
+                  decides; docs/BACKENDS.md). Each backend has its own fields (TRITON_FIELDS,
+                  GLUON_FIELDS); the other backend's stay at their defaults, so that one kernel has
+                  one config and one JSON. Shared fields mean for Gluon: block_m = 64 query rows per
+                  consumer warpgroup (64: one, 128: two), block_n = keys per K/V block, num_stages =
+                  depth of the K/V shared-memory ring (>= 2), p_scale_log2 = log2 of the P scale,
+                  q_order = tile order of the (persistent) grid.
+    ping_pong:    Gluon: the two consumer warpgroups take turns issuing their wgmmas (block_m=128).
+    overlap:      Gluon: inside a warpgroup, softmax of block j runs while PV of block j-1 is on the
+                  tensor cores (FA3's intra-warpgroup overlap).
+    q_stages:     Gluon: Q tiles in shared memory (2 lets the producer load the next tile's Q early).
+    v_permute:    Gluon: V^T's keys are permuted within 32-key chunks so that the QK^T accumulator
+                  registers are already the P operand of the PV wgmma (no shuffles).
+    persistent:   Gluon: grid = min(SMs, tiles), each program loops over tiles; else one per tile.
+    producer_regs: Gluon: registers per thread of the 1-warp TMA producer (setmaxnreg); the
+                  consumer warpgroups share the rest of the register file (see gluon_registers).
     """
 
     dtype: str = "fp8"
@@ -90,6 +124,13 @@ class KernelConfig:
     q_order: str = "heavy_first"
     loads: str = "tma"
     v_layout: str = "transposed"
+    backend: str = "triton"
+    ping_pong: bool = True
+    overlap: bool = True
+    q_stages: int = 1
+    v_permute: bool = True
+    persistent: bool = True
+    producer_regs: int = 24
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -105,6 +146,14 @@ class KernelConfig:
         self._check_combination()
 
     def _check_combination(self) -> None:
+        for name in TRITON_FIELDS if self.backend == "gluon" else GLUON_FIELDS:
+            value, default = getattr(self, name), _DEFAULTS[name]
+            if value != default:
+                raise ConfigError(f"{name}={value!r}: not a field of backend={self.backend!r}; it must keep "
+                                  f"its default {default!r} (one kernel, one config)")
+        if self.backend == "gluon":
+            self._check_gluon()
+            return
         if self.softmax == "lean" and self.dtype != "fp8":
             raise ConfigError("softmax='lean' writes e4m3 codes and needs dtype='fp8'")
         if self.softmax == "lean" and self.rowsum == "fp32":
@@ -117,8 +166,35 @@ class KernelConfig:
                 f"scale_block={self.scale_block}: the Triton backend takes one exponent per key "
                 f"tile, so scale_block must be 0 or block_n={self.block_n}")
 
+    def _check_gluon(self) -> None:
+        if self.dtype != "fp8":
+            raise ConfigError(f"dtype={self.dtype!r}: backend='gluon' emits FP8 (e4m3) kernels only")
+        for name in ("head_dim_qk", "head_dim_v"):
+            if getattr(self, name) not in GLUON_HEAD_DIMS:
+                raise ConfigError(f"{name}={getattr(self, name)}: backend='gluon' implements head dims "
+                                  f"{list(GLUON_HEAD_DIMS)} only")
+        if self.block_m not in (64, 128):
+            raise ConfigError(f"block_m={self.block_m}: backend='gluon' runs one consumer warpgroup per 64 "
+                              f"query rows, one or two of them: block_m must be 64 or 128")
+        if self.num_stages < 2:
+            raise ConfigError(f"num_stages={self.num_stages}: the Gluon K/V ring needs at least 2 stages "
+                              f"(V is released one step after its PV product)")
+        if self.ping_pong and self.block_m != 128:
+            raise ConfigError(f"ping_pong=True needs two consumer warpgroups: block_m=128, not {self.block_m}")
+        if self.block_m == 64 and self.producer_regs != _DEFAULTS["producer_regs"]:
+            raise ConfigError(f"producer_regs={self.producer_regs}: with one consumer warpgroup (block_m=64) "
+                              f"every warp gets its maximum anyway; keep the default "
+                              f"{_DEFAULTS['producer_regs']}")
+
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The fields of this config's backend (a Triton config serialises exactly as it did before
+        the Gluon backend existed: same JSON, same database rows, same emitted source)."""
+        skip = TRITON_FIELDS if self.backend == "gluon" else GLUON_FIELDS + ("backend",)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+
+    def all_fields(self) -> dict[str, Any]:
+        """Every field, both backends' (what a search space reads; `to_dict` is what is stored)."""
         return dataclasses.asdict(self)
 
     def to_json(self) -> str:
@@ -145,3 +221,22 @@ class KernelConfig:
 
     def replace(self, **changes: Any) -> "KernelConfig":
         return dataclasses.replace(self, **changes)
+
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(KernelConfig)}
+
+
+def gluon_registers(config: KernelConfig) -> tuple[int, int]:
+    """(consumer, producer) registers per thread that the Gluon kernel requests (setmaxnreg).
+
+    Triton's warp-group allocator gives a CTA of W warps (the producer warp padded to a warpgroup)
+    65536 / (32 W) registers per thread rounded down to 8 at entry, and the default partition (the
+    first consumer warpgroup) what the requests leave; asking the second consumer for
+    (3 * entry - producer) / 2 makes the two consumers equal: 24 -> 240, 40 -> 232, 56 -> 224.
+    One consumer warpgroup runs at the 256-register maximum whatever is asked."""
+    consumers = config.block_m // 64
+    if consumers == 1:
+        return 256, config.producer_regs
+    warps = 4 * consumers + 4
+    entry = 65536 // (32 * warps) // 8 * 8
+    return (3 * entry - config.producer_regs) // 2 // 8 * 8, config.producer_regs

@@ -14,28 +14,18 @@ Kernel contract (see kernels/launch.py):
 
 from __future__ import annotations
 
-import hashlib
 import math
-from dataclasses import dataclass
 
 from .config import GENERATOR_VERSION, KernelConfig
+from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .lean_asm import E4M3_ONE_CODE, LEAN_P_CONSTRAINTS, MAGIC, lean_p_asm
 
-KERNEL_NAME = "zyfa_attn_fwd"
 #: Cap of the per-tile extra exponent (scale_block): keeps acc rescale factors within 2^16.
 SCALE_EXP_CAP = 16
 
 _TL_DTYPE = {"fp8": "tl.float8e4nv", "bf16": "tl.bfloat16"}
 #: Rows with no visible key start from this finite maximum, so no inf - inf appears.
 _M_INIT = "-1.0e30"
-
-
-@dataclass(frozen=True)
-class EmittedKernel:
-    config: KernelConfig
-    source: str
-    source_hash: str
-    kernel_name: str = KERNEL_NAME
 
 
 def head_chunks(dim: int) -> list[tuple[int, int]]:
@@ -49,12 +39,12 @@ def head_chunks(dim: int) -> list[tuple[int, int]]:
 
 
 def emit(config: KernelConfig) -> EmittedKernel:
-    """Emit the kernel source for `config` (deterministic; same config -> same bytes)."""
+    """Emit the Triton kernel source for `config` (deterministic; same config -> same bytes)."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
-    source = _Emitter(config).source()
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    return EmittedKernel(config=config, source=source, source_hash=digest)
+    if config.backend != "triton":
+        raise ValueError(f"emit_triton.emit: config has backend={config.backend!r}")
+    return emitted(config, _Emitter(config).source())
 
 
 class _Emitter:

@@ -3,6 +3,10 @@
 Chosen from sweeps on the H200 (docs/PERF.md, 2026-11-30): TMA loads everywhere; for FP8 a
 (dim, keys) copy of V so that the P@V wgmma reads V K-major, and 64-row programs of one warpgroup
 (two or three programs share an SM, which overlaps one's softmax with another's MMAs).
+
+The Gluon backend's default is the schedule the Gluon spike measured best (docs/BACKENDS.md):
+two ping-ponging consumer warpgroups with intra-warpgroup overlap, 128-key blocks in a 3-stage
+K/V ring, key-permuted V^T, persistent heavy-first tiles, producer warp at 24 registers.
 """
 
 from __future__ import annotations
@@ -10,12 +14,31 @@ from __future__ import annotations
 from zyfa_tune.generator import KernelConfig
 
 
-def default_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+def default_config(dtype: str, head_dim_qk: int, head_dim_v: int, backend: str = "triton") -> KernelConfig:
     """A config that compiles without spills and fits shared memory for this head-dim pair.
-    KernelConfig's own defaults are the FP8 head-dim-128 default."""
+    KernelConfig's own defaults are the FP8 head-dim-128 default. backend="gluon" raises
+    ConfigError for what the Gluon backend does not implement (bf16, head dims other than 128)."""
+    if backend == "gluon":
+        return KernelConfig(backend="gluon", dtype=dtype, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v,
+                            block_m=128, block_n=128, num_stages=3, q_order="heavy_first", p_scale_log2=8)
     big = max(head_dim_qk, head_dim_v) > 128
     dims = dict(head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, block_n=64 if big else 128)
     if dtype == "fp8":  # query blocks in launch order: every fp8 study so far preferred it (1.02-1.23x)
         return KernelConfig(dtype="fp8", q_order="forward", **dims)
     return KernelConfig(dtype="bf16", block_m=128, num_warps=8, num_stages=2, p_scale_log2=0,
                         v_layout="natural", **dims)
+
+
+def config_with(dtype: str, head_dim_qk: int, head_dim_v: int, changes: dict) -> KernelConfig:
+    """The default config of these head dims (of the backend `changes` names, if any) with `changes`
+    applied; ConfigError names a bad field. What `--set` / `--ours key=val,...` mean."""
+    base = default_config(dtype, head_dim_qk, head_dim_v, changes.get("backend", "triton"))
+    return KernelConfig.from_dict({**base.to_dict(), **changes})
+
+
+def parse_value(text: str) -> int | bool | str:
+    """A command-line field value: an integer, true / false, or the text itself."""
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"true": True, "false": False}.get(text.lower(), text)

@@ -1,4 +1,4 @@
-"""Build cache and launcher: config -> emitted source -> Triton JIT function -> launch."""
+"""Build cache and launcher: config -> emitted source -> Triton / Gluon JIT function -> launch."""
 
 from __future__ import annotations
 
@@ -13,6 +13,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from zyfa_tune.generator import EmittedKernel, KernelConfig, emit, head_chunks
 from zyfa_tune.generator.build import jit_function
 
+from . import fastlaunch, gluon_launch
+from .transpose import bind_transpose, transpose_v
+
+__all__ = ["BoundLaunch", "bind", "compiled_kernels", "emitted", "forget", "kernel", "launch", "prepare",
+           "transpose_v"]
+
 LOG2E = 1.4426950408889634
 
 _INT32_MAX = 2**31 - 1
@@ -26,7 +32,7 @@ def emitted(config: KernelConfig) -> EmittedKernel:
 
 @functools.lru_cache(maxsize=None)
 def kernel(config: KernelConfig):
-    """The Triton JIT function of `config` (emitted, written and imported once per process)."""
+    """The JIT function of `config` (emitted, written and imported once per process)."""
     return jit_function(emitted(config))
 
 
@@ -43,61 +49,23 @@ def launch(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return out
 
 
-# ---- launch fast path ---------------------------------------------------------------------------
-# Triton's `kernel[grid](...)` binds and specialises every argument and builds a cache key on each
-# call (tens of microseconds). The compiled kernel depends only on the config and on the argument
-# properties Triton specialises on, so after the first launch we key the CompiledKernel by those
-# properties (conservatively: more than Triton distinguishes, never less) and launch it directly.
-
-_compiled: dict[tuple, object] = {}
-_I32 = (-(2**31), 2**31 - 1)
-
+# ---- launch fast path (kernels/fastlaunch.py) ---------------------------------------------------
 
 def compiled_kernels(config: KernelConfig) -> list:
     """The CompiledKernels launched so far for `config` (one per specialisation and device)."""
-    return [ck for key, ck in _compiled.items() if key[0] == config]
+    return fastlaunch.compiled_for(config)
 
 
 def forget(config: KernelConfig) -> None:
     """Drop `config`'s compiled kernels from the fast path (a tuning worker serves many configs)."""
-    for key in [k for k in _compiled if k[0] == config]:
-        del _compiled[key]
-
-
-def _arg_class(a) -> object:
-    """The properties of one argument that Triton's specialisation can depend on."""
-    if a is None or isinstance(a, bool):
-        return a
-    if isinstance(a, int):  # ==1 becomes a constant, %16 a divisibility hint, beyond int32 an i64
-        return 1 if a == 1 else (16 if a % 16 == 0 else 0) if _I32[0] <= a <= _I32[1] else "i64"
-    if isinstance(a, float):
-        return "f"
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    # host TensorDescriptor
-    return (a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.block_shape),
-            tuple(x % 16 == 0 for x in a.shape), tuple(x % 16 == 0 for x in a.strides), a.padding)
+    fastlaunch.forget(config)
 
 
 def _run(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int):
     """Launch through the fast path; returns the CompiledKernel that ran."""
-    key = (config, device, options["CAUSAL"], tuple(_arg_class(a) for a in args))
-    compiled = _compiled.get(key)
-    if compiled is None:  # first launch of this specialisation: Triton's own path (compiles)
-        compiled = kernel(config)[grid](*args, **options)
-        _compiled[key] = compiled
-        return compiled
-    _launch_compiled(compiled, grid[0], device, (*args, options["CAUSAL"]))
-    return compiled
-
-
-def _launch_compiled(compiled, programs: int, device: int, full: tuple) -> None:
-    """Enqueue `compiled` on the current stream of `device` (launch hooks honoured, as Triton does)."""
-    stream = driver.active.get_current_stream(device)
-    hook = knobs.runtime.launch_enter_hook
-    meta = compiled.launch_metadata((programs,), stream, *full) if hook is not None else None
-    compiled.run(programs, 1, 1, stream, compiled.function, compiled.packed_metadata, meta, hook,
-                 knobs.runtime.launch_exit_hook, *full)
+    causal = options["CAUSAL"]
+    return fastlaunch.run((config, causal), kernel(config), grid, args, {"CAUSAL": causal},
+                          {k: v for k, v in options.items() if k != "CAUSAL"}, device)
 
 
 # ---- bound launches ------------------------------------------------------------------------------
@@ -110,28 +78,36 @@ class BoundLaunch:
 
     Valid only for tensors whose shapes, strides, dtypes and device equal those `bind` saw and whose
     data pointers are 16-byte aligned (the caller checks both: see `zyfa_tune.api`). The call path is
-    written flat: every microsecond here is dispatch overhead (docs/PERF.md)."""
+    written flat: every microsecond here is dispatch overhead (docs/PERF.md).
 
-    __slots__ = ("compiled", "programs", "device", "transpose", "specs", "strides", "tail", "stream_of")
+    transpose: the V^T copy for this layout (`kernels.transpose.bind_transpose`), or None.
+    specs:     (index in (q, k, v, out), descriptor class, its fields but the base) per TMA descriptor,
+               or None for pointer arguments (then `strides` follow q, k, v).
+    out_arg:   whether `out` is passed as a pointer after the inputs (Triton) or only through its
+               descriptor (Gluon)."""
 
-    def __init__(self, compiled, programs: int, device: int, transpose: bool, specs: tuple | None,
+    __slots__ = ("compiled", "programs", "device", "transpose", "specs", "out_arg", "strides", "tail", "stream_of")
+
+    def __init__(self, compiled, programs: int, device: int, transpose, specs: tuple | None, out_arg: bool,
                  strides: tuple, tail: tuple):
         self.compiled, self.programs, self.device = compiled, programs, device
-        self.transpose, self.specs, self.strides, self.tail = transpose, specs, strides, tail
+        self.transpose, self.specs, self.out_arg, self.strides, self.tail = transpose, specs, out_arg, strides, tail
         self.stream_of = driver.active.get_current_stream
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
                  v_descale: torch.Tensor | None) -> torch.Tensor:
-        if self.transpose:
-            v = transpose_v(v)
+        if self.transpose is not None:
+            v = self.transpose(v)
         if self.specs is not None:
-            qkv = (q, k, v)
-            inputs = [_unchecked_descriptor(qkv[i], shape, strides, block) for i, shape, strides, block in self.specs]
+            tensors = (q, k, v, out)
+            inputs = [_unchecked_descriptor(tensors[i], cls, fields) for i, cls, fields in self.specs]
         else:
             inputs = [q, k, v, *self.strides]
+        if self.out_arg:
+            inputs.append(out)
         c = self.compiled
-        full = (*inputs, out, q_descale, k_descale, v_descale, *self.tail)
+        full = (*inputs, q_descale, k_descale, v_descale, *self.tail)
         stream = self.stream_of(self.device)
         hook = knobs.runtime.launch_enter_hook
         meta = c.launch_metadata((self.programs,), stream, *full) if hook is not None else None
@@ -151,23 +127,33 @@ def bind(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     tensors = (q, k, v, q_descale, k_descale, v_descale)
     if any(t is not None and t.data_ptr() % 16 for t in tensors):
         return None
-    n_inputs = 12
-    specs = None
-    if config.loads == "tma":
-        if any(_tma_ready(t) is not t for t in (q, k) + (() if config.v_layout == "transposed" else (v,))):
-            return None
-        wqk, wv = _descriptor_widths(config)  # prepare's descriptors, in _descriptor_specs' order
+    gluon = config.backend == "gluon"
+    tma = gluon or config.loads == "tma"
+    transposed = gluon or config.v_layout == "transposed"
+    if tma and any(_tma_ready(t) is not t for t in (q, k) + (() if transposed else (v,))):
+        return None
+    if gluon and not out.is_contiguous():
+        return None
+    transpose = bind_transpose(v, gluon and config.v_permute) if transposed else None
+    if not tma:  # pointers: q, k, v, 9 strides, out, descales, tail
+        return BoundLaunch(compiled, grid[0], device, transpose, None, True, tuple(args[3:12]),
+                           (*args[16:], options["CAUSAL"]))
+    if gluon:  # descriptors of q, k, v, out; descales; tail
+        owners = (0, 1, 2, 3)
+    else:  # prepare's descriptors, in _descriptor_specs' order; out; descales; tail
+        wqk, wv = _descriptor_widths(config)
         owners = (0,) * len(wqk) + (1,) * len(wqk) + (2,) * len(wv)
-        specs = tuple((i, d.shape, d.strides, d.block_shape) for i, d in zip(owners, args))
-        n_inputs = len(specs)
-    return BoundLaunch(compiled, grid[0], device, config.v_layout == "transposed", specs,
-                       tuple(args[3:12]) if specs is None else (), (*args[n_inputs + 4:], options["CAUSAL"]))
+    specs = tuple((i, type(d), {f: x for f, x in vars(d).items() if f != "base"}) for i, d in zip(owners, args))
+    skip = len(specs) + (3 if gluon else 4)
+    return BoundLaunch(compiled, grid[0], device, transpose, specs, not gluon, (), (*args[skip:], options["CAUSAL"]))
 
 
 def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             softmax_scale: float, causal: bool, q_descale: torch.Tensor | None = None,
-            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None):
-    """Grid, positional arguments and launch options of one call (makes the V^T copy if needed)."""
+            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None, *,
+            sms: int | None = None):
+    """Grid, positional arguments and launch options of one call (makes the V^T copy if needed).
+    `sms` sizes a persistent grid (default: the device's SM count; 132 for tensors not on a GPU)."""
     b, sq, h, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
@@ -176,6 +162,11 @@ def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     n_m = math.ceil(sq / config.block_m)
     if n_m * b * h > _INT32_MAX:
         raise ValueError(f"q: {n_m * b * h} programs exceed the grid limit; split the batch")
+    if config.backend == "gluon":
+        if sms is None:
+            sms = gluon_launch.sm_count(q.device.index) if q.device.type == "cuda" else gluon_launch.DEFAULT_SMS
+        return gluon_launch.arguments(config, _tma_ready(q), _tma_ready(k), transpose_v(v, config.v_permute), out,
+                                      float(softmax_scale) * LOG2E, causal, q_descale, k_descale, v_descale, sms)
     # no descales: None specialises the kernel to skip them (no tensor to allocate, so a first
     # call inside CUDA graph capture is safe)
     ds0, ds1 = q_descale.stride() if q_descale is not None else (0, 0)
@@ -196,23 +187,6 @@ def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     options = dict(CAUSAL=bool(causal), num_warps=config.num_warps, num_stages=config.num_stages,
                    maxnreg=config.maxnreg or None)
     return (n_m * b * h,), args, options
-
-
-def transpose_v(v: torch.Tensor) -> torch.Tensor:
-    """(B, Sk, Hkv, Dv) -> (B, Hkv, Dv, Sk) with keys contiguous and rows 16-byte aligned (TMA): a
-    view when v is already stored that way (`quantize_fp8(..., v_layout="k_major")`), else a copy."""
-    b, sk, hk, dv = v.shape
-    vt = v.permute(0, 2, 3, 1)
-    row = vt.stride(2)
-    if vt.stride(3) == 1 and (row * v.element_size()) % 16 == 0 and row >= sk and vt.stride(1) == dv * row \
-            and vt.stride(0) == hk * dv * row and v.data_ptr() % 16 == 0:
-        return vt
-    if sk % 16 == 0:  # one op: fewer host microseconds than empty + sliced copy
-        return vt.contiguous()
-    pad = -(-sk // 16) * 16
-    vt = torch.empty(b, hk, dv, pad, dtype=v.dtype, device=v.device)
-    vt[..., :sk].copy_(v.permute(0, 2, 3, 1))
-    return vt[..., :sk]
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -257,9 +231,10 @@ def _descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torc
             _descriptor_specs(config, q, k, v)]
 
 
-def _unchecked_descriptor(base: torch.Tensor, shape: list, strides: list, block: list):
-    """A TensorDescriptor without its constructor's checks (about 1 us each): for a BoundLaunch,
-    whose layout passed those checks at `bind` and whose pointers the caller checked for alignment."""
-    d = object.__new__(TensorDescriptor)
-    d.__dict__.update(base=base, shape=shape, strides=strides, block_shape=block, padding="zero")
+def _unchecked_descriptor(base: torch.Tensor, cls: type, fields: dict):
+    """A TensorDescriptor (Triton's or Gluon's) without its constructor's checks (about 1 us each):
+    for a BoundLaunch, whose layout passed those checks at `bind` and whose pointers the caller
+    checked for alignment."""
+    d = object.__new__(cls)
+    d.__dict__.update(fields, base=base)
     return d

@@ -9,13 +9,14 @@
                                               # trial.user_attrs["infeasible"]
 
 base.py holds the machinery (Param, SearchSpace, the static shared-memory / register / wgmma
-checks); fp8_causal.py and bf16_causal.py declare one line per searched KernelConfig field.
+checks, for both backends); fp8_causal.py (Triton and Gluon) and bf16_causal.py (Triton) declare one
+line per searched KernelConfig field.
 """
 
 from __future__ import annotations
 
-from .base import (MAX_REGISTERS, SEED_DATABASES, SMEM_LIMIT, Param, SearchSpace, register_estimate,
-                   smem_estimate, static_infeasibility)
+from .base import (MAX_REGISTERS, SEED_DATABASES, SMEM_LIMIT, Param, SearchSpace, gluon_register_estimate,
+                   gluon_smem_estimate, register_estimate, smem_estimate, static_infeasibility)
 from .bf16_causal import SPACE as BF16_CAUSAL
 from .fp8_causal import SPACE as FP8_CAUSAL
 
@@ -33,4 +34,5 @@ def get_space(dtype: str) -> SearchSpace:
 
 
 __all__ = ["Param", "SearchSpace", "FAMILIES", "get_space", "FP8_CAUSAL", "BF16_CAUSAL", "SMEM_LIMIT",
-           "MAX_REGISTERS", "SEED_DATABASES", "smem_estimate", "register_estimate", "static_infeasibility"]
+           "MAX_REGISTERS", "SEED_DATABASES", "smem_estimate", "register_estimate", "gluon_smem_estimate",
+           "gluon_register_estimate", "static_infeasibility"]

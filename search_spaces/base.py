@@ -20,6 +20,14 @@ How a trial becomes a config (`SearchSpace.suggest`):
   scale_block is the boolean "scale_per_tile" (-> 0 or block_n, the only values the Triton backend
   takes), and under softmax="lean" a suggested rowsum "fp32" becomes "rounded" (lean P has no
   unrounded probabilities). Such a mapping may read fields declared before it in the family module.
+* backends: "backend" is a param like any other (declared first). Each backend's own fields are
+  relevant only under it (`triton_only`, `gluon_only`); irrelevance is transitive in declaration
+  order (under backend="gluon" softmax is irrelevant, hence "exact", hence the lean fields too).
+  Where the Gluon backend does not implement the head dims, a suggested "gluon" becomes "triton",
+  and Gluon fields that need two consumer warpgroups take their one-consumer value under
+  block_m=64 (ping_pong False, producer_regs 24). Shared fields (block_m, block_n, num_stages,
+  p_scale_log2, q_order) are searched for both: the dispatcher then picks between backends by
+  measured speed alone.
 
 `feasible()` prunes before compiling, after FlashAttention-4's SM90 config search: wgmma shape
 rules, a shared-memory estimate and a register estimate, both calibrated against
@@ -41,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import zyfa_tune.kernels as _kernels
-from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig
+from zyfa_tune.generator import CHOICES, GLUON_HEAD_DIMS, ConfigError, KernelConfig, gluon_registers
 from zyfa_tune.kernels.defaults import default_config
 
 if TYPE_CHECKING:  # optuna is imported lazily: a config can be built without it
@@ -108,6 +116,12 @@ class Param:
     def relevant(self, so_far: Mapping[str, Any]) -> bool:
         return self.only_if is None or so_far[self.only_if[0]] == self.only_if[1]
 
+    def only_under(self, field: str, value: Any) -> "Param":
+        """This param, relevant only when `field` has `value` (its one only_if)."""
+        if self.only_if is not None:
+            raise ValueError(f"{self.name}: already only_if {self.only_if}")
+        return dataclasses.replace(self, only_if=(field, value))
+
 
 # ---- declaration helpers used by the family modules (one line per field) ---------------------
 
@@ -128,6 +142,27 @@ def rowsum_param(choices: tuple = ("fp32", "rounded", "mma")) -> Param:
     """rowsum; under softmax="lean" (no unrounded probabilities) a suggested "fp32" becomes "rounded"."""
     return Param("rowsum", choices,
                  decode=lambda v, f: "rounded" if v == "fp32" and f["softmax"] == "lean" else v)
+
+
+def triton_only(param: Param) -> Param:
+    """A field only the Triton backend reads (KernelConfig's TRITON_FIELDS)."""
+    return param.only_under("backend", "triton")
+
+
+def gluon_only(name: str, choices: tuple, *, one_consumer: Any = None) -> Param:
+    """A Gluon schedule field (KernelConfig's GLUON_FIELDS). `one_consumer`: the field's only value
+    with one consumer warpgroup (block_m=64) for a field that exists with two (ping_pong: False)."""
+    decode = None if one_consumer is None else (lambda v, f: v if f["block_m"] == 128 else one_consumer)
+    return Param(name, choices, decode=decode, only_if=("backend", "gluon"))
+
+
+def backend_param(choices: tuple = ("triton", "gluon")) -> Param:
+    """backend; a suggested "gluon" becomes "triton" for a dtype / head dims Gluon does not implement."""
+    return Param("backend", choices, decode=lambda v, f: v if v == "triton" or _gluon_implements(f) else "triton")
+
+
+def _gluon_implements(f: Mapping[str, Any]) -> bool:
+    return f["dtype"] == "fp8" and f["head_dim_qk"] in GLUON_HEAD_DIMS and f["head_dim_v"] in GLUON_HEAD_DIMS
 
 
 # ---- static feasibility ------------------------------------------------------------------------
@@ -189,8 +224,56 @@ def register_limit(c: KernelConfig) -> int:
     return c.maxnreg or MAX_REGISTERS
 
 
+def gluon_smem_estimate(c: KernelConfig) -> int:
+    """Shared memory (bytes) of a Gluon kernel: the Q ring (q_stages x block_m x 128), the K and V^T
+    rings (2 x num_stages x block_n x 128), one 64 x 128 bf16 output tile per consumer warpgroup,
+    barriers and swizzle alignment (TMA_SMEM_MARGIN). Exact to within the margin (compiled:
+    147920 B for the default against 148480 estimated)."""
+    q = c.q_stages * c.block_m * c.head_dim_qk
+    kv = c.num_stages * c.block_n * (c.head_dim_qk + c.head_dim_v)
+    out = (c.block_m // 64) * 64 * c.head_dim_v * 2
+    return q + kv + out + TMA_SMEM_MARGIN
+
+
+#: Fixed part of a Gluon consumer's registers: row statistics, loop state, addresses, barriers.
+GLUON_REGISTER_OVERHEAD = 24
+
+
+def gluon_register_estimate(c: KernelConfig) -> int:
+    """Registers per thread a Gluon consumer warpgroup needs at least: its 64 x head_dim fp32
+    accumulator, the 64 x block_n fp32 scores and, with overlap, the previous block's P carried into
+    the next step: packed four e4m3 to a register with v_permute (block_n / 8), else as separate
+    bytes plus the shuffles' temporaries (block_n / 2 + 16); + GLUON_REGISTER_OVERHEAD.
+    Calibrated on compile_for_target over block_n 64/128/256 x overlap x v_permute x producer_regs
+    24/56 x one or two consumers (36 configs; tests/test_gluon_compile.py keeps the decisive ones):
+    it rejected every config that spilled and none that did not."""
+    scores = 64 * c.block_n // 128
+    carried = 0 if not c.overlap else scores // 4 if c.v_permute else scores + 16
+    return 64 * c.head_dim_v // 128 + scores + carried + GLUON_REGISTER_OVERHEAD
+
+
+def gluon_infeasibility(c: KernelConfig) -> str | None:
+    """Why a Gluon config cannot compile to a usable kernel (TMA boxes, shared memory, registers per
+    role: the consumers' setmaxnreg share), or None."""
+    if c.block_n & (c.block_n - 1):
+        return f"TMA: block_n={c.block_n} must be a power of two (the V^T box is [128, block_n])"
+    smem = gluon_smem_estimate(c)
+    if smem > SMEM_LIMIT:
+        return (f"shared memory: about {smem} B (Q ring {c.q_stages}, K/V ring {c.num_stages} x {c.block_n} keys, "
+                f"output tiles) > {SMEM_LIMIT} B (227 KiB)")
+    consumer, _ = gluon_registers(c)
+    need = gluon_register_estimate(c)
+    if need > consumer:
+        return (f"registers: a consumer warpgroup needs about {need} per thread (accumulator, scores"
+                f"{', carried P' if c.overlap else ''}) > its {consumer} (producer_regs={c.producer_regs}): "
+                f"it would spill")
+    return None
+
+
 def static_infeasibility(c: KernelConfig) -> str | None:
     """Why `c` cannot compile to a usable sm_90a kernel, from its shape alone; None if it may."""
+    if c.backend == "gluon":
+        return gluon_infeasibility(c)
     wg_rows = 64 * (c.num_warps // 4)
     if c.num_warps % 4 or c.block_m % wg_rows:
         # Triton compiles it by splitting the key / head-dim columns across warpgroups (row
@@ -219,12 +302,14 @@ def static_infeasibility(c: KernelConfig) -> str | None:
 class SearchSpace:
     """The searched parameters of one kernel family; see the module doc for how trials map."""
 
-    def __init__(self, family: str, dtype: str, params: Sequence[Param]):
+    def __init__(self, family: str, dtype: str, params: Sequence[Param],
+                 extra_seeds: Sequence[Callable[[str, int, int], KernelConfig]] = ()):
         if dtype not in CHOICES["dtype"]:
             raise ValueError(f"dtype: {dtype!r} is not one of {list(CHOICES['dtype'])}")
         self.family = family
         self.dtype = dtype
         self.params: tuple[Param, ...] = tuple(params)
+        self.extra_seeds = tuple(extra_seeds)
         _check_params(self.params)
 
     def __repr__(self) -> str:
@@ -250,7 +335,7 @@ class SearchSpace:
         """`config` with every irrelevant searched field (see Param.only_if) at the default's value:
         the config `suggest` produces for the same kernel."""
         base = self.base(config.head_dim_qk, config.head_dim_v)
-        current = config.to_dict()
+        current = config.all_fields()
         changes = {p.name: getattr(base, p.name) for p in self.params if not p.relevant(current)}
         return config.replace(**changes) if changes else config
 
@@ -293,13 +378,13 @@ class SearchSpace:
         except ConfigError as exc:
             raise ValueError(f"{self.family}: config is not a point of this space: {exc}") from exc
         if again != target:
-            diff = sorted(k for k, v in target.to_dict().items() if getattr(again, k) != v)
+            diff = sorted(k for k, v in target.all_fields().items() if getattr(again, k) != v)
             raise ValueError(f"{self.family}: config is not a point of this space: {diff} are not searched "
                              f"here and differ from the default")
         return out
 
     def _from_options(self, options: Mapping[str, Any], head_dim_qk: int, head_dim_v: int) -> KernelConfig:
-        so_far = self.base(head_dim_qk, head_dim_v).to_dict()
+        so_far = self.base(head_dim_qk, head_dim_v).all_fields()
         base = dict(so_far)
         values = {}
         for p in self.params:
@@ -307,9 +392,9 @@ class SearchSpace:
             if option not in p.suggest_choices:
                 raise ConfigError(f"{p.key}: {option!r} is not one of {list(p.suggest_choices)}")
             values[p.name] = so_far[p.name] = p.to_field(option, so_far)
-        for p in self.params:  # irrelevant fields take the default's value
+        for p in self.params:  # irrelevant fields take the default's value (seen by the params after it)
             if not p.relevant(so_far):
-                values[p.name] = base[p.name]
+                values[p.name] = so_far[p.name] = base[p.name]
         return self.config_from(values, head_dim_qk, head_dim_v)
 
     # ---- pruning and seeds -----------------------------------------------------------------
@@ -321,16 +406,24 @@ class SearchSpace:
 
     def seeds(self, head_dim_qk: int, head_dim_v: int, *,
               databases: Iterable[str | os.PathLike] | None = None) -> list[KernelConfig]:
-        """Known-good configs to enqueue first: the default, then the best configs of these head dims
-        in `databases` (default: SEED_DATABASES, the shipped H200 database), most problem classes won
-        first. Rows that fail validation, are not causal, are not points of this space or are
-        statically infeasible are skipped; the list is deduplicated (after `canonical`)."""
+        """Known-good configs to enqueue first: the default, the family's extra seeds (`extra_seeds`:
+        the Gluon backend's default where it implements the head dims), then the best configs of
+        these head dims in `databases` (default: SEED_DATABASES, the shipped H200 database), most
+        problem classes won first. Rows that fail validation, are not causal, are not points of this
+        space or are statically infeasible are skipped; the list is deduplicated (after `canonical`)."""
         base = self.base(head_dim_qk, head_dim_v)
         wins: Counter[KernelConfig] = Counter()
         for path in (SEED_DATABASES if databases is None else databases):
             for config in self._db_configs(path, head_dim_qk, head_dim_v):
                 wins[config] += 1
         out = [base]
+        for make in self.extra_seeds:
+            try:
+                config = make(self.dtype, head_dim_qk, head_dim_v)
+            except ConfigError:  # not implemented for these head dims
+                continue
+            if config not in out and self.feasible(config) is None:
+                out.append(config)
         for config, _ in sorted(wins.items(), key=lambda kv: -kv[1]):  # stable: database order on ties
             if config in out:
                 continue
@@ -360,12 +453,15 @@ class SearchSpace:
             return []
         out = []
         for entry in entries:
-            if not entry.key.causal or entry.backend != "triton":
+            if not entry.key.causal:
                 continue
             try:
                 config = KernelConfig.from_json(entry.config_json)
             except ConfigError as exc:
                 log.warning("%s: skipping an invalid best config: %s", path, exc)
+                continue
+            if entry.backend != config.backend:
+                log.warning("%s: skipping a best config stored under backend %r", path, entry.backend)
                 continue
             if (config.dtype, config.head_dim_qk, config.head_dim_v) != (self.dtype, head_dim_qk, head_dim_v):
                 continue
@@ -395,12 +491,13 @@ def _check_params(params: tuple[Param, ...]) -> None:
             raise ValueError(f"{p.name}: only_if names an unknown field {p.only_if[0]!r}")
 
 
-#: Tile, warp, pipeline and register parameters shared by every family (one line each).
+#: Tile, warp, pipeline and register parameters shared by every family (one line each). Under
+#: backend="gluon" block_m counts consumer warpgroups (64 rows each) and num_stages the K/V ring.
 BLOCK_N = (64, 128)
 TILE_PARAMS = (
     Param("block_m", (64, 128)),
     Param("block_n", BLOCK_N),
-    Param("num_warps", (4, 8)),
+    triton_only(Param("num_warps", (4, 8))),
     Param("num_stages", (2, 3, 4)),
-    Param("maxnreg", (0, 168, 200)),
+    triton_only(Param("maxnreg", (0, 168, 200))),
 )

@@ -1,22 +1,36 @@
-"""FP8 (e4m3) causal forward: one line per searched `KernelConfig` field.
+"""FP8 (e4m3) causal forward: one line per searched `KernelConfig` field, both backends.
 
 Fields not listed (dtype, head dims) come from `kernels.defaults.default_config("fp8", ...)`.
-Adding a parameter to the generator means adding its line here (and in bf16_causal.py).
+Adding a parameter to the generator means adding its line here (and in bf16_causal.py for a Triton
+field). `backend` comes first: the fields after it that only one backend reads are marked
+(`triton_only`, `gluon_only`) and take their defaults under the other (see base.py).
 """
 
-from .base import BLOCK_N, TILE_PARAMS, Param, SearchSpace, lean_only, rowsum_param, scale_per_tile
+from functools import partial
 
-PARAMS = TILE_PARAMS + (
-    Param("softmax", ("exact", "lean")),
+from zyfa_tune.kernels.defaults import default_config
+
+from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, lean_only, rowsum_param,
+                   scale_per_tile, triton_only)
+
+PARAMS = (backend_param(),) + TILE_PARAMS + (              # "gluon" -> "triton" for head dims it lacks
+    triton_only(Param("softmax", ("exact", "lean"))),
     lean_only("lean_fold", ("fma", "sub_fma", "corrected")),  # only under softmax="lean"
     lean_only("lean_clamp", ("imax", "fmax")),          # only under softmax="lean"
     lean_only("lean_pack", ("prmt", "bfi")),            # only under softmax="lean"
     Param("p_scale_log2", (6, 7, 8)),
-    scale_per_tile(BLOCK_N),                            # Optuna "scale_per_tile": scale_block 0 / block_n
-    rowsum_param(("fp32", "rounded", "mma")),           # "fp32" under lean -> "rounded"
+    triton_only(scale_per_tile(BLOCK_N)),               # Optuna "scale_per_tile": scale_block 0 / block_n
+    triton_only(rowsum_param(("fp32", "rounded", "mma"))),  # "fp32" under lean -> "rounded"
     Param("q_order", ("forward", "heavy_first")),
-    Param("loads", ("tma", "pointer")),
-    Param("v_layout", ("transposed", "natural")),
+    triton_only(Param("loads", ("tma", "pointer"))),
+    triton_only(Param("v_layout", ("transposed", "natural"))),
+    gluon_only("ping_pong", (True, False), one_consumer=False),  # consumer warpgroups alternate wgmma issue
+    gluon_only("overlap", (True, False)),               # softmax(j) runs while PV(j-1) is on the tensor cores
+    gluon_only("q_stages", (1, 2)),                     # Q ring: 2 prefetches the next tile's Q
+    gluon_only("v_permute", (True, False)),             # key-permuted V^T: P needs no shuffles
+    gluon_only("persistent", (True, False)),            # grid = min(SMs, tiles)
+    gluon_only("producer_regs", (24, 40, 56), one_consumer=24),  # setmaxnreg split: consumers get the rest
 )
 
-SPACE = SearchSpace("fp8-causal", "fp8", PARAMS)
+#: The Gluon backend's default (the spike's best schedule) is enqueued right after the Triton default.
+SPACE = SearchSpace("fp8-causal", "fp8", PARAMS, extra_seeds=(partial(default_config, backend="gluon"),))

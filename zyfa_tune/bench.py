@@ -103,33 +103,34 @@ def shapes_from(head_dim: int, head_dim_v: int | None, seqlens: str, batch_heads
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
-    """'key=val,key=val' -> {key: int or str}."""
+    """'key=val,key=val' -> {key: int, bool (true / false) or str}."""
+    from zyfa_tune.kernels.defaults import parse_value
+
     out: dict[str, Any] = {}
     for item in filter(None, (i.strip() for i in text.split(","))):
         key, sep, val = item.partition("=")
         if not sep or not key.strip():
             raise ValueError(f"--ours: expected key=value, got {item!r}")
-        val = val.strip()
-        out[key.strip()] = int(val) if val.lstrip("-").isdigit() else val
+        out[key.strip()] = parse_value(val)
     return out
 
 
 @dataclass(frozen=True)
 class OursSpec:
     """One of our systems: the dispatcher's choice (`overrides` None) or a forced config (the
-    default config of the shape's head dims with these fields changed)."""
+    default config of the shape's head dims, of the backend the overrides name, with these fields
+    changed: backend=gluon alone is the Gluon default)."""
 
     label: str
     dtype: str
     overrides: tuple[tuple[str, Any], ...] | None = None
 
     def config_for(self, head_dim_qk: int, head_dim_v: int) -> KernelConfig | None:
-        from zyfa_tune.kernels.defaults import default_config
+        from zyfa_tune.kernels.defaults import config_with
 
         if self.overrides is None:
             return None
-        base = default_config(self.dtype, head_dim_qk, head_dim_v)
-        return KernelConfig.from_dict({**base.to_dict(), **dict(self.overrides)})
+        return config_with(self.dtype, head_dim_qk, head_dim_v, dict(self.overrides))
 
 
 def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:

@@ -29,17 +29,15 @@ console = Console()
 
 
 def _config(args: argparse.Namespace) -> KernelConfig:
-    from zyfa_tune.kernels.defaults import default_config
+    from zyfa_tune.kernels.defaults import config_with, parse_value
 
-    dv = args.head_dim_v or args.head_dim
-    cfg = default_config(args.dtype, args.head_dim, dv)
     changes = {}
     for item in args.set or []:
         key, sep, val = item.partition("=")
         if not sep:
             raise ConfigError(f"--set: expected key=value, got {item!r}")
-        changes[key] = int(val) if val.lstrip("-").isdigit() else val
-    return KernelConfig.from_dict({**cfg.to_dict(), **changes})
+        changes[key] = parse_value(val)
+    return config_with(args.dtype, args.head_dim, args.head_dim_v or args.head_dim, changes)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
@@ -55,13 +53,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     for name, value in (("registers / thread", art.registers), ("spill bytes / thread", art.spill_bytes),
                         ("shared memory (bytes)", art.shared_bytes),
                         ("QGMMA / HGMMA", f"{art.count('QGMMA')} / {art.count('HGMMA')}"),
-                        ("MUFU.EX2", art.count("MUFU.EX2"))):
-        table.add_row(name, str(value))
+                        ("MUFU.EX2", art.count("MUFU.EX2")), ("USETMAXREG", art.count("USETMAXREG")),
+                        ("wgmma serialised by ptxas", art.serialised_wgmma or "no")):
+        table.add_row(name, escape(str(value)))
     console.print(table)
     console.print(json.dumps(cfg.to_dict(), sort_keys=True))
     if args.source:
         console.print(kernel.source, markup=False, highlight=False)
-    return 1 if art.spill_bytes else 0
+    return 1 if art.spill_bytes or art.serialised_wgmma else 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -214,7 +213,7 @@ def config_changes(config: KernelConfig) -> str:
     """The fields where `config` differs from the default config of its dtype and head dims."""
     from zyfa_tune.kernels.defaults import default_config
 
-    base = default_config(config.dtype, config.head_dim_qk, config.head_dim_v).to_dict()
+    base = default_config(config.dtype, config.head_dim_qk, config.head_dim_v, config.backend).all_fields()
     changed = [f"{k}={v}" for k, v in config.to_dict().items() if base[k] != v]
     return " ".join(changed) or "(the default config)"
 

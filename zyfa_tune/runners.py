@@ -17,8 +17,10 @@ a clean CUDA context). Runner strings:
       compile_error  the warm call raised from emission or from Triton's compiler / module loader
                      (CompilationError, PTXASError, OutOfResources, MLIR pass failures: anything
                      raised inside triton/compiler, the NVIDIA backend compiler or our generator),
-                     or the compiled kernel uses local memory (spills); message = error tail;
-                     the remaining shapes get the same result without being tried;
+                     or the compiled kernel uses local memory (spills), or ptxas serialised its
+                     wgmmas (warning C7514 and siblings: the schedule is undone; one more ptxas
+                     run on the kernel's PTX finds it); message = error tail; the remaining
+                     shapes get the same result without being tried;
       wrong          error above the probe's limit, or NaN/inf (error_rel_l2 None then);
       ok             median/p20/p80, TFLOP/s, errors, SM clock, power, energy, TFLOP/J;
       crash          anything else raised (CUDA errors such as an illegal memory access, out of
@@ -38,11 +40,13 @@ a clean CUDA context). Runner strings:
       * synthetic: every other config is compiled for real for sm_90a with
         `zyfa_tune.generator.build.compile_for_target` (no GPU needed), so compile errors are real:
         a compiler exception -> "compile_error" with its tail; local memory (spill_bytes > 0) ->
-        "compile_error" "spills N bytes ..."; shared memory above the sm_90 limit (227 KiB) ->
+        "compile_error" "spills N bytes ..."; ptxas serialising the wgmmas (C7514 ...) ->
+        "compile_error" "ptxas serialises ..."; shared memory above the sm_90 limit (227 KiB) ->
         "compile_error" with Triton's OutOfResources text (on a GPU the module load raises it).
         A config that compiles gets a deterministic synthetic measurement: TFLOP/s from a smooth
         function of dtype, head dims, tile sizes, warps, stages, register cap, softmax/rowsum
-        mode, load path, V layout, query order, scale blocks and occupancy, times a fixed
+        mode, load path, V layout, query order, scale blocks and occupancy (for a Gluon config:
+        of its schedule fields, calibrated on the Gluon spike's H200 ratios), times a fixed
         +-2% perturbation from a SHA-256 of (config, shape); an error from dtype, softmax, rowsum,
         p_scale_log2 and scale_block (calibrated on docs/PERF.md: lean P ~1.35x the exact
         default's error, hence "wrong" under the default gate), gated like the GPU runner against
@@ -62,6 +66,7 @@ a clean CUDA context). Runner strings:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -267,6 +272,18 @@ class GpuRunner:
         regs = [r for r in regs if r is not None]
         return (max(spills) if spills else None), (max(regs) if regs else None)
 
+    @staticmethod
+    def _serialised_wgmma(config: KernelConfig) -> str | None:
+        """ptxas's C7514-style warning for a compiled kernel of this config (one ptxas run per
+        kernel, memoised per PTX text), or None."""
+        from zyfa_tune.kernels import launch
+
+        for ck in launch.compiled_kernels(config):
+            warning = _serialisation_of(ck.asm["ptx"])
+            if warning:
+                return warning
+        return None
+
     def _forget_kernels(self, config: KernelConfig) -> None:
         """Drop this config's compiled kernels from the launcher's caches (a child serves hundreds
         of configs; each would otherwise stay loaded)."""
@@ -297,6 +314,11 @@ class GpuRunner:
                     failed = f"spills {spills} bytes (local memory per thread; {regs} registers)"
                     reporter.result(i, dict(status="compile_error", message=failed))
                     continue
+                serialised = self._serialised_wgmma(config)
+                if serialised:
+                    failed = f"ptxas serialises the wgmmas: {serialised}"
+                    reporter.result(i, dict(status="compile_error", message=failed))
+                    continue
                 v = check_config(config, probe, reps=task.reps)
                 self.torch.cuda.synchronize()
                 reporter.result(i, self._fields(config, shape, task, v))
@@ -318,6 +340,13 @@ class GpuRunner:
                     sm_clock_mhz=_finite(t.sm_clock_mhz) if t else None,
                     power_w=_finite(t.power_w) if t else None, energy_j=energy or None,
                     tflop_per_j=flops / 1e12 / energy if energy else None)
+
+
+@functools.lru_cache(maxsize=64)
+def _serialisation_of(ptx: str) -> str | None:
+    from zyfa_tune.generator.build import serialised_wgmma
+
+    return serialised_wgmma(ptx)
 
 
 # ---- replay ------------------------------------------------------------------------------------
@@ -352,6 +381,9 @@ def compile_check(config: KernelConfig, causal: bool) -> CompileCheck:
     if art.spill_bytes > 0:
         return CompileCheck(f"spills {art.spill_bytes} bytes (local memory per thread; {art.registers} registers)",
                             art.registers, art.spill_bytes, art.shared_bytes)
+    if art.serialised_wgmma:
+        return CompileCheck(f"ptxas serialises the wgmmas: {art.serialised_wgmma}", art.registers, art.spill_bytes,
+                            art.shared_bytes)
     if art.shared_bytes > SM90_SHARED_LIMIT:
         return CompileCheck(str(OutOfResources(art.shared_bytes, SM90_SHARED_LIMIT, "shared memory")),
                             art.registers, art.spill_bytes, art.shared_bytes)
@@ -470,8 +502,36 @@ _SM_COUNT = 132
 _ERROR = {"fp8": 0.0210, "bf16": 0.00210}
 
 
+#: The Gluon model: peak at head dim 128 before the seqlen saturation (the default schedule lands
+#: near the ~790 TFLOP/s the spike measured at 8K and 16K, 0.82-0.89x FA3-fp8) and the spike's
+#: measured ratio of each schedule change to the default (docs/BACKENDS.md; /work/spike/gluon).
+_GLUON_PEAK = 1080.0
+_GLUON_FACTORS = {
+    "block_m": {128: 1.0, 64: 0.76},        # one consumer warpgroup (1wg_ov)
+    "block_n": {128: 1.0, 64: 0.82},        # bn64
+    "num_stages": {2: 0.61, 3: 1.0, 4: 0.96},  # st2 starves (V released a step late), st4
+    "ping_pong": {True: 1.0, False: 0.97},
+    "overlap": {True: 1.0, False: 0.89},
+    "q_stages": {1: 1.0, 2: 0.99},
+    "v_permute": {True: 1.0, False: 0.79},  # P shuffles (noperm)
+    "persistent": {True: 1.0, False: 0.93},
+    "q_order": {"heavy_first": 1.0, "forward": 0.94},
+    "producer_regs": {24: 1.0, 40: 0.995, 56: 0.99},
+}
+
+
+def _synthetic_gluon_tflops(c: KernelConfig, shape: "Shape", causal: bool) -> float:
+    f = _GLUON_PEAK * shape.seqlen / (shape.seqlen + 2952.0)
+    for name, table in _GLUON_FACTORS.items():
+        f *= table[getattr(c, name)]
+    f *= 1.0 if causal else 1.05
+    return f * (0.98 + 0.04 * unit_hash("tflops", c.to_json(), shape, causal))
+
+
 def synthetic_tflops(config: KernelConfig, shape: "Shape", causal: bool) -> float:
     c = config
+    if c.backend == "gluon":
+        return _synthetic_gluon_tflops(c, shape, causal)
     dim = (c.head_dim_qk + c.head_dim_v) / 2
     f = _PEAK[c.dtype] * _interp(dim, _HEAD[c.dtype])
     f *= shape.seqlen / (shape.seqlen + 2952.0)

@@ -1,0 +1,167 @@
+"""Gluon backend: `KernelConfig` (backend="gluon") -> Python source of one warp-specialised FP8
+causal-prefill kernel for sm_90a, written in Triton's Gluon dialect.
+
+The emitted module is the device code of generator/gluon_device.py (copied verbatim), then the
+config's schedule as module constants (validated ints and bools only, written as literals), then
+the entry kernel, whose partition list and register split the emitter writes out for the config.
+The source holds everything the kernel runs, so its hash identifies the kernel (database variant,
+build cache), as for the Triton backend.
+
+Kernel contract (see kernels/gluon_launch.py):
+  desc_q: Q viewed (B*Sq, H*128), block [BLOCK_M, 128]; desc_k: K viewed (B*Sk, Hkv*128), block
+  [BLOCK_N, 128]; desc_v: V^T viewed (B*Hkv*128, Skv), block [128, BLOCK_N], its keys permuted within
+  32-key chunks when V_PERM (Skv = Sk padded to 32, padding zeros), else Skv = Sk; desc_o: O viewed
+  (B, Sq, H*128) bf16, block [1, 64, 128] (stores clipped per batch). QD/KD/VD: float32 descales
+  indexed [b * stride_db + hkv * stride_dh], or None. Grid: min(#SMs, tiles) when PERSISTENT, else
+  one program per tile; tiles = N_M_BLOCKS * B * H. Causal masking is bottom-right aligned.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from .config import GENERATOR_VERSION, KernelConfig, gluon_registers
+from .emitted import KERNEL_NAME, EmittedKernel, emitted
+
+DEVICE_MARKER = "# ---- emitted below this line ----"
+#: The head dim the device code is written for (KernelConfig validation enforces it).
+HEAD_D = 128
+#: Warps of the entry kernel's default partition (consumer warpgroup 0).
+NUM_WARPS = 4
+
+
+def emit(config: KernelConfig) -> EmittedKernel:
+    """Emit the Gluon kernel source for `config` (deterministic; same config -> same bytes)."""
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
+    if config.backend != "gluon":
+        raise ValueError(f"emit_gluon.emit: config has backend={config.backend!r}")
+    return emitted(config, _header(config) + _device_code() + _constants(config) + _entry(config))
+
+
+def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
+    """Element type and TMA block of each descriptor argument, in kernel order (the launcher and the
+    ahead-of-time compile build their descriptors from this one table)."""
+    return {"desc_q": ("fp8", [config.block_m, HEAD_D]), "desc_k": ("fp8", [config.block_n, HEAD_D]),
+            "desc_v": ("fp8", [HEAD_D, config.block_n]), "desc_o": ("bf16", [1, 64, HEAD_D])}
+
+
+def descriptor_layout(dtype: str, block: list[int]):
+    """The 128-byte-swizzled shared layout of a TMA block (what wgmma reads); one definition for
+    the launcher's descriptors and the ahead-of-time compile's signature."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPE[dtype](gl))
+
+
+def descriptor_type(dtype: str, block: list[int]) -> str:
+    """The signature type Triton gives a host descriptor of this block (e.g. for triton.compile)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    stand_in = torch.empty(block, dtype=_TORCH_DTYPE[dtype](torch))
+    strides = [int(s) for s in stand_in.stride()]
+    return mangle_type(TensorDescriptor(stand_in, list(block), strides, list(block), descriptor_layout(dtype, block)))
+
+
+_GL_DTYPE = {"fp8": lambda gl: gl.float8e4nv, "bf16": lambda gl: gl.bfloat16}
+_TORCH_DTYPE = {"fp8": lambda torch: torch.float8_e4m3fn, "bf16": lambda torch: torch.bfloat16}
+
+#: Kernel parameters after the descriptors (the launcher passes them in this order).
+SCALAR_PARAMS = ("QD", "KD", "VD", "stride_db", "stride_dh", "H", "GROUP", "HKV", "SEQ_Q", "SEQ_K",
+                 "N_M_BLOCKS", "N_TILES", "sm_scale_log2")
+#: Integer parameters Triton must not specialise (on == 1 or % 16): the schedule gains nothing from
+#: it, and one compile then serves every shape (a trial, a test run, a new sequence length). The
+#: ahead-of-time compile types them as plain i32, so it builds exactly the code a launch runs.
+UNSPECIALISED = SCALAR_PARAMS[3:12]
+
+
+@functools.lru_cache(maxsize=1)
+def _device_code() -> str:
+    text = (Path(__file__).parent / "gluon_device.py").read_text()
+    head, marker, body = text.partition(DEVICE_MARKER)
+    if not marker:
+        raise RuntimeError(f"gluon_device.py lacks the line {DEVICE_MARKER!r}")
+    return body.lstrip("\n")
+
+
+def _header(c: KernelConfig) -> str:
+    return (f'"""zyfa-tune generated kernel (generator {GENERATOR_VERSION}, Gluon backend). Do not edit.\n\n'
+            f"config: {c.to_json()}\n"
+            '"""\n')
+
+
+def _constants(c: KernelConfig) -> str:
+    consumer_regs, producer_regs = gluon_registers(c)
+    values = [
+        ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", HEAD_D),
+        ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", int(c.block_m) // 64),
+        ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
+        ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),
+        ("P_OFFSET", float(int(c.p_scale_log2))),
+        ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
+    ]
+    lines = ["", "", "# ---- this kernel's schedule (its config, resolved)"]
+    lines += [f"{name} = gl.constexpr({value!r})" for name, value in values]
+    lines += ["# host side: read by kernels/launch.py",
+              f"NUM_WARPS = {NUM_WARPS}",
+              f"PERSISTENT = {bool(c.persistent)!r}",
+              f"KERNEL_NAME = {KERNEL_NAME!r}", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _consumer_args(cid: int) -> str:
+    return (f"({cid}, desc_o, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,\n"
+            "                    turn_bars, QD, KD, VD, stride_db, stride_dh, sm_scale_log2, H, GROUP, SEQ_Q, SEQ_K,\n"
+            "                    N_M_BLOCKS, N_TILES, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
+            "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET)")
+
+
+_PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
+                  "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, BLOCK_M,\n"
+                  "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST)")
+
+
+def _entry(c: KernelConfig) -> str:
+    consumers = c.block_m // 64
+    partitions = [f"        (_consumer, {_consumer_args(i)})," for i in range(consumers)]
+    partitions.append(f"        (_producer, {_PRODUCER_ARGS}),")
+    # the default partition is consumer 0; workers: the other consumer (4 warps), the producer (1)
+    warps = "[4, 1]" if consumers == 2 else "[1]"
+    regs = "[CONSUMER_REGS, PRODUCER_REGS]" if consumers == 2 else "[PRODUCER_REGS]"
+    return "\n".join([
+        "",
+        f"@gluon.jit(do_not_specialize={UNSPECIALISED!r})",
+        f"def {KERNEL_NAME}({', '.join(descriptor_blocks(c))},",
+        f"                  {', '.join(SCALAR_PARAMS[:7])},",
+        f"                  {', '.join(SCALAR_PARAMS[7:])}, CAUSAL: gl.constexpr):",
+        "    dtype: gl.constexpr = gl.float8e4nv",
+        "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_D], desc_q.layout)",
+        "    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_k.layout)",
+        "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], desc_v.layout)",
+        "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], gl.bfloat16)",
+        "    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, HEAD_D], o_layout)",
+        "    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
+        "    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
+        "    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
+        "    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
+        "    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
+        "    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
+        "    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())",
+        "    for i in gl.static_range(Q_STAGES):",
+        "        mbarrier.init(q_ready.index(i), count=1)",
+        "        mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)",
+        "    for i in gl.static_range(STAGES):",
+        "        mbarrier.init(k_ready.index(i), count=1)",
+        "        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)",
+        "        mbarrier.init(v_ready.index(i), count=1)",
+        "        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)",
+        "    for i in gl.static_range(NUM_CONSUMERS):",
+        "        mbarrier.init(turn_bars.index(i), count=1)",
+        "    gl.warp_specialize([",
+        *partitions,
+        f"    ], {warps}, {regs})",
+        "",
+    ])

@@ -1,0 +1,314 @@
+"""Device code of the Gluon backend: copied verbatim (below the marker) into every emitted Gluon
+kernel module, after which generator/emit_gluon.py appends the config's constants and the entry
+kernel. Kept as a real module so that it is linted and read like code; it is never launched from
+here. The schedule and why each piece is shaped as it is: docs/BACKENDS.md.
+
+Roles (warp specialisation): the entry kernel's default partition is consumer warpgroup 0; the
+worker partitions are consumer warpgroup 1 (two consumers) and a 1-warp TMA producer. A consumer
+warpgroup owns 64 query rows of the CTA's tile and issues m64 x BLOCK_N x 32 FP8 wgmmas (QGMMA).
+"""
+
+# ---- emitted below this line ----
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                               warpgroup_mma, warpgroup_mma_wait)
+
+
+@gluon.jit
+def _tile_coords(t, n_bh, H, n_m, HEAVY_FIRST: gl.constexpr):
+    """Tile t of the grid -> (batch, head, query block): heavy first = the longest causal rows of
+    every (batch, head) before any shorter one."""
+    if HEAVY_FIRST:
+        mb = n_m - 1 - t // n_bh
+        bh = t % n_bh
+    else:
+        bh = t // n_m
+        mb = t % n_m
+    return bh // H, bh % H, mb
+
+
+@gluon.jit
+def _block_range(m0, Sq, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(n_blocks, n_masked): key blocks [0, n_blocks) are visited from the top down; the first
+    n_masked visited (those crossing the causal diagonal or the key end) need a mask."""
+    if CAUSAL:
+        off = Sk - Sq
+        hi = gl.minimum(Sk, gl.maximum(m0 + BLOCK_M + off, 0))
+        n_blocks = gl.cdiv(hi, BLOCK_N)
+        lo_vis = gl.maximum(m0 + off + 1, 0)          # keys [0, lo_vis) are visible to every row
+        n_full = gl.minimum(lo_vis // BLOCK_N, Sk // BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(Sk, BLOCK_N)
+        n_full = Sk // BLOCK_N
+    n_full = gl.minimum(n_full, n_blocks)
+    return n_blocks, n_blocks - n_full
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
+              q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+              H, GROUP, Hkv, Sq, Sk, n_m, n_tiles,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+    """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
+    K and V barriers so that QK^T can start before V has landed)."""
+    n_bh = n_tiles // n_m
+    kv_it = 0
+    q_it = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        b, h, mb = _tile_coords(t, n_bh, H, n_m, HEAVY_FIRST)
+        hk = h // GROUP
+        m0 = mb * BLOCK_M
+        qs = q_it % Q_STAGES
+        mbarrier.wait(q_empty.index(qs), ((q_it // Q_STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b * Sq + m0, h * HEAD_D], q_ready.index(qs), q_bufs.index(qs))
+        q_it += 1
+        n_blocks, n_masked = _block_range(m0, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
+        k_row = b * Sk
+        v_row = (b * Hkv + hk) * HEAD_D
+        for j in range(n_blocks):
+            n0 = (n_blocks - 1 - j) * BLOCK_N
+            s = kv_it % STAGES
+            ph = ((kv_it // STAGES) & 1) ^ 1
+            mbarrier.wait(k_empty.index(s), ph)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * HEAD_D], k_ready.index(s), k_bufs.index(s))
+            mbarrier.wait(v_empty.index(s), ph)
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [v_row, n0], v_ready.index(s), v_bufs.index(s))
+            kv_it += 1
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
+             MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+             qk_layout: gl.constexpr, p_layout: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr):
+    """Online softmax of one 64 x BLOCK_N score block. Probabilities are scaled by 2^P_OFFSET so
+    that small ones stay out of e4m3 subnormals; l carries the same factor, which cancels."""
+    if MASK:
+        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
+        rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qk_layout))
+        keep = cols[None, :] < Sk
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None] + off)
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - (m_use - P_OFFSET)[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    if V_PERM:
+        # A thread's accumulator registers hold, per 32-key chunk, keys {16h + 8s + 2q + b}; the
+        # register A operand wants them as {16h + 4q + 2s + b}. Relabelling the keys (a bit
+        # permutation, no data movement) and storing V^T in the same key order makes the float32
+        # tensor already distributed like the A operand.
+        NB: gl.constexpr = BLOCK_N // 32
+        p = p.reshape([64, NB, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([64, BLOCK_N])
+        p8 = gl.convert_layout(p, p_layout)   # float32, rounded by _p_operand next to its wgmma
+    else:
+        p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+    return p8, m_new, l_new, alpha
+
+
+@gluon.jit
+def _p_operand(pP, V_PERM: gl.constexpr):
+    """The e4m3 A operand of the PV wgmma. Triton keeps fp8 tensors as separate bytes, so an e4m3 P
+    carried across a loop back-edge costs ~100 byte-repacking instructions per step; carried as
+    float32 and rounded here (4 registers -> one register of 4 e4m3), they fold away."""
+    if V_PERM:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r", [pP], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    else:
+        return pP
+
+
+@gluon.jit
+def _turn_wait(turn_bars, turn_it, CID: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait for this warpgroup's turn to issue wgmmas (an mbarrier token passed round
+    robin; Gluon has no named barriers). Warpgroup 0 starts on the already complete phase."""
+    if PINGPONG:
+        if CID == 0:
+            mbarrier.wait(turn_bars.index(0), (turn_it & 1) ^ 1)
+        else:
+            mbarrier.wait(turn_bars.index(CID), turn_it & 1)
+
+
+@gluon.jit
+def _turn_pass(turn_bars, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn_bars.index((CID + 1) % NUM_CONSUMERS), count=1)
+
+
+@gluon.jit
+def _qk_waited(q_smem, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it, CID: gl.constexpr,
+               NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr):
+    """S = Q K^T for the K block in stage kv_it % STAGES, issued in this warpgroup's turn and waited
+    for; that K stage is released."""
+    st = kv_it % STAGES
+    mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
+    _turn_wait(turn_bars, turn_it, CID, PINGPONG)
+    s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    mbarrier.arrive(k_empty.index(st), count=1)
+    return s
+
+
+@gluon.jit
+def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_smem, k_bufs, v_bufs, s_zero,
+             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
+             MASK: gl.constexpr, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+             PINGPONG: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+             qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, V_PERM: gl.constexpr,
+             P_OFFSET: gl.constexpr):
+    """Overlapped step j >= 1: issue QK^T(j) and PV(j-1) back to back, wait for QK^T(j) only, run
+    softmax(j) while PV(j-1) is on the tensor cores, then wait for PV(j-1). What keeps ptxas from
+    undoing the overlap: nothing in flight across the loop back-edge (else every wgmma of the kernel
+    is serialised, C7514); O rescaled at the start of the next step and V(j-1) released one step
+    later (an instruction right after the PV wait pulls the wait above the exponentials); P carried
+    as float32 (see _p_operand)."""
+    st = kv_it % STAGES
+    pst = (kv_it + STAGES - 1) % STAGES
+    p8 = _p_operand(pP, V_PERM)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
+    mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
+    _turn_wait(turn_bars, turn_it, CID, PINGPONG)
+    s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    o_tok = warpgroup_mma(p8, v_bufs.index(pst).permute((1, 0)), acc, is_async=True)
+    _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
+    s = warpgroup_mma_wait(1, deps=(s_tok,))          # QK^T(j) done, PV(j-1) may still run
+    mbarrier.arrive(k_empty.index(st), count=1)
+    # PV(j-2) retired at the end of the previous step: release its V stage now
+    mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=j >= 2)
+    pP, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1 - j) * BLOCK_N, row0, Sk, off,
+                                   MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET)
+    acc = warpgroup_mma_wait(0, deps=(o_tok,))        # PV(j-1) done
+    return pP, acc, alpha, m_i, l_i
+
+
+@gluon.jit
+def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
+              q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn_bars,
+              QD, KD, VD, ds0, ds1, scale_log2,
+              H, GROUP, Sq, Sk, n_m, n_tiles,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+              STAGES: gl.constexpr, Q_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+              CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr):
+    """Consumer warpgroup CID: rows [64 CID, 64 CID + 64) of every tile it visits. Key blocks from
+    the diagonal downwards; only the first n_masked (diagonal / key end) pay for the mask."""
+    qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 32])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
+
+    o_smem = o_bufs.index(CID)
+    n_bh = n_tiles // n_m
+    off = Sk - Sq
+    kv_it = 0
+    q_it = 0
+    turn_it = 0
+    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+        b, h, mb = _tile_coords(t, n_bh, H, n_m, HEAVY_FIRST)
+        hk = h // GROUP
+        m0 = mb * BLOCK_M
+        row0 = m0 + CID * 64
+        if QD is None:  # no descales: a compile-time constant, nothing to load
+            qk_scale = scale_log2
+            v_scale = 1.0
+        else:
+            dsc = b * ds0 + hk * ds1
+            qk_scale = scale_log2 * gl.load(QD + dsc) * gl.load(KD + dsc)
+            v_scale = gl.load(VD + dsc)
+        n_blocks, n_masked = _block_range(m0, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
+
+        qs = q_it % Q_STAGES
+        mbarrier.wait(q_ready.index(qs), (q_it // Q_STAGES) & 1)
+        q_smem = q_bufs.index(qs).slice(CID * 64, 64, dim=0)
+
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
+        l_i = gl.full([64], 0.0, gl.float32, layout=row_s)
+        acc = gl.zeros([64, HEAD_D], gl.float32, layout=o_layout)
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=qk_layout)
+
+        if n_blocks > 0:
+            if OVERLAP:
+                # ---- block 0 (the diagonal / tail block whenever any block is masked)
+                s = _qk_waited(q_smem, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
+                               CID, NUM_CONSUMERS, PINGPONG, STAGES)
+                turn_it += 1
+                pP, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1) * BLOCK_N, row0, Sk, off,
+                                               True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET)
+                kv_it += 1
+                # ---- masked blocks (phase 0), then unmasked blocks (phase 1): two loops, MASK constant in each
+                for phase in gl.static_range(2):
+                    lo = 1 if phase == 0 else gl.maximum(n_masked, 1)
+                    hi = n_masked if phase == 0 else n_blocks
+                    for j in range(lo, hi):
+                        pP, acc, alpha, m_i, l_i = _ov_step(
+                            j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_smem, k_bufs, v_bufs, s_zero,
+                            k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
+                            phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
+                            qk_layout, p_layout, row_o, V_PERM, P_OFFSET)
+                        turn_it += 1
+                        kv_it += 1
+                # ---- PV of the last block
+                pst = (kv_it + STAGES - 1) % STAGES
+                p8 = _p_operand(pP, V_PERM)
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
+                _turn_wait(turn_bars, turn_it, CID, PINGPONG)
+                o_tok = warpgroup_mma(p8, v_bufs.index(pst).permute((1, 0)), acc, is_async=True)
+                _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
+                turn_it += 1
+                acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=n_blocks >= 2)
+                mbarrier.arrive(v_empty.index(pst), count=1)
+            else:
+                # ---- plain schedule: S = QK^T; wait; softmax; O += PV; wait
+                for j in range(n_blocks):
+                    s_st = kv_it % STAGES
+                    s_ph = (kv_it // STAGES) & 1
+                    s = _qk_waited(q_smem, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
+                                   CID, NUM_CONSUMERS, PINGPONG, STAGES)
+                    turn_it += 1
+                    n0 = (n_blocks - 1 - j) * BLOCK_N
+                    if j < n_masked:
+                        p8, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
+                                                       True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET)
+                    else:
+                        p8, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
+                                                       False, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET)
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    mbarrier.wait(v_ready.index(s_st), s_ph)
+                    _turn_wait(turn_bars, turn_it, CID, PINGPONG)
+                    o_tok = warpgroup_mma(_p_operand(p8, V_PERM), v_bufs.index(s_st).permute((1, 0)), acc,
+                                          is_async=True)
+                    _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
+                    turn_it += 1
+                    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                    mbarrier.arrive(v_empty.index(s_st), count=1)
+                    kv_it += 1
+        # Q of this tile is no longer read by this warpgroup
+        mbarrier.arrive(q_empty.index(qs), count=1)
+        q_it += 1
+
+        # ---- epilogue: O / l * v_descale -> bf16 -> smem -> TMA store (3-D: clipped per batch)
+        l_o = gl.convert_layout(l_i, row_o)
+        inv = gl.where(l_o > 0.0, v_scale / l_o, 0.0)
+        o = (acc * inv[:, None]).to(gl.bfloat16)
+        tma.store_wait(0)
+        o_smem.store(o)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, row0, h * HEAD_D], o_smem.reshape([1, 64, HEAD_D]))
+    tma.store_wait(0)

@@ -1,0 +1,71 @@
+"""Launch arguments of a Gluon kernel (generator/emit_gluon.py's contract): host TMA descriptors
+of Q, K, V^T and O, the scalars, the grid.
+
+Works on any tensors with the right shapes and strides (CPU and meta tensors too: the descriptors
+only record pointers), so argument building is testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from zyfa_tune.generator import KernelConfig
+from zyfa_tune.generator.emit_gluon import HEAD_D, NUM_WARPS, descriptor_blocks, descriptor_layout
+
+#: SMs of the H200 / H100 SXM: the persistent grid of an argument set not on a GPU (ahead of time).
+DEFAULT_SMS = 132
+
+
+@functools.lru_cache(maxsize=64)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def grid_size(persistent: bool, tiles: int, sms: int) -> int:
+    """A persistent kernel loops over tiles: one program per SM, or per tile when there are fewer."""
+    return min(sms, tiles) if persistent else tiles
+
+
+def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out: torch.Tensor) -> list:
+    """desc_q, desc_k, desc_v, desc_o. q, k: (B, S, H, 128) with (batch*seqlen, heads*dim) rows
+    (TMA-ready); vt: the (B, Hkv, 128, Skv) V^T of `kernels.transpose.transpose_v` (permuted and
+    padded to 32 keys when config.v_permute); out: contiguous (B, Sq, H, 128) bf16."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    skv = vt.shape[3]
+    if config.v_permute and skv % 32:
+        raise ValueError(f"v: V^T has {skv} keys; v_permute needs the 32-padded copy of "
+                         f"transpose_v(v, permute=True)")
+    if vt.stride(3) != 1 or vt.stride(1) != d * vt.stride(2) or vt.stride(0) != hk * vt.stride(1):
+        raise ValueError(f"v: V^T strides {vt.stride()} are not those of a (B, Hkv, D, keys) buffer with "
+                         f"keys contiguous")
+    if not out.is_contiguous():
+        raise ValueError("out: the Gluon kernel stores through a TMA descriptor: out must be contiguous")
+    blocks = descriptor_blocks(config)
+    views = {"desc_q": (q, [b * sq, h * d], [q.stride(1), 1]),
+             "desc_k": (k, [b * sk, hk * d], [k.stride(1), 1]),
+             "desc_v": (vt, [b * hk * d, skv], [vt.stride(2), 1]),
+             "desc_o": (out, [b, sq, h * d], [sq * h * d, h * d, 1])}
+    return [TensorDescriptor(t, shape, strides, blocks[name][1], descriptor_layout(*blocks[name]))
+            for name, (t, shape, strides) in views.items()]
+
+
+def arguments(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out: torch.Tensor,
+              sm_scale_log2: float, causal: bool, q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
+              v_descale: torch.Tensor | None, sms: int) -> tuple[tuple, tuple, dict]:
+    """(grid, positional arguments, options) of one call; `sms` sizes the persistent grid."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if d != HEAD_D or k.shape[3] != HEAD_D or vt.shape[2] != HEAD_D:
+        raise ValueError(f"q/k/v: the Gluon kernel is written for head dim {HEAD_D}")
+    n_m = math.ceil(sq / config.block_m)
+    tiles = n_m * b * h
+    ds0, ds1 = q_descale.stride() if q_descale is not None else (0, 0)
+    args = (*descriptors(config, q, k, vt, out), q_descale, k_descale, v_descale, ds0, ds1,
+            h, h // hk, hk, sq, sk, n_m, tiles, float(sm_scale_log2))
+    options = dict(CAUSAL=bool(causal), num_warps=NUM_WARPS)
+    return (grid_size(config.persistent, tiles, sms),), args, options

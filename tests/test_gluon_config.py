@@ -1,0 +1,238 @@
+"""The Gluon backend in the config layer: KernelConfig's backend rules, old JSON and the shipped
+database unchanged, defaults, command-line overrides, the search space and the store's backend
+column (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from zyfa_tune.db import TrialResult, open_store
+from zyfa_tune.generator import CHOICES, GLUON_HEAD_DIMS, ConfigError, KernelConfig, emit, gluon_registers
+from zyfa_tune.generator.config import GLUON_FIELDS, TRITON_FIELDS
+from zyfa_tune.kernels.defaults import config_with, default_config, parse_value
+from zyfa_tune.kernels.dispatch import TUNED_DIR
+from zyfa_tune.search_spaces import SEED_DATABASES, get_space
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+GLUON = default_config("fp8", 128, 128, "gluon")
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+def test_gluon_default_is_the_spike_schedule():
+    assert (GLUON.backend, GLUON.block_m, GLUON.block_n, GLUON.num_stages, GLUON.q_order) == (
+        "gluon", 128, 128, 3, "heavy_first")
+    assert GLUON.ping_pong and GLUON.overlap and GLUON.v_permute and GLUON.persistent and GLUON.q_stages == 1
+    assert gluon_registers(GLUON) == (240, 24)
+    assert KernelConfig.from_json(GLUON.to_json()) == GLUON
+
+
+@pytest.mark.parametrize("field", TRITON_FIELDS)
+def test_gluon_config_keeps_triton_fields_at_defaults(field):
+    other = next(v for v in CHOICES[field] if v != DEFAULTS[field])
+    with pytest.raises(ConfigError, match=rf"^{field}={other!r}: not a field of backend='gluon'"):
+        GLUON.replace(**{field: other})
+
+
+@pytest.mark.parametrize("field", GLUON_FIELDS)
+def test_triton_config_keeps_gluon_fields_at_defaults(field):
+    other = next(v for v in CHOICES[field] if v != DEFAULTS[field])
+    with pytest.raises(ConfigError, match=rf"^{field}={other!r}: not a field of backend='triton'"):
+        KernelConfig(**{field: other})
+    assert getattr(GLUON.replace(**{field: other}), field) == other  # a Gluon config takes it
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(dtype="bf16", p_scale_log2=0), r"^dtype='bf16': backend='gluon' emits FP8"),
+    (dict(head_dim_qk=64, head_dim_v=64), r"^head_dim_qk=64: backend='gluon' implements head dims \[128\] only"),
+    (dict(head_dim_v=256), r"^head_dim_v=256: backend='gluon' implements head dims"),
+    (dict(block_m=256), r"^block_m=256: .*block_m must be 64 or 128"),
+    (dict(num_stages=1), r"^num_stages=1: the Gluon K/V ring needs at least 2 stages"),
+    (dict(block_m=64), r"^ping_pong=True needs two consumer warpgroups"),
+    (dict(block_m=64, ping_pong=False, producer_regs=40), r"^producer_regs=40: with one consumer warpgroup"),
+])
+def test_bad_gluon_combinations_name_the_field(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        GLUON.replace(**changes)
+
+
+def test_gluon_values_are_type_checked():
+    for field, bad in (("ping_pong", 1), ("overlap", "true"), ("q_stages", True), ("producer_regs", 32),
+                       ("backend", "ptx"), ("v_permute", None)):
+        with pytest.raises(ConfigError, match=rf"^{field}: "):
+            GLUON.replace(**{field: bad})
+
+
+def test_unsupported_head_dims_never_reach_a_launch():
+    """Only head dim 128 is implemented in Gluon: configs, defaults and overrides all refuse others."""
+    assert GLUON_HEAD_DIMS == (128,)
+    for dqk, dv in ((64, 64), (96, 96), (192, 128), (256, 256)):
+        with pytest.raises(ConfigError, match="implements head dims"):
+            default_config("fp8", dqk, dv, "gluon")
+        with pytest.raises(ConfigError, match="implements head dims"):
+            config_with("fp8", dqk, dv, {"backend": "gluon"})
+    with pytest.raises(ConfigError, match="FP8"):
+        default_config("bf16", 128, 128, "gluon")
+
+
+# ---- serialisation and the shipped database ---------------------------------------------------
+
+def test_json_holds_the_backends_own_fields():
+    triton = json.loads(default_config("fp8", 128, 128).to_json())
+    assert "backend" not in triton and not set(GLUON_FIELDS) & set(triton)
+    gluon = json.loads(GLUON.to_json())
+    assert gluon["backend"] == "gluon" and set(GLUON_FIELDS) <= set(gluon) and not set(TRITON_FIELDS) & set(gluon)
+    # a JSON without the backend key is a Triton config; an explicit "triton" is the same config
+    assert KernelConfig.from_json(json.dumps({**triton, "backend": "triton"})) == default_config("fp8", 128, 128)
+
+
+def shipped_rows():
+    with sqlite3.connect(f"file:{TUNED_DIR / 'h200.db'}?mode=ro", uri=True) as con:
+        return con.execute("SELECT backend, config_json, source_hash FROM variants").fetchall()
+
+
+def test_every_shipped_row_parses_to_the_same_json_and_source_hash():
+    """The rows written before the Gluon backend existed load to the same configs, serialise to the
+    same text and emit the same source (hash) as when they were recorded."""
+    rows = shipped_rows()
+    assert len(rows) >= 10
+    for backend, text, source_hash in rows:
+        config = KernelConfig.from_json(text)
+        assert backend == config.backend == "triton"
+        assert config.to_json() == text
+        assert emit(config).source_hash == source_hash, text
+
+
+def test_store_records_the_configs_backend(tmp_path):
+    from zyfa_tune.db import Fingerprint, ProblemKey
+
+    fp = Fingerprint(gpu_name="H200", compute_capability="9.0", sm_count=132, memory_bytes=1, driver="d",
+                     cuda="c", torch="t", triton="3.6.0", generator_version="0.1.0")
+    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=32,
+                                kv_heads=32, seqlen=8192)
+    with open_store(tmp_path / "t.db") as store:
+        store.record_trial(fp, key, GLUON, TrialResult("ok", median_ms=1.0), source_hash=emit(GLUON).source_hash)
+        store.record_trial(fp, key, default_config("fp8", 128, 128), TrialResult("ok", median_ms=2.0),
+                           source_hash=emit(default_config("fp8", 128, 128)).source_hash)
+        with pytest.raises(ValueError, match="^backend: 'triton' differs from the config's backend 'gluon'"):
+            store.record_trial(fp, key, GLUON, TrialResult("ok", median_ms=1.0), backend="triton",
+                               source_hash=emit(GLUON).source_hash)
+        best = store.best_for(key)
+        assert [(b.backend, KernelConfig.from_json(b.config_json)) for b in best] == [("gluon", GLUON)]
+        assert sorted(t["backend"] for t in store.trials()) == ["gluon", "triton"]
+
+
+# ---- defaults and overrides -------------------------------------------------------------------
+
+def test_overrides_pick_the_named_backends_default():
+    assert config_with("fp8", 128, 128, {"backend": "gluon"}) == GLUON
+    assert config_with("fp8", 128, 128, {"backend": "gluon", "ping_pong": False}) == GLUON.replace(ping_pong=False)
+    assert config_with("fp8", 128, 128, {"block_m": 128, "num_warps": 8}) == \
+        default_config("fp8", 128, 128).replace(block_m=128, num_warps=8)
+    with pytest.raises(ConfigError, match="^num_warps=8: not a field of backend='gluon'"):
+        config_with("fp8", 128, 128, {"backend": "gluon", "num_warps": 8})
+    texts = ("128", "-1", "true", "False", "gluon", " 7 ")
+    assert [parse_value(t) for t in texts] == [128, -1, True, False, "gluon", 7]
+
+
+def test_bench_ours_backend_gluon_is_the_gluon_default():
+    from zyfa_tune.bench import parse_ours
+
+    (spec,) = parse_ours("gluon:backend=gluon", ["fp8"])
+    assert spec.label == "gluon" and spec.config_for(128, 128) == GLUON
+    (spec,) = parse_ours("g2:backend=gluon,overlap=false,p_scale_log2=0", ["fp8"])
+    assert spec.config_for(128, 128) == GLUON.replace(overlap=False, p_scale_log2=0)
+
+
+# ---- search space -----------------------------------------------------------------------------
+
+def test_space_seeds_the_gluon_default_right_after_the_triton_default():
+    space = get_space("fp8")
+    seeds = space.seeds(128, 128)
+    assert seeds[:2] == [default_config("fp8", 128, 128), GLUON]
+    assert space.as_optuna_params(GLUON)["backend"] == "gluon"
+    for dqk, dv in ((64, 64), (256, 256)):  # no Gluon seed where Gluon does not implement the dims
+        assert all(c.backend == "triton" for c in space.seeds(dqk, dv))
+    assert all(c.backend == "triton" for c in get_space("bf16").seeds(128, 128))
+
+
+def test_space_samples_both_backends_as_valid_canonical_configs():
+    space = get_space("fp8")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=4))
+    got = {"triton": set(), "gluon": set()}
+    for _ in range(200):
+        trial = study.ask()
+        config = space.suggest(trial, 128, 128)
+        if config is None:
+            study.tell(trial, state=TrialState.PRUNED)
+            continue
+        assert space.canonical(config) == config and space.feasible(config) is None
+        assert KernelConfig.from_json(config.to_json()) == config
+        if config.backend == "gluon":  # Triton fields at their defaults, whatever was suggested
+            assert all(getattr(config, f) == DEFAULTS[f] for f in TRITON_FIELDS)
+            assert config.block_m == 128 or (not config.ping_pong and config.producer_regs == 24)
+        got[config.backend].add(config)
+        study.tell(trial, 1.0)
+    assert len(got["triton"]) > 20 and len(got["gluon"]) > 20
+
+
+def test_space_maps_gluon_to_triton_where_gluon_lacks_the_head_dims():
+    space = get_space("fp8")
+    study = optuna.create_study()
+    study.enqueue_trial({**space.as_optuna_params(space.base(64, 64)), "backend": "gluon"})
+    config = space.suggest(study.ask(), 64, 64)
+    assert config is not None and config.backend == "triton"
+
+
+def test_gluon_feasibility_rules():
+    space = get_space("fp8")
+    assert space.feasible(GLUON) is None
+    reason = space.feasible(GLUON.replace(block_n=256, num_stages=2))
+    assert reason.startswith("registers: a consumer warpgroup needs about 248")
+    assert space.feasible(GLUON.replace(block_n=256, num_stages=2, overlap=False)) is None
+    assert space.feasible(GLUON.replace(block_n=256, q_stages=2, num_stages=4)).startswith("shared memory")
+    assert space.feasible(GLUON.replace(v_permute=False, producer_regs=56)).startswith("registers")
+
+
+def test_seed_databases_may_hold_gluon_winners(tmp_path):
+    """A database whose best fp8 128 entry is a Gluon kernel seeds that kernel (as a point of the space)."""
+    from zyfa_tune.db import Fingerprint, ProblemKey
+
+    fp = Fingerprint(gpu_name="H200", compute_capability="9.0", sm_count=132, memory_bytes=1, driver="d",
+                     cuda="c", torch="t", triton="3.6.0", generator_version="0.1.0")
+    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=1, heads=32,
+                                kv_heads=32, seqlen=16384)
+    winner = GLUON.replace(q_stages=2, producer_regs=40)
+    with open_store(tmp_path / "s.db") as store:
+        store.record_trial(fp, key, winner, TrialResult("ok", median_ms=1.0), source_hash=emit(winner).source_hash)
+    seeds = get_space("fp8").seeds(128, 128, databases=[tmp_path / "s.db", *SEED_DATABASES])
+    assert winner in seeds
+
+
+# ---- the dispatcher chooses between backends by measured speed alone ----------------------------
+
+@pytest.mark.parametrize("gluon_ms,winner", [(0.5, "gluon"), (2.0, "triton")])
+def test_dispatcher_picks_the_faster_backend(tmp_path, gluon_ms, winner):
+    from zyfa_tune.db import Fingerprint, ProblemKey
+    from zyfa_tune.generator import GENERATOR_VERSION
+    from zyfa_tune.kernels import dispatch
+
+    fp = Fingerprint(gpu_name="NVIDIA H200", compute_capability="9.0", sm_count=132, memory_bytes=1, driver="d",
+                     cuda="c", torch="t", triton="3.6.0", generator_version=GENERATOR_VERSION)
+    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=32,
+                                kv_heads=32, seqlen=8192)
+    triton = default_config("fp8", 128, 128)
+    with open_store(tmp_path / "d.db") as store:
+        for cfg, ms in ((triton, 1.0), (GLUON, gluon_ms)):
+            store.record_trial(fp, key, cfg, TrialResult("ok", median_ms=ms, tflops=1.0 / ms),
+                               source_hash=emit(cfg).source_hash)
+    choice = dispatch.Dispatcher([str(tmp_path / "d.db")]).choose(key, ("NVIDIA H200", "9.0", GENERATOR_VERSION))
+    assert choice.source == "exact" and choice.config.backend == winner

@@ -1,0 +1,105 @@
+"""Gluon emission (generator/emit_gluon.py): deterministic source with the config baked in as
+constants, stable hashes, every schedule field reaching the code, only validated values as text."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+
+import pytest
+
+from gluon_cases import GLUON, neighbours, sampled
+
+from zyfa_tune.generator import KernelConfig, emit, emit_gluon, emit_triton, gluon_registers
+from zyfa_tune.generator.emitted import KERNEL_NAME
+
+#: the Gluon seed, one variant per value of every field the space searches for it, a sample
+VARIANTS = neighbours() + sampled(20)
+
+
+def constants(source: str) -> dict:
+    """Module-level NAME = literal and NAME = gl.constexpr(literal) assignments."""
+    out = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = node.value
+            if isinstance(value, ast.Call) and ast.unparse(value.func) == "gl.constexpr":
+                value = value.args[0]
+            try:
+                out[node.targets[0].id] = ast.literal_eval(value)
+            except ValueError:
+                pass
+    return out
+
+
+def code_only(source: str) -> str:
+    tree = ast.parse(source)
+    return "\n".join(source.splitlines()[tree.body[0].end_lineno:])
+
+
+def test_emit_dispatches_on_backend():
+    assert emit(GLUON).source == emit_gluon.emit(GLUON).source
+    assert "@gluon.jit" in emit(GLUON).source and "@triton.jit" not in emit(GLUON).source
+    with pytest.raises(ValueError, match="backend='gluon'"):
+        emit_triton.emit(GLUON)
+    with pytest.raises(ValueError, match="backend='triton'"):
+        emit_gluon.emit(KernelConfig())
+    with pytest.raises(TypeError, match="takes a KernelConfig"):
+        emit_gluon.emit(GLUON.to_dict())
+
+
+@pytest.mark.parametrize("cfg", VARIANTS)
+def test_deterministic_and_hashed(cfg):
+    a, b = emit(cfg), emit(KernelConfig.from_json(cfg.to_json()))
+    assert a.source == b.source and a.source_hash == b.source_hash
+    assert a.source_hash == hashlib.sha256(a.source.encode()).hexdigest()[:16]
+    assert a.kernel_name == KERNEL_NAME
+
+
+def test_distinct_configs_give_distinct_code():
+    codes = {code_only(emit(c).source) for c in VARIANTS}
+    assert len(codes) == len(set(VARIANTS))
+
+
+@pytest.mark.parametrize("cfg", VARIANTS)
+def test_constants_are_the_config(cfg):
+    src = emit(cfg).source
+    tree = ast.parse(src)
+    compile(tree, "<emitted>", "exec")
+    doc = ast.get_docstring(tree)
+    (line,) = [ln for ln in doc.splitlines() if ln.startswith("config: ")]
+    assert KernelConfig.from_json(line[len("config: "):]) == cfg
+    c = constants(src)
+    consumer_regs, producer_regs = gluon_registers(cfg)
+    assert c == {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "HEAD_D": 128, "STAGES": cfg.num_stages,
+                 "Q_STAGES": cfg.q_stages, "NUM_CONSUMERS": cfg.block_m // 64, "OVERLAP": cfg.overlap,
+                 "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first", "V_PERM": cfg.v_permute,
+                 "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,
+                 "PRODUCER_REGS": producer_regs, "NUM_WARPS": 4, "PERSISTENT": cfg.persistent,
+                 "KERNEL_NAME": KERNEL_NAME}
+    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert {KERNEL_NAME, "_producer", "_consumer", "_softmax", "_ov_step"} <= set(funcs)
+    entry = ast.unparse(funcs[KERNEL_NAME])
+    assert entry.count("(_consumer, (") == cfg.block_m // 64 and entry.count("(_producer, (") == 1
+    assert ("[CONSUMER_REGS, PRODUCER_REGS]" in entry) == (cfg.block_m == 128)
+    params = [a.arg for a in funcs[KERNEL_NAME].args.args]
+    assert params == list(emit_gluon.descriptor_blocks(cfg)) + list(emit_gluon.SCALAR_PARAMS) + ["CAUSAL"]
+
+
+@pytest.mark.parametrize("cfg", VARIANTS)
+def test_only_validated_values_become_text(cfg):
+    """Apart from the docstring (the validated config as JSON), the strings in the source are the
+    device code's own (fixed) strings: the config adds none."""
+    def strings(src: str) -> set:
+        tree = ast.parse(src)
+        doc = tree.body[0].value
+        return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and n is not doc}
+    assert strings(emit(cfg).source) == strings(emit(GLUON).source)
+
+
+def test_device_code_is_copied_verbatim():
+    device = (emit_gluon.Path(emit_gluon.__file__).parent / "gluon_device.py").read_text()
+    body = device.partition(emit_gluon.DEVICE_MARKER)[2].lstrip("\n")
+    assert body in emit(GLUON).source
+    assert "def _consumer(" in body and "def _producer(" in body

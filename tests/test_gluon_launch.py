@@ -1,0 +1,139 @@
+"""Launch arguments on the CPU (kernels/launch.py, kernels/gluon_launch.py): what `prepare` builds
+for a Gluon config (descriptors, scalars in the kernel's parameter order, the persistent grid),
+and that a BoundLaunch (the per-layout fast path of flash_attn_func) passes the kernel exactly the
+arguments `prepare` builds for the same call, for both backends. The launch itself is replaced by
+a recorder: no GPU is needed."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from zyfa_tune.generator import emit_gluon
+from zyfa_tune.kernels import gluon_launch, launch
+from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.kernels.transpose import key_permutation, padded_keys, transpose_v
+
+FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
+GLUON = default_config("fp8", 128, 128, "gluon")
+
+
+def tensors(b=2, sq=1000, sk=1000, h=8, hk=2, seed=0, descales=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, h, 128, generator=g).to(FP8)
+    k = torch.randn(b, sk, hk, 128, generator=g).to(FP8)
+    v = torch.randn(b, sk, hk, 128, generator=g).to(FP8)
+    out = torch.empty(b, sq, h, 128, dtype=BF16)
+    ds = tuple(torch.rand(b, hk, generator=g) + 0.5 for _ in range(3)) if descales else (None, None, None)
+    return q, k, v, out, ds
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("b,sq,sk,h,hk", [(2, 1000, 1000, 8, 2), (1, 1, 1, 2, 2), (1, 300, 100, 4, 1),
+                                           (4, 8192, 8192, 32, 32)])
+def test_prepare_gluon(persistent, b, sq, sk, h, hk):
+    cfg = GLUON.replace(persistent=persistent)
+    q, k, v, out, ds = tensors(b, sq, sk, h, hk)
+    grid, args, options = launch.prepare(cfg, q, k, v, out, 0.125, True, *ds, sms=132)
+    tiles = -(-sq // 128) * b * h
+    assert grid == ((min(132, tiles) if persistent else tiles),)
+    assert options == {"CAUSAL": True, "num_warps": 4}
+    names = list(emit_gluon.descriptor_blocks(cfg)) + list(emit_gluon.SCALAR_PARAMS)
+    assert len(args) == len(names)
+    a = dict(zip(names, args))
+    blocks = emit_gluon.descriptor_blocks(cfg)
+    for name in blocks:
+        d = a[name]
+        assert isinstance(d, gluon_launch.TensorDescriptor)
+        assert list(d.block_shape) == blocks[name][1] and d.layout == emit_gluon.descriptor_layout(*blocks[name])
+    assert a["desc_q"].base is q and a["desc_k"].base is k and a["desc_o"].base is out
+    assert a["desc_q"].shape == [b * sq, h * 128] and a["desc_k"].shape == [b * sk, hk * 128]
+    assert a["desc_o"].shape == [b, sq, h * 128] and a["desc_o"].strides == [sq * h * 128, h * 128, 1]
+    vt = a["desc_v"].base
+    skp = padded_keys(sk, True)
+    assert a["desc_v"].shape == [b * hk * 128, skp] and vt.shape == (b, hk, 128, skp)
+    assert torch.equal(vt.view(torch.uint8)[..., :32][..., key_permutation(32).argsort()][..., :min(sk, 32)],
+                       v.permute(0, 2, 3, 1).view(torch.uint8)[..., :min(sk, 32)])
+    assert (a["QD"], a["KD"], a["VD"]) == ds and (a["stride_db"], a["stride_dh"]) == ds[0].stride()
+    assert (a["H"], a["GROUP"], a["HKV"], a["SEQ_Q"], a["SEQ_K"]) == (h, h // hk, hk, sq, sk)
+    assert (a["N_M_BLOCKS"], a["N_TILES"]) == (-(-sq // 128), tiles)
+    assert a["sm_scale_log2"] == pytest.approx(0.125 * 1.4426950408889634)
+
+
+def test_prepare_gluon_variants():
+    q, k, v, out, _ = tensors()
+    grid, args, options = launch.prepare(GLUON.replace(v_permute=False), q, k, v, out, 0.1, False, sms=132)
+    assert options["CAUSAL"] is False and args[4:9] == (None, None, None, 0, 0)
+    assert args[2].shape == [2 * 2 * 128, 1000]  # V^T not permuted: the real key count, no padding
+    grid, args, _ = launch.prepare(GLUON.replace(block_m=64, ping_pong=False), q, k, v, out, 0.1, True, sms=132)
+    assert list(args[0].block_shape) == [64, 128] and args[14] == 16  # N_M_BLOCKS of 64 rows
+    meta = [t.to("meta") for t in (q, k, v, out)]  # what zyfa_tune.precompile builds: no memory
+    grid, args, _ = launch.prepare(GLUON, *meta, 0.1, True)
+    assert grid == (min(gluon_launch.DEFAULT_SMS, 8 * 2 * 8),)
+
+
+def test_prepare_gluon_rejects_what_it_cannot_launch():
+    q, k, v, out, _ = tensors()
+    with pytest.raises(ValueError, match="^out: .*must be contiguous"):
+        launch.prepare(GLUON, q, k, v, torch.empty(2, 8, 1000, 128, dtype=BF16).transpose(1, 2), 0.1, True)
+    q64 = torch.zeros(1, 16, 2, 64, dtype=FP8)
+    with pytest.raises(ValueError, match="head dim 128"):
+        launch.prepare(GLUON, q64, q64, q64, torch.empty(1, 16, 2, 64, dtype=BF16), 0.1, True)
+
+
+# ---- BoundLaunch: the fast path passes what prepare builds ------------------------------------
+
+class Recorder:
+    """Stands in for a CompiledKernel: records what `run` gets."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.calls = []
+
+    def launch_metadata(self, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, packed, meta, enter, exit_, *full):
+        self.calls.append(((g0, g1, g2), full))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    rec = Recorder()
+    monkeypatch.setattr(launch, "_run", lambda *a, **k: rec)
+    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(
+        active=types.SimpleNamespace(get_current_stream=lambda device: "stream")))
+    monkeypatch.setattr(launch, "bind_transpose", lambda v, permute: lambda x: transpose_v(x, permute))
+    return rec
+
+
+def same_argument(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if hasattr(a, "block_shape"):  # descriptors: same class and fields, bases with the same data
+        fields = lambda d: {k: x for k, x in vars(d).items() if k != "base"}
+        return type(a) is type(b) and fields(a) == fields(b) and same_argument(a.base, b.base)
+    return a == b
+
+
+@pytest.mark.parametrize("config", [GLUON, GLUON.replace(v_permute=False, persistent=False),
+                                    default_config("fp8", 128, 128),
+                                    default_config("fp8", 128, 128).replace(loads="pointer"),
+                                    default_config("fp8", 128, 128).replace(v_layout="natural")],
+                         ids=["gluon", "gluon-plain-v", "triton-tma", "triton-pointer", "triton-natural-v"])
+@pytest.mark.parametrize("descales", [True, False])
+def test_bound_launch_passes_what_prepare_builds(config, descales, recorded):
+    q, k, v, out, ds = tensors(seed=1, descales=descales)
+    bound = launch.bind(config, q, k, v, out, 0.1, True, *ds)
+    assert bound is not None
+    q2, k2, v2, out2, ds2 = tensors(seed=2, descales=descales)  # same layout, new data
+    bound(q2, k2, v2, out2, *ds2)
+    (grid, full), = recorded.calls
+    pgrid, args, options = launch.prepare(config, q2, k2, v2, out2, 0.1, True, *ds2)
+    expected = (*args, options["CAUSAL"])
+    assert grid == (pgrid[0], 1, 1) and len(full) == len(expected)
+    for i, (got, want) in enumerate(zip(full, expected)):
+        assert same_argument(got, want), (i, got, want)
