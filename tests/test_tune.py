@@ -111,8 +111,8 @@ def test_precompile_failures_never_reach_the_study(tmp_path):
 
 
 def test_precompile_runs_the_replay_compile(tmp_path):
-    """Compile-ahead is on by default only with the GPU runner; for the others it runs their real
-    sm_90a compile (what the worker then finds in Triton's cache)."""
+    """Compile-ahead is opt-in; for the replay runner it runs that runner's real sm_90a compile
+    (what the worker then finds in Triton's cache)."""
     from zyfa_tune.kernels.defaults import default_config
     from zyfa_tune.precompile import Precompiler, compile_fn_for, compile_for_replay
 

@@ -237,7 +237,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                     storage=args.storage, study_storage=args.study_storage, study_name=args.study,
                     resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
                     runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
-                    input_family=args.input_family, precompile=False if args.no_precompile else None)
+                    input_family=args.input_family, precompile=args.precompile)
 
     def render(p: Progress) -> Table:
         t = Table(title=f"zyfa-tune {spec.name}: {len(spec.gpus)} worker(s), runner={spec.runner}")
@@ -346,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runner", default="gpu", help="gpu | replay[:<db>] (no GPU: stored measurements, real sm_90a compiles)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per trial before the worker is killed")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-precompile", action="store_true",
-                   help="do not compile the next trial's kernel in a CPU process while the GPU measures")
+    p.add_argument("--precompile", action="store_true",
+                   help="compile the next trial's kernel in a separate process while the GPU measures")
     p.set_defaults(fn=cmd_tune)
     p = sub.add_parser("compile", help="compile a kernel config for sm_90a (no GPU needed)")
     common(p)

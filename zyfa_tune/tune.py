@@ -62,8 +62,8 @@ class TuneSpec:
     reps: int = 20
     inputs: str | None = None            # captured q, k, v (.pt / .safetensors): the one shape tuned
     input_family: str = "gaussian"       # random inputs' family for the accuracy gate (kernels.inputs)
-    precompile: bool | None = None       # compile the next trial's kernel in a CPU process while the GPU
-                                         # measures (zyfa_tune.precompile); None: with the gpu runner only
+    precompile: bool = False             # compile the next trial's kernel in a CPU process while the GPU
+                                         # measures (zyfa_tune.precompile); opt-in until it measures faster
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp8", "bf16"):
@@ -368,7 +368,7 @@ class Tuner:
                 errors.append(exc)
 
         precompiler = None
-        if self.spec.precompile or (self.spec.precompile is None and self.spec.runner == "gpu"):
+        if self.spec.precompile:
             from zyfa_tune.precompile import Precompiler
 
             precompiler = Precompiler(self.spec.runner, [(sh.batch, sh.seqlen, sh.heads, sh.kv_heads)
