@@ -151,6 +151,45 @@ def test_inputs_share_one_quantisation():
     assert torch.equal(x.q16, again.q16) and not torch.equal(x.q16, bench.Inputs.random(x.shape, 4, "cpu").q16)
 
 
+def test_native_quantisation_and_input_families():
+    """--quant native: FP8 inputs are quantize_fp8 of the float32 originals, per option set (made
+    once), and the reference is float64 attention on those originals; families change the inputs."""
+    from zyfa_tune import quantize_fp8
+    from zyfa_tune.kernels.reference import attention_reference
+
+    shape = bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=64, heads=4, kv_heads=2)
+    x = bench.Inputs.random(shape, seed=1, device="cpu", family="outliers", native=True)
+    plain = x.args("fp8")
+    assert plain is x.args("fp8")  # quantised once
+    ref_args = quantize_fp8(*x.raw)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(plain[0], ref_args[:3]))
+    smooth = x.args("fp8", (("smooth_k", True),))
+    assert not torch.equal(smooth[0][1].view(torch.uint8), plain[0][1].view(torch.uint8))
+    assert torch.equal(x.reference("fp8"), attention_reference(*x.raw, causal=True))
+    assert torch.equal(x.reference("bf16"), x.reference("fp8"))
+    gauss = bench.Inputs.random(shape, seed=1, device="cpu")
+    assert gauss.raw is None and not torch.equal(gauss.q16, x.q16)
+
+
+def test_quantisation_options_parse_and_need_native_mode():
+    (smooth,) = bench.parse_ours("sk:smooth_k=true", ["fp8"])
+    assert smooth.overrides is None and smooth.quant == (("smooth_k", True),)  # the dispatcher's kernel
+    (both,) = bench.parse_ours("dtype=fp8,num_stages=2,hadamard=true", ["fp8", "bf16"])
+    assert dict(both.overrides) == {"num_stages": 2} and both.quant == (("hadamard", True),)
+    with pytest.raises(ValueError, match="dtype=fp8"):
+        bench.parse_ours("smooth_k=true", ["fp8", "bf16"])
+    with pytest.raises(ValueError, match="true or false"):
+        bench.parse_ours("smooth_k=2", ["fp8"])
+    shape = (bench.BenchShape(head_dim_qk=128, head_dim_v=128, batch=1, seqlen=1024, heads=8, kv_heads=8),)
+    with pytest.raises(ValueError, match="--quant native"):
+        bench.BenchPlan(shapes=shape, ours=(smooth,), peers=())
+    bench.BenchPlan(shapes=shape, ours=(smooth,), peers=(), quant="native", input_family="llm")
+    with pytest.raises(ValueError, match="quant"):
+        bench.BenchPlan(shapes=shape, ours=(), peers=(), quant="per-head")
+    with pytest.raises(ValueError, match="input_family"):
+        bench.BenchPlan(shapes=shape, ours=(), peers=(), input_family="weird")
+
+
 # ---- results, table, plot ----------------------------------------------------------------------
 
 def test_json_round_trip(tmp_path):

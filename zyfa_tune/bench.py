@@ -8,9 +8,13 @@ L2 against `kernels.reference.attention_reference` (float64) on exactly the inpu
 and the GPU state (NVML clocks, power, temperature) is recorded before and after the run and the
 mean SM clock per row.
 
-FP8 systems all get the same e4m3 tensors, quantised with one per-tensor scale (given to FA3 and us
-as (batch, kv_heads) descales, to cuDNN as scalars); BF16 systems get the bf16 tensors the FP8
-ones were quantised from. "ours" is `flash_attn_func` through the dispatcher (what a user gets);
+By default FP8 systems all get the same e4m3 tensors, quantised with one per-tensor scale (given to
+FA3 and us as (batch, kv_heads) descales, to cuDNN as scalars): the error is the kernel's alone.
+With `quant="native"` each quantises as it normally would (FA3 and ours `quantize_fp8` per (batch,
+kv head), ours optionally with K smoothing / Hadamard; cuDNN per tensor) and every error is against
+float64 attention on the unquantised inputs. Inputs come from an input family (`kernels.inputs`:
+gaussian by default, or activation-like ones). BF16 systems get the bf16 tensors the FP8 ones were
+quantised from. "ours" is `flash_attn_func` through the dispatcher (what a user gets);
 forced configs (`--ours label:key=val,...`) run beside it. FLOPs = 2*B*H*S^2*(Dqk+Dv)/2 (causal).
 
 Results are a `BenchResult` (JSON: `save` / `load`); `zyfa_tune.bench_report` draws the table and
@@ -124,6 +128,7 @@ class OursSpec:
     label: str
     dtype: str
     overrides: tuple[tuple[str, Any], ...] | None = None
+    quant: tuple[tuple[str, Any], ...] = ()  # quantize_fp8 options (QUANT_OPTIONS), --quant native only
 
     def config_for(self, head_dim_qk: int, head_dim_v: int) -> KernelConfig | None:
         from zyfa_tune.kernels.defaults import config_with
@@ -143,16 +148,33 @@ def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
     named = over.pop("dtype", None)
     if named is not None and named not in DTYPES:
         raise ValueError(f"--ours: dtype={named!r} is not one of {list(DTYPES)}")
+    quant = {k: over.pop(k) for k in QUANT_OPTIONS if k in over}
+    for k, v in quant.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"--ours: {k} expects true or false, got {v!r}")
+    if quant and named != "fp8" and list(dtypes) != ["fp8"]:
+        raise ValueError(f"--ours: {sorted(quant)} are FP8 quantisation options: add dtype=fp8")
     kinds = [named] if named else list(dtypes)
-    base = label or "ours-" + (",".join(f"{k}={v}" for k, v in over.items()) or "default")
-    return [OursSpec(base if len(kinds) == 1 else f"{base}-{dt}", dt, tuple(over.items())) for dt in kinds]
+    base = label or "ours-" + (",".join(f"{k}={v}" for k, v in {**over, **quant}.items()) or "default")
+    configs = tuple(over.items()) if over or not quant else None  # only quantisation: the dispatcher's kernel
+    return [OursSpec(base if len(kinds) == 1 else f"{base}-{dt}", dt, configs, tuple(quant.items()))
+            for dt in kinds]
 
 
 # ---- inputs and systems ------------------------------------------------------------------------
 
+#: `--ours` keys that are `quantize_fp8` options, not config fields
+QUANT_OPTIONS = ("smooth_k", "hadamard")
+#: how FP8 systems get their inputs: one shared per-tensor quantisation (kernel error only), or each
+#: system's own (FA3 and ours: `quantize_fp8` per (batch, kv head); cuDNN: per tensor), the error
+#: then taken against float64 attention on the unquantised inputs (issue 5's comparison)
+QUANT_MODES = ("per-tensor", "native")
+
+
 @dataclass(frozen=True)
 class Inputs:
-    """One shape's Gaussian bf16 tensors and their per-tensor e4m3 quantisation."""
+    """One shape's inputs of an input family (`kernels.inputs`): bf16 tensors and their per-tensor
+    e4m3 quantisation; with `raw` (native mode) also the float32 originals, quantised per system."""
 
     shape: BenchShape
     q16: torch.Tensor
@@ -162,16 +184,20 @@ class Inputs:
     k8: torch.Tensor
     v8: torch.Tensor
     scales: tuple[float, float, float]     # per-tensor q, k, v scales (dequantised = e4m3 * scale)
+    raw: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _native: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def random(cls, shape: BenchShape, seed: int, device: str = "cuda") -> "Inputs":
-        g = torch.Generator(device=device).manual_seed(seed)
-        b, s, h, hk = shape.batch, shape.seqlen, shape.heads, shape.kv_heads
-        q = torch.randn(b, s, h, shape.head_dim_qk, device=device, generator=g).to(torch.bfloat16)
-        k = torch.randn(b, s, hk, shape.head_dim_qk, device=device, generator=g).to(torch.bfloat16)
-        v = torch.randn(b, s, hk, shape.head_dim_v, device=device, generator=g).to(torch.bfloat16)
-        (q8, qs), (k8, ks), (v8, vs) = (_quantise(t) for t in (q, k, v))
-        return cls(shape, q, k, v, q8, k8, v8, (qs, ks, vs))
+    def random(cls, shape: BenchShape, seed: int, device: str = "cuda", family: str = "gaussian",
+               native: bool = False) -> "Inputs":
+        from zyfa_tune.kernels.inputs import make_qkv
+
+        q, k, v = make_qkv(family, batch=shape.batch, seqlen=shape.seqlen, heads=shape.heads,
+                           kv_heads=shape.kv_heads, head_dim_qk=shape.head_dim_qk, head_dim_v=shape.head_dim_v,
+                           seed=seed, device=device)
+        q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
+        (q8, qs), (k8, ks), (v8, vs) = (_quantise(t) for t in (q16, k16, v16))
+        return cls(shape, q16, k16, v16, q8, k8, v8, (qs, ks, vs), (q, k, v) if native else None)
 
     def descales(self) -> dict[str, torch.Tensor]:
         """FA3-style (batch, kv_heads) descales, all equal to the per-tensor scale."""
@@ -179,15 +205,28 @@ class Inputs:
         return {f"{n}_descale": torch.full((b, hk), s, device=self.q16.device)
                 for n, s in zip("qkv", self.scales)}
 
-    def args(self, dtype: str) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
-        """(q, k, v) and descale keywords as `flash_attn_func` and FA3 take them."""
+    def args(self, dtype: str, quant: tuple[tuple[str, Any], ...] = ()) -> tuple[tuple[torch.Tensor, ...],
+                                                                                 dict[str, torch.Tensor]]:
+        """(q, k, v) and descale keywords as `flash_attn_func` and FA3 take them: in native mode FP8
+        inputs are `quantize_fp8(raw, **quant)` (made once per option set)."""
+        if dtype == "fp8" and self.raw is not None:
+            if quant not in self._native:
+                from zyfa_tune.quantize import quantize_fp8
+
+                q8, k8, v8, qd, kd, vd = quantize_fp8(*self.raw, **dict(quant))
+                self._native[quant] = ((q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd))
+            return self._native[quant]
         if dtype == "fp8":
             return (self.q8, self.k8, self.v8), self.descales()
         return (self.q16, self.k16, self.v16), {}
 
     def reference(self, dtype: str) -> torch.Tensor:
+        """Float64 attention on what `dtype` systems were given, or in native mode on the
+        unquantised inputs (so input quantisation counts in every system's error)."""
         from zyfa_tune.kernels.reference import attention_reference
 
+        if self.raw is not None:
+            return attention_reference(*self.raw, causal=True)
         args, kw = self.args(dtype)
         return attention_reference(*args, causal=True, **kw)
 
@@ -231,7 +270,7 @@ def ours_system(spec: OursSpec, shape: BenchShape) -> System:
     def bind(x: Inputs) -> Bound:
         from zyfa_tune.api import explain, flash_attn_func
 
-        args, kw = x.args(spec.dtype)
+        args, kw = x.args(spec.dtype, spec.quant)
         call, output = _boxed(lambda: flash_attn_func(*args, causal=True, config=config, **kw))
         if config is not None:
             return Bound(call, output, config.to_json(), "forced")
@@ -450,13 +489,14 @@ def measure_system(system: System, inputs: Sequence[Inputs], reference: Callable
 
 
 def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, reps: int, rotate: int = 1,
-                  device: str = "cuda", timer: Callable[..., Any] | None = None,
+                  device: str = "cuda", timer: Callable[..., Any] | None = None, input_family: str = "gaussian",
+                  quant: str = "per-tensor",
                   on_row: Callable[[BenchRow], None] | None = None) -> list[BenchRow]:
     """All systems on `rotate` fresh input sets of one shape (seeds seed, seed+1, ...); the error is
     taken on the first set, whose float64 references are computed once per dtype."""
     from zyfa_tune.kernels.timing import time_cuda
 
-    inputs = [Inputs.random(shape, seed + i, device) for i in range(rotate)]
+    inputs = [Inputs.random(shape, seed + i, device, input_family, quant == "native") for i in range(rotate)]
     refs: dict[str, torch.Tensor] = {}
 
     def reference(dtype: str) -> torch.Tensor:
@@ -481,10 +521,21 @@ class BenchPlan:
     seed: int = 0
     rotate: int = 1          # input sets timed round-robin (>1 where inputs would sit in L2)
     warm_s: float = 3.0      # seconds of bf16 GEMMs before the first timing
+    input_family: str = "gaussian"   # kernels.inputs family of every input set
+    quant: str = "per-tensor"        # QUANT_MODES
 
     def __post_init__(self) -> None:
+        from zyfa_tune.kernels.inputs import check_family
+
         if not self.shapes:
             raise ValueError("shapes: need at least one")
+        check_family(self.input_family, "input_family")
+        if self.quant not in QUANT_MODES:
+            raise ValueError(f"quant: {self.quant!r} is not one of {list(QUANT_MODES)}")
+        quantised = [o.label for o in self.ours if o.quant]
+        if quantised and self.quant != "native":
+            raise ValueError(f"--ours {quantised[0]}: quantisation options need --quant native "
+                             f"(per-tensor mode gives every FP8 system the same tensors)")
         for name, lo in (("reps", 5), ("rotate", 1)):
             if getattr(self, name) < lo:
                 raise ValueError(f"{name}: expected >= {lo}, got {getattr(self, name)}")
@@ -522,9 +573,10 @@ def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> Be
     rows: list[BenchRow] = []
     for shape in plan.shapes:
         rows += measure_shape(shape, systems_for(shape, plan.ours, plan.peers), seed=plan.seed, reps=plan.reps,
-                              rotate=plan.rotate, on_row=on_row)
+                              rotate=plan.rotate, on_row=on_row, input_family=plan.input_family, quant=plan.quant)
         torch.cuda.empty_cache()
     settings = dict(reps=plan.reps, seed=plan.seed, rotate=plan.rotate, warm_s=plan.warm_s,
+                    input_family=plan.input_family, quant=plan.quant,
                     peers=list(plan.peers), ours=[dataclasses.asdict(o) for o in plan.ours])
     return BenchResult(date=date, gpu=before, gpu_after=gpu_state(), environment=environment(),
                        settings=settings, rows=tuple(rows))

@@ -64,7 +64,10 @@ def _num(value: float | None, fmt: str) -> str:
 def results_table(result: BenchResult) -> Table:
     """A row per (shape, system); quantiles and max error stay in the JSON."""
     gpu = result.gpu.get("name") or result.environment.get("gpu_name") or "GPU"
-    table = Table(title=f"zyfa-tune bench: {gpu}, causal, {result.date[:16]}")
+    inputs = result.settings.get("input_family", "gaussian")
+    quant = result.settings.get("quant", "per-tensor")
+    how = "each system quantises its own (error vs unquantised)" if quant == "native" else "shared FP8 inputs"
+    table = Table(title=f"zyfa-tune bench: {gpu}, causal, {result.date[:16]}, {inputs} inputs, {how}")
     for col in ("shape", "system", "TFLOP/s", "vs best peer", "median ms", "rel.L2", "SM MHz", "W", "TFLOP/J",
                 "kernel"):
         table.add_column(col, overflow="fold", justify="left" if col in ("shape", "system", "kernel") else "right")

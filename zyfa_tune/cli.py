@@ -295,7 +295,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for text in args.ours or []:
             ours += bench.parse_ours(text, dtypes)
         plan = bench.BenchPlan(shapes=shapes, ours=tuple(ours), peers=bench.parse_peers(args.peers, dtypes),
-                               reps=args.reps, seed=args.seed, rotate=args.rotate, warm_s=args.warm)
+                               reps=args.reps, seed=args.seed, rotate=args.rotate, warm_s=args.warm,
+                               input_family=args.input_family, quant=args.quant)
         result = bench.run(plan, on_row=lambda r: console.print(bench_report.row_line(r), markup=False,
                                                                 highlight=False))
     wide = console if console.is_terminal else Console(width=200)  # logs: one line per row
@@ -411,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time a forced config: the default config with these fields changed (repeatable)")
     p.add_argument("--reps", type=int, default=30, help="timed calls per system (median reported)")
     p.add_argument("--rotate", type=int, default=1, help="input sets timed round-robin (for shapes that fit in L2)")
+    p.add_argument("--input-family", default="gaussian", metavar="NAME",
+                   help="inputs of this kernels.inputs family (gaussian, outliers, sink, rope, peaky, flat, llm)")
+    p.add_argument("--quant", choices=["per-tensor", "native"], default="per-tensor",
+                   help="FP8 inputs: one shared per-tensor quantisation (kernel error only), or each system's "
+                        "own with errors against the unquantised inputs (then --ours NAME:smooth_k=true works)")
     p.add_argument("--warm", type=float, default=3.0, help="seconds of GEMMs to reach sustained clocks first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT.json", help="save every row and the GPU state")
