@@ -47,10 +47,11 @@ CHOICES: dict[str, tuple] = {
     "v_permute": (False, True),
     "persistent": (False, True),
     "producer_regs": (24, 40, 56),
+    "ex2_fence": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
-GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs")
+GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, V^T, exact softmax).
 TRITON_FIELDS = ("num_warps", "maxnreg", "softmax", "lean_fold", "lean_clamp", "lean_pack", "scale_block",
@@ -104,6 +105,8 @@ class KernelConfig:
     persistent:   Gluon: grid = min(SMs, tiles), each program loops over tiles; else one per tile.
     producer_regs: Gluon: registers per thread of the 1-warp TMA producer (setmaxnreg); the
                   consumer warpgroups share the rest of the register file (see gluon_registers).
+    ex2_fence:    Gluon (overlap only): a barrier on the row sums right before the PV wait, so that
+                  ptxas cannot hoist the wait above the step's exponentials (docs/BACKENDS.md).
     """
 
     dtype: str = "fp8"
@@ -131,6 +134,7 @@ class KernelConfig:
     v_permute: bool = True
     persistent: bool = True
     producer_regs: int = 24
+    ex2_fence: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -181,6 +185,9 @@ class KernelConfig:
                               f"(V is released one step after its PV product)")
         if self.ping_pong and self.block_m != 128:
             raise ConfigError(f"ping_pong=True needs two consumer warpgroups: block_m=128, not {self.block_m}")
+        if self.ex2_fence and not self.overlap:
+            raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
+                              "under the softmax")
         if self.block_m == 64 and self.producer_regs != _DEFAULTS["producer_regs"]:
             raise ConfigError(f"producer_regs={self.producer_regs}: with one consumer warpgroup (block_m=64) "
                               f"every warp gets its maximum anyway; keep the default "

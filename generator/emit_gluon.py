@@ -112,11 +112,14 @@ def _constants(c: KernelConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _consumer_args(cid: int) -> str:
+def _consumer_args(cid: int, c: KernelConfig) -> str:
+    # ex2_fence goes in as a literal (a validated bool), not as a module constant, so that the
+    # schedule constants of every other config stay exactly as they were
     return (f"({cid}, desc_o, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,\n"
             "                    turn_bars, QD, KD, VD, stride_db, stride_dh, sm_scale_log2, H, GROUP, SEQ_Q, SEQ_K,\n"
             "                    N_M_BLOCKS, N_TILES, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
-            "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET)")
+            "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
+            f"{bool(c.ex2_fence)!r})")
 
 
 _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
@@ -126,7 +129,7 @@ _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_e
 
 def _entry(c: KernelConfig) -> str:
     consumers = c.block_m // 64
-    partitions = [f"        (_consumer, {_consumer_args(i)})," for i in range(consumers)]
+    partitions = [f"        (_consumer, {_consumer_args(i, c)})," for i in range(consumers)]
     partitions.append(f"        (_producer, {_PRODUCER_ARGS}),")
     # the default partition is consumer 0; workers: the other consumer (4 warps), the producer (1)
     warps = "[4, 1]" if consumers == 2 else "[1]"

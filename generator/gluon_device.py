@@ -129,6 +129,38 @@ def _p_operand(pP, V_PERM: gl.constexpr):
 
 
 @gluon.jit
+def _ex2_fence(l_i, CID: gl.constexpr):
+    """ex2_fence: keeps ptxas from hoisting the PV wait (WARPGROUP.DEPBAR) above the exponentials.
+    ptxas keeps the wait after a preceding barrier, but the softmax has no data dependence on the
+    wait, so without one it schedules the wait above part of the exponentials. This is a barrier
+    reduction over the warpgroup's 128 threads whose predicate is computed from the row sums (which
+    need every exponential of the step): it cannot issue before the last MUFU.EX2, so neither can
+    the wait. Its result is unused and the row sums pass through unchanged, so the predicate's
+    value does not matter. Named barrier 15 - CID: Triton's own partition barriers are 0-2.
+    (A bar.warp.sync on a mask computed from the row sums orders the wait as well but makes ptxas
+    spill on the non-causal kernel; /work/spike/gluon_sched.)"""
+    if CID == 0:
+        out = gl.inline_asm_elementwise(
+            "{ .reg .pred p, q;\n"
+            "setp.geu.f32 p, $2, 0f00000000;\n"
+            "setp.geu.and.f32 p, $3, 0f00000000, p;\n"
+            "bar.red.and.pred q, 15, 128, p;\n"
+            "mov.b32 $0, $2;\n"
+            "mov.b32 $1, $3; }",
+            "=r,=r,r,r", [l_i], dtype=gl.float32, is_pure=False, pack=2)
+    else:
+        out = gl.inline_asm_elementwise(
+            "{ .reg .pred p, q;\n"
+            "setp.geu.f32 p, $2, 0f00000000;\n"
+            "setp.geu.and.f32 p, $3, 0f00000000, p;\n"
+            "bar.red.and.pred q, 14, 128, p;\n"
+            "mov.b32 $0, $2;\n"
+            "mov.b32 $1, $3; }",
+            "=r,=r,r,r", [l_i], dtype=gl.float32, is_pure=False, pack=2)
+    return out
+
+
+@gluon.jit
 def _turn_wait(turn_bars, turn_it, CID: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: wait for this warpgroup's turn to issue wgmmas (an mbarrier token passed round
     robin; Gluon has no named barriers). Warpgroup 0 starts on the already complete phase."""
@@ -166,13 +198,14 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_smem, k_bu
              MASK: gl.constexpr, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
              PINGPONG: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
              qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, V_PERM: gl.constexpr,
-             P_OFFSET: gl.constexpr):
+             P_OFFSET: gl.constexpr, EX2_FENCE: gl.constexpr):
     """Overlapped step j >= 1: issue QK^T(j) and PV(j-1) back to back, wait for QK^T(j) only, run
     softmax(j) while PV(j-1) is on the tensor cores, then wait for PV(j-1). What keeps ptxas from
     undoing the overlap: nothing in flight across the loop back-edge (else every wgmma of the kernel
     is serialised, C7514); O rescaled at the start of the next step and V(j-1) released one step
     later (an instruction right after the PV wait pulls the wait above the exponentials); P carried
-    as float32 (see _p_operand)."""
+    as float32 (see _p_operand). Even so ptxas hoists the PV wait above part of the exponentials;
+    EX2_FENCE puts a barrier on the row sums right before the wait (see _ex2_fence)."""
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
     p8 = _p_operand(pP, V_PERM)
@@ -189,6 +222,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_smem, k_bu
     mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=j >= 2)
     pP, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1 - j) * BLOCK_N, row0, Sk, off,
                                    MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET)
+    if EX2_FENCE:
+        l_i = _ex2_fence(l_i, CID)                    # every exponential of step j before the wait
     acc = warpgroup_mma_wait(0, deps=(o_tok,))        # PV(j-1) done
     return pP, acc, alpha, m_i, l_i
 
@@ -201,7 +236,8 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
               CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr):
+              OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
+              EX2_FENCE: gl.constexpr):
     """Consumer warpgroup CID: rows [64 CID, 64 CID + 64) of every tile it visits. Key blocks from
     the diagonal downwards; only the first n_masked (diagonal / key end) pay for the mask."""
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -259,7 +295,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                             j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_smem, k_bufs, v_bufs, s_zero,
                             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
                             phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
-                            qk_layout, p_layout, row_o, V_PERM, P_OFFSET)
+                            qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE)
                         turn_it += 1
                         kv_it += 1
                 # ---- PV of the last block

@@ -149,10 +149,15 @@ def triton_only(param: Param) -> Param:
     return param.only_under("backend", "triton")
 
 
-def gluon_only(name: str, choices: tuple, *, one_consumer: Any = None) -> Param:
+def gluon_only(name: str, choices: tuple, *, one_consumer: Any = None,
+               needs: tuple[str, Any] | None = None) -> Param:
     """A Gluon schedule field (KernelConfig's GLUON_FIELDS). `one_consumer`: the field's only value
-    with one consumer warpgroup (block_m=64) for a field that exists with two (ping_pong: False)."""
+    with one consumer warpgroup (block_m=64) for a field that exists with two (ping_pong: False).
+    `needs` (field, value): the field keeps the family default unless that field (declared before
+    it) has that value (ex2_fence: only with overlap=True)."""
     decode = None if one_consumer is None else (lambda v, f: v if f["block_m"] == 128 else one_consumer)
+    if needs is not None:
+        decode = lambda v, f: v if f[needs[0]] == needs[1] else f[name]  # noqa: E731
     return Param(name, choices, decode=decode, only_if=("backend", "gluon"))
 
 

@@ -30,6 +30,7 @@ PARAMS = (backend_param(),) + TILE_PARAMS + (              # "gluon" -> "triton"
     gluon_only("v_permute", (True, False)),             # key-permuted V^T: P needs no shuffles
     gluon_only("persistent", (True, False)),            # grid = min(SMs, tiles)
     gluon_only("producer_regs", (24, 40, 56), one_consumer=24),  # setmaxnreg split: consumers get the rest
+    gluon_only("ex2_fence", (False, True), needs=("overlap", True)),  # every exponential before the PV wait
 )
 
 #: The Gluon backend's default (the spike's best schedule) is enqueued right after the Triton default.

@@ -10,6 +10,7 @@ Each config compiles once per module (the `compiled` fixture); numbers print wit
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from gluon_cases import GLUON, SPACE, neighbours, sampled
@@ -109,3 +110,69 @@ def test_serialised_wgmma_is_a_compile_error(compiled, monkeypatch):
     monkeypatch.setattr("zyfa_tune.generator.build.compile_for_target", lambda *a, **k: no_spill)
     check = runners.compile_check(cfg, True)
     assert check.error.startswith("ptxas serialises the wgmmas: ") and "serialized" in check.error
+
+
+# ---- ex2_fence: every exponential of an overlapped step issues before its PV wait ------------------
+
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", re.M)
+
+
+def overlapped_step_loops(sass: str, block_n: int) -> list[list[str]]:
+    """The bodies of the consumers' overlapped-step loops (masked and unmasked, every consumer): the
+    backward branches whose body issues QK^T(j) (4 QGMMA over head dim 128) and PV(j-1) (block_n / 32)
+    and the step's exponentials."""
+    ins = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass)]
+    loops = []
+    for addr, text in ins:
+        branch = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < addr:
+            body = [t for a, t in ins if int(branch.group(1), 16) <= a <= addr]
+            if (sum("QGMMA" in t for t in body) == 4 + block_n // 32
+                    and sum("MUFU.EX2" in t for t in body) >= block_n // 2):
+                loops.append(body)
+    return loops
+
+
+def exponentials_after_pv_wait(body: list[str]) -> int:
+    """MUFU.EX2 after the step's last wgmma wait(0) (WARPGROUP.DEPBAR.LE gsb0, 0x0): exponentials
+    that ptxas scheduled after the PV wait, i.e. not under the PV wgmma."""
+    waits = [i for i, t in enumerate(body) if re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0$", t)]
+    assert waits, "no PV wait in the loop"
+    return sum("MUFU.EX2" in t for t in body[waits[-1] + 1:])
+
+
+@pytest.mark.parametrize("changes,causal", [
+    ({}, True), ({}, False), (dict(p_scale_log2=0), True), (dict(block_n=64), True),
+    (dict(block_m=64, ping_pong=False), True), (dict(v_permute=False), True), (dict(producer_regs=56), True),
+], ids=lambda x: str(x))
+def test_ex2_fence_puts_every_exponential_before_the_pv_wait(changes, causal, compiled):
+    """ptxas hoists the PV wait above part of the softmax's exponentials (docs/BACKENDS.md, limit 5);
+    ex2_fence (a barrier on the row sums right before the wait) keeps all of them before it, in every
+    overlapped loop of every consumer, at a few instructions per step, without spills or serialised
+    wgmmas."""
+    plain_cfg = GLUON.replace(**changes)
+    cfg = plain_cfg.replace(ex2_fence=True)
+    plain, fenced = compiled(plain_cfg, causal), compiled(cfg, causal)
+    check_usable(fenced, cfg)
+    consumers, exps = cfg.block_m // 64, cfg.block_n // 2 + 2   # P and the two rows' rescale factors
+    plain_loops, fenced_loops = (overlapped_step_loops(a.sass, cfg.block_n) for a in (plain, fenced))
+    assert len(fenced_loops) == len(plain_loops) == 2 * consumers   # masked and unmasked steps
+    print(f"\n  EX2 after the PV wait, off -> on: {[exponentials_after_pv_wait(b) for b in plain_loops]} -> "
+          f"{[exponentials_after_pv_wait(b) for b in fenced_loops]} (of {exps}); instructions per step "
+          f"{[len(b) for b in plain_loops]} -> {[len(b) for b in fenced_loops]}", end="")
+    for body, plain_body in zip(fenced_loops, plain_loops):
+        assert sum("MUFU.EX2" in t for t in body) == exps
+        assert exponentials_after_pv_wait(body) == 0
+        assert sum("BAR.RED.AND" in t for t in body) == 1
+        assert len(body) - len(plain_body) <= 8
+    if not changes and causal:  # the seed without the fence: ptxas's hoisting that the field undoes
+        assert sum(exponentials_after_pv_wait(b) for b in plain_loops) > 0
+
+
+def test_ex2_fence_barriers_are_not_triton_s(compiled):
+    """The fence's named barriers (15 for consumer 0, 14 for consumer 1) are none of the ones Triton
+    gives the partitions."""
+    ptx = compiled(GLUON.replace(ex2_fence=True)).ptx
+    triton_ids = {int(i) for i in re.findall(r"\bbar(?:rier)?\.sync\s+(\d+)", ptx)}
+    assert triton_ids and not triton_ids & {14, 15}
+    assert {int(i) for i in re.findall(r"\bbar\.red\.and\.pred\s+\w+,\s*(\d+)", ptx)} == {14, 15}

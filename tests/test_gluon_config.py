@@ -58,6 +58,7 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(num_stages=1), r"^num_stages=1: the Gluon K/V ring needs at least 2 stages"),
     (dict(block_m=64), r"^ping_pong=True needs two consumer warpgroups"),
     (dict(block_m=64, ping_pong=False, producer_regs=40), r"^producer_regs=40: with one consumer warpgroup"),
+    (dict(overlap=False, ex2_fence=True), r"^ex2_fence=True needs overlap=True"),
 ])
 def test_bad_gluon_combinations_name_the_field(changes, match):
     with pytest.raises(ConfigError, match=match):
