@@ -9,6 +9,8 @@ directly. Used by the attention launcher (kernels/launch.py) and the V^T transpo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton import knobs
 from triton.runtime import driver
@@ -47,9 +49,16 @@ def run(head: tuple, fn, grid: tuple, args: tuple, constexprs: dict, options: di
     return compiled
 
 
+@functools.lru_cache(maxsize=1)
+def _stream_getter():
+    """Triton's current-stream function, looked up once (`driver.active` is a lazy proxy whose
+    attribute access costs on every call of the dispatch fast path)."""
+    return driver.active.get_current_stream
+
+
 def launch_compiled(compiled, grid: tuple, device: int, full: tuple) -> None:
     """Enqueue `compiled` on the current stream of `device` (launch hooks honoured, as Triton does)."""
-    stream = driver.active.get_current_stream(device)
+    stream = _stream_getter()(device)
     hook = knobs.runtime.launch_enter_hook
     meta = compiled.launch_metadata(grid, stream, *full) if hook is not None else None
     g1 = grid[1] if len(grid) > 1 else 1

@@ -6,8 +6,6 @@ import functools
 import math
 
 import torch
-from triton import knobs
-from triton.runtime import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from zyfa_tune.generator import EmittedKernel, KernelConfig, emit, head_chunks
@@ -86,13 +84,12 @@ class BoundLaunch:
     out_arg:   whether `out` is passed as a pointer after the inputs (Triton) or only through its
                descriptor (Gluon)."""
 
-    __slots__ = ("compiled", "programs", "device", "transpose", "specs", "out_arg", "strides", "tail", "stream_of")
+    __slots__ = ("compiled", "programs", "device", "transpose", "specs", "out_arg", "strides", "tail")
 
     def __init__(self, compiled, programs: int, device: int, transpose, specs: tuple | None, out_arg: bool,
                  strides: tuple, tail: tuple):
         self.compiled, self.programs, self.device = compiled, programs, device
         self.transpose, self.specs, self.out_arg, self.strides, self.tail = transpose, specs, out_arg, strides, tail
-        self.stream_of = driver.active.get_current_stream
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
@@ -106,13 +103,8 @@ class BoundLaunch:
             inputs = [q, k, v, *self.strides]
         if self.out_arg:
             inputs.append(out)
-        c = self.compiled
-        full = (*inputs, q_descale, k_descale, v_descale, *self.tail)
-        stream = self.stream_of(self.device)
-        hook = knobs.runtime.launch_enter_hook
-        meta = c.launch_metadata((self.programs,), stream, *full) if hook is not None else None
-        c.run(self.programs, 1, 1, stream, c.function, c.packed_metadata, meta, hook,
-              knobs.runtime.launch_exit_hook, *full)
+        fastlaunch.launch_compiled(self.compiled, (self.programs,), self.device,
+                                   (*inputs, q_descale, k_descale, v_descale, *self.tail))
         return out
 
 

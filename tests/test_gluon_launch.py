@@ -6,13 +6,12 @@ a recorder: no GPU is needed."""
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
 
 from zyfa_tune.generator import emit_gluon
-from zyfa_tune.kernels import gluon_launch, launch
+from zyfa_tune.kernels import fastlaunch, gluon_launch, launch
 from zyfa_tune.kernels.defaults import default_config
 from zyfa_tune.kernels.transpose import key_permutation, padded_keys, transpose_v
 
@@ -104,8 +103,7 @@ class Recorder:
 def recorded(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(launch, "_run", lambda *a, **k: rec)
-    monkeypatch.setattr(launch, "driver", types.SimpleNamespace(
-        active=types.SimpleNamespace(get_current_stream=lambda device: "stream")))
+    monkeypatch.setattr(fastlaunch, "_stream_getter", lambda: (lambda device: "stream"))
     monkeypatch.setattr(launch, "bind_transpose", lambda v, permute: lambda x: transpose_v(x, permute))
     return rec
 

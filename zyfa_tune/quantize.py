@@ -80,9 +80,8 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     q8, qd = _quantize(q, hk)
     k8, kd = _quantize(k, hk)
     v8, vd = _quantize(v, hk)
-    if v_layout == "k_major":
-        b, sk, _, dv = v8.shape
-        buf = torch.empty(b, hk, dv, -(-sk // 16) * 16, dtype=v8.dtype, device=v8.device)
-        buf[..., :sk].copy_(v8.permute(0, 2, 3, 1))
-        v8 = buf[..., :sk].permute(0, 3, 1, 2)
+    if v_layout == "k_major":  # the kernels' V^T buffer, seen as (batch, seqlen, kv_heads, dim)
+        from zyfa_tune.kernels.transpose import transpose_v
+
+        v8 = transpose_v(v8).permute(0, 3, 1, 2)
     return q8, k8, v8, qd, kd, vd
