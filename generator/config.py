@@ -53,9 +53,11 @@ CHOICES: dict[str, tuple] = {
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
-#: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, V^T, exact softmax).
-TRITON_FIELDS = ("num_warps", "maxnreg", "softmax", "lean_fold", "lean_clamp", "lean_pack", "scale_block",
-                 "rowsum", "loads", "v_layout")
+#: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, V^T, one scale).
+TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads", "v_layout")
+#: The softmax fields, read by both backends. A Gluon config stores them only under softmax="lean"
+#: (an exact Gluon config's JSON, and so its database rows, are what they were before Gluon had lean P).
+SOFTMAX_FIELDS = ("softmax", "lean_fold", "lean_clamp", "lean_pack", "rowsum")
 
 
 class ConfigError(ValueError):
@@ -73,7 +75,8 @@ class KernelConfig:
     maxnreg:      register cap per thread (0 = the compiler's choice); lower caps fit more programs
                   per SM (e.g. 168 lets three 4-warp programs share the 64K registers).
     softmax:      "exact" = exp2 on the MUFU unit then conversion; "lean" = lean P, an FMA that
-                  writes the e4m3 code of 2^x directly (fp8 only), in inline PTX.
+                  writes the e4m3 code of 2^x directly (fp8 only), in inline PTX. Both backends
+                  (Gluon: with overlap, v_permute and rowsum="mma").
     lean_fold/clamp/pack: which lean P instruction sequence is emitted (see generator.lean_asm).
     p_scale_log2: probabilities are scaled by 2^p_scale_log2 before rounding, to use more of the
                   e4m3 range; the factor cancels in the normalisation.
@@ -188,6 +191,18 @@ class KernelConfig:
         if self.ex2_fence and not self.overlap:
             raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
                               "under the softmax")
+        if self.softmax == "lean":
+            if not (self.overlap and self.v_permute) or self.ex2_fence:
+                raise ConfigError("softmax='lean' with backend='gluon' needs overlap=True, v_permute=True and "
+                                  "ex2_fence=False (its row sum comes from an MMA issued with PV)")
+            if self.rowsum != "mma":
+                raise ConfigError(f"rowsum={self.rowsum!r}: Gluon lean P sums the rounded probabilities by an "
+                                  f"MMA against ones: rowsum must be 'mma'")
+        else:
+            for name in SOFTMAX_FIELDS[1:]:
+                if getattr(self, name) != _DEFAULTS[name]:
+                    raise ConfigError(f"{name}={getattr(self, name)!r}: the exact Gluon kernel sums unrounded "
+                                      f"probabilities and has no lean P; keep the default {_DEFAULTS[name]!r}")
         if self.block_m == 64 and self.producer_regs != _DEFAULTS["producer_regs"]:
             raise ConfigError(f"producer_regs={self.producer_regs}: with one consumer warpgroup (block_m=64) "
                               f"every warp gets its maximum anyway; keep the default "
@@ -197,7 +212,10 @@ class KernelConfig:
     def to_dict(self) -> dict[str, Any]:
         """The fields of this config's backend (a Triton config serialises exactly as it did before
         the Gluon backend existed: same JSON, same database rows, same emitted source)."""
-        skip = TRITON_FIELDS if self.backend == "gluon" else GLUON_FIELDS + ("backend",)
+        if self.backend == "gluon":
+            skip = TRITON_FIELDS + (SOFTMAX_FIELDS if self.softmax == "exact" else ())
+        else:
+            skip = GLUON_FIELDS + ("backend",)
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
     def all_fields(self) -> dict[str, Any]:
@@ -228,6 +246,16 @@ class KernelConfig:
 
     def replace(self, **changes: Any) -> "KernelConfig":
         return dataclasses.replace(self, **changes)
+
+    def summary(self) -> str:
+        """One line for tables (what `zyfa-tune best` and `zyfa-tune bench` print)."""
+        if self.backend == "gluon":
+            on = [name for name, flag in (("pingpong", self.ping_pong), ("overlap", self.overlap),
+                                          ("vperm", self.v_permute), ("persistent", self.persistent)) if flag]
+            return (f"gluon {self.softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
+                    f"{'+'.join(on) or 'plain'}")
+        return (f"{self.softmax} {self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} "
+                f"{self.loads}/{self.v_layout} rowsum={self.rowsum}")
 
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(KernelConfig)}

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .config import GENERATOR_VERSION, KernelConfig, gluon_registers
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
+from .lean_asm import MAGIC, lean_tail_asm
 
 DEVICE_MARKER = "# ---- emitted below this line ----"
 #: The head dim the device code is written for (KernelConfig validation enforces it).
@@ -95,6 +96,7 @@ def _header(c: KernelConfig) -> str:
 
 def _constants(c: KernelConfig) -> str:
     consumer_regs, producer_regs = gluon_registers(c)
+    lean = c.softmax == "lean"
     values = [
         ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", HEAD_D),
         ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", int(c.block_m) // 64),
@@ -102,6 +104,9 @@ def _constants(c: KernelConfig) -> str:
         ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),
         ("P_OFFSET", float(int(c.p_scale_log2))),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
+        ("LEAN", lean), ("LEAN_FMA", lean and c.lean_fold == "fma"), ("LEAN_MAGIC", MAGIC),
+        # PTX from generator/lean_asm.py for validated enum values only (never text from a config)
+        ("LEAN_ASM", lean_tail_asm(c.lean_fold, c.lean_clamp, c.lean_pack) if lean else ""),
     ]
     lines = ["", "", "# ---- this kernel's schedule (its config, resolved)"]
     lines += [f"{name} = gl.constexpr({value!r})" for name, value in values]
@@ -119,12 +124,20 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
             "                    turn_bars, QD, KD, VD, stride_db, stride_dh, sm_scale_log2, H, GROUP, SEQ_Q, SEQ_K,\n"
             "                    N_M_BLOCKS, N_TILES, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
             "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
-            f"{bool(c.ex2_fence)!r})")
+            f"{bool(c.ex2_fence)!r}, LEAN, {'ones_bufs' if c.softmax == 'lean' else 'None'})")
 
 
 _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
                   "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, BLOCK_M,\n"
                   "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST)")
+
+
+def _ones_lines(c: KernelConfig) -> list[str]:
+    """Lean P's row-sum wgmma reads an (8, BLOCK_N) tile of ones per consumer warpgroup."""
+    if c.softmax != "lean":
+        return []
+    return ["    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)",
+            "    ones_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BLOCK_N], ones_layout)"]
 
 
 def _entry(c: KernelConfig) -> str:
@@ -146,6 +159,7 @@ def _entry(c: KernelConfig) -> str:
         "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], desc_v.layout)",
         "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], gl.bfloat16)",
         "    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, HEAD_D], o_layout)",
+        *_ones_lines(c),
         "    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
         "    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
         "    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",

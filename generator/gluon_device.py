@@ -84,9 +84,12 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
 @gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
              MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-             qk_layout: gl.constexpr, p_layout: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr):
+             qk_layout: gl.constexpr, p_layout: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
+             LEAN: gl.constexpr = False):
     """Online softmax of one 64 x BLOCK_N score block. Probabilities are scaled by 2^P_OFFSET so
-    that small ones stay out of e4m3 subnormals; l carries the same factor, which cancels."""
+    that small ones stay out of e4m3 subnormals; l carries the same factor, which cancels.
+    LEAN (lean P): no exponential here; one FMA per score leaves what _p_operand turns into e4m3
+    codes (LEAN_FOLD), and l is left alone: the rounded row sum comes from an MMA with PV."""
     if MASK:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
         rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qk_layout))
@@ -95,10 +98,22 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
             keep = keep & (cols[None, :] <= rows[:, None] + off)
         s = gl.where(keep, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    if LEAN and LEAN_FMA:
+        m_new = gl.ceil(m_new * 8.0) * 0.125          # b = magic + 56 - 8 ref must be exact in fp32
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * qk_scale - (m_use - P_OFFSET)[:, None])
     alpha = gl.exp2(m_i - m_use)
-    l_new = l_i * alpha + gl.sum(p, axis=1)
+    if LEAN:
+        ref = m_use - P_OFFSET
+        ones = gl.full(s.shape, 1.0, gl.float32, layout=qk_layout)
+        if LEAN_FMA:   # y = 8 (s scale - ref) + magic + 56: the code is in y's low bits
+            a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0) - 8.0 * ref)[:, None])
+        else:                    # x = s scale - ref; _p_operand finishes the fold
+            a, b = gl.broadcast(ones * qk_scale, -ref[:, None])
+        p = gl.fma(s, a, b)      # one rounding: the code is round(8x) + 56 exactly
+        l_new = l_i
+    else:
+        p = gl.exp2(s * qk_scale - (m_use - P_OFFSET)[:, None])
+        l_new = l_i * alpha + gl.sum(p, axis=1)
     if V_PERM:
         # A thread's accumulator registers hold, per 32-key chunk, keys {16h + 8s + 2q + b}; the
         # register A operand wants them as {16h + 4q + 2s + b}. Relabelling the keys (a bit
@@ -113,11 +128,14 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
 
 
 @gluon.jit
-def _p_operand(pP, V_PERM: gl.constexpr):
+def _p_operand(pP, V_PERM: gl.constexpr, LEAN: gl.constexpr = False):
     """The e4m3 A operand of the PV wgmma. Triton keeps fp8 tensors as separate bytes, so an e4m3 P
     carried across a loop back-edge costs ~100 byte-repacking instructions per step; carried as
-    float32 and rounded here (4 registers -> one register of 4 e4m3), they fold away."""
-    if V_PERM:
+    float32 and rounded here (4 registers -> one register of 4 e4m3), they fold away. LEAN: the
+    folded scores become codes by integer clamp and byte packing (generator/lean_asm.py)."""
+    if LEAN:
+        return gl.inline_asm_elementwise(LEAN_ASM, "=r,r,r,r,r", [pP], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    elif V_PERM:
         return gl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi;\n"
             "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
@@ -198,33 +216,46 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_smem, k_bu
              MASK: gl.constexpr, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
              PINGPONG: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
              qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, V_PERM: gl.constexpr,
-             P_OFFSET: gl.constexpr, EX2_FENCE: gl.constexpr):
+             P_OFFSET: gl.constexpr, EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_smem, l_zero):
     """Overlapped step j >= 1: issue QK^T(j) and PV(j-1) back to back, wait for QK^T(j) only, run
     softmax(j) while PV(j-1) is on the tensor cores, then wait for PV(j-1). What keeps ptxas from
     undoing the overlap: nothing in flight across the loop back-edge (else every wgmma of the kernel
     is serialised, C7514); O rescaled at the start of the next step and V(j-1) released one step
     later (an instruction right after the PV wait pulls the wait above the exponentials); P carried
     as float32 (see _p_operand). Even so ptxas hoists the PV wait above part of the exponentials;
-    EX2_FENCE puts a barrier on the row sums right before the wait (see _ex2_fence)."""
+    EX2_FENCE puts a barrier on the row sums right before the wait (see _ex2_fence). LEAN: the
+    rounded row sum of P(j-1) is one more wgmma (against ones) issued with PV(j-1), so l is
+    rescaled and summed exactly when O is."""
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
-    p8 = _p_operand(pP, V_PERM)
+    p8 = _p_operand(pP, V_PERM, LEAN)
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    if LEAN:
+        l_i = l_i * alpha
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
     s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     o_tok = warpgroup_mma(p8, v_bufs.index(pst).permute((1, 0)), acc, is_async=True)
+    if LEAN:
+        r_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-    s = warpgroup_mma_wait(1, deps=(s_tok,))          # QK^T(j) done, PV(j-1) may still run
+    if LEAN:
+        s = warpgroup_mma_wait(2, deps=(s_tok,))      # QK^T(j) done, PV(j-1) and its row sum may run
+    else:
+        s = warpgroup_mma_wait(1, deps=(s_tok,))      # QK^T(j) done, PV(j-1) may still run
     mbarrier.arrive(k_empty.index(st), count=1)
     # PV(j-2) retired at the end of the previous step: release its V stage now
     mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=j >= 2)
     pP, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1 - j) * BLOCK_N, row0, Sk, off,
-                                   MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET)
+                                   MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN)
     if EX2_FENCE:
         l_i = _ex2_fence(l_i, CID)                    # every exponential of step j before the wait
-    acc = warpgroup_mma_wait(0, deps=(o_tok,))        # PV(j-1) done
+    if LEAN:
+        acc, rs = warpgroup_mma_wait(0, deps=(o_tok, r_tok))
+        l_i = l_i + gl.convert_layout(gl.max(rs, axis=1), gl.SliceLayout(1, qk_layout))
+    else:
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))    # PV(j-1) done
     return pP, acc, alpha, m_i, l_i
 
 
@@ -237,7 +268,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
               CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
-              EX2_FENCE: gl.constexpr):
+              EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_bufs):
     """Consumer warpgroup CID: rows [64 CID, 64 CID + 64) of every tile it visits. Key blocks from
     the diagonal downwards; only the first n_masked (diagonal / key end) pay for the mask."""
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -249,6 +280,22 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
     row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
 
     o_smem = o_bufs.index(CID)
+    if LEAN:  # B operand of the row-sum wgmma: this warpgroup's (8, BLOCK_N) tile of e4m3 ones
+        ones_smem = ones_bufs.index(CID)
+        # Every byte is 1.0 (0x38), so the swizzle does not matter: fill the tile as a flat run of
+        # 32-bit words. (A 2-D e4m3 store of the tile is lowered to stmatrix.b16 and leaves half the
+        # bytes unwritten: rows summed over half their keys, found on the H200.)
+        fill: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
+        words = ones_smem._reinterpret(gl.int32, [2 * BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        words.store(gl.full([2 * BLOCK_N], 0x38383838, gl.int32, layout=fill))
+        fence_async_shared()
+        gl.thread_barrier()
+        l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 8, 32])
+        l_zero = gl.zeros([64, 8], gl.float32, layout=l_layout)
+    else:
+        ones_smem = None
+        l_zero = None
     n_bh = n_tiles // n_m
     off = Sk - Sq
     kv_it = 0
@@ -284,7 +331,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                                CID, NUM_CONSUMERS, PINGPONG, STAGES)
                 turn_it += 1
                 pP, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1) * BLOCK_N, row0, Sk, off,
-                                               True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET)
+                                               True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN)
                 kv_it += 1
                 # ---- masked blocks (phase 0), then unmasked blocks (phase 1): two loops, MASK constant in each
                 for phase in gl.static_range(2):
@@ -295,19 +342,27 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                             j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_smem, k_bufs, v_bufs, s_zero,
                             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
                             phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
-                            qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE)
+                            qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero)
                         turn_it += 1
                         kv_it += 1
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
-                p8 = _p_operand(pP, V_PERM)
+                p8 = _p_operand(pP, V_PERM, LEAN)
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                if LEAN:
+                    l_i = l_i * alpha
                 mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
                 _turn_wait(turn_bars, turn_it, CID, PINGPONG)
                 o_tok = warpgroup_mma(p8, v_bufs.index(pst).permute((1, 0)), acc, is_async=True)
+                if LEAN:
+                    r_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
                 _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
                 turn_it += 1
-                acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                if LEAN:
+                    acc, rs = warpgroup_mma_wait(0, deps=(o_tok, r_tok))
+                    l_i = l_i + gl.convert_layout(gl.max(rs, axis=1), row_s)
+                else:
+                    acc = warpgroup_mma_wait(0, deps=(o_tok,))
                 mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=n_blocks >= 2)
                 mbarrier.arrive(v_empty.index(pst), count=1)
             else:

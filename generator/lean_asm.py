@@ -60,17 +60,21 @@ def _fold_lines(fold: str) -> list[str]:
             f"fma.rn.f32 r{i}, r{i}, 0f41000000, 0f{bias};")]
     if fold == "corrected":
         # $5..$8 a = scale, $9..$12 b = -ref (as sub_fma); t, u are scratch registers
-        magic, bias = _f32_hex(MAGIC), _f32_hex(MAGIC + E4M3_ONE_CODE)
         return [line for i in range(4) for line in (
-            f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};",
-            f"max.f32 r{i}, r{i}, 0f{_f32_hex(_X_FLOOR)};",
+            f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};", *_correction_lines(i))]
+    raise ValueError(f"unknown lean fold {fold!r}")
+
+
+def _correction_lines(i: int) -> list[str]:
+    """x in r{i} -> y = 8z + magic + 56 with z = x - c*f*(1-f), f = frac(x) (the corrected fold)."""
+    magic, bias = _f32_hex(MAGIC), _f32_hex(MAGIC + E4M3_ONE_CODE)
+    return [f"max.f32 r{i}, r{i}, 0f{_f32_hex(_X_FLOOR)};",
             f"add.rm.f32 t, r{i}, 0f{magic};",          # magic + floor(x)
             f"sub.f32 t, t, 0f{magic};",                # floor(x), exact
-            "sub.f32 t, t, r{i};".format(i=i),          # -f
+            f"sub.f32 t, t, r{i};",                     # -f
             "fma.rn.f32 u, t, t, t;",                   # f*f - f = -f(1-f)
             f"fma.rn.f32 r{i}, u, 0f{_f32_hex(LEAN_CORRECTION)}, r{i};",  # z = x - c f(1-f)
-            f"fma.rn.f32 r{i}, r{i}, 0f41000000, 0f{bias};")]          # y = 8z + magic + 56
-    raise ValueError(f"unknown lean fold {fold!r}")
+            f"fma.rn.f32 r{i}, r{i}, 0f41000000, 0f{bias};"]             # y = 8z + magic + 56
 
 
 def _clamp_lines(clamp: str) -> list[str]:
@@ -100,6 +104,28 @@ def lean_p_asm(fold: str, clamp: str, pack: str) -> str:
     regs = "r0, r1, r2, r3, t, u" if fold == "corrected" else "r0, r1, r2, r3"
     return "{\n.reg .b32 " + regs + ";\n" + "\n".join(body) + "\n}"
 
+
+def lean_tail_asm(fold: str, clamp: str, pack: str) -> str:
+    """PTX for the Gluon backend, which folds in tensor code (one FMA per score, where the row's
+    constants are at hand) and rounds next to the PV wgmma: four folded values ($1..$4) -> one
+    register of four e4m3 codes. fold "fma": $i is already y = 8x + magic + 56; "sub_fma": $i is
+    x = s*scale - ref, one more FMA makes y; "corrected": $i is x, corrected as in `lean_p_asm`."""
+    if fold == "fma":
+        body = [f"mov.b32 r{i}, ${1 + i};" for i in range(4)]
+    elif fold == "sub_fma":
+        bias = _f32_hex(MAGIC + E4M3_ONE_CODE)
+        body = [f"fma.rn.f32 r{i}, ${1 + i}, 0f41000000, 0f{bias};" for i in range(4)]
+    elif fold == "corrected":
+        body = [line for i in range(4) for line in (f"mov.b32 r{i}, ${1 + i};", *_correction_lines(i))]
+    else:
+        raise ValueError(f"unknown lean fold {fold!r}")
+    body += _clamp_lines(clamp) + _pack_lines(pack)
+    regs = "r0, r1, r2, r3, t, u" if fold == "corrected" else "r0, r1, r2, r3"
+    return "{\n.reg .b32 " + regs + ";\n" + "\n".join(body) + "\n}"
+
+
+#: Inline-asm constraints of `lean_tail_asm`: one packed output register, four float inputs.
+LEAN_TAIL_CONSTRAINTS = "=r,r,r,r,r"
 
 #: Inline-asm constraints: one packed output register, then 3 x 4 float inputs.
 LEAN_P_CONSTRAINTS = "=r," + ",".join(["f"] * 12)

@@ -139,9 +139,13 @@ def scale_per_tile(block_n_choices: tuple) -> Param:
 
 
 def rowsum_param(choices: tuple = ("fp32", "rounded", "mma")) -> Param:
-    """rowsum; under softmax="lean" (no unrounded probabilities) a suggested "fp32" becomes "rounded"."""
-    return Param("rowsum", choices,
-                 decode=lambda v, f: "rounded" if v == "fp32" and f["softmax"] == "lean" else v)
+    """rowsum; under softmax="lean" (no unrounded probabilities) a suggested "fp32" becomes "rounded".
+    The Gluon backend has one row sum per softmax mode: "fp32" (exact), "mma" (lean)."""
+    def decode(v, f):
+        if f["backend"] == "gluon":
+            return "mma" if f["softmax"] == "lean" else "fp32"
+        return "rounded" if v == "fp32" and f["softmax"] == "lean" else v
+    return Param("rowsum", choices, decode=decode)
 
 
 def triton_only(param: Param) -> Param:
@@ -232,12 +236,14 @@ def register_limit(c: KernelConfig) -> int:
 def gluon_smem_estimate(c: KernelConfig) -> int:
     """Shared memory (bytes) of a Gluon kernel: the Q ring (q_stages x block_m x 128), the K and V^T
     rings (2 x num_stages x block_n x 128), one 64 x 128 bf16 output tile per consumer warpgroup,
-    barriers and swizzle alignment (TMA_SMEM_MARGIN). Exact to within the margin (compiled:
-    147920 B for the default against 148480 estimated)."""
+    lean P's (8, block_n) e4m3 ones tile per consumer warpgroup, barriers and swizzle alignment
+    (TMA_SMEM_MARGIN). Exact to within the margin (compiled: 147920 B for the default against 148480
+    estimated; 150000 B for its lean P variant)."""
     q = c.q_stages * c.block_m * c.head_dim_qk
     kv = c.num_stages * c.block_n * (c.head_dim_qk + c.head_dim_v)
     out = (c.block_m // 64) * 64 * c.head_dim_v * 2
-    return q + kv + out + TMA_SMEM_MARGIN
+    ones = (c.block_m // 64) * 8 * c.block_n if c.softmax == "lean" else 0
+    return q + kv + out + ones + TMA_SMEM_MARGIN
 
 
 #: Fixed part of a Gluon consumer's registers: row statistics, loop state, addresses, barriers.

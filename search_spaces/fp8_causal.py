@@ -14,13 +14,13 @@ from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluo
                    scale_per_tile, triton_only)
 
 PARAMS = (backend_param(),) + TILE_PARAMS + (              # "gluon" -> "triton" for head dims it lacks
-    triton_only(Param("softmax", ("exact", "lean"))),
+    Param("softmax", ("exact", "lean")),                # both backends (Gluon lean: overlap + v_permute)
     lean_only("lean_fold", ("fma", "sub_fma", "corrected")),  # only under softmax="lean"
     lean_only("lean_clamp", ("imax", "fmax")),          # only under softmax="lean"
     lean_only("lean_pack", ("prmt", "bfi")),            # only under softmax="lean"
     Param("p_scale_log2", (6, 7, 8)),
     triton_only(scale_per_tile(BLOCK_N)),               # Optuna "scale_per_tile": scale_block 0 / block_n
-    triton_only(rowsum_param(("fp32", "rounded", "mma"))),  # "fp32" under lean -> "rounded"
+    rowsum_param(("fp32", "rounded", "mma")),           # "fp32" under lean -> "rounded"; Gluon: set by softmax
     Param("q_order", ("forward", "heavy_first")),
     triton_only(Param("loads", ("tma", "pointer"))),
     triton_only(Param("v_layout", ("transposed", "natural"))),

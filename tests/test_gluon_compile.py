@@ -20,7 +20,10 @@ from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
 from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
 
-CASES = neighbours() + sampled(6)
+#: lean P (Gluon): each instruction sequence, on the seed and on the 15-minute study's winner schedule
+LEAN_CASES = [GLUON.replace(softmax="lean", rowsum="mma", lean_fold=fold) for fold in ("fma", "sub_fma", "corrected")]
+LEAN_CASES.append(LEAN_CASES[0].replace(ping_pong=False, q_stages=2, q_order="forward", lean_clamp="fmax", lean_pack="bfi"))
+CASES = neighbours() + sampled(6) + LEAN_CASES
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +179,20 @@ def test_ex2_fence_barriers_are_not_triton_s(compiled):
     triton_ids = {int(i) for i in re.findall(r"\bbar(?:rier)?\.sync\s+(\d+)", ptx)}
     assert triton_ids and not triton_ids & {14, 15}
     assert {int(i) for i in re.findall(r"\bbar\.red\.and\.pred\s+\w+,\s*(\d+)", ptx)} == {14, 15}
+
+
+@pytest.mark.parametrize("cfg", LEAN_CASES, ids=lambda c: f"{c.lean_fold}-{c.lean_clamp}-{c.lean_pack}-pp{c.ping_pong}")
+def test_lean_p_has_no_exponentials_per_score(cfg, compiled):
+    """Lean P: the loop's MUFU.EX2 are the per-row rescale factors only (the exact seed has one per
+    score: 396), the codes are packed by byte moves, the row sum is an extra m64n8 FP8 wgmma per
+    PV, and the ones tile is written as whole words (a 2-D e4m3 store became stmatrix.b16 and left
+    half the bytes unwritten: the bug the GPU test found)."""
+    art = compiled(cfg)
+    exact = compiled(GLUON)
+    check_usable(art, cfg)
+    assert art.count("MUFU.EX2") <= 16 < exact.count("MUFU.EX2")
+    clamp = "max.s32 r0, r0, 1262485504;" if cfg.lean_clamp == "imax" else "max.f32 r0, r0, 0f4B400000;"
+    packs = art.ptx.count(clamp)  # one per pack of four scores
+    assert packs > 0 and art.ptx.count("prmt.b32 r0" if cfg.lean_pack == "prmt" else "bfi.b32 r0") >= packs
+    assert art.ptx.count("m64n8k32.f32.e4m3.e4m3") == art.ptx.count("m64n128k32.f32.e4m3.e4m3") // 2
+    assert re.search(r"st\.shared\.v\d\.b32\s+\[[^\]]+\], \{943208504, 943208504", art.ptx)  # 0x38383838

@@ -12,6 +12,7 @@ from gluon_cases import GLUON, neighbours, sampled
 
 from zyfa_tune.generator import KernelConfig, emit, emit_gluon, emit_triton, gluon_registers
 from zyfa_tune.generator.emitted import KERNEL_NAME
+from zyfa_tune.generator.lean_asm import MAGIC, lean_tail_asm
 
 #: the Gluon seed, one variant per value of every field the space searches for it, a sample
 VARIANTS = neighbours() + sampled(20)
@@ -70,13 +71,15 @@ def test_constants_are_the_config(cfg):
     (line,) = [ln for ln in doc.splitlines() if ln.startswith("config: ")]
     assert KernelConfig.from_json(line[len("config: "):]) == cfg
     c = constants(src)
+    lean = cfg.softmax == "lean"
     consumer_regs, producer_regs = gluon_registers(cfg)
     assert c == {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "HEAD_D": 128, "STAGES": cfg.num_stages,
                  "Q_STAGES": cfg.q_stages, "NUM_CONSUMERS": cfg.block_m // 64, "OVERLAP": cfg.overlap,
                  "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first", "V_PERM": cfg.v_permute,
                  "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,
                  "PRODUCER_REGS": producer_regs, "NUM_WARPS": 4, "PERSISTENT": cfg.persistent,
-                 "KERNEL_NAME": KERNEL_NAME}
+                 "KERNEL_NAME": KERNEL_NAME, "LEAN": lean, "LEAN_FMA": lean and cfg.lean_fold == "fma",
+                 "LEAN_MAGIC": MAGIC, "LEAN_ASM": lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert {KERNEL_NAME, "_producer", "_consumer", "_softmax", "_ov_step"} <= set(funcs)
     entry = ast.unparse(funcs[KERNEL_NAME])
@@ -89,13 +92,17 @@ def test_constants_are_the_config(cfg):
 @pytest.mark.parametrize("cfg", VARIANTS)
 def test_only_validated_values_become_text(cfg):
     """Apart from the docstring (the validated config as JSON), the strings in the source are the
-    device code's own (fixed) strings: the config adds none."""
+    device code's own (fixed) strings and, for lean P, the PTX generator.lean_asm builds from the
+    validated enum fields: the config adds no text of its own."""
     def strings(src: str) -> set:
         tree = ast.parse(src)
         doc = tree.body[0].value
         return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
                 and n is not doc}
-    assert strings(emit(cfg).source) == strings(emit(GLUON).source)
+    expected = strings(emit(GLUON).source)  # exact: LEAN_ASM = ""
+    if cfg.softmax == "lean":
+        expected = expected - {""} | {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack)}
+    assert strings(emit(cfg).source) == expected
 
 
 def test_device_code_is_copied_verbatim():

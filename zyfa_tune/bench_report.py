@@ -50,11 +50,7 @@ def _kernel(r: BenchRow) -> str:
         c = KernelConfig.from_json(r.config)
     except ConfigError:
         return f"{r.source}: (invalid config)"
-    if c.backend == "gluon":
-        on = [name for name, flag in (("pingpong", c.ping_pong), ("overlap", c.overlap), ("vperm", c.v_permute),
-                                      ("persistent", c.persistent)) if flag]
-        return f"{r.source}: gluon {c.block_m}x{c.block_n} s{c.num_stages} q{c.q_stages} {'+'.join(on) or 'plain'}"
-    return f"{r.source}: {c.softmax} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} {c.loads}/{c.v_layout}"
+    return f"{r.source}: {c.summary()}"
 
 
 def _num(value: float | None, fmt: str) -> str:

@@ -106,8 +106,7 @@ def _best_table(entries, title: str) -> Table:
         k = e.key
         try:
             cfg = KernelConfig.from_json(e.config_json)
-            summary = (f"{cfg.softmax} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-                       f"{cfg.loads}/{cfg.v_layout} rowsum={cfg.rowsum}")
+            summary = cfg.summary()
         except ConfigError as exc:
             summary = f"[red]invalid: {exc}[/red]"
         table.add_row(e.fingerprint.gpu_name, k.dtype, f"{k.head_dim_qk}/{k.head_dim_v}", str(k.causal),
