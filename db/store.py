@@ -121,6 +121,37 @@ class Store:
                  P.seqlen_bucket, P.bh_bucket)
         return self._best(where, order)
 
+    def fastest_within(self, max_error: float) -> list[BestEntry]:
+        """Per (fingerprint, problem class), the fastest `ok` trial whose rel. L2 error (against
+        float64, on the tuner's inputs) is at most `max_error`: the runtime's error budget picks from
+        every kernel that passed the study's gate, not only the overall fastest (a multi-objective
+        study keeps the whole front). Rows as `best_entries` (provenance and time of the trial)."""
+        max_error = finite_float("max_error", max_error, positive=True)
+        cols = ([rows.raw(getattr(E, n)) for n in rows.FINGERPRINT_FIELDS]
+                + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS]
+                + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash)]
+                + [rows.raw(getattr(T, n)) for n in ("median_ms", "tflops", "error_rel_l2", "provenance")]
+                + [rows.raw(T.created_at, "updated_at"), rows.raw(T.environment_id, "env_id"),
+                   rows.raw(T.problem_id, "problem_id")]
+                + [rows.raw(getattr(T, n)) for n in TRIAL_SHAPE])
+        stmt = (select(*cols).join_from(T, E, T.environment_id == E.id).join(P, T.problem_id == P.id)
+                .join(V, T.variant_id == V.id)
+                .where(T.status == "ok", T.error_rel_l2.is_not(None), T.error_rel_l2 <= max_error,
+                       T.median_ms > 0)
+                .order_by(T.environment_id, T.problem_id, T.median_ms, T.id))
+        found = self._read("trials within an error budget", lambda s: [dict(r._mapping) for r in s.execute(stmt)])
+        out, seen = [], set()
+        for r in found:
+            if (r["env_id"], r["problem_id"]) in seen:
+                continue
+            try:
+                out.append(_best_entry(r))
+            except ValueError as exc:
+                warnings.warn(f"{self._target.display}: skipping a damaged trial: {exc}", RuntimeWarning, stacklevel=2)
+                continue
+            seen.add((r["env_id"], r["problem_id"]))
+        return out
+
     def best_for(self, key: ProblemKey) -> list[BestEntry]:
         """The best entry of `key` on every fingerprint, fastest first."""
         _expect("key", key, ProblemKey)

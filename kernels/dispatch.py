@@ -15,6 +15,11 @@ that fails is skipped with a warning and never reaches the generator.
 Layers, first wins: `set_databases(...)` or $ZYFA_TUNE_DATABASES (os.pathsep-separated), then the
 user's default database (zyfa_tune.db.default_db_path(), if it exists), then the databases shipped
 in zyfa_tune/kernels/tuned/. Databases are read once; per call the choice is a dict lookup.
+
+Error budget (`set_error_budget(x)` or $ZYFA_TUNE_ERROR_BUDGET): instead of each key's fastest
+kernel, the fastest whose measured rel. L2 error against float64 is at most x, among every kernel
+that passed its study's accuracy gate (`zyfa-tune tune --gate G --multi-objective` keeps the
+front). Keys with no kernel within the budget fall through the same lookup order.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ log = logging.getLogger("zyfa_tune.dispatch")
 
 TUNED_DIR = Path(__file__).parent / "tuned"
 ENV_DATABASES = "ZYFA_TUNE_DATABASES"
+ENV_ERROR_BUDGET = "ZYFA_TUNE_ERROR_BUDGET"
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,9 @@ class _Entry:
 class Dispatcher:
     """Holds the validated best entries of every database layer; answers `choose` from memory."""
 
-    def __init__(self, databases: Sequence[str | os.PathLike] | None = None):
+    def __init__(self, databases: Sequence[str | os.PathLike] | None = None, error_budget: float | None = None):
         self.layers = [str(p) for p in (databases if databases is not None else default_layers())]
+        self.error_budget = _checked_budget("error_budget", error_budget)
         self._entries: list[list[_Entry]] | None = None
         self._cache: dict[tuple, Choice] = {}
         self._fast: dict[tuple, KernelConfig] = {}
@@ -90,16 +97,16 @@ class Dispatcher:
     # ---- loading ------------------------------------------------------------------------------
     def _load(self) -> list[list[_Entry]]:
         if self._entries is None:
-            self._entries = [self._read_layer(path) for path in self.layers]
+            self._entries = [self._read_layer(path, self.error_budget) for path in self.layers]
         return self._entries
 
     @staticmethod
-    def _read_layer(path: str) -> list[_Entry]:
+    def _read_layer(path: str, error_budget: float | None = None) -> list[_Entry]:
         from zyfa_tune.db import DatabaseError, open_store
 
         try:
             with open_store(path, readonly=True, create=False) as store:
-                rows = store.best_entries()
+                rows = store.best_entries() if error_budget is None else store.fastest_within(error_budget)
         except (DatabaseError, OSError) as exc:
             warnings.warn(f"zyfa_tune: skipping tuning database {path}: {exc}", RuntimeWarning, stacklevel=3)
             return []
@@ -149,9 +156,10 @@ class Dispatcher:
             return Choice(config=default_config(key.dtype, key.head_dim_qk, key.head_dim_v), source="default",
                           key=key, detail="no tuned entry for these head dims on this architecture")
         how, entry = found
+        budget = "" if self.error_budget is None else f" (error budget {self.error_budget:g})"
         return Choice(config=entry.config, source="other-device" if foreign else how, key=key, database=entry.database,
                       tuned_key=entry.key, tuned_on=entry.device_key[0], tflops=entry.tflops,
-                      detail=f"{how} match; {entry.provenance}")
+                      detail=f"{how} match{budget}; {entry.provenance}")
 
 
 def _distance(a, b) -> float:
@@ -186,6 +194,39 @@ def _pick(key, layers: Iterable[list[_Entry]]) -> tuple[str, _Entry] | None:
 _lock = threading.Lock()
 _dispatcher: Dispatcher | None = None
 _user_layers: list[str] | None = None
+_user_budget: tuple[float | None] | None = None  # set_error_budget's value, boxed (None: not set)
+
+
+def _checked_budget(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a positive finite rel. L2 error (e.g. 0.03), got {value!r}")
+    return float(value)
+
+
+def error_budget() -> float | None:
+    """The error budget in force: set_error_budget's, else $ZYFA_TUNE_ERROR_BUDGET's, else None."""
+    if _user_budget is not None:
+        return _user_budget[0]
+    env = os.environ.get(ENV_ERROR_BUDGET)
+    if not env:
+        return None
+    try:
+        value = float(env)
+    except ValueError:
+        raise ValueError(f"${ENV_ERROR_BUDGET}: expected a number, got {env!r}") from None
+    return _checked_budget(f"${ENV_ERROR_BUDGET}", value)
+
+
+def set_error_budget(max_error: float | None) -> None:
+    """Run the fastest tuned kernel whose rel. L2 error was at most `max_error` (None: the fastest
+    kernel that passed its study's gate, the default). Overrides $ZYFA_TUNE_ERROR_BUDGET."""
+    global _user_budget, _dispatcher
+    checked = _checked_budget("max_error", max_error)
+    with _lock:
+        _user_budget = (checked,)
+        _dispatcher = None
 
 
 def default_layers() -> list[str]:
@@ -218,7 +259,7 @@ def dispatcher() -> Dispatcher:
     if d is None:
         with _lock:
             if _dispatcher is None:
-                _dispatcher = Dispatcher()
+                _dispatcher = Dispatcher(error_budget=error_budget())
             d = _dispatcher
     return d
 

@@ -30,9 +30,9 @@ def cfg(**changes) -> KernelConfig:
     return default_config("fp8", 128, 128).replace(**changes)
 
 
-def record(store, k, c, ms, fp=None):
-    store.record_trial(fp or fingerprint(), k, c, TrialResult(status="ok", median_ms=ms, tflops=1.0 / ms,
-                                                                error_rel_l2=0.02),
+def record(store, k, c, ms, fp=None, error=0.02, status="ok"):
+    store.record_trial(fp or fingerprint(), k, c, TrialResult(status=status, median_ms=ms, tflops=1.0 / ms,
+                                                                error_rel_l2=error),
                        source_hash=emit(c).source_hash, study="test")
 
 
@@ -171,3 +171,53 @@ def test_set_databases_and_env_layers(tmp_path, monkeypatch):
         assert layers[0] == str(tmp_path / "mine.db") and str(tmp_path / "e1.db") not in layers
     finally:
         dispatch.set_databases(None)
+
+
+# ---- error budget: the fastest kernel within a rel. L2 error, among those that passed the gate ----
+
+def test_error_budget_picks_the_fastest_kernel_within_it(db):
+    lean = cfg(softmax="lean", rowsum="mma")
+    with db() as s:
+        record(s, key(8192), cfg(num_stages=2), 1.0, error=0.020)   # slow, accurate
+        record(s, key(8192), lean, 0.8, error=0.028)                 # fast, less accurate
+        record(s, key(8192), cfg(num_stages=4), 0.5, error=0.5, status="wrong")  # failed its gate: never
+        record(s, key(16384), cfg(block_n=64), 0.7, error=0.030)    # nothing within 0.025 here
+        assert [e.config_json for e in s.fastest_within(0.025)] == [cfg(num_stages=2).to_json()]
+        assert {e.config_json for e in s.fastest_within(0.05)} == {lean.to_json(), cfg(block_n=64).to_json()}
+        assert s.fastest_within(0.01) == []
+        with pytest.raises(ValueError, match="max_error"):
+            s.fastest_within(float("nan"))
+        path = s.url.replace("sqlite:///", "")
+    assert dispatch.Dispatcher([path]).choose(key(8192), H200).config == lean  # no budget: the fastest
+    tight = dispatch.Dispatcher([path], error_budget=0.025)
+    choice = tight.choose(key(8192), H200)
+    assert choice.config == cfg(num_stages=2) and "error budget 0.025" in choice.detail
+    # 16K has nothing within the budget: the nearest key that has
+    assert tight.choose(key(16384), H200).source == "nearest"
+    assert dispatch.Dispatcher([path], error_budget=0.001).choose(key(8192), H200).source == "default"
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, float("inf"), float("nan"), True, "0.03"])
+def test_error_budget_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="max_error"):
+        dispatch.set_error_budget(bad)
+    with pytest.raises(ValueError, match="error_budget"):
+        dispatch.Dispatcher([], error_budget=bad)
+
+
+def test_error_budget_from_env_and_setter(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_ERROR_BUDGET, "0.03")
+    try:
+        dispatch.set_error_budget(None)  # explicit: none, over the environment
+        assert dispatch.error_budget() is None
+        dispatch.set_error_budget(0.04)
+        assert dispatch.dispatcher().error_budget == 0.04
+    finally:
+        dispatch._user_budget = None
+        dispatch._dispatcher = None
+    assert dispatch.error_budget() == 0.03 and dispatch.dispatcher().error_budget == 0.03
+    monkeypatch.setenv(dispatch.ENV_ERROR_BUDGET, "tight")
+    with pytest.raises(ValueError, match="ZYFA_TUNE_ERROR_BUDGET"):
+        dispatch.error_budget()
+    monkeypatch.delenv(dispatch.ENV_ERROR_BUDGET)
+    dispatch._dispatcher = None

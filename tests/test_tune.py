@@ -39,6 +39,10 @@ def test_spec_validation(tmp_path):
         spec(tmp_path, heads=32, kv_heads=5)
     with pytest.raises(ValueError, match="trials"):
         spec(tmp_path, trials=None, time_budget_s=None)
+    for gate in (0.9, float("nan"), True):
+        with pytest.raises(ValueError, match="gate"):
+            spec(tmp_path, gate=gate)
+    assert spec(tmp_path, gate=1.5).gate == 1.5
     assert parse_duration("15m") == 900 and parse_duration("1h30m") == 5400 and parse_duration("90") == 90
     with pytest.raises(ValueError, match="--time"):
         parse_duration("soon")

@@ -236,7 +236,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                     storage=args.storage, study_storage=args.study_storage, study_name=args.study,
                     resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
                     runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
-                    input_family=args.input_family, precompile=args.precompile)
+                    input_family=args.input_family, precompile=args.precompile, gate=args.gate)
 
     def render(p: Progress) -> Table:
         t = Table(title=f"zyfa-tune {spec.name}: {len(spec.gpus)} worker(s), runner={spec.runner}")
@@ -343,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="continue an existing study")
     p.add_argument("--sampler", choices=["tpe", "random"], default="tpe")
     p.add_argument("--multi-objective", action="store_true", help="Pareto front over (TFLOP/s, error)")
+    p.add_argument("--gate", type=float, default=1.25,
+                   help="accuracy gate: a kernel passes with rel. L2 error <= GATE x that of the exact reference "
+                        "variant on the same inputs (default 1.25; lean P measures ~1.4; the runtime's "
+                        "ZYFA_TUNE_ERROR_BUDGET then picks among what passed)")
     p.add_argument("--runner", default="gpu", help="gpu | replay[:<db>] (no GPU: stored measurements, real sm_90a compiles)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per trial before the worker is killed")
     p.add_argument("--seed", type=int, default=0)

@@ -91,6 +91,10 @@ class TuneSpec:
             raise ValueError(f"sampler: {self.sampler!r} is not one of {list(SAMPLERS)}")
         if not self.gpus:
             raise ValueError("gpus: need at least one")
+        if isinstance(self.gate, bool) or not isinstance(self.gate, (int, float)) \
+                or not math.isfinite(self.gate) or self.gate < 1.0:
+            raise ValueError(f"gate: expected a finite number >= 1 (allowed error / the exact reference's), "
+                             f"got {self.gate!r}")
 
     @functools.cached_property
     def shapes(self) -> tuple[Shape, ...]:
