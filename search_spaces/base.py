@@ -409,6 +409,24 @@ class SearchSpace:
         return self.config_from(values, head_dim_qk, head_dim_v)
 
     # ---- pruning and seeds -----------------------------------------------------------------
+    def neighbours(self, config: KernelConfig) -> list[KernelConfig]:
+        """The feasible points of the space one suggested option away from `config` (deduplicated,
+        `config` excluded), in parameter order: the tuner's local moves when its sampler keeps
+        proposing configs it has measured."""
+        options = self.as_optuna_params(config)
+        out: list[KernelConfig] = []
+        for p in self.params:
+            for option in p.suggest_choices:
+                if option == options[p.key]:
+                    continue
+                try:
+                    near = self._from_options({**options, p.key: option}, config.head_dim_qk, config.head_dim_v)
+                except ConfigError:
+                    continue
+                if near != config and near not in out and self.feasible(near) is None:
+                    out.append(near)
+        return out
+
     def feasible(self, config: KernelConfig) -> str | None:
         """A human reason why `config` is statically infeasible (before any compile), or None."""
         if config.dtype != self.dtype:

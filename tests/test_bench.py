@@ -5,6 +5,8 @@ thing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import sys
 from pathlib import Path
@@ -223,7 +225,40 @@ def test_table_ratios_to_the_best_peer():
     text = console.export_text()
     assert "0.71x" in text  # ours 500 vs FA3 700
     assert "ImportError: no cudnn" in text
-    assert bench_report.best_peer(sample_result().rows)[("128/128 B=1 S=4096 H=32", "fp8")] == 700
+    assert bench_report.best_peer(sample_result().rows)[("128/128 B=1 S=4096 H=32", "fp8", None)] == 700
+
+
+def test_several_input_families_in_one_run(tmp_path):
+    """--input-family a,b measures every shape on each family; rows carry their family, each family's
+    rows are compared with that family's peers, the plot gets a panel per family, and the saved
+    JSON keeps it all."""
+    from rich.console import Console
+
+    shape = bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=128, heads=2, kv_heads=2)
+    plan = bench.BenchPlan(shapes=(shape,), ours=(), peers=(), input_family="gaussian,outliers")
+    assert plan.families == ("gaussian", "outliers")
+    for bad in ("gaussian,gaussian", "gaussian,weird", ""):
+        with pytest.raises(ValueError, match="input_family"):
+            bench.BenchPlan(shapes=(shape,), ours=(), peers=(), input_family=bad)
+    systems = [bench.System("sdpa-math-bf16", "peer", "bf16", bench._sdpa("MATH"))]
+    rows = [r for fam in plan.families
+            for r in bench.measure_shape(shape, systems, seed=0, reps=5, device="cpu", timer=fake_timer,
+                                         input_family=fam)]
+    assert [r.family for r in rows] == ["gaussian", "outliers"]
+    assert rows[0].rel_l2 != rows[1].rel_l2  # different inputs
+    slow = dataclasses.replace(rows[1], system="ours-bf16", kind="ours", tflops=rows[1].tflops / 2)
+    result = bench.BenchResult(date="2026-12-01T10:00:00+00:00", gpu={"name": "NVIDIA H200"}, gpu_after={},
+                               environment={}, settings={"input_family": plan.input_family}, rows=(*rows, slow))
+    assert set(bench_report.best_peer(result.rows)) == {(shape.label, "bf16", "gaussian"), (shape.label, "bf16", "outliers")}
+    console = Console(width=250, record=True)
+    console.print(bench_report.results_table(result))
+    text = console.export_text()
+    assert "gaussian, outliers inputs" in text and f"{shape.label} · outliers" in text and "0.50x" in text
+    assert "outliers" in bench_report.row_line(rows[1])
+    path = tmp_path / "fam.json"
+    result.save(path)
+    assert bench.BenchResult.load(path).rows == result.rows
+    assert len(bench_report._panels(result.rows)) == 2
 
 
 def test_plot_from_saved_json_via_cli(tmp_path, capsys):
@@ -241,13 +276,13 @@ def test_plot_from_saved_json_via_cli(tmp_path, capsys):
 def test_plot_lines_per_system_and_batch():
     rows = sample_result().rows
     panels = bench_report._panels(rows)
-    assert list(panels) == [(128, 128, 32, 32)]
-    lines = bench_report._lines(panels[(128, 128, 32, 32)])
+    assert list(panels) == [(128, 128, 32, 32, "")]  # (dims, heads, input family: none saved)
+    lines = bench_report._lines(panels[(128, 128, 32, 32, "")])
     assert list(lines) == ["ours-fp8", "lean", "fa3-fp8"]  # ours first; the failed peer has no line
     assert [p.s for p in lines["ours-fp8"]] == [4096, 8192, 16384]
     extra = [*rows, bench.BenchRow(shape="128/128 B=2 S=4096 H=32", system="fa3-fp8", kind="peer", dtype="fp8",
                                    dqk=128, dv=128, b=2, s=4096, h=32, hk=32, tflops=800.0)]
-    assert "fa3-fp8 B=2" in bench_report._lines(bench_report._panels(extra)[(128, 128, 32, 32)])
+    assert "fa3-fp8 B=2" in bench_report._lines(bench_report._panels(extra)[(128, 128, 32, 32, "")])
     assert "NVIDIA H200 · fp8 · hd · causal · 2026-12-01" == bench_report._title(sample_result(), "hd")
 
 

@@ -363,3 +363,20 @@ def test_calibration_covers_the_brief():
                                   for c, *_ in over)
     assert any(r[2] <= SMEM_LIMIT and r[5] == 0 and r[2] > 0.9 * SMEM_LIMIT for r in CALIBRATION)
     assert ss_base.SMEM_LIMIT == 232448
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_neighbours_are_one_option_away_and_feasible(family):
+    space = FAMILIES[family]
+    base = space.base(128, 128)
+    near = space.neighbours(base)
+    assert near and base not in near and len(set(near)) == len(near)
+    start = space.as_optuna_params(base)
+    for c in near:
+        assert space.feasible(c) is None
+        moved = {k for k, v in space.as_optuna_params(c).items() if v != start[k]}
+        # one option changed; options it made irrelevant (or relevant) may follow it
+        assert moved and any(space._from_options({**start, k: space.as_optuna_params(c)[k]}, 128, 128) == c
+                             for k in moved)
+    if family == "fp8-causal":  # both backends and lean P are reachable in one move from the Triton default
+        assert {c.backend for c in near} == {"triton", "gluon"} and any(c.softmax == "lean" for c in near)

@@ -199,3 +199,34 @@ def test_sigkill_and_resume_lose_and_repeat_nothing(tmp_path):
                 if t.state.is_finished() and "config" in t.user_attrs
                 and not t.user_attrs.get("duplicate") and not t.user_attrs.get("killed")]
     assert len(measured) == len(set(measured)), "a configuration was measured twice"
+
+
+def test_a_repeated_proposal_enqueues_an_unmeasured_neighbour(tmp_path):
+    """When TPE proposes a config measured before, the tuner tells it the stored value and enqueues
+    one unmeasured neighbour of it (a local move), so the next ask measures something new."""
+    from types import SimpleNamespace
+
+    from zyfa_tune.tune import _config_key
+
+    tuner = Tuner(spec(tmp_path, sampler="tpe"))
+    study = tuner.open_study()
+    seeds = tuner.space.seeds(128, 128)
+    for c in seeds:  # as if every seed had been measured: each ask is a repeat
+        tuner._seen[_config_key(c)] = (optuna.trial.TrialState.COMPLETE, (100.0,))
+    worker = SimpleNamespace(gpu=None)
+    for _ in seeds:
+        assert tuner._ask(study, worker) is None
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert len(waiting) == 1 and waiting[0].user_attrs.get("local_move") is True
+    asked = tuner._ask(study, worker)
+    assert asked is not None and asked.cfg in tuner.space.neighbours(seeds[-1])
+    assert _config_key(asked.cfg) not in tuner._seen
+    assert tuner.progress.by_status == {"duplicate": len(seeds)}
+    # the random sampler stays random: no local moves
+    rnd = Tuner(spec(tmp_path, sampler="random", study_name="r", study_storage=str(tmp_path / "r.journal")))
+    rstudy = rnd.open_study()
+    for c in rnd.space.seeds(128, 128):
+        rnd._seen[_config_key(c)] = (optuna.trial.TrialState.COMPLETE, (100.0,))
+    for _ in seeds:
+        rnd._ask(rstudy, worker)
+    assert not rstudy.get_trials(states=(optuna.trial.TrialState.WAITING,))

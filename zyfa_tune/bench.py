@@ -398,6 +398,7 @@ class BenchRow:
     config: str | None = None
     source: str | None = None
     error: str | None = None
+    family: str | None = None   # kernels.inputs family of the inputs (None in runs saved before it)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BenchRow":
@@ -506,7 +507,8 @@ def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, re
 
     rows = []
     for system in systems:
-        rows.append(measure_system(system, inputs, reference, reps=reps, timer=timer or time_cuda))
+        rows.append(dataclasses.replace(measure_system(system, inputs, reference, reps=reps, timer=timer or time_cuda),
+                                        family=input_family))
         if on_row:
             on_row(rows[-1])
     return rows
@@ -521,15 +523,22 @@ class BenchPlan:
     seed: int = 0
     rotate: int = 1          # input sets timed round-robin (>1 where inputs would sit in L2)
     warm_s: float = 3.0      # seconds of bf16 GEMMs before the first timing
-    input_family: str = "gaussian"   # kernels.inputs family of every input set
+    input_family: str = "gaussian"   # kernels.inputs families, comma-separated: every shape on each
     quant: str = "per-tensor"        # QUANT_MODES
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return tuple(f.strip() for f in self.input_family.split(","))
 
     def __post_init__(self) -> None:
         from zyfa_tune.kernels.inputs import check_family
 
         if not self.shapes:
             raise ValueError("shapes: need at least one")
-        check_family(self.input_family, "input_family")
+        if not isinstance(self.input_family, str) or len(set(self.families)) != len(self.families):
+            raise ValueError(f"input_family: expected distinct comma-separated family names, got {self.input_family!r}")
+        for family in self.families:
+            check_family(family, "input_family")
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant: {self.quant!r} is not one of {list(QUANT_MODES)}")
         quantised = [o.label for o in self.ours if o.quant]
@@ -571,10 +580,11 @@ def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> Be
     before = gpu_state()
     warm_gpu(plan.warm_s)
     rows: list[BenchRow] = []
-    for shape in plan.shapes:
-        rows += measure_shape(shape, systems_for(shape, plan.ours, plan.peers), seed=plan.seed, reps=plan.reps,
-                              rotate=plan.rotate, on_row=on_row, input_family=plan.input_family, quant=plan.quant)
-        torch.cuda.empty_cache()
+    for family in plan.families:
+        for shape in plan.shapes:
+            rows += measure_shape(shape, systems_for(shape, plan.ours, plan.peers), seed=plan.seed, reps=plan.reps,
+                                  rotate=plan.rotate, on_row=on_row, input_family=family, quant=plan.quant)
+            torch.cuda.empty_cache()
     settings = dict(reps=plan.reps, seed=plan.seed, rotate=plan.rotate, warm_s=plan.warm_s,
                     input_family=plan.input_family, quant=plan.quant,
                     peers=list(plan.peers), ours=[dataclasses.asdict(o) for o in plan.ours])

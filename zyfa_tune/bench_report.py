@@ -30,14 +30,19 @@ def require_matplotlib() -> None:
                            "(or save --json here and draw it elsewhere with --from)") from None
 
 
-def best_peer(rows: Iterable[BenchRow]) -> dict[tuple[str, str], float]:
-    """(shape, dtype) -> the highest peer TFLOP/s."""
-    best: dict[tuple[str, str], float] = {}
+def best_peer(rows: Iterable[BenchRow]) -> dict[tuple[str, str, str | None], float]:
+    """(shape, dtype, input family) -> the highest peer TFLOP/s."""
+    best: dict[tuple[str, str, str | None], float] = {}
     for r in rows:
         if r.kind == "peer" and r.tflops:
-            key = (r.shape, r.dtype)
+            key = (r.shape, r.dtype, r.family)
             best[key] = max(best.get(key, 0.0), r.tflops)
     return best
+
+
+def _families(result: BenchResult) -> list[str]:
+    """The input families of a run, in measuring order (rows saved before rows had one: the run's)."""
+    return list(dict.fromkeys(r.family or result.settings.get("input_family", "gaussian") for r in result.rows))
 
 
 def _kernel(r: BenchRow) -> str:
@@ -60,7 +65,8 @@ def _num(value: float | None, fmt: str) -> str:
 def results_table(result: BenchResult) -> Table:
     """A row per (shape, system); quantiles and max error stay in the JSON."""
     gpu = result.gpu.get("name") or result.environment.get("gpu_name") or "GPU"
-    inputs = result.settings.get("input_family", "gaussian")
+    families = _families(result)
+    inputs = ", ".join(families)
     quant = result.settings.get("quant", "per-tensor")
     how = "each system quantises its own (error vs unquantised)" if quant == "native" else "shared FP8 inputs"
     table = Table(title=f"zyfa-tune bench: {gpu}, causal, {result.date[:16]}, {inputs} inputs, {how}")
@@ -71,10 +77,10 @@ def results_table(result: BenchResult) -> Table:
     for r in result.rows:
         style = "bold" if r.kind != "peer" else None
         if r.error:
-            table.add_row(r.shape, r.system, *["-"] * 7, f"[red]{r.error}[/red]", style=style)
+            table.add_row(r.shape + (f" · {r.family}" if len(families) > 1 else ""), r.system, *["-"] * 7, f"[red]{r.error}[/red]", style=style)
             continue
-        ref = peers.get((r.shape, r.dtype))
-        table.add_row(r.shape, r.system, _num(r.tflops, ".1f"), f"{r.tflops / ref:.2f}x" if ref and r.tflops else "-",
+        ref = peers.get((r.shape, r.dtype, r.family))
+        table.add_row(r.shape + (f" · {r.family}" if len(families) > 1 else ""), r.system, _num(r.tflops, ".1f"), f"{r.tflops / ref:.2f}x" if ref and r.tflops else "-",
                       _num(r.median_ms, ".3f"), _num(r.rel_l2, ".2e"), _num(r.sm_clock_mhz, ".0f"),
                       _num(r.power_w, ".0f"), _num(r.tflop_per_j, ".2f"), _kernel(r), style=style)
     return table
@@ -82,9 +88,10 @@ def results_table(result: BenchResult) -> Table:
 
 def row_line(r: BenchRow) -> str:
     """One line per measured row, printed while a run goes on."""
+    shape = r.shape + (f" · {r.family}" if r.family else "")
     if r.error:
-        return f"{r.shape:<28} {r.system:<22} ERROR {r.error}"
-    return (f"{r.shape:<28} {r.system:<22} {_num(r.tflops, '7.1f')} TFLOP/s  {_num(r.median_ms, '8.3f')} ms  "
+        return f"{shape:<28} {r.system:<22} ERROR {r.error}"
+    return (f"{shape:<28} {r.system:<22} {_num(r.tflops, '7.1f')} TFLOP/s  {_num(r.median_ms, '8.3f')} ms  "
             f"relL2 {_num(r.rel_l2, '.3e')}  {_num(r.sm_clock_mhz, '.0f')} MHz  {_num(r.power_w, '.0f')} W")
 
 
@@ -94,12 +101,12 @@ def _seqlen_label(s: int) -> str:
     return f"{s // 1024}K" if s % 1024 == 0 else str(s)
 
 
-def _panels(rows: Iterable[BenchRow]) -> dict[tuple[int, int, int, int], list[BenchRow]]:
-    """Measured rows grouped by (dqk, dv, heads, kv_heads): one panel each."""
-    panels: dict[tuple[int, int, int, int], list[BenchRow]] = defaultdict(list)
+def _panels(rows: Iterable[BenchRow]) -> dict[tuple, list[BenchRow]]:
+    """Measured rows grouped by (dqk, dv, heads, kv_heads, input family): one panel each."""
+    panels: dict[tuple, list[BenchRow]] = defaultdict(list)
     for r in rows:
         if r.tflops:
-            panels[(r.dqk, r.dv, r.h, r.hk)].append(r)
+            panels[(r.dqk, r.dv, r.h, r.hk, r.family or "")].append(r)
     return dict(panels)
 
 
@@ -138,11 +145,12 @@ def plot(result: BenchResult, path: str | os.PathLike) -> Path:
     panels = _panels(result.rows)
     if not panels:
         raise ValueError("--plot: the results hold no measured row to draw")
+    several_families = len({key[4] for key in panels}) > 1
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig = Figure(figsize=(6.4 * ncols, 4.6 * nrows), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-    for ax, ((dqk, dv, h, hk), rows) in zip(axes, sorted(panels.items())):
+    for ax, ((dqk, dv, h, hk, family), rows) in zip(axes, sorted(panels.items())):
         counters = {"peer": 0, "ours": 0}
         for label, points in _lines(rows).items():
             kind = points[0].kind
@@ -159,7 +167,7 @@ def plot(result: BenchResult, path: str | os.PathLike) -> Path:
         ax.set_ylabel("TFLOP/s")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small", loc="best")
-        heads = f"H={h}" + (f"/{hk}" if hk != h else "")
+        heads = f"H={h}" + (f"/{hk}" if hk != h else "") + (f", {family} inputs" if several_families else "")
         if len(panels) > 1:
             ax.set_title(f"head dims {dqk}/{dv}, {heads}", fontsize="medium")
         else:

@@ -287,6 +287,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             console.print("[red]bench: no CUDA device is visible; measuring needs the GPU.[/red] "
                           "A saved run is redrawn without one: zyfa-tune bench --from results.json --plot out.png")
             return 2
+        from zyfa_tune.kernels.inputs import FAMILY_NAMES
+
         dtypes = bench.DTYPES if args.dtype == "both" else (args.dtype,)
         shapes = (tuple(bench.parse_shape(s) for s in args.shape) if args.shape else
                   bench.shapes_from(args.head_dim, args.head_dim_v, args.seqlens, args.batch_heads, args.kv_heads))
@@ -295,7 +297,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             ours += bench.parse_ours(text, dtypes)
         plan = bench.BenchPlan(shapes=shapes, ours=tuple(ours), peers=bench.parse_peers(args.peers, dtypes),
                                reps=args.reps, seed=args.seed, rotate=args.rotate, warm_s=args.warm,
-                               input_family=args.input_family, quant=args.quant)
+                               input_family=",".join(FAMILY_NAMES) if args.input_family == "all" else args.input_family,
+                               quant=args.quant)
         result = bench.run(plan, on_row=lambda r: console.print(bench_report.row_line(r), markup=False,
                                                                 highlight=False))
     wide = console if console.is_terminal else Console(width=200)  # logs: one line per row
@@ -415,8 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time a forced config: the default config with these fields changed (repeatable)")
     p.add_argument("--reps", type=int, default=30, help="timed calls per system (median reported)")
     p.add_argument("--rotate", type=int, default=1, help="input sets timed round-robin (for shapes that fit in L2)")
-    p.add_argument("--input-family", default="gaussian", metavar="NAME",
-                   help="inputs of this kernels.inputs family (gaussian, outliers, sink, rope, peaky, flat, llm)")
+    p.add_argument("--input-family", default="gaussian", metavar="NAME[,NAME...]",
+                   help="inputs of these kernels.inputs families, every shape on each (gaussian, outliers, sink, "
+                        "rope, peaky, flat, llm; 'all' for every one): issue 5's variant x family table in one run")
     p.add_argument("--quant", choices=["per-tensor", "native"], default="per-tensor",
                    help="FP8 inputs: one shared per-tensor quantisation (kernel error only), or each system's "
                         "own with errors against the unquantised inputs (then --ours NAME:smooth_k=true works)")
