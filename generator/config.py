@@ -17,8 +17,8 @@ GENERATOR_VERSION = "0.1.0"
 
 #: Head dims the Triton backend emits; non-powers of two are split into power-of-two chunks.
 HEAD_DIMS = (64, 96, 128, 192, 256)
-#: Head dims the Gluon backend emits (one 64 x 128 accumulator per consumer warpgroup).
-GLUON_HEAD_DIMS = (128,)
+#: Head dims the Gluon backend emits (one 64 x head-dim accumulator per consumer warpgroup; Q, K, V share it).
+GLUON_HEAD_DIMS = (64, 128)
 
 #: Allowed values of every field. Search spaces draw from these; validation enforces them.
 CHOICES: dict[str, tuple] = {
@@ -180,6 +180,9 @@ class KernelConfig:
             if getattr(self, name) not in GLUON_HEAD_DIMS:
                 raise ConfigError(f"{name}={getattr(self, name)}: backend='gluon' implements head dims "
                                   f"{list(GLUON_HEAD_DIMS)} only")
+        if self.head_dim_qk != self.head_dim_v:
+            raise ConfigError(f"head_dim_qk={self.head_dim_qk}, head_dim_v={self.head_dim_v}: backend='gluon' "
+                              f"needs equal head dims")
         if self.block_m not in (64, 128):
             raise ConfigError(f"block_m={self.block_m}: backend='gluon' runs one consumer warpgroup per 64 "
                               f"query rows, one or two of them: block_m must be 64 or 128")

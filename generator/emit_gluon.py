@@ -8,10 +8,11 @@ The source holds everything the kernel runs, so its hash identifies the kernel (
 build cache), as for the Triton backend.
 
 Kernel contract (see kernels/gluon_launch.py):
-  desc_q: Q viewed (B*Sq, H*128), block [BLOCK_M, 128]; desc_k: K viewed (B*Sk, Hkv*128), block
-  [BLOCK_N, 128]; desc_v: V^T viewed (B*Hkv*128, Skv), block [128, BLOCK_N], its keys permuted within
+  (D = the head dim, 64 or 128, the same for Q, K and V)
+  desc_q: Q viewed (B*Sq, H*D), block [BLOCK_M, D]; desc_k: K viewed (B*Sk, Hkv*D), block
+  [BLOCK_N, D]; desc_v: V^T viewed (B*Hkv*D, Skv), block [D, BLOCK_N], its keys permuted within
   32-key chunks when V_PERM (Skv = Sk padded to 32, padding zeros), else Skv = Sk; desc_o: O viewed
-  (B, Sq, H*128) bf16, block [1, 64, 128] (stores clipped per batch). QD/KD/VD: float32 descales
+  (B, Sq, H*D) bf16, block [1, 64, D] (stores clipped per batch). QD/KD/VD: float32 descales
   indexed [b * stride_db + hkv * stride_dh], or None. Grid: min(#SMs, tiles) when PERSISTENT, else
   one program per tile; tiles = N_M_BLOCKS * B * H. Causal masking is bottom-right aligned.
 """
@@ -26,8 +27,6 @@ from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .lean_asm import MAGIC, lean_tail_asm
 
 DEVICE_MARKER = "# ---- emitted below this line ----"
-#: The head dim the device code is written for (KernelConfig validation enforces it).
-HEAD_D = 128
 #: Warps of the entry kernel's default partition (consumer warpgroup 0).
 NUM_WARPS = 4
 
@@ -44,8 +43,9 @@ def emit(config: KernelConfig) -> EmittedKernel:
 def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
     """Element type and TMA block of each descriptor argument, in kernel order (the launcher and the
     ahead-of-time compile build their descriptors from this one table)."""
-    return {"desc_q": ("fp8", [config.block_m, HEAD_D]), "desc_k": ("fp8", [config.block_n, HEAD_D]),
-            "desc_v": ("fp8", [HEAD_D, config.block_n]), "desc_o": ("bf16", [1, 64, HEAD_D])}
+    d = config.head_dim_qk  # == head_dim_v (KernelConfig validation)
+    return {"desc_q": ("fp8", [config.block_m, d]), "desc_k": ("fp8", [config.block_n, d]),
+            "desc_v": ("fp8", [d, config.block_n]), "desc_o": ("bf16", [1, 64, d])}
 
 
 def descriptor_layout(dtype: str, block: list[int]):
@@ -98,7 +98,7 @@ def _constants(c: KernelConfig) -> str:
     consumer_regs, producer_regs = gluon_registers(c)
     lean = c.softmax == "lean"
     values = [
-        ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", HEAD_D),
+        ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", int(c.head_dim_qk)),
         ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", int(c.block_m) // 64),
         ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),

@@ -14,7 +14,7 @@ import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from zyfa_tune.generator import KernelConfig
-from zyfa_tune.generator.emit_gluon import HEAD_D, NUM_WARPS, descriptor_blocks, descriptor_layout
+from zyfa_tune.generator.emit_gluon import NUM_WARPS, descriptor_blocks, descriptor_layout
 
 #: SMs of the H200 / H100 SXM: the persistent grid of an argument set not on a GPU (ahead of time).
 DEFAULT_SMS = 132
@@ -31,9 +31,10 @@ def grid_size(persistent: bool, tiles: int, sms: int) -> int:
 
 
 def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out: torch.Tensor) -> list:
-    """desc_q, desc_k, desc_v, desc_o. q, k: (B, S, H, 128) with (batch*seqlen, heads*dim) rows
-    (TMA-ready); vt: the (B, Hkv, 128, Skv) V^T of `kernels.transpose.transpose_v` (permuted and
-    padded to 32 keys when config.v_permute); out: contiguous (B, Sq, H, 128) bf16."""
+    """desc_q, desc_k, desc_v, desc_o. q, k: (B, S, H, D) with (batch*seqlen, heads*dim) rows
+    (TMA-ready); vt: the (B, Hkv, D, Skv) V^T of `kernels.transpose.transpose_v` (permuted and
+    padded to 32 keys when config.v_permute); out: contiguous (B, Sq, H, D) bf16; D = the config's
+    head dim."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     skv = vt.shape[3]
@@ -60,8 +61,9 @@ def arguments(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, vt: torch.
     """(grid, positional arguments, options) of one call; `sms` sizes the persistent grid."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    if d != HEAD_D or k.shape[3] != HEAD_D or vt.shape[2] != HEAD_D:
-        raise ValueError(f"q/k/v: the Gluon kernel is written for head dim {HEAD_D}")
+    if not d == k.shape[3] == vt.shape[2] == config.head_dim_qk:
+        raise ValueError(f"q/k/v: head dims {d}/{k.shape[3]}/{vt.shape[2]}; this Gluon kernel is built for "
+                         f"{config.head_dim_qk}")
     n_m = math.ceil(sq / config.block_m)
     tiles = n_m * b * h
     ds0, ds1 = q_descale.stride() if q_descale is not None else (0, 0)

@@ -17,13 +17,18 @@ from gluon_cases import GLUON, SPACE, neighbours, sampled
 
 from zyfa_tune.generator import KernelConfig, emit
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
+from zyfa_tune.kernels.defaults import default_config
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
 from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
 
 #: lean P (Gluon): each instruction sequence, on the seed and on the 15-minute study's winner schedule
 LEAN_CASES = [GLUON.replace(softmax="lean", rowsum="mma", lean_fold=fold) for fold in ("fma", "sub_fma", "corrected")]
 LEAN_CASES.append(LEAN_CASES[0].replace(ping_pong=False, q_stages=2, q_order="forward", lean_clamp="fmax", lean_pack="bfi"))
-CASES = neighbours() + sampled(6) + LEAN_CASES
+#: head dim 64 (Q, K, V and O tiles of 64 columns): the seed, one consumer, lean P, 64-key blocks
+HD64 = default_config("fp8", 64, 64, "gluon")
+HD64_CASES = [HD64, HD64.replace(block_m=64, ping_pong=False), HD64.replace(softmax="lean", rowsum="mma"),
+              HD64.replace(block_n=64, num_stages=4), HD64.replace(ping_pong=False, q_stages=2, q_order="forward")]
+CASES = neighbours() + sampled(6) + LEAN_CASES + HD64_CASES
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,8 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
 
 @pytest.mark.parametrize("changes,match", [
     (dict(dtype="bf16", p_scale_log2=0), r"^dtype='bf16': backend='gluon' emits FP8"),
-    (dict(head_dim_qk=64, head_dim_v=64), r"^head_dim_qk=64: backend='gluon' implements head dims \[128\] only"),
+    (dict(head_dim_qk=96, head_dim_v=96), r"^head_dim_qk=96: backend='gluon' implements head dims \[64, 128\] only"),
+    (dict(head_dim_v=64), r"^head_dim_qk=128, head_dim_v=64: backend='gluon' needs equal head dims"),
     (dict(head_dim_v=256), r"^head_dim_v=256: backend='gluon' implements head dims"),
     (dict(block_m=256), r"^block_m=256: .*block_m must be 64 or 128"),
     (dict(num_stages=1), r"^num_stages=1: the Gluon K/V ring needs at least 2 stages"),
@@ -73,9 +74,11 @@ def test_gluon_values_are_type_checked():
 
 
 def test_unsupported_head_dims_never_reach_a_launch():
-    """Only head dim 128 is implemented in Gluon: configs, defaults and overrides all refuse others."""
-    assert GLUON_HEAD_DIMS == (128,)
-    for dqk, dv in ((64, 64), (96, 96), (192, 128), (256, 256)):
+    """Only head dims 64 and 128 are implemented in Gluon: configs, defaults and overrides all refuse
+    others."""
+    assert GLUON_HEAD_DIMS == (64, 128)
+    assert default_config("fp8", 64, 64, "gluon").head_dim_v == 64
+    for dqk, dv in ((96, 96), (192, 128), (256, 256)):
         with pytest.raises(ConfigError, match="implements head dims"):
             default_config("fp8", dqk, dv, "gluon")
         with pytest.raises(ConfigError, match="implements head dims"):
@@ -166,7 +169,8 @@ def test_space_seeds_the_gluon_default_right_after_the_triton_default():
     seeds = space.seeds(128, 128)
     assert seeds[:2] == [default_config("fp8", 128, 128), GLUON]
     assert space.as_optuna_params(GLUON)["backend"] == "gluon"
-    for dqk, dv in ((64, 64), (256, 256)):  # no Gluon seed where Gluon does not implement the dims
+    assert space.seeds(64, 64)[1] == default_config("fp8", 64, 64, "gluon")
+    for dqk, dv in ((96, 96), (256, 256)):  # no Gluon seed where Gluon does not implement the dims
         assert all(c.backend == "triton" for c in space.seeds(dqk, dv))
     assert all(c.backend == "triton" for c in get_space("bf16").seeds(128, 128))
 
@@ -194,8 +198,8 @@ def test_space_samples_both_backends_as_valid_canonical_configs():
 def test_space_maps_gluon_to_triton_where_gluon_lacks_the_head_dims():
     space = get_space("fp8")
     study = optuna.create_study()
-    study.enqueue_trial({**space.as_optuna_params(space.base(64, 64)), "backend": "gluon"})
-    config = space.suggest(study.ask(), 64, 64)
+    study.enqueue_trial({**space.as_optuna_params(space.base(96, 96)), "backend": "gluon"})
+    config = space.suggest(study.ask(), 96, 96)
     assert config is not None and config.backend == "triton"
 
 

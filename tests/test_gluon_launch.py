@@ -78,7 +78,7 @@ def test_prepare_gluon_rejects_what_it_cannot_launch():
     with pytest.raises(ValueError, match="^out: .*must be contiguous"):
         launch.prepare(GLUON, q, k, v, torch.empty(2, 8, 1000, 128, dtype=BF16).transpose(1, 2), 0.1, True)
     q64 = torch.zeros(1, 16, 2, 64, dtype=FP8)
-    with pytest.raises(ValueError, match="head dim 128"):
+    with pytest.raises(ValueError, match="head dims 64/64/64; this Gluon kernel is built for 128"):
         launch.prepare(GLUON, q64, q64, q64, torch.empty(1, 16, 2, 64, dtype=BF16), 0.1, True)
 
 

@@ -42,10 +42,11 @@ def fa3_error(args, kw, ref, causal):
 
 
 def check(cfg, b, sq, sk, h, hk, causal=True, seed=0, vs_fa3=True, bound=FP8_BOUND, fa3_factor=1.1):
-    args, kw = make_inputs("fp8", 128, 128, batch=b, heads=h, kv_heads=hk, seqlen=sq, seqlen_k=sk, seed=seed)
+    d = cfg.head_dim_qk
+    args, kw = make_inputs("fp8", d, d, batch=b, heads=h, kv_heads=hk, seqlen=sq, seqlen_k=sk, seed=seed)
     ref = attention_reference(*args, causal=causal, **kw)
     out = flash_attn_func(*args, causal=causal, config=cfg, **kw)
-    assert out.dtype == torch.bfloat16 and out.shape == (b, sq, h, 128)
+    assert out.dtype == torch.bfloat16 and out.shape == (b, sq, h, d)
     assert torch.isfinite(out).all(), "unwritten or non-finite output"
     err = rel_l2(out, ref)
     theirs = fa3_error(args, kw, ref, causal) if vs_fa3 else None
@@ -96,6 +97,21 @@ def test_lean_p_bitwise_stable_and_fast_path():
     first = flash_attn_func(*args, config=LEAN, **kw)
     for _ in range(20):
         assert torch.equal(flash_attn_func(*args, config=LEAN, **kw), first)
+
+
+#: head dim 64: the seed schedule, the study's winner schedule, lean P
+HD64 = {"seed": default_config("fp8", 64, 64, "gluon")}
+HD64["winner"] = HD64["seed"].replace(ping_pong=False, q_stages=2, q_order="forward")
+HD64["lean"] = HD64["seed"].replace(softmax="lean", rowsum="mma")
+
+
+@pytest.mark.parametrize("name", HD64)
+@pytest.mark.parametrize("sq,sk,causal", [(1, 1, True), (17, 17, True), (1000, 1000, True), (4096, 4096, True),
+                                          (300, 100, True), (1000, 1536, False)])
+def test_head_dim_64(name, sq, sk, causal):
+    lean = name == "lean"
+    check(HD64[name], 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128,
+          bound=0.045 if lean else FP8_BOUND, fa3_factor=1.6 if lean else 1.1)
 
 
 def test_long_sequence():
