@@ -18,7 +18,7 @@ GENERATOR_VERSION = "0.1.0"
 #: Head dims the Triton backend emits; non-powers of two are split into power-of-two chunks.
 HEAD_DIMS = (64, 96, 128, 192, 256)
 #: Head dims the Gluon backend emits (one 64 x head-dim accumulator per consumer warpgroup; Q, K, V share it).
-GLUON_HEAD_DIMS = (64, 128)
+GLUON_HEAD_DIMS = (64, 128, 256)
 
 #: Allowed values of every field. Search spaces draw from these; validation enforces them.
 CHOICES: dict[str, tuple] = {

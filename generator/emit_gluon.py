@@ -8,7 +8,7 @@ The source holds everything the kernel runs, so its hash identifies the kernel (
 build cache), as for the Triton backend.
 
 Kernel contract (see kernels/gluon_launch.py):
-  (D = the head dim, 64 or 128, the same for Q, K and V)
+  (D = the head dim, 64, 128 or 256, the same for Q, K and V)
   desc_q: Q viewed (B*Sq, H*D), block [BLOCK_M, D]; desc_k: K viewed (B*Sk, Hkv*D), block
   [BLOCK_N, D]; desc_v: V^T viewed (B*Hkv*D, Skv), block [D, BLOCK_N], its keys permuted within
   32-key chunks when V_PERM (Skv = Sk padded to 32, padding zeros), else Skv = Sk; desc_o: O viewed

@@ -248,6 +248,8 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
 
 #: Fixed part of a Gluon consumer's registers: row statistics, loop state, addresses, barriers.
 GLUON_REGISTER_OVERHEAD = 24
+#: Extra registers a Gluon consumer needs at head dims 64 and 256 with the packed P carried (measured)
+GLUON_OTHER_DIM_REGISTERS = 12
 
 
 def gluon_register_estimate(c: KernelConfig) -> int:
@@ -257,10 +259,16 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     bytes plus the shuffles' temporaries (block_n / 2 + 16); + GLUON_REGISTER_OVERHEAD.
     Calibrated on compile_for_target over block_n 64/128/256 x overlap x v_permute x producer_regs
     24/56 x one or two consumers (36 configs; tests/test_gluon_compile.py keeps the decisive ones):
-    it rejected every config that spilled and none that did not."""
+    it rejected every config that spilled and none that did not. Head dims 64 and 256 with the
+    packed P carried (overlap, v_permute) need GLUON_OTHER_DIM_REGISTERS more: without them a 256 x
+    128-key and a 64 x 256-key (producer_regs=56) config passed and spilled 48 and 8 bytes, while the
+    same term on head dim 128 would reject a 256-key one-consumer config that fits (7 more compiles,
+    tests/test_gluon_compile.py CALIBRATION)."""
+    acc = 64 * c.head_dim_v // 128
     scores = 64 * c.block_n // 128
     carried = 0 if not c.overlap else scores // 4 if c.v_permute else scores + 16
-    return 64 * c.head_dim_v // 128 + scores + carried + GLUON_REGISTER_OVERHEAD
+    other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and c.head_dim_v != 128 else 0
+    return acc + scores + carried + other_dim + GLUON_REGISTER_OVERHEAD
 
 
 def gluon_infeasibility(c: KernelConfig) -> str | None:

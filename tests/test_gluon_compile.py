@@ -28,7 +28,11 @@ LEAN_CASES.append(LEAN_CASES[0].replace(ping_pong=False, q_stages=2, q_order="fo
 HD64 = default_config("fp8", 64, 64, "gluon")
 HD64_CASES = [HD64, HD64.replace(block_m=64, ping_pong=False), HD64.replace(softmax="lean", rowsum="mma"),
               HD64.replace(block_n=64, num_stages=4), HD64.replace(ping_pong=False, q_stages=2, q_order="forward")]
-CASES = neighbours() + sampled(6) + LEAN_CASES + HD64_CASES
+#: head dim 256 (64-key blocks: the 64 x 256 accumulator's registers; Q/K boxes split by the swizzle)
+HD256 = default_config("fp8", 256, 256, "gluon")
+HD256_CASES = [HD256, HD256.replace(softmax="lean", rowsum="mma"), HD256.replace(num_stages=3),
+               HD256.replace(ping_pong=False, q_stages=2, q_order="forward"), HD256.replace(block_m=64, ping_pong=False)]
+CASES = neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +94,13 @@ CALIBRATION = [
     (dict(block_n=256, num_stages=2), True),                   # 248 > 240: spills, wgmma serialised
     (dict(block_n=256, num_stages=2, block_m=64, ping_pong=False), False),  # 248 <= 256
     (dict(block_n=256, num_stages=2, overlap=False, producer_regs=56), False),  # no P carried: 216
+    # head dims 64 and 256 (GLUON_OTHER_DIM_REGISTERS)
+    (dict(head_dim_qk=64, head_dim_v=64, block_n=256, num_stages=2), False),                     # 228 <= 240
+    (dict(head_dim_qk=64, head_dim_v=64, block_n=256, num_stages=2, producer_regs=56), True),    # 228 > 224: 8 B
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=64, num_stages=2, producer_regs=56), False),  # 204 <= 224
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=64, num_stages=2, v_permute=False, producer_regs=40), False),
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2), True),                   # 244 > 240: 48 B
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False), False),   # 216
 ]
 
 

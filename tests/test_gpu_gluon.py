@@ -99,18 +99,20 @@ def test_lean_p_bitwise_stable_and_fast_path():
         assert torch.equal(flash_attn_func(*args, config=LEAN, **kw), first)
 
 
-#: head dim 64: the seed schedule, the study's winner schedule, lean P
-HD64 = {"seed": default_config("fp8", 64, 64, "gluon")}
-HD64["winner"] = HD64["seed"].replace(ping_pong=False, q_stages=2, q_order="forward")
-HD64["lean"] = HD64["seed"].replace(softmax="lean", rowsum="mma")
+#: head dims 64 and 256: the seed schedule, the hd128 study's winner schedule, lean P
+OTHER_DIMS = {}
+for _d in (64, 256):
+    _seed = default_config("fp8", _d, _d, "gluon")
+    OTHER_DIMS.update({f"{_d}-seed": _seed, f"{_d}-winner": _seed.replace(ping_pong=False, q_stages=2, q_order="forward"),
+                       f"{_d}-lean": _seed.replace(softmax="lean", rowsum="mma")})
 
 
-@pytest.mark.parametrize("name", HD64)
+@pytest.mark.parametrize("name", OTHER_DIMS)
 @pytest.mark.parametrize("sq,sk,causal", [(1, 1, True), (17, 17, True), (1000, 1000, True), (4096, 4096, True),
                                           (300, 100, True), (1000, 1536, False)])
-def test_head_dim_64(name, sq, sk, causal):
-    lean = name == "lean"
-    check(HD64[name], 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128,
+def test_head_dims_64_and_256(name, sq, sk, causal):
+    lean = name.endswith("lean")
+    check(OTHER_DIMS[name], 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128,
           bound=0.045 if lean else FP8_BOUND, fa3_factor=1.6 if lean else 1.1)
 
 
