@@ -43,9 +43,9 @@ def emit(config: KernelConfig) -> EmittedKernel:
 def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
     """Element type and TMA block of each descriptor argument, in kernel order (the launcher and the
     ahead-of-time compile build their descriptors from this one table)."""
-    d = config.head_dim_qk  # == head_dim_v (KernelConfig validation)
-    return {"desc_q": ("fp8", [config.block_m, d]), "desc_k": ("fp8", [config.block_n, d]),
-            "desc_v": ("fp8", [d, config.block_n]), "desc_o": ("bf16", [1, 64, d])}
+    dqk, dv = config.head_dim_qk, config.head_dim_v
+    return {"desc_q": ("fp8", [config.block_m, dqk]), "desc_k": ("fp8", [config.block_n, dqk]),
+            "desc_v": ("fp8", [dv, config.block_n]), "desc_o": ("bf16", [1, 64, dv])}
 
 
 def descriptor_layout(dtype: str, block: list[int]):
@@ -98,7 +98,7 @@ def _constants(c: KernelConfig) -> str:
     consumer_regs, producer_regs = gluon_registers(c)
     lean = c.softmax == "lean"
     values = [
-        ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", int(c.head_dim_qk)),
+        ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", int(c.head_dim_v)), ("HEAD_QK", int(c.head_dim_qk)),
         ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", int(c.block_m) // 64),
         ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),
@@ -129,7 +129,7 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
 
 _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
                   "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, BLOCK_M,\n"
-                  "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST)")
+                  "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST, HEAD_QK)")
 
 
 def _ones_lines(c: KernelConfig) -> list[str]:
@@ -154,8 +154,8 @@ def _entry(c: KernelConfig) -> str:
         f"                  {', '.join(SCALAR_PARAMS[:7])},",
         f"                  {', '.join(SCALAR_PARAMS[7:])}, CAUSAL: gl.constexpr):",
         "    dtype: gl.constexpr = gl.float8e4nv",
-        "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_D], desc_q.layout)",
-        "    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], desc_k.layout)",
+        "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_QK], desc_q.layout)",
+        "    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_QK], desc_k.layout)",
         "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], desc_v.layout)",
         "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], gl.bfloat16)",
         "    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, HEAD_D], o_layout)",

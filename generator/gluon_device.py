@@ -50,7 +50,8 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
               H, GROUP, Hkv, Sq, Sk, n_m, n_tiles,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr):
+              STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+              HEAD_QK: gl.constexpr):
     """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
     K and V barriers so that QK^T can start before V has landed)."""
     n_bh = n_tiles // n_m
@@ -63,7 +64,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
         qs = q_it % Q_STAGES
         mbarrier.wait(q_empty.index(qs), ((q_it // Q_STAGES) & 1) ^ 1)
         mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b * Sq + m0, h * HEAD_D], q_ready.index(qs), q_bufs.index(qs))
+        tma.async_copy_global_to_shared(q_desc, [b * Sq + m0, h * HEAD_QK], q_ready.index(qs), q_bufs.index(qs))
         q_it += 1
         n_blocks, n_masked = _block_range(m0, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
         k_row = b * Sk
@@ -74,7 +75,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             ph = ((kv_it // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), ph)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * HEAD_D], k_ready.index(s), k_bufs.index(s))
+            tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * HEAD_QK], k_ready.index(s), k_bufs.index(s))
             mbarrier.wait(v_empty.index(s), ph)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [v_row, n0], v_ready.index(s), v_bufs.index(s))
@@ -89,7 +90,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     """Online softmax of one 64 x BLOCK_N score block. Probabilities are scaled by 2^P_OFFSET so
     that small ones stay out of e4m3 subnormals; l carries the same factor, which cancels.
     LEAN (lean P): no exponential here; one FMA per score leaves what _p_operand turns into e4m3
-    codes (LEAN_FOLD), and l is left alone: the rounded row sum comes from an MMA with PV."""
+    codes (LEAN_ASM: generator/lean_asm.lean_tail_asm), and l is left alone: the rounded row sum
+    comes from an MMA with PV."""
     if MASK:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
         rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qk_layout))
@@ -109,7 +111,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
             a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0) - 8.0 * ref)[:, None])
         else:                    # x = s scale - ref; _p_operand finishes the fold
             a, b = gl.broadcast(ones * qk_scale, -ref[:, None])
-        p = gl.fma(s, a, b)      # one rounding: the code is round(8x) + 56 exactly
+        p = gl.fma(s, a, b)      # one rounding: under LEAN_FMA, y's low bits are exactly round(8x) + 56
         l_new = l_i
     else:
         p = gl.exp2(s * qk_scale - (m_use - P_OFFSET)[:, None])

@@ -36,12 +36,12 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, vt: torc
     padded to 32 keys when config.v_permute); out: contiguous (B, Sq, H, D) bf16; D = the config's
     head dim."""
     b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    sk, hk, dv = k.shape[1], k.shape[2], vt.shape[2]
     skv = vt.shape[3]
     if config.v_permute and skv % 32:
         raise ValueError(f"v: V^T has {skv} keys; v_permute needs the 32-padded copy of "
                          f"transpose_v(v, permute=True)")
-    if vt.stride(3) != 1 or vt.stride(1) != d * vt.stride(2) or vt.stride(0) != hk * vt.stride(1):
+    if vt.stride(3) != 1 or vt.stride(1) != dv * vt.stride(2) or vt.stride(0) != hk * vt.stride(1):
         raise ValueError(f"v: V^T strides {vt.stride()} are not those of a (B, Hkv, D, keys) buffer with "
                          f"keys contiguous")
     if not out.is_contiguous():
@@ -49,8 +49,8 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, vt: torc
     blocks = descriptor_blocks(config)
     views = {"desc_q": (q, [b * sq, h * d], [q.stride(1), 1]),
              "desc_k": (k, [b * sk, hk * d], [k.stride(1), 1]),
-             "desc_v": (vt, [b * hk * d, skv], [vt.stride(2), 1]),
-             "desc_o": (out, [b, sq, h * d], [sq * h * d, h * d, 1])}
+             "desc_v": (vt, [b * hk * dv, skv], [vt.stride(2), 1]),
+             "desc_o": (out, [b, sq, h * dv], [sq * h * dv, h * dv, 1])}
     return [TensorDescriptor(t, shape, strides, blocks[name][1], descriptor_layout(*blocks[name]))
             for name, (t, shape, strides) in views.items()]
 
@@ -61,9 +61,9 @@ def arguments(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, vt: torch.
     """(grid, positional arguments, options) of one call; `sms` sizes the persistent grid."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    if not d == k.shape[3] == vt.shape[2] == config.head_dim_qk:
+    if (d, k.shape[3], vt.shape[2]) != (config.head_dim_qk, config.head_dim_qk, config.head_dim_v):
         raise ValueError(f"q/k/v: head dims {d}/{k.shape[3]}/{vt.shape[2]}; this Gluon kernel is built for "
-                         f"{config.head_dim_qk}")
+                         f"{config.head_dim_qk}/{config.head_dim_qk}/{config.head_dim_v}")
     n_m = math.ceil(sq / config.block_m)
     tiles = n_m * b * h
     ds0, ds1 = q_descale.stride() if q_descale is not None else (0, 0)

@@ -73,7 +73,8 @@ def test_constants_are_the_config(cfg):
     c = constants(src)
     lean = cfg.softmax == "lean"
     consumer_regs, producer_regs = gluon_registers(cfg)
-    assert c == {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "HEAD_D": 128, "STAGES": cfg.num_stages,
+    assert c == {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "HEAD_D": cfg.head_dim_v, "HEAD_QK": cfg.head_dim_qk,
+                 "STAGES": cfg.num_stages,
                  "Q_STAGES": cfg.q_stages, "NUM_CONSUMERS": cfg.block_m // 64, "OVERLAP": cfg.overlap,
                  "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first", "V_PERM": cfg.v_permute,
                  "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,
