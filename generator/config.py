@@ -17,8 +17,9 @@ GENERATOR_VERSION = "0.1.0"
 
 #: Head dims the Triton backend emits; non-powers of two are split into power-of-two chunks.
 HEAD_DIMS = (64, 96, 128, 192, 256)
-#: Head dims the Gluon backend emits (one 64 x head-dim accumulator per consumer warpgroup; Q, K, V share it).
-GLUON_HEAD_DIMS = (64, 128, 256)
+#: (head_dim_qk, head_dim_v) pairs the Gluon backend emits (one 64 x head_dim_v accumulator per
+#: consumer warpgroup; a 192-wide Q / K is loaded and multiplied in three 64-column parts).
+GLUON_HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 
 #: Allowed values of every field. Search spaces draw from these; validation enforces them.
 CHOICES: dict[str, tuple] = {
@@ -176,13 +177,9 @@ class KernelConfig:
     def _check_gluon(self) -> None:
         if self.dtype != "fp8":
             raise ConfigError(f"dtype={self.dtype!r}: backend='gluon' emits FP8 (e4m3) kernels only")
-        for name in ("head_dim_qk", "head_dim_v"):
-            if getattr(self, name) not in GLUON_HEAD_DIMS:
-                raise ConfigError(f"{name}={getattr(self, name)}: backend='gluon' implements head dims "
-                                  f"{list(GLUON_HEAD_DIMS)} only")
-        if self.head_dim_qk != self.head_dim_v:
+        if (self.head_dim_qk, self.head_dim_v) not in GLUON_HEAD_DIMS:
             raise ConfigError(f"head_dim_qk={self.head_dim_qk}, head_dim_v={self.head_dim_v}: backend='gluon' "
-                              f"needs equal head dims")
+                              f"implements the head-dim pairs {[f'{a}/{b}' for a, b in GLUON_HEAD_DIMS]} only")
         if self.block_m not in (64, 128):
             raise ConfigError(f"block_m={self.block_m}: backend='gluon' runs one consumer warpgroup per 64 "
                               f"query rows, one or two of them: block_m must be 64 or 128")

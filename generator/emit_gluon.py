@@ -43,9 +43,16 @@ def emit(config: KernelConfig) -> EmittedKernel:
 def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
     """Element type and TMA block of each descriptor argument, in kernel order (the launcher and the
     ahead-of-time compile build their descriptors from this one table)."""
-    dqk, dv = config.head_dim_qk, config.head_dim_v
-    return {"desc_q": ("fp8", [config.block_m, dqk]), "desc_k": ("fp8", [config.block_n, dqk]),
+    w, dv = qk_part_width(config), config.head_dim_v
+    return {"desc_q": ("fp8", [config.block_m, w]), "desc_k": ("fp8", [config.block_n, w]),
             "desc_v": ("fp8", [dv, config.block_n]), "desc_o": ("bf16", [1, 64, dv])}
+
+
+def qk_part_width(config: KernelConfig) -> int:
+    """Columns of one Q / K tile part: tensor shapes must be powers of two, so a 192-wide Q / K comes
+    in three 64-column parts (one TMA copy and one chained wgmma each); other head dims in one."""
+    d = config.head_dim_qk
+    return d if d & (d - 1) == 0 else 64
 
 
 def descriptor_layout(dtype: str, block: list[int]):
@@ -99,6 +106,7 @@ def _constants(c: KernelConfig) -> str:
     lean = c.softmax == "lean"
     values = [
         ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", int(c.head_dim_v)), ("HEAD_QK", int(c.head_dim_qk)),
+        ("QK_PARTS", int(c.head_dim_qk) // qk_part_width(c)), ("QK_W", qk_part_width(c)),
         ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", int(c.block_m) // 64),
         ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),
@@ -124,12 +132,12 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
             "                    turn_bars, QD, KD, VD, stride_db, stride_dh, sm_scale_log2, H, GROUP, SEQ_Q, SEQ_K,\n"
             "                    N_M_BLOCKS, N_TILES, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
             "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
-            f"{bool(c.ex2_fence)!r}, LEAN, {'ones_bufs' if c.softmax == 'lean' else 'None'})")
+            f"{bool(c.ex2_fence)!r}, LEAN, {'ones_bufs' if c.softmax == 'lean' else 'None'}, QK_PARTS)")
 
 
 _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
                   "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, BLOCK_M,\n"
-                  "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST, HEAD_QK)")
+                  "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST, HEAD_QK, QK_PARTS)")
 
 
 def _ones_lines(c: KernelConfig) -> list[str]:
@@ -154,8 +162,8 @@ def _entry(c: KernelConfig) -> str:
         f"                  {', '.join(SCALAR_PARAMS[:7])},",
         f"                  {', '.join(SCALAR_PARAMS[7:])}, CAUSAL: gl.constexpr):",
         "    dtype: gl.constexpr = gl.float8e4nv",
-        "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES, BLOCK_M, HEAD_QK], desc_q.layout)",
-        "    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_QK], desc_k.layout)",
+        "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES * QK_PARTS, BLOCK_M, QK_W], desc_q.layout)",
+        "    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BLOCK_N, QK_W], desc_k.layout)",
         "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], desc_v.layout)",
         "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], gl.bfloat16)",
         "    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, HEAD_D], o_layout)",

@@ -51,9 +51,10 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               H, GROUP, Hkv, Sq, Sk, n_m, n_tiles,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-              HEAD_QK: gl.constexpr):
+              HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr):
     """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
-    K and V barriers so that QK^T can start before V has landed)."""
+    K and V barriers so that QK^T can start before V has landed). Q and K tiles come in QK_PARTS
+    column parts of HEAD_QK / QK_PARTS (tensor shapes must be powers of two: 192 = 3 x 64)."""
     n_bh = n_tiles // n_m
     kv_it = 0
     q_it = 0
@@ -63,8 +64,10 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
         m0 = mb * BLOCK_M
         qs = q_it % Q_STAGES
         mbarrier.wait(q_empty.index(qs), ((q_it // Q_STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(qs), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b * Sq + m0, h * HEAD_QK], q_ready.index(qs), q_bufs.index(qs))
+        mbarrier.expect(q_ready.index(qs), QK_PARTS * q_desc.block_type.nbytes)
+        for p in gl.static_range(QK_PARTS):
+            tma.async_copy_global_to_shared(q_desc, [b * Sq + m0, h * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
+                                            q_ready.index(qs), q_bufs.index(qs * QK_PARTS + p))
         q_it += 1
         n_blocks, n_masked = _block_range(m0, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
         k_row = b * Sk
@@ -74,8 +77,10 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             s = kv_it % STAGES
             ph = ((kv_it // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), ph)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * HEAD_QK], k_ready.index(s), k_bufs.index(s))
+            mbarrier.expect(k_ready.index(s), QK_PARTS * k_desc.block_type.nbytes)
+            for p in gl.static_range(QK_PARTS):
+                tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
+                                                k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
             mbarrier.wait(v_empty.index(s), ph)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [v_row, n0], v_ready.index(s), v_bufs.index(s))
@@ -198,14 +203,26 @@ def _turn_pass(turn_bars, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPO
 
 
 @gluon.jit
-def _qk_waited(q_smem, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it, CID: gl.constexpr,
-               NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr):
+def _qk_issue(q_bufs, qb, k_bufs, kb, s_zero, CID: gl.constexpr, QK_PARTS: gl.constexpr):
+    """S = Q K^T as QK_PARTS chained async wgmmas over the column parts (slots qb.., kb..); returns
+    the token of the last (each wgmma is its own commit group, so waiting for it waits for all)."""
+    s_tok = warpgroup_mma(q_bufs.index(qb).slice(CID * 64, 64, dim=0), k_bufs.index(kb).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+    for p in gl.static_range(1, QK_PARTS):
+        s_tok = warpgroup_mma(q_bufs.index(qb + p).slice(CID * 64, 64, dim=0), k_bufs.index(kb + p).permute((1, 0)),
+                              s_tok, is_async=True)
+    return s_tok
+
+
+@gluon.jit
+def _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it, CID: gl.constexpr,
+               NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, QK_PARTS: gl.constexpr):
     """S = Q K^T for the K block in stage kv_it % STAGES, issued in this warpgroup's turn and waited
     for; that K stage is released."""
     st = kv_it % STAGES
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-    s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s_tok,))
     mbarrier.arrive(k_empty.index(st), count=1)
@@ -213,12 +230,13 @@ def _qk_waited(q_smem, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_
 
 
 @gluon.jit
-def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_smem, k_bufs, v_bufs, s_zero,
+def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs, v_bufs, s_zero,
              k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
              MASK: gl.constexpr, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
              PINGPONG: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
              qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, V_PERM: gl.constexpr,
-             P_OFFSET: gl.constexpr, EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_smem, l_zero):
+             P_OFFSET: gl.constexpr, EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_smem, l_zero,
+             QK_PARTS: gl.constexpr):
     """Overlapped step j >= 1: issue QK^T(j) and PV(j-1) back to back, wait for QK^T(j) only, run
     softmax(j) while PV(j-1) is on the tensor cores, then wait for PV(j-1). What keeps ptxas from
     undoing the overlap: nothing in flight across the loop back-edge (else every wgmma of the kernel
@@ -237,7 +255,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_smem, k_bu
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-    s_tok = warpgroup_mma(q_smem, k_bufs.index(st).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
     o_tok = warpgroup_mma(p8, v_bufs.index(pst).permute((1, 0)), acc, is_async=True)
     if LEAN:
         r_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
@@ -270,7 +288,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
               CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
-              EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_bufs):
+              EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_bufs, QK_PARTS: gl.constexpr):
     """Consumer warpgroup CID: rows [64 CID, 64 CID + 64) of every tile it visits. Key blocks from
     the diagonal downwards; only the first n_masked (diagonal / key end) pay for the mask."""
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -319,7 +337,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
 
         qs = q_it % Q_STAGES
         mbarrier.wait(q_ready.index(qs), (q_it // Q_STAGES) & 1)
-        q_smem = q_bufs.index(qs).slice(CID * 64, 64, dim=0)
+        qb = qs * QK_PARTS  # this tile's Q: slots qb .. qb + QK_PARTS - 1
 
         m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.full([64], 0.0, gl.float32, layout=row_s)
@@ -329,8 +347,8 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
         if n_blocks > 0:
             if OVERLAP:
                 # ---- block 0 (the diagonal / tail block whenever any block is masked)
-                s = _qk_waited(q_smem, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
-                               CID, NUM_CONSUMERS, PINGPONG, STAGES)
+                s = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
+                               CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS)
                 turn_it += 1
                 pP, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1) * BLOCK_N, row0, Sk, off,
                                                True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN)
@@ -341,10 +359,11 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                     hi = n_masked if phase == 0 else n_blocks
                     for j in range(lo, hi):
                         pP, acc, alpha, m_i, l_i = _ov_step(
-                            j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_smem, k_bufs, v_bufs, s_zero,
+                            j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs, v_bufs, s_zero,
                             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
                             phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
-                            qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero)
+                            qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
+                            QK_PARTS)
                         turn_it += 1
                         kv_it += 1
                 # ---- PV of the last block
@@ -372,8 +391,8 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                 for j in range(n_blocks):
                     s_st = kv_it % STAGES
                     s_ph = (kv_it // STAGES) & 1
-                    s = _qk_waited(q_smem, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
-                                   CID, NUM_CONSUMERS, PINGPONG, STAGES)
+                    s = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
+                                   CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS)
                     turn_it += 1
                     n0 = (n_blocks - 1 - j) * BLOCK_N
                     if j < n_masked:

@@ -171,7 +171,7 @@ def backend_param(choices: tuple = ("triton", "gluon")) -> Param:
 
 
 def _gluon_implements(f: Mapping[str, Any]) -> bool:
-    return f["dtype"] == "fp8" and f["head_dim_qk"] in GLUON_HEAD_DIMS and f["head_dim_v"] in GLUON_HEAD_DIMS
+    return f["dtype"] == "fp8" and (f["head_dim_qk"], f["head_dim_v"]) in GLUON_HEAD_DIMS
 
 
 # ---- static feasibility ------------------------------------------------------------------------

@@ -32,7 +32,20 @@ HD64_CASES = [HD64, HD64.replace(block_m=64, ping_pong=False), HD64.replace(soft
 HD256 = default_config("fp8", 256, 256, "gluon")
 HD256_CASES = [HD256, HD256.replace(softmax="lean", rowsum="mma"), HD256.replace(num_stages=3),
                HD256.replace(ping_pong=False, q_stages=2, q_order="forward"), HD256.replace(block_m=64, ping_pong=False)]
-CASES = neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES
+#: MLA's 192/128: Q and K in three 64-column parts (one TMA copy and one chained wgmma each)
+MLA = default_config("fp8", 192, 128, "gluon")
+MLA_CASES = [MLA, MLA.replace(softmax="lean", rowsum="mma"), MLA.replace(block_n=64, num_stages=4),
+             MLA.replace(ping_pong=False, q_stages=2, q_order="forward"), MLA.replace(block_m=64, ping_pong=False)]
+CASES = neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES
+
+
+def test_192_wide_q_and_k_come_in_three_parts(compiled):
+    """Tensor shapes must be powers of two: a 192-wide Q / K tile is three 64-column TMA copies and
+    three chained wgmmas (6 k-steps of 32, as one 192-deep product would be)."""
+    art, ref = compiled(MLA), compiled(GLUON)
+    loads = len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", art.ptx))
+    assert loads == len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ref.ptx)) + 4
+    assert art.ptx.count("m64n128k32.f32.e4m3.e4m3") == ref.ptx.count("m64n128k32.f32.e4m3.e4m3") * 60 // 48
 
 
 @pytest.fixture(scope="module")

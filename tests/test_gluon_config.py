@@ -52,9 +52,10 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
 
 @pytest.mark.parametrize("changes,match", [
     (dict(dtype="bf16", p_scale_log2=0), r"^dtype='bf16': backend='gluon' emits FP8"),
-    (dict(head_dim_qk=96, head_dim_v=96), r"^head_dim_qk=96: backend='gluon' implements head dims \[64, 128, 256\] only"),
-    (dict(head_dim_v=64), r"^head_dim_qk=128, head_dim_v=64: backend='gluon' needs equal head dims"),
-    (dict(head_dim_v=192), r"^head_dim_v=192: backend='gluon' implements head dims"),
+    (dict(head_dim_qk=96, head_dim_v=96),
+     r"^head_dim_qk=96, head_dim_v=96: backend='gluon' implements the head-dim pairs \['64/64', '128/128', '192/128', '256/256'\] only"),
+    (dict(head_dim_v=64), r"^head_dim_qk=128, head_dim_v=64: backend='gluon' implements the head-dim pairs"),
+    (dict(head_dim_qk=128, head_dim_v=192), r"^head_dim_qk=128, head_dim_v=192: backend='gluon' implements"),
     (dict(block_m=256), r"^block_m=256: .*block_m must be 64 or 128"),
     (dict(num_stages=1), r"^num_stages=1: the Gluon K/V ring needs at least 2 stages"),
     (dict(block_m=64), r"^ping_pong=True needs two consumer warpgroups"),
@@ -76,13 +77,14 @@ def test_gluon_values_are_type_checked():
 def test_unsupported_head_dims_never_reach_a_launch():
     """Only head dims 64 and 128 are implemented in Gluon: configs, defaults and overrides all refuse
     others."""
-    assert GLUON_HEAD_DIMS == (64, 128, 256)
+    assert GLUON_HEAD_DIMS == ((64, 64), (128, 128), (192, 128), (256, 256))
+    assert default_config("fp8", 192, 128, "gluon").block_n == 128
     assert default_config("fp8", 64, 64, "gluon").head_dim_v == 64
     assert default_config("fp8", 256, 256, "gluon").block_n == 64  # the 64 x 256 accumulator's registers
-    for dqk, dv in ((96, 96), (192, 128)):
-        with pytest.raises(ConfigError, match="implements head dims"):
+    for dqk, dv in ((96, 96), (64, 128)):
+        with pytest.raises(ConfigError, match="implements the head-dim pairs"):
             default_config("fp8", dqk, dv, "gluon")
-        with pytest.raises(ConfigError, match="implements head dims"):
+        with pytest.raises(ConfigError, match="implements the head-dim pairs"):
             config_with("fp8", dqk, dv, {"backend": "gluon"})
     with pytest.raises(ConfigError, match="FP8"):
         default_config("bf16", 128, 128, "gluon")
@@ -171,7 +173,7 @@ def test_space_seeds_the_gluon_default_right_after_the_triton_default():
     assert seeds[:2] == [default_config("fp8", 128, 128), GLUON]
     assert space.as_optuna_params(GLUON)["backend"] == "gluon"
     assert space.seeds(64, 64)[1] == default_config("fp8", 64, 64, "gluon")
-    for dqk, dv in ((96, 96), (192, 128)):  # no Gluon seed where Gluon does not implement the dims
+    for dqk, dv in ((96, 96),):  # no Gluon seed where Gluon does not implement the dims
         assert all(c.backend == "triton" for c in space.seeds(dqk, dv))
     assert all(c.backend == "triton" for c in get_space("bf16").seeds(128, 128))
 

@@ -74,6 +74,7 @@ def test_constants_are_the_config(cfg):
     lean = cfg.softmax == "lean"
     consumer_regs, producer_regs = gluon_registers(cfg)
     assert c == {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "HEAD_D": cfg.head_dim_v, "HEAD_QK": cfg.head_dim_qk,
+                 "QK_PARTS": cfg.head_dim_qk // emit_gluon.qk_part_width(cfg), "QK_W": emit_gluon.qk_part_width(cfg),
                  "STAGES": cfg.num_stages,
                  "Q_STAGES": cfg.q_stages, "NUM_CONSUMERS": cfg.block_m // 64, "OVERLAP": cfg.overlap,
                  "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first", "V_PERM": cfg.v_permute,

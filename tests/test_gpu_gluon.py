@@ -42,8 +42,8 @@ def fa3_error(args, kw, ref, causal):
 
 
 def check(cfg, b, sq, sk, h, hk, causal=True, seed=0, vs_fa3=True, bound=FP8_BOUND, fa3_factor=1.1):
-    d = cfg.head_dim_qk
-    args, kw = make_inputs("fp8", d, d, batch=b, heads=h, kv_heads=hk, seqlen=sq, seqlen_k=sk, seed=seed)
+    d = cfg.head_dim_v
+    args, kw = make_inputs("fp8", cfg.head_dim_qk, d, batch=b, heads=h, kv_heads=hk, seqlen=sq, seqlen_k=sk, seed=seed)
     ref = attention_reference(*args, causal=causal, **kw)
     out = flash_attn_func(*args, causal=causal, config=cfg, **kw)
     assert out.dtype == torch.bfloat16 and out.shape == (b, sq, h, d)
@@ -101,16 +101,17 @@ def test_lean_p_bitwise_stable_and_fast_path():
 
 #: head dims 64 and 256: the seed schedule, the hd128 study's winner schedule, lean P
 OTHER_DIMS = {}
-for _d in (64, 256):
-    _seed = default_config("fp8", _d, _d, "gluon")
-    OTHER_DIMS.update({f"{_d}-seed": _seed, f"{_d}-winner": _seed.replace(ping_pong=False, q_stages=2, q_order="forward"),
-                       f"{_d}-lean": _seed.replace(softmax="lean", rowsum="mma")})
+for _dqk, _dv in ((64, 64), (256, 256), (192, 128)):
+    _seed = default_config("fp8", _dqk, _dv, "gluon")
+    OTHER_DIMS.update({f"{_dqk}-seed": _seed,
+                       f"{_dqk}-winner": _seed.replace(ping_pong=False, q_stages=2, q_order="forward"),
+                       f"{_dqk}-lean": _seed.replace(softmax="lean", rowsum="mma")})
 
 
 @pytest.mark.parametrize("name", OTHER_DIMS)
 @pytest.mark.parametrize("sq,sk,causal", [(1, 1, True), (17, 17, True), (1000, 1000, True), (4096, 4096, True),
                                           (300, 100, True), (1000, 1536, False)])
-def test_head_dims_64_and_256(name, sq, sk, causal):
+def test_head_dims_64_256_and_192_128(name, sq, sk, causal):
     lean = name.endswith("lean")
     check(OTHER_DIMS[name], 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128,
           bound=0.045 if lean else FP8_BOUND, fa3_factor=1.6 if lean else 1.1)
