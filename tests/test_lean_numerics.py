@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from zyfa_tune.generator import CHOICES
-from zyfa_tune.generator.lean_asm import E4M3_ONE_CODE, LEAN_CORRECTION, MAGIC, MAGIC_BITS, lean_p_asm
+from zyfa_tune.generator.lean_asm import E4M3_ONE_CODE, LEAN_CORRECTION, MAGIC, MAGIC_BITS, lean_p_asm, lean_tail_asm
 
 LOG2E = 1.4426950408889634
 
@@ -236,8 +236,9 @@ def _bfi(a: int, b: int, pos: int, length: int) -> int:
 
 
 def run_lean_asm(text: str, inputs: list[float]) -> int:
-    """Interpret the lean asm: $1..$12 float32 inputs, returns the 32-bit $0."""
-    assert len(inputs) == 12
+    """Interpret the lean asm: $1..$12 (lean_p_asm) or $1..$4 (lean_tail_asm) float32 inputs,
+    returns the 32-bit $0."""
+    assert len(inputs) in (4, 12)
     regs = {f"${i + 1}": bits(v) & 0xFFFFFFFF for i, v in enumerate(inputs)}
     body = text.strip().splitlines()
     assert body[0] == "{" and body[-1] == "}" and body[1].startswith(".reg .b32 ")
@@ -248,7 +249,9 @@ def run_lean_asm(text: str, inputs: list[float]) -> int:
         assert m, line
         op, args = m.group(1), [t.strip() for t in m.group(2).split(",")]
         dst, srcs = args[0], [_operand(t, regs) for t in args[1:]]
-        if op == "fma.rn.f32":
+        if op == "mov.b32":
+            val = srcs[0]
+        elif op == "fma.rn.f32":
             val = bits(fma_f32(*(from_bits(v) for v in srcs)))
         elif op == "add.rm.f32":
             val = bits(round_down_f32(sum(Fraction(from_bits(v)) for v in srcs)))
@@ -388,3 +391,23 @@ def test_corrected_fold_matches_correct_rounding_in_the_normal_range():
     print("share of correctly rounded codes, x in [-6, 8]:", shares)
     assert shares["corrected"] >= 0.95  # 0.969 on this grid
     assert shares["sub_fma"] <= 0.6  # 0.532
+
+
+@pytest.mark.parametrize("fold,clamp,pack", list(itertools.product(
+    CHOICES["lean_fold"], CHOICES["lean_clamp"], CHOICES["lean_pack"])))
+def test_gluon_tail_gives_the_same_codes_as_the_triton_sequence(fold, clamp, pack):
+    """The Gluon kernel folds in tensor code, one gl.fma(s, a, b) per score with the same per-row
+    (a, b) (y under "fma", x = s*scale - ref otherwise), and lean_tail_asm finishes next to the PV
+    wgmma: the packed codes equal lean_p_asm's (the Triton backend's) on the same scores."""
+    tail, full = lean_tail_asm(fold, clamp, pack), lean_p_asm(fold, clamp, pack)
+    rng = np.random.default_rng(2)
+    scale = SCALES[2]
+    for trial in range(300):
+        refs = [float(r) for r in rng.integers(-80, 160, size=2) / 8.0]
+        row_of_lane = [0, 0, 1, 1]
+        scores = [f32((x + refs[r]) / scale) for x, r in zip(rng.uniform(-14.0, 8.0, size=4), row_of_lane)]
+        if trial % 5 == 0:
+            scores[trial % 4] = -math.inf  # masked
+        ab = [fold_operands(fold, scale, refs[r]) for r in row_of_lane]
+        folded = [fma_f32(sc, a, b) for sc, (a, b) in zip(scores, ab)]  # gl.fma: one rounding
+        assert run_lean_asm(tail, folded) == run_lean_asm(full, scores + [a for a, _ in ab] + [b for _, b in ab])
