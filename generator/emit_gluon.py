@@ -8,9 +8,10 @@ The source holds everything the kernel runs, so its hash identifies the kernel (
 build cache), as for the Triton backend.
 
 Kernel contract (see kernels/gluon_launch.py):
-  (D = the head dim, 64, 128 or 256, the same for Q, K and V)
-  desc_q: Q viewed (B*Sq, H*D), block [BLOCK_M, D]; desc_k: K viewed (B*Sk, Hkv*D), block
-  [BLOCK_N, D]; desc_v: V^T viewed (B*Hkv*D, Skv), block [D, BLOCK_N], its keys permuted within
+  (Dqk/D = head dims of Q, K / of V and O: 64/64, 128/128, 192/128, 256/256; W = the width of one
+  Q / K column part, qk_part_width: Dqk, or 64 for 192)
+  desc_q: Q viewed (B*Sq, H*Dqk), block [BLOCK_M, W]; desc_k: K viewed (B*Sk, Hkv*Dqk), block
+  [BLOCK_N, W]; desc_v: V^T viewed (B*Hkv*D, Skv), block [D, BLOCK_N], its keys permuted within
   32-key chunks when V_PERM (Skv = Sk padded to 32, padding zeros), else Skv = Sk; desc_o: O viewed
   (B, Sq, H*D) bf16, block [1, 64, D] (stores clipped per batch). QD/KD/VD: float32 descales
   indexed [b * stride_db + hkv * stride_dh], or None. Grid: min(#SMs, tiles) when PERSISTENT, else

@@ -230,6 +230,29 @@ def _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, t
 
 
 @gluon.jit
+def _pv_issue(p8, v_smem, acc, ones_smem, l_zero, LEAN: gl.constexpr):
+    """O += P V as an async wgmma; under LEAN also the rounded row sum: P against the ones tile
+    (fresh accumulator each time: FP8 wgmma accumulation is too coarse for a running sum)."""
+    o_tok = warpgroup_mma(p8, v_smem.permute((1, 0)), acc, is_async=True)
+    if LEAN:
+        r_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+    else:
+        r_tok = o_tok  # a stand-in _pv_done ignores (a None in a returned tuple does not compile)
+    return o_tok, r_tok
+
+
+@gluon.jit
+def _pv_done(o_tok, r_tok, l_i, row_s: gl.constexpr, LEAN: gl.constexpr):
+    """Wait for _pv_issue's wgmmas; under LEAN add the row sum (all 8 columns hold it) to l."""
+    if LEAN:
+        acc, rs = warpgroup_mma_wait(0, deps=(o_tok, r_tok))
+        l_i = l_i + gl.convert_layout(gl.max(rs, axis=1), row_s)
+    else:
+        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+    return acc, l_i
+
+
+@gluon.jit
 def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs, v_bufs, s_zero,
              k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
              MASK: gl.constexpr, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
@@ -256,9 +279,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
     s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
-    o_tok = warpgroup_mma(p8, v_bufs.index(pst).permute((1, 0)), acc, is_async=True)
-    if LEAN:
-        r_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+    o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, LEAN)
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
     if LEAN:
         s = warpgroup_mma_wait(2, deps=(s_tok,))      # QK^T(j) done, PV(j-1) and its row sum may run
@@ -271,11 +292,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
                                    MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN)
     if EX2_FENCE:
         l_i = _ex2_fence(l_i, CID)                    # every exponential of step j before the wait
-    if LEAN:
-        acc, rs = warpgroup_mma_wait(0, deps=(o_tok, r_tok))
-        l_i = l_i + gl.convert_layout(gl.max(rs, axis=1), gl.SliceLayout(1, qk_layout))
-    else:
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))    # PV(j-1) done
+    acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), LEAN)  # PV(j-1) done
     return pP, acc, alpha, m_i, l_i
 
 
@@ -374,16 +391,10 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                     l_i = l_i * alpha
                 mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
                 _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-                o_tok = warpgroup_mma(p8, v_bufs.index(pst).permute((1, 0)), acc, is_async=True)
-                if LEAN:
-                    r_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+                o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, LEAN)
                 _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
                 turn_it += 1
-                if LEAN:
-                    acc, rs = warpgroup_mma_wait(0, deps=(o_tok, r_tok))
-                    l_i = l_i + gl.convert_layout(gl.max(rs, axis=1), row_s)
-                else:
-                    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s, LEAN)
                 mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=n_blocks >= 2)
                 mbarrier.arrive(v_empty.index(pst), count=1)
             else:

@@ -124,8 +124,5 @@ def lean_tail_asm(fold: str, clamp: str, pack: str) -> str:
     return "{\n.reg .b32 " + regs + ";\n" + "\n".join(body) + "\n}"
 
 
-#: Inline-asm constraints of `lean_tail_asm`: one packed output register, four float inputs.
-LEAN_TAIL_CONSTRAINTS = "=r,r,r,r,r"
-
 #: Inline-asm constraints: one packed output register, then 3 x 4 float inputs.
 LEAN_P_CONSTRAINTS = "=r," + ",".join(["f"] * 12)

@@ -221,3 +221,16 @@ def test_error_budget_from_env_and_setter(monkeypatch):
         dispatch.error_budget()
     monkeypatch.delenv(dispatch.ENV_ERROR_BUDGET)
     dispatch._dispatcher = None
+
+
+def test_shipped_databases_use_a_rollback_journal():
+    """A shipped database is read from the (possibly read-only) install folder: WAL mode would need a
+    writable -shm beside it. `zyfa-tune export` writes rollback-journal files; one updated with
+    `zyfa-tune merge` in place must be switched back (PRAGMA journal_mode = DELETE) before shipping."""
+    import sqlite3
+
+    paths = sorted(dispatch.TUNED_DIR.glob("*.db"))
+    assert paths and not list(dispatch.TUNED_DIR.glob("*.db-wal")) and not list(dispatch.TUNED_DIR.glob("*.db-shm"))
+    for path in paths:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as con:
+            assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete", path
