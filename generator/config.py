@@ -49,16 +49,24 @@ CHOICES: dict[str, tuple] = {
     "persistent": (False, True),
     "producer_regs": (24, 40, 56),
     "ex2_fence": (False, True),
+    "exp2_poly": tuple(range(0, 9)),
+    "exp2_poly_degree": (3, 2),
+    "skip_rescale": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
-GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence")
+GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
+                "exp2_poly", "exp2_poly_degree", "skip_rescale")
+#: Fields added after configs were stored in shipped databases: written to JSON only away from their
+#: default, so every earlier config keeps its JSON (and so its database rows).
+LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, V^T, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads", "v_layout")
 #: The softmax fields, read by both backends. A Gluon config stores them only under softmax="lean"
 #: (an exact Gluon config's JSON, and so its database rows, are what they were before Gluon had lean P).
 SOFTMAX_FIELDS = ("softmax", "lean_fold", "lean_clamp", "lean_pack", "rowsum")
+#: Exact Gluon configs store a softmax field only away from its default (rowsum="mma").
 
 
 class ConfigError(ValueError):
@@ -85,7 +93,8 @@ class KernelConfig:
                   (0 = none). The Triton backend supports one exponent per key tile (= block_n).
     rowsum:       "fp32" = sum of unrounded probabilities; "rounded" = sum of the probabilities as
                   rounded to the P@V dtype (numerator and denominator agree); "mma" = the same sum
-                  from an extra MMA of P against a ones tile.
+                  from an extra MMA of P against a ones tile. Gluon: "fp32" or "mma" under exact
+                  softmax ("mma" saves one FADD per score), "mma" under lean.
     q_order:      "forward" or "heavy_first" (causal: the longest query blocks are launched first).
     loads:        "pointer" (masked loads, cp.async pipelining) or "tma" (tensor descriptors built on
                   the host, TMA copies into shared memory).
@@ -111,6 +120,12 @@ class KernelConfig:
                   consumer warpgroups share the rest of the register file (see gluon_registers).
     ex2_fence:    Gluon (overlap only): a barrier on the row sums right before the PV wait, so that
                   ptxas cannot hoist the wait above the step's exponentials (docs/BACKENDS.md).
+    exp2_poly:    Gluon, exact softmax: of every 8 scores, this many get 2^x from a polynomial on the
+                  FMA pipe instead of MUFU.EX2 (generator/exp2_poly.py): the two pipes share the work,
+                  the result stays float32 (e4m3 rounding as exact as MUFU's for ~all scores).
+    exp2_poly_degree: degree of that polynomial (3: rel. error 9e-5; 2: 2e-3, one FMA less).
+    skip_rescale: Gluon: a warp none of whose rows' maxima moved skips the rescale of O (a vote and a
+                  uniform branch, generator/rescale_asm.py); at 128-key blocks that is an FMUL per score.
     """
 
     dtype: str = "fp8"
@@ -139,6 +154,9 @@ class KernelConfig:
     persistent: bool = True
     producer_regs: int = 24
     ex2_fence: bool = False
+    exp2_poly: int = 0
+    exp2_poly_degree: int = 3
+    skip_rescale: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -191,6 +209,12 @@ class KernelConfig:
         if self.ex2_fence and not self.overlap:
             raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
                               "under the softmax")
+        if self.exp2_poly and self.softmax != "exact":
+            raise ConfigError(f"exp2_poly={self.exp2_poly}: the polynomial replaces exact-softmax exponentials; "
+                              f"softmax={self.softmax!r} has none (use softmax='exact')")
+        if not self.exp2_poly and self.exp2_poly_degree != _DEFAULTS["exp2_poly_degree"]:
+            raise ConfigError(f"exp2_poly_degree={self.exp2_poly_degree}: no polynomial with exp2_poly=0; keep the "
+                              f"default {_DEFAULTS['exp2_poly_degree']!r}")
         if self.softmax == "lean":
             if not (self.overlap and self.v_permute) or self.ex2_fence:
                 raise ConfigError("softmax='lean' with backend='gluon' needs overlap=True, v_permute=True and "
@@ -199,10 +223,16 @@ class KernelConfig:
                 raise ConfigError(f"rowsum={self.rowsum!r}: Gluon lean P sums the rounded probabilities by an "
                                   f"MMA against ones: rowsum must be 'mma'")
         else:
-            for name in SOFTMAX_FIELDS[1:]:
+            for name in ("lean_fold", "lean_clamp", "lean_pack"):
                 if getattr(self, name) != _DEFAULTS[name]:
-                    raise ConfigError(f"{name}={getattr(self, name)!r}: the exact Gluon kernel sums unrounded "
-                                      f"probabilities and has no lean P; keep the default {_DEFAULTS[name]!r}")
+                    raise ConfigError(f"{name}={getattr(self, name)!r}: the exact Gluon kernel has no lean P; keep "
+                                      f"the default {_DEFAULTS[name]!r}")
+            if self.rowsum not in ("fp32", "mma"):
+                raise ConfigError(f"rowsum={self.rowsum!r}: the exact Gluon kernel sums the float32 probabilities "
+                                  f"('fp32') or their e4m3 roundings by an MMA against ones ('mma')")
+            if self.rowsum == "mma" and self.ex2_fence:
+                raise ConfigError("ex2_fence=True needs rowsum='fp32': the fence orders the PV wait after the "
+                                  "row sums of the exponentials, which rowsum='mma' does not compute")
         if self.block_m == 64 and self.producer_regs != _DEFAULTS["producer_regs"]:
             raise ConfigError(f"producer_regs={self.producer_regs}: with one consumer warpgroup (block_m=64) "
                               f"every warp gets its maximum anyway; keep the default "
@@ -213,7 +243,8 @@ class KernelConfig:
         """The fields of this config's backend (a Triton config serialises exactly as it did before
         the Gluon backend existed: same JSON, same database rows, same emitted source)."""
         if self.backend == "gluon":
-            skip = TRITON_FIELDS + (SOFTMAX_FIELDS if self.softmax == "exact" else ())
+            late = LATE_FIELDS + (SOFTMAX_FIELDS if self.softmax == "exact" else ())
+            skip = TRITON_FIELDS + tuple(name for name in late if getattr(self, name) == _DEFAULTS[name])
         else:
             skip = GLUON_FIELDS + ("backend",)
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
@@ -252,7 +283,10 @@ class KernelConfig:
         if self.backend == "gluon":
             on = [name for name, flag in (("pingpong", self.ping_pong), ("overlap", self.overlap),
                                           ("vperm", self.v_permute), ("persistent", self.persistent)) if flag]
-            return (f"gluon {self.softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
+            softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
+            softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
+            softmax += " skip-rescale" if self.skip_rescale else ""
+            return (f"gluon {softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
                     f"{'+'.join(on) or 'plain'}")
         return (f"{self.softmax} {self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} "
                 f"{self.loads}/{self.v_layout} rowsum={self.rowsum}")

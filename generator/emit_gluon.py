@@ -25,7 +25,9 @@ from pathlib import Path
 
 from .config import GENERATOR_VERSION, KernelConfig, gluon_registers
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
+from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .lean_asm import MAGIC, lean_tail_asm
+from .rescale_asm import rescale_asm, rescale_constraints
 
 DEVICE_MARKER = "# ---- emitted below this line ----"
 #: Warps of the entry kernel's default partition (consumer warpgroup 0).
@@ -113,9 +115,18 @@ def _constants(c: KernelConfig) -> str:
         ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),
         ("P_OFFSET", float(int(c.p_scale_log2))),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
-        ("LEAN", lean), ("LEAN_FMA", lean and c.lean_fold == "fma"), ("LEAN_MAGIC", MAGIC),
+        ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"), ("LEAN_FMA", lean and c.lean_fold == "fma"), ("LEAN_MAGIC", MAGIC),
         # PTX from generator/lean_asm.py for validated enum values only (never text from a config)
         ("LEAN_ASM", lean_tail_asm(c.lean_fold, c.lean_clamp, c.lean_pack) if lean else ""),
+        # 2^x of exp2_poly of every 8 scores on the FMA pipe (generator/exp2_poly.py); ints only reach it
+        ("EXP2_POLY", int(c.exp2_poly)),
+        ("EXP2_ASM", exp2_asm(int(c.exp2_poly), int(c.exp2_poly_degree)) if c.exp2_poly else ""),
+        ("EXP2_CONSTRAINTS", EXP2_CONSTRAINTS),
+        # O's rescale skipped by warps whose maxima stayed (generator/rescale_asm.py): per thread, the
+        # 64 x head_dim_v accumulator is head_dim_v / 2 registers
+        ("SKIP_RESCALE", bool(c.skip_rescale)), ("RESCALE_PACK", int(c.head_dim_v) // 2),
+        ("RESCALE_ASM", rescale_asm(int(c.head_dim_v) // 2) if c.skip_rescale else ""),
+        ("RESCALE_CONSTRAINTS", rescale_constraints(int(c.head_dim_v) // 2) if c.skip_rescale else ""),
     ]
     lines = ["", "", "# ---- this kernel's schedule (its config, resolved)"]
     lines += [f"{name} = gl.constexpr({value!r})" for name, value in values]
@@ -133,7 +144,7 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
             "                    turn_bars, QD, KD, VD, stride_db, stride_dh, sm_scale_log2, H, GROUP, SEQ_Q, SEQ_K,\n"
             "                    N_M_BLOCKS, N_TILES, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
             "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
-            f"{bool(c.ex2_fence)!r}, LEAN, {'ones_bufs' if c.softmax == 'lean' else 'None'}, QK_PARTS)")
+            f"{bool(c.ex2_fence)!r}, LEAN, {'ones_bufs' if c.rowsum == 'mma' else 'None'}, QK_PARTS)")
 
 
 _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
@@ -142,8 +153,8 @@ _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_e
 
 
 def _ones_lines(c: KernelConfig) -> list[str]:
-    """Lean P's row-sum wgmma reads an (8, BLOCK_N) tile of ones per consumer warpgroup."""
-    if c.softmax != "lean":
+    """The row-sum wgmma (rowsum="mma") reads an (8, BLOCK_N) tile of ones per consumer warpgroup."""
+    if c.rowsum != "mma":
         return []
     return ["    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)",
             "    ones_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BLOCK_N], ones_layout)"]

@@ -96,7 +96,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     that small ones stay out of e4m3 subnormals; l carries the same factor, which cancels.
     LEAN (lean P): no exponential here; one FMA per score leaves what _p_operand turns into e4m3
     codes (LEAN_ASM: generator/lean_asm.lean_tail_asm), and l is left alone: the rounded row sum
-    comes from an MMA with PV."""
+    comes from an MMA with PV. ROWSUM_MMA (always under LEAN): l is not summed here either; the row
+    sum of the probabilities as rounded to e4m3 comes from the MMA against ones (_pv_issue)."""
     if MASK:
         cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
         rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qk_layout))
@@ -119,8 +120,11 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         p = gl.fma(s, a, b)      # one rounding: under LEAN_FMA, y's low bits are exactly round(8x) + 56
         l_new = l_i
     else:
-        p = gl.exp2(s * qk_scale - (m_use - P_OFFSET)[:, None])
-        l_new = l_i * alpha + gl.sum(p, axis=1)
+        p = _exp2(s * qk_scale - (m_use - P_OFFSET)[:, None])
+        if ROWSUM_MMA:
+            l_new = l_i
+        else:
+            l_new = l_i * alpha + gl.sum(p, axis=1)
     if V_PERM:
         # A thread's accumulator registers hold, per 32-key chunk, keys {16h + 8s + 2q + b}; the
         # register A operand wants them as {16h + 4q + 2s + b}. Relabelling the keys (a bit
@@ -132,6 +136,28 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     else:
         p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
     return p8, m_new, l_new, alpha
+
+
+@gluon.jit
+def _exp2(x):
+    """2^x of the scores: MUFU.EX2, or for EXP2_POLY of every 8 a polynomial on the FMA pipe
+    (generator/exp2_poly.py), so that the two pipes share the exponentials."""
+    if EXP2_POLY > 0:
+        return gl.inline_asm_elementwise(EXP2_ASM, EXP2_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True, pack=8)
+    else:
+        return gl.exp2(x)
+
+
+@gluon.jit
+def _rescale(acc, alpha, row_o: gl.constexpr):
+    """O *= alpha per row; under SKIP_RESCALE a warp whose rows all have alpha == 1 (maxima kept)
+    jumps over the multiplies (generator/rescale_asm.py)."""
+    a = gl.convert_layout(alpha, row_o)[:, None]
+    if SKIP_RESCALE:
+        return gl.inline_asm_elementwise(RESCALE_ASM, RESCALE_CONSTRAINTS, [acc, gl.broadcast(acc, a)[1]],
+                                         dtype=gl.float32, is_pure=True, pack=RESCALE_PACK)
+    else:
+        return acc * a
 
 
 @gluon.jit
@@ -230,11 +256,12 @@ def _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, t
 
 
 @gluon.jit
-def _pv_issue(p8, v_smem, acc, ones_smem, l_zero, LEAN: gl.constexpr):
-    """O += P V as an async wgmma; under LEAN also the rounded row sum: P against the ones tile
-    (fresh accumulator each time: FP8 wgmma accumulation is too coarse for a running sum)."""
+def _pv_issue(p8, v_smem, acc, ones_smem, l_zero):
+    """O += P V as an async wgmma; under ROWSUM_MMA also the rounded row sum: P against the ones
+    tile (fresh accumulator each time: FP8 wgmma accumulation is too coarse for a running sum).
+    It replaces one FADD per score (the exact softmax's sum) by one m64n8k32 wgmma per 32 keys."""
     o_tok = warpgroup_mma(p8, v_smem.permute((1, 0)), acc, is_async=True)
-    if LEAN:
+    if ROWSUM_MMA:
         r_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
     else:
         r_tok = o_tok  # a stand-in _pv_done ignores (a None in a returned tuple does not compile)
@@ -242,9 +269,9 @@ def _pv_issue(p8, v_smem, acc, ones_smem, l_zero, LEAN: gl.constexpr):
 
 
 @gluon.jit
-def _pv_done(o_tok, r_tok, l_i, row_s: gl.constexpr, LEAN: gl.constexpr):
-    """Wait for _pv_issue's wgmmas; under LEAN add the row sum (all 8 columns hold it) to l."""
-    if LEAN:
+def _pv_done(o_tok, r_tok, l_i, row_s: gl.constexpr):
+    """Wait for _pv_issue's wgmmas; under ROWSUM_MMA add the row sum (all 8 columns hold it) to l."""
+    if ROWSUM_MMA:
         acc, rs = warpgroup_mma_wait(0, deps=(o_tok, r_tok))
         l_i = l_i + gl.convert_layout(gl.max(rs, axis=1), row_s)
     else:
@@ -266,22 +293,22 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     is serialised, C7514); O rescaled at the start of the next step and V(j-1) released one step
     later (an instruction right after the PV wait pulls the wait above the exponentials); P carried
     as float32 (see _p_operand). Even so ptxas hoists the PV wait above part of the exponentials;
-    EX2_FENCE puts a barrier on the row sums right before the wait (see _ex2_fence). LEAN: the
+    EX2_FENCE puts a barrier on the row sums right before the wait (see _ex2_fence). ROWSUM_MMA: the
     rounded row sum of P(j-1) is one more wgmma (against ones) issued with PV(j-1), so l is
     rescaled and summed exactly when O is."""
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
     p8 = _p_operand(pP, V_PERM, LEAN)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    if LEAN:
+    acc = _rescale(acc, alpha, row_o)
+    if ROWSUM_MMA:
         l_i = l_i * alpha
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
     s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
-    o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, LEAN)
+    o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero)
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-    if LEAN:
+    if ROWSUM_MMA:
         s = warpgroup_mma_wait(2, deps=(s_tok,))      # QK^T(j) done, PV(j-1) and its row sum may run
     else:
         s = warpgroup_mma_wait(1, deps=(s_tok,))      # QK^T(j) done, PV(j-1) may still run
@@ -292,7 +319,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
                                    MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN)
     if EX2_FENCE:
         l_i = _ex2_fence(l_i, CID)                    # every exponential of step j before the wait
-    acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), LEAN)  # PV(j-1) done
+    acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # PV(j-1) done
     return pP, acc, alpha, m_i, l_i
 
 
@@ -317,7 +344,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
     row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
 
     o_smem = o_bufs.index(CID)
-    if LEAN:  # B operand of the row-sum wgmma: this warpgroup's (8, BLOCK_N) tile of e4m3 ones
+    if ROWSUM_MMA:  # B operand of the row-sum wgmma: this warpgroup's (8, BLOCK_N) tile of e4m3 ones
         ones_smem = ones_bufs.index(CID)
         # Every byte is 1.0 (0x38), so the swizzle does not matter: fill the tile as a flat run of
         # 32-bit words. (A 2-D e4m3 store of the tile is lowered to stmatrix.b16 and leaves half the
@@ -386,15 +413,15 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
                 p8 = _p_operand(pP, V_PERM, LEAN)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                if LEAN:
+                acc = _rescale(acc, alpha, row_o)
+                if ROWSUM_MMA:
                     l_i = l_i * alpha
                 mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
                 _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-                o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, LEAN)
+                o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero)
                 _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
                 turn_it += 1
-                acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s, LEAN)
+                acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)
                 mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=n_blocks >= 2)
                 mbarrier.arrive(v_empty.index(pst), count=1)
             else:
@@ -412,14 +439,15 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                     else:
                         p8, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
                                                        False, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET)
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    acc = _rescale(acc, alpha, row_o)
+                    if ROWSUM_MMA:
+                        l_i = l_i * alpha
                     mbarrier.wait(v_ready.index(s_st), s_ph)
                     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-                    o_tok = warpgroup_mma(_p_operand(p8, V_PERM), v_bufs.index(s_st).permute((1, 0)), acc,
-                                          is_async=True)
+                    o_tok, r_tok = _pv_issue(_p_operand(p8, V_PERM), v_bufs.index(s_st), acc, ones_smem, l_zero)
                     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
                     turn_it += 1
-                    acc = warpgroup_mma_wait(0, deps=(o_tok,))
+                    acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)
                     mbarrier.arrive(v_empty.index(s_st), count=1)
                     kv_it += 1
         # Q of this tile is no longer read by this warpgroup

@@ -31,6 +31,26 @@ def default_config(dtype: str, head_dim_qk: int, head_dim_v: int, backend: str =
                         v_layout="natural", **dims)
 
 
+def gluon_wide_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """The Gluon kernel with 256-key blocks: a 64 x 256 fp32 score tile leaves no registers for a P
+    carried across steps, so no intra-warpgroup overlap (two consumer warpgroups overlap each other
+    instead), no ping-pong, a 2-stage K/V ring, Q ring of 2. At head dim 128 the fastest exact kernel
+    measured (docs/PERF.md, session 4: 1.04-1.07x the study's best 128-key schedule); a seed of the
+    FP8 space. ConfigError where Gluon lacks the head dims."""
+    return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(
+        block_n=256, num_stages=2, overlap=False, ping_pong=False, q_stages=2)
+
+
+def fallback_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """What `flash_attn_func` runs where no tuned entry applies (the untuned kernel): the Gluon
+    256-key kernel at FP8 head dim 128, where it measured 1.04-1.20x the other untuned configs
+    (0.86x / 0.93x FA3-fp8 at 8K / 16K; docs/PERF.md, session 4), else `default_config`. Head dims
+    other than 128 keep the Triton default until a Gluon config is measured faster there untuned."""
+    if dtype == "fp8" and (head_dim_qk, head_dim_v) == (128, 128):
+        return gluon_wide_config(dtype, head_dim_qk, head_dim_v)
+    return default_config(dtype, head_dim_qk, head_dim_v)
+
+
 def config_with(dtype: str, head_dim_qk: int, head_dim_v: int, changes: dict) -> KernelConfig:
     """The default config of these head dims (of the backend `changes` names, if any) with `changes`
     applied; ConfigError names a bad field. What `--set` / `--ours key=val,...` mean."""

@@ -36,7 +36,7 @@ from typing import Iterable, Sequence
 
 from zyfa_tune.generator import GENERATOR_VERSION, ConfigError, KernelConfig
 
-from .defaults import default_config
+from .defaults import fallback_config
 
 log = logging.getLogger("zyfa_tune.dispatch")
 
@@ -153,7 +153,7 @@ class Dispatcher:
             found = _pick(key, [[e for e in layer if e.device_key[1] == device_key[1] and e.device_key != device_key]
                                 for layer in layers])
         if found is None:
-            return Choice(config=default_config(key.dtype, key.head_dim_qk, key.head_dim_v), source="default",
+            return Choice(config=fallback_config(key.dtype, key.head_dim_qk, key.head_dim_v), source="default",
                           key=key, detail="no tuned entry for these head dims on this architecture")
         how, entry = found
         budget = "" if self.error_budget is None else f" (error budget {self.error_budget:g})"

@@ -22,6 +22,27 @@ class Timing:
     sm_clock_mhz: float | None = None  # mean of NVML reads during timing
     power_w: float | None = None
     energy_j_per_call: float | None = None
+    samples_ms: tuple[float, ...] = ()  # every timed call, sorted (what `pooled` merges)
+
+
+def pooled(timings: Sequence[Timing]) -> Timing:
+    """One Timing from several blocks of the same call (the rounds of `zyfa-tune bench`, which
+    interleaves systems so that clock drift under sustained load hits them alike): quantiles over all
+    samples, clock / power / energy averaged by calls. Blocks without samples: median of medians."""
+    if not timings:
+        raise ValueError("timings: need at least one")
+    samples = sorted(x for t in timings for x in t.samples_ms)
+    if not samples:
+        samples = sorted(t.median_ms for t in timings)
+    q = statistics.quantiles(samples, n=5) if len(samples) >= 5 else [samples[0]] * 4
+
+    def mean(attr: str) -> float | None:
+        pairs = [(getattr(t, attr), t.reps) for t in timings if getattr(t, attr) is not None]
+        return sum(v * n for v, n in pairs) / sum(n for _, n in pairs) if pairs else None
+
+    return Timing(median_ms=statistics.median(samples), p20_ms=q[0], p80_ms=q[3], min_ms=samples[0],
+                  reps=sum(t.reps for t in timings), sm_clock_mhz=mean("sm_clock_mhz"), power_w=mean("power_w"),
+                  energy_j_per_call=mean("energy_j_per_call"), samples_ms=tuple(samples) if timings[0].samples_ms else ())
 
 
 @functools.lru_cache(maxsize=16)
@@ -113,7 +134,7 @@ def time_cuda(calls: Sequence[Callable[[], Any]], *, warmup: int = 5, reps: int 
     return Timing(median_ms=statistics.median(ms), p20_ms=q[0], p80_ms=q[3], min_ms=ms[0], reps=reps,
                   sm_clock_mhz=statistics.mean(clocks) if clocks else None,
                   power_w=statistics.mean(powers) if powers else None,
-                  energy_j_per_call=energy)
+                  energy_j_per_call=energy, samples_ms=tuple(ms))
 
 
 def _energy_mj(nv, h) -> float | None:

@@ -140,10 +140,11 @@ def scale_per_tile(block_n_choices: tuple) -> Param:
 
 def rowsum_param(choices: tuple = ("fp32", "rounded", "mma")) -> Param:
     """rowsum; under softmax="lean" (no unrounded probabilities) a suggested "fp32" becomes "rounded".
-    The Gluon backend has one row sum per softmax mode: "fp32" (exact), "mma" (lean)."""
+    The Gluon backend sums by "fp32" or "mma" under exact softmax (a suggested "rounded", the sum
+    "mma" computes, becomes "mma") and always by "mma" under lean."""
     def decode(v, f):
         if f["backend"] == "gluon":
-            return "mma" if f["softmax"] == "lean" else "fp32"
+            return "mma" if f["softmax"] == "lean" or v != "fp32" else "fp32"
         return "rounded" if v == "fp32" and f["softmax"] == "lean" else v
     return Param("rowsum", choices, decode=decode)
 
@@ -154,14 +155,17 @@ def triton_only(param: Param) -> Param:
 
 
 def gluon_only(name: str, choices: tuple, *, one_consumer: Any = None,
-               needs: tuple[str, Any] | None = None) -> Param:
+               needs: tuple[str, Any] | None = None, unless: tuple[str, Any] | None = None) -> Param:
     """A Gluon schedule field (KernelConfig's GLUON_FIELDS). `one_consumer`: the field's only value
     with one consumer warpgroup (block_m=64) for a field that exists with two (ping_pong: False).
-    `needs` (field, value): the field keeps the family default unless that field (declared before
-    it) has that value (ex2_fence: only with overlap=True)."""
+    `needs` (field, value) / `unless` (field, value): the field keeps the family default unless /
+    when that field (declared before it) has that value (ex2_fence: only with overlap=True, never
+    with rowsum="mma")."""
     decode = None if one_consumer is None else (lambda v, f: v if f["block_m"] == 128 else one_consumer)
-    if needs is not None:
-        decode = lambda v, f: v if f[needs[0]] == needs[1] else f[name]  # noqa: E731
+    if needs is not None or unless is not None:
+        def decode(v, f):
+            ok = (needs is None or f[needs[0]] == needs[1]) and (unless is None or f[unless[0]] != unless[1])
+            return v if ok else f[name]
     return Param(name, choices, decode=decode, only_if=("backend", "gluon"))
 
 
@@ -242,7 +246,7 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
     q = c.q_stages * c.block_m * c.head_dim_qk
     kv = c.num_stages * c.block_n * (c.head_dim_qk + c.head_dim_v)
     out = (c.block_m // 64) * 64 * c.head_dim_v * 2
-    ones = (c.block_m // 64) * 8 * c.block_n if c.softmax == "lean" else 0
+    ones = (c.block_m // 64) * 8 * c.block_n if c.rowsum == "mma" else 0
     return q + kv + out + ones + TMA_SMEM_MARGIN
 
 
@@ -530,7 +534,7 @@ def _check_params(params: tuple[Param, ...]) -> None:
 
 #: Tile, warp, pipeline and register parameters shared by every family (one line each). Under
 #: backend="gluon" block_m counts consumer warpgroups (64 rows each) and num_stages the K/V ring.
-BLOCK_N = (64, 128)
+BLOCK_N = (64, 128, 256)   # 256: Gluon without overlap (session 4: its best exact hd128 kernels)
 TILE_PARAMS = (
     Param("block_m", (64, 128)),
     Param("block_n", BLOCK_N),

@@ -8,7 +8,7 @@ field). `backend` comes first: the fields after it that only one backend reads a
 
 from functools import partial
 
-from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.kernels.defaults import default_config, gluon_wide_config
 
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, lean_only, rowsum_param,
                    scale_per_tile, triton_only)
@@ -30,8 +30,11 @@ PARAMS = (backend_param(),) + TILE_PARAMS + (              # "gluon" -> "triton"
     gluon_only("v_permute", (True, False)),             # key-permuted V^T: P needs no shuffles
     gluon_only("persistent", (True, False)),            # grid = min(SMs, tiles)
     gluon_only("producer_regs", (24, 40, 56), one_consumer=24),  # setmaxnreg split: consumers get the rest
-    gluon_only("ex2_fence", (False, True), needs=("overlap", True)),  # every exponential before the PV wait
+    gluon_only("ex2_fence", (False, True), needs=("overlap", True), unless=("rowsum", "mma")),  # exps before PV wait
+    gluon_only("skip_rescale", (False, True)),          # a warp whose row maxima stayed skips O's rescale
 )
 
-#: The Gluon backend's default (the spike's best schedule) is enqueued right after the Triton default.
-SPACE = SearchSpace("fp8-causal", "fp8", PARAMS, extra_seeds=(partial(default_config, backend="gluon"),))
+#: The Gluon backend's default (the spike's best schedule) and its 256-key-block kernel are enqueued
+#: right after the Triton default (where statically feasible).
+SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
+                    extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config))

@@ -25,6 +25,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def fake_timer(calls, warmup, reps):
     """Runs every call once (round-robin is the real timer's job) and reports 2 ms."""
     fake_timer.calls = len(calls)
+    fake_timer.blocks = getattr(fake_timer, "blocks", 0) + 1
     for c in calls:
         c()
     return Timing(median_ms=2.0, p20_ms=1.9, p80_ms=2.1, min_ms=1.8, reps=reps, sm_clock_mhz=1755.0, power_w=500.0,
@@ -330,3 +331,48 @@ def test_bench_on_gpu(tmp_path, dtype):
     assert {r.source for r in ours if r.kind == "ours"} <= {"exact", "nearest", "other-device", "default"}
     assert {r.source for r in ours if r.kind == "forced"} == {"forced"}
     assert res.environment.get("gpu_name") and json.loads(out.read_text())["settings"]["reps"] == 5
+
+
+def test_rounds_interleave_systems_in_rotated_order_and_pool_their_samples():
+    """Timing rounds: every system is timed once per round, each round starting one system later,
+    and a row's median is over all its rounds' calls (a drifting clock hits every system alike)."""
+    shape = bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=64, heads=2, kv_heads=2)
+    order: list[str] = []
+
+    def system(name: str, ms: float) -> bench.System:
+        def bind(x: bench.Inputs) -> bench.Bound:
+            bound = bench._sdpa("MATH")(x)
+            return bench.Bound(lambda: (order.append(name), bound.call()), bound.output)
+        return bench.System(name, "peer", "bf16", bind)
+
+    def timer(calls, warmup, reps):
+        order.clear()
+        calls[0]()
+        name = order[0]
+        timer.seen.append(name)
+        base = {"a": 1.0, "b": 2.0, "c": 3.0}[name] + len(timer.seen) * 0.01  # slower each block
+        return Timing(median_ms=base, p20_ms=base, p80_ms=base, min_ms=base, reps=reps, samples_ms=(base,) * reps)
+    timer.seen = []
+
+    rows = bench.measure_shape(shape, [system(n, 0) for n in "abc"], seed=0, reps=30, rounds=3, device="cpu",
+                               timer=timer)
+    assert timer.seen == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [r.reps for r in rows] == [30, 30, 30]
+    assert rows[0].median_ms == pytest.approx(1.0 + 0.06)  # its blocks are the 1st, 6th and 8th: the median is the 6th's
+    assert rows[0].min_ms == pytest.approx(1.01) and rows[2].median_ms == pytest.approx(3.05)
+
+
+def test_pooled_timing():
+    from zyfa_tune.kernels.timing import pooled
+
+    a = Timing(median_ms=1.0, p20_ms=1.0, p80_ms=1.0, min_ms=1.0, reps=2, sm_clock_mhz=1800.0, power_w=None,
+               energy_j_per_call=2.0, samples_ms=(1.0, 1.0))
+    b = Timing(median_ms=3.0, p20_ms=3.0, p80_ms=3.0, min_ms=3.0, reps=6, sm_clock_mhz=1600.0, power_w=500.0,
+               energy_j_per_call=None, samples_ms=(2.0, 3.0, 3.0, 3.0, 3.0, 4.0))
+    t = pooled([a, b])
+    assert t.reps == 8 and t.median_ms == 3.0 and t.min_ms == 1.0 and len(t.samples_ms) == 8
+    assert t.sm_clock_mhz == pytest.approx((1800 * 2 + 1600 * 6) / 8)
+    assert t.power_w == 500.0 and t.energy_j_per_call == 2.0
+    assert pooled([dataclasses.replace(a, samples_ms=()), dataclasses.replace(b, samples_ms=())]).median_ms == 2.0
+    with pytest.raises(ValueError):
+        pooled([])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig
-from zyfa_tune.generator.config import GLUON_FIELDS, HEAD_DIMS, SOFTMAX_FIELDS, TRITON_FIELDS
+from zyfa_tune.generator.config import GLUON_FIELDS, HEAD_DIMS, LATE_FIELDS, SOFTMAX_FIELDS, TRITON_FIELDS
 
 FIELDS = [f.name for f in dataclasses.fields(KernelConfig)]
 #: a valid Gluon config to hold Gluon field values under test (two consumer warpgroups)
@@ -21,6 +21,8 @@ def valid_with(field: str, value) -> KernelConfig:
     """A config holding `field=value`, with the other fields adjusted to satisfy the
     combination rules (so that only the value under test decides acceptance)."""
     changes = {field: value}
+    if field == "exp2_poly_degree":
+        changes["exp2_poly"] = 4
     if field in GLUON_FIELDS or (field, value) == ("backend", "gluon"):
         return GLUON.replace(**changes)
     if field == "softmax" and value == "lean":
@@ -226,6 +228,8 @@ ROUND_TRIP = [
     KernelConfig(softmax="lean", rowsum="rounded", lean_fold="sub_fma", lean_clamp="fmax",
                  lean_pack="bfi", p_scale_log2=5, block_n=64, scale_block=64),
     GLUON.replace(ping_pong=False, overlap=False, q_stages=2, v_permute=False, persistent=False, producer_regs=40),
+    GLUON.replace(rowsum="mma"),
+    GLUON.replace(exp2_poly=3, exp2_poly_degree=2),
 ]
 
 
@@ -241,12 +245,25 @@ def test_round_trip(cfg):
     assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
     # a config serialises its backend's fields: a Triton config exactly the fields it had before
     # the Gluon backend existed (so its JSON, database rows and emitted source are unchanged)
-    # (a Gluon config stores the softmax fields only under softmax="lean")
+    # (a Gluon config stores the softmax fields under softmax="exact", and the fields added since
+    # Gluon rows were shipped, only away from their defaults: older rows keep their JSON)
     if cfg.backend == "gluon":
-        other = TRITON_FIELDS + (SOFTMAX_FIELDS if cfg.softmax == "exact" else ())
+        late = LATE_FIELDS + (SOFTMAX_FIELDS if cfg.softmax == "exact" else ())
+        other = TRITON_FIELDS + tuple(f for f in late if getattr(cfg, f) == getattr(KernelConfig(), f))
     else:
         other = GLUON_FIELDS + ("backend",)
     assert list(json.loads(text)) == sorted(set(FIELDS) - set(other))
+
+
+def test_gluon_json_of_shipped_rows_is_unchanged():
+    """The exact Gluon JSON the shipped database holds (before rowsum="mma" and exp2_poly existed)."""
+    shipped = ('{"backend":"gluon","block_m":128,"block_n":128,"dtype":"fp8","ex2_fence":false,"head_dim_qk":128,'
+               '"head_dim_v":128,"num_stages":3,"overlap":true,"p_scale_log2":8,"persistent":false,"ping_pong":false,'
+               '"producer_regs":24,"q_order":"forward","q_stages":1,"v_permute":true}')
+    cfg = KernelConfig.from_json(shipped)
+    assert cfg.to_json() == shipped
+    assert '"rowsum":"mma"' in cfg.replace(rowsum="mma").to_json()
+    assert '"exp2_poly":3' in cfg.replace(exp2_poly=3).to_json()
 
 
 def test_frozen():

@@ -13,6 +13,7 @@ import re
 import pytest
 
 from zyfa_tune.generator import CHOICES, ConfigError, EmittedKernel, KernelConfig, emit, head_chunks
+from zyfa_tune.generator.config import GLUON_FIELDS
 from zyfa_tune.generator.emit_triton import KERNEL_NAME
 from zyfa_tune.generator.lean_asm import LEAN_P_CONSTRAINTS, lean_p_asm
 
@@ -20,12 +21,14 @@ LEAN_VARIANTS = list(itertools.product(CHOICES["lean_fold"], CHOICES["lean_clamp
 
 
 def sample_configs(n: int = 150, seed: int = 0) -> list[KernelConfig]:
-    """Valid configs drawn at random from CHOICES (invalid combinations are redrawn)."""
+    """Valid Triton-backend configs drawn at random from CHOICES (invalid combinations are redrawn;
+    Gluon configs have their own tests, tests/test_gluon_emit.py)."""
     rng = random.Random(seed)
     out: list[KernelConfig] = []
     seen: set[KernelConfig] = set()
     while len(out) < n:
         values = {name: rng.choice(choices) for name, choices in CHOICES.items()}
+        values.update(backend="triton", **{f: getattr(KernelConfig(), f) for f in GLUON_FIELDS})
         if values["scale_block"]:
             values["scale_block"] = values["block_n"]
         try:

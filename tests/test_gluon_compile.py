@@ -225,3 +225,35 @@ def test_lean_p_has_no_exponentials_per_score(cfg, compiled):
     assert packs > 0 and art.ptx.count("prmt.b32 r0" if cfg.lean_pack == "prmt" else "bfi.b32 r0") >= packs
     assert art.ptx.count("m64n8k32.f32.e4m3.e4m3") == art.ptx.count("m64n128k32.f32.e4m3.e4m3") // 2
     assert re.search(r"st\.shared\.v\d\.b32\s+\[[^\]]+\], \{943208504, 943208504", art.ptx)  # 0x38383838
+
+
+#: the hd128 study's winner schedule (ping-pong off, Q ring of 2), exact softmax
+WINNER = GLUON.replace(ping_pong=False, q_stages=2)
+
+
+@pytest.mark.parametrize("cfg", [GLUON.replace(rowsum="mma"), WINNER.replace(rowsum="mma"),
+                                 WINNER.replace(rowsum="mma", overlap=False, block_m=64, block_n=64)],
+                         ids=["seed", "winner", "plain"])
+def test_exact_rowsum_mma_replaces_the_row_sum_adds(cfg, compiled):
+    """rowsum="mma" under exact softmax: the float32 row sum (one FADD per score) is gone, an m64n8
+    FP8 wgmma per PV sums the e4m3-rounded probabilities instead; the exponentials stay."""
+    art, ref = compiled(cfg), compiled(cfg.replace(rowsum="fp32"))
+    check_usable(art, cfg)
+    assert art.count("MUFU.EX2") == ref.count("MUFU.EX2")
+    scores = ref.count("MUFU.EX2") - 12 if cfg.overlap else 0  # 12: the rows' rescale factors
+    assert art.count("FADD") <= ref.count("FADD") - 0.9 * scores
+    pv = art.ptx.count(f"m64n{cfg.head_dim_v}k32.f32.e4m3.e4m3") // (2 if cfg.block_n == cfg.head_dim_v else 1)
+    assert art.ptx.count("m64n8k32.f32.e4m3.e4m3") == pv  # one row-sum wgmma per PV wgmma (QK^T shares n128)
+
+
+@pytest.mark.parametrize("share,degree", [(2, 3), (4, 2), (8, 3)])
+def test_exp2_poly_moves_exponentials_to_the_fma_pipe(share, degree, compiled):
+    """exp2_poly: share/8 of the per-score MUFU.EX2 become polynomial FMAs (3 or 2 per score), no
+    spills, the schedule otherwise intact."""
+    cfg = WINNER.replace(exp2_poly=share, exp2_poly_degree=degree)
+    art, ref = compiled(cfg), compiled(WINNER)
+    check_usable(art, cfg)
+    rescale = 12  # one MUFU.EX2 per row statistic update, not per score
+    per_score = ref.count("MUFU.EX2") - rescale
+    assert art.count("MUFU.EX2") == rescale + per_score * (8 - share) // 8
+    assert art.count("FFMA") >= ref.count("FFMA") + degree * per_score * share // 8

@@ -12,7 +12,9 @@ from gluon_cases import GLUON, neighbours, sampled
 
 from zyfa_tune.generator import KernelConfig, emit, emit_gluon, emit_triton, gluon_registers
 from zyfa_tune.generator.emitted import KERNEL_NAME
+from zyfa_tune.generator.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from zyfa_tune.generator.lean_asm import MAGIC, lean_tail_asm
+from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
 
 #: the Gluon seed, one variant per value of every field the space searches for it, a sample
 VARIANTS = neighbours() + sampled(20)
@@ -81,7 +83,12 @@ def test_constants_are_the_config(cfg):
                  "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,
                  "PRODUCER_REGS": producer_regs, "NUM_WARPS": 4, "PERSISTENT": cfg.persistent,
                  "KERNEL_NAME": KERNEL_NAME, "LEAN": lean, "LEAN_FMA": lean and cfg.lean_fold == "fma",
-                 "LEAN_MAGIC": MAGIC, "LEAN_ASM": lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
+                 "LEAN_MAGIC": MAGIC, "LEAN_ASM": lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else "",
+                 "ROWSUM_MMA": cfg.rowsum == "mma", "EXP2_POLY": cfg.exp2_poly,
+                 "EXP2_ASM": exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else "",
+                 "EXP2_CONSTRAINTS": EXP2_CONSTRAINTS, "SKIP_RESCALE": cfg.skip_rescale, "RESCALE_PACK": cfg.head_dim_v // 2,
+                 "RESCALE_ASM": rescale_asm(cfg.head_dim_v // 2) if cfg.skip_rescale else "",
+                 "RESCALE_CONSTRAINTS": rescale_constraints(cfg.head_dim_v // 2) if cfg.skip_rescale else ""}
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert {KERNEL_NAME, "_producer", "_consumer", "_softmax", "_ov_step"} <= set(funcs)
     entry = ast.unparse(funcs[KERNEL_NAME])
@@ -94,16 +101,20 @@ def test_constants_are_the_config(cfg):
 @pytest.mark.parametrize("cfg", VARIANTS)
 def test_only_validated_values_become_text(cfg):
     """Apart from the docstring (the validated config as JSON), the strings in the source are the
-    device code's own (fixed) strings and, for lean P, the PTX generator.lean_asm builds from the
-    validated enum fields: the config adds no text of its own."""
+    device code's own (fixed) strings and, for lean P and exp2_poly, the PTX generator.lean_asm and
+    generator.exp2_poly build from validated enum / int fields (skip_rescale: generator.rescale_asm from
+    the head dim): the config adds no text of its own."""
     def strings(src: str) -> set:
         tree = ast.parse(src)
         doc = tree.body[0].value
         return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
                 and n is not doc}
-    expected = strings(emit(GLUON).source)  # exact: LEAN_ASM = ""
-    if cfg.softmax == "lean":
-        expected = expected - {""} | {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack)}
+    expected = strings(emit(GLUON).source) - {""}  # the seed: LEAN_ASM = EXP2_ASM = ""
+    lean = cfg.softmax == "lean"
+    expected |= {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
+    expected |= {exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else ""}
+    if cfg.skip_rescale:
+        expected |= {rescale_asm(cfg.head_dim_v // 2), rescale_constraints(cfg.head_dim_v // 2)}
     assert strings(emit(cfg).source) == expected
 
 

@@ -15,7 +15,7 @@ import pytest
 from optuna.trial import TrialState
 
 from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig, emit
-from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.kernels.defaults import default_config, gluon_wide_config
 from zyfa_tune.search_spaces import (FAMILIES, SEED_DATABASES, SMEM_LIMIT, Param, SearchSpace, get_space,
                                      register_estimate, smem_estimate)
 from zyfa_tune.search_spaces import base as ss_base
@@ -30,7 +30,7 @@ FAMILY_FIELDS = {
     "fp8-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "softmax", "lean_fold",
                    "lean_clamp", "lean_pack", "p_scale_log2", "scale_block", "rowsum", "q_order", "loads",
                    "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
-                   "producer_regs", "ex2_fence"},
+                   "producer_regs", "ex2_fence", "skip_rescale"},  # exp2_poly: not searched (slower)
     "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
                     "q_order", "loads", "v_layout"},
 }
@@ -246,10 +246,11 @@ def test_seeds(family):
 def test_seeds_fp8_128_include_shipped_best():
     space = get_space("fp8")
     best = shipped_best("fp8", 128, 128)
-    assert len(set(best)) >= 2  # the shipped database has two winners for fp8 128/128
+    assert len(best) == 3 and best[0].backend == "gluon"  # one winner for the three fp8 128/128 shapes
     seeds = space.seeds(128, 128)
     assert set(best) <= set(seeds)
-    assert seeds[0] == D("fp8", 128, 128)
+    # the Triton default, then the Gluon default and its 256-key kernel, then the database's
+    assert seeds[:3] == [D("fp8", 128, 128), D("fp8", 128, 128, "gluon"), gluon_wide_config("fp8", 128, 128)]
 
 
 def test_seeds_without_database(tmp_path):

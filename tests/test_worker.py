@@ -106,11 +106,13 @@ def test_fault_gives_its_status_and_the_worker_goes_on(mode, status, words):
 
 
 def test_config_level_fault_spares_other_configs():
-    with Worker(runner="fault:raise@num_stages=2", timeout_s=60) as w:
-        (r,) = w.run(Task(FP8.replace(num_stages=2).to_json(), (SMALL,)))
-        assert r.status == "crash" and "injected fault: raise (num_stages=2)" in r.message
+    with Worker(runner="fault:raise@num_stages=4", timeout_s=60) as w:
+        (r,) = w.run(Task(FP8.replace(num_stages=4).to_json(), (SMALL,)))
+        assert r.status == "crash" and "injected fault: raise (num_stages=4)" in r.message
         assert "Traceback" in r.message
-        (r,) = w.run(Task(stored_trial(seqlen=4096)["config_json"], (SMALL,)))
+        spared = stored_trial(seqlen=4096)["config_json"]
+        assert '"num_stages":4' not in spared
+        (r,) = w.run(Task(spared, (SMALL,)))
         assert r.status == "ok" and w.restarts == 1
 
 

@@ -3,7 +3,8 @@ process, on the same fresh inputs, by one timer and against one float64 referenc
 
 Why one process and one timer: numbers from different scripts differ by clocks, warm-up and timing
 method more than the kernels differ. So every system here is timed by `kernels.timing.time_cuda`
-(CUDA events, median after warm-up) right after the others on the same tensors, its error is rel.
+(CUDA events, median after warm-up) in rounds interleaved with the others on the same tensors (a GPU
+at its power limit drifts by 20% in clock within a run), its error is rel.
 L2 against `kernels.reference.attention_reference` (float64) on exactly the inputs it was given,
 and the GPU state (NVML clocks, power, temperature) is recorded before and after the run and the
 mean SM clock per row.
@@ -458,60 +459,73 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"
 
 
-def measure_system(system: System, inputs: Sequence[Inputs], reference: Callable[[str], torch.Tensor], *,
-                   reps: int, timer: Callable[..., Any]) -> BenchRow:
-    """Run `system` once on the first input set, take its error against the float64 reference,
-    then time it round-robin over all input sets. A failing system gives a row with `error`."""
-    from zyfa_tune.kernels.reference import max_abs_err, rel_l2
-
-    sh = inputs[0].shape
-    base = dict(shape=sh.label, system=system.name, kind=system.kind, dtype=system.dtype, dqk=sh.head_dim_qk,
-                dv=sh.head_dim_v, b=sh.batch, s=sh.seqlen, h=sh.heads, hk=sh.kv_heads)
-    bound: list[Bound] = []
-    try:
-        bound = [system.bind(x) for x in inputs]
-        bound[0].call()
-        if inputs[0].q16.is_cuda:
-            torch.cuda.synchronize()
-        out, ref = bound[0].output(), reference(system.dtype)
-        errors = dict(rel_l2=rel_l2(out, ref), max_err=max_abs_err(out, ref))
-        del out
-        t = timer([b.call for b in bound], warmup=3, reps=reps)
-    except Exception as exc:  # a missing or failing peer is reported, not fatal
-        info = dict(config=bound[0].config, source=bound[0].source) if bound else {}
-        return BenchRow(**base, **info, error=_error_text(exc))
-    flops = sh.flops
-    energy = t.energy_j_per_call
-    return BenchRow(**base, **errors, tflops=flops / (t.median_ms * 1e-3) / 1e12, median_ms=t.median_ms,
-                    p20_ms=t.p20_ms, p80_ms=t.p80_ms, min_ms=t.min_ms, reps=t.reps, sm_clock_mhz=t.sm_clock_mhz,
-                    power_w=t.power_w, energy_j_per_call=energy,
-                    tflop_per_j=flops / energy / 1e12 if energy else None,
-                    config=bound[0].config, source=bound[0].source)
-
-
 def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, reps: int, rotate: int = 1,
-                  device: str = "cuda", timer: Callable[..., Any] | None = None, input_family: str = "gaussian",
-                  quant: str = "per-tensor",
+                  rounds: int = 3, device: str = "cuda", timer: Callable[..., Any] | None = None,
+                  input_family: str = "gaussian", quant: str = "per-tensor",
                   on_row: Callable[[BenchRow], None] | None = None) -> list[BenchRow]:
-    """All systems on `rotate` fresh input sets of one shape (seeds seed, seed+1, ...); the error is
-    taken on the first set, whose float64 references are computed once per dtype."""
-    from zyfa_tune.kernels.timing import time_cuda
+    """All systems on `rotate` fresh input sets of one shape (seeds seed, seed+1, ...). Each system
+    runs once on the first set for its error against the float64 reference (computed once per
+    dtype); then they are timed in `rounds` rounds of about reps / rounds calls each, every round in
+    a rotated order, so that the clock drift of a GPU at its power limit (1980 -> 1500 MHz within a
+    run, docs/PERF.md) falls on every system alike instead of on whichever runs last. A failing
+    system gives a row with `error`."""
+    from zyfa_tune.kernels.reference import max_abs_err, rel_l2
+    from zyfa_tune.kernels.timing import pooled, time_cuda
 
+    timer = timer or time_cuda
     inputs = [Inputs.random(shape, seed + i, device, input_family, quant == "native") for i in range(rotate)]
     refs: dict[str, torch.Tensor] = {}
+    base = dict(shape=shape.label, dqk=shape.head_dim_qk, dv=shape.head_dim_v, b=shape.batch, s=shape.seqlen,
+                h=shape.heads, hk=shape.kv_heads, family=input_family)
+    rows: dict[int, BenchRow] = {}
+    ready: dict[int, tuple[list[Bound], dict[str, float]]] = {}
 
-    def reference(dtype: str) -> torch.Tensor:
-        if dtype not in refs:
-            refs[dtype] = inputs[0].reference(dtype)
-        return refs[dtype]
+    def failed(system: System, bound: list[Bound], exc: BaseException) -> BenchRow:
+        info = dict(config=bound[0].config, source=bound[0].source) if bound else {}
+        return BenchRow(**base, system=system.name, kind=system.kind, dtype=system.dtype, **info,
+                        error=_error_text(exc))
 
-    rows = []
-    for system in systems:
-        rows.append(dataclasses.replace(measure_system(system, inputs, reference, reps=reps, timer=timer or time_cuda),
-                                        family=input_family))
+    for i, system in enumerate(systems):
+        bound: list[Bound] = []
+        try:
+            bound = [system.bind(x) for x in inputs]
+            bound[0].call()
+            if inputs[0].q16.is_cuda:
+                torch.cuda.synchronize()
+            if system.dtype not in refs:
+                refs[system.dtype] = inputs[0].reference(system.dtype)
+            out, ref = bound[0].output(), refs[system.dtype]
+            ready[i] = bound, dict(rel_l2=rel_l2(out, ref), max_err=max_abs_err(out, ref))
+            del out
+        except Exception as exc:  # a missing or failing peer is reported, not fatal
+            rows[i] = failed(system, bound, exc)
+    blocks: dict[int, list] = {i: [] for i in ready}
+    order = list(ready)
+    per_round = max(5, -(-reps // max(1, rounds)))
+    for r in range(max(1, rounds) if order else 0):
+        for i in order[r % len(order):] + order[:r % len(order)]:
+            if i in rows:
+                continue
+            try:
+                blocks[i].append(timer([b.call for b in ready[i][0]], warmup=3, reps=per_round))
+            except Exception as exc:
+                rows[i] = failed(systems[i], ready[i][0], exc)
+    out_rows = []
+    for i, system in enumerate(systems):
+        if i not in rows:
+            bound, errors = ready[i]
+            t = pooled(blocks[i])
+            flops, energy = shape.flops, t.energy_j_per_call
+            rows[i] = BenchRow(**base, system=system.name, kind=system.kind, dtype=system.dtype, **errors,
+                               tflops=flops / (t.median_ms * 1e-3) / 1e12, median_ms=t.median_ms, p20_ms=t.p20_ms,
+                               p80_ms=t.p80_ms, min_ms=t.min_ms, reps=t.reps, sm_clock_mhz=t.sm_clock_mhz,
+                               power_w=t.power_w, energy_j_per_call=energy,
+                               tflop_per_j=flops / energy / 1e12 if energy else None,
+                               config=bound[0].config, source=bound[0].source)
+        out_rows.append(rows[i])
         if on_row:
-            on_row(rows[-1])
-    return rows
+            on_row(rows[i])
+    return out_rows
 
 
 @dataclass(frozen=True)
@@ -522,6 +536,7 @@ class BenchPlan:
     reps: int = 30
     seed: int = 0
     rotate: int = 1          # input sets timed round-robin (>1 where inputs would sit in L2)
+    rounds: int = 3          # timing rounds over all systems of a shape, each in a rotated order
     warm_s: float = 3.0      # seconds of bf16 GEMMs before the first timing
     input_family: str = "gaussian"   # kernels.inputs families, comma-separated: every shape on each
     quant: str = "per-tensor"        # QUANT_MODES
@@ -545,7 +560,7 @@ class BenchPlan:
         if quantised and self.quant != "native":
             raise ValueError(f"--ours {quantised[0]}: quantisation options need --quant native "
                              f"(per-tensor mode gives every FP8 system the same tensors)")
-        for name, lo in (("reps", 5), ("rotate", 1)):
+        for name, lo in (("reps", 5), ("rotate", 1), ("rounds", 1)):
             if getattr(self, name) < lo:
                 raise ValueError(f"{name}: expected >= {lo}, got {getattr(self, name)}")
         unknown = [p for p in self.peers if p not in PEERS]
@@ -583,9 +598,10 @@ def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> Be
     for family in plan.families:
         for shape in plan.shapes:
             rows += measure_shape(shape, systems_for(shape, plan.ours, plan.peers), seed=plan.seed, reps=plan.reps,
-                                  rotate=plan.rotate, on_row=on_row, input_family=family, quant=plan.quant)
+                                  rotate=plan.rotate, rounds=plan.rounds, on_row=on_row, input_family=family,
+                                  quant=plan.quant)
             torch.cuda.empty_cache()
-    settings = dict(reps=plan.reps, seed=plan.seed, rotate=plan.rotate, warm_s=plan.warm_s,
+    settings = dict(reps=plan.reps, seed=plan.seed, rotate=plan.rotate, rounds=plan.rounds, warm_s=plan.warm_s,
                     input_family=plan.input_family, quant=plan.quant,
                     peers=list(plan.peers), ours=[dataclasses.asdict(o) for o in plan.ours])
     return BenchResult(date=date, gpu=before, gpu_after=gpu_state(), environment=environment(),

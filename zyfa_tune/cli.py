@@ -296,7 +296,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for text in args.ours or []:
             ours += bench.parse_ours(text, dtypes)
         plan = bench.BenchPlan(shapes=shapes, ours=tuple(ours), peers=bench.parse_peers(args.peers, dtypes),
-                               reps=args.reps, seed=args.seed, rotate=args.rotate, warm_s=args.warm,
+                               reps=args.reps, seed=args.seed, rotate=args.rotate, rounds=args.rounds, warm_s=args.warm,
                                input_family=",".join(FAMILY_NAMES) if args.input_family == "all" else args.input_family,
                                quant=args.quant)
         result = bench.run(plan, on_row=lambda r: console.print(bench_report.row_line(r), markup=False,
@@ -418,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time a forced config: the default config with these fields changed (repeatable)")
     p.add_argument("--reps", type=int, default=30, help="timed calls per system (median reported)")
     p.add_argument("--rotate", type=int, default=1, help="input sets timed round-robin (for shapes that fit in L2)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timing rounds per shape, systems interleaved in a rotated order (clock drift hits all alike)")
     p.add_argument("--input-family", default="gaussian", metavar="NAME[,NAME...]",
                    help="inputs of these kernels.inputs families, every shape on each (gaussian, outliers, sink, "
                         "rope, peaky, flat, llm; 'all' for every one): issue 5's variant x family table in one run")
