@@ -26,7 +26,7 @@ CHOICES: dict[str, tuple] = {
     "dtype": ("fp8", "bf16"),
     "head_dim_qk": HEAD_DIMS,
     "head_dim_v": HEAD_DIMS,
-    "block_m": (64, 128, 256),
+    "block_m": (64, 128, 192, 256),
     "block_n": (32, 64, 128, 256),
     "num_warps": (4, 8, 16),
     "num_stages": (1, 2, 3, 4, 5),
@@ -109,7 +109,7 @@ class KernelConfig:
                   consumer warpgroup (64: one, 128: two), block_n = keys per K/V block, num_stages =
                   depth of the K/V shared-memory ring (>= 2), p_scale_log2 = log2 of the P scale,
                   q_order = tile order of the (persistent) grid.
-    ping_pong:    Gluon: the two consumer warpgroups take turns issuing their wgmmas (block_m=128).
+    ping_pong:    Gluon: the consumer warpgroups take turns issuing their wgmmas (block_m=128, 192).
     overlap:      Gluon: inside a warpgroup, softmax of block j runs while PV of block j-1 is on the
                   tensor cores (FA3's intra-warpgroup overlap).
     q_stages:     Gluon: Q tiles in shared memory (2 lets the producer load the next tile's Q early).
@@ -187,6 +187,9 @@ class KernelConfig:
                               "'rounded' or 'mma'")
         if self.dtype == "bf16" and self.p_scale_log2 != 0:
             raise ConfigError("p_scale_log2 must be 0 for dtype='bf16' (bf16 has the range)")
+        if self.block_m == 192:
+            raise ConfigError("block_m=192: Triton tiles are powers of two; 192 rows is the Gluon backend's "
+                              "three consumer warpgroups (backend='gluon')")
         if self.scale_block not in (0, self.block_n):
             raise ConfigError(
                 f"scale_block={self.scale_block}: the Triton backend takes one exponent per key "
@@ -198,14 +201,15 @@ class KernelConfig:
         if (self.head_dim_qk, self.head_dim_v) not in GLUON_HEAD_DIMS:
             raise ConfigError(f"head_dim_qk={self.head_dim_qk}, head_dim_v={self.head_dim_v}: backend='gluon' "
                               f"implements the head-dim pairs {[f'{a}/{b}' for a, b in GLUON_HEAD_DIMS]} only")
-        if self.block_m not in (64, 128):
+        if self.block_m not in (64, 128, 192):
             raise ConfigError(f"block_m={self.block_m}: backend='gluon' runs one consumer warpgroup per 64 "
-                              f"query rows, one or two of them: block_m must be 64 or 128")
+                              f"query rows, one to three of them: block_m must be 64, 128 or 192")
         if self.num_stages < 2:
             raise ConfigError(f"num_stages={self.num_stages}: the Gluon K/V ring needs at least 2 stages "
                               f"(V is released one step after its PV product)")
-        if self.ping_pong and self.block_m != 128:
-            raise ConfigError(f"ping_pong=True needs two consumer warpgroups: block_m=128, not {self.block_m}")
+        if self.ping_pong and self.block_m == 64:
+            raise ConfigError(f"ping_pong=True needs two or three consumer warpgroups: block_m=128 or 192, "
+                              f"not {self.block_m}")
         if self.ex2_fence and not self.overlap:
             raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
                               "under the softmax")
@@ -300,12 +304,13 @@ def gluon_registers(config: KernelConfig) -> tuple[int, int]:
 
     Triton's warp-group allocator gives a CTA of W warps (the producer warp padded to a warpgroup)
     65536 / (32 W) registers per thread rounded down to 8 at entry, and the default partition (the
-    first consumer warpgroup) what the requests leave; asking the second consumer for
-    (3 * entry - producer) / 2 makes the two consumers equal: 24 -> 240, 40 -> 232, 56 -> 224.
+    first consumer warpgroup) what the requests leave; asking each other consumer for
+    ((c + 1) * entry - producer) / c (c consumers) leaves the first at least as much: two consumers
+    get 24 -> 240, 40 -> 232, 56 -> 224; three (entry 128) 24 -> 160, 40 -> 152, 56 -> 152.
     One consumer warpgroup runs at the 256-register maximum whatever is asked."""
     consumers = config.block_m // 64
     if consumers == 1:
         return 256, config.producer_regs
     warps = 4 * consumers + 4
     entry = 65536 // (32 * warps) // 8 * 8
-    return (3 * entry - config.producer_regs) // 2 // 8 * 8, config.producer_regs
+    return ((consumers + 1) * entry - config.producer_regs) // consumers // 8 * 8, config.producer_regs

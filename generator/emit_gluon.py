@@ -47,8 +47,13 @@ def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
     """Element type and TMA block of each descriptor argument, in kernel order (the launcher and the
     ahead-of-time compile build their descriptors from this one table)."""
     w, dv = qk_part_width(config), config.head_dim_v
-    return {"desc_q": ("fp8", [config.block_m, w]), "desc_k": ("fp8", [config.block_n, w]),
+    return {"desc_q": ("fp8", [q_box_rows(config), w]), "desc_k": ("fp8", [config.block_n, w]),
             "desc_v": ("fp8", [dv, config.block_n]), "desc_o": ("bf16", [1, 64, dv])}
+
+
+def q_box_rows(config: KernelConfig) -> int:
+    """Rows of one Q TMA box: the tile's, or 64 (one per consumer) for 192 rows (boxes are powers of two)."""
+    return 64 if config.block_m == 192 else config.block_m
 
 
 def qk_part_width(config: KernelConfig) -> int:
@@ -110,6 +115,7 @@ def _constants(c: KernelConfig) -> str:
     values = [
         ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", int(c.head_dim_v)), ("HEAD_QK", int(c.head_dim_qk)),
         ("QK_PARTS", int(c.head_dim_qk) // qk_part_width(c)), ("QK_W", qk_part_width(c)),
+        ("Q_BOXES", int(c.block_m) // q_box_rows(c)),
         ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", int(c.block_m) // 64),
         ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),
@@ -164,9 +170,9 @@ def _entry(c: KernelConfig) -> str:
     consumers = c.block_m // 64
     partitions = [f"        (_consumer, {_consumer_args(i, c)})," for i in range(consumers)]
     partitions.append(f"        (_producer, {_PRODUCER_ARGS}),")
-    # the default partition is consumer 0; workers: the other consumer (4 warps), the producer (1)
-    warps = "[4, 1]" if consumers == 2 else "[1]"
-    regs = "[CONSUMER_REGS, PRODUCER_REGS]" if consumers == 2 else "[PRODUCER_REGS]"
+    # the default partition is consumer 0; workers: the other consumers (4 warps each), the producer (1)
+    warps = "[" + "4, " * (consumers - 1) + "1]"
+    regs = "[" + "CONSUMER_REGS, " * (consumers - 1) + "PRODUCER_REGS]"
     return "\n".join([
         "",
         f"@gluon.jit(do_not_specialize={UNSPECIALISED!r})",
@@ -174,7 +180,8 @@ def _entry(c: KernelConfig) -> str:
         f"                  {', '.join(SCALAR_PARAMS[:7])},",
         f"                  {', '.join(SCALAR_PARAMS[7:])}, CAUSAL: gl.constexpr):",
         "    dtype: gl.constexpr = gl.float8e4nv",
-        "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES * QK_PARTS, BLOCK_M, QK_W], desc_q.layout)",
+        "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES * QK_PARTS * Q_BOXES, BLOCK_M // Q_BOXES, QK_W],",
+        "                                       desc_q.layout)",
         "    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BLOCK_N, QK_W], desc_k.layout)",
         "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], desc_v.layout)",
         "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], gl.bfloat16)",

@@ -54,7 +54,8 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr):
     """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
     K and V barriers so that QK^T can start before V has landed). Q and K tiles come in QK_PARTS
-    column parts of HEAD_QK / QK_PARTS (tensor shapes must be powers of two: 192 = 3 x 64)."""
+    column parts of HEAD_QK / QK_PARTS (tensor shapes must be powers of two: 192 = 3 x 64), a
+    192-row Q tile (three consumers) in Q_BOXES = 3 row boxes of 64."""
     n_bh = n_tiles // n_m
     kv_it = 0
     q_it = 0
@@ -64,10 +65,16 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
         m0 = mb * BLOCK_M
         qs = q_it % Q_STAGES
         mbarrier.wait(q_empty.index(qs), ((q_it // Q_STAGES) & 1) ^ 1)
-        mbarrier.expect(q_ready.index(qs), QK_PARTS * q_desc.block_type.nbytes)
+        mbarrier.expect(q_ready.index(qs), QK_PARTS * Q_BOXES * q_desc.block_type.nbytes)
         for p in gl.static_range(QK_PARTS):
-            tma.async_copy_global_to_shared(q_desc, [b * Sq + m0, h * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
-                                            q_ready.index(qs), q_bufs.index(qs * QK_PARTS + p))
+            if Q_BOXES == 1:
+                tma.async_copy_global_to_shared(q_desc, [b * Sq + m0, h * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
+                                                q_ready.index(qs), q_bufs.index(qs * QK_PARTS + p))
+            else:  # 192 rows: TMA boxes are powers of two, so one 64-row box per consumer
+                for r in gl.static_range(Q_BOXES):
+                    tma.async_copy_global_to_shared(
+                        q_desc, [b * Sq + m0 + r * 64, h * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
+                        q_ready.index(qs), q_bufs.index((qs * QK_PARTS + p) * Q_BOXES + r))
         q_it += 1
         n_blocks, n_masked = _block_range(m0, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
         k_row = b * Sk
@@ -229,13 +236,23 @@ def _turn_pass(turn_bars, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPO
 
 
 @gluon.jit
+def _q_rows(q_bufs, slot, CID: gl.constexpr):
+    """This warpgroup's 64 rows of the Q column part in `slot`: a slice of the tile, or with 192-row
+    tiles (Q_BOXES = 3 boxes of 64 rows per part) its own box."""
+    if Q_BOXES == 1:
+        return q_bufs.index(slot).slice(CID * 64, 64, dim=0)
+    else:
+        return q_bufs.index(slot * Q_BOXES + CID)
+
+
+@gluon.jit
 def _qk_issue(q_bufs, qb, k_bufs, kb, s_zero, CID: gl.constexpr, QK_PARTS: gl.constexpr):
     """S = Q K^T as QK_PARTS chained async wgmmas over the column parts (slots qb.., kb..); returns
     the token of the last (each wgmma is its own commit group, so waiting for it waits for all)."""
-    s_tok = warpgroup_mma(q_bufs.index(qb).slice(CID * 64, 64, dim=0), k_bufs.index(kb).permute((1, 0)), s_zero,
+    s_tok = warpgroup_mma(_q_rows(q_bufs, qb, CID), k_bufs.index(kb).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
     for p in gl.static_range(1, QK_PARTS):
-        s_tok = warpgroup_mma(q_bufs.index(qb + p).slice(CID * 64, 64, dim=0), k_bufs.index(kb + p).permute((1, 0)),
+        s_tok = warpgroup_mma(_q_rows(q_bufs, qb + p, CID), k_bufs.index(kb + p).permute((1, 0)),
                               s_tok, is_async=True)
     return s_tok
 

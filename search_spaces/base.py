@@ -161,7 +161,7 @@ def gluon_only(name: str, choices: tuple, *, one_consumer: Any = None,
     `needs` (field, value) / `unless` (field, value): the field keeps the family default unless /
     when that field (declared before it) has that value (ex2_fence: only with overlap=True, never
     with rowsum="mma")."""
-    decode = None if one_consumer is None else (lambda v, f: v if f["block_m"] == 128 else one_consumer)
+    decode = None if one_consumer is None else (lambda v, f: v if f["block_m"] > 64 else one_consumer)
     if needs is not None or unless is not None:
         def decode(v, f):
             ok = (needs is None or f[needs[0]] == needs[1]) and (unless is None or f[unless[0]] != unless[1])

@@ -36,7 +36,10 @@ HD256_CASES = [HD256, HD256.replace(softmax="lean", rowsum="mma"), HD256.replace
 MLA = default_config("fp8", 192, 128, "gluon")
 MLA_CASES = [MLA, MLA.replace(softmax="lean", rowsum="mma"), MLA.replace(block_n=64, num_stages=4),
              MLA.replace(ping_pong=False, q_stages=2, q_order="forward"), MLA.replace(block_m=64, ping_pong=False)]
-CASES = neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES
+#: three consumer warpgroups (block_m=192, FA3's head-dim-64 tile): Q in three 64-row TMA boxes
+THREE_CASES = [HD64.replace(block_m=192), HD64.replace(block_m=192, ping_pong=False, q_stages=2),
+               HD64.replace(block_m=192, softmax="lean", rowsum="mma"), GLUON.replace(block_m=192, block_n=64)]
+CASES = neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
 
 
 def test_192_wide_q_and_k_come_in_three_parts(compiled):
@@ -257,3 +260,13 @@ def test_exp2_poly_moves_exponentials_to_the_fma_pipe(share, degree, compiled):
     per_score = ref.count("MUFU.EX2") - rescale
     assert art.count("MUFU.EX2") == rescale + per_score * (8 - share) // 8
     assert art.count("FFMA") >= ref.count("FFMA") + degree * per_score * share // 8
+
+
+def test_three_consumers_load_q_in_64_row_boxes(compiled):
+    """block_m=192: TMA boxes must be powers of two, so the producer loads a Q tile as three 64-row
+    boxes (one per consumer) where two consumers take one 128-row box; three consumer partitions and
+    the producer each set their registers (setmaxnreg)."""
+    three, two = compiled(THREE_CASES[0]), compiled(HD64)
+    loads = r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global"
+    assert len(re.findall(loads, three.ptx)) == len(re.findall(loads, two.ptx)) + 2
+    assert three.ptx.count("setmaxnreg") > two.ptx.count("setmaxnreg")

@@ -57,15 +57,30 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
      r"^head_dim_qk=96, head_dim_v=96: backend='gluon' implements the head-dim pairs \['64/64', '128/128', '192/128', '256/256'\] only"),
     (dict(head_dim_v=64), r"^head_dim_qk=128, head_dim_v=64: backend='gluon' implements the head-dim pairs"),
     (dict(head_dim_qk=128, head_dim_v=192), r"^head_dim_qk=128, head_dim_v=192: backend='gluon' implements"),
-    (dict(block_m=256), r"^block_m=256: .*block_m must be 64 or 128"),
+    (dict(block_m=256), r"^block_m=256: .*block_m must be 64, 128 or 192"),
     (dict(num_stages=1), r"^num_stages=1: the Gluon K/V ring needs at least 2 stages"),
-    (dict(block_m=64), r"^ping_pong=True needs two consumer warpgroups"),
+    (dict(block_m=64), r"^ping_pong=True needs two or three consumer warpgroups"),
+    (dict(rowsum="mma", ex2_fence=True), r"^ex2_fence=True needs rowsum='fp32'"),
+    (dict(exp2_poly=3, softmax="lean", rowsum="mma"), r"^exp2_poly=3: the polynomial replaces exact-softmax"),
+    (dict(exp2_poly_degree=2), r"^exp2_poly_degree=2: no polynomial with exp2_poly=0"),
+    (dict(rowsum="rounded"), r"^rowsum='rounded': the exact Gluon kernel sums"),
     (dict(block_m=64, ping_pong=False, producer_regs=40), r"^producer_regs=40: with one consumer warpgroup"),
     (dict(overlap=False, ex2_fence=True), r"^ex2_fence=True needs overlap=True"),
 ])
 def test_bad_gluon_combinations_name_the_field(changes, match):
     with pytest.raises(ConfigError, match=match):
         GLUON.replace(**changes)
+
+
+def test_three_consumer_warpgroups():
+    """block_m=192: three 64-row consumer warpgroups (FA3's head-dim-64 tile); Gluon only (Triton
+    tiles are powers of two); the consumers share what the producer leaves (setmaxnreg)."""
+    three = GLUON.replace(head_dim_qk=64, head_dim_v=64, block_m=192)
+    assert gluon_registers(three) == (160, 24)
+    assert gluon_registers(three.replace(producer_regs=40)) == (152, 40)
+    assert gluon_registers(GLUON) == (240, 24)  # two consumers, unchanged
+    with pytest.raises(ConfigError, match=r"^block_m=192: Triton tiles are powers of two"):
+        KernelConfig(block_m=192)
 
 
 def test_gluon_values_are_type_checked():

@@ -141,6 +141,11 @@ for _dqk, _dv in ((64, 64), (256, 256), (192, 128)):
                        f"{_dqk}-winner": _seed.replace(ping_pong=False, q_stages=2, q_order="forward"),
                        f"{_dqk}-lean": _seed.replace(softmax="lean", rowsum="mma"),
                        f"{_dqk}-mma-skip": _seed.replace(rowsum="mma", skip_rescale=True)})
+#: three consumer warpgroups (block_m=192; FA3's head-dim-64 tile): Q in three 64-row boxes
+OTHER_DIMS.update({"64-three": default_config("fp8", 64, 64, "gluon").replace(block_m=192),
+                   "64-three-plain": default_config("fp8", 64, 64, "gluon").replace(block_m=192, ping_pong=False,
+                                                                                     q_stages=2),
+                   "128-three": GLUON.replace(block_m=192, block_n=64)})
 
 
 @pytest.mark.parametrize("name", OTHER_DIMS)
