@@ -258,8 +258,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         tuner.on_progress = lambda p: live.update(render(p))
         tuner.run()
     console.print(f"study storage: {tuner.study_storage}  (optuna-dashboard {tuner.study_storage})")
-    table = Table(title="best kernel per shape (tuning database) vs the default config")
-    for col in ("shape", "best TFLOP/s", "default TFLOP/s", "speed-up", "best config"):
+    table = Table(title="best kernel per shape (tuning database) vs the untuned kernel")
+    for col in ("shape", "best TFLOP/s", "untuned TFLOP/s", "speed-up", "best config"):
         table.add_column(col, overflow="fold")
     for row in best_per_shape(spec):
         sh, best, dflt = row["shape"], row["best"], row["default_tflops"]

@@ -427,11 +427,12 @@ def _alive(pid: object) -> bool:
 
 
 def best_per_shape(spec: TuneSpec) -> list[dict]:
-    """For the end-of-run table: per shape, the best stored entry and the default config's result
-    from this study."""
-    from zyfa_tune.kernels.defaults import default_config
+    """For the end-of-run table: per shape, the best stored entry and this study's result for the
+    untuned kernel (`kernels.defaults.fallback_config`: what `flash_attn_func` runs with no tuned
+    entry; a seed of every study, so measured first)."""
+    from zyfa_tune.kernels.defaults import fallback_config
 
-    default_json = default_config(spec.dtype, spec.head_dim_qk, spec.head_dim_v).to_json()
+    default_json = fallback_config(spec.dtype, spec.head_dim_qk, spec.head_dim_v).to_json()
     rows = []
     with open_store(spec.storage, readonly=True, create=False) as store:
         for shape in spec.shapes:
