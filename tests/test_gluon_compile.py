@@ -270,3 +270,28 @@ def test_three_consumers_load_q_in_64_row_boxes(compiled):
     loads = r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global"
     assert len(re.findall(loads, three.ptx)) == len(re.findall(loads, two.ptx)) + 2
     assert three.ptx.count("setmaxnreg") > two.ptx.count("setmaxnreg")
+
+
+@pytest.mark.parametrize("cfg", [WINNER, HD64.replace(ping_pong=False), HD256.replace(ping_pong=False)],
+                         ids=["hd128", "hd64", "hd256"])
+def test_skip_rescale_branches_around_the_multiplies(cfg, compiled):
+    """skip_rescale: each of the three rescale sites of each consumer becomes a warp vote and a
+    uniform branch over the same FMULs (none removed, none added: the O registers are tied)."""
+    art, ref = compiled(cfg.replace(skip_rescale=True)), compiled(cfg)
+    check_usable(art, cfg)
+    consumers = cfg.block_m // 64
+    assert art.count("VOTE.ANY") - ref.count("VOTE.ANY") == 3 * consumers
+    assert art.count("FMUL") == ref.count("FMUL")
+    assert art.ptx.count("vote.sync.any.pred") == 3 * consumers and art.ptx.count("bra.uni") >= 3 * consumers
+
+
+def test_rescale_asm_text():
+    from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
+
+    text = rescale_asm(8)
+    assert "setp.ne.f32 p, $16, 0f3F800000;" in text and "setp.ne.or.f32 p, $18, 0f3F800000, p;" in text
+    assert text.count("mul.f32") == 8 and "mul.f32 $7, $7, $23;" in text
+    assert rescale_constraints(8).split(",") == ["=r"] * 8 + [str(i) for i in range(8)] + ["r"] * 8
+    for bad in (0, 6, 8.0, True):
+        with pytest.raises(ValueError, match="multiple of 4"):
+            rescale_asm(bad)
