@@ -56,10 +56,10 @@ def main(argv=None) -> int:
             choice = explain(*args, **kw)
             configs = [("auto", choice.config)]
             cfg0 = choice.config
-            if dtype == "fp8" and cfg0.backend == "triton" and cfg0.v_layout == "transposed":
+            triton_vt = cfg0.backend == "triton" and cfg0.v_layout == "transposed"
+            if dtype == "fp8" and triton_vt:
                 configs.append(("natural V", cfg0.replace(v_layout="natural")))  # the V^T copy is host time too
-            if dtype == "fp8" and (cfg0.backend == "gluon" and not cfg0.v_permute
-                                   or cfg0.backend == "triton" and cfg0.v_layout == "transposed"):
+            if dtype == "fp8" and (triton_vt or cfg0.backend == "gluon" and not cfg0.v_permute):
                 args_k, kw_k = make_inputs(dtype, 128, 128, batch=b, heads=h, kv_heads=h, seqlen=s, seed=0,
                                            v_layout="k_major")  # V stored as the kernel reads it: no copy
                 configs.append(("K-major V", cfg0))

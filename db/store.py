@@ -127,29 +127,18 @@ class Store:
         every kernel that passed the study's gate, not only the overall fastest (a multi-objective
         study keeps the whole front). Rows as `best_entries` (provenance and time of the trial)."""
         max_error = finite_float("max_error", max_error, positive=True)
-        cols = ([rows.raw(getattr(E, n)) for n in rows.FINGERPRINT_FIELDS]
-                + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS]
-                + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash)]
-                + [rows.raw(getattr(T, n)) for n in ("median_ms", "tflops", "error_rel_l2", "provenance")]
-                + [rows.raw(T.created_at, "updated_at"), rows.raw(T.environment_id, "env_id"),
-                   rows.raw(T.problem_id, "problem_id")]
-                + [rows.raw(getattr(T, n)) for n in TRIAL_SHAPE])
+        cols = _entry_columns(T, T.created_at) + [rows.raw(T.environment_id, "env_id"),
+                                                  rows.raw(T.problem_id, "problem_id")]
         stmt = (select(*cols).join_from(T, E, T.environment_id == E.id).join(P, T.problem_id == P.id)
                 .join(V, T.variant_id == V.id)
                 .where(T.status == "ok", T.error_rel_l2.is_not(None), T.error_rel_l2 <= max_error,
                        T.median_ms > 0)
                 .order_by(T.environment_id, T.problem_id, T.median_ms, T.id))
-        found = self._read("trials within an error budget", lambda s: [dict(r._mapping) for r in s.execute(stmt)])
         out, seen = [], set()
-        for r in found:
-            if (r["env_id"], r["problem_id"]) in seen:
-                continue
-            try:
-                out.append(_best_entry(r))
-            except ValueError as exc:
-                warnings.warn(f"{self._target.display}: skipping a damaged trial: {exc}", RuntimeWarning, stacklevel=2)
-                continue
-            seen.add((r["env_id"], r["problem_id"]))
+        for r, entry in self._entries(stmt, "trials within an error budget"):
+            if (r["env_id"], r["problem_id"]) not in seen:  # the fastest valid trial per class
+                seen.add((r["env_id"], r["problem_id"]))
+                out.append(entry)
         return out
 
     def best_for(self, key: ProblemKey) -> list[BestEntry]:
@@ -252,24 +241,33 @@ class Store:
         return run_transaction(reading(self._engine), work, where=f"{self._target.display}: {op}")
 
     def _best(self, where: list, order: tuple) -> list[BestEntry]:
-        cols = ([rows.raw(getattr(E, n)) for n in rows.FINGERPRINT_FIELDS]
-                + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS]
-                + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash)]
-                + [rows.raw(getattr(B, n)) for n in ("median_ms", "tflops", "error_rel_l2", "provenance",
-                                                     "updated_at")]
-                + [rows.raw(getattr(T, n)) for n in TRIAL_SHAPE])
-        stmt = (select(*cols).join_from(B, E, B.environment_id == E.id).join(P, B.problem_id == P.id)
-                .join(V, B.variant_id == V.id).outerjoin(T, B.trial_id == T.id)
+        stmt = (select(*_entry_columns(B, B.updated_at)).join_from(B, E, B.environment_id == E.id)
+                .join(P, B.problem_id == P.id).join(V, B.variant_id == V.id).outerjoin(T, B.trial_id == T.id)
                 .where(*where).order_by(*order, B.median_ms))
-        found = self._read("best entries", lambda s: [dict(r._mapping) for r in s.execute(stmt)])
+        return [entry for _, entry in self._entries(stmt, "best entries")]
+
+    def _entries(self, stmt, what: str) -> list[tuple[dict[str, Any], BestEntry]]:
+        """(raw row, BestEntry) of every row of `stmt` that validates; a damaged row is skipped with a
+        warning naming the database."""
         out = []
-        for r in found:
+        for r in self._read(what, lambda s: [dict(r._mapping) for r in s.execute(stmt)]):
             try:
-                out.append(_best_entry(r))
+                out.append((r, _best_entry(r)))
             except ValueError as exc:
-                warnings.warn(f"{self._target.display}: skipping a damaged best entry: {exc}",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn(f"{self._target.display}: skipping a damaged row of {what}: {exc}",
+                              RuntimeWarning, stacklevel=4)
         return out
+
+
+def _entry_columns(timed, stamp) -> list:
+    """The columns of a BestEntry row: fingerprint, problem key, variant, the time, error and
+    provenance of `timed` (the best table, or a trial) with `stamp` as its time, the trial's shape."""
+    return ([rows.raw(getattr(E, n)) for n in rows.FINGERPRINT_FIELDS]
+            + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS]
+            + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash)]
+            + [rows.raw(getattr(timed, n)) for n in ("median_ms", "tflops", "error_rel_l2", "provenance")]
+            + [rows.raw(stamp, "updated_at")]
+            + [rows.raw(getattr(T, n)) for n in TRIAL_SHAPE])
 
 
 def _best_entry(r: dict[str, Any]) -> BestEntry:

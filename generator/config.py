@@ -63,10 +63,10 @@ LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, V^T, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads", "v_layout")
-#: The softmax fields, read by both backends. A Gluon config stores them only under softmax="lean"
-#: (an exact Gluon config's JSON, and so its database rows, are what they were before Gluon had lean P).
+#: The softmax fields, read by both backends. An exact Gluon config stores them only away from their
+#: defaults (rowsum="mma"), so its JSON, and its database rows, are what they were before Gluon had
+#: lean P; a lean one stores them all.
 SOFTMAX_FIELDS = ("softmax", "lean_fold", "lean_clamp", "lean_pack", "rowsum")
-#: Exact Gluon configs store a softmax field only away from its default (rowsum="mma").
 
 
 class ConfigError(ValueError):
@@ -106,7 +106,7 @@ class KernelConfig:
                   decides; docs/BACKENDS.md). Each backend has its own fields (TRITON_FIELDS,
                   GLUON_FIELDS); the other backend's stay at their defaults, so that one kernel has
                   one config and one JSON. Shared fields mean for Gluon: block_m = 64 query rows per
-                  consumer warpgroup (64: one, 128: two), block_n = keys per K/V block, num_stages =
+                  consumer warpgroup (64: one, 128: two, 192: three), block_n = keys per K/V block, num_stages =
                   depth of the K/V shared-memory ring (>= 2), p_scale_log2 = log2 of the P scale,
                   q_order = tile order of the (persistent) grid.
     ping_pong:    Gluon: the consumer warpgroups take turns issuing their wgmmas (block_m=128, 192).

@@ -156,15 +156,19 @@ def _exp2(x):
 
 
 @gluon.jit
-def _rescale(acc, alpha, row_o: gl.constexpr):
-    """O *= alpha per row; under SKIP_RESCALE a warp whose rows all have alpha == 1 (maxima kept)
-    jumps over the multiplies (generator/rescale_asm.py)."""
+def _rescale(acc, l_i, alpha, row_o: gl.constexpr):
+    """O *= alpha per row, and l too under ROWSUM_MMA (whose row sums arrive with PV, so l is
+    rescaled when O is); under SKIP_RESCALE a warp whose rows all have alpha == 1 (maxima kept)
+    jumps over O's multiplies (generator/rescale_asm.py)."""
     a = gl.convert_layout(alpha, row_o)[:, None]
     if SKIP_RESCALE:
-        return gl.inline_asm_elementwise(RESCALE_ASM, RESCALE_CONSTRAINTS, [acc, gl.broadcast(acc, a)[1]],
-                                         dtype=gl.float32, is_pure=True, pack=RESCALE_PACK)
+        acc = gl.inline_asm_elementwise(RESCALE_ASM, RESCALE_CONSTRAINTS, [acc, gl.broadcast(acc, a)[1]],
+                                        dtype=gl.float32, is_pure=True, pack=RESCALE_PACK)
     else:
-        return acc * a
+        acc = acc * a
+    if ROWSUM_MMA:
+        l_i = l_i * alpha
+    return acc, l_i
 
 
 @gluon.jit
@@ -316,9 +320,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
     p8 = _p_operand(pP, V_PERM, LEAN)
-    acc = _rescale(acc, alpha, row_o)
-    if ROWSUM_MMA:
-        l_i = l_i * alpha
+    acc, l_i = _rescale(acc, l_i, alpha, row_o)
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
@@ -430,9 +432,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
                 p8 = _p_operand(pP, V_PERM, LEAN)
-                acc = _rescale(acc, alpha, row_o)
-                if ROWSUM_MMA:
-                    l_i = l_i * alpha
+                acc, l_i = _rescale(acc, l_i, alpha, row_o)
                 mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
                 _turn_wait(turn_bars, turn_it, CID, PINGPONG)
                 o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero)
@@ -456,9 +456,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                     else:
                         p8, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
                                                        False, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET)
-                    acc = _rescale(acc, alpha, row_o)
-                    if ROWSUM_MMA:
-                        l_i = l_i * alpha
+                    acc, l_i = _rescale(acc, l_i, alpha, row_o)
                     mbarrier.wait(v_ready.index(s_st), s_ph)
                     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
                     o_tok, r_tok = _pv_issue(_p_operand(p8, V_PERM), v_bufs.index(s_st), acc, ones_smem, l_zero)

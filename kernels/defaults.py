@@ -17,7 +17,8 @@ from zyfa_tune.generator import KernelConfig
 def default_config(dtype: str, head_dim_qk: int, head_dim_v: int, backend: str = "triton") -> KernelConfig:
     """A config that compiles without spills and fits shared memory for this head-dim pair.
     KernelConfig's own defaults are the FP8 head-dim-128 default. backend="gluon" raises
-    ConfigError for what the Gluon backend does not implement (bf16, head dims other than 128)."""
+    ConfigError for what the Gluon backend does not implement (bf16, head-dim pairs outside
+    GLUON_HEAD_DIMS)."""
     if backend == "gluon":  # head_dim_v 256: a 64 x 256 fp32 accumulator leaves registers for 64-key blocks
         wide = head_dim_v > 128
         return KernelConfig(backend="gluon", dtype=dtype, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v,

@@ -198,11 +198,10 @@ _user_budget: tuple[float | None] | None = None  # set_error_budget's value, box
 
 
 def _checked_budget(name: str, value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}: expected a positive finite rel. L2 error (e.g. 0.03), got {value!r}")
-    return float(value)
+    """None (no budget) or a positive finite rel. L2 error."""
+    from zyfa_tune.db.checks import finite_float
+
+    return None if value is None else finite_float(name, value, positive=True)
 
 
 def error_budget() -> float | None:

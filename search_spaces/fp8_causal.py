@@ -20,7 +20,7 @@ PARAMS = (backend_param(),) + TILE_PARAMS + (              # "gluon" -> "triton"
     lean_only("lean_pack", ("prmt", "bfi")),            # only under softmax="lean"
     Param("p_scale_log2", (6, 7, 8)),
     triton_only(scale_per_tile(BLOCK_N)),               # Optuna "scale_per_tile": scale_block 0 / block_n
-    rowsum_param(("fp32", "rounded", "mma")),           # "fp32" under lean -> "rounded"; Gluon: set by softmax
+    rowsum_param(("fp32", "rounded", "mma")),           # "fp32" under lean -> "rounded"; Gluon: "fp32" / "mma"
     Param("q_order", ("forward", "heavy_first")),
     triton_only(Param("loads", ("tma", "pointer"))),
     triton_only(Param("v_layout", ("transposed", "natural"))),

@@ -58,6 +58,10 @@ def _kernel(r: BenchRow) -> str:
     return f"{r.source}: {c.summary()}"
 
 
+def _shape(r: BenchRow, with_family: bool) -> str:
+    return r.shape + (f" · {r.family}" if with_family and r.family else "")
+
+
 def _num(value: float | None, fmt: str) -> str:
     return format(value, fmt) if value is not None and math.isfinite(value) else "-"
 
@@ -77,10 +81,10 @@ def results_table(result: BenchResult) -> Table:
     for r in result.rows:
         style = "bold" if r.kind != "peer" else None
         if r.error:
-            table.add_row(r.shape + (f" · {r.family}" if len(families) > 1 else ""), r.system, *["-"] * 7, f"[red]{r.error}[/red]", style=style)
+            table.add_row(_shape(r, len(families) > 1), r.system, *["-"] * 7, f"[red]{r.error}[/red]", style=style)
             continue
         ref = peers.get((r.shape, r.dtype, r.family))
-        table.add_row(r.shape + (f" · {r.family}" if len(families) > 1 else ""), r.system, _num(r.tflops, ".1f"), f"{r.tflops / ref:.2f}x" if ref and r.tflops else "-",
+        table.add_row(_shape(r, len(families) > 1), r.system, _num(r.tflops, ".1f"), f"{r.tflops / ref:.2f}x" if ref and r.tflops else "-",
                       _num(r.median_ms, ".3f"), _num(r.rel_l2, ".2e"), _num(r.sm_clock_mhz, ".0f"),
                       _num(r.power_w, ".0f"), _num(r.tflop_per_j, ".2f"), _kernel(r), style=style)
     return table
@@ -88,7 +92,7 @@ def results_table(result: BenchResult) -> Table:
 
 def row_line(r: BenchRow) -> str:
     """One line per measured row, printed while a run goes on."""
-    shape = r.shape + (f" · {r.family}" if r.family else "")
+    shape = _shape(r, True)
     if r.error:
         return f"{shape:<28} {r.system:<22} ERROR {r.error}"
     return (f"{shape:<28} {r.system:<22} {_num(r.tflops, '7.1f')} TFLOP/s  {_num(r.median_ms, '8.3f')} ms  "

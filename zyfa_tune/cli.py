@@ -262,7 +262,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     for col in ("shape", "best TFLOP/s", "untuned TFLOP/s", "speed-up", "best config"):
         table.add_column(col, overflow="fold")
     for row in best_per_shape(spec):
-        sh, best, dflt = row["shape"], row["best"], row["default_tflops"]
+        sh, best, dflt = row["shape"], row["best"], row["untuned_tflops"]
         best_tf = best.tflops if best else None
         table.add_row(f"B={sh.batch} S={sh.seqlen} H={sh.heads}/{sh.kv_heads}",
                       f"{best_tf:.1f}" if best_tf else "-", f"{dflt:.1f}" if dflt else "-",

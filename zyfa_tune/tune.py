@@ -432,7 +432,7 @@ def best_per_shape(spec: TuneSpec) -> list[dict]:
     entry; a seed of every study, so measured first)."""
     from zyfa_tune.kernels.defaults import fallback_config
 
-    default_json = fallback_config(spec.dtype, spec.head_dim_qk, spec.head_dim_v).to_json()
+    untuned_json = fallback_config(spec.dtype, spec.head_dim_qk, spec.head_dim_v).to_json()
     rows = []
     with open_store(spec.storage, readonly=True, create=False) as store:
         for shape in spec.shapes:
@@ -441,8 +441,8 @@ def best_per_shape(spec: TuneSpec) -> list[dict]:
                                          kv_heads=shape.kv_heads, seqlen=shape.seqlen)
             best = store.best_for(pkey)
             trials = store.trials(key=pkey, status="ok")
-            default = [t for t in trials if t["config_json"] == default_json and t.get("study") == spec.name]
+            untuned = [t for t in trials if t["config_json"] == untuned_json and t.get("study") == spec.name]
             rows.append(dict(shape=shape, key=pkey, best=best[0] if best else None,
-                             default_tflops=max((t["tflops"] for t in default if t.get("tflops")), default=None)))
+                             untuned_tflops=max((t["tflops"] for t in untuned if t.get("tflops")), default=None)))
     return rows
 
