@@ -1,6 +1,9 @@
 """Host cost of `flash_attn_func` against a direct launch of the same compiled kernel.
 
-Small shapes, where launch cost dominates. Host time per call is measured while launches queue
+Small shapes, where launch cost dominates. "compiled launch" is Triton's own launch of the
+CompiledKernel with its arguments made beforehand (it encodes each TMA descriptor per launch);
+"bound" is flash_attn_func's launch alone (kernels/launch.py BoundLaunch: descriptors encoded once
+per pointer, the V^T copy included, no output allocated). Host time per call is measured while launches queue
 (no synchronisation inside the timed loop, fewer calls than the launch queue holds), so it is the
 CPU time each path spends before the kernel is enqueued. For FP8 the dispatcher's config reads a
 V^T copy that `flash_attn_func` makes per call; the natural-V variant of the same config (V read as
@@ -71,8 +74,12 @@ def main(argv=None) -> int:
                 grid, largs, opts = launch_mod.prepare(cfg, q, k, v, torch.empty_like(out), q.shape[-1] ** -0.5,
                                                        True, *(kw.get(n) for n in DESCALES))
                 runner = launch_mod.kernel(cfg)[grid](*largs, **opts)[(grid[0], 1, 1)]  # the CompiledKernel
+                out_b = torch.empty_like(out)
+                bound = launch_mod.bind(cfg, q, k, v, out_b, q.shape[-1] ** -0.5, True, *(kw.get(n) for n in DESCALES))
                 fns = dict(direct=lambda: runner(*largs, opts["CAUSAL"]),  # arguments (and V^T) made beforehand
                            forced=lambda: flash_attn_func(*args, config=cfg, **kw))
+                if bound is not None:  # flash_attn_func's launch alone (V^T copy included), no output allocated
+                    fns["bound"] = lambda: bound(q, k, v, out_b, *(kw.get(n) for n in DESCALES))
                 if label != "natural V":
                     fns["auto"] = lambda: flash_attn_func(*args, **kw)  # the dispatcher's choice
                 t = host_us(fns)
@@ -81,11 +88,13 @@ def main(argv=None) -> int:
                 row = dict(dtype=dtype, b=b, s=s, h=h, variant=label, source=choice.source,
                            compiled_launch_us=t["direct"], flash_attn_func_us=t.get("auto"),
                            forced_config_us=t["forced"], added_vs_compiled_us=ours - t["direct"],
+                           bound_launch_us=t.get("bound"),
                            gpu_us_per_call=gpu_ms * 1e3, config=cfg.to_dict())
                 if label == "auto":
                     row.update(graph_capture(args, kw))
                 rows.append(row)
                 print(f"{dtype} B={b} S={s} H={h} {label:9s}: compiled launch {t['direct']:5.1f} us  "
+                      f"(bound {t.get('bound', float('nan')):5.1f})  "
                       f"flash_attn_func {ours:5.1f} us (config given {t['forced']:5.1f})  added "
                       f"{ours - t['direct']:+5.1f} us  device time {gpu_ms * 1e3:6.1f} us/call"
                       + (f"  graph bitwise={row['graph_bitwise']} replay {row['graph_replay_host_us']:4.1f} us "

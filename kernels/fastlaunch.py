@@ -5,14 +5,22 @@ call (tens of microseconds). The compiled kernel depends only on the function, i
 the argument properties Triton specialises on, so after the first launch we key the CompiledKernel
 by those properties (conservatively: more than Triton distinguishes, never less) and launch it
 directly. Used by the attention launcher (kernels/launch.py) and the V^T transpose.
+
+TMA descriptors: Triton's launcher encodes every host TensorDescriptor argument into a CUtensorMap
+(cuTensorMapEncodeTiled, through Python) on every launch. An encoding depends only on the base
+pointer and the descriptor's fixed fields, so `TmaArgs` keeps the encoded arguments per pointer and
+`RawLaunch` hands them to Triton's C launcher directly, below the wrapper that would encode again.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from triton import knobs
+from triton.backends.nvidia.driver import make_tensordesc_arg
 from triton.runtime import driver
 
 _compiled: dict[tuple, object] = {}
@@ -56,15 +64,25 @@ def _stream_getter():
     return driver.active.get_current_stream
 
 
+def hooks_set() -> bool:
+    """Whether a launch enter or exit hook is set (a profiler such as Proton)."""
+    return hooked(knobs.runtime.launch_enter_hook) or hooked(knobs.runtime.launch_exit_hook)
+
+
+def hooked(hook) -> bool:
+    """Whether a launch hook does anything: Triton 3.6 keeps an empty HookChain when none is set."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def launch_compiled(compiled, grid: tuple, device: int, full: tuple) -> None:
     """Enqueue `compiled` on the current stream of `device` (launch hooks honoured, as Triton does)."""
     stream = _stream_getter()(device)
-    hook = knobs.runtime.launch_enter_hook
-    meta = compiled.launch_metadata(grid, stream, *full) if hook is not None else None
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    meta = compiled.launch_metadata(grid, stream, *full) if hooked(enter) else None
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, meta, hook,
-                 knobs.runtime.launch_exit_hook, *full)
+    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, meta,
+                 enter if hooked(enter) else None, exit_ if hooked(exit_) else None, *full)
 
 
 def compiled_for(head_first: object) -> list:
@@ -77,3 +95,70 @@ def forget(head_first: object) -> None:
     """Drop the CompiledKernels whose head starts with `head_first`."""
     for key in [k for k in _compiled if k[0][0] == head_first]:
         del _compiled[key]
+
+
+# ---- launches with TMA descriptors encoded once per pointer ---------------------------------------
+
+#: encoded descriptors kept per TmaArgs (pointers of one argument slot: the caching allocator hands a
+#: steady-state loop the same few addresses); beyond it the cache starts over
+TMA_CACHE_LIMIT = 64
+
+
+class TmaArgs:
+    """The launcher arguments of one TMA descriptor slot ([CUtensorMap, *shape, *strides], as
+    Triton's `make_tensordesc_arg` expands a host descriptor), encoded once per base pointer.
+    `fields` are the descriptor's fields but the base, `meta` its entry of the kernel's
+    tensordesc_meta; only the base pointer varies between calls."""
+
+    __slots__ = ("cls", "fields", "meta", "encoded")
+
+    def __init__(self, cls: type, fields: dict, meta: dict):
+        self.cls, self.fields, self.meta, self.encoded = cls, fields, meta, {}
+
+    def __call__(self, base: torch.Tensor) -> tuple:
+        ptr = base.data_ptr()
+        got = self.encoded.get(ptr)
+        if got is None:
+            desc = object.__new__(self.cls)
+            desc.__dict__.update(self.fields, base=base)
+            got = tuple(make_tensordesc_arg(desc, self.meta))
+            if len(self.encoded) >= TMA_CACHE_LIMIT:
+                self.encoded.clear()
+            self.encoded[ptr] = got
+        return got
+
+
+@dataclass(frozen=True)
+class RawLaunch:
+    """Triton's C launcher of one CompiledKernel (what `compiled.run` calls after expanding and
+    encoding descriptor arguments), for argument lists whose descriptors are already expanded."""
+
+    launch: Callable
+    function: object
+    packed_metadata: object
+    cooperative: bool
+    pdl: bool
+
+    def __call__(self, grid: tuple[int, int, int], device: int, args: tuple) -> None:
+        """Launch on `grid`; the caller checked that no launch hook is set (`hooks_set`)."""
+        self.launch(grid[0], grid[1], grid[2], _stream_getter()(device), self.function, self.cooperative, self.pdl,
+                    None, None, self.packed_metadata, None, None, None, *args)
+
+
+def raw_launch(compiled) -> RawLaunch | None:
+    """The RawLaunch of `compiled`, or None where its launcher is not the one this module knows
+    (Triton's CudaLauncher: its C launcher, wrapped by `wrap_handle_tensordesc` when the kernel
+    takes descriptors) or the kernel needs scratch memory per launch. Callers check `hooks_set()`
+    per call: hooks get launch metadata on Triton's own path."""
+    run = getattr(compiled, "run", None)
+    launcher = getattr(run, "launch", None)
+    code = getattr(launcher, "__code__", None)
+    if code is not None:  # the descriptor wrapper: its closure holds the C launcher
+        if code.co_name != "inner" or not launcher.__closure__:
+            return None
+        launcher = dict(zip(code.co_freevars, (c.cell_contents for c in launcher.__closure__))).get("launcher")
+    if not callable(launcher) or getattr(launcher, "__code__", None) is not None \
+            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None  # not a C function, or scratch memory to allocate per launch
+    return RawLaunch(launcher, compiled.function, compiled.packed_metadata, bool(run.launch_cooperative_grid),
+                     bool(run.launch_pdl))

@@ -12,7 +12,7 @@ from zyfa_tune.generator import EmittedKernel, KernelConfig, emit, head_chunks
 from zyfa_tune.generator.build import jit_function
 
 from . import fastlaunch, gluon_launch
-from .transpose import bind_transpose, transpose_v
+from .transpose import bind_transpose, k_major_view, transpose_v
 
 __all__ = ["BoundLaunch", "bind", "compiled_kernels", "emitted", "forget", "kernel", "launch", "prepare",
            "transpose_v"]
@@ -78,24 +78,39 @@ class BoundLaunch:
     data pointers are 16-byte aligned (the caller checks both: see `zyfa_tune.api`). The call path is
     written flat: every microsecond here is dispatch overhead (docs/PERF.md).
 
-    transpose: the V^T copy for this layout (`kernels.transpose.bind_transpose`), or None.
+    transpose: the V^T copy for this layout (`kernels.transpose.bind_transpose`), or None (V read as
+               given; a K-major V too: its descriptor needs only the base pointer, V's own).
     specs:     (index in (q, k, v, out), descriptor class, its fields but the base) per TMA descriptor,
                or None for pointer arguments (then `strides` follow q, k, v).
     out_arg:   whether `out` is passed as a pointer after the inputs (Triton) or only through its
                descriptor (Gluon)."""
 
-    __slots__ = ("compiled", "programs", "device", "transpose", "specs", "out_arg", "strides", "tail")
+    __slots__ = ("compiled", "programs", "device", "transpose", "specs", "out_arg", "strides", "tail", "raw", "tma")
 
     def __init__(self, compiled, programs: int, device: int, transpose, specs: tuple | None, out_arg: bool,
                  strides: tuple, tail: tuple):
         self.compiled, self.programs, self.device = compiled, programs, device
         self.transpose, self.specs, self.out_arg, self.strides, self.tail = transpose, specs, out_arg, strides, tail
+        # descriptors encoded once per pointer, handed to Triton's C launcher (kernels/fastlaunch.py)
+        meta = getattr(getattr(compiled, "metadata", None), "tensordesc_meta", None)
+        self.raw = fastlaunch.raw_launch(compiled) if specs and meta and len(meta) == len(specs) else None
+        self.tma = None if self.raw is None else tuple(
+            (i, fastlaunch.TmaArgs(cls, fields, m)) for (i, cls, fields), m in zip(specs, meta))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
                  v_descale: torch.Tensor | None) -> torch.Tensor:
         if self.transpose is not None:
             v = self.transpose(v)
+        if self.raw is not None and not fastlaunch.hooks_set():
+            tensors = (q, k, v, out)
+            inputs = []
+            for i, encoded in self.tma:
+                inputs += encoded(tensors[i])
+            if self.out_arg:
+                inputs.append(out)
+            self.raw((self.programs, 1, 1), self.device, (*inputs, q_descale, k_descale, v_descale, *self.tail))
+            return out
         if self.specs is not None:
             tensors = (q, k, v, out)
             inputs = [_unchecked_descriptor(tensors[i], cls, fields) for i, cls, fields in self.specs]
@@ -127,6 +142,8 @@ def bind(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if gluon and not out.is_contiguous():
         return None
     transpose = bind_transpose(v, gluon and config.v_permute) if transposed else None
+    if transpose is k_major_view:  # a descriptor needs only the base pointer: V's own, no view per call
+        transpose = None
     if not tma:  # pointers: q, k, v, 9 strides, out, descales, tail
         return BoundLaunch(compiled, grid[0], device, transpose, None, True, tuple(args[3:12]),
                            (*args[16:], options["CAUSAL"]))

@@ -13,7 +13,11 @@ from zyfa_tune.kernels.defaults import default_config, gluon_wide_config
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, lean_only, rowsum_param,
                    scale_per_tile, triton_only)
 
-PARAMS = (backend_param(),) + TILE_PARAMS + (              # "gluon" -> "triton" for head dims it lacks
+#: block_m: Gluon also 192 (three consumer warpgroups, FA3's head-dim-64 tile); Triton tiles are
+#: powers of two, so a suggested 192 runs as 128 there.
+BLOCK_M = Param("block_m", (64, 128, 192), decode=lambda v, f: 128 if v == 192 and f["backend"] == "triton" else v)
+
+PARAMS = (backend_param(), BLOCK_M) + tuple(p for p in TILE_PARAMS if p.name != "block_m") + (
     Param("softmax", ("exact", "lean")),                # both backends (Gluon lean: overlap + v_permute)
     lean_only("lean_fold", ("fma", "sub_fma", "corrected")),  # only under softmax="lean"
     lean_only("lean_clamp", ("imax", "fmax")),          # only under softmax="lean"

@@ -135,3 +135,148 @@ def test_bound_launch_passes_what_prepare_builds(config, descales, recorded):
     assert grid == (pgrid[0], 1, 1) and len(full) == len(expected)
     for i, (got, want) in enumerate(zip(full, expected)):
         assert same_argument(got, want), (i, got, want)
+
+
+# ---- BoundLaunch's raw path: descriptors encoded once per pointer, Triton's C launcher direct -----
+
+class FakeDriver:
+    """Stands in for Triton's active driver: `fill_tma_descriptor` returns a token of its arguments."""
+
+    def __init__(self):
+        self.fills = 0
+        self.utils = self
+
+    def fill_tma_descriptor(self, ptr, swizzle, elem_size, elem_type, block, shape, strides, padding):
+        self.fills += 1
+        return ("map", ptr, swizzle, elem_size, elem_type, tuple(block), tuple(shape), tuple(strides), padding)
+
+
+class CLauncher:
+    """Stands in for Triton's compiled C launcher (a callable that is not a Python function)."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class LauncherKernel:
+    """A CompiledKernel whose `run` is built the way Triton's CudaLauncher builds its own: the C
+    launcher (here a recorder) wrapped by Triton's `wrap_handle_tensordesc`, which expands and
+    encodes each descriptor argument. Both paths end in `c_calls`."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, n_args: int, n_desc: int):
+        from types import SimpleNamespace
+
+        from triton.backends.nvidia.driver import wrap_handle_tensordesc
+
+        meta = [dict(swizzle=128, elem_size=1, elem_type=i, block_size=[64 + i, 128], fp4_padded=False)
+                for i in range(n_desc)]
+        self.metadata = SimpleNamespace(tensordesc_meta=meta)
+        signature = {i: ("tensordesc<fp8e4nv[64, 128]>" if i < n_desc else "i32") for i in range(n_args)}
+        self.c_calls = []
+        wrapped = wrap_handle_tensordesc(CLauncher(self.c_calls), signature, meta)
+        self.run = SimpleNamespace(launch=wrapped, global_scratch_size=0, profile_scratch_size=0,
+                                   launch_cooperative_grid=False, launch_pdl=False)
+        self.run.__call__ = None
+
+    def launch_metadata(self, *args):
+        return None
+
+    def compiled_run(self, g0, g1, g2, stream, function, *args):  # CudaLauncher.__call__, no scratch
+        self.run.launch(g0, g1, g2, stream, function, False, False, None, None, *args)
+
+
+@pytest.mark.parametrize("config", [GLUON.replace(v_permute=False), default_config("fp8", 128, 128)],
+                         ids=["gluon", "triton-tma"])
+def test_raw_launch_passes_what_triton_would(config, monkeypatch):
+    from triton.runtime import driver
+
+    fake = FakeDriver()
+    monkeypatch.setattr(driver, "_active", fake)
+    monkeypatch.setattr(fastlaunch, "_stream_getter", lambda: (lambda device: 7))
+    monkeypatch.setattr(launch, "bind_transpose", lambda v, permute: lambda x: transpose_v(x, permute))
+    q, k, v, out, ds = tensors(seed=1)
+    _, args, options = launch.prepare(config, q, k, v, out, 0.1, True, *ds)
+    n_desc = sum(hasattr(a, "block_shape") for a in args)
+    kern = LauncherKernel(len(args) + 1, n_desc)
+    monkeypatch.setattr(launch, "_run", lambda *a, **kw: kern)
+    bound = launch.bind(config, q, k, v, out, 0.1, True, *ds)
+    assert bound.raw is not None and len(bound.tma) == n_desc
+    q2, k2, v2, out2, ds2 = tensors(seed=2)
+    bound(q2, k2, v2, out2, *ds2)
+    fills = fake.fills
+    assert fills == n_desc
+    raw_args = kern.c_calls.pop()
+    # the same call through Triton's own wrapper (what launch_compiled reaches via compiled.run)
+    bound.raw = None
+    monkeypatch.setattr(kern, "run", SimpleRun(kern), raising=False)
+    bound(q2, k2, v2, out2, *ds2)
+    wrapped_args = kern.c_calls.pop()
+    assert len(raw_args) == len(wrapped_args)
+    for i, (a, b) in enumerate(zip(raw_args, wrapped_args)):
+        if isinstance(a, tuple) and a[:1] == ("map",):  # a V^T copy has a new pointer per call
+            assert a[2:] == b[2:], i
+        else:
+            assert a is b or a == b, (i, a, b)
+
+
+class SimpleRun:
+    def __init__(self, kern):
+        self.kern, self.launch = kern, kern.run.launch
+
+    def __call__(self, *args):
+        self.kern.compiled_run(*args)
+
+
+def test_raw_launch_encodes_once_per_pointer(monkeypatch):
+    from triton.runtime import driver
+
+    fake = FakeDriver()
+    monkeypatch.setattr(driver, "_active", fake)
+    monkeypatch.setattr(fastlaunch, "_stream_getter", lambda: (lambda device: 7))
+    config = GLUON.replace(v_permute=False)
+    q, k, v, out, ds = tensors(sq=1024, sk=1024, seed=1)
+    v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # K-major: read in place, no copy
+    _, args, _ = launch.prepare(config, q, k, v, out, 0.1, True, *ds)
+    kern = LauncherKernel(len(args) + 1, 4)
+    monkeypatch.setattr(launch, "_run", lambda *a, **kw: kern)
+    bound = launch.bind(config, q, k, v, out, 0.1, True, *ds)
+    assert bound.transpose is None  # the descriptor of a K-major V is built on V's own pointer
+    for _ in range(3):
+        bound(q, k, v, out, *ds)
+    assert fake.fills == 4  # four descriptors, encoded at the first call only
+    first = kern.c_calls[0]
+    assert all(c == first for c in kern.c_calls)
+    assert [a[1] for a in first if isinstance(a, tuple)] == [t.data_ptr() for t in (q, k, v, out)]
+    out2 = torch.empty_like(out)
+    bound(q, k, v, out2, *ds)
+    assert fake.fills == 5 and kern.c_calls[-1][first.index(next(a for a in first if isinstance(a, tuple)
+                                                                  and a[1] == out.data_ptr()))][1] == out2.data_ptr()
+    monkeypatch.setattr(fastlaunch, "TMA_CACHE_LIMIT", 2)
+    bound(q, k, v, torch.empty_like(out), *ds)  # the out slot's cache is full: it starts over
+    assert len(bound.tma[3][1].encoded) == 1
+
+
+def test_raw_launch_not_used_with_hooks_or_scratch(monkeypatch):
+    from triton import knobs
+
+    kern = LauncherKernel(5, 2)
+    assert fastlaunch.raw_launch(kern) is not None
+    kern.run.launch = CLauncher([])  # a kernel without descriptors: `launch` is the C launcher itself
+    assert fastlaunch.raw_launch(kern).launch is kern.run.launch
+    kern.run.launch = lambda *a: None  # a Python wrapper this module does not know
+    assert fastlaunch.raw_launch(kern) is None
+    kern.run.global_scratch_size = 64
+    assert fastlaunch.raw_launch(kern) is None
+    kern.run.global_scratch_size = 0
+    assert not fastlaunch.hooks_set()  # Triton's default: empty hook chains
+    knobs.runtime.launch_enter_hook.add(hook := lambda meta: None)
+    try:
+        assert fastlaunch.hooks_set()  # then BoundLaunch takes Triton's path, which gives hooks metadata
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert fastlaunch.raw_launch(object()) is None
