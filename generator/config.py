@@ -59,10 +59,10 @@ GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "
                 "exp2_poly", "exp2_poly_degree", "skip_rescale")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
-LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale")
+LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
-#: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, V^T, one scale).
-TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads", "v_layout")
+#: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
+TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads")
 #: The softmax fields, read by both backends. An exact Gluon config stores them only away from their
 #: defaults (rowsum="mma"), so its JSON, and its database rows, are what they were before Gluon had
 #: lean P; a lean one stores them all.
@@ -100,6 +100,8 @@ class KernelConfig:
                   the host, TMA copies into shared memory).
     v_layout:     "natural" reads V as (keys, dim) tiles; "transposed" reads a (dim, keys) copy the
                   launcher makes (FP8 wgmma needs V K-major; the copy's time counts in every timing).
+                  Gluon "natural": the producer warpgroup TMA-loads V's (keys, dim) tile and writes
+                  its transpose into the V^T ring itself (as FA3 does): one launch, no copy.
 
     backend:      "triton" (generator/emit_triton.py: Triton schedules the kernel) or "gluon"
                   (generator/emit_gluon.py: a warp-specialised FP8 kernel whose schedule the config
@@ -116,8 +118,9 @@ class KernelConfig:
     v_permute:    Gluon: V^T's keys are permuted within 32-key chunks so that the QK^T accumulator
                   registers are already the P operand of the PV wgmma (no shuffles).
     persistent:   Gluon: grid = min(SMs, tiles), each program loops over tiles; else one per tile.
-    producer_regs: Gluon: registers per thread of the 1-warp TMA producer (setmaxnreg); the
-                  consumer warpgroups share the rest of the register file (see gluon_registers).
+    producer_regs: Gluon: registers per thread of the TMA producer (setmaxnreg; one warp, a warpgroup
+                  with v_layout="natural"); the consumer warpgroups share the rest of the register
+                  file (see gluon_registers).
     ex2_fence:    Gluon (overlap only): a barrier on the row sums right before the PV wait, so that
                   ptxas cannot hoist the wait above the step's exponentials (docs/BACKENDS.md).
     exp2_poly:    Gluon, exact softmax: of every 8 scores, this many get 2^x from a polynomial on the
@@ -237,6 +240,9 @@ class KernelConfig:
             if self.rowsum == "mma" and self.ex2_fence:
                 raise ConfigError("ex2_fence=True needs rowsum='fp32': the fence orders the PV wait after the "
                                   "row sums of the exponentials, which rowsum='mma' does not compute")
+        if self.v_layout == "natural" and self.v_permute:
+            raise ConfigError("v_layout='natural' with backend='gluon' writes V^T in key order: it needs "
+                              "v_permute=False (and so softmax='exact')")
         if self.block_m == 64 and self.producer_regs != _DEFAULTS["producer_regs"]:
             raise ConfigError(f"producer_regs={self.producer_regs}: with one consumer warpgroup (block_m=64) "
                               f"every warp gets its maximum anyway; keep the default "

@@ -12,7 +12,8 @@ Kernel contract (see kernels/gluon_launch.py):
   Q / K column part, qk_part_width: Dqk, or 64 for 192)
   desc_q: Q viewed (B*Sq, H*Dqk), block [BLOCK_M, W]; desc_k: K viewed (B*Sk, Hkv*Dqk), block
   [BLOCK_N, W]; desc_v: V^T viewed (B*Hkv*D, Skv), block [D, BLOCK_N], its keys permuted within
-  32-key chunks when V_PERM (Skv = Sk padded to 32, padding zeros), else Skv = Sk; desc_o: O viewed
+  32-key chunks when V_PERM (Skv = Sk padded to 32, padding zeros), else Skv = Sk; with
+  v_layout="natural" V itself viewed (B*Sk, Hkv*D), block [BLOCK_N, D]; desc_o: O viewed
   (B, Sq, H*D) bf16, block [1, 64, D] (stores clipped per batch). QD/KD/VD: float32 descales
   indexed [b * stride_db + hkv * stride_dh], or None. Grid: min(#SMs, tiles) when PERSISTENT, else
   one program per tile; tiles = N_M_BLOCKS * B * H. Causal masking is bottom-right aligned.
@@ -46,9 +47,10 @@ def emit(config: KernelConfig) -> EmittedKernel:
 def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
     """Element type and TMA block of each descriptor argument, in kernel order (the launcher and the
     ahead-of-time compile build their descriptors from this one table)."""
-    w, dv = qk_part_width(config), config.head_dim_v
-    return {"desc_q": ("fp8", [q_box_rows(config), w]), "desc_k": ("fp8", [config.block_n, w]),
-            "desc_v": ("fp8", [dv, config.block_n]), "desc_o": ("bf16", [1, 64, dv])}
+    w, dv, bn = qk_part_width(config), config.head_dim_v, config.block_n
+    v_block = [bn, dv] if config.v_layout == "natural" else [dv, bn]
+    return {"desc_q": ("fp8", [q_box_rows(config), w]), "desc_k": ("fp8", [bn, w]),
+            "desc_v": ("fp8", v_block), "desc_o": ("bf16", [1, 64, dv])}
 
 
 def q_box_rows(config: KernelConfig) -> int:
@@ -119,6 +121,7 @@ def _constants(c: KernelConfig) -> str:
         ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", int(c.block_m) // 64),
         ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),
+        ("V_NATURAL", c.v_layout == "natural"),
         ("P_OFFSET", float(int(c.p_scale_log2))),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
         ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"), ("LEAN_FMA", lean and c.lean_fold == "fma"), ("LEAN_MAGIC", MAGIC),
@@ -155,7 +158,8 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
 
 _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
                   "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, BLOCK_M,\n"
-                  "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST, HEAD_QK, QK_PARTS)")
+                  "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST, HEAD_QK, QK_PARTS,\n"
+                  "                    v_raw, v_raw_ready)")
 
 
 def _ones_lines(c: KernelConfig) -> list[str]:
@@ -166,12 +170,27 @@ def _ones_lines(c: KernelConfig) -> list[str]:
             "    ones_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BLOCK_N], ones_layout)"]
 
 
+def _v_lines(c: KernelConfig) -> list[str]:
+    """The V^T ring; with v_layout="natural" also the two (BLOCK_N, D) slots V is loaded into and their
+    barriers (the producer transposes it into the ring), else stand-ins the producer never touches
+    (nothing allocated: every other kernel keeps its shared-memory layout)."""
+    if c.v_layout != "natural":
+        return ["    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], desc_v.layout)"]
+    return ["    vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_D, BLOCK_N], dtype)",
+            "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], vt_layout)",
+            "    v_raw = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], desc_v.layout)",
+            "    v_raw_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
+            "    mbarrier.init(v_raw_ready.index(0), count=1)",
+            "    mbarrier.init(v_raw_ready.index(1), count=1)"]
+
+
 def _entry(c: KernelConfig) -> str:
     consumers = c.block_m // 64
     partitions = [f"        (_consumer, {_consumer_args(i, c)})," for i in range(consumers)]
     partitions.append(f"        (_producer, {_PRODUCER_ARGS}),")
-    # the default partition is consumer 0; workers: the other consumers (4 warps each), the producer (1)
-    warps = "[" + "4, " * (consumers - 1) + "1]"
+    # the default partition is consumer 0; workers: the other consumers (4 warps each), the producer
+    # (1 warp; a warpgroup when it transposes V: the register split counts it as one either way)
+    warps = "[" + "4, " * (consumers - 1) + ("4]" if c.v_layout == "natural" else "1]")
     regs = "[" + "CONSUMER_REGS, " * (consumers - 1) + "PRODUCER_REGS]"
     return "\n".join([
         "",
@@ -183,7 +202,7 @@ def _entry(c: KernelConfig) -> str:
         "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES * QK_PARTS * Q_BOXES, BLOCK_M // Q_BOXES, QK_W],",
         "                                       desc_q.layout)",
         "    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BLOCK_N, QK_W], desc_k.layout)",
-        "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], desc_v.layout)",
+        *_v_lines(c),
         "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], gl.bfloat16)",
         "    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, HEAD_D], o_layout)",
         *_ones_lines(c),
@@ -194,6 +213,7 @@ def _entry(c: KernelConfig) -> str:
         "    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
         "    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
         "    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())",
+        *([] if c.v_layout == "natural" else ["    v_raw = v_bufs", "    v_raw_ready = v_ready"]),
         "    for i in gl.static_range(Q_STAGES):",
         "        mbarrier.init(q_ready.index(i), count=1)",
         "        mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)",

@@ -51,11 +51,15 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               H, GROUP, Hkv, Sq, Sk, n_m, n_tiles,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-              HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr):
+              HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr, v_raw, v_raw_ready):
     """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
     K and V barriers so that QK^T can start before V has landed). Q and K tiles come in QK_PARTS
     column parts of HEAD_QK / QK_PARTS (tensor shapes must be powers of two: 192 = 3 x 64), a
-    192-row Q tile (three consumers) in Q_BOXES = 3 row boxes of 64."""
+    192-row Q tile (three consumers) in Q_BOXES = 3 row boxes of 64.
+    V_NATURAL: a warpgroup; V's (BLOCK_N, D) tiles are loaded into two raw slots and the producer
+    writes their transposes into the V^T ring (_transpose_v) one block behind the loads: K(j) and
+    V(j) are issued, then V^T(j-1) written while V(j) is in flight, so the consumers get K(j) and
+    V^T(j-1) in the order they use them (QK^T(j) beside PV(j-1))."""
     n_bh = n_tiles // n_m
     kv_it = 0
     q_it = 0
@@ -88,10 +92,44 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             for p in gl.static_range(QK_PARTS):
                 tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
                                                 k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
-            mbarrier.wait(v_empty.index(s), ph)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [v_row, n0], v_ready.index(s), v_bufs.index(s))
+            if V_NATURAL:  # V(j) into raw slot j % 2 (its last reader, V^T(j-2), is written), then V^T(j-1)
+                r = kv_it % 2
+                mbarrier.expect(v_raw_ready.index(r), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * HEAD_D], v_raw_ready.index(r),
+                                                v_raw.index(r))
+                if j > 0:
+                    _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, HEAD_D)
+            else:
+                mbarrier.wait(v_empty.index(s), ph)
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [v_row, n0], v_ready.index(s), v_bufs.index(s))
             kv_it += 1
+        if V_NATURAL:
+            if n_blocks > 0:
+                _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, HEAD_D)
+
+
+@gluon.jit
+def _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, it, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_D: gl.constexpr):
+    """V^T of KV block `it` (V_NATURAL): wait for its (BLOCK_N, D) tile in raw slot it % 2 and for its V^T
+    stage to be free, then write the transpose in 32-key chunks. Each thread reads 4 keys x D/16
+    dims (one vector per key row), so the transpose is a byte permute inside its registers and the
+    writes are vectors along keys (LDS / PRMT / STS, no shuffles, no scratch). The warpgroup's
+    writes are fenced for the async proxy (wgmma reads V^T) and joined before one arrive."""
+    s = it % STAGES
+    r = it % 2
+    mbarrier.wait(v_raw_ready.index(r), (it // 2) & 1)
+    mbarrier.wait(v_empty.index(s), ((it // STAGES) & 1) ^ 1)
+    rows: gl.constexpr = gl.BlockedLayout([4, HEAD_D // 16], [8, 4], [1, 4], [1, 0])  # (keys, dims)
+    vt = v_bufs.index(s)
+    raw = v_raw.index(r)
+    for c in gl.static_range(BLOCK_N // 32):
+        x = raw.slice(c * 32, 32, dim=0).load(rows)
+        vt.slice(c * 32, 32, dim=1).store(x.permute((1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(v_ready.index(s), count=1)
 
 
 @gluon.jit

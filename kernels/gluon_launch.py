@@ -30,44 +30,51 @@ def grid_size(persistent: bool, tiles: int, sms: int) -> int:
     return min(sms, tiles) if persistent else tiles
 
 
-def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out: torch.Tensor) -> list:
+def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> list:
     """desc_q, desc_k, desc_v, desc_o. q, k: (B, S, H, D) with (batch*seqlen, heads*dim) rows
-    (TMA-ready); vt: the (B, Hkv, D, Skv) V^T of `kernels.transpose.transpose_v` (permuted and
-    padded to 32 keys when config.v_permute); out: contiguous (B, Sq, H, D) bf16; D = the config's
-    head dim."""
+    (TMA-ready); v: with v_layout="natural" V itself, TMA-ready like k, else the (B, Hkv, D, Skv) V^T
+    of `kernels.transpose.transpose_v` (permuted and padded to 32 keys when config.v_permute); out:
+    contiguous (B, Sq, H, D) bf16; D = the config's head dim."""
     b, sq, h, d = q.shape
-    sk, hk, dv = k.shape[1], k.shape[2], vt.shape[2]
-    skv = vt.shape[3]
-    if config.v_permute and skv % 32:
-        raise ValueError(f"v: V^T has {skv} keys; v_permute needs the 32-padded copy of "
-                         f"transpose_v(v, permute=True)")
-    if vt.stride(3) != 1 or vt.stride(1) != dv * vt.stride(2) or vt.stride(0) != hk * vt.stride(1):
-        raise ValueError(f"v: V^T strides {vt.stride()} are not those of a (B, Hkv, D, keys) buffer with "
-                         f"keys contiguous")
+    sk, hk = k.shape[1], k.shape[2]
     if not out.is_contiguous():
         raise ValueError("out: the Gluon kernel stores through a TMA descriptor: out must be contiguous")
+    if config.v_layout == "natural":
+        dv = v.shape[3]
+        v_view = (v, [b * sk, hk * dv], [v.stride(1), 1])
+    else:
+        dv, skv = v.shape[2], v.shape[3]
+        if config.v_permute and skv % 32:
+            raise ValueError(f"v: V^T has {skv} keys; v_permute needs the 32-padded copy of "
+                             f"transpose_v(v, permute=True)")
+        if v.stride(3) != 1 or v.stride(1) != dv * v.stride(2) or v.stride(0) != hk * v.stride(1):
+            raise ValueError(f"v: V^T strides {v.stride()} are not those of a (B, Hkv, D, keys) buffer with "
+                             f"keys contiguous")
+        v_view = (v, [b * hk * dv, skv], [v.stride(2), 1])
     blocks = descriptor_blocks(config)
     views = {"desc_q": (q, [b * sq, h * d], [q.stride(1), 1]),
              "desc_k": (k, [b * sk, hk * d], [k.stride(1), 1]),
-             "desc_v": (vt, [b * hk * dv, skv], [vt.stride(2), 1]),
+             "desc_v": v_view,
              "desc_o": (out, [b, sq, h * dv], [sq * h * dv, h * dv, 1])}
     return [TensorDescriptor(t, shape, strides, blocks[name][1], descriptor_layout(*blocks[name]))
             for name, (t, shape, strides) in views.items()]
 
 
-def arguments(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, vt: torch.Tensor, out: torch.Tensor,
+def arguments(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               sm_scale_log2: float, causal: bool, q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
               v_descale: torch.Tensor | None, sms: int) -> tuple[tuple, tuple, dict]:
-    """(grid, positional arguments, options) of one call; `sms` sizes the persistent grid."""
+    """(grid, positional arguments, options) of one call (v as `descriptors` takes it); `sms` sizes
+    the persistent grid."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    if (d, k.shape[3], vt.shape[2]) != (config.head_dim_qk, config.head_dim_qk, config.head_dim_v):
-        raise ValueError(f"q/k/v: head dims {d}/{k.shape[3]}/{vt.shape[2]}; this Gluon kernel is built for "
+    dv = v.shape[3] if config.v_layout == "natural" else v.shape[2]
+    if (d, k.shape[3], dv) != (config.head_dim_qk, config.head_dim_qk, config.head_dim_v):
+        raise ValueError(f"q/k/v: head dims {d}/{k.shape[3]}/{dv}; this Gluon kernel is built for "
                          f"{config.head_dim_qk}/{config.head_dim_qk}/{config.head_dim_v}")
     n_m = math.ceil(sq / config.block_m)
     tiles = n_m * b * h
     ds0, ds1 = q_descale.stride() if q_descale is not None else (0, 0)
-    args = (*descriptors(config, q, k, vt, out), q_descale, k_descale, v_descale, ds0, ds1,
+    args = (*descriptors(config, q, k, v, out), q_descale, k_descale, v_descale, ds0, ds1,
             h, h // hk, hk, sq, sk, n_m, tiles, float(sm_scale_log2))
     options = dict(CAUSAL=bool(causal), num_warps=NUM_WARPS)
     return (grid_size(config.persistent, tiles, sms),), args, options

@@ -136,7 +136,7 @@ def bind(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return None
     gluon = config.backend == "gluon"
     tma = gluon or config.loads == "tma"
-    transposed = gluon or config.v_layout == "transposed"
+    transposed = config.v_layout == "transposed"
     if tma and any(_tma_ready(t) is not t for t in (q, k) + (() if transposed else (v,))):
         return None
     if gluon and not out.is_contiguous():
@@ -174,7 +174,8 @@ def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if config.backend == "gluon":
         if sms is None:
             sms = gluon_launch.sm_count(q.device.index) if q.device.type == "cuda" else gluon_launch.DEFAULT_SMS
-        return gluon_launch.arguments(config, _tma_ready(q), _tma_ready(k), transpose_v(v, config.v_permute), out,
+        v = _tma_ready(v) if config.v_layout == "natural" else transpose_v(v, config.v_permute)
+        return gluon_launch.arguments(config, _tma_ready(q), _tma_ready(k), v, out,
                                       float(softmax_scale) * LOG2E, causal, q_descale, k_descale, v_descale, sms)
     # no descales: None specialises the kernel to skip them (no tensor to allocate, so a first
     # call inside CUDA graph capture is safe)

@@ -155,17 +155,18 @@ def triton_only(param: Param) -> Param:
 
 
 def gluon_only(name: str, choices: tuple, *, one_consumer: Any = None,
-               needs: tuple[str, Any] | None = None, unless: tuple[str, Any] | None = None) -> Param:
+               needs: tuple[str, Any] | None = None, unless: tuple[str, Any] | None = None,
+               default: Any = None) -> Param:
     """A Gluon schedule field (KernelConfig's GLUON_FIELDS). `one_consumer`: the field's only value
     with one consumer warpgroup (block_m=64) for a field that exists with two (ping_pong: False).
-    `needs` (field, value) / `unless` (field, value): the field keeps the family default unless /
-    when that field (declared before it) has that value (ex2_fence: only with overlap=True, never
-    with rowsum="mma")."""
+    `needs` (field, value) / `unless` (field, value): the field keeps the family default (or
+    `default`) unless / when that field (declared before it) has that value (ex2_fence: only with
+    overlap=True, never with rowsum="mma"; v_permute: False with v_layout="natural")."""
     decode = None if one_consumer is None else (lambda v, f: v if f["block_m"] > 64 else one_consumer)
     if needs is not None or unless is not None:
         def decode(v, f):
             ok = (needs is None or f[needs[0]] == needs[1]) and (unless is None or f[unless[0]] != unless[1])
-            return v if ok else f[name]
+            return v if ok else f[name] if default is None else default
     return Param(name, choices, decode=decode, only_if=("backend", "gluon"))
 
 
@@ -241,15 +242,20 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
     """Shared memory (bytes) of a Gluon kernel: the Q ring (q_stages x block_m x 128), the K and V^T
     rings (2 x num_stages x block_n x 128), one 64 x 128 bf16 output tile per consumer warpgroup,
     lean P's (8, block_n) e4m3 ones tile per consumer warpgroup, barriers and swizzle alignment
-    (TMA_SMEM_MARGIN). Exact to within the margin (compiled: 147920 B for the default against 148480
-    estimated; 150000 B for its lean P variant)."""
+    (TMA_SMEM_MARGIN), and with v_layout="natural" the two (block_n, head_dim_v) slots V is loaded into.
+    Exact to within the margin (compiled: 147920 B for the default against 148480 estimated; 150000 B
+    for its lean P variant)."""
     q = c.q_stages * c.block_m * c.head_dim_qk
     kv = c.num_stages * c.block_n * (c.head_dim_qk + c.head_dim_v)
+    raw_v = 2 * c.block_n * c.head_dim_v if c.v_layout == "natural" else 0  # the tiles the producer transposes
     out = (c.block_m // 64) * 64 * c.head_dim_v * 2
     ones = (c.block_m // 64) * 8 * c.block_n if c.rowsum == "mma" else 0
-    return q + kv + out + ones + TMA_SMEM_MARGIN
+    return q + kv + raw_v + out + ones + TMA_SMEM_MARGIN
 
 
+#: setmaxnreg of a producer warpgroup that transposes V (v_layout="natural"): at 24 it spilled 8 bytes
+#: (compile_for_target, hd128 128 x 128 overlap), at 40 none
+NATURAL_V_PRODUCER_REGS = 40
 #: Fixed part of a Gluon consumer's registers: row statistics, loop state, addresses, barriers.
 GLUON_REGISTER_OVERHEAD = 24
 #: Extra registers a Gluon consumer needs at head dims 64 and 256 with the packed P carried (measured)
@@ -284,7 +290,10 @@ def gluon_infeasibility(c: KernelConfig) -> str | None:
     if smem > SMEM_LIMIT:
         return (f"shared memory: about {smem} B (Q ring {c.q_stages}, K/V ring {c.num_stages} x {c.block_n} keys, "
                 f"output tiles) > {SMEM_LIMIT} B (227 KiB)")
-    consumer, _ = gluon_registers(c)
+    consumer, producer = gluon_registers(c)
+    if c.v_layout == "natural" and c.block_m > 64 and producer < NATURAL_V_PRODUCER_REGS:
+        return (f"registers: the producer warpgroup transposes V (v_layout='natural') and spills at "
+                f"producer_regs={producer}; it needs {NATURAL_V_PRODUCER_REGS}")
     need = gluon_register_estimate(c)
     if need > consumer:
         return (f"registers: a consumer warpgroup needs about {need} per thread (accumulator, scores"

@@ -27,11 +27,12 @@ PARAMS = (backend_param(), BLOCK_M) + tuple(p for p in TILE_PARAMS if p.name != 
     rowsum_param(("fp32", "rounded", "mma")),           # "fp32" under lean -> "rounded"; Gluon: "fp32" / "mma"
     Param("q_order", ("forward", "heavy_first")),
     triton_only(Param("loads", ("tma", "pointer"))),
-    triton_only(Param("v_layout", ("transposed", "natural"))),
+    Param("v_layout", ("transposed", "natural"),     # Gluon lean P reads key-permuted V^T: "transposed"
+          decode=lambda v, f: "transposed" if f["backend"] == "gluon" and f["softmax"] == "lean" else v),
     gluon_only("ping_pong", (True, False), one_consumer=False),  # consumer warpgroups alternate wgmma issue
     gluon_only("overlap", (True, False)),               # softmax(j) runs while PV(j-1) is on the tensor cores
     gluon_only("q_stages", (1, 2)),                     # Q ring: 2 prefetches the next tile's Q
-    gluon_only("v_permute", (True, False)),             # key-permuted V^T: P needs no shuffles
+    gluon_only("v_permute", (True, False), unless=("v_layout", "natural"), default=False),  # key-permuted V^T
     gluon_only("persistent", (True, False)),            # grid = min(SMs, tiles)
     gluon_only("producer_regs", (24, 40, 56), one_consumer=24),  # setmaxnreg split: consumers get the rest
     gluon_only("ex2_fence", (False, True), needs=("overlap", True), unless=("rowsum", "mma")),  # exps before PV wait

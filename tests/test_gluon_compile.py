@@ -39,7 +39,14 @@ MLA_CASES = [MLA, MLA.replace(softmax="lean", rowsum="mma"), MLA.replace(block_n
 #: three consumer warpgroups (block_m=192, FA3's head-dim-64 tile): Q in three 64-row TMA boxes
 THREE_CASES = [HD64.replace(block_m=192), HD64.replace(block_m=192, ping_pong=False, q_stages=2),
                HD64.replace(block_m=192, softmax="lean", rowsum="mma"), GLUON.replace(block_m=192, block_n=64)]
-CASES = neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
+#: V read as given (v_layout="natural"): the producer warpgroup writes each tile's transpose
+NATURAL_CASES = [GLUON.replace(v_permute=False, v_layout="natural", producer_regs=40),
+                 GLUON.replace(block_m=64, ping_pong=False, overlap=False, v_permute=False, v_layout="natural"),
+                 HD64.replace(v_permute=False, v_layout="natural", producer_regs=40),
+                 HD256.replace(v_permute=False, v_layout="natural", producer_regs=40),
+                 MLA.replace(v_permute=False, v_layout="natural", producer_regs=40)]
+CASES = (neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
+         + NATURAL_CASES)
 
 
 def test_192_wide_q_and_k_come_in_three_parts(compiled):
@@ -295,3 +302,19 @@ def test_rescale_asm_text():
     for bad in (0, 6, 8.0, True):
         with pytest.raises(ValueError, match="multiple of 4"):
             rescale_asm(bad)
+
+
+def test_natural_v_is_transposed_by_the_producer(compiled):
+    """v_layout="natural": V's (keys, dim) tile arrives by TMA and the producer warpgroup writes its
+    transpose into the V^T ring: shared loads, byte permutes and shared stores the twin reading the
+    V^T copy does not have, the consumers' wgmmas unchanged. At producer_regs=24 the producer spills,
+    which the static check rejects."""
+    natural = NATURAL_CASES[0]
+    art, twin = compiled(natural), compiled(natural.replace(v_layout="transposed"))
+    assert art.count("QGMMA") == twin.count("QGMMA")
+    for op in ("LDS", "STS", "PRMT"):
+        assert art.count(op) > twin.count(op), op
+    assert art.ptx.count("bar.sync") > twin.ptx.count("bar.sync")  # the producer's join before its arrive
+    starved = natural.replace(producer_regs=24)
+    assert "transposes V" in gluon_infeasibility(starved)
+    assert compiled(starved).spill_bytes > 0

@@ -66,10 +66,22 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(rowsum="rounded"), r"^rowsum='rounded': the exact Gluon kernel sums"),
     (dict(block_m=64, ping_pong=False, producer_regs=40), r"^producer_regs=40: with one consumer warpgroup"),
     (dict(overlap=False, ex2_fence=True), r"^ex2_fence=True needs overlap=True"),
+    (dict(v_layout="natural"), r"^v_layout='natural' with backend='gluon' writes V\^T in key order: it needs "
+                               r"v_permute=False"),
 ])
 def test_bad_gluon_combinations_name_the_field(changes, match):
     with pytest.raises(ConfigError, match=match):
         GLUON.replace(**changes)
+
+
+def test_natural_v_is_shared_and_stored_only_when_set():
+    """v_layout is read by both backends (Gluon "natural": the producer transposes V in the kernel);
+    a Gluon config stores it only when "natural", so every stored Gluon config keeps its JSON."""
+    plain = GLUON.replace(v_permute=False)
+    natural = plain.replace(v_layout="natural")
+    assert "v_layout" not in plain.to_dict() and natural.to_dict()["v_layout"] == "natural"
+    assert KernelConfig.from_json(natural.to_json()) == natural
+    assert KernelConfig.from_json(plain.to_json()) == plain
 
 
 def test_three_consumer_warpgroups():

@@ -73,6 +73,18 @@ def test_prepare_gluon_variants():
     assert grid == (min(gluon_launch.DEFAULT_SMS, 8 * 2 * 8),)
 
 
+def test_prepare_gluon_natural_v_passes_v_itself():
+    """v_layout="natural": no V^T copy; desc_v is V's (batch*keys, kv_heads*dim) rows in
+    (block_n, dim) boxes, as desc_k is K's."""
+    cfg = GLUON.replace(v_permute=False, v_layout="natural", producer_regs=40)
+    q, k, v, out, ds = tensors()
+    _, args, _ = launch.prepare(cfg, q, k, v, out, 0.1, True, *ds, sms=132)
+    desc_v = args[2]
+    assert desc_v.base is v and desc_v.shape == [2 * 1000, 2 * 128] and desc_v.strides == [v.stride(1), 1]
+    assert list(desc_v.block_shape) == [cfg.block_n, 128]
+    assert desc_v.layout == emit_gluon.descriptor_layout("fp8", [cfg.block_n, 128])
+
+
 def test_prepare_gluon_rejects_what_it_cannot_launch():
     q, k, v, out, _ = tensors()
     with pytest.raises(ValueError, match="^out: .*must be contiguous"):

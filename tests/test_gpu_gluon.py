@@ -39,7 +39,15 @@ CONFIGS = {
     # 256-key blocks, no intra-warpgroup overlap (the FP8 space's third seed)
     "wide": gluon_wide_config("fp8", 128, 128),
     "wide-mma-skip": gluon_wide_config("fp8", 128, 128).replace(rowsum="mma", skip_rescale=True),
+    # V read as given: the producer warpgroup writes each block's transpose into the V^T ring
+    "natural": GLUON.replace(v_permute=False, v_layout="natural", producer_regs=40),
+    "natural-plain": GLUON.replace(block_m=64, ping_pong=False, overlap=False, v_permute=False, persistent=False,
+                                   q_order="forward", q_stages=2, num_stages=2, block_n=64, v_layout="natural"),
+    "natural-no-overlap": GLUON.replace(overlap=False, ping_pong=False, q_stages=2, num_stages=2, rowsum="mma",
+                                        v_permute=False, v_layout="natural", producer_regs=40),
 }
+#: natural-V configs and the same schedule reading the V^T copy: the V^T tiles are the same bytes
+NATURAL_TWINS = {name: CONFIGS[name].replace(v_layout="transposed") for name in CONFIGS if name.startswith("natural")}
 #: rel. L2 vs float64 and factor over FA3's error per config (lean P: its linear fold, see LEAN_BOUNDS)
 BOUNDS = {"mma-skip-lean": (0.045, 1.6)}
 #: rel. L2 vs float64 that any FP8 exact-softmax kernel here stays under (tests/test_gpu_attention.py)
@@ -141,6 +149,7 @@ for _dqk, _dv in ((64, 64), (256, 256), (192, 128)):
                        f"{_dqk}-winner": _seed.replace(ping_pong=False, q_stages=2, q_order="forward"),
                        f"{_dqk}-lean": _seed.replace(softmax="lean", rowsum="mma"),
                        f"{_dqk}-mma-skip": _seed.replace(rowsum="mma", skip_rescale=True)})
+    OTHER_DIMS[f"{_dqk}-natural"] = _seed.replace(v_permute=False, v_layout="natural", producer_regs=40)
 #: three consumer warpgroups (block_m=192; FA3's head-dim-64 tile): Q in three 64-row boxes
 OTHER_DIMS.update({"64-three": default_config("fp8", 64, 64, "gluon").replace(block_m=192),
                    "64-three-plain": default_config("fp8", 64, 64, "gluon").replace(block_m=192, ping_pong=False,
@@ -193,6 +202,19 @@ def test_descales_none_equals_ones_and_k_major_v():
         km_args, km_kw = make_inputs("fp8", 128, 128, batch=1, heads=4, kv_heads=2, seqlen=1000, seed=8,
                                      v_layout="k_major")
         assert torch.equal(flash_attn_func(*km_args, config=cfg, **km_kw), flash_attn_func(*args, config=cfg, **kw))
+
+
+@pytest.mark.parametrize("name", NATURAL_TWINS)
+@pytest.mark.parametrize("sq,sk,causal", [(17, 17, True), (1000, 1000, True), (300, 1100, False)])
+def test_natural_v_equals_the_v_transpose_copy(name, sq, sk, causal):
+    """The producer's in-kernel transpose writes the bytes the V^T copy holds: outputs are bitwise
+    those of the same schedule reading the copy, with V as given and with a K-major V."""
+    args, kw = make_inputs("fp8", 128, 128, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=9)
+    natural = flash_attn_func(*args, causal=causal, config=CONFIGS[name], **kw)
+    assert torch.equal(natural, flash_attn_func(*args, causal=causal, config=NATURAL_TWINS[name], **kw))
+    km_args, km_kw = make_inputs("fp8", 128, 128, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=9,
+                                 v_layout="k_major")
+    assert torch.equal(natural, flash_attn_func(*km_args, causal=causal, config=CONFIGS[name], **km_kw))
 
 
 def test_cuda_graph_capture():
