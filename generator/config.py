@@ -27,7 +27,7 @@ CHOICES: dict[str, tuple] = {
     "head_dim_qk": HEAD_DIMS,
     "head_dim_v": HEAD_DIMS,
     "block_m": (64, 128, 192, 256),
-    "block_n": (32, 64, 128, 256),
+    "block_n": (32, 64, 128, 192, 256),
     "num_warps": (4, 8, 16),
     "num_stages": (1, 2, 3, 4, 5),
     "maxnreg": (0, 128, 152, 168, 184, 200, 232),
@@ -108,7 +108,8 @@ class KernelConfig:
                   decides; docs/BACKENDS.md). Each backend has its own fields (TRITON_FIELDS,
                   GLUON_FIELDS); the other backend's stay at their defaults, so that one kernel has
                   one config and one JSON. Shared fields mean for Gluon: block_m = 64 query rows per
-                  consumer warpgroup (64: one, 128: two, 192: three), block_n = keys per K/V block, num_stages =
+                  consumer warpgroup (64: one, 128: two, 192: three), block_n = keys per K/V block (192:
+                  two parts of 128 + 64, since tensor shapes are powers of two), num_stages =
                   depth of the K/V shared-memory ring (>= 2), p_scale_log2 = log2 of the P scale,
                   q_order = tile order of the (persistent) grid.
     ping_pong:    Gluon: the consumer warpgroups take turns issuing their wgmmas (block_m=128, 192).
@@ -193,6 +194,9 @@ class KernelConfig:
         if self.block_m == 192:
             raise ConfigError("block_m=192: Triton tiles are powers of two; 192 rows is the Gluon backend's "
                               "three consumer warpgroups (backend='gluon')")
+        if self.block_n == 192:
+            raise ConfigError("block_n=192: Triton tiles are powers of two; 192 keys is the Gluon backend's "
+                              "128 + 64 key parts (backend='gluon')")
         if self.scale_block not in (0, self.block_n):
             raise ConfigError(
                 f"scale_block={self.scale_block}: the Triton backend takes one exponent per key "
@@ -240,6 +244,9 @@ class KernelConfig:
             if self.rowsum == "mma" and self.ex2_fence:
                 raise ConfigError("ex2_fence=True needs rowsum='fp32': the fence orders the PV wait after the "
                                   "row sums of the exponentials, which rowsum='mma' does not compute")
+        if self.block_n == 192 and (self.v_layout == "natural" or self.softmax == "lean"):
+            raise ConfigError("block_n=192 (128 + 64 key parts) is built for the exact softmax with the V^T copy: "
+                              "it needs softmax='exact' and v_layout='transposed'")
         if self.v_layout == "natural" and self.v_permute:
             raise ConfigError("v_layout='natural' with backend='gluon' writes V^T in key order: it needs "
                               "v_permute=False (and so softmax='exact')")

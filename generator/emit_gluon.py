@@ -47,10 +47,21 @@ def emit(config: KernelConfig) -> EmittedKernel:
 def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
     """Element type and TMA block of each descriptor argument, in kernel order (the launcher and the
     ahead-of-time compile build their descriptors from this one table)."""
-    w, dv, bn = qk_part_width(config), config.head_dim_v, config.block_n
+    w, dv = qk_part_width(config), config.head_dim_v
+    bn, bn_b = key_parts(config)
     v_block = [bn, dv] if config.v_layout == "natural" else [dv, bn]
-    return {"desc_q": ("fp8", [q_box_rows(config), w]), "desc_k": ("fp8", [bn, w]),
-            "desc_v": ("fp8", v_block), "desc_o": ("bf16", [1, 64, dv])}
+    blocks = {"desc_q": ("fp8", [q_box_rows(config), w]), "desc_k": ("fp8", [bn, w]),
+              "desc_v": ("fp8", v_block), "desc_o": ("bf16", [1, 64, dv])}
+    if bn_b:  # the second key part's boxes (K rows, V^T columns)
+        blocks = {**dict(list(blocks.items())[:2]), "desc_kb": ("fp8", [bn_b, w]), "desc_v": blocks["desc_v"],
+                  "desc_vb": ("fp8", [dv, bn_b]), "desc_o": blocks["desc_o"]}
+    return blocks
+
+
+def key_parts(config: KernelConfig) -> tuple[int, int]:
+    """Keys of a block's first and second part: tensor shapes must be powers of two, so a 192-key
+    block is a 128-key and a 64-key part (two QK^T accumulators, two PV wgmmas); else (block_n, 0)."""
+    return (128, 64) if config.block_n == 192 else (config.block_n, 0)
 
 
 def q_box_rows(config: KernelConfig) -> int:
@@ -122,6 +133,7 @@ def _constants(c: KernelConfig) -> str:
         ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),
         ("V_NATURAL", c.v_layout == "natural"),
+        ("BN_A", key_parts(c)[0]), ("BN_B", key_parts(c)[1]), ("SPLIT", bool(key_parts(c)[1])),
         ("P_OFFSET", float(int(c.p_scale_log2))),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
         ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"), ("LEAN_FMA", lean and c.lean_fold == "fma"), ("LEAN_MAGIC", MAGIC),
@@ -149,31 +161,60 @@ def _constants(c: KernelConfig) -> str:
 def _consumer_args(cid: int, c: KernelConfig) -> str:
     # ex2_fence goes in as a literal (a validated bool), not as a module constant, so that the
     # schedule constants of every other config stay exactly as they were
+    ones = "ones_bufs" if c.rowsum == "mma" else "None"
+    onesb = "onesb_bufs" if c.rowsum == "mma" and key_parts(c)[1] else ones
     return (f"({cid}, desc_o, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,\n"
             "                    turn_bars, QD, KD, VD, stride_db, stride_dh, sm_scale_log2, H, GROUP, SEQ_Q, SEQ_K,\n"
             "                    N_M_BLOCKS, N_TILES, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
             "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
-            f"{bool(c.ex2_fence)!r}, LEAN, {'ones_bufs' if c.rowsum == 'mma' else 'None'}, QK_PARTS)")
+            f"{bool(c.ex2_fence)!r}, LEAN, {ones}, QK_PARTS,\n"
+            f"                    kb_bufs, vb_bufs, {onesb})")
 
 
 _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
                   "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, BLOCK_M,\n"
                   "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST, HEAD_QK, QK_PARTS,\n"
-                  "                    v_raw, v_raw_ready)")
+                  "                    v_raw, v_raw_ready, desc_kb, desc_vb, kb_bufs, vb_bufs)")
 
 
 def _ones_lines(c: KernelConfig) -> list[str]:
-    """The row-sum wgmma (rowsum="mma") reads an (8, BLOCK_N) tile of ones per consumer warpgroup."""
+    """The row-sum wgmma (rowsum="mma") reads an (8, BLOCK_N) tile of ones per consumer warpgroup
+    (with 192-key blocks one of 8 x 128 and one of 8 x 64)."""
     if c.rowsum != "mma":
         return []
+    if key_parts(c)[1]:
+        return ["    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BN_A], dtype)",
+                "    ones_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BN_A], ones_layout)",
+                "    onesb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BN_B], dtype)",
+                "    onesb_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BN_B], onesb_layout)"]
     return ["    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)",
             "    ones_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BLOCK_N], ones_layout)"]
+
+
+def _k_lines(c: KernelConfig) -> list[str]:
+    """The K ring (with 192-key blocks a 128-row and a 64-row ring, one per key part)."""
+    if key_parts(c)[1]:
+        return ["    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BN_A, QK_W], desc_k.layout)",
+                "    kb_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BN_B, QK_W], desc_kb.layout)"]
+    return ["    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BLOCK_N, QK_W], desc_k.layout)"]
+
+
+def _stand_ins(c: KernelConfig) -> list[str]:
+    """Names the partitions take that this kernel has no buffers for (never touched under its
+    constants; aliases allocate nothing, so every other kernel keeps its shared-memory layout)."""
+    out = [] if c.v_layout == "natural" else ["    v_raw = v_bufs", "    v_raw_ready = v_ready"]
+    if not key_parts(c)[1]:
+        out += ["    desc_kb = desc_k", "    desc_vb = desc_v", "    kb_bufs = k_bufs", "    vb_bufs = v_bufs"]
+    return out
 
 
 def _v_lines(c: KernelConfig) -> list[str]:
     """The V^T ring; with v_layout="natural" also the two (BLOCK_N, D) slots V is loaded into and their
     barriers (the producer transposes it into the ring), else stand-ins the producer never touches
     (nothing allocated: every other kernel keeps its shared-memory layout)."""
+    if key_parts(c)[1]:
+        return ["    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BN_A], desc_v.layout)",
+                "    vb_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BN_B], desc_vb.layout)"]
     if c.v_layout != "natural":
         return ["    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], desc_v.layout)"]
     return ["    vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_D, BLOCK_N], dtype)",
@@ -201,7 +242,7 @@ def _entry(c: KernelConfig) -> str:
         "    dtype: gl.constexpr = gl.float8e4nv",
         "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES * QK_PARTS * Q_BOXES, BLOCK_M // Q_BOXES, QK_W],",
         "                                       desc_q.layout)",
-        "    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BLOCK_N, QK_W], desc_k.layout)",
+        *_k_lines(c),
         *_v_lines(c),
         "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], gl.bfloat16)",
         "    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, HEAD_D], o_layout)",
@@ -213,7 +254,7 @@ def _entry(c: KernelConfig) -> str:
         "    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
         "    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
         "    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())",
-        *([] if c.v_layout == "natural" else ["    v_raw = v_bufs", "    v_raw_ready = v_ready"]),
+        *_stand_ins(c),
         "    for i in gl.static_range(Q_STAGES):",
         "        mbarrier.init(q_ready.index(i), count=1)",
         "        mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)",

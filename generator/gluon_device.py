@@ -51,7 +51,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               H, GROUP, Hkv, Sq, Sk, n_m, n_tiles,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-              HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr, v_raw, v_raw_ready):
+              HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr, v_raw, v_raw_ready, kb_desc, vb_desc, kb_bufs, vb_bufs):
     """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
     K and V barriers so that QK^T can start before V has landed). Q and K tiles come in QK_PARTS
     column parts of HEAD_QK / QK_PARTS (tensor shapes must be powers of two: 192 = 3 x 64), a
@@ -59,7 +59,9 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
     V_NATURAL: a warpgroup; V's (BLOCK_N, D) tiles are loaded into two raw slots and the producer
     writes their transposes into the V^T ring (_transpose_v) one block behind the loads: K(j) and
     V(j) are issued, then V^T(j-1) written while V(j) is in flight, so the consumers get K(j) and
-    V^T(j-1) in the order they use them (QK^T(j) beside PV(j-1))."""
+    V^T(j-1) in the order they use them (QK^T(j) beside PV(j-1)).
+    SPLIT (192-key blocks): K and V^T of a block come as a 128-key and a 64-key box each (kb_*, vb_*),
+    on the same barriers."""
     n_bh = n_tiles // n_m
     kv_it = 0
     q_it = 0
@@ -88,10 +90,19 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             s = kv_it % STAGES
             ph = ((kv_it // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), ph)
-            mbarrier.expect(k_ready.index(s), QK_PARTS * k_desc.block_type.nbytes)
-            for p in gl.static_range(QK_PARTS):
-                tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
-                                                k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
+            if SPLIT:
+                mbarrier.expect(k_ready.index(s), QK_PARTS * (k_desc.block_type.nbytes + kb_desc.block_type.nbytes))
+                for p in gl.static_range(QK_PARTS):
+                    col = hk * HEAD_QK + p * (HEAD_QK // QK_PARTS)
+                    tma.async_copy_global_to_shared(k_desc, [k_row + n0, col], k_ready.index(s),
+                                                    k_bufs.index(s * QK_PARTS + p))
+                    tma.async_copy_global_to_shared(kb_desc, [k_row + n0 + BN_A, col], k_ready.index(s),
+                                                    kb_bufs.index(s * QK_PARTS + p))
+            else:
+                mbarrier.expect(k_ready.index(s), QK_PARTS * k_desc.block_type.nbytes)
+                for p in gl.static_range(QK_PARTS):
+                    tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
+                                                    k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
             if V_NATURAL:  # V(j) into raw slot j % 2 (its last reader, V^T(j-2), is written), then V^T(j-1)
                 r = kv_it % 2
                 mbarrier.expect(v_raw_ready.index(r), v_desc.block_type.nbytes)
@@ -99,6 +110,11 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
                                                 v_raw.index(r))
                 if j > 0:
                     _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, HEAD_D)
+            elif SPLIT:
+                mbarrier.wait(v_empty.index(s), ph)
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + vb_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [v_row, n0], v_ready.index(s), v_bufs.index(s))
+                tma.async_copy_global_to_shared(vb_desc, [v_row, n0 + BN_A], v_ready.index(s), vb_bufs.index(s))
             else:
                 mbarrier.wait(v_empty.index(s), ph)
                 mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
@@ -136,21 +152,29 @@ def _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, it, STAGES: gl.co
 def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
              MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
              qk_layout: gl.constexpr, p_layout: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
-             LEAN: gl.constexpr = False):
+             LEAN: gl.constexpr = False, sb=None, qkb_layout: gl.constexpr = None):
     """Online softmax of one 64 x BLOCK_N score block. Probabilities are scaled by 2^P_OFFSET so
     that small ones stay out of e4m3 subnormals; l carries the same factor, which cancels.
     LEAN (lean P): no exponential here; one FMA per score leaves what _p_operand turns into e4m3
     codes (LEAN_ASM: generator/lean_asm.lean_tail_asm), and l is left alone: the rounded row sum
     comes from an MMA with PV. ROWSUM_MMA (always under LEAN): l is not summed here either; the row
-    sum of the probabilities as rounded to e4m3 comes from the MMA against ones (_pv_issue)."""
+    sum of the probabilities as rounded to e4m3 comes from the MMA against ones (_pv_issue).
+    SPLIT (192-key blocks): s holds keys [n0, n0 + 128) and sb keys [n0 + 128, n0 + 192): one row
+    maximum and one row sum over both, two P operands (the last result, p8b; else p8 again)."""
     if MASK:
-        cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
+        cols = n0 + gl.arange(0, BN_A, layout=gl.SliceLayout(0, qk_layout))
         rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qk_layout))
         keep = cols[None, :] < Sk
         if CAUSAL:
             keep = keep & (cols[None, :] <= rows[:, None] + off)
         s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        if SPLIT:
+            sb = _masked(sb, n0 + BN_A, row0, Sk, off, CAUSAL, qkb_layout)
+    if SPLIT:
+        row_max = gl.maximum(gl.max(s, axis=1), gl.convert_layout(gl.max(sb, axis=1), gl.SliceLayout(1, qk_layout)))
+        m_new = gl.maximum(m_i, row_max * qk_scale)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     if LEAN and LEAN_FMA:
         m_new = gl.ceil(m_new * 8.0) * 0.125          # b = magic + 56 - 8 ref must be exact in fp32
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -166,8 +190,13 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         l_new = l_i
     else:
         p = _exp2(s * qk_scale - (m_use - P_OFFSET)[:, None])
+        if SPLIT:
+            pb = _exp2(sb * qk_scale - gl.convert_layout(m_use - P_OFFSET, gl.SliceLayout(1, qkb_layout))[:, None])
         if ROWSUM_MMA:
             l_new = l_i
+        elif SPLIT:
+            l_new = l_i * alpha + gl.sum(p, axis=1) + gl.convert_layout(gl.sum(pb, axis=1),
+                                                                        gl.SliceLayout(1, qk_layout))
         else:
             l_new = l_i * alpha + gl.sum(p, axis=1)
     if V_PERM:
@@ -175,12 +204,33 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         # register A operand wants them as {16h + 4q + 2s + b}. Relabelling the keys (a bit
         # permutation, no data movement) and storing V^T in the same key order makes the float32
         # tensor already distributed like the A operand.
-        NB: gl.constexpr = BLOCK_N // 32
-        p = p.reshape([64, NB, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([64, BLOCK_N])
+        NB: gl.constexpr = BN_A // 32
+        p = p.reshape([64, NB, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([64, BN_A])
         p8 = gl.convert_layout(p, p_layout)   # float32, rounded by _p_operand next to its wgmma
+        if SPLIT:
+            NBB: gl.constexpr = BN_B // 32
+            pb = pb.reshape([64, NBB, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([64, BN_B])
+            p8b = gl.convert_layout(pb, p_layout)
+        else:
+            p8b = p8
     else:
         p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
-    return p8, m_new, l_new, alpha
+        if SPLIT:
+            p8b = gl.convert_layout(pb.to(gl.float8e4nv), p_layout)
+        else:
+            p8b = p8
+    return p8, m_new, l_new, alpha, p8b
+
+
+@gluon.jit
+def _masked(s, n0, row0, Sk, off, CAUSAL: gl.constexpr, layout: gl.constexpr):
+    """s (64 rows x its keys from n0) with keys past Sk, and past each row's diagonal if CAUSAL, at -inf."""
+    cols = n0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, layout))
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    keep = cols[None, :] < Sk
+    if CAUSAL:
+        keep = keep & (cols[None, :] <= rows[:, None] + off)
+    return gl.where(keep, s, float("-inf"))
 
 
 @gluon.jit
@@ -301,27 +351,39 @@ def _qk_issue(q_bufs, qb, k_bufs, kb, s_zero, CID: gl.constexpr, QK_PARTS: gl.co
 
 @gluon.jit
 def _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it, CID: gl.constexpr,
-               NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, QK_PARTS: gl.constexpr):
+               NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, QK_PARTS: gl.constexpr,
+               kb_bufs, sb_zero):
     """S = Q K^T for the K block in stage kv_it % STAGES, issued in this warpgroup's turn and waited
-    for; that K stage is released."""
+    for; that K stage is released. Returns (S, S of the second key part under SPLIT, else S)."""
     st = kv_it % STAGES
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
     s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
+    if SPLIT:
+        sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS)
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    if SPLIT:
+        s, sb = warpgroup_mma_wait(0, deps=(s_tok, sb_tok))
+    else:
+        s = warpgroup_mma_wait(0, deps=(s_tok,))
+        sb = s
     mbarrier.arrive(k_empty.index(st), count=1)
-    return s
+    return s, sb
 
 
 @gluon.jit
-def _pv_issue(p8, v_smem, acc, ones_smem, l_zero):
+def _pv_issue(p8, v_smem, acc, ones_smem, l_zero, p8b, vb_smem, onesb_smem):
     """O += P V as an async wgmma; under ROWSUM_MMA also the rounded row sum: P against the ones
     tile (fresh accumulator each time: FP8 wgmma accumulation is too coarse for a running sum).
-    It replaces one FADD per score (the exact softmax's sum) by one m64n8k32 wgmma per 32 keys."""
+    It replaces one FADD per score (the exact softmax's sum) by one m64n8k32 wgmma per 32 keys.
+    SPLIT: the second key part's P (p8b) chained onto each (PV and row sum: two wgmmas each)."""
     o_tok = warpgroup_mma(p8, v_smem.permute((1, 0)), acc, is_async=True)
+    if SPLIT:
+        o_tok = warpgroup_mma(p8b, vb_smem.permute((1, 0)), o_tok, is_async=True)
     if ROWSUM_MMA:
         r_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
+        if SPLIT:
+            r_tok = warpgroup_mma(p8b, onesb_smem.permute((1, 0)), r_tok, is_async=True)
     else:
         r_tok = o_tok  # a stand-in _pv_done ignores (a None in a returned tuple does not compile)
     return o_tok, r_tok
@@ -345,7 +407,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
              PINGPONG: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
              qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, V_PERM: gl.constexpr,
              P_OFFSET: gl.constexpr, EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_smem, l_zero,
-             QK_PARTS: gl.constexpr):
+             QK_PARTS: gl.constexpr, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout: gl.constexpr):
     """Overlapped step j >= 1: issue QK^T(j) and PV(j-1) back to back, wait for QK^T(j) only, run
     softmax(j) while PV(j-1) is on the tensor cores, then wait for PV(j-1). What keeps ptxas from
     undoing the overlap: nothing in flight across the loop back-edge (else every wgmma of the kernel
@@ -354,30 +416,39 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     as float32 (see _p_operand). Even so ptxas hoists the PV wait above part of the exponentials;
     EX2_FENCE puts a barrier on the row sums right before the wait (see _ex2_fence). ROWSUM_MMA: the
     rounded row sum of P(j-1) is one more wgmma (against ones) issued with PV(j-1), so l is
-    rescaled and summed exactly when O is."""
+    rescaled and summed exactly when O is. SPLIT: two key parts, so twice the wgmmas of each kind
+    (pPb carries the second part's P)."""
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
     p8 = _p_operand(pP, V_PERM, LEAN)
+    p8b = _p_operand(pPb, V_PERM, LEAN) if SPLIT else p8
     acc, l_i = _rescale(acc, l_i, alpha, row_o)
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
     s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
-    o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero)
+    if SPLIT:
+        sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS)
+    o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst), onesb_smem)
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-    if ROWSUM_MMA:
+    if SPLIT:  # QK^T(j)'s two parts done; PV(j-1)'s two (and two row-sum wgmmas) may still run
+        s, sb = warpgroup_mma_wait(4 if ROWSUM_MMA else 2, deps=(s_tok, sb_tok))
+    elif ROWSUM_MMA:
         s = warpgroup_mma_wait(2, deps=(s_tok,))      # QK^T(j) done, PV(j-1) and its row sum may run
+        sb = s
     else:
         s = warpgroup_mma_wait(1, deps=(s_tok,))      # QK^T(j) done, PV(j-1) may still run
+        sb = s
     mbarrier.arrive(k_empty.index(st), count=1)
     # PV(j-2) retired at the end of the previous step: release its V stage now
     mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=j >= 2)
-    pP, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1 - j) * BLOCK_N, row0, Sk, off,
-                                   MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN)
+    pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1 - j) * BLOCK_N, row0, Sk, off,
+                                        MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN,
+                                        sb, qkb_layout)
     if EX2_FENCE:
         l_i = _ex2_fence(l_i, CID)                    # every exponential of step j before the wait
     acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # PV(j-1) done
-    return pP, acc, alpha, m_i, l_i
+    return pP, acc, alpha, m_i, l_i, pPb
 
 
 @gluon.jit
@@ -389,11 +460,15 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
               CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
-              EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_bufs, QK_PARTS: gl.constexpr):
+              EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_bufs, QK_PARTS: gl.constexpr,
+              kb_bufs, vb_bufs, onesb_bufs):
     """Consumer warpgroup CID: rows [64 CID, 64 CID + 64) of every tile it visits. Key blocks from
     the diagonal downwards; only the first n_masked (diagonal / key end) pay for the mask."""
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_N, 32])
+                                                        instr_shape=[16, BN_A, 32])
+    # SPLIT: the second key part's scores (otherwise an unused twin of qk_layout)
+    qkb_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN_B if SPLIT else BN_A, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_D, 32])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
@@ -407,8 +482,14 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
         # 32-bit words. (A 2-D e4m3 store of the tile is lowered to stmatrix.b16 and leaves half the
         # bytes unwritten: rows summed over half their keys, found on the H200.)
         fill: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
-        words = ones_smem._reinterpret(gl.int32, [2 * BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        words.store(gl.full([2 * BLOCK_N], 0x38383838, gl.int32, layout=fill))
+        words = ones_smem._reinterpret(gl.int32, [2 * BN_A], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        words.store(gl.full([2 * BN_A], 0x38383838, gl.int32, layout=fill))
+        if SPLIT:
+            onesb_smem = onesb_bufs.index(CID)
+            words_b = onesb_smem._reinterpret(gl.int32, [2 * BN_B], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+            words_b.store(gl.full([2 * BN_B], 0x38383838, gl.int32, layout=fill))
+        else:
+            onesb_smem = ones_smem
         fence_async_shared()
         gl.thread_barrier()
         l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -416,6 +497,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
         l_zero = gl.zeros([64, 8], gl.float32, layout=l_layout)
     else:
         ones_smem = None
+        onesb_smem = None
         l_zero = None
     n_bh = n_tiles // n_m
     off = Sk - Sq
@@ -443,37 +525,41 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
         m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
         l_i = gl.full([64], 0.0, gl.float32, layout=row_s)
         acc = gl.zeros([64, HEAD_D], gl.float32, layout=o_layout)
-        s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=qk_layout)
+        s_zero = gl.zeros([64, BN_A], gl.float32, layout=qk_layout)
+        sb_zero = gl.zeros([64, BN_B], gl.float32, layout=qkb_layout) if SPLIT else s_zero
 
         if n_blocks > 0:
             if OVERLAP:
                 # ---- block 0 (the diagonal / tail block whenever any block is masked)
-                s = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
-                               CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS)
+                s, sb = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
+                                   CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, kb_bufs, sb_zero)
                 turn_it += 1
-                pP, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1) * BLOCK_N, row0, Sk, off,
-                                               True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN)
+                pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1) * BLOCK_N, row0, Sk, off,
+                                                    True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET,
+                                                    LEAN, sb, qkb_layout)
                 kv_it += 1
                 # ---- masked blocks (phase 0), then unmasked blocks (phase 1): two loops, MASK constant in each
                 for phase in gl.static_range(2):
                     lo = 1 if phase == 0 else gl.maximum(n_masked, 1)
                     hi = n_masked if phase == 0 else n_blocks
                     for j in range(lo, hi):
-                        pP, acc, alpha, m_i, l_i = _ov_step(
+                        pP, acc, alpha, m_i, l_i, pPb = _ov_step(
                             j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs, v_bufs, s_zero,
                             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
                             phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
                             qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
-                            QK_PARTS)
+                            QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout)
                         turn_it += 1
                         kv_it += 1
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
                 p8 = _p_operand(pP, V_PERM, LEAN)
+                p8b = _p_operand(pPb, V_PERM, LEAN) if SPLIT else p8
                 acc, l_i = _rescale(acc, l_i, alpha, row_o)
                 mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
                 _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-                o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero)
+                o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
+                                         onesb_smem)
                 _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
                 turn_it += 1
                 acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)
@@ -484,20 +570,23 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                 for j in range(n_blocks):
                     s_st = kv_it % STAGES
                     s_ph = (kv_it // STAGES) & 1
-                    s = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
-                                   CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS)
+                    s, sb = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
+                                       CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, kb_bufs, sb_zero)
                     turn_it += 1
                     n0 = (n_blocks - 1 - j) * BLOCK_N
                     if j < n_masked:
-                        p8, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
-                                                       True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET)
+                        p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, True, CAUSAL,
+                                                            BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, False,
+                                                            sb, qkb_layout)
                     else:
-                        p8, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
-                                                       False, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET)
+                        p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, False, CAUSAL,
+                                                            BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, False,
+                                                            sb, qkb_layout)
                     acc, l_i = _rescale(acc, l_i, alpha, row_o)
                     mbarrier.wait(v_ready.index(s_st), s_ph)
                     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-                    o_tok, r_tok = _pv_issue(_p_operand(p8, V_PERM), v_bufs.index(s_st), acc, ones_smem, l_zero)
+                    o_tok, r_tok = _pv_issue(_p_operand(p8, V_PERM), v_bufs.index(s_st), acc, ones_smem, l_zero,
+                                             _p_operand(p8b, V_PERM), vb_bufs.index(s_st), onesb_smem)
                     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
                     turn_it += 1
                     acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)

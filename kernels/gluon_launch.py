@@ -51,13 +51,18 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch
             raise ValueError(f"v: V^T strides {v.stride()} are not those of a (B, Hkv, D, keys) buffer with "
                              f"keys contiguous")
         v_view = (v, [b * hk * dv, skv], [v.stride(2), 1])
-    blocks = descriptor_blocks(config)
     views = {"desc_q": (q, [b * sq, h * d], [q.stride(1), 1]),
              "desc_k": (k, [b * sk, hk * d], [k.stride(1), 1]),
              "desc_v": v_view,
              "desc_o": (out, [b, sq, h * dv], [sq * h * dv, h * dv, 1])}
-    return [TensorDescriptor(t, shape, strides, blocks[name][1], descriptor_layout(*blocks[name]))
-            for name, (t, shape, strides) in views.items()]
+    return [TensorDescriptor(*views[DESCRIPTOR_TENSOR[name][1]], block, descriptor_layout(dtype, block))
+            for name, (dtype, block) in descriptor_blocks(config).items()]
+
+
+#: descriptor -> (index of its tensor in (q, k, v, out), the view it is built on): a 192-key
+#: block's second key part (desc_kb, desc_vb) is a smaller box on K's / V^T's view
+DESCRIPTOR_TENSOR = {"desc_q": (0, "desc_q"), "desc_k": (1, "desc_k"), "desc_kb": (1, "desc_k"),
+                     "desc_v": (2, "desc_v"), "desc_vb": (2, "desc_v"), "desc_o": (3, "desc_o")}
 
 
 def arguments(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

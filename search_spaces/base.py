@@ -258,6 +258,11 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
 NATURAL_V_PRODUCER_REGS = 40
 #: Fixed part of a Gluon consumer's registers: row statistics, loop state, addresses, barriers.
 GLUON_REGISTER_OVERHEAD = 24
+#: Extra registers each of three consumer warpgroups (block_m=192, 160 registers each) needs at head
+#: dim 128 and up: with 128-key blocks (estimated 152) they spilled 48-80 bytes with or without
+#: overlap, v_permute, rowsum="mma" or skip_rescale; 64-key blocks (estimated 120-128) did not, nor did
+#: head dim 64 with 128-key blocks (estimated 148; session 5)
+GLUON_THREE_CONSUMER_REGISTERS = 24
 #: Extra registers a Gluon consumer needs at head dims 64 and 256 with the packed P carried (measured)
 GLUON_OTHER_DIM_REGISTERS = 12
 
@@ -278,14 +283,16 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     scores = 64 * c.block_n // 128
     carried = 0 if not c.overlap else scores // 4 if c.v_permute else scores + 16
     other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and c.head_dim_v != 128 else 0
-    return acc + scores + carried + other_dim + GLUON_REGISTER_OVERHEAD
+    three = GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and c.head_dim_v >= 128 else 0
+    return acc + scores + carried + other_dim + three + GLUON_REGISTER_OVERHEAD
 
 
 def gluon_infeasibility(c: KernelConfig) -> str | None:
     """Why a Gluon config cannot compile to a usable kernel (TMA boxes, shared memory, registers per
     role: the consumers' setmaxnreg share), or None."""
-    if c.block_n & (c.block_n - 1):
-        return f"TMA: block_n={c.block_n} must be a power of two (the V^T box is [128, block_n])"
+    if c.block_n & (c.block_n - 1) and c.block_n != 192:
+        return (f"TMA: block_n={c.block_n} must be a power of two (the V^T box is [128, block_n]) or 192 "
+                f"(128 + 64 key parts)")
     smem = gluon_smem_estimate(c)
     if smem > SMEM_LIMIT:
         return (f"shared memory: about {smem} B (Q ring {c.q_stages}, K/V ring {c.num_stages} x {c.block_n} keys, "

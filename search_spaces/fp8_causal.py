@@ -17,7 +17,13 @@ from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluo
 #: powers of two, so a suggested 192 runs as 128 there.
 BLOCK_M = Param("block_m", (64, 128, 192), decode=lambda v, f: 128 if v == 192 and f["backend"] == "triton" else v)
 
-PARAMS = (backend_param(), BLOCK_M) + tuple(p for p in TILE_PARAMS if p.name != "block_m") + (
+#: block_n: Gluon also 192 (a 128-key and a 64-key part: FA3's 176-224-key blocks keep overlap, 256
+#: keys does not fit it); exact softmax, V^T copy. A suggested 192 runs as 128 under Triton; with lean
+#: P or natural V the point is invalid (pruned).
+BLOCK_N_FP8 = Param("block_n", BLOCK_N + (192,), decode=lambda v, f: 128 if v == 192 and f["backend"] == "triton" else v)
+
+PARAMS = (backend_param(), BLOCK_M, BLOCK_N_FP8) + tuple(
+    p for p in TILE_PARAMS if p.name not in ("block_m", "block_n")) + (
     Param("softmax", ("exact", "lean")),                # both backends (Gluon lean: overlap + v_permute)
     lean_only("lean_fold", ("fma", "sub_fma", "corrected")),  # only under softmax="lean"
     lean_only("lean_clamp", ("imax", "fmax")),          # only under softmax="lean"

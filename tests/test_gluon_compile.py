@@ -15,7 +15,7 @@ import re
 import pytest
 from gluon_cases import GLUON, SPACE, neighbours, sampled
 
-from zyfa_tune.generator import KernelConfig, emit
+from zyfa_tune.generator import ConfigError, KernelConfig, emit
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
 from zyfa_tune.kernels.defaults import default_config
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
@@ -45,8 +45,12 @@ NATURAL_CASES = [GLUON.replace(v_permute=False, v_layout="natural", producer_reg
                  HD64.replace(v_permute=False, v_layout="natural", producer_regs=40),
                  HD256.replace(v_permute=False, v_layout="natural", producer_regs=40),
                  MLA.replace(v_permute=False, v_layout="natural", producer_regs=40)]
+#: 192-key blocks (a 128-key and a 64-key part): overlapped, with the row-sum MMA, plain
+SPLIT_CASES = [GLUON.replace(block_n=192, num_stages=2), GLUON.replace(block_n=192, num_stages=2, rowsum="mma"),
+               GLUON.replace(block_n=192, overlap=False, ping_pong=False, rowsum="mma", num_stages=2, q_stages=2,
+                             v_permute=False)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
-         + NATURAL_CASES)
+         + NATURAL_CASES + SPLIT_CASES)
 
 
 def test_192_wide_q_and_k_come_in_three_parts(compiled):
@@ -124,6 +128,12 @@ CALIBRATION = [
     (dict(head_dim_qk=256, head_dim_v=256, block_n=64, num_stages=2, v_permute=False, producer_regs=40), False),
     (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2), True),                   # 244 > 240: 48 B
     (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False), False),   # 216
+    # three consumers at 160 registers (GLUON_THREE_CONSUMER_REGISTERS)
+    (dict(block_m=192, num_stages=2, ping_pong=False, overlap=False, v_permute=False), True),  # 176 > 160: 80 B
+    (dict(block_m=192, block_n=64, num_stages=2), False),                                        # 152 <= 160
+    # 192-key blocks (128 + 64 key parts) with overlap: 208 <= 240; without the key permutation 296
+    (dict(block_n=192, num_stages=2), False),
+    (dict(block_n=192, num_stages=2, v_permute=False), True),
 ]
 
 
@@ -318,3 +328,17 @@ def test_natural_v_is_transposed_by_the_producer(compiled):
     starved = natural.replace(producer_regs=24)
     assert "transposes V" in gluon_infeasibility(starved)
     assert compiled(starved).spill_bytes > 0
+
+
+def test_192_key_blocks_come_in_two_parts(compiled):
+    """block_n=192: tensor shapes must be powers of two, so K and V^T come as a 128-key and a 64-key
+    TMA box each (two more copies per block than the 128-key twin), QK^T and PV are two wgmmas each
+    (m64n128 and m64n64; PV k=128 then k=64), and nothing serialises the wgmmas (C7514)."""
+    split = SPLIT_CASES[0]
+    art, twin = compiled(split), compiled(split.replace(block_n=128))
+    loads = r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global"
+    assert len(re.findall(loads, art.ptx)) == len(re.findall(loads, twin.ptx)) + 2
+    assert "m64n64k32.f32.e4m3.e4m3" in art.ptx and "m64n64k32.f32.e4m3.e4m3" not in twin.ptx
+    assert art.serialised_wgmma is None and art.spill_bytes == 0
+    with pytest.raises(ConfigError, match="block_n=192"):
+        split.replace(softmax="lean", rowsum="mma")

@@ -45,6 +45,11 @@ CONFIGS = {
                                    q_order="forward", q_stages=2, num_stages=2, block_n=64, v_layout="natural"),
     "natural-no-overlap": GLUON.replace(overlap=False, ping_pong=False, q_stages=2, num_stages=2, rowsum="mma",
                                         v_permute=False, v_layout="natural", producer_regs=40),
+    # 192-key blocks: a 128-key and a 64-key part (two QK^T accumulators, two PV wgmmas)
+    "split": GLUON.replace(block_n=192, num_stages=2),
+    "split-mma-skip": GLUON.replace(block_n=192, num_stages=2, rowsum="mma", skip_rescale=True),
+    "split-plain": GLUON.replace(block_n=192, overlap=False, ping_pong=False, rowsum="mma", num_stages=2, q_stages=2,
+                                 v_permute=False, q_order="forward"),
 }
 #: natural-V configs and the same schedule reading the V^T copy: the V^T tiles are the same bytes
 NATURAL_TWINS = {name: CONFIGS[name].replace(v_layout="transposed") for name in CONFIGS if name.startswith("natural")}
@@ -150,6 +155,9 @@ for _dqk, _dv in ((64, 64), (256, 256), (192, 128)):
                        f"{_dqk}-lean": _seed.replace(softmax="lean", rowsum="mma"),
                        f"{_dqk}-mma-skip": _seed.replace(rowsum="mma", skip_rescale=True)})
     OTHER_DIMS[f"{_dqk}-natural"] = _seed.replace(v_permute=False, v_layout="natural", producer_regs=40)
+    if _dqk != 256:  # 192-key blocks (a 256-wide K/V ring of 192 keys does not fit in shared memory)
+        OTHER_DIMS[f"{_dqk}-split"] = _seed.replace(block_n=192, num_stages=2, ping_pong=False, rowsum="mma",
+                                                    skip_rescale=True)
 #: three consumer warpgroups (block_m=192; FA3's head-dim-64 tile): Q in three 64-row boxes
 OTHER_DIMS.update({"64-three": default_config("fp8", 64, 64, "gluon").replace(block_m=192),
                    "64-three-plain": default_config("fp8", 64, 64, "gluon").replace(block_m=192, ping_pong=False,
