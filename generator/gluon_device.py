@@ -162,12 +162,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     SPLIT (192-key blocks): s holds keys [n0, n0 + 128) and sb keys [n0 + 128, n0 + 192): one row
     maximum and one row sum over both, two P operands (the last result, p8b; else p8 again)."""
     if MASK:
-        cols = n0 + gl.arange(0, BN_A, layout=gl.SliceLayout(0, qk_layout))
-        rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, qk_layout))
-        keep = cols[None, :] < Sk
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None] + off)
-        s = gl.where(keep, s, float("-inf"))
+        s = _masked(s, n0, row0, Sk, off, CAUSAL, qk_layout)
         if SPLIT:
             sb = _masked(sb, n0 + BN_A, row0, Sk, off, CAUSAL, qkb_layout)
     if SPLIT:
