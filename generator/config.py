@@ -52,14 +52,15 @@ CHOICES: dict[str, tuple] = {
     "exp2_poly": tuple(range(0, 9)),
     "exp2_poly_degree": (3, 2),
     "skip_rescale": (False, True),
+    "turn_barrier": ("mbarrier", "named"),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
-                "exp2_poly", "exp2_poly_degree", "skip_rescale")
+                "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
-LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout")
+LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads")
@@ -130,6 +131,9 @@ class KernelConfig:
     exp2_poly_degree: degree of that polynomial (3: rel. error 9e-5; 2: 2e-3, one FMA less).
     skip_rescale: Gluon: a warp none of whose rows' maxima moved skips the rescale of O (a vote and a
                   uniform branch, generator/rescale_asm.py); at 128-key blocks that is an FMUL per score.
+    turn_barrier: Gluon (ping_pong only): the token the consumer warpgroups pass to take turns, an
+                  "mbarrier" in shared memory or a hardware "named" barrier (bar.sync / bar.arrive,
+                  as FA3's warp scheduler barrier).
     """
 
     dtype: str = "fp8"
@@ -161,6 +165,7 @@ class KernelConfig:
     exp2_poly: int = 0
     exp2_poly_degree: int = 3
     skip_rescale: bool = False
+    turn_barrier: str = "mbarrier"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -217,6 +222,8 @@ class KernelConfig:
         if self.ping_pong and self.block_m == 64:
             raise ConfigError(f"ping_pong=True needs two or three consumer warpgroups: block_m=128 or 192, "
                               f"not {self.block_m}")
+        if self.turn_barrier != "mbarrier" and not self.ping_pong:
+            raise ConfigError(f"turn_barrier={self.turn_barrier!r}: the turn token exists with ping_pong=True only")
         if self.ex2_fence and not self.overlap:
             raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
                               "under the softmax")

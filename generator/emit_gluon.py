@@ -132,7 +132,7 @@ def _constants(c: KernelConfig) -> str:
         ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", int(c.block_m) // 64),
         ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),
-        ("V_NATURAL", c.v_layout == "natural"),
+        ("V_NATURAL", c.v_layout == "natural"), ("NAMED_TURNS", c.turn_barrier == "named"),
         ("BN_A", key_parts(c)[0]), ("BN_B", key_parts(c)[1]), ("SPLIT", bool(key_parts(c)[1])),
         ("P_OFFSET", float(int(c.p_scale_log2))),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),

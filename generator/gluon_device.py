@@ -307,10 +307,13 @@ def _ex2_fence(l_i, CID: gl.constexpr):
 
 @gluon.jit
 def _turn_wait(turn_bars, turn_it, CID: gl.constexpr, PINGPONG: gl.constexpr):
-    """Ping-pong: wait for this warpgroup's turn to issue wgmmas (an mbarrier token passed round
-    robin; Gluon has no named barriers). Warpgroup 0 starts on the already complete phase."""
+    """Ping-pong: wait for this warpgroup's turn to issue wgmmas, a token passed round robin: an
+    mbarrier (warpgroup 0 starts on the already complete phase), or with NAMED_TURNS a hardware
+    named barrier as FA3 uses (_named_turn)."""
     if PINGPONG:
-        if CID == 0:
+        if NAMED_TURNS:
+            _named_turn(CID, False)
+        elif CID == 0:
             mbarrier.wait(turn_bars.index(0), (turn_it & 1) ^ 1)
         else:
             mbarrier.wait(turn_bars.index(CID), turn_it & 1)
@@ -319,7 +322,50 @@ def _turn_wait(turn_bars, turn_it, CID: gl.constexpr, PINGPONG: gl.constexpr):
 @gluon.jit
 def _turn_pass(turn_bars, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
     if PINGPONG:
-        mbarrier.arrive(turn_bars.index((CID + 1) % NUM_CONSUMERS), count=1)
+        if NAMED_TURNS:
+            _named_turn((CID + 1) % NUM_CONSUMERS, True)
+        else:
+            mbarrier.arrive(turn_bars.index((CID + 1) % NUM_CONSUMERS), count=1)
+
+
+@gluon.jit
+def _named_turn(WG: gl.constexpr, ARRIVE: gl.constexpr):
+    """NAMED_TURNS: consumer warpgroup WG's turn is named barrier 8 + WG over 256 threads: its own 128
+    bar.sync on it, the warpgroup before it in the ring bar.arrives on it (128 more). The last
+    warpgroup arrives once before the first tile (_turns_start), so warpgroup 0 goes first. Barriers
+    8-10: Triton's partitions use 0-2 and ex2_fence 14-15. The asm runs once per thread (one element
+    of a 128-element, one-per-thread tensor); its result is unused, its side effect is the point."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    tok = gl.full([128], 0, gl.int32, layout=one)
+    if ARRIVE:
+        if WG == 0:
+            gl.inline_asm_elementwise("bar.arrive 8, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        elif WG == 1:
+            gl.inline_asm_elementwise("bar.arrive 9, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.arrive 10, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+    else:
+        if WG == 0:
+            gl.inline_asm_elementwise("bar.sync 8, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        elif WG == 1:
+            gl.inline_asm_elementwise("bar.sync 9, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise("bar.sync 10, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
+                                      is_pure=False, pack=1)
+
+
+@gluon.jit
+def _turns_start(CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+    """NAMED_TURNS: the last consumer warpgroup hands warpgroup 0 its first turn."""
+    if PINGPONG:
+        if NAMED_TURNS:
+            if CID == NUM_CONSUMERS - 1:
+                _named_turn(0, True)
 
 
 @gluon.jit
@@ -499,6 +545,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
     kv_it = 0
     q_it = 0
     turn_it = 0
+    _turns_start(CID, NUM_CONSUMERS, PINGPONG)
     for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         b, h, mb = _tile_coords(t, n_bh, H, n_m, HEAVY_FIRST)
         hk = h // GROUP

@@ -23,7 +23,9 @@ def valid_with(field: str, value) -> KernelConfig:
     changes = {field: value}
     if field == "exp2_poly_degree":
         changes["exp2_poly"] = 4
-    if field in GLUON_FIELDS or (field, value) in (("backend", "gluon"), ("block_m", 192)):
+    if field == "turn_barrier":
+        changes["ping_pong"] = True
+    if field in GLUON_FIELDS or (field, value) in (("backend", "gluon"), ("block_m", 192), ("block_n", 192)):
         return GLUON.replace(**changes)
     if field == "softmax" and value == "lean":
         changes["rowsum"] = "rounded"

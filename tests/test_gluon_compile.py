@@ -342,3 +342,21 @@ def test_192_key_blocks_come_in_two_parts(compiled):
     assert art.serialised_wgmma is None and art.spill_bytes == 0
     with pytest.raises(ConfigError, match="block_n=192"):
         split.replace(softmax="lean", rowsum="mma")
+
+
+def test_named_turn_barriers_replace_the_mbarrier_turns(compiled):
+    """turn_barrier="named": the consumers take turns on hardware named barriers 8.. (bar.sync on
+    their own, bar.arrive on the next one's, 256 threads: FA3's warp scheduler barrier) instead of
+    mbarrier waits; two consumers use barriers 8 and 9, three 8-10; nothing else changes."""
+    art, ref = compiled(GLUON.replace(turn_barrier="named")), compiled(GLUON)
+    check_usable(art, GLUON)
+    assert re.findall(r"bar\.sync (\d+), 256", ref.ptx) == []
+    assert set(re.findall(r"bar\.sync (\d+), 256", art.ptx)) == {"8", "9"}
+    assert set(re.findall(r"bar\.arrive (\d+), 256", art.ptx)) == {"8", "9"}
+    waits = r"mbarrier\.try_wait"
+    assert len(re.findall(waits, art.ptx)) < len(re.findall(waits, ref.ptx))
+    assert art.count("QGMMA") == ref.count("QGMMA")
+    three = compiled(THREE_CASES[0].replace(turn_barrier="named"))
+    assert set(re.findall(r"bar\.arrive (\d+), 256", three.ptx)) == {"8", "9", "10"}
+    with pytest.raises(ConfigError, match="turn_barrier='named'"):
+        GLUON.replace(ping_pong=False, turn_barrier="named")

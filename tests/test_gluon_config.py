@@ -84,6 +84,12 @@ def test_natural_v_is_shared_and_stored_only_when_set():
     assert KernelConfig.from_json(plain.to_json()) == plain
 
 
+def test_named_turn_barrier_is_stored_only_when_set():
+    named = GLUON.replace(turn_barrier="named")
+    assert "turn_barrier" not in GLUON.to_dict() and named.to_dict()["turn_barrier"] == "named"
+    assert KernelConfig.from_json(named.to_json()) == named
+
+
 def test_three_consumer_warpgroups():
     """block_m=192: three 64-row consumer warpgroups (FA3's head-dim-64 tile); Gluon only (Triton
     tiles are powers of two); the consumers share what the producer leaves (setmaxnreg)."""

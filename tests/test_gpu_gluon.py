@@ -45,6 +45,8 @@ CONFIGS = {
                                    q_order="forward", q_stages=2, num_stages=2, block_n=64, v_layout="natural"),
     "natural-no-overlap": GLUON.replace(overlap=False, ping_pong=False, q_stages=2, num_stages=2, rowsum="mma",
                                         v_permute=False, v_layout="natural", producer_regs=40),
+    # ping-pong turns on hardware named barriers (FA3's warp scheduler barrier), not mbarriers
+    "named-turns": GLUON.replace(turn_barrier="named"),
     # 192-key blocks: a 128-key and a 64-key part (two QK^T accumulators, two PV wgmmas)
     "split": GLUON.replace(block_n=192, num_stages=2),
     "split-mma-skip": GLUON.replace(block_n=192, num_stages=2, rowsum="mma", skip_rescale=True),
@@ -162,7 +164,8 @@ for _dqk, _dv in ((64, 64), (256, 256), (192, 128)):
 OTHER_DIMS.update({"64-three": default_config("fp8", 64, 64, "gluon").replace(block_m=192),
                    "64-three-plain": default_config("fp8", 64, 64, "gluon").replace(block_m=192, ping_pong=False,
                                                                                      q_stages=2),
-                   "128-three": GLUON.replace(block_m=192, block_n=64)})
+                   "128-three": GLUON.replace(block_m=192, block_n=64),
+                   "64-three-named": default_config("fp8", 64, 64, "gluon").replace(block_m=192, turn_barrier="named")})
 
 
 @pytest.mark.parametrize("name", OTHER_DIMS)
