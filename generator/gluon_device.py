@@ -4,8 +4,13 @@ kernel. Kept as a real module so that it is linted and read like code; it is nev
 here. The schedule and why each piece is shaped as it is: docs/BACKENDS.md.
 
 Roles (warp specialisation): the entry kernel's default partition is consumer warpgroup 0; the
-worker partitions are consumer warpgroup 1 (two consumers) and a 1-warp TMA producer. A consumer
-warpgroup owns 64 query rows of the CTA's tile and issues m64 x BLOCK_N x 32 FP8 wgmmas (QGMMA).
+worker partitions are consumer warpgroups 1 and 2 (two or three consumers) and the TMA producer (one
+warp; a warpgroup when it also transposes V, V_NATURAL). A consumer warpgroup owns 64 query rows of
+the CTA's tile and issues m64 x BLOCK_N x 32 FP8 wgmmas (QGMMA); a 192-key block (SPLIT) is a
+128-key and a 64-key part, each its own wgmmas.
+
+Module constants (written by emit_gluon for each config) choose among the variants; every branch on
+them is resolved at compile time, so a kernel contains only its own schedule.
 """
 
 # ---- emitted below this line ----
