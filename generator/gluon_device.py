@@ -286,7 +286,7 @@ def _ex2_fence(l_i, CID: gl.constexpr):
     reduction over the warpgroup's 128 threads whose predicate is computed from the row sums (which
     need every exponential of the step): it cannot issue before the last MUFU.EX2, so neither can
     the wait. Its result is unused and the row sums pass through unchanged, so the predicate's
-    value does not matter. Named barrier 15 - CID: Triton's own partition barriers are 0-2.
+    value does not matter. Named barrier 15 - CID: Triton's own partition barriers are 0-3.
     (A bar.warp.sync on a mask computed from the row sums orders the wait as well but makes ptxas
     spill on the non-causal kernel; /work/spike/gluon_sched.)"""
     if CID == 0:
@@ -298,12 +298,21 @@ def _ex2_fence(l_i, CID: gl.constexpr):
             "mov.b32 $0, $2;\n"
             "mov.b32 $1, $3; }",
             "=r,=r,r,r", [l_i], dtype=gl.float32, is_pure=False, pack=2)
-    else:
+    elif CID == 1:
         out = gl.inline_asm_elementwise(
             "{ .reg .pred p, q;\n"
             "setp.geu.f32 p, $2, 0f00000000;\n"
             "setp.geu.and.f32 p, $3, 0f00000000, p;\n"
             "bar.red.and.pred q, 14, 128, p;\n"
+            "mov.b32 $0, $2;\n"
+            "mov.b32 $1, $3; }",
+            "=r,=r,r,r", [l_i], dtype=gl.float32, is_pure=False, pack=2)
+    else:
+        out = gl.inline_asm_elementwise(
+            "{ .reg .pred p, q;\n"
+            "setp.geu.f32 p, $2, 0f00000000;\n"
+            "setp.geu.and.f32 p, $3, 0f00000000, p;\n"
+            "bar.red.and.pred q, 13, 128, p;\n"
             "mov.b32 $0, $2;\n"
             "mov.b32 $1, $3; }",
             "=r,=r,r,r", [l_i], dtype=gl.float32, is_pure=False, pack=2)

@@ -360,3 +360,11 @@ def test_named_turn_barriers_replace_the_mbarrier_turns(compiled):
     assert set(re.findall(r"bar\.arrive (\d+), 256", three.ptx)) == {"8", "9", "10"}
     with pytest.raises(ConfigError, match="turn_barrier='named'"):
         GLUON.replace(ping_pong=False, turn_barrier="named")
+
+
+def test_ex2_fence_barrier_per_consumer_of_three(compiled):
+    """ex2_fence's bar.red is over one warpgroup's 128 threads, so each consumer needs its own named
+    barrier: 15, 14 and, with three consumers, 13 (two sharing one would let their threads mix)."""
+    art = compiled(THREE_CASES[0].replace(ping_pong=False, ex2_fence=True))
+    assert set(re.findall(r"bar\.red\.and\.pred q, (\d+), 128", art.ptx)) == {"13", "14", "15"}
+    assert art.spill_bytes == 0
