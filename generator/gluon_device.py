@@ -109,10 +109,10 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
                     tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
                                                     k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
             if V_NATURAL:  # V(j) into raw slot j % 2 (its last reader, V^T(j-2), is written), then V^T(j-1)
-                r = kv_it % 2
-                mbarrier.expect(v_raw_ready.index(r), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * HEAD_D], v_raw_ready.index(r),
-                                                v_raw.index(r))
+                raw_slot = kv_it % 2
+                mbarrier.expect(v_raw_ready.index(raw_slot), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * HEAD_D], v_raw_ready.index(raw_slot),
+                                                v_raw.index(raw_slot))
                 if j > 0:
                     _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, HEAD_D)
             elif SPLIT:

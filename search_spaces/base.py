@@ -254,7 +254,8 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
 
 
 #: setmaxnreg of a producer warpgroup that transposes V (v_layout="natural"): at 24 it spilled 8 bytes
-#: (compile_for_target, hd128 128 x 128 overlap), at 40 none
+#: (compile_for_target, hd128 128 x 128 overlap; one consumer with 256-key blocks), at 40 none; one
+#: consumer (producer_regs fixed at 24) with blocks of up to 128 keys did not spill
 NATURAL_V_PRODUCER_REGS = 40
 #: Fixed part of a Gluon consumer's registers: row statistics, loop state, addresses, barriers.
 GLUON_REGISTER_OVERHEAD = 24
@@ -263,6 +264,9 @@ GLUON_REGISTER_OVERHEAD = 24
 #: overlap, v_permute, rowsum="mma" or skip_rescale; 64-key blocks (estimated 120-128) did not, nor did
 #: head dim 64 with 128-key blocks (estimated 148; session 5)
 GLUON_THREE_CONSUMER_REGISTERS = 24
+#: Extra registers of an overlapped 192-key block (two key parts, two accumulators): at 240 per
+#: consumer none spilled, at 224 (producer_regs=56) 40 bytes did with the estimate at 208 (session 5)
+GLUON_SPLIT_REGISTERS = 24
 #: Extra registers a Gluon consumer needs at head dims 64 and 256 with the packed P carried (measured)
 GLUON_OTHER_DIM_REGISTERS = 12
 
@@ -284,7 +288,8 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     carried = 0 if not c.overlap else scores // 4 if c.v_permute else scores + 16
     other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and c.head_dim_v != 128 else 0
     three = GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and c.head_dim_v >= 128 else 0
-    return acc + scores + carried + other_dim + three + GLUON_REGISTER_OVERHEAD
+    split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
+    return acc + scores + carried + other_dim + three + split + GLUON_REGISTER_OVERHEAD
 
 
 def gluon_infeasibility(c: KernelConfig) -> str | None:
@@ -298,9 +303,10 @@ def gluon_infeasibility(c: KernelConfig) -> str | None:
         return (f"shared memory: about {smem} B (Q ring {c.q_stages}, K/V ring {c.num_stages} x {c.block_n} keys, "
                 f"output tiles) > {SMEM_LIMIT} B (227 KiB)")
     consumer, producer = gluon_registers(c)
-    if c.v_layout == "natural" and c.block_m > 64 and producer < NATURAL_V_PRODUCER_REGS:
+    if c.v_layout == "natural" and producer < NATURAL_V_PRODUCER_REGS and (c.block_m > 64 or c.block_n > 128):
         return (f"registers: the producer warpgroup transposes V (v_layout='natural') and spills at "
-                f"producer_regs={producer}; it needs {NATURAL_V_PRODUCER_REGS}")
+                f"producer_regs={producer} (block_m={c.block_m}, block_n={c.block_n}); it needs "
+                f"{NATURAL_V_PRODUCER_REGS}")
     need = gluon_register_estimate(c)
     if need > consumer:
         return (f"registers: a consumer warpgroup needs about {need} per thread (accumulator, scores"

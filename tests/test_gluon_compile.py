@@ -44,7 +44,8 @@ NATURAL_CASES = [GLUON.replace(v_permute=False, v_layout="natural", producer_reg
                  GLUON.replace(block_m=64, ping_pong=False, overlap=False, v_permute=False, v_layout="natural"),
                  HD64.replace(v_permute=False, v_layout="natural", producer_regs=40),
                  HD256.replace(v_permute=False, v_layout="natural", producer_regs=40),
-                 MLA.replace(v_permute=False, v_layout="natural", producer_regs=40)]
+                 MLA.replace(v_permute=False, v_layout="natural", producer_regs=40),
+                 HD64.replace(block_m=192, v_permute=False, v_layout="natural", producer_regs=40, overlap=False)]
 #: 192-key blocks (a 128-key and a 64-key part): overlapped, with the row-sum MMA, plain
 SPLIT_CASES = [GLUON.replace(block_n=192, num_stages=2), GLUON.replace(block_n=192, num_stages=2, rowsum="mma"),
                GLUON.replace(block_n=192, overlap=False, ping_pong=False, rowsum="mma", num_stages=2, q_stages=2,
@@ -131,8 +132,10 @@ CALIBRATION = [
     # three consumers at 160 registers (GLUON_THREE_CONSUMER_REGISTERS)
     (dict(block_m=192, num_stages=2, ping_pong=False, overlap=False, v_permute=False), True),  # 176 > 160: 80 B
     (dict(block_m=192, block_n=64, num_stages=2), False),                                        # 152 <= 160
-    # 192-key blocks (128 + 64 key parts) with overlap: 208 <= 240; without the key permutation 296
+    # 192-key blocks (128 + 64 key parts) with overlap (GLUON_SPLIT_REGISTERS): 232 <= 240; 232 > 224
+    # at producer_regs=56 (40 B); without the key permutation 320
     (dict(block_n=192, num_stages=2), False),
+    (dict(block_n=192, num_stages=3, q_stages=2, producer_regs=56, ex2_fence=True, skip_rescale=True), True),
     (dict(block_n=192, num_stages=2, v_permute=False), True),
 ]
 
@@ -328,6 +331,9 @@ def test_natural_v_is_transposed_by_the_producer(compiled):
     starved = natural.replace(producer_regs=24)
     assert "transposes V" in gluon_infeasibility(starved)
     assert compiled(starved).spill_bytes > 0
+    # one consumer keeps producer_regs at 24: fine with 128-key blocks, not with 256
+    one = NATURAL_CASES[1].replace(block_n=256, num_stages=2)
+    assert "transposes V" in gluon_infeasibility(one) and compiled(one).spill_bytes > 0
 
 
 def test_192_key_blocks_come_in_two_parts(compiled):

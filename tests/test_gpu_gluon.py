@@ -165,7 +165,9 @@ OTHER_DIMS.update({"64-three": default_config("fp8", 64, 64, "gluon").replace(bl
                    "64-three-plain": default_config("fp8", 64, 64, "gluon").replace(block_m=192, ping_pong=False,
                                                                                      q_stages=2),
                    "128-three": GLUON.replace(block_m=192, block_n=64),
-                   "64-three-named": default_config("fp8", 64, 64, "gluon").replace(block_m=192, turn_barrier="named")})
+                   "64-three-named": default_config("fp8", 64, 64, "gluon").replace(block_m=192, turn_barrier="named"),
+                   "64-three-natural": default_config("fp8", 64, 64, "gluon").replace(
+                       block_m=192, v_permute=False, v_layout="natural", producer_regs=40, overlap=False)})
 
 
 @pytest.mark.parametrize("name", OTHER_DIMS)
