@@ -255,7 +255,8 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
 
 #: setmaxnreg of a producer warpgroup that transposes V (v_layout="natural"): at 24 it spilled 8 bytes
 #: (compile_for_target, hd128 128 x 128 overlap; one consumer with 256-key blocks), at 40 none; one
-#: consumer (producer_regs fixed at 24) with blocks of up to 128 keys did not spill
+#: consumer (producer_regs fixed at 24) with blocks of up to 128 keys did not spill at head dims up to
+#: 128 (at 256: 16 bytes)
 NATURAL_V_PRODUCER_REGS = 40
 #: Fixed part of a Gluon consumer's registers: row statistics, loop state, addresses, barriers.
 GLUON_REGISTER_OVERHEAD = 24
@@ -267,6 +268,10 @@ GLUON_THREE_CONSUMER_REGISTERS = 24
 #: Extra registers of an overlapped 192-key block (two key parts, two accumulators): at 240 per
 #: consumer none spilled, at 224 (producer_regs=56) 40 bytes did with the estimate at 208 (session 5)
 GLUON_SPLIT_REGISTERS = 24
+#: Extra registers at head dims 192/128 (Q and K in three column parts) with overlap and the row-sum
+#: MMA: one consumer with 256-key blocks spilled 64 bytes at an estimated 248 of 256 (hd128: none;
+#: rowsum="fp32": none; session 5)
+GLUON_MLA_MMA_REGISTERS = 16
 #: Extra registers a Gluon consumer needs at head dims 64 and 256 with the packed P carried (measured)
 GLUON_OTHER_DIM_REGISTERS = 12
 
@@ -289,7 +294,8 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and c.head_dim_v != 128 else 0
     three = GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and c.head_dim_v >= 128 else 0
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
-    return acc + scores + carried + other_dim + three + split + GLUON_REGISTER_OVERHEAD
+    mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
+    return acc + scores + carried + other_dim + three + split + mla + GLUON_REGISTER_OVERHEAD
 
 
 def gluon_infeasibility(c: KernelConfig) -> str | None:
@@ -303,10 +309,11 @@ def gluon_infeasibility(c: KernelConfig) -> str | None:
         return (f"shared memory: about {smem} B (Q ring {c.q_stages}, K/V ring {c.num_stages} x {c.block_n} keys, "
                 f"output tiles) > {SMEM_LIMIT} B (227 KiB)")
     consumer, producer = gluon_registers(c)
-    if c.v_layout == "natural" and producer < NATURAL_V_PRODUCER_REGS and (c.block_m > 64 or c.block_n > 128):
+    if c.v_layout == "natural" and producer < NATURAL_V_PRODUCER_REGS and (
+            c.block_m > 64 or c.block_n > 128 or c.head_dim_v > 128):
         return (f"registers: the producer warpgroup transposes V (v_layout='natural') and spills at "
-                f"producer_regs={producer} (block_m={c.block_m}, block_n={c.block_n}); it needs "
-                f"{NATURAL_V_PRODUCER_REGS}")
+                f"producer_regs={producer} (block_m={c.block_m}, block_n={c.block_n}, head_dim_v="
+                f"{c.head_dim_v}); it needs {NATURAL_V_PRODUCER_REGS}")
     need = gluon_register_estimate(c)
     if need > consumer:
         return (f"registers: a consumer warpgroup needs about {need} per thread (accumulator, scores"

@@ -137,6 +137,9 @@ CALIBRATION = [
     (dict(block_n=192, num_stages=2), False),
     (dict(block_n=192, num_stages=3, q_stages=2, producer_regs=56, ex2_fence=True, skip_rescale=True), True),
     (dict(block_n=192, num_stages=2, v_permute=False), True),
+    # 192/128 (GLUON_MLA_MMA_REGISTERS): one consumer, 256-key blocks, overlap; the row-sum MMA tips it
+    (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2), False),                # 248
+    (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2, rowsum="mma"), True),   # 264
 ]
 
 
@@ -334,6 +337,8 @@ def test_natural_v_is_transposed_by_the_producer(compiled):
     # one consumer keeps producer_regs at 24: fine with 128-key blocks, not with 256
     one = NATURAL_CASES[1].replace(block_n=256, num_stages=2)
     assert "transposes V" in gluon_infeasibility(one) and compiled(one).spill_bytes > 0
+    wide = HD256.replace(block_m=64, ping_pong=False, v_permute=False, v_layout="natural", overlap=False)
+    assert "transposes V" in gluon_infeasibility(wide) and compiled(wide).spill_bytes > 0
 
 
 def test_192_key_blocks_come_in_two_parts(compiled):
