@@ -347,30 +347,17 @@ def _named_turn(WG: gl.constexpr, ARRIVE: gl.constexpr):
     """NAMED_TURNS: consumer warpgroup WG's turn is named barrier 8 + WG over 256 threads: its own 128
     bar.sync on it, the warpgroup before it in the ring bar.arrives on it (128 more). The last
     warpgroup arrives once before the first tile (_turns_start), so warpgroup 0 goes first. Barriers
-    8-10: Triton's partitions use 0-2 and ex2_fence 14-15. The asm runs once per thread (one element
-    of a 128-element, one-per-thread tensor); its result is unused, its side effect is the point."""
+    8-10: Triton's partitions use 0-3 and ex2_fence 13-15. The asm runs once per thread (one element
+    of a 128-element, one-per-thread tensor holding the barrier's number); its result is unused, its
+    side effect is the point."""
     one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    tok = gl.full([128], 0, gl.int32, layout=one)
+    barrier = gl.full([128], 8 + WG, gl.int32, layout=one)
     if ARRIVE:
-        if WG == 0:
-            gl.inline_asm_elementwise("bar.arrive 8, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        elif WG == 1:
-            gl.inline_asm_elementwise("bar.arrive 9, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("bar.arrive 10, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+        gl.inline_asm_elementwise("bar.arrive $1, 256;\nmov.b32 $0, $1;", "=r,r", [barrier], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     else:
-        if WG == 0:
-            gl.inline_asm_elementwise("bar.sync 8, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        elif WG == 1:
-            gl.inline_asm_elementwise("bar.sync 9, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
-                                      is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise("bar.sync 10, 256;\nmov.b32 $0, $1;", "=r,r", [tok], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+        gl.inline_asm_elementwise("bar.sync $1, 256;\nmov.b32 $0, $1;", "=r,r", [barrier], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 @gluon.jit
