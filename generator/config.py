@@ -123,8 +123,9 @@ class KernelConfig:
     producer_regs: Gluon: registers per thread of the TMA producer (setmaxnreg; one warp, a warpgroup
                   with v_layout="natural"); the consumer warpgroups share the rest of the register
                   file (see gluon_registers).
-    ex2_fence:    Gluon (overlap only): a barrier on the row sums right before the PV wait, so that
-                  ptxas cannot hoist the wait above the step's exponentials (docs/BACKENDS.md).
+    ex2_fence:    Gluon (overlap only): a barrier on the row sums (rowsum="mma": on the OR of all of a
+                  thread's probabilities) right before the PV wait, so that ptxas cannot hoist the
+                  wait above the step's exponentials (docs/BACKENDS.md).
     exp2_poly:    Gluon, exact softmax: of every 8 scores, this many get 2^x from a polynomial on the
                   FMA pipe instead of MUFU.EX2 (generator/exp2_poly.py): the two pipes share the work,
                   the result stays float32 (e4m3 rounding as exact as MUFU's for ~all scores).
@@ -234,9 +235,9 @@ class KernelConfig:
             raise ConfigError(f"exp2_poly_degree={self.exp2_poly_degree}: no polynomial with exp2_poly=0; keep the "
                               f"default {_DEFAULTS['exp2_poly_degree']!r}")
         if self.softmax == "lean":
-            if not (self.overlap and self.v_permute) or self.ex2_fence:
-                raise ConfigError("softmax='lean' with backend='gluon' needs overlap=True, v_permute=True and "
-                                  "ex2_fence=False (its row sum comes from an MMA issued with PV)")
+            if not (self.overlap and self.v_permute):
+                raise ConfigError("softmax='lean' with backend='gluon' needs overlap=True and v_permute=True "
+                                  "(its row sum comes from an MMA issued with PV)")
             if self.rowsum != "mma":
                 raise ConfigError(f"rowsum={self.rowsum!r}: Gluon lean P sums the rounded probabilities by an "
                                   f"MMA against ones: rowsum must be 'mma'")
@@ -248,9 +249,9 @@ class KernelConfig:
             if self.rowsum not in ("fp32", "mma"):
                 raise ConfigError(f"rowsum={self.rowsum!r}: the exact Gluon kernel sums the float32 probabilities "
                                   f"('fp32') or their e4m3 roundings by an MMA against ones ('mma')")
-            if self.rowsum == "mma" and self.ex2_fence:
-                raise ConfigError("ex2_fence=True needs rowsum='fp32': the fence orders the PV wait after the "
-                                  "row sums of the exponentials, which rowsum='mma' does not compute")
+            if self.rowsum == "mma" and self.ex2_fence and not self.v_permute:
+                raise ConfigError("ex2_fence=True with rowsum='mma' fences on the float32 probabilities carried "
+                                  "to the next step, which needs v_permute=True")
         if self.block_n == 192 and (self.v_layout == "natural" or self.softmax == "lean"):
             raise ConfigError("block_n=192 (128 + 64 key parts) is built for the exact softmax with the V^T copy: "
                               "it needs softmax='exact' and v_layout='transposed'")

@@ -27,6 +27,7 @@ from pathlib import Path
 from .config import GENERATOR_VERSION, KernelConfig, gluon_registers
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
+from .fence_asm import p_fence_asm, p_fence_constraints
 from .lean_asm import MAGIC, lean_tail_asm
 from .rescale_asm import rescale_asm, rescale_constraints
 
@@ -148,6 +149,9 @@ def _constants(c: KernelConfig) -> str:
         ("SKIP_RESCALE", bool(c.skip_rescale)), ("RESCALE_PACK", int(c.head_dim_v) // 2),
         ("RESCALE_ASM", rescale_asm(int(c.head_dim_v) // 2) if c.skip_rescale else ""),
         ("RESCALE_CONSTRAINTS", rescale_constraints(int(c.head_dim_v) // 2) if c.skip_rescale else ""),
+        # ex2_fence under rowsum="mma": a barrier on the OR of all of a thread's probabilities of each
+        # key part (generator/fence_asm.py), one named barrier per consumer warpgroup (15 - its index)
+        *_p_fence_constants(c),
     ]
     lines = ["", "", "# ---- this kernel's schedule (its config, resolved)"]
     lines += [f"{name} = gl.constexpr({value!r})" for name, value in values]
@@ -156,6 +160,18 @@ def _constants(c: KernelConfig) -> str:
               f"PERSISTENT = {bool(c.persistent)!r}",
               f"KERNEL_NAME = {KERNEL_NAME!r}", ""]
     return "\n".join(lines) + "\n"
+
+
+def _p_fence_constants(c: KernelConfig) -> list[tuple[str, str]]:
+    """P_FENCE_<part><consumer> and P_FENCE_<part>_CONSTRAINTS: "" unless ex2_fence with rowsum="mma"."""
+    fenced = c.ex2_fence and c.rowsum == "mma"
+    out = []
+    for part, keys in zip("AB", key_parts(c)):
+        n = int(keys) // 2  # float32 probabilities per thread: 64 rows x keys over 128 threads
+        on = fenced and n > 0
+        out += [(f"P_FENCE_{part}{cid}", p_fence_asm(n, 15 - cid) if on else "") for cid in range(3)]
+        out.append((f"P_FENCE_{part}_CONSTRAINTS", p_fence_constraints(n) if on else ""))
+    return out
 
 
 def _consumer_args(cid: int, c: KernelConfig) -> str:

@@ -320,6 +320,34 @@ def _ex2_fence(l_i, CID: gl.constexpr):
 
 
 @gluon.jit
+def _p_fence(pP, CID: gl.constexpr, PART_B: gl.constexpr):
+    """ex2_fence under ROWSUM_MMA (no row sums to fence on): a barrier over the OR of all of this
+    thread's float32 probabilities of a key part (tied operands, nothing moves; generator/fence_asm.py),
+    so it cannot issue before the step's last exponential, nor the PV wait before it."""
+    if PART_B:
+        if CID == 0:
+            out = gl.inline_asm_elementwise(P_FENCE_B0, P_FENCE_B_CONSTRAINTS, [pP], dtype=gl.float32,
+                                            is_pure=False, pack=BN_B // 2)
+        elif CID == 1:
+            out = gl.inline_asm_elementwise(P_FENCE_B1, P_FENCE_B_CONSTRAINTS, [pP], dtype=gl.float32,
+                                            is_pure=False, pack=BN_B // 2)
+        else:
+            out = gl.inline_asm_elementwise(P_FENCE_B2, P_FENCE_B_CONSTRAINTS, [pP], dtype=gl.float32,
+                                            is_pure=False, pack=BN_B // 2)
+    else:
+        if CID == 0:
+            out = gl.inline_asm_elementwise(P_FENCE_A0, P_FENCE_A_CONSTRAINTS, [pP], dtype=gl.float32,
+                                            is_pure=False, pack=BN_A // 2)
+        elif CID == 1:
+            out = gl.inline_asm_elementwise(P_FENCE_A1, P_FENCE_A_CONSTRAINTS, [pP], dtype=gl.float32,
+                                            is_pure=False, pack=BN_A // 2)
+        else:
+            out = gl.inline_asm_elementwise(P_FENCE_A2, P_FENCE_A_CONSTRAINTS, [pP], dtype=gl.float32,
+                                            is_pure=False, pack=BN_A // 2)
+    return out
+
+
+@gluon.jit
 def _turn_wait(turn_bars, turn_it, CID: gl.constexpr, PINGPONG: gl.constexpr):
     """Ping-pong: wait for this warpgroup's turn to issue wgmmas, a token passed round robin: an
     mbarrier (warpgroup 0 starts on the already complete phase), or with NAMED_TURNS a hardware
@@ -487,8 +515,13 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1 - j) * BLOCK_N, row0, Sk, off,
                                         MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN,
                                         sb, qkb_layout)
-    if EX2_FENCE:
-        l_i = _ex2_fence(l_i, CID)                    # every exponential of step j before the wait
+    if EX2_FENCE:                                     # every exponential of step j before the wait
+        if ROWSUM_MMA:
+            pP = _p_fence(pP, CID, False)
+            if SPLIT:
+                pPb = _p_fence(pPb, CID, True)
+        else:
+            l_i = _ex2_fence(l_i, CID)
     acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # PV(j-1) done
     return pP, acc, alpha, m_i, l_i, pPb
 

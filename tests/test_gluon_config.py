@@ -60,7 +60,9 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(block_m=256), r"^block_m=256: .*block_m must be 64, 128 or 192"),
     (dict(num_stages=1), r"^num_stages=1: the Gluon K/V ring needs at least 2 stages"),
     (dict(block_m=64), r"^ping_pong=True needs two or three consumer warpgroups"),
-    (dict(rowsum="mma", ex2_fence=True), r"^ex2_fence=True needs rowsum='fp32'"),
+    (dict(rowsum="mma", ex2_fence=True, v_permute=False), r"^ex2_fence=True with rowsum='mma' fences on the float32 "
+                                                           r"probabilities carried to the next step, which needs "
+                                                           r"v_permute=True"),
     (dict(exp2_poly=3, softmax="lean", rowsum="mma"), r"^exp2_poly=3: the polynomial replaces exact-softmax"),
     (dict(exp2_poly_degree=2), r"^exp2_poly_degree=2: no polynomial with exp2_poly=0"),
     (dict(rowsum="rounded"), r"^rowsum='rounded': the exact Gluon kernel sums"),

@@ -64,6 +64,20 @@ def test_distinct_configs_give_distinct_code():
     assert len(codes) == len(set(VARIANTS))
 
 
+def p_fence_constants(cfg) -> dict:
+    """The ex2_fence-under-rowsum="mma" asm: empty unless both are set."""
+    from zyfa_tune.generator.fence_asm import p_fence_asm, p_fence_constraints
+
+    on = cfg.ex2_fence and cfg.rowsum == "mma"
+    keys = {"A": 128 if cfg.block_n == 192 else cfg.block_n, "B": 64 if cfg.block_n == 192 else 0}
+    out = {}
+    for part, k in keys.items():
+        n = k // 2
+        out.update({f"P_FENCE_{part}{cid}": p_fence_asm(n, 15 - cid) if on and n else "" for cid in range(3)})
+        out[f"P_FENCE_{part}_CONSTRAINTS"] = p_fence_constraints(n) if on and n else ""
+    return out
+
+
 @pytest.mark.parametrize("cfg", VARIANTS)
 def test_constants_are_the_config(cfg):
     src = emit(cfg).source
@@ -83,7 +97,7 @@ def test_constants_are_the_config(cfg):
                  "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first", "V_PERM": cfg.v_permute,
                  "V_NATURAL": cfg.v_layout == "natural", "NAMED_TURNS": cfg.turn_barrier == "named",
                  "BN_A": 128 if cfg.block_n == 192 else cfg.block_n, "BN_B": 64 if cfg.block_n == 192 else 0,
-                 "SPLIT": cfg.block_n == 192,
+                 "SPLIT": cfg.block_n == 192, **p_fence_constants(cfg),
                  "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,
                  "PRODUCER_REGS": producer_regs, "NUM_WARPS": 4, "PERSISTENT": cfg.persistent,
                  "KERNEL_NAME": KERNEL_NAME, "LEAN": lean, "LEAN_FMA": lean and cfg.lean_fold == "fma",
