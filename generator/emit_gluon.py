@@ -27,7 +27,7 @@ from pathlib import Path
 from .config import GENERATOR_VERSION, KernelConfig, gluon_registers
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
-from .fence_asm import p_fence_asm, p_fence_constraints
+from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
 from .lean_asm import MAGIC, lean_tail_asm
 from .rescale_asm import rescale_asm, rescale_constraints
 
@@ -50,12 +50,13 @@ def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
     ahead-of-time compile build their descriptors from this one table)."""
     w, dv = qk_part_width(config), config.head_dim_v
     bn, bn_b = key_parts(config)
-    v_block = [bn, dv] if config.v_layout == "natural" else [dv, bn]
-    blocks = {"desc_q": ("fp8", [q_box_rows(config), w]), "desc_k": ("fp8", [bn, w]),
-              "desc_v": ("fp8", v_block), "desc_o": ("bf16", [1, 64, dv])}
-    if bn_b:  # the second key part's boxes (K rows, V^T columns)
-        blocks = {**dict(list(blocks.items())[:2]), "desc_kb": ("fp8", [bn_b, w]), "desc_v": blocks["desc_v"],
-                  "desc_vb": ("fp8", [dv, bn_b]), "desc_o": blocks["desc_o"]}
+    blocks = {"desc_q": ("fp8", [q_box_rows(config), w]), "desc_k": ("fp8", [bn, w])}
+    if bn_b:  # the second key part's K rows
+        blocks["desc_kb"] = ("fp8", [bn_b, w])
+    blocks["desc_v"] = ("fp8", [bn, dv] if config.v_layout == "natural" else [dv, bn])
+    if bn_b:  # the second key part's V^T columns
+        blocks["desc_vb"] = ("fp8", [dv, bn_b])
+    blocks["desc_o"] = ("bf16", [1, 64, dv])
     return blocks
 
 
@@ -149,9 +150,8 @@ def _constants(c: KernelConfig) -> str:
         ("SKIP_RESCALE", bool(c.skip_rescale)), ("RESCALE_PACK", int(c.head_dim_v) // 2),
         ("RESCALE_ASM", rescale_asm(int(c.head_dim_v) // 2) if c.skip_rescale else ""),
         ("RESCALE_CONSTRAINTS", rescale_constraints(int(c.head_dim_v) // 2) if c.skip_rescale else ""),
-        # ex2_fence under rowsum="mma": a barrier on the OR of all of a thread's probabilities of each
-        # key part (generator/fence_asm.py), one named barrier per consumer warpgroup (15 - its index)
-        *_p_fence_constants(c),
+        # ex2_fence (generator/fence_asm.py): one asm per consumer warpgroup (its own named barrier)
+        *_fence_constants(c),
     ]
     lines = ["", "", "# ---- this kernel's schedule (its config, resolved)"]
     lines += [f"{name} = gl.constexpr({value!r})" for name, value in values]
@@ -162,15 +162,19 @@ def _constants(c: KernelConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _p_fence_constants(c: KernelConfig) -> list[tuple[str, str]]:
-    """P_FENCE_<part><consumer> and P_FENCE_<part>_CONSTRAINTS: "" unless ex2_fence with rowsum="mma"."""
-    fenced = c.ex2_fence and c.rowsum == "mma"
-    out = []
+def _fence_constants(c: KernelConfig) -> list[tuple[str, object]]:
+    """ex2_fence's asm, indexed by consumer warpgroup: on the row sums (rowsum="fp32"), or on the
+    probabilities of each key part, A and B (rowsum="mma"); "" where the kernel has no such fence."""
+    none = ("",) * 3
+    row_sums = c.ex2_fence and c.rowsum == "fp32"
+    out: list[tuple[str, object]] = [
+        ("ROW_SUM_FENCE_ASM", tuple(row_sum_fence_asm(fence_barrier(k)) for k in range(3)) if row_sums else none),
+        ("ROW_SUM_FENCE_CONSTRAINTS", ROW_SUM_FENCE_CONSTRAINTS)]
     for part, keys in zip("AB", key_parts(c)):
         n = int(keys) // 2  # float32 probabilities per thread: 64 rows x keys over 128 threads
-        on = fenced and n > 0
-        out += [(f"P_FENCE_{part}{cid}", p_fence_asm(n, 15 - cid) if on else "") for cid in range(3)]
-        out.append((f"P_FENCE_{part}_CONSTRAINTS", p_fence_constraints(n) if on else ""))
+        on = c.ex2_fence and c.rowsum == "mma" and n > 0
+        out += [(f"P_FENCE_{part}_ASM", tuple(p_fence_asm(n, fence_barrier(k)) for k in range(3)) if on else none),
+                (f"P_FENCE_{part}_CONSTRAINTS", p_fence_constraints(n) if on else "")]
     return out
 
 
@@ -198,21 +202,20 @@ def _ones_lines(c: KernelConfig) -> list[str]:
     (with 192-key blocks one of 8 x 128 and one of 8 x 64)."""
     if c.rowsum != "mma":
         return []
+    lines = ["    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BN_A], dtype)",
+             "    ones_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BN_A], ones_layout)"]
     if key_parts(c)[1]:
-        return ["    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BN_A], dtype)",
-                "    ones_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BN_A], ones_layout)",
-                "    onesb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BN_B], dtype)",
-                "    onesb_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BN_B], onesb_layout)"]
-    return ["    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype)",
-            "    ones_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BLOCK_N], ones_layout)"]
+        lines += ["    onesb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BN_B], dtype)",
+                  "    onesb_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BN_B], onesb_layout)"]
+    return lines
 
 
 def _k_lines(c: KernelConfig) -> list[str]:
     """The K ring (with 192-key blocks a 128-row and a 64-row ring, one per key part)."""
+    lines = ["    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BN_A, QK_W], desc_k.layout)"]
     if key_parts(c)[1]:
-        return ["    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BN_A, QK_W], desc_k.layout)",
-                "    kb_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BN_B, QK_W], desc_kb.layout)"]
-    return ["    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BLOCK_N, QK_W], desc_k.layout)"]
+        lines.append("    kb_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BN_B, QK_W], desc_kb.layout)")
+    return lines
 
 
 def _stand_ins(c: KernelConfig) -> list[str]:
@@ -228,11 +231,11 @@ def _v_lines(c: KernelConfig) -> list[str]:
     """The V^T ring; with v_layout="natural" also the two (BLOCK_N, D) slots V is loaded into and their
     barriers (the producer transposes it into the ring), else stand-ins the producer never touches
     (nothing allocated: every other kernel keeps its shared-memory layout)."""
-    if key_parts(c)[1]:
-        return ["    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BN_A], desc_v.layout)",
-                "    vb_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BN_B], desc_vb.layout)"]
     if c.v_layout != "natural":
-        return ["    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], desc_v.layout)"]
+        lines = ["    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BN_A], desc_v.layout)"]
+        if key_parts(c)[1]:
+            lines.append("    vb_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BN_B], desc_vb.layout)")
+        return lines
     return ["    vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_D, BLOCK_N], dtype)",
             "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], vt_layout)",
             "    v_raw = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], desc_v.layout)",

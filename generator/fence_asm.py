@@ -1,17 +1,43 @@
-"""A barrier that waits for every probability of a step: PTX for ex2_fence under rowsum="mma".
+"""ex2_fence's PTX: a barrier, right before the PV wait, that cannot issue before the step's last
+exponential, so that neither can the wait (ptxas keeps the wait after a preceding barrier).
 
-Why: in the overlapped step ptxas hoists the PV wait (WARPGROUP.DEPBAR) above the softmax: with
-rowsum="mma" above every exponential (docs/BACKENDS.md), so PV(j-1) overlaps nothing inside the
-warpgroup. ex2_fence puts a barrier right before the wait whose predicate needs every exponential:
-with rowsum="fp32" the row sums do (`gluon_device._ex2_fence`); with rowsum="mma" there are none,
-and a barrier that merely lists the probabilities as tied operands does not work (ptxas sees only
-the registers an instruction reads). So the asm ORs all of a thread's probability registers
-together (LOP3, three at a time: about n / 2 instructions) and feeds that to the predicate of a
-bar.red over the warpgroup's 128 threads, on a named barrier of its own (15 - consumer). The
-registers are tied in/out operands: nothing is moved, the result is unused.
+Why: in the overlapped step ptxas hoists the PV wait (WARPGROUP.DEPBAR) above the softmax's
+exponentials, with rowsum="mma" above every one of them (docs/BACKENDS.md), and PV(j-1) then
+overlaps nothing inside the warpgroup. The barrier is a bar.red over the warpgroup's 128 threads on a
+named barrier of its own (`fence_barrier`: Triton's partitions use 0-3, the named turns 8-10), and
+its predicate needs every exponential:
+- rowsum="fp32": the thread's two row sums (`row_sum_fence_asm`);
+- rowsum="mma" (no row sums) and lean P: the OR of all of the thread's probability registers of a
+  key part (`p_fence_asm`; LOP3, three at a time, about n / 2 instructions). A barrier that merely
+  lists them as tied operands does not work: ptxas sees only the registers an instruction reads.
+Operands pass through tied or copied: nothing changes value; the barrier's result is unused.
+(A bar.warp.sync on a mask computed from the row sums orders the wait as well but makes ptxas spill
+on the non-causal kernel; /work/spike/gluon_sched.)
 """
 
 from __future__ import annotations
+
+
+def fence_barrier(consumer: int) -> int:
+    """Named barrier of consumer warpgroup `consumer` (0..2): 15, 14, 13."""
+    if type(consumer) is not int or not 0 <= consumer <= 2:
+        raise ValueError(f"consumer must be 0, 1 or 2, got {consumer!r}")
+    return 15 - consumer
+
+
+def row_sum_fence_asm(barrier: int) -> str:
+    """PTX over a thread's two row sums ($2, $3, copied to $0, $1): bar.red.and on `barrier`."""
+    _check_barrier(barrier)
+    return ("{ .reg .pred p, q;\n"
+            "setp.geu.f32 p, $2, 0f00000000;\n"
+            "setp.geu.and.f32 p, $3, 0f00000000, p;\n"
+            f"bar.red.and.pred q, {barrier}, 128, p;\n"
+            "mov.b32 $0, $2;\n"
+            "mov.b32 $1, $3; }")
+
+
+#: row_sum_fence_asm's operands: two outputs, two inputs
+ROW_SUM_FENCE_CONSTRAINTS = "=r,=r,r,r"
 
 
 def p_fence_asm(n: int, barrier: int) -> str:
@@ -19,8 +45,7 @@ def p_fence_asm(n: int, barrier: int) -> str:
     all, then bar.red.and on named barrier `barrier` (128 threads)."""
     if type(n) is not int or n < 4 or n % 2:
         raise ValueError(f"n must be an even number of registers >= 4, got {n!r}")
-    if type(barrier) is not int or not 13 <= barrier <= 15:
-        raise ValueError(f"barrier must be one of ex2_fence's named barriers 13..15, got {barrier!r}")
+    _check_barrier(barrier)
     regs = [f"${n + k}" for k in range(n)]
     lines = ["{", ".reg .b32 acc;", ".reg .pred p, q;", f"lop3.b32 acc, {regs[0]}, {regs[1]}, {regs[2]}, 0xFE;"]
     rest = regs[3:]
@@ -37,3 +62,8 @@ def p_fence_asm(n: int, barrier: int) -> str:
 def p_fence_constraints(n: int) -> str:
     """n outputs and the same n registers as inputs (tied: "0".."n-1")."""
     return ",".join(["=r"] * n + [str(k) for k in range(n)])
+
+
+def _check_barrier(barrier: object) -> None:
+    if type(barrier) is not int or not 13 <= barrier <= 15:
+        raise ValueError(f"barrier must be one of ex2_fence's named barriers 13..15, got {barrier!r}")

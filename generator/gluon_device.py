@@ -95,19 +95,17 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             s = kv_it % STAGES
             ph = ((kv_it // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), ph)
-            if SPLIT:
+            if SPLIT:  # both key parts' boxes on one barrier
                 mbarrier.expect(k_ready.index(s), QK_PARTS * (k_desc.block_type.nbytes + kb_desc.block_type.nbytes))
-                for p in gl.static_range(QK_PARTS):
-                    col = hk * HEAD_QK + p * (HEAD_QK // QK_PARTS)
-                    tma.async_copy_global_to_shared(k_desc, [k_row + n0, col], k_ready.index(s),
-                                                    k_bufs.index(s * QK_PARTS + p))
-                    tma.async_copy_global_to_shared(kb_desc, [k_row + n0 + BN_A, col], k_ready.index(s),
-                                                    kb_bufs.index(s * QK_PARTS + p))
             else:
                 mbarrier.expect(k_ready.index(s), QK_PARTS * k_desc.block_type.nbytes)
-                for p in gl.static_range(QK_PARTS):
-                    tma.async_copy_global_to_shared(k_desc, [k_row + n0, hk * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
-                                                    k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
+            for p in gl.static_range(QK_PARTS):
+                col = hk * HEAD_QK + p * (HEAD_QK // QK_PARTS)
+                tma.async_copy_global_to_shared(k_desc, [k_row + n0, col], k_ready.index(s),
+                                                k_bufs.index(s * QK_PARTS + p))
+                if SPLIT:
+                    tma.async_copy_global_to_shared(kb_desc, [k_row + n0 + BN_A, col], k_ready.index(s),
+                                                    kb_bufs.index(s * QK_PARTS + p))
             if V_NATURAL:  # V(j) into raw slot j % 2 (its last reader, V^T(j-2), is written), then V^T(j-1)
                 raw_slot = kv_it % 2
                 mbarrier.expect(v_raw_ready.index(raw_slot), v_desc.block_type.nbytes)
@@ -115,15 +113,15 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
                                                 v_raw.index(raw_slot))
                 if j > 0:
                     _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, HEAD_D)
-            elif SPLIT:
-                mbarrier.wait(v_empty.index(s), ph)
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + vb_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [v_row, n0], v_ready.index(s), v_bufs.index(s))
-                tma.async_copy_global_to_shared(vb_desc, [v_row, n0 + BN_A], v_ready.index(s), vb_bufs.index(s))
             else:
                 mbarrier.wait(v_empty.index(s), ph)
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                if SPLIT:
+                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + vb_desc.block_type.nbytes)
+                else:
+                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(v_desc, [v_row, n0], v_ready.index(s), v_bufs.index(s))
+                if SPLIT:
+                    tma.async_copy_global_to_shared(vb_desc, [v_row, n0 + BN_A], v_ready.index(s), vb_bufs.index(s))
             kv_it += 1
         if V_NATURAL:
             if n_blocks > 0:
@@ -157,7 +155,7 @@ def _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, it, STAGES: gl.co
 def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
              MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
              qk_layout: gl.constexpr, p_layout: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
-             LEAN: gl.constexpr = False, sb=None, qkb_layout: gl.constexpr = None):
+             LEAN: gl.constexpr, sb, qkb_layout: gl.constexpr):
     """Online softmax of one 64 x BLOCK_N score block. Probabilities are scaled by 2^P_OFFSET so
     that small ones stay out of e4m3 subnormals; l carries the same factor, which cancels.
     LEAN (lean P): no exponential here; one FMA per score leaves what _p_operand turns into e4m3
@@ -276,75 +274,6 @@ def _p_operand(pP, V_PERM: gl.constexpr, LEAN: gl.constexpr = False):
             "=r,r,r,r,r", [pP], dtype=gl.float8e4nv, is_pure=True, pack=4)
     else:
         return pP
-
-
-@gluon.jit
-def _ex2_fence(l_i, CID: gl.constexpr):
-    """ex2_fence: keeps ptxas from hoisting the PV wait (WARPGROUP.DEPBAR) above the exponentials.
-    ptxas keeps the wait after a preceding barrier, but the softmax has no data dependence on the
-    wait, so without one it schedules the wait above part of the exponentials. This is a barrier
-    reduction over the warpgroup's 128 threads whose predicate is computed from the row sums (which
-    need every exponential of the step): it cannot issue before the last MUFU.EX2, so neither can
-    the wait. Its result is unused and the row sums pass through unchanged, so the predicate's
-    value does not matter. Named barrier 15 - CID: Triton's own partition barriers are 0-3.
-    (A bar.warp.sync on a mask computed from the row sums orders the wait as well but makes ptxas
-    spill on the non-causal kernel; /work/spike/gluon_sched.)"""
-    if CID == 0:
-        out = gl.inline_asm_elementwise(
-            "{ .reg .pred p, q;\n"
-            "setp.geu.f32 p, $2, 0f00000000;\n"
-            "setp.geu.and.f32 p, $3, 0f00000000, p;\n"
-            "bar.red.and.pred q, 15, 128, p;\n"
-            "mov.b32 $0, $2;\n"
-            "mov.b32 $1, $3; }",
-            "=r,=r,r,r", [l_i], dtype=gl.float32, is_pure=False, pack=2)
-    elif CID == 1:
-        out = gl.inline_asm_elementwise(
-            "{ .reg .pred p, q;\n"
-            "setp.geu.f32 p, $2, 0f00000000;\n"
-            "setp.geu.and.f32 p, $3, 0f00000000, p;\n"
-            "bar.red.and.pred q, 14, 128, p;\n"
-            "mov.b32 $0, $2;\n"
-            "mov.b32 $1, $3; }",
-            "=r,=r,r,r", [l_i], dtype=gl.float32, is_pure=False, pack=2)
-    else:
-        out = gl.inline_asm_elementwise(
-            "{ .reg .pred p, q;\n"
-            "setp.geu.f32 p, $2, 0f00000000;\n"
-            "setp.geu.and.f32 p, $3, 0f00000000, p;\n"
-            "bar.red.and.pred q, 13, 128, p;\n"
-            "mov.b32 $0, $2;\n"
-            "mov.b32 $1, $3; }",
-            "=r,=r,r,r", [l_i], dtype=gl.float32, is_pure=False, pack=2)
-    return out
-
-
-@gluon.jit
-def _p_fence(pP, CID: gl.constexpr, PART_B: gl.constexpr):
-    """ex2_fence under ROWSUM_MMA (no row sums to fence on): a barrier over the OR of all of this
-    thread's float32 probabilities of a key part (tied operands, nothing moves; generator/fence_asm.py),
-    so it cannot issue before the step's last exponential, nor the PV wait before it."""
-    if PART_B:
-        if CID == 0:
-            out = gl.inline_asm_elementwise(P_FENCE_B0, P_FENCE_B_CONSTRAINTS, [pP], dtype=gl.float32,
-                                            is_pure=False, pack=BN_B // 2)
-        elif CID == 1:
-            out = gl.inline_asm_elementwise(P_FENCE_B1, P_FENCE_B_CONSTRAINTS, [pP], dtype=gl.float32,
-                                            is_pure=False, pack=BN_B // 2)
-        else:
-            out = gl.inline_asm_elementwise(P_FENCE_B2, P_FENCE_B_CONSTRAINTS, [pP], dtype=gl.float32,
-                                            is_pure=False, pack=BN_B // 2)
-    else:
-        if CID == 0:
-            out = gl.inline_asm_elementwise(P_FENCE_A0, P_FENCE_A_CONSTRAINTS, [pP], dtype=gl.float32,
-                                            is_pure=False, pack=BN_A // 2)
-        elif CID == 1:
-            out = gl.inline_asm_elementwise(P_FENCE_A1, P_FENCE_A_CONSTRAINTS, [pP], dtype=gl.float32,
-                                            is_pure=False, pack=BN_A // 2)
-        else:
-            out = gl.inline_asm_elementwise(P_FENCE_A2, P_FENCE_A_CONSTRAINTS, [pP], dtype=gl.float32,
-                                            is_pure=False, pack=BN_A // 2)
-    return out
 
 
 @gluon.jit
@@ -484,7 +413,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     is serialised, C7514); O rescaled at the start of the next step and V(j-1) released one step
     later (an instruction right after the PV wait pulls the wait above the exponentials); P carried
     as float32 (see _p_operand). Even so ptxas hoists the PV wait above part of the exponentials;
-    EX2_FENCE puts a barrier on the row sums right before the wait (see _ex2_fence). ROWSUM_MMA: the
+    EX2_FENCE puts a barrier on the row sums right before the wait (generator/fence_asm.py). ROWSUM_MMA: the
     rounded row sum of P(j-1) is one more wgmma (against ones) issued with PV(j-1), so l is
     rescaled and summed exactly when O is. SPLIT: two key parts, so twice the wgmmas of each kind
     (pPb carries the second part's P)."""
@@ -515,15 +444,32 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1 - j) * BLOCK_N, row0, Sk, off,
                                         MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN,
                                         sb, qkb_layout)
-    if EX2_FENCE:                                     # every exponential of step j before the wait
+    if EX2_FENCE:
+        # a barrier that needs every exponential of step j (the row sums, or the OR of all the
+        # probabilities; generator/fence_asm.py), right before the PV wait, which ptxas keeps after it
         if ROWSUM_MMA:
-            pP = _p_fence(pP, CID, False)
+            pP = gl.inline_asm_elementwise(P_FENCE_A_ASM[CID], P_FENCE_A_CONSTRAINTS, [pP], dtype=gl.float32,
+                                           is_pure=False, pack=BN_A // 2)
             if SPLIT:
-                pPb = _p_fence(pPb, CID, True)
+                pPb = gl.inline_asm_elementwise(P_FENCE_B_ASM[CID], P_FENCE_B_CONSTRAINTS, [pPb], dtype=gl.float32,
+                                                is_pure=False, pack=BN_B // 2)
         else:
-            l_i = _ex2_fence(l_i, CID)
+            l_i = gl.inline_asm_elementwise(ROW_SUM_FENCE_ASM[CID], ROW_SUM_FENCE_CONSTRAINTS, [l_i], dtype=gl.float32,
+                                            is_pure=False, pack=2)
     acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # PV(j-1) done
     return pP, acc, alpha, m_i, l_i, pPb
+
+
+@gluon.jit
+def _ones(smem, N: gl.constexpr):
+    """Fill an (8, N) e4m3 tile with ones and return it. Every byte is 1.0 (0x38), so the swizzle
+    does not matter: the tile is written as a flat run of 32-bit words. (A 2-D e4m3 store of the tile
+    is lowered to stmatrix.b16 and leaves half the bytes unwritten: rows summed over half their keys,
+    found on the H200.)"""
+    fill: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
+    words = smem._reinterpret(gl.int32, [2 * N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    words.store(gl.full([2 * N], 0x38383838, gl.int32, layout=fill))
+    return smem
 
 
 @gluon.jit
@@ -552,19 +498,8 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
 
     o_smem = o_bufs.index(CID)
     if ROWSUM_MMA:  # B operand of the row-sum wgmma: this warpgroup's (8, BLOCK_N) tile of e4m3 ones
-        ones_smem = ones_bufs.index(CID)
-        # Every byte is 1.0 (0x38), so the swizzle does not matter: fill the tile as a flat run of
-        # 32-bit words. (A 2-D e4m3 store of the tile is lowered to stmatrix.b16 and leaves half the
-        # bytes unwritten: rows summed over half their keys, found on the H200.)
-        fill: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
-        words = ones_smem._reinterpret(gl.int32, [2 * BN_A], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        words.store(gl.full([2 * BN_A], 0x38383838, gl.int32, layout=fill))
-        if SPLIT:
-            onesb_smem = onesb_bufs.index(CID)
-            words_b = onesb_smem._reinterpret(gl.int32, [2 * BN_B], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-            words_b.store(gl.full([2 * BN_B], 0x38383838, gl.int32, layout=fill))
-        else:
-            onesb_smem = ones_smem
+        ones_smem = _ones(ones_bufs.index(CID), BN_A)
+        onesb_smem = _ones(onesb_bufs.index(CID), BN_B) if SPLIT else ones_smem
         fence_async_shared()
         gl.thread_barrier()
         l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],

@@ -78,11 +78,11 @@ def launch_compiled(compiled, grid: tuple, device: int, full: tuple) -> None:
     """Enqueue `compiled` on the current stream of `device` (launch hooks honoured, as Triton does)."""
     stream = _stream_getter()(device)
     enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    meta = compiled.launch_metadata(grid, stream, *full) if hooked(enter) else None
+    enter, exit_ = (enter if hooked(enter) else None), (exit_ if hooked(exit_) else None)
+    meta = compiled.launch_metadata(grid, stream, *full) if enter is not None else None
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, meta,
-                 enter if hooked(enter) else None, exit_ if hooked(exit_) else None, *full)
+    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata, meta, enter, exit_, *full)
 
 
 def compiled_for(head_first: object) -> list:

@@ -65,6 +65,11 @@ DESCRIPTOR_TENSOR = {"desc_q": (0, "desc_q"), "desc_k": (1, "desc_k"), "desc_kb"
                      "desc_v": (2, "desc_v"), "desc_vb": (2, "desc_v"), "desc_o": (3, "desc_o")}
 
 
+def descriptor_owners(config: KernelConfig) -> tuple[int, ...]:
+    """Index in (q, k, v, out) of the tensor under each descriptor argument, in kernel order."""
+    return tuple(DESCRIPTOR_TENSOR[name][0] for name in descriptor_blocks(config))
+
+
 def arguments(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               sm_scale_log2: float, causal: bool, q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
               v_descale: torch.Tensor | None, sms: int) -> tuple[tuple, tuple, dict]:

@@ -10,7 +10,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from zyfa_tune.generator import EmittedKernel, KernelConfig, emit, head_chunks
 from zyfa_tune.generator.build import jit_function
-from zyfa_tune.generator.emit_gluon import descriptor_blocks
 
 from . import fastlaunch, gluon_launch
 from .transpose import bind_transpose, k_major_view, transpose_v
@@ -149,7 +148,7 @@ def bind(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return BoundLaunch(compiled, grid[0], device, transpose, None, True, tuple(args[3:12]),
                            (*args[16:], options["CAUSAL"]))
     if gluon:  # descriptors of q, k (both key parts), v, out; descales; tail
-        owners = tuple(gluon_launch.DESCRIPTOR_TENSOR[name][0] for name in descriptor_blocks(config))
+        owners = gluon_launch.descriptor_owners(config)
     else:  # prepare's descriptors, in _descriptor_specs' order; out; descales; tail
         wqk, wv = _descriptor_widths(config)
         owners = (0,) * len(wqk) + (1,) * len(wqk) + (2,) * len(wv)

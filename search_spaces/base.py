@@ -149,6 +149,13 @@ def rowsum_param(choices: tuple = ("fp32", "rounded", "mma")) -> Param:
     return Param("rowsum", choices, decode=decode)
 
 
+def gluon_tile(name: str, choices: tuple) -> Param:
+    """block_m / block_n with 192, a Gluon-only size (three consumer warpgroups; a 128-key and a 64-key
+    part): Triton tiles are powers of two, so a suggested 192 runs as 128 under Triton (a 192-key
+    block with lean P or natural V is an invalid point, pruned)."""
+    return Param(name, choices, decode=lambda v, f: 128 if v == 192 and f["backend"] == "triton" else v)
+
+
 def triton_only(param: Param) -> Param:
     """A field only the Triton backend reads (KernelConfig's TRITON_FIELDS)."""
     return param.only_under("backend", "triton")

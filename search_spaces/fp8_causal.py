@@ -10,20 +10,13 @@ from functools import partial
 
 from zyfa_tune.kernels.defaults import default_config, gluon_wide_config
 
-from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, lean_only, rowsum_param,
-                   scale_per_tile, triton_only)
+from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
+                   rowsum_param, scale_per_tile, triton_only)
 
-#: block_m: Gluon also 192 (three consumer warpgroups, FA3's head-dim-64 tile); Triton tiles are
-#: powers of two, so a suggested 192 runs as 128 there.
-BLOCK_M = Param("block_m", (64, 128, 192), decode=lambda v, f: 128 if v == 192 and f["backend"] == "triton" else v)
-
-#: block_n: Gluon also 192 (a 128-key and a 64-key part: FA3's 176-224-key blocks keep overlap, 256
-#: keys does not fit it); exact softmax, V^T copy. A suggested 192 runs as 128 under Triton; with lean
-#: P or natural V the point is invalid (pruned).
-BLOCK_N_FP8 = Param("block_n", BLOCK_N + (192,), decode=lambda v, f: 128 if v == 192 and f["backend"] == "triton" else v)
-
-PARAMS = (backend_param(), BLOCK_M, BLOCK_N_FP8) + tuple(
-    p for p in TILE_PARAMS if p.name not in ("block_m", "block_n")) + (
+PARAMS = (backend_param(),
+          gluon_tile("block_m", (64, 128, 192)),     # Gluon 192: three consumer warpgroups (FA3's hd64 tile)
+          gluon_tile("block_n", BLOCK_N + (192,)),   # Gluon 192: a 128- and a 64-key part, with overlap
+          *(p for p in TILE_PARAMS if p.name not in ("block_m", "block_n")),
     Param("softmax", ("exact", "lean")),                # both backends (Gluon lean: overlap + v_permute)
     lean_only("lean_fold", ("fma", "sub_fma", "corrected")),  # only under softmax="lean"
     lean_only("lean_clamp", ("imax", "fmax")),          # only under softmax="lean"

@@ -419,8 +419,14 @@ def overlapped_loops(sass: str, exps: int) -> list[list[str]]:
     return loops
 
 
-def test_p_fence_asm_text():
-    from zyfa_tune.generator.fence_asm import p_fence_asm, p_fence_constraints
+def test_fence_asm_text():
+    from zyfa_tune.generator.fence_asm import fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
+
+    assert [fence_barrier(k) for k in range(3)] == [15, 14, 13]
+    rows = row_sum_fence_asm(14)
+    assert "bar.red.and.pred q, 14, 128, p;" in rows and "setp.geu.and.f32 p, $3, 0f00000000, p;" in rows
+    with pytest.raises(ValueError):
+        fence_barrier(3)
 
     text = p_fence_asm(8, 15)
     ors = re.findall(r"(?:lop3\.b32|or\.b32) acc, ([^;]*);", text)

@@ -64,17 +64,21 @@ def test_distinct_configs_give_distinct_code():
     assert len(codes) == len(set(VARIANTS))
 
 
-def p_fence_constants(cfg) -> dict:
-    """The ex2_fence-under-rowsum="mma" asm: empty unless both are set."""
-    from zyfa_tune.generator.fence_asm import p_fence_asm, p_fence_constraints
+def fence_constants(cfg) -> dict:
+    """ex2_fence's asm per consumer: on the row sums (rowsum="fp32") or on each key part's
+    probabilities (rowsum="mma"), empty elsewhere."""
+    from zyfa_tune.generator.fence_asm import (ROW_SUM_FENCE_CONSTRAINTS, p_fence_asm, p_fence_constraints,
+                                               row_sum_fence_asm)
 
-    on = cfg.ex2_fence and cfg.rowsum == "mma"
+    none = ("",) * 3
+    rows = cfg.ex2_fence and cfg.rowsum == "fp32"
+    out = {"ROW_SUM_FENCE_ASM": tuple(row_sum_fence_asm(15 - k) for k in range(3)) if rows else none,
+           "ROW_SUM_FENCE_CONSTRAINTS": ROW_SUM_FENCE_CONSTRAINTS}
     keys = {"A": 128 if cfg.block_n == 192 else cfg.block_n, "B": 64 if cfg.block_n == 192 else 0}
-    out = {}
     for part, k in keys.items():
-        n = k // 2
-        out.update({f"P_FENCE_{part}{cid}": p_fence_asm(n, 15 - cid) if on and n else "" for cid in range(3)})
-        out[f"P_FENCE_{part}_CONSTRAINTS"] = p_fence_constraints(n) if on and n else ""
+        n, on = k // 2, cfg.ex2_fence and cfg.rowsum == "mma" and k > 0
+        out[f"P_FENCE_{part}_ASM"] = tuple(p_fence_asm(n, 15 - c) for c in range(3)) if on else none
+        out[f"P_FENCE_{part}_CONSTRAINTS"] = p_fence_constraints(n) if on else ""
     return out
 
 
@@ -97,7 +101,7 @@ def test_constants_are_the_config(cfg):
                  "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first", "V_PERM": cfg.v_permute,
                  "V_NATURAL": cfg.v_layout == "natural", "NAMED_TURNS": cfg.turn_barrier == "named",
                  "BN_A": 128 if cfg.block_n == 192 else cfg.block_n, "BN_B": 64 if cfg.block_n == 192 else 0,
-                 "SPLIT": cfg.block_n == 192, **p_fence_constants(cfg),
+                 "SPLIT": cfg.block_n == 192, **fence_constants(cfg),
                  "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,
                  "PRODUCER_REGS": producer_regs, "NUM_WARPS": 4, "PERSISTENT": cfg.persistent,
                  "KERNEL_NAME": KERNEL_NAME, "LEAN": lean, "LEAN_FMA": lean and cfg.lean_fold == "fma",
@@ -121,7 +125,8 @@ def test_only_validated_values_become_text(cfg):
     """Apart from the docstring (the validated config as JSON), the strings in the source are the
     device code's own (fixed) strings and, for lean P and exp2_poly, the PTX generator.lean_asm and
     generator.exp2_poly build from validated enum / int fields (skip_rescale: generator.rescale_asm from
-    the head dim): the config adds no text of its own."""
+    the head dim; ex2_fence: generator.fence_asm from the block and consumer): the config adds no
+    text of its own."""
     def strings(src: str) -> set:
         tree = ast.parse(src)
         doc = tree.body[0].value
@@ -133,6 +138,8 @@ def test_only_validated_values_become_text(cfg):
     expected |= {exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else ""}
     if cfg.skip_rescale:
         expected |= {rescale_asm(cfg.head_dim_v // 2), rescale_constraints(cfg.head_dim_v // 2)}
+    for value in fence_constants(cfg).values():  # ex2_fence: generator.fence_asm, from ints only
+        expected |= set(value) if isinstance(value, tuple) else {value}
     assert strings(emit(cfg).source) == expected
 
 
