@@ -5,10 +5,12 @@ CompiledKernel with its arguments made beforehand (it encodes each TMA descripto
 "bound" is flash_attn_func's launch alone (kernels/launch.py BoundLaunch: descriptors encoded once
 per pointer, the V^T copy included, no output allocated). Host time per call is measured while launches queue
 (no synchronisation inside the timed loop, fewer calls than the launch queue holds), so it is the
-CPU time each path spends before the kernel is enqueued. For FP8 the dispatcher's config reads a
-V^T copy that `flash_attn_func` makes per call; the natural-V variant of the same config (V read as
-is, transposed in the kernel) is measured beside it, with the device time per call of each. Also
-checks that `flash_attn_func` can be captured in a CUDA graph and replays bitwise identically.
+CPU time each path spends before the kernel is enqueued. FP8 rows: the dispatcher's pick with V
+as given (a V^T-copy kernel is two launches, a natural-V kernel one; short sequences tune to the
+latter), its pick for a K-major V (no copy), and, beside a V^T-copy pick, the one-launch natural-V
+kernel the study measured against it; each with its device time per call, and marked
+"launch-bound" where the call's host time exceeds it. Also checks that `flash_attn_func` can be
+captured in a CUDA graph and replays bitwise identically.
 
     python benchmarks/dispatch_overhead.py [--json out.json]
 """
@@ -25,6 +27,7 @@ import torch
 
 from zyfa_tune import explain, flash_attn_func
 from zyfa_tune.kernels import launch as launch_mod
+from zyfa_tune.kernels.defaults import gluon_natural_config
 from zyfa_tune.kernels.timing import gpu_state, time_cuda
 from zyfa_tune.kernels.verify import make_inputs
 
@@ -55,20 +58,16 @@ def main(argv=None) -> int:
     print(gpu_state(), flush=True)
     for dtype in ("fp8", "bf16"):
         for (b, s, h) in ((1, 128, 8), (1, 512, 16), (4, 1024, 16)):
-            args, kw = make_inputs(dtype, 128, 128, batch=b, heads=h, kv_heads=h, seqlen=s, seed=0)
-            choice = explain(*args, **kw)
-            configs = [("auto", choice.config)]
-            cfg0 = choice.config
-            triton_vt = cfg0.backend == "triton" and cfg0.v_layout == "transposed"
-            if dtype == "fp8" and triton_vt:
-                configs.append(("natural V", cfg0.replace(v_layout="natural")))  # the V^T copy is host time too
-            if dtype == "fp8" and (triton_vt or cfg0.backend == "gluon" and not cfg0.v_permute):
-                args_k, kw_k = make_inputs(dtype, 128, 128, batch=b, heads=h, kv_heads=h, seqlen=s, seed=0,
-                                           v_layout="k_major")  # V stored as the kernel reads it: no copy
-                configs.append(("K-major V", cfg0))
-            for label, cfg in configs:
-                if label == "K-major V":
-                    args, kw = args_k, kw_k
+            given = make_inputs(dtype, 128, 128, batch=b, heads=h, kv_heads=h, seqlen=s, seed=0)
+            choice = explain(*given[0], **given[1])
+            variants = [("auto", given, choice.config, True)]
+            if dtype == "fp8":  # V stored as FP8 kernels read it: the dispatcher's pick for that layout
+                k_major = make_inputs(dtype, 128, 128, batch=b, heads=h, kv_heads=h, seqlen=s, seed=0,
+                                      v_layout="k_major")
+                variants.append(("K-major V", k_major, explain(*k_major[0], **k_major[1]).config, True))
+                if choice.config.v_layout == "transposed":  # the one-launch alternative the tuner measured
+                    variants.append(("natural V", given, one_launch(choice.config), False))
+            for label, (args, kw), cfg, auto in variants:
                 q, k, v = args
                 out = flash_attn_func(*args, config=cfg, **kw)
                 grid, largs, opts = launch_mod.prepare(cfg, q, k, v, torch.empty_like(out), q.shape[-1] ** -0.5,
@@ -80,7 +79,7 @@ def main(argv=None) -> int:
                            forced=lambda: flash_attn_func(*args, config=cfg, **kw))
                 if bound is not None:  # flash_attn_func's launch alone (V^T copy included), no output allocated
                     fns["bound"] = lambda: bound(q, k, v, out_b, *(kw.get(n) for n in DESCALES))
-                if label != "natural V":
+                if auto:
                     fns["auto"] = lambda: flash_attn_func(*args, **kw)  # the dispatcher's choice
                 t = host_us(fns)
                 ours = t.get("auto", t["forced"])
@@ -88,17 +87,19 @@ def main(argv=None) -> int:
                 row = dict(dtype=dtype, b=b, s=s, h=h, variant=label, source=choice.source,
                            compiled_launch_us=t["direct"], flash_attn_func_us=t.get("auto"),
                            forced_config_us=t["forced"], added_vs_compiled_us=ours - t["direct"],
-                           bound_launch_us=t.get("bound"),
-                           gpu_us_per_call=gpu_ms * 1e3, config=cfg.to_dict())
+                           bound_launch_us=t.get("bound"), launches=1 + (bound is not None and bound.transpose is not None),
+                           gpu_us_per_call=gpu_ms * 1e3, launch_bound=ours > gpu_ms * 1e3, config=cfg.to_dict())
                 if label == "auto":
                     row.update(graph_capture(args, kw))
                 rows.append(row)
                 print(f"{dtype} B={b} S={s} H={h} {label:9s}: compiled launch {t['direct']:5.1f} us  "
                       f"(bound {t.get('bound', float('nan')):5.1f})  "
                       f"flash_attn_func {ours:5.1f} us (config given {t['forced']:5.1f})  added "
-                      f"{ours - t['direct']:+5.1f} us  device time {gpu_ms * 1e3:6.1f} us/call"
+                      f"{ours - t['direct']:+5.1f} us  device time {gpu_ms * 1e3:6.1f} us/call  "
+                      f"{row['launches']} launch(es){'  launch-bound' if row['launch_bound'] else ''}"
                       + (f"  graph bitwise={row['graph_bitwise']} replay {row['graph_replay_host_us']:4.1f} us "
-                         f"[{choice.source}]" if label == "auto" else ""), flush=True)
+                         f"[{choice.source}] {cfg.summary()}" if label == "auto" else ""),
+                      flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)
@@ -106,6 +107,14 @@ def main(argv=None) -> int:
 
 
 DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def one_launch(config):
+    """The natural-V kernel a study measures beside a V^T-copy winner (`gluon_natural_config`; for
+    Triton the same config reading V as given)."""
+    if config.backend == "gluon":
+        return gluon_natural_config(config.dtype, config.head_dim_qk, config.head_dim_v)
+    return config.replace(v_layout="natural")
 
 
 def device_ms(fn, calls: int = 20) -> float:

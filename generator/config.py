@@ -32,7 +32,7 @@ CHOICES: dict[str, tuple] = {
     "num_stages": (1, 2, 3, 4, 5),
     "maxnreg": (0, 128, 152, 168, 184, 200, 232),
     "softmax": ("exact", "lean"),
-    "lean_fold": ("fma", "sub_fma", "corrected"),
+    "lean_fold": ("fma", "sub_fma", "corrected", "centered"),
     "lean_clamp": ("imax", "fmax"),
     "lean_pack": ("prmt", "bfi"),
     "p_scale_log2": tuple(range(0, 9)),
@@ -53,14 +53,15 @@ CHOICES: dict[str, tuple] = {
     "exp2_poly_degree": (3, 2),
     "skip_rescale": (False, True),
     "turn_barrier": ("mbarrier", "named"),
+    "pv_defer": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
-                "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier")
+                "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
-LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier")
+LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads")
@@ -135,6 +136,10 @@ class KernelConfig:
     turn_barrier: Gluon (ping_pong only): the token the consumer warpgroups pass to take turns, an
                   "mbarrier" in shared memory or a hardware "named" barrier (bar.sync / bar.arrive,
                   as FA3's warp scheduler barrier).
+    pv_defer:     Gluon (overlap=False only): PV(j-1) is issued right after QK^T(j) and both are waited
+                  for at once, so the tensor cores get the two products back to back and the warpgroup
+                  waits once per key block instead of twice; the softmax still runs after both (no P
+                  under an MMA), so it costs only the in-flight P registers, not overlap's carried P.
     """
 
     dtype: str = "fp8"
@@ -167,6 +172,7 @@ class KernelConfig:
     exp2_poly_degree: int = 3
     skip_rescale: bool = False
     turn_barrier: str = "mbarrier"
+    pv_defer: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -225,6 +231,9 @@ class KernelConfig:
                               f"not {self.block_m}")
         if self.turn_barrier != "mbarrier" and not self.ping_pong:
             raise ConfigError(f"turn_barrier={self.turn_barrier!r}: the turn token exists with ping_pong=True only")
+        if self.pv_defer and self.overlap:
+            raise ConfigError("pv_defer=True is the plain schedule's pairing of PV(j-1) with QK^T(j): overlap=True "
+                              "already issues them together; it needs overlap=False")
         if self.ex2_fence and not self.overlap:
             raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
                               "under the softmax")
@@ -307,7 +316,9 @@ class KernelConfig:
         """One line for tables (what `zyfa-tune best` and `zyfa-tune bench` print)."""
         if self.backend == "gluon":
             on = [name for name, flag in (("pingpong", self.ping_pong), ("overlap", self.overlap),
-                                          ("vperm", self.v_permute), ("persistent", self.persistent)) if flag]
+                                          ("vperm", self.v_permute), ("persistent", self.persistent),
+                                          ("naturalV", self.v_layout == "natural"),
+                                          ("named", self.turn_barrier == "named")) if flag]
             softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
             softmax += " skip-rescale" if self.skip_rescale else ""

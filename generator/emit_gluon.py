@@ -28,7 +28,7 @@ from .config import GENERATOR_VERSION, KernelConfig, gluon_registers
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
-from .lean_asm import MAGIC, lean_tail_asm
+from .lean_asm import MAGIC, ONE_FMA_FOLDS, fold_center, lean_tail_asm
 from .rescale_asm import rescale_asm, rescale_constraints
 
 DEVICE_MARKER = "# ---- emitted below this line ----"
@@ -135,10 +135,12 @@ def _constants(c: KernelConfig) -> str:
         ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),
         ("V_NATURAL", c.v_layout == "natural"), ("NAMED_TURNS", c.turn_barrier == "named"),
+        ("PV_DEFER", bool(c.pv_defer)),
         ("BN_A", key_parts(c)[0]), ("BN_B", key_parts(c)[1]), ("SPLIT", bool(key_parts(c)[1])),
         ("P_OFFSET", float(int(c.p_scale_log2))),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
-        ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"), ("LEAN_FMA", lean and c.lean_fold == "fma"), ("LEAN_MAGIC", MAGIC),
+        ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"), ("LEAN_FMA", lean and c.lean_fold in ONE_FMA_FOLDS),
+        ("LEAN_CENTER", fold_center(c.lean_fold) if lean else 0.0), ("LEAN_MAGIC", MAGIC),
         # PTX from generator/lean_asm.py for validated enum values only (never text from a config)
         ("LEAN_ASM", lean_tail_asm(c.lean_fold, c.lean_clamp, c.lean_pack) if lean else ""),
         # 2^x of exp2_poly of every 8 scores on the FMA pipe (generator/exp2_poly.py); ints only reach it

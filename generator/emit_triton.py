@@ -18,7 +18,7 @@ import math
 
 from .config import GENERATOR_VERSION, KernelConfig
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
-from .lean_asm import E4M3_ONE_CODE, LEAN_P_CONSTRAINTS, MAGIC, lean_p_asm
+from .lean_asm import E4M3_ONE_CODE, LEAN_P_CONSTRAINTS, MAGIC, ONE_FMA_FOLDS, fold_center, lean_p_asm
 
 #: Cap of the per-tile extra exponent (scale_block): keeps acc rescale factors within 2^16.
 SCALE_EXP_CAP = 16
@@ -210,9 +210,12 @@ class _Emitter:
                   f"{ind}qk = tl.where(ok, qk, float('-inf'))"]
         L += [f"{ind}m_tile = tl.max(qk, 1) * qk_scale",
               f"{ind}m_new = tl.maximum(m_i, m_tile)"]
-        if self.lean and c.lean_fold == "fma":
-            # b = magic + 56 - 8*ref must be exact in fp32: keep the reference on a 1/8 grid.
-            L.append(f"{ind}m_new = tl.ceil(m_new * 8.0) * 0.125")
+        center = fold_center(c.lean_fold) if self.lean else 0.0
+        if self.lean and c.lean_fold in ONE_FMA_FOLDS:
+            # b = magic + 56 - (8*ref + center) must be exact in fp32: keep the reference on its grid
+            # (n - center) / 8 (the 1/8 grid for "fma").
+            L.append(f"{ind}m_new = tl.ceil(m_new * 8.0) * 0.125" if not center else
+                     f"{ind}m_new = tl.ceil(m_new * 8.0 + {center!r}) * 0.125 - {center / 8!r}")
         ref = f"m_new - {c.p_scale_log2}.0"
         if c.scale_block:
             L.append(f"{ind}k_exp = tl.minimum(tl.floor(m_new - m_tile), {SCALE_EXP_CAP}.0)")
@@ -220,9 +223,10 @@ class _Emitter:
         L += [f"{ind}ref = {ref}",
               f"{ind}alpha = tl.math.exp2(ref_i - ref)"]
         if self.lean:
-            if c.lean_fold == "fma":
+            if c.lean_fold in ONE_FMA_FOLDS:
                 L += [f"{ind}a = qk_scale * 8.0",
-                      f"{ind}bias = {MAGIC + E4M3_ONE_CODE!r} - 8.0 * ref"]
+                      f"{ind}bias = {MAGIC + E4M3_ONE_CODE!r} - 8.0 * ref" if not center else
+                      f"{ind}bias = {MAGIC + E4M3_ONE_CODE!r} - (8.0 * ref + {center!r})"]
             else:
                 L += [f"{ind}a = qk_scale", f"{ind}bias = -ref"]
             L.append(f"{ind}p = _lean_p(qk, a, bias[:, None])")

@@ -173,15 +173,21 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         m_new = gl.maximum(m_i, row_max * qk_scale)
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    if LEAN and LEAN_FMA:
-        m_new = gl.ceil(m_new * 8.0) * 0.125          # b = magic + 56 - 8 ref must be exact in fp32
+    if LEAN and LEAN_FMA:  # b = magic + 56 - (8 ref + LEAN_CENTER) must be exact in fp32: ref on its grid
+        if LEAN_CENTER != 0.0:
+            m_new = gl.ceil(m_new * 8.0 + LEAN_CENTER) * 0.125 - LEAN_CENTER * 0.125
+        else:
+            m_new = gl.ceil(m_new * 8.0) * 0.125
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_use)
     if LEAN:
         ref = m_use - P_OFFSET
         ones = gl.full(s.shape, 1.0, gl.float32, layout=qk_layout)
         if LEAN_FMA:   # y = 8 (s scale - ref) + magic + 56: the code is in y's low bits
-            a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0) - 8.0 * ref)[:, None])
+            if LEAN_CENTER != 0.0:  # "centered": the line lowered by LEAN_CENTER codes (lean_asm.py)
+                a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0) - (8.0 * ref + LEAN_CENTER))[:, None])
+            else:
+                a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0) - 8.0 * ref)[:, None])
         else:                    # x = s scale - ref; _p_operand finishes the fold
             a, b = gl.broadcast(ones * qk_scale, -ref[:, None])
         p = gl.fma(s, a, b)      # one rounding: under LEAN_FMA, y's low bits are exactly round(8x) + 56
@@ -358,15 +364,22 @@ def _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, t
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
     s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
-    if SPLIT:
-        sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS)
+    sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS) if SPLIT else s_tok
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-    if SPLIT:
-        s, sb = warpgroup_mma_wait(0, deps=(s_tok, sb_tok))
-    else:
-        s = warpgroup_mma_wait(0, deps=(s_tok,))
-        sb = s
+    s, sb = _qk_result(s_tok, sb_tok, False)
     mbarrier.arrive(k_empty.index(st), count=1)
+    return s, sb
+
+
+@gluon.jit
+def _qk_result(s_tok, sb_tok, PV_IN_FLIGHT: gl.constexpr):
+    """S = Q K^T once its wgmmas are done (and the second key part's S under SPLIT, else S again);
+    with PV_IN_FLIGHT the PV wgmmas issued after it (and their row sums) may still run."""
+    if SPLIT:
+        s, sb = warpgroup_mma_wait((4 if ROWSUM_MMA else 2) if PV_IN_FLIGHT else 0, deps=(s_tok, sb_tok))
+    else:
+        s = warpgroup_mma_wait((2 if ROWSUM_MMA else 1) if PV_IN_FLIGHT else 0, deps=(s_tok,))
+        sb = s
     return s, sb
 
 
@@ -426,21 +439,18 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
     s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
-    if SPLIT:
-        sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS)
+    sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS) if SPLIT else s_tok
     o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst), onesb_smem)
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-    if SPLIT:  # QK^T(j)'s two parts done; PV(j-1)'s two (and two row-sum wgmmas) may still run
-        s, sb = warpgroup_mma_wait(4 if ROWSUM_MMA else 2, deps=(s_tok, sb_tok))
-    elif ROWSUM_MMA:
-        s = warpgroup_mma_wait(2, deps=(s_tok,))      # QK^T(j) done, PV(j-1) and its row sum may run
-        sb = s
-    else:
-        s = warpgroup_mma_wait(1, deps=(s_tok,))      # QK^T(j) done, PV(j-1) may still run
-        sb = s
+    # QK^T(j) done; PV(j-1) may still run, unless PV_DEFER (the plain step with PV(j-1) paired: both
+    # products done before the softmax, V(j-1) released at once)
+    s, sb = _qk_result(s_tok, sb_tok, not PV_DEFER)
     mbarrier.arrive(k_empty.index(st), count=1)
-    # PV(j-2) retired at the end of the previous step: release its V stage now
-    mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=j >= 2)
+    if PV_DEFER:
+        acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # retired already: no wait
+        mbarrier.arrive(v_empty.index(pst), count=1)
+    else:  # PV(j-2) retired at the end of the previous step: release its V stage now
+        mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=j >= 2)
     pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1 - j) * BLOCK_N, row0, Sk, off,
                                         MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN,
                                         sb, qkb_layout)
@@ -456,7 +466,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         else:
             l_i = gl.inline_asm_elementwise(ROW_SUM_FENCE_ASM[CID], ROW_SUM_FENCE_CONSTRAINTS, [l_i], dtype=gl.float32,
                                             is_pure=False, pack=2)
-    acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # PV(j-1) done
+    if not PV_DEFER:
+        acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # PV(j-1) done
     return pP, acc, alpha, m_i, l_i, pPb
 
 
@@ -540,7 +551,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
         sb_zero = gl.zeros([64, BN_B], gl.float32, layout=qkb_layout) if SPLIT else s_zero
 
         if n_blocks > 0:
-            if OVERLAP:
+            if OVERLAP or PV_DEFER:
                 # ---- block 0 (the diagonal / tail block whenever any block is masked)
                 s, sb = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
                                    CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, kb_bufs, sb_zero)
@@ -574,7 +585,8 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                 _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
                 turn_it += 1
                 acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)
-                mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=n_blocks >= 2)
+                if not PV_DEFER:  # (PV_DEFER released each V stage in its own step)
+                    mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=n_blocks >= 2)
                 mbarrier.arrive(v_empty.index(pst), count=1)
             else:
                 # ---- plain schedule: S = QK^T; wait; softmax; O += PV; wait

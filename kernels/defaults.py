@@ -11,7 +11,7 @@ K/V ring, key-permuted V^T, persistent heavy-first tiles, producer warp at 24 re
 
 from __future__ import annotations
 
-from zyfa_tune.generator import KernelConfig
+from zyfa_tune.generator import ConfigError, KernelConfig
 
 
 def default_config(dtype: str, head_dim_qk: int, head_dim_v: int, backend: str = "triton") -> KernelConfig:
@@ -40,6 +40,27 @@ def gluon_wide_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelCo
     FP8 space. ConfigError where Gluon lacks the head dims."""
     return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(
         block_n=256, num_stages=2, overlap=False, ping_pong=False, q_stages=2)
+
+
+def gluon_natural_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """The Gluon default schedule reading V as given (the producer warpgroup transposes each V tile
+    into the V^T ring): one launch per call instead of a V^T copy plus the kernel. 10-20% slower
+    than its V^T twin at 8K-16K (docs/PERF.md, session 5), but where a call is launch-bound (short
+    sequences) the second launch costs more than that; a seed so that every study measures it and
+    the database picks it per shape."""
+    return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(
+        v_layout="natural", v_permute=False, producer_regs=40)
+
+
+def gluon_three_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """Three consumer warpgroups (192 query rows per tile, FA3's head-dim-64 tile), no ping-pong,
+    row sum by MMA, rescale skipped where no row maximum moved: at FP8 head dim 64 0.94x / 0.97x
+    FA3-fp8 at 8K / 16K where the shipped Triton kernel is 0.89x / 0.91x (docs/PERF.md, session 6).
+    Only for head dims <= 64: wider heads leave three consumers too few registers."""
+    if max(head_dim_qk, head_dim_v) > 64:
+        raise ConfigError(f"three consumer warpgroups are seeded at head dim <= 64, not {head_dim_qk}/{head_dim_v}")
+    return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(
+        block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True)
 
 
 def fallback_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:

@@ -14,8 +14,8 @@ from zyfa_tune.generator.build import jit_function
 from . import fastlaunch, gluon_launch
 from .transpose import bind_transpose, k_major_view, transpose_v
 
-__all__ = ["BoundLaunch", "bind", "compiled_kernels", "emitted", "forget", "kernel", "launch", "prepare",
-           "transpose_v"]
+__all__ = ["BoundLaunch", "bind", "compiled_kernels", "emitted", "for_v_layout", "forget", "kernel", "launch",
+           "prepare", "transpose_v"]
 
 LOG2E = 1.4426950408889634
 
@@ -45,6 +45,17 @@ def launch(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     grid, args, options = prepare(config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale)
     _run(config, grid, args, options, q.device.index)
     return out
+
+
+def for_v_layout(config: KernelConfig, v: torch.Tensor) -> KernelConfig:
+    """The config to run for V as stored. A natural-V FP8 config given a K-major V (quantize_fp8(...,
+    v_layout="k_major")) would first copy V back to (keys, dim) rows; its transposed twin, the same
+    schedule reading the V^T tile from memory, reads those bytes as they are (no copy; bitwise
+    equal to the natural kernel, tests/test_gpu_gluon.py; a natural Gluon config never permutes
+    keys, so its twin needs no permuted copy). Any other pair is returned unchanged."""
+    if config.dtype == "fp8" and config.v_layout == "natural" and k_major_view(v) is not None:
+        return config.replace(v_layout="transposed")
+    return config
 
 
 # ---- launch fast path (kernels/fastlaunch.py) ---------------------------------------------------

@@ -287,7 +287,9 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     """Registers per thread a Gluon consumer warpgroup needs at least: its 64 x head_dim fp32
     accumulator, the 64 x block_n fp32 scores and, with overlap, the previous block's P carried into
     the next step: packed four e4m3 to a register with v_permute (block_n / 8), else as separate
-    bytes plus the shuffles' temporaries (block_n / 2 + 16); + GLUON_REGISTER_OVERHEAD.
+    bytes plus the shuffles' temporaries (block_n / 2 + 16); + GLUON_REGISTER_OVERHEAD. pv_defer
+    holds the same P in flight under QK^T(j) (session 6: at 256 keys, estimated 248 of 240, it
+    spilled 96-184 bytes and ptxas serialised every wgmma; 128 and 192 keys did not spill).
     Calibrated on compile_for_target over block_n 64/128/256 x overlap x v_permute x producer_regs
     24/56 x one or two consumers (36 configs; tests/test_gluon_compile.py keeps the decisive ones):
     it rejected every config that spilled and none that did not. Head dims 64 and 256 with the
@@ -297,8 +299,8 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     tests/test_gluon_compile.py CALIBRATION)."""
     acc = 64 * c.head_dim_v // 128
     scores = 64 * c.block_n // 128
-    carried = 0 if not c.overlap else scores // 4 if c.v_permute else scores + 16
-    other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and c.head_dim_v != 128 else 0
+    carried = 0 if not (c.overlap or c.pv_defer) else scores // 4 if c.v_permute else scores + 16
+    other_dim = GLUON_OTHER_DIM_REGISTERS if (c.overlap or c.pv_defer) and c.v_permute and c.head_dim_v != 128 else 0
     three = GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and c.head_dim_v >= 128 else 0
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
@@ -324,7 +326,7 @@ def gluon_infeasibility(c: KernelConfig) -> str | None:
     need = gluon_register_estimate(c)
     if need > consumer:
         return (f"registers: a consumer warpgroup needs about {need} per thread (accumulator, scores"
-                f"{', carried P' if c.overlap else ''}) > its {consumer} (producer_regs={c.producer_regs}): "
+                f"{', carried P' if c.overlap or c.pv_defer else ''}) > its {consumer} (producer_regs={c.producer_regs}): "
                 f"it would spill")
     return None
 

@@ -8,7 +8,7 @@ field). `backend` comes first: the fields after it that only one backend reads a
 
 from functools import partial
 
-from zyfa_tune.kernels.defaults import default_config, gluon_wide_config
+from zyfa_tune.kernels.defaults import default_config, gluon_natural_config, gluon_three_config, gluon_wide_config
 
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
                    rowsum_param, scale_per_tile, triton_only)
@@ -18,7 +18,7 @@ PARAMS = (backend_param(),
           gluon_tile("block_n", BLOCK_N + (192,)),   # Gluon 192: a 128- and a 64-key part, with overlap
           *(p for p in TILE_PARAMS if p.name not in ("block_m", "block_n")),
     Param("softmax", ("exact", "lean")),                # both backends (Gluon lean: overlap + v_permute)
-    lean_only("lean_fold", ("fma", "sub_fma", "corrected")),  # only under softmax="lean"
+    lean_only("lean_fold", ("fma", "sub_fma", "corrected", "centered")),  # only under softmax="lean"
     lean_only("lean_clamp", ("imax", "fmax")),          # only under softmax="lean"
     lean_only("lean_pack", ("prmt", "bfi")),            # only under softmax="lean"
     Param("p_scale_log2", (6, 7, 8)),
@@ -30,15 +30,19 @@ PARAMS = (backend_param(),
           decode=lambda v, f: "transposed" if f["backend"] == "gluon" and f["softmax"] == "lean" else v),
     gluon_only("ping_pong", (True, False), one_consumer=False),  # consumer warpgroups alternate wgmma issue
     gluon_only("overlap", (True, False)),               # softmax(j) runs while PV(j-1) is on the tensor cores
+    gluon_only("pv_defer", (False, True), needs=("overlap", False)),  # plain: PV(j-1) paired with QK^T(j)
     gluon_only("q_stages", (1, 2)),                     # Q ring: 2 prefetches the next tile's Q
     gluon_only("v_permute", (True, False), unless=("v_layout", "natural"), default=False),  # key-permuted V^T
     gluon_only("persistent", (True, False)),            # grid = min(SMs, tiles)
     gluon_only("producer_regs", (24, 40, 56), one_consumer=24),  # setmaxnreg split: consumers get the rest
     gluon_only("ex2_fence", (False, True), needs=("overlap", True), unless=("rowsum", "mma")),  # exps before PV wait
     gluon_only("skip_rescale", (False, True)),          # a warp whose row maxima stayed skips O's rescale
+    gluon_only("turn_barrier", ("mbarrier", "named"), needs=("ping_pong", True)),  # ping-pong token
 )
 
-#: The Gluon backend's default (the spike's best schedule) and its 256-key-block kernel are enqueued
-#: right after the Triton default (where statically feasible).
+#: Enqueued right after the Triton default (where statically feasible): the Gluon backend's default
+#: (the spike's best schedule), its 256-key-block kernel, its one-launch natural-V twin (launch-bound
+#: shapes) and, at head dim 64, three consumer warpgroups.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
-                    extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config))
+                    extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_natural_config,
+                                 gluon_three_config))

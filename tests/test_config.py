@@ -25,6 +25,8 @@ def valid_with(field: str, value) -> KernelConfig:
         changes["exp2_poly"] = 4
     if field == "turn_barrier":
         changes["ping_pong"] = True
+    if field == "pv_defer" and value:
+        changes["overlap"] = False
     if field in GLUON_FIELDS or (field, value) in (("backend", "gluon"), ("block_m", 192), ("block_n", 192)):
         return GLUON.replace(**changes)
     if field == "softmax" and value == "lean":

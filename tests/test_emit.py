@@ -16,6 +16,7 @@ from zyfa_tune.generator import CHOICES, ConfigError, EmittedKernel, KernelConfi
 from zyfa_tune.generator.config import GLUON_FIELDS
 from zyfa_tune.generator.emit_triton import KERNEL_NAME
 from zyfa_tune.generator.lean_asm import LEAN_P_CONSTRAINTS, lean_p_asm
+from zyfa_tune.kernels.defaults import default_config
 
 LEAN_VARIANTS = list(itertools.product(CHOICES["lean_fold"], CHOICES["lean_clamp"], CHOICES["lean_pack"]))
 
@@ -222,8 +223,8 @@ def test_lean_asm_instruction_counts(fold, clamp, pack):
     assert lines[0] == "{" and lines[1] == f".reg .b32 r0, r1, r2, r3{scratch};" and lines[-1] == "}"
     ops = asm_ops(text)
     # per score: fma 1 FMA; sub_fma 2; corrected 4 FMAs + max (x floor) + add.rm + 2 sub
-    fold_fmas = {"fma": 4, "sub_fma": 8, "corrected": 16}[fold]
-    fold_other = {"fma": 0, "sub_fma": 0, "corrected": 16}[fold]
+    fold_fmas = {"fma": 4, "centered": 4, "sub_fma": 8, "corrected": 16}[fold]
+    fold_other = {"fma": 0, "centered": 0, "sub_fma": 0, "corrected": 16}[fold]
     assert ops.count("fma.rn.f32") == fold_fmas
     if fold == "corrected":
         assert ops.count("add.rm.f32") == 4 and ops.count("sub.f32") == 8
@@ -242,9 +243,18 @@ def test_lean_asm_instruction_counts(fold, clamp, pack):
 
 
 def test_lean_asm_variants_differ_and_constraints():
-    texts = {lean_p_asm(*v) for v in LEAN_VARIANTS}
-    assert len(texts) == len(LEAN_VARIANTS)
+    """Every variant is its own PTX, except that "centered" is "fma"'s instruction sequence: its
+    offset lives in the per-row b and the reference grid, which the kernel source computes."""
+    texts = {v: lean_p_asm(*v) for v in LEAN_VARIANTS}
+    distinct = [v for v in LEAN_VARIANTS if v[0] != "centered"]
+    assert len({texts[v] for v in distinct}) == len(distinct)
+    assert all(texts[("centered", *v[1:])] == texts[("fma", *v[1:])] for v in distinct if v[0] == "fma")
     assert LEAN_P_CONSTRAINTS == "=r," + ",".join(["f"] * 12)
+    for backend in ("triton", "gluon"):
+        lean = default_config("fp8", 128, 128, backend).replace(softmax="lean",
+                                                                 rowsum="rounded" if backend == "triton" else "mma")
+        plain, centered = emit(lean).source, emit(lean.replace(lean_fold="centered")).source
+        assert plain != centered and ("0.4375" in centered) and ("0.4375" not in plain)
 
 
 @pytest.mark.parametrize("bad", [("fma2", "imax", "prmt"), ("fma", "max", "prmt"), ("fma", "imax", "shf")])

@@ -140,6 +140,10 @@ CALIBRATION = [
     # 192/128 (GLUON_MLA_MMA_REGISTERS): one consumer, 256-key blocks, overlap; the row-sum MMA tips it
     (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2), False),                # 248
     (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2, rowsum="mma"), True),   # 264
+    # pv_defer: P(j-1) in flight under QK^T(j) like overlap's carried P (session 6)
+    (dict(overlap=False, pv_defer=True), False),                                                           # 168
+    (dict(block_n=192, num_stages=3, ping_pong=False, overlap=False, pv_defer=True, rowsum="mma"), False),  # 208
+    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True), True),    # 248: 136 B
 ]
 
 
@@ -175,17 +179,17 @@ def test_serialised_wgmma_is_a_compile_error(compiled, monkeypatch):
 _SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", re.M)
 
 
-def overlapped_step_loops(sass: str, block_n: int) -> list[list[str]]:
+def overlapped_step_loops(sass: str, block_n: int, mmas: int | None = None) -> list[list[str]]:
     """The bodies of the consumers' overlapped-step loops (masked and unmasked, every consumer): the
     backward branches whose body issues QK^T(j) (4 QGMMA over head dim 128) and PV(j-1) (block_n / 32)
-    and the step's exponentials."""
+    and the step's exponentials; `mmas`: another count of QGMMA per step."""
     ins = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass)]
     loops = []
     for addr, text in ins:
         branch = re.search(r"\bBRA (0x[0-9a-f]+)", text)
         if branch and int(branch.group(1), 16) < addr:
             body = [t for a, t in ins if int(branch.group(1), 16) <= a <= addr]
-            if (sum("QGMMA" in t for t in body) == 4 + block_n // 32
+            if (sum("QGMMA" in t for t in body) == (mmas or 4 + block_n // 32)
                     and sum("MUFU.EX2" in t for t in body) >= block_n // 2):
                 loops.append(body)
     return loops
@@ -225,6 +229,25 @@ def test_ex2_fence_puts_every_exponential_before_the_pv_wait(changes, causal, co
         assert len(body) - len(plain_body) <= 8
     if not changes and causal:  # the seed without the fence: ptxas's hoisting that the field undoes
         assert sum(exponentials_after_pv_wait(b) for b in plain_loops) > 0
+
+
+@pytest.mark.parametrize("changes", [dict(), dict(block_n=192, num_stages=3, ping_pong=False, rowsum="mma")],
+                         ids=lambda x: str(x))
+def test_pv_defer_pairs_the_products_and_waits_once(changes, compiled):
+    """pv_defer: in every step loop QK^T(j) and PV(j-1) are issued back to back with no wgmma wait
+    between them, then one wait(0), and every exponential of the step comes after it (the softmax
+    is not under an MMA, unlike overlap); no spills, no serialised wgmmas."""
+    cfg = GLUON.replace(overlap=False, pv_defer=True, **changes)
+    art = compiled(cfg)
+    check_usable(art, cfg)
+    qk = 4 * (2 if cfg.block_n == 192 else 1)      # hd128: 4 k-steps per key part
+    loops = overlapped_step_loops(art.sass, cfg.block_n, qk + cfg.block_n // 32 * (2 if cfg.rowsum == "mma" else 1))
+    assert len(loops) == 2 * (cfg.block_m // 64)   # masked and unmasked steps of each consumer
+    for body in loops:
+        mma = [i for i, t in enumerate(body) if "QGMMA" in t]
+        waits = [i for i, t in enumerate(body) if "WARPGROUP.DEPBAR" in t]
+        assert not [w for w in waits if mma[0] < w < mma[-1]]          # one burst of wgmmas
+        assert exponentials_after_pv_wait(body) == sum("MUFU.EX2" in t for t in body)
 
 
 def test_ex2_fence_barriers_are_not_triton_s(compiled):

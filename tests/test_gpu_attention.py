@@ -27,7 +27,8 @@ def _configs(dtype, dqk, dv):
     base = default_config(dtype, dqk, dv)
     if dtype == "bf16":
         return {"exact": base}
-    return {"exact": base, "lean": base.replace(softmax="lean", rowsum="rounded")}
+    lean = base.replace(softmax="lean", rowsum="rounded")
+    return {"exact": base, "lean": lean, "lean-centered": lean.replace(lean_fold="centered")}
 
 
 def _check(b, sq, sk, h, hk, dqk, dv, dtype, causal=True, seed=0):

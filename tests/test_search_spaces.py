@@ -15,7 +15,7 @@ import pytest
 from optuna.trial import TrialState
 
 from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig, emit
-from zyfa_tune.kernels.defaults import default_config, gluon_wide_config
+from zyfa_tune.kernels.defaults import default_config, gluon_natural_config, gluon_three_config, gluon_wide_config
 from zyfa_tune.search_spaces import (FAMILIES, SEED_DATABASES, SMEM_LIMIT, Param, SearchSpace, get_space,
                                      register_estimate, smem_estimate)
 from zyfa_tune.search_spaces import base as ss_base
@@ -30,7 +30,7 @@ FAMILY_FIELDS = {
     "fp8-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "softmax", "lean_fold",
                    "lean_clamp", "lean_pack", "p_scale_log2", "scale_block", "rowsum", "q_order", "loads",
                    "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
-                   "producer_regs", "ex2_fence", "skip_rescale"},  # exp2_poly: slower; turn_barrier: not GPU-run
+                   "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer"},  # exp2_poly: slower
     "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
                     "q_order", "loads", "v_layout"},
 }
@@ -246,11 +246,28 @@ def test_seeds(family):
 def test_seeds_fp8_128_include_shipped_best():
     space = get_space("fp8")
     best = shipped_best("fp8", 128, 128)
-    assert len(best) == 3 and best[0].backend == "gluon"  # one winner for the three fp8 128/128 shapes
+    # six entries (S = 128 .. 16K), all Gluon: one-launch natural V for the two shortest, then V^T kernels
+    assert len(best) == 6 and all(c.backend == "gluon" for c in best)
+    assert [c.v_layout for c in best] == ["natural"] * 2 + ["transposed"] * 4
     seeds = space.seeds(128, 128)
     assert set(best) <= set(seeds)
-    # the Triton default, then the Gluon default and its 256-key kernel, then the database's
-    assert seeds[:3] == [D("fp8", 128, 128), D("fp8", 128, 128, "gluon"), gluon_wide_config("fp8", 128, 128)]
+    # the Triton default, then the Gluon default, its 256-key kernel and its one-launch natural-V twin,
+    # then the database's
+    assert seeds[:4] == [D("fp8", 128, 128), D("fp8", 128, 128, "gluon"), gluon_wide_config("fp8", 128, 128),
+                         gluon_natural_config("fp8", 128, 128)]
+    assert seeds[3].v_layout == "natural" and not seeds[3].v_permute
+    assert not any(c.block_m == 192 for c in seeds)  # three consumers: seeded at head dim 64 only
+    hd64 = space.seeds(64, 64)
+    assert gluon_three_config("fp8", 64, 64) in hd64 and hd64[4].block_m == 192 and not hd64[4].ping_pong
+
+
+def test_turn_barrier_only_with_ping_pong():
+    space = get_space("fp8")
+    opts = space.as_optuna_params(D("fp8", 128, 128, "gluon"))
+    named = space._from_options({**opts, "turn_barrier": "named"}, 128, 128)
+    assert named.turn_barrier == "named" and named.ping_pong
+    no_pp = space._from_options({**opts, "turn_barrier": "named", "ping_pong": False}, 128, 128)
+    assert no_pp.turn_barrier == "mbarrier"  # irrelevant without turns: the default, one config
 
 
 def test_seeds_without_database(tmp_path):

@@ -9,6 +9,8 @@ import torch
 
 from zyfa_tune.kernels.transpose import (BLOCK_D, BLOCK_K, NUM_WARPS, _transpose_v_kernel, bind_transpose,
                                          key_permutation, padded_keys, transpose_v, transpose_v_reference)
+from zyfa_tune.kernels.defaults import default_config, gluon_natural_config
+from zyfa_tune.kernels.launch import for_v_layout
 from zyfa_tune.quantize import quantize_fp8
 
 FP8 = torch.float8_e4m3fn
@@ -74,6 +76,21 @@ def test_k_major_v_is_not_copied_unless_permuted():
     permuted = transpose_v(v8, permute=True)
     assert permuted.data_ptr() != v8.data_ptr()
     assert torch.equal(permuted.view(torch.uint8), transpose_v_reference(v8, True).view(torch.uint8))
+
+
+def test_natural_config_given_k_major_v_runs_its_transposed_twin():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 64, 2, 128, generator=g) for _ in range(3))
+    v_km, v_rows = quantize_fp8(q, k, v, v_layout="k_major")[2], quantize_fp8(q, k, v)[2]
+    natural = gluon_natural_config("fp8", 128, 128)
+    assert for_v_layout(natural, v_km) == natural.replace(v_layout="transposed")
+    assert for_v_layout(natural, v_rows) is natural                        # V as given: the natural kernel
+    permuted = default_config("fp8", 128, 128, "gluon")                   # reads a key-permuted copy anyway
+    assert for_v_layout(permuted, v_km) is permuted
+    triton = default_config("fp8", 128, 128).replace(v_layout="natural")
+    assert for_v_layout(triton, v_km) == triton.replace(v_layout="transposed")
+    bf16 = default_config("bf16", 128, 128)
+    assert bf16.v_layout == "natural" and for_v_layout(bf16, v_km) is bf16  # FP8 only
 
 
 # ---- GPU ----------------------------------------------------------------------------------------

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from zyfa_tune.generator import HEAD_DIMS, KernelConfig
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.launch import BoundLaunch, bind
+from zyfa_tune.kernels.launch import BoundLaunch, bind, for_v_layout
 
 _DTYPES = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"}
 
@@ -179,7 +179,8 @@ def _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_d
         return out
     if sk == 0:
         return out.zero_()
-    chosen = config or dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, b, h, hk, sq, p.q.device.index)
+    chosen = config or for_v_layout(dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, b, h, hk, sq,
+                                                                     p.q.device.index), p.v)
     with torch.cuda.device(p.q.device):
         bound = bind(chosen, p.q, p.k, p.v, out, p.softmax_scale, causal, *p.descales)
     given = (q_descale, k_descale, v_descale)
@@ -199,4 +200,9 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     p = _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale)
     b, sq, h, dqk = p.q.shape
     key = dispatch.problem_key(p.dtype, dqk, p.v.shape[3], causal, b, h, p.k.shape[2], sq)
-    return dispatch.dispatcher().choose(key, dispatch.device_key(p.q.device.index))
+    choice = dispatch.dispatcher().choose(key, dispatch.device_key(p.q.device.index))
+    runs = for_v_layout(choice.config, p.v)
+    if runs == choice.config:
+        return choice
+    return replace(choice, config=runs, detail=f"{choice.detail}; V is K-major: the natural-V config's "
+                                               f"transposed twin reads it without a copy".lstrip("; "))

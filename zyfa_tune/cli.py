@@ -209,11 +209,14 @@ def _gpus(text: str | None) -> tuple[int | None, ...]:
 
 
 def config_changes(config: KernelConfig) -> str:
-    """The fields where `config` differs from the default config of its dtype and head dims."""
+    """The fields where `config` differs from the default config of its dtype, head dims and backend
+    (a Gluon config is named as such: "backend=gluon" first)."""
     from zyfa_tune.kernels.defaults import default_config
 
     base = default_config(config.dtype, config.head_dim_qk, config.head_dim_v, config.backend).all_fields()
     changed = [f"{k}={v}" for k, v in config.to_dict().items() if base[k] != v]
+    if config.backend != "triton":
+        return " ".join([f"backend={config.backend}", *changed])
     return " ".join(changed) or "(the default config)"
 
 
