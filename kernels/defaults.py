@@ -63,6 +63,15 @@ def gluon_three_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
         block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True)
 
 
+def gluon_defer_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """Head dim 256: two ping-ponging consumer warpgroups over 128-key blocks without overlap, each
+    step issuing PV(j-1) with QK^T(j) and waiting once (pv_defer): 988.8 TFLOP/s at B=2 S=8K against
+    the Triton kernel's 851.4 and FA3-fp8's 1182.5 (docs/PERF.md, session 6). Only for head dim 256."""
+    if (head_dim_qk, head_dim_v) != (256, 256):
+        raise ConfigError(f"the pv_defer seed is measured at head dim 256/256, not {head_dim_qk}/{head_dim_v}")
+    return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(block_n=128, overlap=False, pv_defer=True)
+
+
 def fallback_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """What `flash_attn_func` runs where no tuned entry applies (the untuned kernel): the Gluon
     256-key kernel at FP8 head dim 128, where it measured 1.04-1.20x the other untuned configs

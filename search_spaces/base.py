@@ -281,6 +281,10 @@ GLUON_SPLIT_REGISTERS = 24
 GLUON_MLA_MMA_REGISTERS = 16
 #: Extra registers a Gluon consumer needs at head dims 64 and 256 with the packed P carried (measured)
 GLUON_OTHER_DIM_REGISTERS = 12
+#: Extra registers of pv_defer with the row-sum MMA: at head dim 256 with 128-key blocks (estimated
+#: 232) rowsum="fp32" did not spill at 240 registers and "mma" spilled 32-40 bytes; at 224 both spilled
+#: 120-160 (session 6, 64 compiles over head dims 64 / 256)
+GLUON_DEFER_MMA_REGISTERS = 16
 
 
 def gluon_register_estimate(c: KernelConfig) -> int:
@@ -300,11 +304,12 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     acc = 64 * c.head_dim_v // 128
     scores = 64 * c.block_n // 128
     carried = 0 if not (c.overlap or c.pv_defer) else scores // 4 if c.v_permute else scores + 16
-    other_dim = GLUON_OTHER_DIM_REGISTERS if (c.overlap or c.pv_defer) and c.v_permute and c.head_dim_v != 128 else 0
+    other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and c.head_dim_v != 128 else 0
+    defer_mma = GLUON_DEFER_MMA_REGISTERS if c.pv_defer and c.rowsum == "mma" else 0
     three = GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and c.head_dim_v >= 128 else 0
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
-    return acc + scores + carried + other_dim + three + split + mla + GLUON_REGISTER_OVERHEAD
+    return acc + scores + carried + other_dim + three + split + mla + defer_mma + GLUON_REGISTER_OVERHEAD
 
 
 def gluon_infeasibility(c: KernelConfig) -> str | None:

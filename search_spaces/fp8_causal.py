@@ -8,7 +8,8 @@ field). `backend` comes first: the fields after it that only one backend reads a
 
 from functools import partial
 
-from zyfa_tune.kernels.defaults import default_config, gluon_natural_config, gluon_three_config, gluon_wide_config
+from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_natural_config, gluon_three_config,
+                                       gluon_wide_config)
 
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
                    rowsum_param, scale_per_tile, triton_only)
@@ -41,8 +42,8 @@ PARAMS = (backend_param(),
 )
 
 #: Enqueued right after the Triton default (where statically feasible): the Gluon backend's default
-#: (the spike's best schedule), its 256-key-block kernel, its one-launch natural-V twin (launch-bound
-#: shapes) and, at head dim 64, three consumer warpgroups.
+#: (the spike's best schedule), its 256-key-block kernel, at head dim 256 its pv_defer schedule, its
+#: one-launch natural-V twin (launch-bound shapes) and, at head dim 64, three consumer warpgroups.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
-                    extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_natural_config,
-                                 gluon_three_config))
+                    extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
+                                 gluon_natural_config, gluon_three_config))

@@ -144,6 +144,11 @@ CALIBRATION = [
     (dict(overlap=False, pv_defer=True), False),                                                           # 168
     (dict(block_n=192, num_stages=3, ping_pong=False, overlap=False, pv_defer=True, rowsum="mma"), False),  # 208
     (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True), True),    # 248: 136 B
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, pv_defer=True), False),  # 232
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, pv_defer=True,
+          rowsum="mma"), True),                                                                 # 248 > 240: 32 B
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, pv_defer=True,
+          producer_regs=56), True),                                                             # 232 > 224: 128 B
 ]
 
 

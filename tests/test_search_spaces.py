@@ -15,7 +15,8 @@ import pytest
 from optuna.trial import TrialState
 
 from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig, emit
-from zyfa_tune.kernels.defaults import default_config, gluon_natural_config, gluon_three_config, gluon_wide_config
+from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_natural_config, gluon_three_config,
+                                       gluon_wide_config)
 from zyfa_tune.search_spaces import (FAMILIES, SEED_DATABASES, SMEM_LIMIT, Param, SearchSpace, get_space,
                                      register_estimate, smem_estimate)
 from zyfa_tune.search_spaces import base as ss_base
@@ -257,6 +258,8 @@ def test_seeds_fp8_128_include_shipped_best():
                          gluon_natural_config("fp8", 128, 128)]
     assert seeds[3].v_layout == "natural" and not seeds[3].v_permute
     assert not any(c.block_m == 192 for c in seeds)  # three consumers: seeded at head dim 64 only
+    hd256 = space.seeds(256, 256)
+    assert gluon_defer_config("fp8", 256, 256) in hd256 and hd256[2].pv_defer and not hd256[2].overlap
     hd64 = space.seeds(64, 64)
     assert gluon_three_config("fp8", 64, 64) in hd64 and hd64[4].block_m == 192 and not hd64[4].ping_pong
 
