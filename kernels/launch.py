@@ -50,9 +50,9 @@ def launch(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def for_v_layout(config: KernelConfig, v: torch.Tensor) -> KernelConfig:
     """The config to run for V as stored. A natural-V FP8 config given a K-major V (quantize_fp8(...,
     v_layout="k_major")) would first copy V back to (keys, dim) rows; its transposed twin, the same
-    schedule reading the V^T tile from memory, reads those bytes as they are (no copy; bitwise
-    equal to the natural kernel, tests/test_gpu_gluon.py; a natural Gluon config never permutes
-    keys, so its twin needs no permuted copy). Any other pair is returned unchanged."""
+    schedule reading the V^T tile from memory, reads those bytes as they are, with no copy (Gluon:
+    bitwise equal to the natural kernel, tests/test_gpu_gluon.py; a natural Gluon config never
+    permutes keys, so its twin needs no permuted copy). Any other pair is returned unchanged."""
     if config.dtype == "fp8" and config.v_layout == "natural" and k_major_view(v) is not None:
         return config.replace(v_layout="transposed")
     return config
