@@ -230,9 +230,9 @@ def _stand_ins(c: KernelConfig) -> list[str]:
 
 
 def _v_lines(c: KernelConfig) -> list[str]:
-    """The V^T ring; with v_layout="natural" also the two (BLOCK_N, D) slots V is loaded into and their
-    barriers (the producer transposes it into the ring), else stand-ins the producer never touches
-    (nothing allocated: every other kernel keeps its shared-memory layout)."""
+    """The V^T ring (with 192-key blocks one per key part); with v_layout="natural" also the two
+    (BLOCK_N, D) slots V is loaded into and their barriers (the producer transposes it into the ring).
+    What a kernel lacks, `_stand_ins` aliases."""
     if c.v_layout != "natural":
         lines = ["    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BN_A], desc_v.layout)"]
         if key_parts(c)[1]:

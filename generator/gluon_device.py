@@ -429,7 +429,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     EX2_FENCE puts a barrier on the row sums right before the wait (generator/fence_asm.py). ROWSUM_MMA: the
     rounded row sum of P(j-1) is one more wgmma (against ones) issued with PV(j-1), so l is
     rescaled and summed exactly when O is. SPLIT: two key parts, so twice the wgmmas of each kind
-    (pPb carries the second part's P)."""
+    (pPb carries the second part's P). PV_DEFER (overlap off): the same issue order, but both
+    products are waited for before the softmax and V(j-1) is released in this step."""
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
     p8 = _p_operand(pP, V_PERM, LEAN)
@@ -551,7 +552,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
         sb_zero = gl.zeros([64, BN_B], gl.float32, layout=qkb_layout) if SPLIT else s_zero
 
         if n_blocks > 0:
-            if OVERLAP or PV_DEFER:
+            if OVERLAP or PV_DEFER:  # (PV_DEFER: the overlapped step's issue order, softmax after both waits)
                 # ---- block 0 (the diagonal / tail block whenever any block is masked)
                 s, sb = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
                                    CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, kb_bufs, sb_zero)
