@@ -174,12 +174,12 @@ def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int,
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .emit_gluon import SCALAR_PARAMS, descriptor_blocks, descriptor_type
+    from .emit_gluon import SCALAR_PARAMS, descriptor_blocks, descriptor_type, tile_params
 
     fn = jit_function(kernel)
     blocks = descriptor_blocks(kernel.config)
     names = [p.name for p in fn.params]
-    assert names == [*blocks, *SCALAR_PARAMS, "CAUSAL"], names
+    assert names == [*blocks, *SCALAR_PARAMS, *tile_params(kernel.config), "CAUSAL"], names
     sig, constexprs, attrs = _scalar_signature(names, causal, descales)
     sig.update({n: descriptor_type(*blocks[n]) for n in blocks})
     src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -207,6 +207,9 @@ def _scalar_signature(names: list[str], causal: bool, descales: bool) -> tuple[d
                 constexprs[n] = None
         elif n == "sm_scale_log2":
             sig[n] = "fp32"
+        elif n == "TILE_TABLE":  # a q_order="balanced" kernel's schedule: a fresh int32 torch tensor
+            sig[n] = "*i32"
+            attrs[(i,)] = _DIV16
         elif n == "CAUSAL":
             sig[n] = "constexpr"
         else:

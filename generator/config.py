@@ -38,7 +38,7 @@ CHOICES: dict[str, tuple] = {
     "p_scale_log2": tuple(range(0, 9)),
     "scale_block": (0, 32, 64, 128, 256),
     "rowsum": ("fp32", "rounded", "mma"),
-    "q_order": ("forward", "heavy_first"),
+    "q_order": ("forward", "heavy_first", "balanced"),
     "loads": ("pointer", "tma"),
     "v_layout": ("natural", "transposed"),
     "backend": ("triton", "gluon"),
@@ -98,6 +98,10 @@ class KernelConfig:
                   from an extra MMA of P against a ones tile. Gluon: "fp32" or "mma" under exact
                   softmax ("mma" saves one FADD per score), "mma" under lean.
     q_order:      "forward" or "heavy_first" (causal: the longest query blocks are launched first).
+                  Gluon persistent only, "balanced": each program takes the tiles of a schedule the
+                  launcher computes once per shape (kernels/gluon_launch.tile_table: groups of heads
+                  whose K/V fit in L2, heaviest query blocks first, each tile to the least loaded
+                  program). Round robin leaves the most loaded program 3-9% above the mean.
     loads:        "pointer" (masked loads, cp.async pipelining) or "tma" (tensor descriptors built on
                   the host, TMA copies into shared memory).
     v_layout:     "natural" reads V as (keys, dim) tiles; "transposed" reads a (dim, keys) copy the
@@ -196,6 +200,9 @@ class KernelConfig:
         if self.backend == "gluon":
             self._check_gluon()
             return
+        if self.q_order == "balanced":
+            raise ConfigError("q_order='balanced' schedules the tiles of a persistent Gluon kernel; the Triton kernel "
+                              "runs one program per tile: use 'forward' or 'heavy_first'")
         if self.softmax == "lean" and self.dtype != "fp8":
             raise ConfigError("softmax='lean' writes e4m3 codes and needs dtype='fp8'")
         if self.softmax == "lean" and self.rowsum == "fp32":
@@ -231,6 +238,9 @@ class KernelConfig:
                               f"not {self.block_m}")
         if self.turn_barrier != "mbarrier" and not self.ping_pong:
             raise ConfigError(f"turn_barrier={self.turn_barrier!r}: the turn token exists with ping_pong=True only")
+        if self.q_order == "balanced" and not self.persistent:
+            raise ConfigError("q_order='balanced' is a persistent program's list of tiles: it needs persistent=True "
+                              "(one program per tile is scheduled by the hardware)")
         if self.pv_defer and self.overlap:
             raise ConfigError("pv_defer=True is the plain schedule's pairing of PV(j-1) with QK^T(j): overlap=True "
                               "already issues them together; it needs overlap=False")
@@ -318,7 +328,8 @@ class KernelConfig:
             on = [name for name, flag in (("pingpong", self.ping_pong), ("overlap", self.overlap),
                                           ("vperm", self.v_permute), ("persistent", self.persistent),
                                           ("naturalV", self.v_layout == "natural"),
-                                          ("named", self.turn_barrier == "named")) if flag]
+                                          ("named", self.turn_barrier == "named"), ("defer", self.pv_defer),
+                                          ("balanced", self.q_order == "balanced")) if flag]
             softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
             softmax += " skip-rescale" if self.skip_rescale else ""

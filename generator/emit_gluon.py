@@ -103,6 +103,12 @@ _TORCH_DTYPE = {"fp8": lambda torch: torch.float8_e4m3fn, "bf16": lambda torch: 
 #: Kernel parameters after the descriptors (the launcher passes them in this order).
 SCALAR_PARAMS = ("QD", "KD", "VD", "stride_db", "stride_dh", "H", "GROUP", "HKV", "SEQ_Q", "SEQ_K",
                  "N_M_BLOCKS", "N_TILES", "sm_scale_log2")
+def tile_params(c: KernelConfig) -> tuple[str, ...]:
+    """The parameter after sm_scale_log2 of a q_order="balanced" kernel: its tile table (int32,
+    kernels/gluon_launch.tile_table); other kernels loop round robin and have none."""
+    return ("TILE_TABLE",) if c.q_order == "balanced" else ()
+
+
 #: Integer parameters Triton must not specialise (on == 1 or % 16): the schedule gains nothing from
 #: it, and one compile then serves every shape (a trial, a test run, a new sequence length). The
 #: ahead-of-time compile types them as plain i32, so it builds exactly the code a launch runs.
@@ -133,7 +139,8 @@ def _constants(c: KernelConfig) -> str:
         ("Q_BOXES", int(c.block_m) // q_box_rows(c)),
         ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", int(c.block_m) // 64),
         ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
-        ("HEAVY_FIRST", c.q_order == "heavy_first"), ("V_PERM", bool(c.v_permute)),
+        ("HEAVY_FIRST", c.q_order == "heavy_first"),
+        ("BALANCED", c.q_order == "balanced"), ("V_PERM", bool(c.v_permute)),
         ("V_NATURAL", c.v_layout == "natural"), ("NAMED_TURNS", c.turn_barrier == "named"),
         ("PV_DEFER", bool(c.pv_defer)),
         ("BN_A", key_parts(c)[0]), ("BN_B", key_parts(c)[1]), ("SPLIT", bool(key_parts(c)[1])),
@@ -187,14 +194,14 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
     onesb = "onesb_bufs" if c.rowsum == "mma" and key_parts(c)[1] else ones
     return (f"({cid}, desc_o, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,\n"
             "                    turn_bars, QD, KD, VD, stride_db, stride_dh, sm_scale_log2, H, GROUP, SEQ_Q, SEQ_K,\n"
-            "                    N_M_BLOCKS, N_TILES, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
+            "                    N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
             "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
             f"{bool(c.ex2_fence)!r}, LEAN, {ones}, QK_PARTS,\n"
             f"                    kb_bufs, vb_bufs, {onesb})")
 
 
 _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
-                  "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, BLOCK_M,\n"
+                  "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M,\n"
                   "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST, HEAD_QK, QK_PARTS,\n"
                   "                    v_raw, v_raw_ready, desc_kb, desc_vb, kb_bufs, vb_bufs)")
 
@@ -224,6 +231,8 @@ def _stand_ins(c: KernelConfig) -> list[str]:
     """Names the partitions take that this kernel has no buffers for (never touched under its
     constants; aliases allocate nothing, so every other kernel keeps its shared-memory layout)."""
     out = [] if c.v_layout == "natural" else ["    v_raw = v_bufs", "    v_raw_ready = v_ready"]
+    if c.q_order != "balanced":
+        out.append("    TILE_TABLE = N_TILES")
     if not key_parts(c)[1]:
         out += ["    desc_kb = desc_k", "    desc_vb = desc_v", "    kb_bufs = k_bufs", "    vb_bufs = v_bufs"]
     return out
@@ -259,7 +268,7 @@ def _entry(c: KernelConfig) -> str:
         f"@gluon.jit(do_not_specialize={UNSPECIALISED!r})",
         f"def {KERNEL_NAME}({', '.join(descriptor_blocks(c))},",
         f"                  {', '.join(SCALAR_PARAMS[:7])},",
-        f"                  {', '.join(SCALAR_PARAMS[7:])}, CAUSAL: gl.constexpr):",
+        f"                  {', '.join(SCALAR_PARAMS[7:] + tile_params(c))}, CAUSAL: gl.constexpr):",
         "    dtype: gl.constexpr = gl.float8e4nv",
         "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES * QK_PARTS * Q_BOXES, BLOCK_M // Q_BOXES, QK_W],",
         "                                       desc_q.layout)",

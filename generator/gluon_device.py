@@ -34,6 +34,27 @@ def _tile_coords(t, n_bh, H, n_m, HEAVY_FIRST: gl.constexpr):
 
 
 @gluon.jit
+def _tile_loop(tile_table, n_tiles):
+    """(lo, hi, step) of this program's tile loop; _tile_at maps its index to a tile. BALANCED: the
+    launcher's schedule (kernels/gluon_launch.tile_table, int32): program p takes the tiles
+    table[P + 1 + i] for i in [table[p], table[p + 1]); else round robin, tiles pid, pid + P, ..."""
+    if BALANCED:
+        pid = gl.program_id(0)
+        return gl.load(tile_table + pid), gl.load(tile_table + pid + 1), 1
+    else:
+        return gl.program_id(0), n_tiles, gl.num_programs(0)
+
+
+@gluon.jit
+def _tile_at(tile_table, i):
+    """Tile of loop index i (_tile_loop): read from the table (BALANCED; a forward tile number) or i."""
+    if BALANCED:
+        return gl.load(tile_table + gl.num_programs(0) + 1 + i)
+    else:
+        return i
+
+
+@gluon.jit
 def _block_range(m0, Sq, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """(n_blocks, n_masked): key blocks [0, n_blocks) are visited from the top down; the first
     n_masked visited (those crossing the causal diagonal or the key end) need a mask."""
@@ -53,7 +74,7 @@ def _block_range(m0, Sq, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSA
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-              H, GROUP, Hkv, Sq, Sk, n_m, n_tiles,
+              H, GROUP, Hkv, Sq, Sk, n_m, n_tiles, tile_table,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr, v_raw, v_raw_ready, kb_desc, vb_desc, kb_bufs, vb_bufs):
@@ -70,8 +91,9 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
     n_bh = n_tiles // n_m
     kv_it = 0
     q_it = 0
-    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        b, h, mb = _tile_coords(t, n_bh, H, n_m, HEAVY_FIRST)
+    lo, hi, step = _tile_loop(tile_table, n_tiles)
+    for i in range(lo, hi, step):
+        b, h, mb = _tile_coords(_tile_at(tile_table, i), n_bh, H, n_m, HEAVY_FIRST)
         hk = h // GROUP
         m0 = mb * BLOCK_M
         qs = q_it % Q_STAGES
@@ -488,7 +510,7 @@ def _ones(smem, N: gl.constexpr):
 def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn_bars,
               QD, KD, VD, ds0, ds1, scale_log2,
-              H, GROUP, Sq, Sk, n_m, n_tiles,
+              H, GROUP, Sq, Sk, n_m, n_tiles, tile_table,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
               CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
@@ -527,8 +549,9 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
     q_it = 0
     turn_it = 0
     _turns_start(CID, NUM_CONSUMERS, PINGPONG)
-    for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-        b, h, mb = _tile_coords(t, n_bh, H, n_m, HEAVY_FIRST)
+    lo, hi, step = _tile_loop(tile_table, n_tiles)
+    for i in range(lo, hi, step):
+        b, h, mb = _tile_coords(_tile_at(tile_table, i), n_bh, H, n_m, HEAVY_FIRST)
         hk = h // GROUP
         m0 = mb * BLOCK_M
         row0 = m0 + CID * 64

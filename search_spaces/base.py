@@ -263,7 +263,7 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
 #: setmaxnreg of a producer warpgroup that transposes V (v_layout="natural"): at 24 it spilled 8 bytes
 #: (compile_for_target, hd128 128 x 128 overlap; one consumer with 256-key blocks), at 40 none; one
 #: consumer (producer_regs fixed at 24) with blocks of up to 128 keys did not spill at head dims up to
-#: 128 (at 256: 16 bytes)
+#: 128 (at 256: 16 bytes) unless it also reads a tile table (q_order="balanced": 8 bytes, session 7)
 NATURAL_V_PRODUCER_REGS = 40
 #: Fixed part of a Gluon consumer's registers: row statistics, loop state, addresses, barriers.
 GLUON_REGISTER_OVERHEAD = 24
@@ -281,6 +281,10 @@ GLUON_SPLIT_REGISTERS = 24
 GLUON_MLA_MMA_REGISTERS = 16
 #: Extra registers a Gluon consumer needs at head dims 64 and 256 with the packed P carried (measured)
 GLUON_OTHER_DIM_REGISTERS = 12
+#: Extra registers of one consumer warpgroup (block_m=64, the 256-register maximum) that reads the
+#: balanced tile table: its 256-key overlapped kernels (estimated 248) spilled 8 bytes with the table and
+#: none in round robin; no two- or three-consumer calibration row changed (session 7, 48 compiles)
+GLUON_ONE_CONSUMER_TABLE_REGISTERS = 16
 #: Extra registers of pv_defer with the row-sum MMA: at head dim 256 with 128-key blocks (estimated
 #: 232) rowsum="fp32" did not spill at 240 registers and "mma" spilled 32-40 bytes; at 224 both spilled
 #: 120-160 (session 6, 64 compiles over head dims 64 / 256)
@@ -309,7 +313,8 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     three = GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and c.head_dim_v >= 128 else 0
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
-    return acc + scores + carried + other_dim + three + split + mla + defer_mma + GLUON_REGISTER_OVERHEAD
+    table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
+    return acc + scores + carried + other_dim + three + split + mla + defer_mma + table + GLUON_REGISTER_OVERHEAD
 
 
 def gluon_infeasibility(c: KernelConfig) -> str | None:
@@ -324,10 +329,10 @@ def gluon_infeasibility(c: KernelConfig) -> str | None:
                 f"output tiles) > {SMEM_LIMIT} B (227 KiB)")
     consumer, producer = gluon_registers(c)
     if c.v_layout == "natural" and producer < NATURAL_V_PRODUCER_REGS and (
-            c.block_m > 64 or c.block_n > 128 or c.head_dim_v > 128):
+            c.block_m > 64 or c.block_n > 128 or c.head_dim_v > 128 or c.q_order == "balanced"):
         return (f"registers: the producer warpgroup transposes V (v_layout='natural') and spills at "
                 f"producer_regs={producer} (block_m={c.block_m}, block_n={c.block_n}, head_dim_v="
-                f"{c.head_dim_v}); it needs {NATURAL_V_PRODUCER_REGS}")
+                f"{c.head_dim_v}, q_order={c.q_order!r}); it needs {NATURAL_V_PRODUCER_REGS}")
     need = gluon_register_estimate(c)
     if need > consumer:
         return (f"registers: a consumer warpgroup needs about {need} per thread (accumulator, scores"

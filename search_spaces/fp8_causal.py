@@ -25,7 +25,8 @@ PARAMS = (backend_param(),
     Param("p_scale_log2", (6, 7, 8)),
     triton_only(scale_per_tile(BLOCK_N)),               # Optuna "scale_per_tile": scale_block 0 / block_n
     rowsum_param(("fp32", "rounded", "mma")),           # "fp32" under lean -> "rounded"; Gluon: "fp32" / "mma"
-    Param("q_order", ("forward", "heavy_first")),
+    Param("q_order", ("forward", "heavy_first", "balanced"),  # "balanced": Gluon (persistent) only
+          decode=lambda v, f: f["q_order"] if v == "balanced" and f["backend"] != "gluon" else v),
     triton_only(Param("loads", ("tma", "pointer"))),
     Param("v_layout", ("transposed", "natural"),     # Gluon lean P reads key-permuted V^T: "transposed"
           decode=lambda v, f: "transposed" if f["backend"] == "gluon" and f["softmax"] == "lean" else v),
@@ -34,7 +35,7 @@ PARAMS = (backend_param(),
     gluon_only("pv_defer", (False, True), needs=("overlap", False)),  # plain: PV(j-1) paired with QK^T(j)
     gluon_only("q_stages", (1, 2)),                     # Q ring: 2 prefetches the next tile's Q
     gluon_only("v_permute", (True, False), unless=("v_layout", "natural"), default=False),  # key-permuted V^T
-    gluon_only("persistent", (True, False)),            # grid = min(SMs, tiles)
+    gluon_only("persistent", (True, False), unless=("q_order", "balanced")),  # grid = min(SMs, tiles)
     gluon_only("producer_regs", (24, 40, 56), one_consumer=24),  # setmaxnreg split: consumers get the rest
     gluon_only("ex2_fence", (False, True), needs=("overlap", True), unless=("rowsum", "mma")),  # exps before PV wait
     gluon_only("skip_rescale", (False, True)),          # a warp whose row maxima stayed skips O's rescale

@@ -27,7 +27,10 @@ def valid_with(field: str, value) -> KernelConfig:
         changes["ping_pong"] = True
     if field == "pv_defer" and value:
         changes["overlap"] = False
-    if field in GLUON_FIELDS or (field, value) in (("backend", "gluon"), ("block_m", 192), ("block_n", 192)):
+    if field == "persistent" and not value:
+        changes["q_order"] = "heavy_first"
+    if field in GLUON_FIELDS or (field, value) in (("backend", "gluon"), ("block_m", 192), ("block_n", 192),
+                                                   ("q_order", "balanced")):
         return GLUON.replace(**changes)
     if field == "softmax" and value == "lean":
         changes["rowsum"] = "rounded"
@@ -231,7 +234,8 @@ ROUND_TRIP = [
                  num_stages=2, rowsum="mma", q_order="forward"),
     KernelConfig(softmax="lean", rowsum="rounded", lean_fold="sub_fma", lean_clamp="fmax",
                  lean_pack="bfi", p_scale_log2=5, block_n=64, scale_block=64),
-    GLUON.replace(ping_pong=False, overlap=False, q_stages=2, v_permute=False, persistent=False, producer_regs=40),
+    GLUON.replace(ping_pong=False, overlap=False, q_stages=2, v_permute=False, persistent=False, producer_regs=40,
+                  q_order="heavy_first"),
     GLUON.replace(rowsum="mma"),
     GLUON.replace(exp2_poly=3, exp2_poly_degree=2),
 ]

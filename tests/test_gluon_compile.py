@@ -41,7 +41,8 @@ THREE_CASES = [HD64.replace(block_m=192), HD64.replace(block_m=192, ping_pong=Fa
                HD64.replace(block_m=192, softmax="lean", rowsum="mma"), GLUON.replace(block_m=192, block_n=64)]
 #: V read as given (v_layout="natural"): the producer warpgroup writes each tile's transpose
 NATURAL_CASES = [GLUON.replace(v_permute=False, v_layout="natural", producer_regs=40),
-                 GLUON.replace(block_m=64, ping_pong=False, overlap=False, v_permute=False, v_layout="natural"),
+                 GLUON.replace(block_m=64, ping_pong=False, overlap=False, v_permute=False, v_layout="natural",
+                               q_order="heavy_first"),
                  HD64.replace(v_permute=False, v_layout="natural", producer_regs=40),
                  HD256.replace(v_permute=False, v_layout="natural", producer_regs=40),
                  MLA.replace(v_permute=False, v_layout="natural", producer_regs=40),
@@ -97,6 +98,23 @@ def test_space_configs_compile_cleanly(cfg, compiled):
     check_usable(compiled(cfg), cfg)
 
 
+def test_one_consumer_natural_v_reading_a_tile_table_spills(compiled):
+    """NATURAL_V_PRODUCER_REGS' calibration row: one consumer fixes the V-transposing producer at 24
+    registers, enough for round robin, 8 bytes short once it also reads the balanced tile table."""
+    cfg = NATURAL_CASES[1].replace(q_order="balanced")
+    assert "producer warpgroup transposes V" in SPACE.feasible(cfg)
+    assert compiled(cfg).spill_bytes > 0
+
+
+def test_balanced_kernel_reads_its_tile_table(compiled):
+    """q_order="balanced": each role loads its loop bounds and tiles from the table (global loads the
+    round-robin kernel does not have); the steps are the same code."""
+    rr = compiled(GLUON.replace(q_order="heavy_first"))
+    art = compiled(GLUON)
+    assert art.ptx.count("ld.global") > rr.ptx.count("ld.global")
+    assert art.count("QGMMA") == rr.count("QGMMA") and art.count("MUFU.EX2") == rr.count("MUFU.EX2")
+
+
 def test_non_causal_and_descale_free_specialisations(compiled):
     for causal, descales in ((False, True), (True, False)):
         check_usable(compiled(GLUON, causal, descales), GLUON)
@@ -120,7 +138,8 @@ CALIBRATION = [
     (dict(v_permute=False, producer_regs=56), True),           # 232 needed > 224: spills 24 B
     (dict(v_permute=False), False),                            # 232 <= 240
     (dict(block_n=256, num_stages=2), True),                   # 248 > 240: spills, wgmma serialised
-    (dict(block_n=256, num_stages=2, block_m=64, ping_pong=False), False),  # 248 <= 256
+    (dict(block_n=256, num_stages=2, block_m=64, ping_pong=False, q_order="heavy_first"), False),  # 248 <= 256
+    (dict(block_n=256, num_stages=2, block_m=64, ping_pong=False), True),  # + its tile table: 264 > 256, 8 B
     (dict(block_n=256, num_stages=2, overlap=False, producer_regs=56), False),  # no P carried: 216
     # head dims 64 and 256 (GLUON_OTHER_DIM_REGISTERS)
     (dict(head_dim_qk=64, head_dim_v=64, block_n=256, num_stages=2), False),                     # 228 <= 240
@@ -138,8 +157,11 @@ CALIBRATION = [
     (dict(block_n=192, num_stages=3, q_stages=2, producer_regs=56, ex2_fence=True, skip_rescale=True), True),
     (dict(block_n=192, num_stages=2, v_permute=False), True),
     # 192/128 (GLUON_MLA_MMA_REGISTERS): one consumer, 256-key blocks, overlap; the row-sum MMA tips it
-    (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2), False),                # 248
-    (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2, rowsum="mma"), True),   # 264
+    (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2, q_order="heavy_first"),
+     False),                                                                                           # 248
+    (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2), True),  # table: 264, 8 B
+    (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2, rowsum="mma",
+          q_order="heavy_first"), True),                                                               # 264
     # pv_defer: P(j-1) in flight under QK^T(j) like overlap's carried P (session 6)
     (dict(overlap=False, pv_defer=True), False),                                                           # 168
     (dict(block_n=192, num_stages=3, ping_pong=False, overlap=False, pv_defer=True, rowsum="mma"), False),  # 208

@@ -29,7 +29,7 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
 
 def test_gluon_default_is_the_spike_schedule():
     assert (GLUON.backend, GLUON.block_m, GLUON.block_n, GLUON.num_stages, GLUON.q_order) == (
-        "gluon", 128, 128, 3, "heavy_first")
+        "gluon", 128, 128, 3, "balanced")
     assert GLUON.ping_pong and GLUON.overlap and GLUON.v_permute and GLUON.persistent and GLUON.q_stages == 1
     assert gluon_registers(GLUON) == (240, 24)
     assert KernelConfig.from_json(GLUON.to_json()) == GLUON
@@ -47,7 +47,8 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     other = next(v for v in CHOICES[field] if v != DEFAULTS[field])
     with pytest.raises(ConfigError, match=rf"^{field}={other!r}: not a field of backend='triton'"):
         KernelConfig(**{field: other})
-    needs = {"exp2_poly": 4} if field == "exp2_poly_degree" else {"overlap": False} if field == "pv_defer" else {}
+    needs = {"exp2_poly": 4} if field == "exp2_poly_degree" else {"overlap": False} if field == "pv_defer" else \
+        {"q_order": "heavy_first"} if field == "persistent" else {}
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 

@@ -98,7 +98,8 @@ def test_constants_are_the_config(cfg):
                  "Q_BOXES": 3 if cfg.block_m == 192 else 1,
                  "STAGES": cfg.num_stages,
                  "Q_STAGES": cfg.q_stages, "NUM_CONSUMERS": cfg.block_m // 64, "OVERLAP": cfg.overlap,
-                 "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first", "V_PERM": cfg.v_permute,
+                 "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first",
+                 "BALANCED": cfg.q_order == "balanced", "V_PERM": cfg.v_permute,
                  "V_NATURAL": cfg.v_layout == "natural", "NAMED_TURNS": cfg.turn_barrier == "named",
                  "BN_A": 128 if cfg.block_n == 192 else cfg.block_n, "BN_B": 64 if cfg.block_n == 192 else 0,
                  "SPLIT": cfg.block_n == 192, **fence_constants(cfg),
@@ -118,7 +119,7 @@ def test_constants_are_the_config(cfg):
     assert entry.count("(_consumer, (") == cfg.block_m // 64 and entry.count("(_producer, (") == 1
     assert entry.count("CONSUMER_REGS, ") == cfg.block_m // 64 - 1 and "PRODUCER_REGS]" in entry
     params = [a.arg for a in funcs[KERNEL_NAME].args.args]
-    assert params == list(emit_gluon.descriptor_blocks(cfg)) + list(emit_gluon.SCALAR_PARAMS) + ["CAUSAL"]
+    assert params == list(emit_gluon.descriptor_blocks(cfg)) + list(emit_gluon.SCALAR_PARAMS) + list(emit_gluon.tile_params(cfg)) + ["CAUSAL"]
 
 
 @pytest.mark.parametrize("cfg", VARIANTS)

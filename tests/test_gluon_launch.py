@@ -33,13 +33,14 @@ def tensors(b=2, sq=1000, sk=1000, h=8, hk=2, seed=0, descales=True):
 @pytest.mark.parametrize("b,sq,sk,h,hk", [(2, 1000, 1000, 8, 2), (1, 1, 1, 2, 2), (1, 300, 100, 4, 1),
                                            (4, 8192, 8192, 32, 32)])
 def test_prepare_gluon(persistent, b, sq, sk, h, hk):
-    cfg = GLUON.replace(persistent=persistent)
+    cfg = GLUON.replace(persistent=persistent, q_order="balanced" if persistent else "heavy_first")
     q, k, v, out, ds = tensors(b, sq, sk, h, hk)
     grid, args, options = launch.prepare(cfg, q, k, v, out, 0.125, True, *ds, sms=132)
     tiles = -(-sq // 128) * b * h
     assert grid == ((min(132, tiles) if persistent else tiles),)
     assert options == {"CAUSAL": True, "num_warps": 4}
-    names = list(emit_gluon.descriptor_blocks(cfg)) + list(emit_gluon.SCALAR_PARAMS)
+    names = list(emit_gluon.descriptor_blocks(cfg)) + list(emit_gluon.SCALAR_PARAMS) + list(emit_gluon.tile_params(cfg))
+    assert ("TILE_TABLE" in names) == persistent
     assert len(args) == len(names)
     a = dict(zip(names, args))
     blocks = emit_gluon.descriptor_blocks(cfg)
@@ -59,6 +60,35 @@ def test_prepare_gluon(persistent, b, sq, sk, h, hk):
     assert (a["H"], a["GROUP"], a["HKV"], a["SEQ_Q"], a["SEQ_K"]) == (h, h // hk, hk, sq, sk)
     assert (a["N_M_BLOCKS"], a["N_TILES"]) == (-(-sq // 128), tiles)
     assert a["sm_scale_log2"] == pytest.approx(0.125 * 1.4426950408889634)
+    if persistent:  # offsets of each program's list, then the lists: every tile once
+        table = a["TILE_TABLE"].tolist()
+        p = grid[0]
+        assert a["TILE_TABLE"].dtype == torch.int32 and table[0] == 0 and table[p] == tiles
+        assert sorted(table[p + 1:]) == list(range(tiles))
+        assert all(table[i] <= table[i + 1] for i in range(p))
+
+
+@pytest.mark.parametrize("b,h,group,seqlen", [(4, 32, 1, 4096), (2, 32, 1, 8192), (1, 32, 4, 16384), (3, 5, 5, 1000)])
+def test_balanced_schedule(b, h, group, seqlen):
+    """Every tile once; no program more than 1% above the mean work (round robin: 3-9%); each program
+    meets the groups of heads in the same order (the tiles in flight share K/V in L2), and the q
+    heads of one kv head are in one group."""
+    n_m, programs = -(-seqlen // 128), 132
+    lists = gluon_launch.schedule(b, h, group, n_m, seqlen, seqlen, 128, 256, True, 256, programs)
+    tiles = b * h * n_m
+    assert sorted(t for x in lists for t in x) == list(range(tiles))
+    cost = lambda t: gluon_launch.block_count(t % n_m, 128, 256, seqlen, seqlen, True) + gluon_launch.TILE_OVERHEAD_BLOCKS
+    loads = [sum(map(cost, x)) for x in lists]
+    mean = sum(loads) / programs
+    if tiles >= 8 * programs:
+        assert max(loads) <= 1.01 * mean
+        rr = [sum(cost(t) for t in range(p, tiles, programs)) for p in range(programs)]
+        assert max(rr) >= 1.02 * mean  # what the table is for
+    per_group = max(1, gluon_launch.L2_GROUP_BYTES // (seqlen * 256))  # kv heads whose K and V fit
+    hkv = h // group
+    group_of = lambda t: ((t // n_m) // h * hkv + (t // n_m) % h // group) // per_group
+    for x in lists:
+        assert [group_of(t) for t in x] == sorted(group_of(t) for t in x)
 
 
 def test_prepare_gluon_variants():
@@ -129,7 +159,7 @@ def same_argument(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("config", [GLUON, GLUON.replace(v_permute=False, persistent=False),
+@pytest.mark.parametrize("config", [GLUON, GLUON.replace(v_permute=False, persistent=False, q_order="heavy_first"),
                                     default_config("fp8", 128, 128),
                                     default_config("fp8", 128, 128).replace(loads="pointer"),
                                     default_config("fp8", 128, 128).replace(v_layout="natural")],

@@ -246,6 +246,37 @@ def test_natural_v_equals_the_v_transpose_copy(name, sq, sk, causal):
     assert torch.equal(natural, flash_attn_func(*km_args, causal=causal, config=CONFIGS[name], **km_kw))
 
 
+#: (batch, seqlen_q, seqlen_k, heads, kv_heads, causal): ragged, GQA, non-causal, fewer tiles than SMs
+BALANCE_SHAPES = [(2, 1000, 1000, 8, 8, True), (1, 777, 1500, 8, 2, True), (3, 4096, 4096, 4, 4, True),
+                  (2, 600, 900, 4, 4, False), (1, 130, 130, 2, 1, True)]
+
+
+@pytest.mark.parametrize("name", ["seed", "wide", "256-defer"])
+@pytest.mark.parametrize("shape", BALANCE_SHAPES)
+def test_balanced_schedule_is_round_robin_reordered(name, shape):
+    """q_order="balanced" only changes which program runs a tile and when: every tile is computed by
+    the same code, so the output is bitwise that of round robin (heavy first)."""
+    cfg = {"seed": GLUON, "wide": gluon_wide_config("fp8", 128, 128),
+           "256-defer": gluon_defer_config("fp8", 256, 256)}[name]
+    assert cfg.q_order == "balanced"
+    b, sq, sk, h, hk, causal = shape
+    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=b, heads=h, kv_heads=hk, seqlen=sq,
+                           seqlen_k=sk, seed=5)
+    balanced = flash_attn_func(*args, causal=causal, config=cfg, **kw)
+    assert torch.equal(balanced, flash_attn_func(*args, causal=causal, config=cfg.replace(q_order="heavy_first"), **kw))
+
+
+def test_balanced_first_call_in_capture_is_a_clear_error():
+    """A new shape's tile table is a host copy: inside CUDA graph capture its first call says so."""
+    args, kw = make_inputs("fp8", 128, 128, batch=1, heads=2, kv_heads=2, seqlen=333, seed=6)
+    flash_attn_func(*args, config=GLUON, **kw)  # compiled, and this shape's table made
+    other, okw = make_inputs("fp8", 128, 128, batch=1, heads=2, kv_heads=2, seqlen=4444, seed=6)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="make one call of this shape before CUDA graph capture"):
+        with torch.cuda.graph(graph):
+            flash_attn_func(*other, config=GLUON, **okw)
+
+
 def test_cuda_graph_capture():
     args, kw = make_inputs("fp8", 128, 128, batch=1, heads=8, kv_heads=2, seqlen=777, seed=4)
     eager = flash_attn_func(*args, config=GLUON, **kw)  # compile outside the capture

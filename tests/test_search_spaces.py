@@ -273,6 +273,20 @@ def test_turn_barrier_only_with_ping_pong():
     assert no_pp.turn_barrier == "mbarrier"  # irrelevant without turns: the default, one config
 
 
+def test_balanced_order_only_for_persistent_gluon():
+    """q_order="balanced" is a persistent Gluon kernel's tile table: a Triton trial that draws it keeps
+    the family's order, and a Gluon trial that draws it stays persistent."""
+    space = get_space("fp8")
+    gluon = space.as_optuna_params(D("fp8", 128, 128, "gluon"))
+    assert gluon["q_order"] == "balanced"
+    kept = space._from_options({**gluon, "persistent": False}, 128, 128)
+    assert (kept.q_order, kept.persistent) == ("balanced", True)
+    rr = space._from_options({**gluon, "q_order": "heavy_first", "persistent": False}, 128, 128)
+    assert (rr.q_order, rr.persistent) == ("heavy_first", False)
+    triton = space.as_optuna_params(D("fp8", 128, 128))
+    assert space._from_options({**triton, "q_order": "balanced"}, 128, 128).q_order == D("fp8", 128, 128).q_order
+
+
 def test_seeds_without_database(tmp_path):
     space = get_space("bf16")
     assert space.seeds(128, 128, databases=[tmp_path / "missing.db"]) == [space.base(128, 128)]
