@@ -144,6 +144,9 @@ class KernelConfig:
                   for at once, so the tensor cores get the two products back to back and the warpgroup
                   waits once per key block instead of twice; the softmax still runs after both (no P
                   under an MMA), so it costs only the in-flight P registers, not overlap's carried P.
+                  With two key parts (block_n 192, and 256 as 128 + 128) PV(j-1) goes first, then
+                  QK^T(j)'s first part, a wait that lets that part run on, then the second part in the
+                  registers the P in flight had: a 256-key block fits (with skip_rescale).
     """
 
     dtype: str = "fp8"
@@ -274,6 +277,9 @@ class KernelConfig:
         if self.block_n == 192 and (self.v_layout == "natural" or self.softmax == "lean"):
             raise ConfigError("block_n=192 (128 + 64 key parts) is built for the exact softmax with the V^T copy: "
                               "it needs softmax='exact' and v_layout='transposed'")
+        if self.block_n == 256 and self.pv_defer and self.v_layout == "natural":
+            raise ConfigError("block_n=256 with pv_defer=True (two 128-key parts) is built for the V^T copy: it "
+                              "needs v_layout='transposed'")
         if self.v_layout == "natural" and self.v_permute:
             raise ConfigError("v_layout='natural' with backend='gluon' writes V^T in key order: it needs "
                               "v_permute=False (and so softmax='exact')")

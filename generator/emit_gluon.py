@@ -62,8 +62,20 @@ def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
 
 def key_parts(config: KernelConfig) -> tuple[int, int]:
     """Keys of a block's first and second part: tensor shapes must be powers of two, so a 192-key
-    block is a 128-key and a 64-key part (two QK^T accumulators, two PV wgmmas); else (block_n, 0)."""
-    return (128, 64) if config.block_n == 192 else (config.block_n, 0)
+    block is a 128-key and a 64-key part (two QK^T accumulators, two PV wgmmas); a 256-key block
+    with pv_defer two 128-key parts (the second QK^T issued once PV(j-1) has freed its registers);
+    else (block_n, 0)."""
+    if config.block_n == 192:
+        return 128, 64
+    if config.block_n == 256 and config.pv_defer:
+        return 128, 128
+    return config.block_n, 0
+
+
+def rescale_in_place(config: KernelConfig) -> bool:
+    """O's rescale is inline PTX on its own registers (generator/rescale_asm.py): with skip_rescale,
+    and for a 256-key pv_defer block, where a multiplied copy of O beside the scores spills."""
+    return bool(config.skip_rescale) or (config.block_n == 256 and bool(config.pv_defer))
 
 
 def q_box_rows(config: KernelConfig) -> int:
@@ -156,9 +168,10 @@ def _constants(c: KernelConfig) -> str:
         ("EXP2_CONSTRAINTS", EXP2_CONSTRAINTS),
         # O's rescale skipped by warps whose maxima stayed (generator/rescale_asm.py): per thread, the
         # 64 x head_dim_v accumulator is head_dim_v / 2 registers
-        ("SKIP_RESCALE", bool(c.skip_rescale)), ("RESCALE_PACK", int(c.head_dim_v) // 2),
-        ("RESCALE_ASM", rescale_asm(int(c.head_dim_v) // 2) if c.skip_rescale else ""),
-        ("RESCALE_CONSTRAINTS", rescale_constraints(int(c.head_dim_v) // 2) if c.skip_rescale else ""),
+        # (in place, without the skip, also for a 256-key pv_defer block: rescale_in_place)
+        ("RESCALE_IN_PLACE", rescale_in_place(c)), ("RESCALE_PACK", int(c.head_dim_v) // 2),
+        ("RESCALE_ASM", rescale_asm(int(c.head_dim_v) // 2, skip=c.skip_rescale) if rescale_in_place(c) else ""),
+        ("RESCALE_CONSTRAINTS", rescale_constraints(int(c.head_dim_v) // 2) if rescale_in_place(c) else ""),
         # ex2_fence (generator/fence_asm.py): one asm per consumer warpgroup (its own named barrier)
         *_fence_constants(c),
     ]

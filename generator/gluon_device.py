@@ -272,10 +272,10 @@ def _exp2(x):
 @gluon.jit
 def _rescale(acc, l_i, alpha, row_o: gl.constexpr):
     """O *= alpha per row, and l too under ROWSUM_MMA (whose row sums arrive with PV, so l is
-    rescaled when O is); under SKIP_RESCALE a warp whose rows all have alpha == 1 (maxima kept)
-    jumps over O's multiplies (generator/rescale_asm.py)."""
+    rescaled when O is). RESCALE_IN_PLACE: inline PTX on O's own registers (generator/rescale_asm.py),
+    with skip_rescale jumped over by a warp whose rows all have alpha == 1 (maxima kept)."""
     a = gl.convert_layout(alpha, row_o)[:, None]
-    if SKIP_RESCALE:
+    if RESCALE_IN_PLACE:
         acc = gl.inline_asm_elementwise(RESCALE_ASM, RESCALE_CONSTRAINTS, [acc, gl.broadcast(acc, a)[1]],
                                         dtype=gl.float32, is_pure=True, pack=RESCALE_PACK)
     else:
@@ -424,13 +424,14 @@ def _pv_issue(p8, v_smem, acc, ones_smem, l_zero, p8b, vb_smem, onesb_smem):
 
 
 @gluon.jit
-def _pv_done(o_tok, r_tok, l_i, row_s: gl.constexpr):
-    """Wait for _pv_issue's wgmmas; under ROWSUM_MMA add the row sum (all 8 columns hold it) to l."""
+def _pv_done(o_tok, r_tok, l_i, row_s: gl.constexpr, LATER: gl.constexpr = 0):
+    """Wait for _pv_issue's wgmmas (LATER: wgmmas issued after them may still run); under ROWSUM_MMA
+    add the row sum (all 8 columns hold it) to l."""
     if ROWSUM_MMA:
-        acc, rs = warpgroup_mma_wait(0, deps=(o_tok, r_tok))
+        acc, rs = warpgroup_mma_wait(LATER, deps=(o_tok, r_tok))
         l_i = l_i + gl.convert_layout(gl.max(rs, axis=1), row_s)
     else:
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
+        acc = warpgroup_mma_wait(LATER, deps=(o_tok,))
     return acc, l_i
 
 
@@ -461,16 +462,28 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-    s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
-    sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS) if SPLIT else s_tok
-    o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst), onesb_smem)
+    if PV_DEFER and SPLIT:
+        # PV(j-1), then QK^T(j)'s first key part; once PV(j-1) is done (the P registers it reads are
+        # free) the second part, so that the scores of a 256-key block never share the registers
+        # with the P in flight (128 + 32 + 64 would spill, 64 + 32 + 64 and 128 + 64 do not)
+        o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
+                                 onesb_smem)
+        s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
+        acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), QK_PARTS)
+        sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS)
+    else:
+        s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
+        sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS) if SPLIT else s_tok
+        o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
+                                 onesb_smem)
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
     # QK^T(j) done; PV(j-1) may still run, unless PV_DEFER (the plain step with PV(j-1) paired: both
     # products done before the softmax, V(j-1) released at once)
     s, sb = _qk_result(s_tok, sb_tok, not PV_DEFER)
     mbarrier.arrive(k_empty.index(st), count=1)
     if PV_DEFER:
-        acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # retired already: no wait
+        if not SPLIT:
+            acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # retired already: no wait
         mbarrier.arrive(v_empty.index(pst), count=1)
     else:  # PV(j-2) retired at the end of the previous step: release its V stage now
         mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=j >= 2)

@@ -17,19 +17,22 @@ from __future__ import annotations
 ROW_REGISTERS = (0, 2)
 
 
-def rescale_asm(n: int) -> str:
+def rescale_asm(n: int, skip: bool = True) -> str:
     """PTX for one thread's n O registers ($0..$n-1, tied to inputs $n..$2n-1) times their row's
-    alpha ($2n..$3n-1), skipped when no row of the warp has alpha != 1."""
+    alpha ($2n..$3n-1), skipped when no row of the warp has alpha != 1; skip=False: always, still in
+    place (a 256-key pv_defer block has no registers for a multiplied copy of O beside its scores)."""
     if type(n) is not int or n < 4 or n % 4:
         raise ValueError(f"n must be a positive multiple of 4 (O registers per thread), got {n!r}")
     a0, a1 = (2 * n + r for r in ROW_REGISTERS)
-    lines = ["{", ".reg .pred p, q;",
-             f"setp.ne.f32 p, ${a0}, 0f3F800000;",
-             f"setp.ne.or.f32 p, ${a1}, 0f3F800000, p;",
-             "vote.sync.any.pred q, p, 0xffffffff;",
-             "@!q bra.uni SKIP;"]
+    lines = ["{"]
+    if skip:
+        lines += [".reg .pred p, q;",
+                  f"setp.ne.f32 p, ${a0}, 0f3F800000;",
+                  f"setp.ne.or.f32 p, ${a1}, 0f3F800000, p;",
+                  "vote.sync.any.pred q, p, 0xffffffff;",
+                  "@!q bra.uni SKIP;"]
     lines += [f"mul.f32 ${k}, ${k}, ${2 * n + k};" for k in range(n)]
-    lines += ["SKIP:", "}"]
+    lines += ["SKIP:", "}"] if skip else ["}"]
     return "\n".join(lines)
 
 

@@ -281,6 +281,13 @@ GLUON_SPLIT_REGISTERS = 24
 GLUON_MLA_MMA_REGISTERS = 16
 #: Extra registers a Gluon consumer needs at head dims 64 and 256 with the packed P carried (measured)
 GLUON_OTHER_DIM_REGISTERS = 12
+#: Extra registers of a 256-key pv_defer block (two 128-key parts, the second QK^T issued after the PV
+#: wait, so the scores never share the registers with the P in flight): with O rescaled in place
+#: (skip_rescale's inline PTX) it compiled without spills at 240 per consumer (rowsum fp32 / mma, with
+#: or without ping-pong or v_permute) and spilled 16 bytes at 232; rescaled by a multiply (a second
+#: copy of O) it spilled 64-152 bytes (session 7, causal; non-causal kernels spilled either way and
+#: are left to the tuner's compile check)
+GLUON_SPLIT_DEFER_REGISTERS = 8
 #: Extra registers of one consumer warpgroup (block_m=64, the 256-register maximum) that reads the
 #: balanced tile table: its 256-key overlapped kernels (estimated 248) spilled 8 bytes with the table and
 #: none in round robin; no two- or three-consumer calibration row changed (session 7, 48 compiles)
@@ -314,6 +321,8 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
+    if c.pv_defer and c.block_n == 256:  # peak at the softmax: no P in flight beside the scores, O in place
+        return acc + scores + defer_mma + table + GLUON_SPLIT_DEFER_REGISTERS + GLUON_REGISTER_OVERHEAD
     return acc + scores + carried + other_dim + three + split + mla + defer_mma + table + GLUON_REGISTER_OVERHEAD
 
 

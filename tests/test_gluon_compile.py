@@ -15,9 +15,9 @@ import re
 import pytest
 from gluon_cases import GLUON, SPACE, neighbours, sampled
 
-from zyfa_tune.generator import ConfigError, KernelConfig, emit
+from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
-from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.kernels.defaults import default_config, gluon_wide_config
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
 from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
 
@@ -106,6 +106,17 @@ def test_one_consumer_natural_v_reading_a_tile_table_spills(compiled):
     assert compiled(cfg).spill_bytes > 0
 
 
+def test_256_key_defer_issues_the_second_part_after_the_pv_wait(compiled):
+    """pv_defer with 256-key blocks: PV(j-1) and QK^T(j)'s first 128-key part are issued, the wait
+    lets one group (that part) run on, then the second part is issued into the registers the P in
+    flight had, and one wait for all: per step two waits, one of them leaving a group in flight."""
+    cfg = gluon_wide_config("fp8", 128, 128).replace(pv_defer=True, rowsum="mma", skip_rescale=True)
+    art = compiled(cfg)
+    assert art.spill_bytes == 0 and art.serialised_wgmma is None
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in art.sass
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in compiled(gluon_wide_config("fp8", 128, 128)).sass
+
+
 def test_balanced_kernel_reads_its_tile_table(compiled):
     """q_order="balanced": each role loads its loop bounds and tiles from the table (global loads the
     round-robin kernel does not have); the steps are the same code."""
@@ -165,7 +176,13 @@ CALIBRATION = [
     # pv_defer: P(j-1) in flight under QK^T(j) like overlap's carried P (session 6)
     (dict(overlap=False, pv_defer=True), False),                                                           # 168
     (dict(block_n=192, num_stages=3, ping_pong=False, overlap=False, pv_defer=True, rowsum="mma"), False),  # 208
-    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True), True),    # 248: 136 B
+    # 256 keys: two 128-key parts, the second QK^T after the PV wait, O rescaled in place
+    # (GLUON_SPLIT_DEFER_REGISTERS)
+    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True), False),   # 224
+    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True, skip_rescale=True,
+          rowsum="mma"), False),                                                                           # 240
+    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True, skip_rescale=True,
+          rowsum="mma", producer_regs=40), True),                                                          # 240 > 232: 16 B
     (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, pv_defer=True), False),  # 232
     (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, pv_defer=True,
           rowsum="mma"), True),                                                                 # 248 > 240: 32 B
@@ -258,22 +275,31 @@ def test_ex2_fence_puts_every_exponential_before_the_pv_wait(changes, causal, co
         assert sum(exponentials_after_pv_wait(b) for b in plain_loops) > 0
 
 
-@pytest.mark.parametrize("changes", [dict(), dict(block_n=192, num_stages=3, ping_pong=False, rowsum="mma")],
+@pytest.mark.parametrize("changes", [dict(), dict(block_n=192, num_stages=3, ping_pong=False, rowsum="mma"),
+                                     dict(block_n=256, num_stages=2, q_stages=2, ping_pong=False, rowsum="mma",
+                                          skip_rescale=True)],
                          ids=lambda x: str(x))
 def test_pv_defer_pairs_the_products_and_waits_once(changes, compiled):
-    """pv_defer: in every step loop QK^T(j) and PV(j-1) are issued back to back with no wgmma wait
-    between them, then one wait(0), and every exponential of the step comes after it (the softmax
-    is not under an MMA, unlike overlap); no spills, no serialised wgmmas."""
+    """pv_defer: in every step loop QK^T(j) and PV(j-1) are issued in one burst, then one wait(0),
+    and every exponential of the step comes after it (the softmax is not under an MMA, unlike
+    overlap); no spills, no serialised wgmmas. With two key parts (192, 256 keys) PV(j-1) goes first
+    and one wait inside the burst lets QK^T(j)'s first part run on (gsb0 <= 1) before the second."""
     cfg = GLUON.replace(overlap=False, pv_defer=True, **changes)
     art = compiled(cfg)
     check_usable(art, cfg)
-    qk = 4 * (2 if cfg.block_n == 192 else 1)      # hd128: 4 k-steps per key part
+    parts = 2 if emit_gluon.key_parts(cfg)[1] else 1
+    qk = 4 * parts                                  # hd128: 4 k-steps per key part
     loops = overlapped_step_loops(art.sass, cfg.block_n, qk + cfg.block_n // 32 * (2 if cfg.rowsum == "mma" else 1))
     assert len(loops) == 2 * (cfg.block_m // 64)   # masked and unmasked steps of each consumer
     for body in loops:
         mma = [i for i, t in enumerate(body) if "QGMMA" in t]
         waits = [i for i, t in enumerate(body) if "WARPGROUP.DEPBAR" in t]
-        assert not [w for w in waits if mma[0] < w < mma[-1]]          # one burst of wgmmas
+        inside = [w for w in waits if mma[0] < w < mma[-1]]
+        if parts == 1:
+            assert not inside                      # one burst of wgmmas
+        else:
+            assert len(inside) == 1 and body[inside[0]].endswith("gsb0, 0x1")
+            assert sum("QGMMA" in t for t in body[inside[0]:]) == 4  # the second part's k-steps
         assert exponentials_after_pv_wait(body) == sum("MUFU.EX2" in t for t in body)
 
 
@@ -368,6 +394,8 @@ def test_rescale_asm_text():
     for bad in (0, 6, 8.0, True):
         with pytest.raises(ValueError, match="multiple of 4"):
             rescale_asm(bad)
+    always = rescale_asm(8, skip=False)  # in place, no test or branch: a 256-key pv_defer block's rescale
+    assert always.count("mul.f32") == 8 and "vote" not in always and "bra" not in always and "SKIP" not in always
 
 
 def test_natural_v_is_transposed_by_the_producer(compiled):

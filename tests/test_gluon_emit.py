@@ -93,6 +93,7 @@ def test_constants_are_the_config(cfg):
     c = constants(src)
     lean = cfg.softmax == "lean"
     consumer_regs, producer_regs = gluon_registers(cfg)
+    in_place = cfg.skip_rescale or (cfg.block_n == 256 and cfg.pv_defer)
     assert c == {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "HEAD_D": cfg.head_dim_v, "HEAD_QK": cfg.head_dim_qk,
                  "QK_PARTS": cfg.head_dim_qk // emit_gluon.qk_part_width(cfg), "QK_W": emit_gluon.qk_part_width(cfg),
                  "Q_BOXES": 3 if cfg.block_m == 192 else 1,
@@ -110,9 +111,9 @@ def test_constants_are_the_config(cfg):
                  "LEAN_MAGIC": MAGIC, "LEAN_ASM": lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else "",
                  "ROWSUM_MMA": cfg.rowsum == "mma", "EXP2_POLY": cfg.exp2_poly,
                  "EXP2_ASM": exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else "",
-                 "EXP2_CONSTRAINTS": EXP2_CONSTRAINTS, "SKIP_RESCALE": cfg.skip_rescale, "RESCALE_PACK": cfg.head_dim_v // 2,
-                 "RESCALE_ASM": rescale_asm(cfg.head_dim_v // 2) if cfg.skip_rescale else "",
-                 "RESCALE_CONSTRAINTS": rescale_constraints(cfg.head_dim_v // 2) if cfg.skip_rescale else ""}
+                 "EXP2_CONSTRAINTS": EXP2_CONSTRAINTS, "RESCALE_IN_PLACE": in_place, "RESCALE_PACK": cfg.head_dim_v // 2,
+                 "RESCALE_ASM": rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale) if in_place else "",
+                 "RESCALE_CONSTRAINTS": rescale_constraints(cfg.head_dim_v // 2) if in_place else ""}
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert {KERNEL_NAME, "_producer", "_consumer", "_softmax", "_ov_step"} <= set(funcs)
     entry = ast.unparse(funcs[KERNEL_NAME])

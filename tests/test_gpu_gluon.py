@@ -57,6 +57,11 @@ CONFIGS = {
     "defer-pp": GLUON.replace(overlap=False, pv_defer=True),
     "defer-split": GLUON.replace(block_n=192, num_stages=2, q_stages=2, ping_pong=False, overlap=False, pv_defer=True,
                                  rowsum="mma", skip_rescale=True),
+    # 256-key blocks with pv_defer: two 128-key parts, the second QK^T issued after the PV wait
+    "defer-256": GLUON.replace(block_n=256, num_stages=2, q_stages=2, ping_pong=False, overlap=False, pv_defer=True,
+                               rowsum="mma", skip_rescale=True),
+    "defer-256-fp32": GLUON.replace(block_n=256, num_stages=2, q_stages=2, ping_pong=False, overlap=False,
+                                    pv_defer=True),  # O rescaled in place without the skip
     # 192-key blocks: a 128-key and a 64-key part (two QK^T accumulators, two PV wgmmas)
     "split": GLUON.replace(block_n=192, num_stages=2),
     "split-mma-skip": GLUON.replace(block_n=192, num_stages=2, rowsum="mma", skip_rescale=True),
