@@ -7,7 +7,7 @@ Roles (warp specialisation): the entry kernel's default partition is consumer wa
 worker partitions are consumer warpgroups 1 and 2 (two or three consumers) and the TMA producer (one
 warp; a warpgroup when it also transposes V, V_NATURAL). A consumer warpgroup owns 64 query rows of
 the CTA's tile and issues m64 x BLOCK_N x 32 FP8 wgmmas (QGMMA); a 192-key block (SPLIT) is a
-128-key and a 64-key part, each its own wgmmas.
+128-key and a 64-key part, each its own wgmmas (a 256-key pv_defer block: two 128-key parts).
 
 Module constants (written by emit_gluon for each config) choose among the variants; every branch on
 them is resolved at compile time, so a kernel contains only its own schedule.
@@ -86,8 +86,8 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
     writes their transposes into the V^T ring (_transpose_v) one block behind the loads: K(j) and
     V(j) are issued, then V^T(j-1) written while V(j) is in flight, so the consumers get K(j) and
     V^T(j-1) in the order they use them (QK^T(j) beside PV(j-1)).
-    SPLIT (192-key blocks): K and V^T of a block come as a 128-key and a 64-key box each (kb_*, vb_*),
-    on the same barriers."""
+    SPLIT (two key parts, BN_A + BN_B: 128 + 64, or 128 + 128 with pv_defer): K and V^T of a block
+    come as one box per part each (kb_*, vb_*), on the same barriers."""
     n_bh = n_tiles // n_m
     kv_it = 0
     q_it = 0
@@ -184,8 +184,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     codes (LEAN_ASM: generator/lean_asm.lean_tail_asm), and l is left alone: the rounded row sum
     comes from an MMA with PV. ROWSUM_MMA (always under LEAN): l is not summed here either; the row
     sum of the probabilities as rounded to e4m3 comes from the MMA against ones (_pv_issue).
-    SPLIT (192-key blocks): s holds keys [n0, n0 + 128) and sb keys [n0 + 128, n0 + 192): one row
-    maximum and one row sum over both, two P operands (the last result, p8b; else p8 again)."""
+    SPLIT (two key parts): s holds keys [n0, n0 + BN_A) and sb keys [n0 + BN_A, n0 + BN_A + BN_B): one
+    row maximum and one row sum over both, two P operands (the last result, p8b; else p8 again)."""
     if MASK:
         s = _masked(s, n0, row0, Sk, off, CAUSAL, qk_layout)
         if SPLIT:
@@ -452,8 +452,9 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     EX2_FENCE puts a barrier on the row sums right before the wait (generator/fence_asm.py). ROWSUM_MMA: the
     rounded row sum of P(j-1) is one more wgmma (against ones) issued with PV(j-1), so l is
     rescaled and summed exactly when O is. SPLIT: two key parts, so twice the wgmmas of each kind
-    (pPb carries the second part's P). PV_DEFER (overlap off): the same issue order, but both
-    products are waited for before the softmax and V(j-1) is released in this step."""
+    (pPb carries the second part's P). PV_DEFER (overlap off): both products are waited for before
+    the softmax and V(j-1) is released in this step; with two key parts PV(j-1) is issued first and
+    QK^T(j)'s second part only once PV(j-1) is done (below)."""
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
     p8 = _p_operand(pP, V_PERM, LEAN)
