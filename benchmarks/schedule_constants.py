@@ -30,7 +30,7 @@ def use_constants(group_mib: int, overhead_keys: int, block_n: int) -> None:
     gluon_launch.L2_GROUP_BYTES = (group_mib or 1 << 20) << 20
     gluon_launch.TILE_OVERHEAD_BLOCKS = overhead_keys / block_n
     gluon_launch.schedule.cache_clear()
-    gluon_launch._TABLES.clear()
+    gluon_launch.tile_table.cache_clear()
     api._plans.clear()
 
 

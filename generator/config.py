@@ -146,7 +146,7 @@ class KernelConfig:
                   under an MMA), so it costs only the in-flight P registers, not overlap's carried P.
                   With two key parts (block_n 192, and 256 as 128 + 128) PV(j-1) goes first, then
                   QK^T(j)'s first part, a wait that lets that part run on, then the second part in the
-                  registers the P in flight had: a 256-key block fits (with skip_rescale).
+                  registers the P in flight had: a 256-key block fits (O rescaled in place).
     """
 
     dtype: str = "fp8"

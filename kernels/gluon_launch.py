@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import math
 
 import torch
@@ -74,29 +75,17 @@ def schedule(n_b: int, n_h: int, group: int, n_m: int, sq: int, sk: int, block_m
     return tuple(tuple(x) for x in lists)
 
 
-_TABLES: dict[tuple, torch.Tensor] = {}
-
-
+@functools.lru_cache(maxsize=256)
 def tile_table(key: tuple, device: torch.device) -> torch.Tensor:
     """`schedule(*key)` as the kernel reads it: int32 [offsets of the P programs' lists (P + 1), their
     tiles], on `device`; made once per shape and device and kept (a launch only passes its pointer,
     so CUDA graphs replay it). Its first use cannot be inside CUDA graph capture (a host copy)."""
-    cache_key = (key, str(device))
-    table = _TABLES.get(cache_key)
-    if table is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("q_order='balanced': the tile schedule of a new shape is copied to the GPU on its "
-                               "first call; make one call of this shape before CUDA graph capture")
-        lists = schedule(*key)
-        offsets = [0]
-        for x in lists:
-            offsets.append(offsets[-1] + len(x))
-        flat = offsets + [t for x in lists for t in x]
-        table = torch.tensor(flat, dtype=torch.int32, device=device)
-        if len(_TABLES) >= 256:
-            _TABLES.pop(next(iter(_TABLES)))
-        _TABLES[cache_key] = table
-    return table
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("q_order='balanced': the tile schedule of a new shape is copied to the GPU on its "
+                           "first call; make one call of this shape before CUDA graph capture")
+    lists = schedule(*key)
+    offsets = [0, *itertools.accumulate(map(len, lists))]
+    return torch.tensor(offsets + [t for x in lists for t in x], dtype=torch.int32, device=device)
 
 
 def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> list:

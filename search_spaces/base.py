@@ -282,11 +282,11 @@ GLUON_MLA_MMA_REGISTERS = 16
 #: Extra registers a Gluon consumer needs at head dims 64 and 256 with the packed P carried (measured)
 GLUON_OTHER_DIM_REGISTERS = 12
 #: Extra registers of a 256-key pv_defer block (two 128-key parts, the second QK^T issued after the PV
-#: wait, so the scores never share the registers with the P in flight): with O rescaled in place
-#: (skip_rescale's inline PTX) it compiled without spills at 240 per consumer (rowsum fp32 / mma, with
-#: or without ping-pong or v_permute) and spilled 16 bytes at 232; rescaled by a multiply (a second
-#: copy of O) it spilled 64-152 bytes (session 7, causal; non-causal kernels spilled either way and
-#: are left to the tuner's compile check)
+#: wait, so the scores never share the registers with the P in flight). Such a block always rescales O
+#: in place (inline PTX, emit_gluon.rescale_in_place): so it compiled without spills at 240 per
+#: consumer (rowsum fp32 / mma, with or without ping-pong, v_permute or skip_rescale) and spilled 16
+#: bytes at 232; rescaled by a multiply (a second copy of O) it had spilled 64-152 bytes (session 7,
+#: causal; non-causal kernels may spill and are left to the tuner's compile check)
 GLUON_SPLIT_DEFER_REGISTERS = 8
 #: Extra registers of one consumer warpgroup (block_m=64, the 256-register maximum) that reads the
 #: balanced tile table: its 256-key overlapped kernels (estimated 248) spilled 8 bytes with the table and
