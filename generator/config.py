@@ -54,14 +54,17 @@ CHOICES: dict[str, tuple] = {
     "skip_rescale": (False, True),
     "turn_barrier": ("mbarrier", "named"),
     "pv_defer": (False, True),
+    "p_carry": ("f32", "e4m3"),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
-                "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer")
+                "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
+                "p_carry")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
-LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer")
+LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
+               "p_carry")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads")
@@ -140,6 +143,10 @@ class KernelConfig:
     turn_barrier: Gluon (ping_pong only): the token the consumer warpgroups pass to take turns, an
                   "mbarrier" in shared memory or a hardware "named" barrier (bar.sync / bar.arrive,
                   as FA3's warp scheduler barrier).
+    p_carry:      Gluon (overlap or pv_defer): how P crosses from the softmax of step j to the PV of
+                  step j+1: "f32" (the float32 probabilities, rounded next to the wgmma) or "e4m3"
+                  (rounded at once and packed four per register as the A operand holds them: a quarter
+                  of the registers, no byte moves; generator/gluon_device._p_pack).
     pv_defer:     Gluon (overlap=False only): PV(j-1) is issued right after QK^T(j) and both are waited
                   for at once, so the tensor cores get the two products back to back and the warpgroup
                   waits once per key block instead of twice; the softmax still runs after both (no P
@@ -180,6 +187,7 @@ class KernelConfig:
     skip_rescale: bool = False
     turn_barrier: str = "mbarrier"
     pv_defer: bool = False
+    p_carry: str = "f32"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -247,6 +255,17 @@ class KernelConfig:
         if self.pv_defer and self.overlap:
             raise ConfigError("pv_defer=True is the plain schedule's pairing of PV(j-1) with QK^T(j): overlap=True "
                               "already issues them together; it needs overlap=False")
+        if self.p_carry == "e4m3":
+            if not (self.overlap or self.pv_defer):
+                raise ConfigError("p_carry='e4m3' is how P is carried from one step to the next: it needs "
+                                  "overlap=True or pv_defer=True (the plain step uses P where it is made)")
+            if not (self.v_permute and self.softmax == "exact"):
+                raise ConfigError("p_carry='e4m3' packs the exact softmax's P as the A operand's registers "
+                                  "(four keys per thread): it needs v_permute=True and softmax='exact'")
+            if self.ex2_fence and self.rowsum == "mma":
+                raise ConfigError("p_carry='e4m3' with ex2_fence=True and rowsum='mma': that fence ORs the float32 "
+                                  "probabilities, which are packed here; use rowsum='fp32' (its fence is on the row "
+                                  "sums) or p_carry='f32'")
         if self.ex2_fence and not self.overlap:
             raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
                               "under the softmax")
@@ -335,6 +354,7 @@ class KernelConfig:
                                           ("vperm", self.v_permute), ("persistent", self.persistent),
                                           ("naturalV", self.v_layout == "natural"),
                                           ("named", self.turn_barrier == "named"), ("defer", self.pv_defer),
+                                          ("packedP", self.p_carry == "e4m3"),
                                           ("balanced", self.q_order == "balanced")) if flag]
             softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""

@@ -19,6 +19,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                warpgroup_mma, warpgroup_mma_wait)
 
+#: four float32 probabilities ($1..$4, key order) -> one register of four e4m3 ($0), as the wgmma A
+#: operand holds them
+E4M3X4_ASM = gl.constexpr("{ .reg .b16 lo, hi;\n"
+                          "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+                          "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+                          "mov.b32 $0, {lo, hi}; }")
+
 
 @gluon.jit
 def _tile_coords(t, n_bh, H, n_m, HEAVY_FIRST: gl.constexpr):
@@ -233,10 +240,14 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         NB: gl.constexpr = BN_A // 32
         p = p.reshape([64, NB, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([64, BN_A])
         p8 = gl.convert_layout(p, p_layout)   # float32, rounded by _p_operand next to its wgmma
+        if PACK_P:  # or rounded now and carried packed
+            p8 = _p_pack(p8)
         if SPLIT:
             NBB: gl.constexpr = BN_B // 32
             pb = pb.reshape([64, NBB, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([64, BN_B])
             p8b = gl.convert_layout(pb, p_layout)
+            if PACK_P:
+                p8b = _p_pack(p8b)
         else:
             p8b = p8
     else:
@@ -286,20 +297,42 @@ def _rescale(acc, l_i, alpha, row_o: gl.constexpr):
 
 
 @gluon.jit
-def _p_operand(pP, V_PERM: gl.constexpr, LEAN: gl.constexpr = False):
+def _p_pack(p):
+    """float32 P (64 x keys, the A operand's layout: four consecutive keys per thread) -> int32
+    (64 x keys / 4), four e4m3 per register: a quarter of the registers to carry across steps."""
+    x0, x1 = gl.split(p.reshape([64, p.shape[1] // 4, 2, 2]))   # key 4a + 2b + c: c = 0 / 1
+    x00, x01 = gl.split(x0)                                      # b = 0 / 1
+    x10, x11 = gl.split(x1)
+    return gl.inline_asm_elementwise(E4M3X4_ASM, "=r,r,r,r,r", [x00, x10, x01, x11], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _p_unpack(w, p_layout: gl.constexpr):
+    """_p_pack's registers as the e4m3 A operand (each is its four keys' bytes: the joins only repeat
+    it, so the layout conversion moves nothing). The operand is a copy (an identity LOP3): a plain
+    mov lets ptxas coalesce it with the loop-carried register, so the next step's P would be written
+    where the in-flight PV wgmma reads, and ptxas serialises every wgmma (C7513)."""
+    x = gl.join(w, w)
+    x = gl.join(x, x)
+    x = gl.convert_layout(x.reshape([64, w.shape[1] * 4]), p_layout)
+    return gl.inline_asm_elementwise("lop3.b32 $0, $1, $1, $1, 0xF0;", "=r,r,r,r,r", [x], dtype=gl.float8e4nv,
+                                     is_pure=True, pack=4)
+
+
+@gluon.jit
+def _p_operand(pP, V_PERM: gl.constexpr, LEAN: gl.constexpr = False, p_layout: gl.constexpr = None):
     """The e4m3 A operand of the PV wgmma. Triton keeps fp8 tensors as separate bytes, so an e4m3 P
     carried across a loop back-edge costs ~100 byte-repacking instructions per step; carried as
-    float32 and rounded here (4 registers -> one register of 4 e4m3), they fold away. LEAN: the
+    float32 and rounded here (4 registers -> one register of 4 e4m3), they fold away. PACK_P: carried
+    already rounded, as int32 words of four e4m3 (_p_pack), a quarter of the registers. LEAN: the
     folded scores become codes by integer clamp and byte packing (generator/lean_asm.py)."""
     if LEAN:
         return gl.inline_asm_elementwise(LEAN_ASM, "=r,r,r,r,r", [pP], dtype=gl.float8e4nv, is_pure=True, pack=4)
+    elif PACK_P:
+        return _p_unpack(pP, p_layout)
     elif V_PERM:
-        return gl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
-            "mov.b32 $0, {lo, hi}; }",
-            "=r,r,r,r,r", [pP], dtype=gl.float8e4nv, is_pure=True, pack=4)
+        return gl.inline_asm_elementwise(E4M3X4_ASM, "=r,r,r,r,r", [pP], dtype=gl.float8e4nv, is_pure=True, pack=4)
     else:
         return pP
 
@@ -457,8 +490,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     QK^T(j)'s second part only once PV(j-1) is done (below)."""
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
-    p8 = _p_operand(pP, V_PERM, LEAN)
-    p8b = _p_operand(pPb, V_PERM, LEAN) if SPLIT else p8
+    p8 = _p_operand(pP, V_PERM, LEAN, p_layout)
+    p8b = _p_operand(pPb, V_PERM, LEAN, p_layout) if SPLIT else p8
     acc, l_i = _rescale(acc, l_i, alpha, row_o)
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
@@ -613,8 +646,8 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                         kv_it += 1
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
-                p8 = _p_operand(pP, V_PERM, LEAN)
-                p8b = _p_operand(pPb, V_PERM, LEAN) if SPLIT else p8
+                p8 = _p_operand(pP, V_PERM, LEAN, p_layout)
+                p8b = _p_operand(pPb, V_PERM, LEAN, p_layout) if SPLIT else p8
                 acc, l_i = _rescale(acc, l_i, alpha, row_o)
                 mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
                 _turn_wait(turn_bars, turn_it, CID, PINGPONG)
@@ -646,8 +679,9 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                     acc, l_i = _rescale(acc, l_i, alpha, row_o)
                     mbarrier.wait(v_ready.index(s_st), s_ph)
                     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-                    o_tok, r_tok = _pv_issue(_p_operand(p8, V_PERM), v_bufs.index(s_st), acc, ones_smem, l_zero,
-                                             _p_operand(p8b, V_PERM), vb_bufs.index(s_st), onesb_smem)
+                    o_tok, r_tok = _pv_issue(_p_operand(p8, V_PERM, False, p_layout), v_bufs.index(s_st), acc,
+                                             ones_smem, l_zero, _p_operand(p8b, V_PERM, False, p_layout),
+                                             vb_bufs.index(s_st), onesb_smem)
                     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
                     turn_it += 1
                     acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)

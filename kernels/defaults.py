@@ -43,6 +43,14 @@ def gluon_wide_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelCo
         block_n=256, num_stages=2, overlap=False, ping_pong=False, q_stages=2)
 
 
+def gluon_packed_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """The Gluon default schedule carrying P packed as e4m3 from one step to the next
+    (p_carry="e4m3", a quarter of the float32 carry's registers): at 128-key blocks with overlap and
+    ping-pong 1.03-1.04x its float32 twin at head dim 128 and 1.02x at 192/128 (B=2 S=8K; docs/PERF.md,
+    session 8), bitwise the same output; a seed, so that every study measures it beside the default."""
+    return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(p_carry="e4m3")
+
+
 def gluon_natural_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """The Gluon default schedule reading V as given (the producer warpgroup transposes each V tile
     into the V^T ring): one launch per call instead of a V^T copy plus the kernel. 10-20% slower
@@ -68,10 +76,13 @@ def gluon_defer_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
     """Head dim 256: two ping-ponging consumer warpgroups over 128-key blocks without overlap, each
     step issuing PV(j-1) with QK^T(j) and waiting once (pv_defer): 988.8 TFLOP/s at B=2 S=8K against
     the Triton kernel's 851.4 and FA3-fp8's 1182.5 (session 6, round robin); on the balanced tile
-    schedule 1119.9 against FA3's 1224.7 (docs/PERF.md, session 7). Only for head dim 256."""
+    schedule 1119.9 against FA3's 1224.7 (docs/PERF.md, session 7); with P carried packed
+    (p_carry="e4m3") 1163.0 against its float32 twin's 1137.7 and FA3's 1235.5 (session 8). Only for
+    head dim 256."""
     if (head_dim_qk, head_dim_v) != (256, 256):
         raise ConfigError(f"the pv_defer seed is measured at head dim 256/256, not {head_dim_qk}/{head_dim_v}")
-    return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(block_n=128, overlap=False, pv_defer=True)
+    return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(block_n=128, overlap=False, pv_defer=True,
+                                                                           p_carry="e4m3")
 
 
 def fallback_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:

@@ -7,9 +7,10 @@ field). `backend` comes first: the fields after it that only one backend reads a
 """
 
 from functools import partial
+from typing import Any, Mapping
 
-from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_natural_config, gluon_three_config,
-                                       gluon_wide_config)
+from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_natural_config, gluon_packed_config,
+                                       gluon_three_config, gluon_wide_config)
 
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
                    rowsum_param, scale_per_tile, triton_only)
@@ -40,11 +41,22 @@ PARAMS = (backend_param(),
     gluon_only("ex2_fence", (False, True), needs=("overlap", True), unless=("rowsum", "mma")),  # exps before PV wait
     gluon_only("skip_rescale", (False, True)),          # a warp whose row maxima stayed skips O's rescale
     gluon_only("turn_barrier", ("mbarrier", "named"), needs=("ping_pong", True)),  # ping-pong token
+    Param("p_carry", ("f32", "e4m3"), decode=lambda v, f: v if _packs(f) else "f32",  # P packed across steps
+          only_if=("backend", "gluon")),
 )
+
+
+def _packs(f: Mapping[str, Any]) -> bool:
+    """Where a packed e4m3 P can be carried (KernelConfig: a carried, key-permuted exact P, and no fence
+    on the float32 probabilities)."""
+    return ((f["overlap"] or f["pv_defer"]) and f["v_permute"] and f["softmax"] == "exact"
+            and not (f["ex2_fence"] and f["rowsum"] == "mma"))
+
 
 #: Enqueued right after the Triton default (where statically feasible): the Gluon backend's default
 #: (the spike's best schedule), its 256-key-block kernel, at head dim 256 its pv_defer schedule, its
-#: one-launch natural-V twin (launch-bound shapes) and, at head dim 64, three consumer warpgroups.
+#: one-launch natural-V twin (launch-bound shapes), at head dim 64 three consumer warpgroups, and the
+#: default with P carried packed.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                     extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
-                                 gluon_natural_config, gluon_three_config))
+                                 gluon_natural_config, gluon_three_config, gluon_packed_config))

@@ -51,8 +51,15 @@ NATURAL_CASES = [GLUON.replace(v_permute=False, v_layout="natural", producer_reg
 SPLIT_CASES = [GLUON.replace(block_n=192, num_stages=2), GLUON.replace(block_n=192, num_stages=2, rowsum="mma"),
                GLUON.replace(block_n=192, overlap=False, ping_pong=False, rowsum="mma", num_stages=2, q_stages=2,
                              v_permute=False)]
+#: P carried packed as e4m3 (p_carry="e4m3"): the overlapped seeds of each head dim, three consumers,
+#: the 192-key block, pv_defer (128 keys with ping-pong at head dim 256; 256 keys as two parts)
+PACKED_CASES = [GLUON.replace(p_carry="e4m3"), MLA.replace(p_carry="e4m3"),
+                HD64.replace(block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True, p_carry="e4m3"),
+                GLUON.replace(block_n=192, num_stages=3, ping_pong=False, skip_rescale=True, p_carry="e4m3"),
+                HD256.replace(block_n=128, num_stages=2, overlap=False, pv_defer=True, p_carry="e4m3"),
+                gluon_wide_config("fp8", 128, 128).replace(pv_defer=True, p_carry="e4m3")]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
-         + NATURAL_CASES + SPLIT_CASES)
+         + NATURAL_CASES + SPLIT_CASES + PACKED_CASES)
 
 
 def test_192_wide_q_and_k_come_in_three_parts(compiled):
@@ -515,3 +522,18 @@ def test_fence_asm_text():
     for n, barrier in ((2, 15), (7, 15), (8, 12), (8.0, 15), (8, True)):
         with pytest.raises(ValueError):
             p_fence_asm(n, barrier)
+
+
+@pytest.mark.parametrize("cfg", PACKED_CASES[:4], ids=("seed", "192/128", "hd64-three", "192-keys"))
+def test_packed_p_carry_rounds_once_and_moves_no_bytes(cfg, compiled):
+    """p_carry="e4m3": P is rounded where the softmax makes it, four keys per register, and the PV
+    wgmma reads a copy of those registers (one LOP3 each: the copy keeps ptxas from writing the next
+    step's P into registers an in-flight wgmma reads, which would serialise every wgmma). The float32
+    twin moves bytes into place (PRMT); the packed kernel has none, and the same conversions and
+    exponentials."""
+    art, twin = compiled(cfg), compiled(cfg.replace(p_carry="f32"))
+    check_usable(art, cfg)
+    assert twin.count("PRMT") > 0 and art.count("PRMT") == 0
+    assert art.count("F2FP") == twin.count("F2FP") and art.count("MUFU.EX2") == twin.count("MUFU.EX2")
+    copies = len(re.findall(r"LOP3\.LUT R\d+, R(\d+), R\1, R\1, 0xf0", art.sass))
+    assert copies == twin.count("PRMT")  # one register copy where the twin had one byte move

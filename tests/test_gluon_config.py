@@ -71,6 +71,11 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(overlap=False, ex2_fence=True), r"^ex2_fence=True needs overlap=True"),
     (dict(v_layout="natural"), r"^v_layout='natural' with backend='gluon' writes V\^T in key order: it needs "
                                r"v_permute=False"),
+    (dict(overlap=False, p_carry="e4m3"), r"^p_carry='e4m3' is how P is carried from one step to the next: it needs "
+                                          r"overlap=True or pv_defer=True"),
+    (dict(v_permute=False, p_carry="e4m3"), r"^p_carry='e4m3' packs the exact softmax's P .* it needs v_permute=True"),
+    (dict(softmax="lean", rowsum="mma", p_carry="e4m3"), r"^p_carry='e4m3' packs the exact softmax's P"),
+    (dict(rowsum="mma", ex2_fence=True, p_carry="e4m3"), r"^p_carry='e4m3' with ex2_fence=True and rowsum='mma'"),
 ])
 def test_bad_gluon_combinations_name_the_field(changes, match):
     with pytest.raises(ConfigError, match=match):
@@ -85,6 +90,14 @@ def test_natural_v_is_shared_and_stored_only_when_set():
     assert "v_layout" not in plain.to_dict() and natural.to_dict()["v_layout"] == "natural"
     assert KernelConfig.from_json(natural.to_json()) == natural
     assert KernelConfig.from_json(plain.to_json()) == plain
+
+
+def test_packed_p_carry_is_stored_only_when_set():
+    packed = GLUON.replace(p_carry="e4m3")
+    assert "p_carry" not in GLUON.to_dict() and packed.to_dict()["p_carry"] == "e4m3"
+    assert KernelConfig.from_json(packed.to_json()) == packed
+    assert GLUON.replace(overlap=False, pv_defer=True, p_carry="e4m3").p_carry == "e4m3"
+    assert GLUON.replace(rowsum="fp32", ex2_fence=True, p_carry="e4m3").ex2_fence  # a fence on the row sums
 
 
 def test_named_turn_barrier_is_stored_only_when_set():

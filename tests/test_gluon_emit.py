@@ -10,7 +10,7 @@ import pytest
 
 from gluon_cases import GLUON, neighbours, sampled
 
-from zyfa_tune.generator import KernelConfig, emit, emit_gluon, emit_triton, gluon_registers
+from zyfa_tune.generator import KernelConfig, emit, emit_gluon, emit_triton, gluon_device, gluon_registers
 from zyfa_tune.generator.emitted import KERNEL_NAME
 from zyfa_tune.generator.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from zyfa_tune.generator.lean_asm import MAGIC, lean_tail_asm
@@ -113,7 +113,8 @@ def test_constants_are_the_config(cfg):
                  "EXP2_ASM": exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else "",
                  "EXP2_CONSTRAINTS": EXP2_CONSTRAINTS, "RESCALE_IN_PLACE": in_place, "RESCALE_PACK": cfg.head_dim_v // 2,
                  "RESCALE_ASM": rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale) if in_place else "",
-                 "RESCALE_CONSTRAINTS": rescale_constraints(cfg.head_dim_v // 2) if in_place else ""}
+                 "RESCALE_CONSTRAINTS": rescale_constraints(cfg.head_dim_v // 2) if in_place else "",
+                 "PACK_P": cfg.p_carry == "e4m3", "E4M3X4_ASM": gluon_device.E4M3X4_ASM.value}
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert {KERNEL_NAME, "_producer", "_consumer", "_softmax", "_ov_step"} <= set(funcs)
     entry = ast.unparse(funcs[KERNEL_NAME])

@@ -68,6 +68,8 @@ CONFIGS = {
     "split-plain": GLUON.replace(block_n=192, overlap=False, ping_pong=False, rowsum="mma", num_stages=2, q_stages=2,
                                  v_permute=False, q_order="forward"),
 }
+#: P carried packed as e4m3 (four keys per register) from one step's softmax to the next step's PV
+CONFIGS["carry-e4m3"] = GLUON.replace(p_carry="e4m3")
 #: natural-V configs and the same schedule reading the V^T copy: the V^T tiles are the same bytes
 NATURAL_TWINS = {name: CONFIGS[name].replace(v_layout="transposed") for name in CONFIGS if name.startswith("natural")}
 #: rel. L2 vs float64 and factor over FA3's error per config (lean P: its linear fold, see LEAN_BOUNDS)
@@ -249,6 +251,29 @@ def test_natural_v_equals_the_v_transpose_copy(name, sq, sk, causal):
     km_args, km_kw = make_inputs("fp8", 128, 128, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=9,
                                  v_layout="k_major")
     assert torch.equal(natural, flash_attn_func(*km_args, causal=causal, config=CONFIGS[name], **km_kw))
+
+
+#: packed-P kernels of every head dim and carrying schedule (overlap with and without ping-pong, three
+#: consumers, 192-key blocks, pv_defer at 128 and 256 keys)
+PACKED = {"seed": GLUON, "192/128": default_config("fp8", 192, 128, "gluon"),
+          "64-three": default_config("fp8", 64, 64, "gluon").replace(block_m=192, ping_pong=False, rowsum="mma",
+                                                                     skip_rescale=True),
+          "192-keys": GLUON.replace(block_n=192, num_stages=3, ping_pong=False, skip_rescale=True),
+          "256-defer": gluon_defer_config("fp8", 256, 256).replace(p_carry="f32"),
+          "wide-defer": gluon_wide_config("fp8", 128, 128).replace(pv_defer=True)}
+
+
+@pytest.mark.parametrize("name", PACKED)
+@pytest.mark.parametrize("sq,sk,causal", [(17, 17, True), (1000, 1000, True), (300, 1100, False), (4096, 4096, True)])
+def test_packed_p_equals_the_float32_carry(name, sq, sk, causal):
+    """p_carry="e4m3" rounds P where the softmax makes it instead of next to the wgmma: the same
+    cvt of the same float32 values, so the output is bitwise that of the float32 carry, and within
+    FA3's error against float64."""
+    cfg = PACKED[name]
+    packed = check(cfg.replace(p_carry="e4m3"), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128)
+    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
+                           seqlen_k=sk, seed=0)
+    assert torch.equal(packed, flash_attn_func(*args, causal=causal, config=cfg, **kw))
 
 
 #: (batch, seqlen_q, seqlen_k, heads, kv_heads, causal): ragged, GQA, non-causal, fewer tiles than SMs
