@@ -255,17 +255,8 @@ class KernelConfig:
         if self.pv_defer and self.overlap:
             raise ConfigError("pv_defer=True is the plain schedule's pairing of PV(j-1) with QK^T(j): overlap=True "
                               "already issues them together; it needs overlap=False")
-        if self.p_carry == "e4m3":
-            if not (self.overlap or self.pv_defer):
-                raise ConfigError("p_carry='e4m3' is how P is carried from one step to the next: it needs "
-                                  "overlap=True or pv_defer=True (the plain step uses P where it is made)")
-            if not (self.v_permute and self.softmax == "exact"):
-                raise ConfigError("p_carry='e4m3' packs the exact softmax's P as the A operand's registers "
-                                  "(four keys per thread): it needs v_permute=True and softmax='exact'")
-            if self.ex2_fence and self.rowsum == "mma":
-                raise ConfigError("p_carry='e4m3' with ex2_fence=True and rowsum='mma': that fence ORs the float32 "
-                                  "probabilities, which are packed here; use rowsum='fp32' (its fence is on the row "
-                                  "sums) or p_carry='f32'")
+        if self.p_carry == "e4m3" and (why := packed_p_conflict(vars(self))):
+            raise ConfigError(why)
         if self.ex2_fence and not self.overlap:
             raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
                               "under the softmax")
@@ -366,6 +357,21 @@ class KernelConfig:
 
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(KernelConfig)}
+
+
+def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why a Gluon config with these fields cannot carry P packed (p_carry="e4m3"), or None. One rule
+    for validation and for the search space, which decodes a suggested "e4m3" to "f32" where it applies."""
+    if not (f["overlap"] or f["pv_defer"]):
+        return ("p_carry='e4m3' is how P is carried from one step to the next: it needs overlap=True or "
+                "pv_defer=True (the plain step uses P where it is made)")
+    if not (f["v_permute"] and f["softmax"] == "exact"):
+        return ("p_carry='e4m3' packs the exact softmax's P as the A operand's registers (four keys per "
+                "thread): it needs v_permute=True and softmax='exact'")
+    if f["ex2_fence"] and f["rowsum"] == "mma":
+        return ("p_carry='e4m3' with ex2_fence=True and rowsum='mma': that fence ORs the float32 probabilities, "
+                "which are packed here; use rowsum='fp32' (its fence is on the row sums) or p_carry='f32'")
+    return None
 
 
 def gluon_registers(config: KernelConfig) -> tuple[int, int]:

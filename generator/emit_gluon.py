@@ -115,6 +115,8 @@ _TORCH_DTYPE = {"fp8": lambda torch: torch.float8_e4m3fn, "bf16": lambda torch: 
 #: Kernel parameters after the descriptors (the launcher passes them in this order).
 SCALAR_PARAMS = ("QD", "KD", "VD", "stride_db", "stride_dh", "H", "GROUP", "HKV", "SEQ_Q", "SEQ_K",
                  "N_M_BLOCKS", "N_TILES", "sm_scale_log2")
+
+
 def tile_params(c: KernelConfig) -> tuple[str, ...]:
     """The parameter after sm_scale_log2 of a q_order="balanced" kernel: its tile table (int32,
     kernels/gluon_launch.tile_table); other kernels loop round robin and have none."""

@@ -233,23 +233,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         else:
             l_new = l_i * alpha + gl.sum(p, axis=1)
     if V_PERM:
-        # A thread's accumulator registers hold, per 32-key chunk, keys {16h + 8s + 2q + b}; the
-        # register A operand wants them as {16h + 4q + 2s + b}. Relabelling the keys (a bit
-        # permutation, no data movement) and storing V^T in the same key order makes the float32
-        # tensor already distributed like the A operand.
-        NB: gl.constexpr = BN_A // 32
-        p = p.reshape([64, NB, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([64, BN_A])
-        p8 = gl.convert_layout(p, p_layout)   # float32, rounded by _p_operand next to its wgmma
-        if PACK_P:  # or rounded now and carried packed
-            p8 = _p_pack(p8)
-        if SPLIT:
-            NBB: gl.constexpr = BN_B // 32
-            pb = pb.reshape([64, NBB, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([64, BN_B])
-            p8b = gl.convert_layout(pb, p_layout)
-            if PACK_P:
-                p8b = _p_pack(p8b)
-        else:
-            p8b = p8
+        p8 = _carried(p, p_layout)
+        p8b = _carried(pb, p_layout) if SPLIT else p8
     else:
         p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
         if SPLIT:
@@ -294,6 +279,21 @@ def _rescale(acc, l_i, alpha, row_o: gl.constexpr):
     if ROWSUM_MMA:
         l_i = l_i * alpha
     return acc, l_i
+
+
+@gluon.jit
+def _carried(p, p_layout: gl.constexpr):
+    """One key part's float32 P as it goes to the PV wgmma (V_PERM): a thread's accumulator registers
+    hold, per 32-key chunk, keys {16h + 8s + 2q + b}; the register A operand wants them as
+    {16h + 4q + 2s + b}. Relabelling the keys (a bit permutation, no data movement) and storing V^T in
+    the same key order makes the tensor already distributed like the A operand. Float32, rounded by
+    _p_operand next to its wgmma, or (PACK_P) rounded now and carried packed."""
+    NB: gl.constexpr = p.shape[1] // 32
+    p = p.reshape([64, NB, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([64, p.shape[1]])
+    p = gl.convert_layout(p, p_layout)
+    if PACK_P:
+        p = _p_pack(p)
+    return p
 
 
 @gluon.jit

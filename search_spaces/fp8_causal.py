@@ -7,8 +7,8 @@ field). `backend` comes first: the fields after it that only one backend reads a
 """
 
 from functools import partial
-from typing import Any, Mapping
 
+from zyfa_tune.generator.config import packed_p_conflict
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_natural_config, gluon_packed_config,
                                        gluon_three_config, gluon_wide_config)
 
@@ -41,16 +41,9 @@ PARAMS = (backend_param(),
     gluon_only("ex2_fence", (False, True), needs=("overlap", True), unless=("rowsum", "mma")),  # exps before PV wait
     gluon_only("skip_rescale", (False, True)),          # a warp whose row maxima stayed skips O's rescale
     gluon_only("turn_barrier", ("mbarrier", "named"), needs=("ping_pong", True)),  # ping-pong token
-    Param("p_carry", ("f32", "e4m3"), decode=lambda v, f: v if _packs(f) else "f32",  # P packed across steps
-          only_if=("backend", "gluon")),
+    Param("p_carry", ("f32", "e4m3"), only_if=("backend", "gluon"),  # P packed across steps, where it can be
+          decode=lambda v, f: "f32" if packed_p_conflict(f) else v),
 )
-
-
-def _packs(f: Mapping[str, Any]) -> bool:
-    """Where a packed e4m3 P can be carried (KernelConfig: a carried, key-permuted exact P, and no fence
-    on the float32 probabilities)."""
-    return ((f["overlap"] or f["pv_defer"]) and f["v_permute"] and f["softmax"] == "exact"
-            and not (f["ex2_fence"] and f["rowsum"] == "mma"))
 
 
 #: Enqueued right after the Triton default (where statically feasible): the Gluon backend's default
