@@ -162,7 +162,7 @@ def compile_for_target(kernel: EmittedKernel, *, causal: bool = True, capability
     compiled = triton.compile(
         src, target=GPUTarget("cuda", capability, 32),
         options={"num_warps": module.NUM_WARPS, "num_stages": module.NUM_STAGES, "maxnreg": module.MAXNREG})
-    return _artifacts(compiled)
+    return artifacts(compiled)
 
 
 def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int,
@@ -185,7 +185,7 @@ def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int,
     src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
                               options={"num_warps": load_module(kernel).NUM_WARPS})
-    return _artifacts(compiled)
+    return artifacts(compiled)
 
 
 _DIV16 = [["tt.divisibility", 16]]
@@ -217,7 +217,8 @@ def _scalar_signature(names: list[str], causal: bool, descales: bool) -> tuple[d
     return sig, constexprs, attrs
 
 
-def _artifacts(compiled) -> CompiledArtifacts:
+def artifacts(compiled) -> CompiledArtifacts:
+    """What a Triton CompiledKernel holds for the CPU checks: its IR, PTX, cubin, SASS and resources."""
     cubin = compiled.asm["cubin"]
     sass, usage = _disassemble(cubin)
     return CompiledArtifacts(ttgir=compiled.asm["ttgir"], ptx=compiled.asm["ptx"], cubin=cubin, sass=sass,

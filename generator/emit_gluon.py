@@ -30,19 +30,24 @@ from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
 from .lean_asm import MAGIC, ONE_FMA_FOLDS, fold_center, lean_tail_asm
 from .rescale_asm import rescale_asm, rescale_constraints
+from .timeline import EVENTS, TraceBuffer, clock_asm
 
 DEVICE_MARKER = "# ---- emitted below this line ----"
 #: Warps of the entry kernel's default partition (consumer warpgroup 0).
 NUM_WARPS = 4
 
 
-def emit(config: KernelConfig) -> EmittedKernel:
-    """Emit the Gluon kernel source for `config` (deterministic; same config -> same bytes)."""
+def emit(config: KernelConfig, *, trace: TraceBuffer | None = None) -> EmittedKernel:
+    """Emit the Gluon kernel source for `config` (deterministic; same config -> same bytes).
+    trace: also stamp the SM clock at each consumer step's EVENTS into that buffer (CTA 0;
+    generator/timeline.py), a diagnostic twin of the kernel; None for the kernel itself."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
     if config.backend != "gluon":
         raise ValueError(f"emit_gluon.emit: config has backend={config.backend!r}")
-    return emitted(config, _header(config) + _device_code() + _constants(config) + _entry(config))
+    if trace is not None and not isinstance(trace, TraceBuffer):
+        raise TypeError(f"emit(trace=...) takes a TraceBuffer, got {type(trace).__name__}")
+    return emitted(config, _header(config) + _device_code() + _constants(config, trace) + _entry(config))
 
 
 def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
@@ -144,8 +149,9 @@ def _header(c: KernelConfig) -> str:
             '"""\n')
 
 
-def _constants(c: KernelConfig) -> str:
+def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
     consumer_regs, producer_regs = gluon_registers(c)
+    consumers = int(c.block_m) // 64
     lean = c.softmax == "lean"
     values = [
         ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", int(c.head_dim_v)), ("HEAD_QK", int(c.head_dim_qk)),
@@ -176,6 +182,11 @@ def _constants(c: KernelConfig) -> str:
         ("RESCALE_CONSTRAINTS", rescale_constraints(int(c.head_dim_v) // 2) if rescale_in_place(c) else ""),
         # ex2_fence (generator/fence_asm.py): one asm per consumer warpgroup (its own named barrier)
         *_fence_constants(c),
+        # timeline stamps (generator/timeline.py): a validated address and slot count only
+        ("TRACE", trace is not None), ("TRACE_STEPS", trace.steps if trace else 0), ("TRACE_EVENTS", len(EVENTS)),
+        ("TRACE_ASM", clock_asm(trace, consumers, after_value=False) if trace else ""),
+        ("TRACE_AFTER_ASM", clock_asm(trace, consumers, after_value=True) if trace else ""),
+        *((f"EV_{name.upper()}", i) for i, name in enumerate(EVENTS)),
     ]
     lines = ["", "", "# ---- this kernel's schedule (its config, resolved)"]
     lines += [f"{name} = gl.constexpr({value!r})" for name, value in values]

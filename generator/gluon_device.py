@@ -28,6 +28,28 @@ E4M3X4_ASM = gl.constexpr("{ .reg .b16 lo, hi;\n"
 
 
 @gluon.jit
+def _mark(kv_it, EVENT: gl.constexpr, CID):
+    """TRACE only (generator/timeline.py): CTA 0 stores the SM clock for consumer warpgroup CID,
+    step kv_it, EVENT; nothing otherwise. One element per thread, so each thread runs the asm once."""
+    if TRACE:
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        slot = gl.where(kv_it < TRACE_STEPS, (CID * TRACE_STEPS + kv_it) * TRACE_EVENTS + EVENT, -1)
+        gl.inline_asm_elementwise(TRACE_ASM, "=r,r", [gl.full([128], 0, gl.int32, layout=one) + slot],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _marked(x, kv_it, EVENT: gl.constexpr, CID):
+    """_mark once the float32 row vector x is computed (x passes through the asm, so the clock is
+    read after it); returns x."""
+    if TRACE:
+        slot = gl.where(kv_it < TRACE_STEPS, (CID * TRACE_STEPS + kv_it) * TRACE_EVENTS + EVENT, -1)
+        x = gl.inline_asm_elementwise(TRACE_AFTER_ASM, "=r,r,r", [x, gl.full(x.shape, 0, gl.int32, x.type.layout) + slot],
+                                      dtype=gl.float32, is_pure=False, pack=1)
+    return x
+
+
+@gluon.jit
 def _tile_coords(t, n_bh, H, n_m, HEAVY_FIRST: gl.constexpr):
     """Tile t of the grid -> (batch, head, query block): heavy first = the longest causal rows of
     every (batch, head) before any shorter one."""
@@ -184,7 +206,7 @@ def _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, it, STAGES: gl.co
 def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
              MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
              qk_layout: gl.constexpr, p_layout: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
-             LEAN: gl.constexpr, sb, qkb_layout: gl.constexpr):
+             LEAN: gl.constexpr, sb, qkb_layout: gl.constexpr, kv_it=0):
     """Online softmax of one 64 x BLOCK_N score block. Probabilities are scaled by 2^P_OFFSET so
     that small ones stay out of e4m3 subnormals; l carries the same factor, which cancels.
     LEAN (lean P): no exponential here; one FMA per score leaves what _p_operand turns into e4m3
@@ -192,7 +214,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     comes from an MMA with PV. ROWSUM_MMA (always under LEAN): l is not summed here either; the row
     sum of the probabilities as rounded to e4m3 comes from the MMA against ones (_pv_issue).
     SPLIT (two key parts): s holds keys [n0, n0 + BN_A) and sb keys [n0 + BN_A, n0 + BN_A + BN_B): one
-    row maximum and one row sum over both, two P operands (the last result, p8b; else p8 again)."""
+    row maximum and one row sum over both, two P operands (the last result, p8b; else p8 again).
+    kv_it: the step, for the timeline's row-maximum stamp (TRACE only)."""
     if MASK:
         s = _masked(s, n0, row0, Sk, off, CAUSAL, qk_layout)
         if SPLIT:
@@ -208,6 +231,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         else:
             m_new = gl.ceil(m_new * 8.0) * 0.125
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    m_use = _marked(m_use, kv_it, EV_MAX_DONE, (row0 // 64) % NUM_CONSUMERS)  # (TRACE only)
     alpha = gl.exp2(m_i - m_use)
     if LEAN:
         ref = m_use - P_OFFSET
@@ -418,10 +442,13 @@ def _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, t
     st = kv_it % STAGES
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
+    _mark(kv_it, EV_READY, CID)
     s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
     sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS) if SPLIT else s_tok
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
+    _mark(kv_it, EV_ISSUED, CID)
     s, sb = _qk_result(s_tok, sb_tok, False)
+    _mark(kv_it, EV_QK_DONE, CID)
     mbarrier.arrive(k_empty.index(st), count=1)
     return s, sb
 
@@ -488,6 +515,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     (pPb carries the second part's P). PV_DEFER (overlap off): both products are waited for before
     the softmax and V(j-1) is released in this step; with two key parts PV(j-1) is issued first and
     QK^T(j)'s second part only once PV(j-1) is done (below)."""
+    _mark(kv_it, EV_START, CID)
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
     p8 = _p_operand(pP, V_PERM, LEAN, p_layout)
@@ -496,6 +524,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
+    _mark(kv_it, EV_READY, CID)
     if PV_DEFER and SPLIT:
         # PV(j-1), then QK^T(j)'s first key part; once PV(j-1) is done (the P registers it reads are
         # free) the second part, so that the scores of a 256-key block never share the registers
@@ -511,9 +540,11 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
                                  onesb_smem)
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
+    _mark(kv_it, EV_ISSUED, CID)
     # QK^T(j) done; PV(j-1) may still run, unless PV_DEFER (the plain step with PV(j-1) paired: both
     # products done before the softmax, V(j-1) released at once)
     s, sb = _qk_result(s_tok, sb_tok, not PV_DEFER)
+    _mark(kv_it, EV_QK_DONE, CID)
     mbarrier.arrive(k_empty.index(st), count=1)
     if PV_DEFER:
         if not SPLIT:
@@ -523,7 +554,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=j >= 2)
     pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1 - j) * BLOCK_N, row0, Sk, off,
                                         MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN,
-                                        sb, qkb_layout)
+                                        sb, qkb_layout, kv_it)
+    l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
     if EX2_FENCE:
         # a barrier that needs every exponential of step j (the row sums, or the OR of all the
         # probabilities; generator/fence_asm.py), right before the PV wait, which ptxas keeps after it
@@ -538,6 +570,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
                                             is_pure=False, pack=2)
     if not PV_DEFER:
         acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # PV(j-1) done
+        _mark(kv_it, EV_PV_DONE, CID)
     return pP, acc, alpha, m_i, l_i, pPb
 
 
@@ -629,7 +662,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                 turn_it += 1
                 pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1) * BLOCK_N, row0, Sk, off,
                                                     True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET,
-                                                    LEAN, sb, qkb_layout)
+                                                    LEAN, sb, qkb_layout, kv_it)
                 kv_it += 1
                 # ---- masked blocks (phase 0), then unmasked blocks (phase 1): two loops, MASK constant in each
                 for phase in gl.static_range(2):
@@ -662,6 +695,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
             else:
                 # ---- plain schedule: S = QK^T; wait; softmax; O += PV; wait
                 for j in range(n_blocks):
+                    _mark(kv_it, EV_START, CID)
                     s_st = kv_it % STAGES
                     s_ph = (kv_it // STAGES) & 1
                     s, sb = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
@@ -671,11 +705,12 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                     if j < n_masked:
                         p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, True, CAUSAL,
                                                             BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, False,
-                                                            sb, qkb_layout)
+                                                            sb, qkb_layout, kv_it)
                     else:
                         p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, False, CAUSAL,
                                                             BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, False,
-                                                            sb, qkb_layout)
+                                                            sb, qkb_layout, kv_it)
+                    l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
                     acc, l_i = _rescale(acc, l_i, alpha, row_o)
                     mbarrier.wait(v_ready.index(s_st), s_ph)
                     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
@@ -683,8 +718,10 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                                              ones_smem, l_zero, _p_operand(p8b, V_PERM, False, p_layout),
                                              vb_bufs.index(s_st), onesb_smem)
                     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
+                    _mark(kv_it, EV_PV_ISSUED, CID)
                     turn_it += 1
                     acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)
+                    _mark(kv_it, EV_PV_DONE, CID)
                     mbarrier.arrive(v_empty.index(s_st), count=1)
                     kv_it += 1
         # Q of this tile is no longer read by this warpgroup

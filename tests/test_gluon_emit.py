@@ -15,6 +15,7 @@ from zyfa_tune.generator.emitted import KERNEL_NAME
 from zyfa_tune.generator.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from zyfa_tune.generator.lean_asm import MAGIC, lean_tail_asm
 from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
+from zyfa_tune.generator.timeline import EVENTS
 
 #: the Gluon seed, one variant per value of every field the space searches for it, a sample
 VARIANTS = neighbours() + sampled(20)
@@ -114,7 +115,10 @@ def test_constants_are_the_config(cfg):
                  "EXP2_CONSTRAINTS": EXP2_CONSTRAINTS, "RESCALE_IN_PLACE": in_place, "RESCALE_PACK": cfg.head_dim_v // 2,
                  "RESCALE_ASM": rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale) if in_place else "",
                  "RESCALE_CONSTRAINTS": rescale_constraints(cfg.head_dim_v // 2) if in_place else "",
-                 "PACK_P": cfg.p_carry == "e4m3", "E4M3X4_ASM": gluon_device.E4M3X4_ASM.value}
+                 "PACK_P": cfg.p_carry == "e4m3", "E4M3X4_ASM": gluon_device.E4M3X4_ASM.value,
+                 # timeline stamps off (tests/test_timeline.py traces)
+                 "TRACE": False, "TRACE_STEPS": 0, "TRACE_EVENTS": len(EVENTS), "TRACE_ASM": "", "TRACE_AFTER_ASM": "",
+                 **{f"EV_{name.upper()}": i for i, name in enumerate(EVENTS)}}
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert {KERNEL_NAME, "_producer", "_consumer", "_softmax", "_ov_step"} <= set(funcs)
     entry = ast.unparse(funcs[KERNEL_NAME])

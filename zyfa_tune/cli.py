@@ -3,6 +3,7 @@
     zyfa-tune tune    --head-dim 96 [--dtype fp8] --seqlens 2048,8192 [--trials N | --time 15m] [--gpus 0,1|all]
     zyfa-tune compile [--dtype fp8] [--head-dim 128] [--set key=val ...]   # no GPU needed
     zyfa-tune check   [--dtype fp8] [--head-dim 128] [--seqlen 4096]        # GPU: vs float64
+    zyfa-tune timeline [--head-dim 128] [--set key=val ...] [--seqlen 8192]  # GPU: where a step's cycles go
     zyfa-tune show    [--storage DB]            # what a database holds
     zyfa-tune best    [--storage DB] [--gpu NAME] [--head-dim D]
     zyfa-tune export  OUT.db [--storage DB] [--gpu NAME] [--head-dim D] [--all-trials]
@@ -83,6 +84,41 @@ def cmd_check(args: argparse.Namespace) -> int:
     console.print(f"rel. L2 error vs float64: {err:.4e}  ({cfg.dtype} {cfg.head_dim_qk}/{cfg.head_dim_v} "
                   f"B={b} S={s} H={h}, softmax={cfg.softmax})")
     return 0 if err < args.max_error else 1
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    """Clock stamps of one launch (CTA 0): median cycles of each phase of a consumer step."""
+    import torch
+
+    from zyfa_tune.kernels import timeline
+    from zyfa_tune.kernels.verify import make_inputs
+
+    if not torch.cuda.is_available():
+        console.print("[red]timeline needs a CUDA GPU[/red]")
+        return 2
+    if not any(item.startswith("backend=") for item in args.set or []):
+        args.set = ["backend=gluon", *(args.set or [])]  # the instrumented backend: Gluon's default config
+    cfg = _config(args)
+    (q, k, v), kw = make_inputs(cfg.dtype, cfg.head_dim_qk, cfg.head_dim_v, batch=args.batch, heads=args.heads,
+                                kv_heads=args.heads, seqlen=args.seqlen, seed=args.seed)
+    tl = timeline.record(cfg, q, k, v, causal=not args.non_causal, steps=args.steps, **kw)
+    console.print(f"{cfg.summary()}  B={args.batch} S={args.seqlen} H={args.heads}: CTA 0, cycles per step phase")
+    for w in range(tl.clocks.shape[0]):
+        table = Table(title=f"consumer warpgroup {w}: step period median {tl.period(w):.0f} cycles")
+        for col in ("from", "to", "median", "p10", "p90", "steps"):
+            table.add_column(col, justify="right" if col not in ("from", "to") else "left")
+        for ph in tl.phases(w):
+            table.add_row(ph.start, ph.end, f"{ph.median:.0f}", f"{ph.p10:.0f}", f"{ph.p90:.0f}", str(ph.steps))
+        console.print(table)
+    if args.sample is not None:
+        for w, step, events in tl.sample(args.sample):
+            console.print(f"warpgroup {w} step {step}: " + "  ".join(f"{e}={c}" for e, c in events.items()))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"config": cfg.to_dict(), "shape": [args.batch, args.seqlen, args.heads],
+                       "events": list(timeline.EVENTS), "clocks": tl.clocks.tolist()}, fh)
+        console.print(f"stamps: {args.json}")
+    return 0
 
 
 def _store(args: argparse.Namespace, *, readonly: bool = False):
@@ -364,14 +400,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--non-causal", action="store_true")
     p.add_argument("--source", action="store_true", help="print the emitted source")
     p.set_defaults(fn=cmd_compile)
+    def inputs(p: argparse.ArgumentParser, batch: int, seqlen: int, heads: int) -> None:
+        """The random inputs a GPU command runs its kernel on."""
+        p.add_argument("--batch", type=int, default=batch)
+        p.add_argument("--seqlen", type=int, default=seqlen)
+        p.add_argument("--heads", type=int, default=heads)
+        p.add_argument("--seed", type=int, default=0)
+
     p = sub.add_parser("check", help="check a kernel config against float64 attention on the GPU")
     common(p)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seqlen", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    inputs(p, 1, 4096, 8)
     p.add_argument("--max-error", type=float, default=0.05)
     p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("timeline", help="GPU: clock stamps of each consumer step of one launch (Gluon kernels)")
+    common(p)
+    inputs(p, 2, 8192, 32)
+    p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--steps", type=int, default=4096, help="steps per warpgroup with room in the buffer")
+    p.add_argument("--sample", type=int, default=None, metavar="STEP",
+                   help="also print both warpgroups' events for 4 steps from STEP on one clock")
+    p.add_argument("--json", default=None, metavar="OUT.json", help="save the raw stamps")
+    p.set_defaults(fn=cmd_timeline)
 
     def storage(p: argparse.ArgumentParser) -> None:
         p.add_argument("--storage", default=None,
