@@ -11,7 +11,7 @@ from zyfa_tune.cli import main
 from zyfa_tune.generator.build import compile_for_target
 from zyfa_tune.generator.emit_gluon import emit
 from zyfa_tune.generator.timeline import EVENT_INDEX, EVENTS, TraceBuffer, clock_asm
-from zyfa_tune.kernels.defaults import gluon_packed_config, gluon_wide_config
+from zyfa_tune.kernels.defaults import gluon_defer_config, gluon_packed_config, gluon_three_config, gluon_wide_config
 from zyfa_tune.kernels.timeline import from_stamps
 
 WIDE = gluon_wide_config("fp8", 128, 128)
@@ -46,7 +46,9 @@ def test_untraced_source_differs_only_in_the_trace_constants():
     assert "TRACE = gl.constexpr(False)" in plain and "TRACE = gl.constexpr(True)" in traced
 
 
-@pytest.mark.parametrize("cfg", [WIDE, gluon_packed_config("fp8", 128, 128)], ids=["wide", "packed-overlap"])
+@pytest.mark.parametrize("cfg", [WIDE, gluon_packed_config("fp8", 128, 128), gluon_three_config("fp8", 64, 64),
+                                 gluon_defer_config("fp8", 256, 256)],
+                         ids=["wide", "packed-overlap", "hd64-three-consumers", "hd256-pv-defer"])
 def test_stamps_compile_to_clock_reads_only_when_traced(cfg):
     plain = compile_for_target(emit(cfg), causal=True)
     traced = compile_for_target(emit(cfg, trace=TraceBuffer(address=ADDR, steps=64)), causal=True)
