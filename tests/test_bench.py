@@ -307,6 +307,27 @@ def test_bench_without_gpu_exits_with_a_message(monkeypatch, capsys):
         bench.run(bench.BenchPlan(shapes=bench.shapes_from(128, None, "1024"), ours=(), peers=()))
 
 
+@pytest.mark.parametrize("argv,systems", [
+    ([], ["ours-fp8"]),
+    (["--no-dispatch", "--ours", "w:backend=gluon,block_n=256"], ["w"]),
+    (["--no-dispatch", "--peers", "fa3-fp8"], []),
+])
+def test_bench_plan_has_the_dispatcher_pick_unless_no_dispatch(monkeypatch, argv, systems):
+    """What `zyfa-tune bench` would measure (its plan, caught before measuring): --no-dispatch leaves
+    flash_attn_func's own pick out, so that one system can run alone (under ncu)."""
+    plans = []
+
+    def fake_run(plan, on_row=None):
+        plans.append(plan)
+        return sample_result()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run", fake_run)
+    cli.main(["bench", "--seqlens", "4096", "--peers", "none", *argv])
+    (plan,) = plans
+    assert [o.label for o in plan.ours] == systems
+
+
 def test_bench_bad_arguments_exit_2(tmp_path, capsys):
     assert cli.main(["bench", "--from", str(tmp_path / "none.json")]) == 2
     assert "--from" in capsys.readouterr().out

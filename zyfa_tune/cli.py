@@ -311,6 +311,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_plan(args: argparse.Namespace):
+    """`zyfa-tune bench`'s BenchPlan: the dispatcher's pick per dtype (unless --no-dispatch), the
+    --ours configs and the peers, on the shapes asked for."""
+    from zyfa_tune import bench
+    from zyfa_tune.kernels.inputs import FAMILY_NAMES
+
+    dtypes = bench.DTYPES if args.dtype == "both" else (args.dtype,)
+    shapes = (tuple(bench.parse_shape(s) for s in args.shape) if args.shape else
+              bench.shapes_from(args.head_dim, args.head_dim_v, args.seqlens, args.batch_heads, args.kv_heads))
+    ours = [] if args.no_dispatch else [bench.OursSpec(f"ours-{dt}", dt) for dt in dtypes]
+    for text in args.ours or []:
+        ours += bench.parse_ours(text, dtypes)
+    return bench.BenchPlan(shapes=shapes, ours=tuple(ours), peers=bench.parse_peers(args.peers, dtypes),
+                           reps=args.reps, seed=args.seed, rotate=args.rotate, rounds=args.rounds, warm_s=args.warm,
+                           input_family=",".join(FAMILY_NAMES) if args.input_family == "all" else args.input_family,
+                           quant=args.quant)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Ours (dispatcher + forced configs) against the peers on the same inputs; table, JSON, plot."""
     from zyfa_tune import bench, bench_report
@@ -326,20 +344,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             console.print("[red]bench: no CUDA device is visible; measuring needs the GPU.[/red] "
                           "A saved run is redrawn without one: zyfa-tune bench --from results.json --plot out.png")
             return 2
-        from zyfa_tune.kernels.inputs import FAMILY_NAMES
-
-        dtypes = bench.DTYPES if args.dtype == "both" else (args.dtype,)
-        shapes = (tuple(bench.parse_shape(s) for s in args.shape) if args.shape else
-                  bench.shapes_from(args.head_dim, args.head_dim_v, args.seqlens, args.batch_heads, args.kv_heads))
-        ours = [bench.OursSpec(f"ours-{dt}", dt) for dt in dtypes]
-        for text in args.ours or []:
-            ours += bench.parse_ours(text, dtypes)
-        plan = bench.BenchPlan(shapes=shapes, ours=tuple(ours), peers=bench.parse_peers(args.peers, dtypes),
-                               reps=args.reps, seed=args.seed, rotate=args.rotate, rounds=args.rounds, warm_s=args.warm,
-                               input_family=",".join(FAMILY_NAMES) if args.input_family == "all" else args.input_family,
-                               quant=args.quant)
-        result = bench.run(plan, on_row=lambda r: console.print(bench_report.row_line(r), markup=False,
-                                                                highlight=False))
+        result = bench.run(_bench_plan(args), on_row=lambda r: console.print(bench_report.row_line(r), markup=False,
+                                                                             highlight=False))
     wide = console if console.is_terminal else Console(width=200)  # logs: one line per row
     wide.print(bench_report.results_table(result))
     if args.json:
@@ -468,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: all of the benched dtypes)")
     p.add_argument("--ours", action="append", metavar="[LABEL:]KEY=VAL,...",
                    help="also time a forced config: the default config with these fields changed (repeatable)")
+    p.add_argument("--no-dispatch", action="store_true",
+                   help="leave out flash_attn_func's own pick: only --ours configs and peers (e.g. one system "
+                        "under ncu: zyfa-tune bench --no-dispatch --peers fa3-fp8 --rounds 1 --reps 5)")
     p.add_argument("--reps", type=int, default=30, help="timed calls per system (median reported)")
     p.add_argument("--rotate", type=int, default=1, help="input sets timed round-robin (for shapes that fit in L2)")
     p.add_argument("--rounds", type=int, default=3,
