@@ -72,6 +72,8 @@ class Timeline:
         """(warpgroup, step, {event: cycles since warpgroup 0's first event of `step`}) for `count`
         steps from `step`: how the warpgroups interleave."""
         ev = self.events()
+        if not 0 <= step < self.clocks.shape[1] or self.clocks[0, step, ev[0]] < 0:
+            raise ValueError(f"sample: warpgroup 0 recorded no {EVENTS[ev[0]]!r} at step {step}")
         ref = self.clocks[0, step, ev[0]]
         return [(w, s, {EVENTS[e]: int(self.clocks[w, s, e] - ref) for e in ev if self.clocks[w, s, e] >= 0})
                 for s in range(step, min(step + count, self.clocks.shape[1]))

@@ -79,6 +79,8 @@ def test_phases_are_the_medians_between_consecutive_events():
     assert tl.period(0) == 500
     first = tl.sample(3, count=1)
     assert [w for w, _, _ in first] == [0, 1] and first[0][2]["start"] == 0 and first[1][2]["start"] == 37
+    with pytest.raises(ValueError, match="step 20"):
+        tl.sample(20)
 
 
 def test_unrecorded_events_and_steps_are_skipped():
