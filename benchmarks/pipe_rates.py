@@ -17,32 +17,31 @@ import sys
 import triton
 import triton.language as tl
 
+#: four exponentials, $4..$7 into $0..$3
+_EX2 = ("ex2.approx.ftz.f32 $0, $4;\nex2.approx.ftz.f32 $1, $5;\n"
+        "ex2.approx.ftz.f32 $2, $6;\nex2.approx.ftz.f32 $3, $7;\n")
+#: four e4m3x2 conversions of $4..$7, their pairs joined into w0, w1
+_CVT = ("cvt.rn.satfinite.e4m3x2.f32 h0, $5, $4;\ncvt.rn.satfinite.e4m3x2.f32 h1, $7, $6;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 h2, $4, $5;\ncvt.rn.satfinite.e4m3x2.f32 h3, $6, $7;\n"
+        "mov.b32 w0, {h0, h1};\nmov.b32 w1, {h2, h3};\n")
+_CVT_REGS = "{ .reg .b16 h0, h1, h2, h3; .reg .b32 w0, w1;\n"
+
 #: name -> (PTX body over $4..$7 into $0..$3, instructions of the measured kind per iteration, that
 #: kind); a rate is the body's time per instruction of that kind, its other instructions included
 BODIES = {
-    "ex2": ("ex2.approx.ftz.f32 $0, $4;\nex2.approx.ftz.f32 $1, $5;\n"
-            "ex2.approx.ftz.f32 $2, $6;\nex2.approx.ftz.f32 $3, $7;", 4, "MUFU.EX2"),
+    "ex2": (_EX2, 4, "MUFU.EX2"),
     "ffma": ("fma.rn.f32 $0, $4, 0f3F000000, 0fBE000000;\nfma.rn.f32 $1, $5, 0f3F000000, 0fBE000000;\n"
              "fma.rn.f32 $2, $6, 0f3F000000, 0fBE000000;\nfma.rn.f32 $3, $7, 0f3F000000, 0fBE000000;", 4, "FFMA"),
     "fmnmx": ("max.f32 $0, $4, 0f3F000000;\nmax.f32 $1, $5, 0f3F000000;\n"
               "max.f32 $2, $6, 0f3F000000;\nmax.f32 $3, $7, 0f3F000000;", 4, "FMNMX"),
     "prmt": ("prmt.b32 $0, $4, $5, 0x5140;\nprmt.b32 $1, $5, $6, 0x5140;\n"
              "prmt.b32 $2, $6, $7, 0x5140;\nprmt.b32 $3, $7, $4, 0x5140;", 4, "PRMT"),
-    # four e4m3x2 conversions, their pairs joined and folded back into the chains (LOP3)
-    "cvt": ("{ .reg .b16 h0, h1, h2, h3; .reg .b32 w0, w1;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 h0, $5, $4;\ncvt.rn.satfinite.e4m3x2.f32 h1, $7, $6;\n"
-            "cvt.rn.satfinite.e4m3x2.f32 h2, $4, $5;\ncvt.rn.satfinite.e4m3x2.f32 h3, $6, $7;\n"
-            "mov.b32 w0, {h0, h1};\nmov.b32 w1, {h2, h3};\n"
-            "xor.b32 $0, w0, $4;\nxor.b32 $1, w1, $5;\nxor.b32 $2, w0, $6;\nxor.b32 $3, w1, $7; }", 4, "F2FP"),
+    # the conversions folded back into the chains (LOP3)
+    "cvt": (_CVT_REGS + _CVT + "xor.b32 $0, w0, $4;\nxor.b32 $1, w1, $5;\nxor.b32 $2, w0, $6;\nxor.b32 $3, w1, $7; }",
+            4, "F2FP"),
     # ex2's four exponentials and cvt's four conversions in one body: if the conversion used the MUFU
     # pipe, this would take ex2 + cvt; it takes ex2 alone
-    "ex2+cvt": ("{ .reg .b16 h0, h1, h2, h3; .reg .b32 w0, w1;\n"
-                "ex2.approx.ftz.f32 $0, $4;\nex2.approx.ftz.f32 $1, $5;\n"
-                "ex2.approx.ftz.f32 $2, $6;\nex2.approx.ftz.f32 $3, $7;\n"
-                "cvt.rn.satfinite.e4m3x2.f32 h0, $5, $4;\ncvt.rn.satfinite.e4m3x2.f32 h1, $7, $6;\n"
-                "cvt.rn.satfinite.e4m3x2.f32 h2, $4, $5;\ncvt.rn.satfinite.e4m3x2.f32 h3, $6, $7;\n"
-                "mov.b32 w0, {h0, h1};\nmov.b32 w1, {h2, h3};\n"
-                "xor.b32 $0, $0, w0;\nxor.b32 $1, $1, w1; }", 4, "MUFU.EX2"),
+    "ex2+cvt": (_CVT_REGS + _EX2 + _CVT + "xor.b32 $0, $0, w0;\nxor.b32 $1, $1, w1; }", 4, "MUFU.EX2"),
 }
 ITERS = 2048
 WARPS = 8  # per program; 4 programs per SM

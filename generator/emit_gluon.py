@@ -157,7 +157,7 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", int(c.head_dim_v)), ("HEAD_QK", int(c.head_dim_qk)),
         ("QK_PARTS", int(c.head_dim_qk) // qk_part_width(c)), ("QK_W", qk_part_width(c)),
         ("Q_BOXES", int(c.block_m) // q_box_rows(c)),
-        ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", int(c.block_m) // 64),
+        ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", consumers),
         ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"),
         ("BALANCED", c.q_order == "balanced"), ("V_PERM", bool(c.v_permute)),

@@ -28,14 +28,20 @@ E4M3X4_ASM = gl.constexpr("{ .reg .b16 lo, hi;\n"
 
 
 @gluon.jit
+def _slot(kv_it, EVENT: gl.constexpr, CID):
+    """The timeline buffer's word for (consumer warpgroup CID, step kv_it, EVENT); -1 (no store) for
+    steps past the warpgroup's TRACE_STEPS."""
+    return gl.where(kv_it < TRACE_STEPS, (CID * TRACE_STEPS + kv_it) * TRACE_EVENTS + EVENT, -1)
+
+
+@gluon.jit
 def _mark(kv_it, EVENT: gl.constexpr, CID):
     """TRACE only (generator/timeline.py): CTA 0 stores the SM clock for consumer warpgroup CID,
     step kv_it, EVENT; nothing otherwise. One element per thread, so each thread runs the asm once."""
     if TRACE:
         one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        slot = gl.where(kv_it < TRACE_STEPS, (CID * TRACE_STEPS + kv_it) * TRACE_EVENTS + EVENT, -1)
-        gl.inline_asm_elementwise(TRACE_ASM, "=r,r", [gl.full([128], 0, gl.int32, layout=one) + slot],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        slot = gl.full([128], 0, gl.int32, layout=one) + _slot(kv_it, EVENT, CID)
+        gl.inline_asm_elementwise(TRACE_ASM, "=r,r", [slot], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -43,9 +49,8 @@ def _marked(x, kv_it, EVENT: gl.constexpr, CID):
     """_mark once the float32 row vector x is computed (x passes through the asm, so the clock is
     read after it); returns x."""
     if TRACE:
-        slot = gl.where(kv_it < TRACE_STEPS, (CID * TRACE_STEPS + kv_it) * TRACE_EVENTS + EVENT, -1)
-        x = gl.inline_asm_elementwise(TRACE_AFTER_ASM, "=r,r,r", [x, gl.full(x.shape, 0, gl.int32, x.type.layout) + slot],
-                                      dtype=gl.float32, is_pure=False, pack=1)
+        slot = gl.full(x.shape, 0, gl.int32, x.type.layout) + _slot(kv_it, EVENT, CID)
+        x = gl.inline_asm_elementwise(TRACE_AFTER_ASM, "=r,r,r", [x, slot], dtype=gl.float32, is_pure=False, pack=1)
     return x
 
 

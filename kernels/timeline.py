@@ -119,14 +119,15 @@ def record(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     fn = jit_function(traced)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     head = (traced.source_hash, "timeline")
+    grid, args, options = prepare(config, q, k, v, out, scale, causal, q_descale, k_descale, v_descale)
+    options = dict(options)
+    constexprs = {"CAUSAL": options.pop("CAUSAL")}
     try:
         for i in range(warmup + 1):
             if i == warmup:
                 torch.cuda.synchronize(q.device)
                 buf.zero_()
-            grid, args, options = prepare(config, q, k, v, out, scale, causal, q_descale, k_descale, v_descale)
-            fastlaunch.run(head, fn, grid, args, {"CAUSAL": options["CAUSAL"]},
-                           {key: val for key, val in options.items() if key != "CAUSAL"}, q.device.index)
+            fastlaunch.run(head, fn, grid, args, constexprs, options, q.device.index)
         torch.cuda.synchronize(q.device)
     finally:
         fastlaunch.forget(traced.source_hash)
