@@ -54,17 +54,18 @@ CHOICES: dict[str, tuple] = {
     "skip_rescale": (False, True),
     "turn_barrier": ("mbarrier", "named"),
     "pv_defer": (False, True),
-    "p_carry": ("f32", "e4m3"),
+    "p_carry": ("f32", "e4m3", "smem"),
+    "lane_sums": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
-                "p_carry")
+                "p_carry", "lane_sums")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
-               "p_carry")
+               "p_carry", "lane_sums")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads")
@@ -146,7 +147,15 @@ class KernelConfig:
     p_carry:      Gluon (overlap or pv_defer): how P crosses from the softmax of step j to the PV of
                   step j+1: "f32" (the float32 probabilities, rounded next to the wgmma) or "e4m3"
                   (rounded at once and packed four per register as the A operand holds them: a quarter
-                  of the registers, no byte moves; generator/gluon_device._p_pack).
+                  of the registers, no byte moves; generator/gluon_device._p_pack) or "smem" (packed so,
+                  then written to a shared-memory tile per consumer once PV(j-1) is done, and read by
+                  the PV wgmma from there: no register holds P while the next softmax runs, which is
+                  what lets a 256-key block overlap; FA3 keeps it in registers at 224 keys).
+    lane_sums:    Gluon, rowsum="fp32": each thread keeps its own partial row sums (its keys of a row)
+                  from step to step, and the four lanes that share a row add theirs once, in the
+                  epilogue (as FA3 does): two shuffles and two FADDs less per row and step, off the
+                  chain from the last exponential to the PV wgmma. Sums in another order: not bitwise
+                  the per-step sum.
     pv_defer:     Gluon (overlap=False only): PV(j-1) is issued right after QK^T(j) and both are waited
                   for at once, so the tensor cores get the two products back to back and the warpgroup
                   waits once per key block instead of twice; the softmax still runs after both (no P
@@ -188,6 +197,7 @@ class KernelConfig:
     turn_barrier: str = "mbarrier"
     pv_defer: bool = False
     p_carry: str = "f32"
+    lane_sums: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -255,7 +265,9 @@ class KernelConfig:
         if self.pv_defer and self.overlap:
             raise ConfigError("pv_defer=True is the plain schedule's pairing of PV(j-1) with QK^T(j): overlap=True "
                               "already issues them together; it needs overlap=False")
-        if self.p_carry == "e4m3" and (why := packed_p_conflict(vars(self))):
+        if self.p_carry != "f32" and (why := packed_p_conflict(vars(self))):
+            raise ConfigError(why)
+        if self.lane_sums and (why := lane_sums_conflict(vars(self))):
             raise ConfigError(why)
         if self.ex2_fence and not self.overlap:
             raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
@@ -346,6 +358,8 @@ class KernelConfig:
                                           ("naturalV", self.v_layout == "natural"),
                                           ("named", self.turn_barrier == "named"), ("defer", self.pv_defer),
                                           ("packedP", self.p_carry == "e4m3"),
+                                          ("smemP", self.p_carry == "smem"),
+                                          ("laneSums", self.lane_sums),
                                           ("balanced", self.q_order == "balanced")) if flag]
             softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
@@ -360,17 +374,38 @@ _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(KernelConfig)}
 
 
 def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a Gluon config with these fields cannot carry P packed (p_carry="e4m3"), or None. One rule
-    for validation and for the search space, which decodes a suggested "e4m3" to "f32" where it applies."""
+    """Why a Gluon config with these fields cannot carry P packed (p_carry "e4m3" or "smem"), or None.
+    One rule for validation and for the search space, which decodes a suggested packed carry to "f32"
+    where it does not apply."""
+    carry = f["p_carry"]
+    if carry == "smem" and not f["overlap"]:
+        return ("p_carry='smem' hands P(j) to the PV wgmma issued with QK^T(j+1) through shared memory: it needs "
+                "overlap=True")
     if not (f["overlap"] or f["pv_defer"]):
-        return ("p_carry='e4m3' is how P is carried from one step to the next: it needs overlap=True or "
+        return (f"p_carry={carry!r} is how P is carried from one step to the next: it needs overlap=True or "
                 "pv_defer=True (the plain step uses P where it is made)")
     if not (f["v_permute"] and f["softmax"] == "exact"):
-        return ("p_carry='e4m3' packs the exact softmax's P as the A operand's registers (four keys per "
+        return (f"p_carry={carry!r} packs the exact softmax's P as the A operand's registers (four keys per "
                 "thread): it needs v_permute=True and softmax='exact'")
     if f["ex2_fence"] and f["rowsum"] == "mma":
-        return ("p_carry='e4m3' with ex2_fence=True and rowsum='mma': that fence ORs the float32 probabilities, "
+        return (f"p_carry={carry!r} with ex2_fence=True and rowsum='mma': that fence ORs the float32 probabilities, "
                 "which are packed here; use rowsum='fp32' (its fence is on the row sums) or p_carry='f32'")
+    if carry == "smem" and f["block_n"] == 192:
+        return "p_carry='smem' holds one key part's P tile: it needs block_n a power of two, not 192"
+    return None
+
+
+def lane_sums_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why a Gluon config with these fields cannot keep per-lane row sums (lane_sums=True), or None.
+    One rule for validation and for the search space (which decodes a suggested True to False)."""
+    if f["rowsum"] != "fp32" or f["softmax"] != "exact":
+        return (f"lane_sums=True keeps the float32 row sums of the exact softmax per lane: it needs rowsum='fp32' "
+                f"and softmax='exact' (rowsum={f['rowsum']!r}, softmax={f['softmax']!r})")
+    if f["block_n"] == 192 or (f["block_n"] == 256 and f["pv_defer"]):
+        return ("lane_sums=True sums one key part's scores per lane: it needs a block of one part (not block_n=192, "
+                "nor 256 with pv_defer)")
+    if f["ex2_fence"]:
+        return "lane_sums=True with ex2_fence=True: that fence is on the per-row sums; use one or the other"
     return None
 
 

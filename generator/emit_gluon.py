@@ -165,6 +165,10 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("PV_DEFER", bool(c.pv_defer)),
         ("BN_A", key_parts(c)[0]), ("BN_B", key_parts(c)[1]), ("SPLIT", bool(key_parts(c)[1])),
         ("P_OFFSET", float(int(c.p_scale_log2))), ("PACK_P", c.p_carry == "e4m3"),
+        ("P_SMEM", c.p_carry == "smem"), ("K_AHEAD", c.p_carry == "smem"),
+        # the P tile's swizzle (bytes): a row of BLOCK_N e4m3, up to the 128-byte maximum
+        ("P_SWIZZLE", min(128, int(c.block_n))),
+        ("LANE_SUMS", bool(c.lane_sums)),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
         ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"), ("LEAN_FMA", lean and c.lean_fold in ONE_FMA_FOLDS),
         ("LEAN_CENTER", fold_center(c.lean_fold) if lean else 0.0), ("LEAN_MAGIC", MAGIC),
@@ -223,7 +227,7 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
             "                    N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
             "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
             f"{bool(c.ex2_fence)!r}, LEAN, {ones}, QK_PARTS,\n"
-            f"                    kb_bufs, vb_bufs, {onesb})")
+            f"                    kb_bufs, vb_bufs, {onesb}, p_bufs)")
 
 
 _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
@@ -245,6 +249,15 @@ def _ones_lines(c: KernelConfig) -> list[str]:
     return lines
 
 
+def _p_lines(c: KernelConfig) -> list[str]:
+    """p_carry="smem": each consumer warpgroup's (64, BLOCK_N) e4m3 P tile, the PV wgmma's A operand."""
+    if c.p_carry != "smem":
+        return []
+    return ["    p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=P_SWIZZLE, element_bitwidth=8,",
+            "                                                  rank=2)",
+            "    p_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 64, BLOCK_N], p_layout)"]
+
+
 def _k_lines(c: KernelConfig) -> list[str]:
     """The K ring (with 192-key blocks a 128-row and a 64-row ring, one per key part)."""
     lines = ["    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BN_A, QK_W], desc_k.layout)"]
@@ -259,6 +272,8 @@ def _stand_ins(c: KernelConfig) -> list[str]:
     out = [] if c.v_layout == "natural" else ["    v_raw = v_bufs", "    v_raw_ready = v_ready"]
     if c.q_order != "balanced":
         out.append("    TILE_TABLE = N_TILES")
+    if c.p_carry != "smem":
+        out.append("    p_bufs = o_bufs")
     if not key_parts(c)[1]:
         out += ["    desc_kb = desc_k", "    desc_vb = desc_v", "    kb_bufs = k_bufs", "    vb_bufs = v_bufs"]
     return out
@@ -303,6 +318,7 @@ def _entry(c: KernelConfig) -> str:
         "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], gl.bfloat16)",
         "    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, HEAD_D], o_layout)",
         *_ones_lines(c),
+        *_p_lines(c),
         "    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
         "    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
         "    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",

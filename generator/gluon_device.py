@@ -169,19 +169,31 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
                                                 v_raw.index(raw_slot))
                 if j > 0:
                     _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, HEAD_D)
+            elif K_AHEAD:  # V(j-1) after K(j): K(j) does not wait for V(j-2)'s release (step j's QK^T)
+                if j > 0:
+                    _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, n0 + BLOCK_N, STAGES)
             else:
-                mbarrier.wait(v_empty.index(s), ph)
-                if SPLIT:
-                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + vb_desc.block_type.nbytes)
-                else:
-                    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [v_row, n0], v_ready.index(s), v_bufs.index(s))
-                if SPLIT:
-                    tma.async_copy_global_to_shared(vb_desc, [v_row, n0 + BN_A], v_ready.index(s), vb_bufs.index(s))
+                _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it, v_row, n0, STAGES)
             kv_it += 1
-        if V_NATURAL:
-            if n_blocks > 0:
+        if n_blocks > 0:
+            if V_NATURAL:
                 _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, HEAD_D)
+            elif K_AHEAD:
+                _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, 0, STAGES)
+
+
+@gluon.jit
+def _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, it, v_row, n0, STAGES: gl.constexpr):
+    """TMA load of KV block `it`'s V^T (keys n0 ..) into its stage, once the stage's V is released."""
+    s = it % STAGES
+    mbarrier.wait(v_empty.index(s), ((it // STAGES) & 1) ^ 1)
+    if SPLIT:
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + vb_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [v_row, n0], v_ready.index(s), v_bufs.index(s))
+    if SPLIT:
+        tma.async_copy_global_to_shared(vb_desc, [v_row, n0 + BN_A], v_ready.index(s), vb_bufs.index(s))
 
 
 @gluon.jit
@@ -259,6 +271,9 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         elif SPLIT:
             l_new = l_i * alpha + gl.sum(p, axis=1) + gl.convert_layout(gl.sum(pb, axis=1),
                                                                         gl.SliceLayout(1, qk_layout))
+        elif LANE_SUMS:
+            r = _lane_sums(p)
+            l_new = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, r.type.layout))[:, None] + r
         else:
             l_new = l_i * alpha + gl.sum(p, axis=1)
     if V_PERM:
@@ -271,6 +286,14 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         else:
             p8b = p8
     return p8, m_new, l_new, alpha, p8b
+
+
+@gluon.jit
+def _lane_sums(p):
+    """LANE_SUMS: each thread's sum of its probabilities of each of its rows, one per lane of the four
+    that share a row: (64, 4), no shuffles. The wgmma accumulator gives a thread keys 8c + 2q + b of
+    its rows (q: its lane in the quad), so the sums over b and c stay in the thread."""
+    return gl.sum(gl.sum(p.reshape([64, p.shape[1] // 8, 4, 2]), axis=3), axis=1)
 
 
 @gluon.jit
@@ -320,7 +343,7 @@ def _carried(p, p_layout: gl.constexpr):
     NB: gl.constexpr = p.shape[1] // 32
     p = p.reshape([64, NB, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([64, p.shape[1]])
     p = gl.convert_layout(p, p_layout)
-    if PACK_P:
+    if PACK_P or P_SMEM:
         p = _p_pack(p)
     return p
 
@@ -350,13 +373,36 @@ def _p_unpack(w, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _p_operand(pP, V_PERM: gl.constexpr, LEAN: gl.constexpr = False, p_layout: gl.constexpr = None):
+def _p_stage(w, p_smem):
+    """P_SMEM: _p_pack's words into this warpgroup's P tile (as int32: the tile's bytes are the same
+    under a 32-bit view of its swizzle, P_SWIZZLE bytes, and 8-bit tensors stored from registers are
+    lowered to stmatrix.b16). Call only once the PV wgmma reading the tile is done; _p_publish before the
+    next one reads it."""
+    words = p_smem._reinterpret(gl.int32, [64, w.shape[1]],
+                                gl.NVMMASharedLayout(swizzle_byte_width=P_SWIZZLE, element_bitwidth=32, rank=2))
+    words.store(w)
+
+
+@gluon.jit
+def _p_publish():
+    """P_SMEM: make the warpgroup's stores to its P tile visible to the wgmma about to read it. The
+    proxy fence waits for the stores, hundreds of cycles under the tensor cores' shared-memory traffic;
+    written after O's rescale to overlap them, though ptxas puts it back at the top of the step."""
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _p_operand(pP, V_PERM: gl.constexpr, LEAN: gl.constexpr = False, p_layout: gl.constexpr = None, p_smem=None):
     """The e4m3 A operand of the PV wgmma. Triton keeps fp8 tensors as separate bytes, so an e4m3 P
     carried across a loop back-edge costs ~100 byte-repacking instructions per step; carried as
     float32 and rounded here (4 registers -> one register of 4 e4m3), they fold away. PACK_P: carried
     already rounded, as int32 words of four e4m3 (_p_pack), a quarter of the registers. LEAN: the
-    folded scores become codes by integer clamp and byte packing (generator/lean_asm.py)."""
-    if LEAN:
+    folded scores become codes by integer clamp and byte packing (generator/lean_asm.py). P_SMEM: the
+    warpgroup's P tile (pP is a stand-in)."""
+    if P_SMEM:
+        return p_smem
+    elif LEAN:
         return gl.inline_asm_elementwise(LEAN_ASM, "=r,r,r,r,r", [pP], dtype=gl.float8e4nv, is_pure=True, pack=4)
     elif PACK_P:
         return _p_unpack(pP, p_layout)
@@ -507,7 +553,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
              PINGPONG: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
              qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, V_PERM: gl.constexpr,
              P_OFFSET: gl.constexpr, EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_smem, l_zero,
-             QK_PARTS: gl.constexpr, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout: gl.constexpr):
+             QK_PARTS: gl.constexpr, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout: gl.constexpr,
+             p_smem):
     """Overlapped step j >= 1: issue QK^T(j) and PV(j-1) back to back, wait for QK^T(j) only, run
     softmax(j) while PV(j-1) is on the tensor cores, then wait for PV(j-1). What keeps ptxas from
     undoing the overlap: nothing in flight across the loop back-edge (else every wgmma of the kernel
@@ -517,15 +564,19 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     EX2_FENCE puts a barrier on the row sums right before the wait (generator/fence_asm.py). ROWSUM_MMA: the
     rounded row sum of P(j-1) is one more wgmma (against ones) issued with PV(j-1), so l is
     rescaled and summed exactly when O is. SPLIT: two key parts, so twice the wgmmas of each kind
-    (pPb carries the second part's P). PV_DEFER (overlap off): both products are waited for before
-    the softmax and V(j-1) is released in this step; with two key parts PV(j-1) is issued first and
-    QK^T(j)'s second part only once PV(j-1) is done (below)."""
+    (pPb carries the second part's P). P_SMEM: P(j-1) is read from the warpgroup's P tile (pP and
+    pPb are stand-ins), P(j) written there once PV(j-1) is done, and V(j-1) released then. PV_DEFER
+    (overlap off): both products are waited for before the softmax and V(j-1) is released in this
+    step; with two key parts PV(j-1) is issued first and QK^T(j)'s second part only once PV(j-1) is
+    done (below)."""
     _mark(kv_it, EV_START, CID)
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
-    p8 = _p_operand(pP, V_PERM, LEAN, p_layout)
+    p8 = _p_operand(pP, V_PERM, LEAN, p_layout, p_smem)
     p8b = _p_operand(pPb, V_PERM, LEAN, p_layout) if SPLIT else p8
     acc, l_i = _rescale(acc, l_i, alpha, row_o)
+    if P_SMEM:
+        _p_publish()
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
@@ -555,7 +606,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         if not SPLIT:
             acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # retired already: no wait
         mbarrier.arrive(v_empty.index(pst), count=1)
-    else:  # PV(j-2) retired at the end of the previous step: release its V stage now
+    elif not P_SMEM:  # PV(j-2) retired at the end of the previous step: release its V stage now
         mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=j >= 2)
     pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1 - j) * BLOCK_N, row0, Sk, off,
                                         MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN,
@@ -576,6 +627,11 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     if not PV_DEFER:
         acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # PV(j-1) done
         _mark(kv_it, EV_PV_DONE, CID)
+    if P_SMEM:  # the P tile is free: P(j) goes there for the next step's PV; V(j-1) is released
+        _p_stage(pP, p_smem)
+        mbarrier.arrive(v_empty.index(pst), count=1)
+        pP = alpha
+        pPb = alpha
     return pP, acc, alpha, m_i, l_i, pPb
 
 
@@ -601,7 +657,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
               CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
               EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_bufs, QK_PARTS: gl.constexpr,
-              kb_bufs, vb_bufs, onesb_bufs):
+              kb_bufs, vb_bufs, onesb_bufs, p_bufs):
     """Consumer warpgroup CID: rows [64 CID, 64 CID + 64) of every tile it visits. Key blocks from
     the diagonal downwards; only the first n_masked (diagonal / key end) pay for the mask."""
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -616,6 +672,10 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
     row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
 
     o_smem = o_bufs.index(CID)
+    if P_SMEM:  # P's way from one step's softmax to the next step's PV wgmma (the A operand's tile)
+        p_smem = p_bufs.index(CID)
+    else:
+        p_smem = None
     if ROWSUM_MMA:  # B operand of the row-sum wgmma: this warpgroup's (8, BLOCK_N) tile of e4m3 ones
         ones_smem = _ones(ones_bufs.index(CID), BN_A)
         onesb_smem = _ones(onesb_bufs.index(CID), BN_B) if SPLIT else ones_smem
@@ -654,7 +714,10 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
         qb = qs * QK_PARTS  # this tile's Q: slots qb .. qb + QK_PARTS - 1
 
         m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
-        l_i = gl.full([64], 0.0, gl.float32, layout=row_s)
+        if LANE_SUMS:  # (64, 4) partial sums, laid out as _lane_sums makes them
+            l_i = _lane_sums(gl.zeros([64, BN_A], gl.float32, layout=qk_layout))
+        else:
+            l_i = gl.full([64], 0.0, gl.float32, layout=row_s)
         acc = gl.zeros([64, HEAD_D], gl.float32, layout=o_layout)
         s_zero = gl.zeros([64, BN_A], gl.float32, layout=qk_layout)
         sb_zero = gl.zeros([64, BN_B], gl.float32, layout=qkb_layout) if SPLIT else s_zero
@@ -668,6 +731,10 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                 pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1) * BLOCK_N, row0, Sk, off,
                                                     True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET,
                                                     LEAN, sb, qkb_layout, kv_it)
+                if P_SMEM:
+                    _p_stage(pP, p_smem)
+                    pP = alpha
+                    pPb = alpha
                 kv_it += 1
                 # ---- masked blocks (phase 0), then unmasked blocks (phase 1): two loops, MASK constant in each
                 for phase in gl.static_range(2):
@@ -679,14 +746,16 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
                             phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
                             qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
-                            QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout)
+                            QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem)
                         turn_it += 1
                         kv_it += 1
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
-                p8 = _p_operand(pP, V_PERM, LEAN, p_layout)
+                p8 = _p_operand(pP, V_PERM, LEAN, p_layout, p_smem)
                 p8b = _p_operand(pPb, V_PERM, LEAN, p_layout) if SPLIT else p8
                 acc, l_i = _rescale(acc, l_i, alpha, row_o)
+                if P_SMEM:
+                    _p_publish()
                 mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
                 _turn_wait(turn_bars, turn_it, CID, PINGPONG)
                 o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
@@ -694,7 +763,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                 _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
                 turn_it += 1
                 acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)
-                if not PV_DEFER:  # (PV_DEFER released each V stage in its own step)
+                if not (PV_DEFER or P_SMEM):  # (they released each V stage in its own step)
                     mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=n_blocks >= 2)
                 mbarrier.arrive(v_empty.index(pst), count=1)
             else:
@@ -734,7 +803,10 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
         q_it += 1
 
         # ---- epilogue: O / l * v_descale -> bf16 -> smem -> TMA store (3-D: clipped per batch)
-        l_o = gl.convert_layout(l_i, row_o)
+        if LANE_SUMS:  # the four lanes of each row add their sums once per tile
+            l_o = gl.convert_layout(gl.sum(l_i, axis=1), row_o)
+        else:
+            l_o = gl.convert_layout(l_i, row_o)
         inv = gl.where(l_o > 0.0, v_scale / l_o, 0.0)
         o = (acc * inv[:, None]).to(gl.bfloat16)
         tma.store_wait(0)

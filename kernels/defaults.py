@@ -43,6 +43,13 @@ def gluon_wide_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelCo
         block_n=256, num_stages=2, overlap=False, ping_pong=False, q_stages=2)
 
 
+def gluon_lanes_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """The 256-key kernel keeping its row sums per lane (lane_sums: the quad of lanes sharing a row add
+    theirs once per tile, not every step): 1.015-1.016x the 256-key kernel at hd128 8K / 16K (B=2 / 1,
+    H=32; docs/PERF.md, session 10). A seed of the FP8 space, and the untuned FP8 kernel at head dim 128."""
+    return gluon_wide_config(dtype, head_dim_qk, head_dim_v).replace(lane_sums=True)
+
+
 def gluon_packed_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """The Gluon default schedule carrying P packed as e4m3 from one step to the next
     (p_carry="e4m3", a quarter of the float32 carry's registers): at 128-key blocks with overlap and
@@ -88,10 +95,11 @@ def gluon_defer_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
 def fallback_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """What `flash_attn_func` runs where no tuned entry applies (the untuned kernel): the Gluon
     256-key kernel at FP8 head dim 128, where it measured 1.04-1.20x the other untuned configs
-    (0.86x / 0.93x FA3-fp8 at 8K / 16K; docs/PERF.md, session 4), else `default_config`. Head dims
-    other than 128 keep the Triton default until a Gluon config is measured faster there untuned."""
+    (0.86x / 0.93x FA3-fp8 at 8K / 16K; docs/PERF.md, session 4), with its row sums per lane
+    (gluon_lanes_config, +1.5%, session 10), else `default_config`. Head dims other than 128 keep the
+    Triton default until a Gluon config is measured faster there untuned."""
     if dtype == "fp8" and (head_dim_qk, head_dim_v) == (128, 128):
-        return gluon_wide_config(dtype, head_dim_qk, head_dim_v)
+        return gluon_lanes_config(dtype, head_dim_qk, head_dim_v)
     return default_config(dtype, head_dim_qk, head_dim_v)
 
 

@@ -150,7 +150,9 @@ def check_config(config: KernelConfig, probe: Probe, *, reps: int = 20) -> Verdi
 
 
 def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERROR_GATE) -> Verdict:
-    """Re-check one stored best entry (zyfa_tune.db.BestEntry) on this GPU."""
+    """Re-check one stored best entry (zyfa_tune.db.BestEntry) on this GPU. A timing more than
+    max_slowdown above the stored one is taken again before the entry fails (the better median counts):
+    short, launch-bound entries read 70-110% slow in one process and on record in the next (session 10)."""
     try:
         config = KernelConfig.from_json(entry.config_json)
     except ConfigError as exc:
@@ -166,6 +168,10 @@ def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERR
     if not v.ok:
         return v
     slowdown = (v.median_ms - entry.median_ms) / entry.median_ms
+    if slowdown > max_slowdown:  # once more: a launch-bound call's median (tens of us) moves with the host
+        again = check_config(config, probe)
+        if again.ok and again.median_ms < v.median_ms:
+            v, slowdown = again, (again.median_ms - entry.median_ms) / entry.median_ms
     if slowdown > max_slowdown:
         return Verdict(False, f"{slowdown:+.1%} slower than stored", v.error_rel_l2, v.error_limit, v.median_ms, slowdown)
     return Verdict(True, "", v.error_rel_l2, v.error_limit, v.median_ms, slowdown)

@@ -249,7 +249,8 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
     """Shared memory (bytes) of a Gluon kernel: the Q ring (q_stages x block_m x 128), the K and V^T
     rings (2 x num_stages x block_n x 128), one 64 x 128 bf16 output tile per consumer warpgroup,
     lean P's (8, block_n) e4m3 ones tile per consumer warpgroup, barriers and swizzle alignment
-    (TMA_SMEM_MARGIN), and with v_layout="natural" the two (block_n, head_dim_v) slots V is loaded into.
+    (TMA_SMEM_MARGIN), with v_layout="natural" the two (block_n, head_dim_v) slots V is loaded into,
+    and with p_carry="smem" one (64, block_n) e4m3 P tile per consumer warpgroup.
     Exact to within the margin (compiled: 147920 B for the default against 148480 estimated; 150000 B
     for its lean P variant)."""
     q = c.q_stages * c.block_m * c.head_dim_qk
@@ -257,7 +258,8 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
     raw_v = 2 * c.block_n * c.head_dim_v if c.v_layout == "natural" else 0  # the tiles the producer transposes
     out = (c.block_m // 64) * 64 * c.head_dim_v * 2
     ones = (c.block_m // 64) * 8 * c.block_n if c.rowsum == "mma" else 0
-    return q + kv + raw_v + out + ones + TMA_SMEM_MARGIN
+    p_tiles = (c.block_m // 64) * 64 * c.block_n if c.p_carry == "smem" else 0  # P's way to the PV wgmma
+    return q + kv + raw_v + out + ones + p_tiles + TMA_SMEM_MARGIN
 
 
 #: setmaxnreg of a producer warpgroup that transposes V (v_layout="natural"): at 24 it spilled 8 bytes
@@ -302,7 +304,9 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     """Registers per thread a Gluon consumer warpgroup needs at least: its 64 x head_dim fp32
     accumulator, the 64 x block_n fp32 scores and, with overlap, the previous block's P carried into
     the next step: packed four e4m3 to a register with v_permute (block_n / 8), else as separate
-    bytes plus the shuffles' temporaries (block_n / 2 + 16); + GLUON_REGISTER_OVERHEAD. pv_defer
+    bytes plus the shuffles' temporaries (block_n / 2 + 16); p_carry="smem" counts the same packed
+    words (live until they are stored: 256 keys, estimated 248, spilled 16 bytes; 128 keys did not,
+    session 10); + GLUON_REGISTER_OVERHEAD. pv_defer
     holds the same P in flight under QK^T(j) (session 6: at 256 keys, estimated 248 of 240, it
     spilled 96-184 bytes and ptxas serialised every wgmma; 128 and 192 keys did not spill).
     Calibrated on compile_for_target over block_n 64/128/256 x overlap x v_permute x producer_regs

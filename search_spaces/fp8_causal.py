@@ -8,9 +8,9 @@ field). `backend` comes first: the fields after it that only one backend reads a
 
 from functools import partial
 
-from zyfa_tune.generator.config import packed_p_conflict
-from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_natural_config, gluon_packed_config,
-                                       gluon_three_config, gluon_wide_config)
+from zyfa_tune.generator.config import lane_sums_conflict, packed_p_conflict
+from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_natural_config,
+                                       gluon_packed_config, gluon_three_config, gluon_wide_config)
 
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
                    rowsum_param, scale_per_tile, triton_only)
@@ -43,13 +43,15 @@ PARAMS = (backend_param(),
     gluon_only("turn_barrier", ("mbarrier", "named"), needs=("ping_pong", True)),  # ping-pong token
     Param("p_carry", ("f32", "e4m3"), only_if=("backend", "gluon"),  # P packed across steps, where it can be
           decode=lambda v, f: "f32" if packed_p_conflict(f) else v),
+    Param("lane_sums", (False, True), only_if=("backend", "gluon"),  # row sums per lane, reduced in the epilogue
+          decode=lambda v, f: v and not lane_sums_conflict(f)),
 )
 
 
 #: Enqueued right after the Triton default (where statically feasible): the Gluon backend's default
 #: (the spike's best schedule), its 256-key-block kernel, at head dim 256 its pv_defer schedule, its
-#: one-launch natural-V twin (launch-bound shapes), at head dim 64 three consumer warpgroups, and the
-#: default with P carried packed.
+#: one-launch natural-V twin (launch-bound shapes), at head dim 64 three consumer warpgroups, the
+#: default with P carried packed, and the 256-key kernel with its row sums per lane.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                     extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
-                                 gluon_natural_config, gluon_three_config, gluon_packed_config))
+                                 gluon_natural_config, gluon_three_config, gluon_packed_config, gluon_lanes_config))

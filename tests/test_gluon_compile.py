@@ -58,8 +58,18 @@ PACKED_CASES = [GLUON.replace(p_carry="e4m3"), MLA.replace(p_carry="e4m3"),
                 GLUON.replace(block_n=192, num_stages=3, ping_pong=False, skip_rescale=True, p_carry="e4m3"),
                 HD256.replace(block_n=128, num_stages=2, overlap=False, pv_defer=True, p_carry="e4m3"),
                 gluon_wide_config("fp8", 128, 128).replace(pv_defer=True, p_carry="e4m3")]
+#: P handed to the PV wgmma through a shared-memory tile (p_carry="smem", not searched): the seed
+#: with and without ping-pong, three consumers at head dim 64, 192/128, head dim 256's 64-key blocks
+#: (a 64-byte swizzle)
+SMEM_CASES = [GLUON.replace(p_carry="smem"), GLUON.replace(p_carry="smem", ping_pong=False),
+              HD64.replace(block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True, p_carry="smem"),
+              MLA.replace(p_carry="smem"), HD256.replace(p_carry="smem")]
+#: row sums kept per lane (lane_sums): the 256-key kernel, the packed overlapped seed, 192/128, hd64 and
+#: hd256's 64-key blocks
+LANE_CASES = [gluon_wide_config("fp8", 128, 128).replace(lane_sums=True), GLUON.replace(p_carry="e4m3", lane_sums=True),
+              MLA.replace(lane_sums=True), HD64.replace(lane_sums=True), HD256.replace(lane_sums=True)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
-         + NATURAL_CASES + SPLIT_CASES + PACKED_CASES)
+         + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + LANE_CASES)
 
 
 def test_192_wide_q_and_k_come_in_three_parts(compiled):
@@ -122,6 +132,38 @@ def test_256_key_defer_issues_the_second_part_after_the_pv_wait(compiled):
     assert art.spill_bytes == 0 and art.serialised_wgmma is None
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in art.sass
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in compiled(gluon_wide_config("fp8", 128, 128)).sass
+
+
+def test_smem_p_is_staged_by_stmatrix_and_fenced(compiled):
+    """p_carry="smem": each step stores the packed P through stmatrix (as 32-bit words: 8-bit stores are
+    lowered to stmatrix.b16 with half the bytes lost) and fences it for the async proxy; the PV wgmma
+    reads its A operand from shared memory (no register P operand)."""
+    art, ref = compiled(SMEM_CASES[0]), compiled(GLUON.replace(p_carry="e4m3"))
+    stmatrix = "stmatrix.sync.aligned.m8n8.x4.shared.b16"  # (the bf16 output tile is stored so in both)
+    assert art.ptx.count(stmatrix) >= ref.ptx.count(stmatrix) + 8
+    assert art.ptx.count("fence.proxy.async.shared::cta") > ref.ptx.count("fence.proxy.async.shared::cta")
+    # PV: m64n128k32 wgmmas whose A is a shared-memory descriptor, not registers
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3 \{[^}]*\}, %rd", art.ptx)
+    assert not re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3 \{[^}]*\}, \{", art.ptx)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3 \{[^}]*\}, \{", ref.ptx)
+
+
+def test_smem_p_at_256_keys_spills_as_estimated(compiled):
+    """The register estimate counts smem's packed words like the packed carry: at 256 keys with overlap
+    (estimated 248 of 240) it rejects the config, which spills 16 bytes (outside the step loop)."""
+    cfg = gluon_wide_config("fp8", 128, 128).replace(overlap=True, p_carry="smem")
+    assert "registers" in SPACE.feasible(cfg)
+    assert compiled(cfg).spill_bytes > 0
+
+
+def test_lane_sums_leave_the_row_sum_shuffles_to_the_epilogue(compiled):
+    """lane_sums=True: per step, each row's sum is no longer reduced over its quad of lanes (two
+    shuffles per row of each thread's two rows), only once per tile in the epilogue: the 256-key
+    kernel's two step bodies (masked and not) lose 4 shuffles each."""
+    wide = gluon_wide_config("fp8", 128, 128)
+    before, after = compiled(wide), compiled(wide.replace(lane_sums=True))
+    assert before.count("SHFL") - after.count("SHFL") == 8
+    assert after.count("MUFU.EX2") == before.count("MUFU.EX2") and after.spill_bytes == 0
 
 
 def test_balanced_kernel_reads_its_tile_table(compiled):

@@ -76,6 +76,14 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(v_permute=False, p_carry="e4m3"), r"^p_carry='e4m3' packs the exact softmax's P .* it needs v_permute=True"),
     (dict(softmax="lean", rowsum="mma", p_carry="e4m3"), r"^p_carry='e4m3' packs the exact softmax's P"),
     (dict(rowsum="mma", ex2_fence=True, p_carry="e4m3"), r"^p_carry='e4m3' with ex2_fence=True and rowsum='mma'"),
+    (dict(overlap=False, pv_defer=True, p_carry="smem"), r"^p_carry='smem' hands P\(j\) to the PV wgmma issued with "
+                                                         r"QK\^T\(j\+1\) through shared memory: it needs overlap=True"),
+    (dict(v_permute=False, p_carry="smem"), r"^p_carry='smem' packs the exact softmax's P .* it needs v_permute=True"),
+    (dict(block_n=192, p_carry="smem"), r"^p_carry='smem' holds one key part's P tile: it needs block_n a power "),
+    (dict(rowsum="mma", lane_sums=True), r"^lane_sums=True keeps the float32 row sums .* it needs rowsum='fp32'"),
+    (dict(block_n=192, lane_sums=True), r"^lane_sums=True sums one key part's scores per lane"),
+    (dict(block_n=256, overlap=False, pv_defer=True, lane_sums=True), r"^lane_sums=True sums one key part's"),
+    (dict(ex2_fence=True, lane_sums=True), r"^lane_sums=True with ex2_fence=True"),
 ])
 def test_bad_gluon_combinations_name_the_field(changes, match):
     with pytest.raises(ConfigError, match=match):
@@ -98,6 +106,20 @@ def test_packed_p_carry_is_stored_only_when_set():
     assert KernelConfig.from_json(packed.to_json()) == packed
     assert GLUON.replace(overlap=False, pv_defer=True, p_carry="e4m3").p_carry == "e4m3"
     assert GLUON.replace(rowsum="fp32", ex2_fence=True, p_carry="e4m3").ex2_fence  # a fence on the row sums
+
+
+def test_smem_p_carry_is_stored_and_summarised():
+    smem = GLUON.replace(p_carry="smem")
+    assert smem.to_dict()["p_carry"] == "smem" and KernelConfig.from_json(smem.to_json()) == smem
+    assert "smemP" in smem.summary() and "packedP" not in smem.summary()
+
+
+def test_lane_sums_are_stored_only_when_set():
+    lanes = GLUON.replace(lane_sums=True)
+    assert "lane_sums" not in GLUON.to_dict() and lanes.to_dict()["lane_sums"] is True
+    assert KernelConfig.from_json(lanes.to_json()) == lanes and "laneSums" in lanes.summary()
+    with pytest.raises(ConfigError, match="lane_sums"):
+        KernelConfig(lane_sums=True)  # a Triton config keeps the Gluon fields at their defaults
 
 
 def test_named_turn_barrier_is_stored_only_when_set():

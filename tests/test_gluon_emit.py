@@ -16,9 +16,12 @@ from zyfa_tune.generator.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from zyfa_tune.generator.lean_asm import MAGIC, lean_tail_asm
 from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
 from zyfa_tune.generator.timeline import EVENTS
+from zyfa_tune.kernels.defaults import default_config
 
-#: the Gluon seed, one variant per value of every field the space searches for it, a sample
-VARIANTS = neighbours() + sampled(20)
+#: the Gluon seed, one variant per value of every field the space searches for it, a sample of
+#: the space's points, and P through shared memory (not searched), with a 128- and a 64-byte swizzle
+VARIANTS = neighbours() + sampled(20) + [GLUON.replace(p_carry="smem"),
+                                         default_config("fp8", 256, 256, "gluon").replace(p_carry="smem")]
 
 
 def constants(source: str) -> dict:
@@ -116,6 +119,8 @@ def test_constants_are_the_config(cfg):
                  "RESCALE_ASM": rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale) if in_place else "",
                  "RESCALE_CONSTRAINTS": rescale_constraints(cfg.head_dim_v // 2) if in_place else "",
                  "PACK_P": cfg.p_carry == "e4m3", "E4M3X4_ASM": gluon_device.E4M3X4_ASM.value,
+                 "P_SMEM": cfg.p_carry == "smem", "K_AHEAD": cfg.p_carry == "smem", "P_SWIZZLE": min(128, cfg.block_n),
+                 "LANE_SUMS": cfg.lane_sums,
                  # timeline stamps off (tests/test_timeline.py traces)
                  "TRACE": False, "TRACE_STEPS": 0, "TRACE_EVENTS": len(EVENTS), "TRACE_ASM": "", "TRACE_AFTER_ASM": "",
                  **{f"EV_{name.upper()}": i for i, name in enumerate(EVENTS)}}

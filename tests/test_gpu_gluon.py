@@ -276,6 +276,45 @@ def test_packed_p_equals_the_float32_carry(name, sq, sk, causal):
     assert torch.equal(packed, flash_attn_func(*args, causal=causal, config=cfg, **kw))
 
 
+#: P through a shared-memory tile (p_carry="smem", not searched: measured 1-19% slower, docs/PERF.md
+#: session 10), beside the packed carry of the same schedule: the seed with and without ping-pong,
+#: three consumers at head dim 64, 192/128 and head dim 256's 64-key blocks (a 64-byte swizzle)
+SMEM = {"seed": GLUON, "seed-nopp": GLUON.replace(ping_pong=False), "64-three": PACKED["64-three"],
+        "192/128": PACKED["192/128"], "256": default_config("fp8", 256, 256, "gluon")}
+
+
+@pytest.mark.parametrize("name", SMEM)
+@pytest.mark.parametrize("sq,sk,causal", [(17, 17, True), (1000, 1000, True), (300, 1100, False), (4096, 4096, True)])
+def test_smem_p_equals_the_packed_carry(name, sq, sk, causal):
+    """p_carry="smem" stores the packed words the "e4m3" carry keeps in registers and the PV wgmma
+    reads them from shared memory (its producer loads K(j) before V(j-1), V(j-1) released a step
+    earlier): the same products, so bitwise the packed carry's output, within FA3's error."""
+    cfg = SMEM[name]
+    smem = check(cfg.replace(p_carry="smem"), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128)
+    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
+                           seqlen_k=sk, seed=0)
+    assert torch.equal(smem, flash_attn_func(*args, causal=causal, config=cfg.replace(p_carry="e4m3"), **kw))
+
+
+#: row sums kept per lane (lane_sums) on the schedules they apply to, every head dim
+LANES = {"wide": gluon_wide_config("fp8", 128, 128), "seed-packed": GLUON.replace(p_carry="e4m3"),
+         "64-three": PACKED["64-three"].replace(rowsum="fp32"), "192/128": PACKED["192/128"],
+         "256": default_config("fp8", 256, 256, "gluon")}
+
+
+@pytest.mark.parametrize("name", LANES)
+@pytest.mark.parametrize("sq,sk,causal", [(17, 17, True), (1000, 1000, True), (300, 1100, False), (4096, 4096, True)])
+def test_lane_sums_within_rounding_of_the_row_sums(name, sq, sk, causal):
+    """lane_sums=True adds the same float32 probabilities in another order (per lane, the lanes once
+    at the end): within FA3's error against float64, and within a few float32 roundings of the
+    per-step sum's output (a bf16 rounding flipped here and there: rel. L2 < 1e-3, FP8's is 2e-2)."""
+    cfg = LANES[name]
+    lanes = check(cfg.replace(lane_sums=True), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128)
+    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
+                           seqlen_k=sk, seed=0)
+    assert rel_l2(lanes, flash_attn_func(*args, causal=causal, config=cfg, **kw)) < 1e-3
+
+
 #: (batch, seqlen_q, seqlen_k, heads, kv_heads, causal): ragged, GQA, non-causal, fewer tiles than SMs
 BALANCE_SHAPES = [(2, 1000, 1000, 8, 8, True), (1, 777, 1500, 8, 2, True), (3, 4096, 4096, 4, 4, True),
                   (2, 600, 900, 4, 4, False), (1, 130, 130, 2, 1, True)]

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig, emit
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_natural_config, gluon_three_config,
-                                       gluon_wide_config)
+                                       gluon_lanes_config, gluon_wide_config)
 from zyfa_tune.search_spaces import (FAMILIES, SEED_DATABASES, SMEM_LIMIT, Param, SearchSpace, get_space,
                                      register_estimate, smem_estimate)
 from zyfa_tune.search_spaces import base as ss_base
@@ -31,7 +31,7 @@ FAMILY_FIELDS = {
     "fp8-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "softmax", "lean_fold",
                    "lean_clamp", "lean_pack", "p_scale_log2", "scale_block", "rowsum", "q_order", "loads",
                    "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
-                   "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer", "p_carry"},  # exp2_poly: slower
+                   "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer", "p_carry", "lane_sums"},  # exp2_poly: slower
     "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
                     "q_order", "loads", "v_layout"},
 }
@@ -257,6 +257,7 @@ def test_seeds_fp8_128_include_shipped_best():
     assert seeds[:4] == [D("fp8", 128, 128), D("fp8", 128, 128, "gluon"), gluon_wide_config("fp8", 128, 128),
                          gluon_natural_config("fp8", 128, 128)]
     assert seeds[3].v_layout == "natural" and not seeds[3].v_permute
+    assert gluon_lanes_config("fp8", 128, 128) in seeds  # the 256-key kernel with per-lane row sums
     assert not any(c.block_m == 192 for c in seeds)  # three consumers: seeded at head dim 64 only
     hd256 = space.seeds(256, 256)
     assert gluon_defer_config("fp8", 256, 256) in hd256 and hd256[2].pv_defer and not hd256[2].overlap
