@@ -387,13 +387,15 @@ class SearchSpace:
     """The searched parameters of one kernel family; see the module doc for how trials map."""
 
     def __init__(self, family: str, dtype: str, params: Sequence[Param],
-                 extra_seeds: Sequence[Callable[[str, int, int], KernelConfig]] = ()):
+                 extra_seeds: Sequence[Callable[[str, int, int], KernelConfig]] = (),
+                 winner_twins: Callable[[KernelConfig], Sequence[KernelConfig]] = lambda config: ()):
         if dtype not in CHOICES["dtype"]:
             raise ValueError(f"dtype: {dtype!r} is not one of {list(CHOICES['dtype'])}")
         self.family = family
         self.dtype = dtype
         self.params: tuple[Param, ...] = tuple(params)
         self.extra_seeds = tuple(extra_seeds)
+        self.winner_twins = winner_twins
         _check_params(self.params)
 
     def __repr__(self) -> str:
@@ -511,8 +513,10 @@ class SearchSpace:
         """Known-good configs to enqueue first: the default, the family's extra seeds (`extra_seeds`:
         the Gluon backend's default where it implements the head dims), then the best configs of
         these head dims in `databases` (default: SEED_DATABASES, the shipped H200 database), most
-        problem classes won first. Rows that fail validation, are not causal, are not points of this
-        space or are statically infeasible are skipped; the list is deduplicated (after `canonical`)."""
+        problem classes won first, then each winner's `winner_twins` (the family's variants of a
+        winner with a field it was tuned before: measured gains a short study would not sample).
+        Rows that fail validation, are not causal, are not points of this space or are statically
+        infeasible are skipped; the list is deduplicated (after `canonical`)."""
         base = self.base(head_dim_qk, head_dim_v)
         wins: Counter[KernelConfig] = Counter()
         for path in (SEED_DATABASES if databases is None else databases):
@@ -526,7 +530,9 @@ class SearchSpace:
                 continue
             if config not in out and self.feasible(config) is None:
                 out.append(config)
-        for config, _ in sorted(wins.items(), key=lambda kv: -kv[1]):  # stable: database order on ties
+        winners = [config for config, _ in sorted(wins.items(), key=lambda kv: -kv[1])]  # stable on ties
+        twins = [twin for config in winners for twin in self.winner_twins(config)]
+        for config in winners + twins:
             if config in out:
                 continue
             try:
