@@ -264,19 +264,29 @@ PACKED = {"seed": GLUON, "192/128": default_config("fp8", 192, 128, "gluon"),
           "192-keys": GLUON.replace(block_n=192, num_stages=3, ping_pong=False, skip_rescale=True),
           "256-defer": gluon_defer_config("fp8", 256, 256).replace(p_carry="f32"),
           "wide-defer": gluon_wide_config("fp8", 128, 128).replace(pv_defer=True)}
+#: (seqlen_q, seqlen_k, causal) a variant and its twin are compared on: tiny, ragged causal, non-causal
+#: with more keys, 4K
+TWIN_SHAPES = [(17, 17, True), (1000, 1000, True), (300, 1100, False), (4096, 4096, True)]
+
+
+def variant_and_twin(variant, twin, sq, sk, causal):
+    """`variant` checked against float64 (and FA3's error where the shape is long enough), and the
+    output of `twin`, the same schedule without the variant's change, on the same inputs."""
+    out = check(variant, 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128)
+    args, kw = make_inputs("fp8", twin.head_dim_qk, twin.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
+                           seqlen_k=sk, seed=0)
+    return out, flash_attn_func(*args, causal=causal, config=twin, **kw)
 
 
 @pytest.mark.parametrize("name", PACKED)
-@pytest.mark.parametrize("sq,sk,causal", [(17, 17, True), (1000, 1000, True), (300, 1100, False), (4096, 4096, True)])
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
 def test_packed_p_equals_the_float32_carry(name, sq, sk, causal):
     """p_carry="e4m3" rounds P where the softmax makes it instead of next to the wgmma: the same
     cvt of the same float32 values, so the output is bitwise that of the float32 carry, and within
     FA3's error against float64."""
     cfg = PACKED[name]
-    packed = check(cfg.replace(p_carry="e4m3"), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128)
-    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
-                           seqlen_k=sk, seed=0)
-    assert torch.equal(packed, flash_attn_func(*args, causal=causal, config=cfg, **kw))
+    packed, f32 = variant_and_twin(cfg.replace(p_carry="e4m3"), cfg, sq, sk, causal)
+    assert torch.equal(packed, f32)
 
 
 #: P through a shared-memory tile (p_carry="smem", not searched: measured 1-19% slower, docs/PERF.md
@@ -287,16 +297,14 @@ SMEM = {"seed": GLUON, "seed-nopp": GLUON.replace(ping_pong=False), "64-three": 
 
 
 @pytest.mark.parametrize("name", SMEM)
-@pytest.mark.parametrize("sq,sk,causal", [(17, 17, True), (1000, 1000, True), (300, 1100, False), (4096, 4096, True)])
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
 def test_smem_p_equals_the_packed_carry(name, sq, sk, causal):
     """p_carry="smem" stores the packed words the "e4m3" carry keeps in registers and the PV wgmma
     reads them from shared memory (its producer loads K(j) before V(j-1), V(j-1) released a step
     earlier): the same products, so bitwise the packed carry's output, within FA3's error."""
     cfg = SMEM[name]
-    smem = check(cfg.replace(p_carry="smem"), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128)
-    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
-                           seqlen_k=sk, seed=0)
-    assert torch.equal(smem, flash_attn_func(*args, causal=causal, config=cfg.replace(p_carry="e4m3"), **kw))
+    smem, packed = variant_and_twin(cfg.replace(p_carry="smem"), cfg.replace(p_carry="e4m3"), sq, sk, causal)
+    assert torch.equal(smem, packed)
 
 
 #: row sums kept per lane (lane_sums) on the schedules they apply to, every head dim
@@ -306,16 +314,14 @@ LANES = {"wide": gluon_wide_config("fp8", 128, 128), "seed-packed": GLUON.replac
 
 
 @pytest.mark.parametrize("name", LANES)
-@pytest.mark.parametrize("sq,sk,causal", [(17, 17, True), (1000, 1000, True), (300, 1100, False), (4096, 4096, True)])
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
 def test_lane_sums_within_rounding_of_the_row_sums(name, sq, sk, causal):
     """lane_sums=True adds the same float32 probabilities in another order (per lane, the lanes once
     at the end): within FA3's error against float64, and within a few float32 roundings of the
     per-step sum's output (a bf16 rounding flipped here and there: rel. L2 < 1e-3, FP8's is 2e-2)."""
     cfg = LANES[name]
-    lanes = check(cfg.replace(lane_sums=True), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128)
-    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
-                           seqlen_k=sk, seed=0)
-    assert rel_l2(lanes, flash_attn_func(*args, causal=causal, config=cfg, **kw)) < 1e-3
+    lanes, per_step = variant_and_twin(cfg.replace(lane_sums=True), cfg, sq, sk, causal)
+    assert rel_l2(lanes, per_step) < 1e-3
 
 
 #: (batch, seqlen_q, seqlen_k, heads, kv_heads, causal): ragged, GQA, non-causal, fewer tiles than SMs
