@@ -56,17 +56,16 @@ CHOICES: dict[str, tuple] = {
     "pv_defer": (False, True),
     "p_carry": ("f32", "e4m3", "smem"),
     "lane_sums": (False, True),
-    "pv_parts": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
-                "p_carry", "lane_sums", "pv_parts")
+                "p_carry", "lane_sums")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
-               "p_carry", "lane_sums", "pv_parts")
+               "p_carry", "lane_sums")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads")
@@ -157,10 +156,6 @@ class KernelConfig:
                   epilogue (as FA3 does): two shuffles and two FADDs less per row and step, off the
                   chain from the last exponential to the PV wgmma. Sums in another order: not bitwise
                   the per-step sum.
-    pv_parts:     Gluon, the plain 256-key step (no overlap, pv_defer or ping-pong; exact softmax,
-                  v_permute, rowsum="fp32"): the block as two 128-key parts whose PV is issued part by
-                  part, the first part's O += P V on the tensor cores while the second part's
-                  exponentials run, one wait at the end. Not searched: not yet run on the GPU.
     pv_defer:     Gluon (overlap=False only): PV(j-1) is issued right after QK^T(j) and both are waited
                   for at once, so the tensor cores get the two products back to back and the warpgroup
                   waits once per key block instead of twice; the softmax still runs after both (no P
@@ -203,7 +198,6 @@ class KernelConfig:
     pv_defer: bool = False
     p_carry: str = "f32"
     lane_sums: bool = False
-    pv_parts: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -275,11 +269,6 @@ class KernelConfig:
             raise ConfigError(why)
         if self.lane_sums and (why := lane_sums_conflict(vars(self))):
             raise ConfigError(why)
-        if self.pv_parts and (self.block_n != 256 or self.overlap or self.pv_defer or self.ping_pong
-                              or not self.v_permute or self.softmax != "exact" or self.rowsum != "fp32"):
-            raise ConfigError("pv_parts=True splits the plain 256-key step's PV in two: it needs block_n=256, "
-                              "overlap=False, pv_defer=False, ping_pong=False, v_permute=True, softmax='exact' and "
-                              "rowsum='fp32'")
         if self.ex2_fence and not self.overlap:
             raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
                               "under the softmax")
@@ -370,7 +359,7 @@ class KernelConfig:
                                           ("named", self.turn_barrier == "named"), ("defer", self.pv_defer),
                                           ("packedP", self.p_carry == "e4m3"),
                                           ("smemP", self.p_carry == "smem"),
-                                          ("laneSums", self.lane_sums), ("pvParts", self.pv_parts),
+                                          ("laneSums", self.lane_sums),
                                           ("balanced", self.q_order == "balanced")) if flag]
             softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
@@ -412,9 +401,9 @@ def lane_sums_conflict(f: Mapping[str, Any]) -> str | None:
     if f["rowsum"] != "fp32" or f["softmax"] != "exact":
         return (f"lane_sums=True keeps the float32 row sums of the exact softmax per lane: it needs rowsum='fp32' "
                 f"and softmax='exact' (rowsum={f['rowsum']!r}, softmax={f['softmax']!r})")
-    if f["block_n"] == 192 or (f["block_n"] == 256 and (f["pv_defer"] or f["pv_parts"])):
+    if f["block_n"] == 192 or (f["block_n"] == 256 and f["pv_defer"]):
         return ("lane_sums=True sums one key part's scores per lane: it needs a block of one part (not block_n=192, "
-                "nor 256 with pv_defer or pv_parts)")
+                "nor 256 with pv_defer)")
     if f["ex2_fence"]:
         return "lane_sums=True with ex2_fence=True: that fence is on the per-row sums; use one or the other"
     return None

@@ -68,11 +68,11 @@ def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
 def key_parts(config: KernelConfig) -> tuple[int, int]:
     """Keys of a block's first and second part: tensor shapes must be powers of two, so a 192-key
     block is a 128-key and a 64-key part (two QK^T accumulators, two PV wgmmas); a 256-key block
-    with pv_defer two 128-key parts (the second QK^T issued once PV(j-1) has freed its registers),
-    and with pv_parts (each part's PV issued as soon as its P is made); else (block_n, 0)."""
+    with pv_defer two 128-key parts (the second QK^T issued once PV(j-1) has freed its registers);
+    else (block_n, 0)."""
     if config.block_n == 192:
         return 128, 64
-    if config.block_n == 256 and (config.pv_defer or config.pv_parts):
+    if config.block_n == 256 and config.pv_defer:
         return 128, 128
     return config.block_n, 0
 
@@ -168,7 +168,7 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("P_SMEM", c.p_carry == "smem"), ("K_AHEAD", c.p_carry == "smem"),
         # the P tile's swizzle (bytes): a row of BLOCK_N e4m3, up to the 128-byte maximum
         ("P_SWIZZLE", min(128, int(c.block_n))),
-        ("LANE_SUMS", bool(c.lane_sums)), ("PV_PARTS", bool(c.pv_parts)),
+        ("LANE_SUMS", bool(c.lane_sums)),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
         ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"), ("LEAN_FMA", lean and c.lean_fold in ONE_FMA_FOLDS),
         ("LEAN_CENTER", fold_center(c.lean_fold) if lean else 0.0), ("LEAN_MAGIC", MAGIC),

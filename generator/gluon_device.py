@@ -289,32 +289,6 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
 
 
 @gluon.jit
-def _parts_step(s, sb, m_i, l_i, acc, qk_scale, v_smem, vb_smem, v_bar, v_phase, kv_it, CID,
-                qk_layout: gl.constexpr, qkb_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
-    """PV_PARTS: the plain step's softmax and PV for a block of two key parts (scores already masked),
-    each part's PV issued as soon as its P is made, so that O += P_A V_A runs on the tensor cores
-    while part B's exponentials do; one wait at the end (the rest as the plain step: O rescaled
-    before the first PV, V waited for then). Returns (O, m, l)."""
-    row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
-    m_new = gl.maximum(m_i, gl.maximum(gl.max(s, axis=1), gl.convert_layout(gl.max(sb, axis=1), row_s)) * qk_scale)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    m_use = _marked(m_use, kv_it, EV_MAX_DONE, CID)  # (TRACE only)
-    alpha = gl.exp2(m_i - m_use)
-    acc, l_i = _rescale(acc, l_i, alpha, row_o)
-    mbarrier.wait(v_bar, v_phase)
-    p = _exp2(s * qk_scale - (m_use - P_OFFSET)[:, None])
-    l_a = gl.sum(p, axis=1)  # (summed now: the float32 P must not live on beside part B's scores)
-    o_tok = warpgroup_mma(_p_operand(_carried(p, p_layout), True), v_smem.permute((1, 0)), acc, is_async=True)
-    pb = _exp2(sb * qk_scale - gl.convert_layout(m_use - P_OFFSET, gl.SliceLayout(1, qkb_layout))[:, None])
-    o_tok = warpgroup_mma(_p_operand(_carried(pb, p_layout), True), vb_smem.permute((1, 0)), o_tok, is_async=True)
-    _mark(kv_it, EV_PV_ISSUED, CID)
-    l_i = l_i * alpha + l_a + gl.convert_layout(gl.sum(pb, axis=1), row_s)
-    l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
-    acc = warpgroup_mma_wait(0, deps=(o_tok,))
-    return acc, m_new, l_i
-
-
-@gluon.jit
 def _lane_sums(p):
     """LANE_SUMS: each thread's sum of its probabilities of each of its rows, one per lane of the four
     that share a row: (64, 4), no shuffles. The wgmma accumulator gives a thread keys 8c + 2q + b of
@@ -802,34 +776,25 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                                        CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, kb_bufs, sb_zero)
                     turn_it += 1
                     n0 = (n_blocks - 1 - j) * BLOCK_N
-                    if PV_PARTS:  # (no ping-pong: no turn to take for the PV wgmmas)
-                        if j < n_masked:  # (masked here: a masked and an unmasked copy of the step spilled 80 B)
-                            s = _masked(s, n0, row0, Sk, off, CAUSAL, qk_layout)
-                            sb = _masked(sb, n0 + BN_A, row0, Sk, off, CAUSAL, qkb_layout)
-                        acc, m_i, l_i = _parts_step(s, sb, m_i, l_i, acc, qk_scale, v_bufs.index(s_st),
-                                                    vb_bufs.index(s_st), v_ready.index(s_st), s_ph, kv_it, CID,
-                                                    qk_layout, qkb_layout, p_layout, row_o)
-                        turn_it += 1
+                    if j < n_masked:
+                        p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, True, CAUSAL,
+                                                            BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, False,
+                                                            sb, qkb_layout, kv_it)
                     else:
-                        if j < n_masked:
-                            p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, True,
-                                                                CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET,
-                                                                False, sb, qkb_layout, kv_it)
-                        else:
-                            p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, False,
-                                                                CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET,
-                                                                False, sb, qkb_layout, kv_it)
-                        l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
-                        acc, l_i = _rescale(acc, l_i, alpha, row_o)
-                        mbarrier.wait(v_ready.index(s_st), s_ph)
-                        _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-                        o_tok, r_tok = _pv_issue(_p_operand(p8, V_PERM, False, p_layout), v_bufs.index(s_st), acc,
-                                                 ones_smem, l_zero, _p_operand(p8b, V_PERM, False, p_layout),
-                                                 vb_bufs.index(s_st), onesb_smem)
-                        _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-                        _mark(kv_it, EV_PV_ISSUED, CID)
-                        turn_it += 1
-                        acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)
+                        p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, False, CAUSAL,
+                                                            BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, False,
+                                                            sb, qkb_layout, kv_it)
+                    l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
+                    acc, l_i = _rescale(acc, l_i, alpha, row_o)
+                    mbarrier.wait(v_ready.index(s_st), s_ph)
+                    _turn_wait(turn_bars, turn_it, CID, PINGPONG)
+                    o_tok, r_tok = _pv_issue(_p_operand(p8, V_PERM, False, p_layout), v_bufs.index(s_st), acc,
+                                             ones_smem, l_zero, _p_operand(p8b, V_PERM, False, p_layout),
+                                             vb_bufs.index(s_st), onesb_smem)
+                    _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
+                    _mark(kv_it, EV_PV_ISSUED, CID)
+                    turn_it += 1
+                    acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)
                     _mark(kv_it, EV_PV_DONE, CID)
                     mbarrier.arrive(v_empty.index(s_st), count=1)
                     kv_it += 1

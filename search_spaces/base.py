@@ -294,10 +294,6 @@ GLUON_SPLIT_DEFER_REGISTERS = 8
 #: balanced tile table: its 256-key overlapped kernels (estimated 248) spilled 8 bytes with the table and
 #: none in round robin; no two- or three-consumer calibration row changed (session 7, 48 compiles)
 GLUON_ONE_CONSUMER_TABLE_REGISTERS = 16
-#: Extra registers of a pv_parts block (256 keys as two parts, the first part's PV in flight beside the
-#: second part's scores): estimated 216, it spilled 8 bytes outside the step loop (session 10); rejected
-#: until that is gone
-GLUON_PV_PARTS_REGISTERS = 32
 #: Extra registers of pv_defer with the row-sum MMA: at head dim 256 with 128-key blocks (estimated
 #: 232) rowsum="fp32" did not spill at 240 registers and "mma" spilled 32-40 bytes; at 224 both spilled
 #: 120-160 (session 6, 64 compiles over head dims 64 / 256)
@@ -329,7 +325,6 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
-    table += GLUON_PV_PARTS_REGISTERS if c.pv_parts else 0
     if c.pv_defer and c.block_n == 256:  # peak at the softmax: no P in flight beside the scores, O in place
         return acc + scores + defer_mma + table + GLUON_SPLIT_DEFER_REGISTERS + GLUON_REGISTER_OVERHEAD
     return acc + scores + carried + other_dim + three + split + mla + defer_mma + table + GLUON_REGISTER_OVERHEAD

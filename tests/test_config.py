@@ -29,8 +29,6 @@ def valid_with(field: str, value) -> KernelConfig:
         changes["overlap"] = False
     if field == "persistent" and not value:
         changes["q_order"] = "heavy_first"
-    if field == "pv_parts" and value:
-        changes.update(block_n=256, overlap=False, ping_pong=False)
     if field in GLUON_FIELDS or (field, value) in (("backend", "gluon"), ("block_m", 192), ("block_n", 192),
                                                    ("q_order", "balanced")):
         return GLUON.replace(**changes)

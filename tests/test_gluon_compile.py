@@ -166,21 +166,6 @@ def test_lane_sums_leave_the_row_sum_shuffles_to_the_epilogue(compiled):
     assert after.count("MUFU.EX2") == before.count("MUFU.EX2") and after.spill_bytes == 0
 
 
-def test_pv_parts_issues_the_first_part_under_the_second_parts_exponentials(compiled):
-    """pv_parts=True (the plain 256-key step as two 128-key parts): the first part's PV wgmmas are issued
-    before the second part's exponentials, which then run until the one PV wait; K and V^T come as two
-    boxes per stage. Its 8 spilled bytes (outside the step loop) are what the register estimate's
-    GLUON_PV_PARTS_REGISTERS rejects it for."""
-    cfg = gluon_wide_config("fp8", 128, 128).replace(pv_parts=True)
-    art = compiled(cfg)
-    first_pv = re.search(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", art.sass)
-    under = art.sass[first_pv.start():art.sass.index("WARPGROUP.DEPBAR.LE gsb0, 0x0", first_pv.start())]
-    assert under.count("MUFU.EX2") >= 48  # (of part B's 64 exponentials a thread)
-    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3 R\d+, R\d+,", under)) == 8
-    assert art.serialised_wgmma is None and 0 < art.spill_bytes <= 16
-    assert "registers" in SPACE.feasible(cfg)
-
-
 def test_balanced_kernel_reads_its_tile_table(compiled):
     """q_order="balanced": each role loads its loop bounds and tiles from the table (global loads the
     round-robin kernel does not have); the steps are the same code."""

@@ -48,8 +48,7 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     with pytest.raises(ConfigError, match=rf"^{field}={other!r}: not a field of backend='triton'"):
         KernelConfig(**{field: other})
     needs = {"exp2_poly": 4} if field == "exp2_poly_degree" else {"overlap": False} if field == "pv_defer" else \
-        {"q_order": "heavy_first"} if field == "persistent" else \
-        {"block_n": 256, "overlap": False, "ping_pong": False} if field == "pv_parts" else {}
+        {"q_order": "heavy_first"} if field == "persistent" else {}
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 
@@ -85,10 +84,6 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(block_n=192, lane_sums=True), r"^lane_sums=True sums one key part's scores per lane"),
     (dict(block_n=256, overlap=False, pv_defer=True, lane_sums=True), r"^lane_sums=True sums one key part's"),
     (dict(ex2_fence=True, lane_sums=True), r"^lane_sums=True with ex2_fence=True"),
-    (dict(pv_parts=True), r"^pv_parts=True splits the plain 256-key step's PV in two: it needs block_n=256"),
-    (dict(block_n=256, overlap=False, ping_pong=False, rowsum="mma", pv_parts=True), r"^pv_parts=True splits"),
-    (dict(block_n=256, overlap=False, ping_pong=False, pv_parts=True, lane_sums=True),
-     r"^lane_sums=True sums one key part's scores per lane: .* nor 256 with pv_defer or pv_parts"),
 ])
 def test_bad_gluon_combinations_name_the_field(changes, match):
     with pytest.raises(ConfigError, match=match):
@@ -125,12 +120,6 @@ def test_lane_sums_are_stored_only_when_set():
     assert KernelConfig.from_json(lanes.to_json()) == lanes and "laneSums" in lanes.summary()
     with pytest.raises(ConfigError, match="lane_sums"):
         KernelConfig(lane_sums=True)  # a Triton config keeps the Gluon fields at their defaults
-
-
-def test_pv_parts_is_stored_and_summarised():
-    parts = GLUON.replace(block_n=256, overlap=False, ping_pong=False, pv_parts=True)
-    assert parts.to_dict()["pv_parts"] is True and KernelConfig.from_json(parts.to_json()) == parts
-    assert "pvParts" in parts.summary()
 
 
 def test_named_turn_barrier_is_stored_only_when_set():

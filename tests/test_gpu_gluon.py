@@ -39,9 +39,6 @@ CONFIGS = {
     # 256-key blocks, no intra-warpgroup overlap (the FP8 space's third seed)
     "wide": gluon_wide_config("fp8", 128, 128),
     "wide-mma-skip": gluon_wide_config("fp8", 128, 128).replace(rowsum="mma", skip_rescale=True),
-    # the same step as two 128-key parts, the first part's PV issued before the second part's
-    # exponentials (pv_parts; written in session 10 without a GPU: not yet run)
-    "wide-parts": gluon_wide_config("fp8", 128, 128).replace(pv_parts=True),
     # V read as given: the producer warpgroup writes each block's transpose into the V^T ring
     "natural": GLUON.replace(v_permute=False, v_layout="natural", producer_regs=40),
     "natural-plain": GLUON.replace(block_m=64, ping_pong=False, overlap=False, v_permute=False, persistent=False,

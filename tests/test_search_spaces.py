@@ -268,14 +268,22 @@ def test_seeds_fp8_128_include_shipped_best():
 
 def test_database_winners_are_followed_by_their_lane_sums_twins():
     """The FP8 space seeds each shipped Gluon winner's twin with row sums per lane (a field added after
-    they were tuned; measured +1.3-2.3% at 192/128 and hd256), after every winner, where it applies."""
+    most were tuned; measured +1.3-2.3% at 192/128 and hd256), after every winner, where it applies.
+    (Session 11 shipped twins at most of those shapes; the 16K winners are still without.)"""
     space = get_space("fp8")
+    checked = 0
     for dqk, dv in ((192, 128), (256, 256)):
-        best = [c for c in shipped_best("fp8", dqk, dv) if c.backend == "gluon" and c.rowsum == "fp32"]
+        winners = [c for c in shipped_best("fp8", dqk, dv) if c.backend == "gluon" and c.rowsum == "fp32"]
+        best = [c for c in winners if not c.lane_sums]
         seeds = space.seeds(dqk, dv)
-        assert best and all(c.replace(lane_sums=True) in seeds for c in best)
+        assert winners and all(c in seeds for c in winners)
         last_winner = max(seeds.index(c) for c in shipped_best("fp8", dqk, dv) if c in seeds)
-        assert all(seeds.index(c.replace(lane_sums=True)) > last_winner for c in best)
+        assert all(c.replace(lane_sums=True) in seeds for c in best)
+        # (a twin that is itself a winner keeps its winner's place: hd256's 16K winner is the 8K one without)
+        twins = [c.replace(lane_sums=True) for c in best if c.replace(lane_sums=True) not in winners]
+        assert all(seeds.index(t) > last_winner for t in twins)
+        checked += len(twins)
+    assert checked
     # no twin where lane sums do not apply (the row-sum MMA of hd64's shipped three-consumer kernel)
     three = [c for c in shipped_best("fp8", 64, 64) if c.block_m == 192]
     assert three and all(c.rowsum == "mma" for c in three)
