@@ -1,6 +1,7 @@
 """kernels.verify.verify_entry's decisions, with the GPU parts (the probe, the timed check) replaced:
 a stored entry fails on a wrong result or when it is slower than stored, and a slow timing is taken
-once more first (launch-bound entries move with the host)."""
+once more first (launch-bound entries move with the host); one still slow passes as launch-bound only
+when its kernels, replayed from a CUDA graph, are within the margin of the stored time."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from zyfa_tune.kernels import verify
 from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.kernels.timing import Timing
 from zyfa_tune.kernels.verify import Verdict, verify_entry
 
 CONFIG = default_config("fp8", 128, 128)
@@ -22,14 +24,20 @@ def timings(monkeypatch):
     """verify_entry with check_config returning these medians (ms) in turn; the calls made."""
     calls = []
 
-    def use(*medians):
+    def use(*medians, replay=None):
         it = iter(medians)
 
         def fake_check(config, probe, **kw):
             calls.append(config)
-            return Verdict(True, "", 0.02, 0.03, next(it))
+            median = next(it)
+            return Verdict(True, "", 0.02, 0.03, median, timing=Timing(median, median, median, median, 20, 1980.0))
+
+        def fake_replay(config, probe, **kw):
+            calls.append(("replay", config))
+            return replay
         monkeypatch.setattr(verify, "make_probe", lambda *a, **k: SimpleNamespace())
         monkeypatch.setattr(verify, "check_config", fake_check)
+        monkeypatch.setattr(verify, "replay_ms", fake_replay)
         return calls
     return use
 
@@ -38,6 +46,7 @@ def test_on_record_is_timed_once(timings):
     calls = timings(0.031)
     v = verify_entry(ENTRY)
     assert v.ok and v.median_ms == 0.031 and len(calls) == 1 and calls[0] == CONFIG
+    assert v.timing.sm_clock_mhz == 1980.0  # (verify prints the clock of the timing it judged)
 
 
 def test_a_slow_timing_is_taken_again_and_the_better_counts(timings):
@@ -47,9 +56,29 @@ def test_a_slow_timing_is_taken_again_and_the_better_counts(timings):
 
 
 def test_slow_twice_fails_naming_the_slowdown(timings):
-    timings(0.060, 0.054)
+    calls = timings(0.060, 0.054, replay=0.034)  # (its kernels alone 13% over the stored call: slower)
     v = verify_entry(ENTRY)
     assert not v.ok and v.median_ms == 0.054 and v.reason == "+80.0% slower than stored"
+    assert calls[-1] == ("replay", CONFIG) and v.timing.median_ms == 0.054
+
+
+def test_slow_twice_passes_as_launch_bound_when_its_kernels_are_on_record(timings):
+    calls = timings(0.041, 0.040, replay=0.012)
+    v = verify_entry(ENTRY)
+    assert v.ok and v.median_ms == 0.040 and v.slowdown == pytest.approx(1 / 3)
+    assert v.reason == "launch-bound: the call +33.3%, its kernels 0.012 ms (graph replay)"
+    assert calls == [CONFIG, CONFIG, ("replay", CONFIG)]
+
+
+def test_slow_twice_fails_when_the_call_cannot_be_replayed(timings):
+    timings(0.041, 0.040, replay=None)
+    v = verify_entry(ENTRY)
+    assert not v.ok and v.reason == "+33.3% slower than stored"
+
+
+def test_an_entry_on_record_is_not_replayed(timings):
+    calls = timings(0.054, 0.031, replay=0.001)
+    assert verify_entry(ENTRY).reason == "" and ("replay", CONFIG) not in calls
 
 
 def test_a_wrong_result_fails_without_timing(monkeypatch):
