@@ -58,7 +58,7 @@ class BestEntry:
 
     `config_json` is the stored text: callers must validate it with `KernelConfig.from_json`
     (and check dtype/head dims against `key`) before use. batch/heads/seqlen are the shape the
-    winning trial measured (None if it did not record one).
+    winning trial measured and sm_clock_mhz its mean SM clock while timed (None if not recorded).
     """
 
     fingerprint: Fingerprint
@@ -74,6 +74,7 @@ class BestEntry:
     batch: int | None = None
     heads: int | None = None
     seqlen: int | None = None
+    sm_clock_mhz: float | None = None
 
 
 @dataclass

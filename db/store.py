@@ -261,13 +261,14 @@ class Store:
 
 def _entry_columns(timed, stamp) -> list:
     """The columns of a BestEntry row: fingerprint, problem key, variant, the time, error and
-    provenance of `timed` (the best table, or a trial) with `stamp` as its time, the trial's shape."""
+    provenance of `timed` (the best table, or a trial) with `stamp` as its time, the trial's shape
+    and SM clock."""
     return ([rows.raw(getattr(E, n)) for n in rows.FINGERPRINT_FIELDS]
             + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS]
             + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash)]
             + [rows.raw(getattr(timed, n)) for n in ("median_ms", "tflops", "error_rel_l2", "provenance")]
             + [rows.raw(stamp, "updated_at")]
-            + [rows.raw(getattr(T, n)) for n in TRIAL_SHAPE])
+            + [rows.raw(getattr(T, n)) for n in TRIAL_SHAPE] + [rows.raw(T.sm_clock_mhz)])
 
 
 def _best_entry(r: dict[str, Any]) -> BestEntry:
@@ -284,11 +285,21 @@ def _best_entry(r: dict[str, Any]) -> BestEntry:
         error_rel_l2=optional_float("error_rel_l2", r["error_rel_l2"]),
         provenance=text("provenance", r["provenance"] or "", max_len=rows.MAX_PROVENANCE_CHARS),
         updated_at=rows.aware(rows.as_utc("updated_at", r["updated_at"])),
+        sm_clock_mhz=_clock_or_none(r["sm_clock_mhz"]),
         **{n: _shape_or_none(r[n]) for n in TRIAL_SHAPE})
 
 
 def _shape_or_none(value: Any) -> int | None:
     return value if type(value) is int and value > 0 else None
+
+
+def _clock_or_none(value: Any) -> float | None:
+    """A stored clock as a float, or None when absent or not a finite positive number (a damaged clock
+    loses only the clock, not the entry)."""
+    try:
+        return finite_float("sm_clock_mhz", value, positive=True) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _trial_filters(key: ProblemKey | None, status: str | None) -> list:

@@ -16,7 +16,8 @@ pytest_plugins = ["test_db_support"]   # fixtures: target (sqlite + postgres), p
 
 def test_faster_replaces_slower_and_failed_do_not(target):
     with open_store(target) as s:
-        record(s, 1.0, cfg=config(num_stages=2), tflops=400.0, error_rel_l2=0.02, batch=2, heads=32, seqlen=8000)
+        record(s, 1.0, cfg=config(num_stages=2), tflops=400.0, error_rel_l2=0.02, batch=2, heads=32, seqlen=8000,
+               sm_clock_mhz=1980.0)
         assert [e.median_ms for e in s.best_entries()] == [1.0]
         record(s, 2.0, cfg=config(num_stages=3))                          # slower: not best
         record(s, 0.1, status="wrong", cfg=config(num_stages=4), error_rel_l2=0.9)  # fast but wrong
@@ -26,7 +27,7 @@ def test_faster_replaces_slower_and_failed_do_not(target):
         (best,) = s.best_entries()
         assert best.median_ms == 1.0 and best.tflops == 400.0 and best.error_rel_l2 == 0.02
         assert KernelConfig.from_json(best.config_json) == config(num_stages=2)
-        assert (best.batch, best.heads, best.seqlen) == (2, 32, 8000)
+        assert (best.batch, best.heads, best.seqlen, best.sm_clock_mhz) == (2, 32, 8000, 1980.0)
         assert best.fingerprint == fingerprint() and best.key == key() and best.backend == "triton"
         assert best.source_hash == fake_hash(config(num_stages=2))
         assert best.provenance.startswith("study=test host=")
@@ -36,7 +37,7 @@ def test_faster_replaces_slower_and_failed_do_not(target):
         record(s, 0.5, cfg=config(num_stages=1))                          # faster and ok: replaces
         (best,) = s.best_entries()
         assert best.median_ms == 0.5 and KernelConfig.from_json(best.config_json) == config(num_stages=1)
-        assert best.tflops is None and best.batch is None  # the new trial's values, not a mix
+        assert best.tflops is None and best.batch is None and best.sm_clock_mhz is None  # the new trial's, not a mix
 
         assert s.count_trials() == 7
         assert {st: s.count_trials(status=st) for st in ("ok", "wrong", "compile_error", "timeout", "crash")} \
@@ -222,3 +223,17 @@ def test_unknown_url_scheme_is_a_database_error():
     with pytest.raises(DatabaseError) as err:
         open_store("nosuchdialect://user:secret@localhost/db")
     assert "secret" not in str(err.value) and "nosuchdialect" in str(err.value)
+
+
+def test_a_damaged_clock_loses_only_the_clock(tmp_path):
+    import sqlite3
+    path = tmp_path / "mine.db"
+    with open_store(path) as s:
+        record(s, 1.0, sm_clock_mhz=1980.0)
+    con = sqlite3.connect(path)
+    with con:   # damage the winning trial's clock behind the store's back
+        con.execute("UPDATE trials SET sm_clock_mhz = 'fast'")
+    con.close()
+    with open_store(path, readonly=True) as s:
+        (best,) = s.best_entries()
+        assert best.median_ms == 1.0 and best.sm_clock_mhz is None

@@ -91,3 +91,11 @@ def test_a_wrong_result_fails_without_timing(monkeypatch):
 def test_an_invalid_stored_config_fails():
     v = verify_entry(SimpleNamespace(**{**vars(ENTRY), "config_json": '{"block_m": 3}'}))
     assert not v.ok and v.reason.startswith("invalid config")
+
+
+def test_the_clock_cell_shows_this_timing_and_the_stored_one():
+    from zyfa_tune.cli import _clocks
+    assert _clocks(1838.4, 1980.0) == "1838 (1980)"
+    assert _clocks(1980.0, None) == "1980"
+    assert _clocks(None, 1980.0) == "- (1980)"
+    assert _clocks(None, None) == "-"

@@ -196,6 +196,12 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 1 if report.rejected else 0
 
 
+def _clocks(now: float | None, stored: float | None) -> str:
+    """`zyfa-tune verify`'s clock cell: the SM clock of this timing and, in brackets, of the stored one."""
+    cell = f"{now:.0f}" if now else "-"
+    return f"{cell} ({stored:.0f})" if stored else cell
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """Re-run this GPU's stored best kernels against float64 and time them again."""
     import torch
@@ -210,7 +216,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with _store(args, readonly=True) as store:
         entries = [e for e in store.best_entries() if e.fingerprint.device_key() == here]
     table = Table(title=f"verify on {here[0]}: {len(entries)} entries")
-    for col in ("problem", "stored ms", "now ms", "slowdown", "SM MHz", "rel.L2", "verdict"):
+    for col in ("problem", "stored ms", "now ms", "slowdown", "SM MHz now (stored)", "rel.L2", "verdict"):
         table.add_column(col)
     failed = 0
     for e in entries:
@@ -218,8 +224,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         failed += not r.ok
         table.add_row(str(e.key), f"{e.median_ms:.3f}", f"{r.median_ms:.3f}" if r.median_ms else "-",
                       f"{r.slowdown:+.1%}" if r.slowdown is not None else "-",
-                      # (the mean NVML clock of the timing: a slow reading at a sagging clock is the card's)
-                      f"{r.timing.sm_clock_mhz:.0f}" if r.timing and r.timing.sm_clock_mhz else "-",
+                      # (mean NVML clocks while timed: a slow reading at a sagging clock is the card's)
+                      _clocks(r.timing.sm_clock_mhz if r.timing else None, e.sm_clock_mhz),
                       f"{r.error_rel_l2:.2e}" if r.error_rel_l2 is not None else "-",
                       (f"[green]ok[/green] ({r.reason})" if r.reason else "[green]ok[/green]") if r.ok
                       else f"[red]{r.reason}[/red]")
