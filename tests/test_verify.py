@@ -99,3 +99,30 @@ def test_the_clock_cell_shows_this_timing_and_the_stored_one():
     assert _clocks(1980.0, None) == "1980"
     assert _clocks(None, 1980.0) == "- (1980)"
     assert _clocks(None, None) == "-"
+
+
+def test_verify_command_checks_only_the_entries_asked_for(tmp_path, monkeypatch):
+    """`zyfa-tune verify --dtype --head-dim`: only those entries of this GPU are re-checked (the GPU
+    parts replaced: the fingerprint is the test database's H200, each check a stand-in verdict)."""
+    import torch
+
+    import zyfa_tune.db as db
+    from test_db_support import config as db_config, fingerprint, key, record
+    from zyfa_tune import cli
+    from zyfa_tune.db import open_store
+
+    path = tmp_path / "t.db"
+    with open_store(path) as s:
+        record(s, 1.0, sm_clock_mhz=1980.0)                           # fp8 128/128
+        record(s, 2.0, k=key(d=64), cfg=db_config(64))                # fp8 64/64
+        record(s, 3.0, k=key(dtype="bf16"), cfg=db_config(dtype="bf16"))
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(db, "current_fingerprint", lambda: fingerprint())
+    monkeypatch.setattr(verify, "verify_entry",
+                        lambda e, **kw: seen.append((e.key.dtype, e.key.head_dim_qk)) or Verdict(True, "", 0.02, 0.03, e.median_ms))
+    assert cli.main(["verify", "--storage", str(path), "--dtype", "fp8", "--head-dim", "64"]) == 0
+    assert seen == [("fp8", 64)]
+    seen.clear()
+    assert cli.main(["verify", "--storage", str(path)]) == 0
+    assert sorted(seen) == [("bf16", 128), ("fp8", 64), ("fp8", 128)]

@@ -8,7 +8,7 @@
     zyfa-tune best    [--storage DB] [--gpu NAME] [--head-dim D]
     zyfa-tune export  OUT.db [--storage DB] [--gpu NAME] [--head-dim D] [--all-trials]
     zyfa-tune import  SRC.db [--storage DB]     # alias: merge; keeps the faster entry per key
-    zyfa-tune verify  [--storage DB] [--margin 0.1]   # GPU: re-check this GPU's best kernels
+    zyfa-tune verify  [--storage DB] [--margin 0.1] [--dtype D] [--head-dim N]   # GPU: re-check best kernels
     zyfa-tune bench   [--dtype fp8] [--head-dim 128] --seqlens 4096,8192 [--peers ...] [--json F] [--plot F.png]
     zyfa-tune bench   --from results.json --plot out.png      # redraw a saved run, no GPU needed
 """
@@ -214,7 +214,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 2
     here = current_fingerprint().device_key()
     with _store(args, readonly=True) as store:
-        entries = [e for e in store.best_entries() if e.fingerprint.device_key() == here]
+        entries = [e for e in store.best_entries(head_dims=_head_dims(args), dtype=args.dtype)
+                   if e.fingerprint.device_key() == here]
     table = Table(title=f"verify on {here[0]}: {len(entries)} entries")
     for col in ("problem", "stored ms", "now ms", "slowdown", "SM MHz now (stored)", "rel.L2", "verdict"):
         table.add_column(col)
@@ -467,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("verify", help="re-check this GPU's best kernels against float64 and their timings")
     storage(p)
     p.add_argument("--margin", type=float, default=0.10, help="largest accepted slowdown (0.10 = 10%%)")
+    p.add_argument("--dtype", choices=["fp8", "bf16"], help="only this dtype's entries")
+    p.add_argument("--head-dim", type=int, help="only these head dims' entries (e.g. the ones just merged)")
+    p.add_argument("--head-dim-v", type=int)
     p.set_defaults(fn=cmd_verify)
     p = sub.add_parser("bench", help="ours vs FA3 / cuDNN / torch SDPA on the same inputs: table, JSON, plot")
     p.add_argument("--dtype", choices=["fp8", "bf16", "both"], default="fp8")
