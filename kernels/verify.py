@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -134,13 +135,16 @@ def make_probe(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, hea
     return Probe(args, kw, causal, ref, limit)
 
 
-def check_config(config: KernelConfig, probe: Probe, *, reps: int = 20) -> Verdict:
-    """Gate `config`'s error on the probe's inputs, then time it (CUDA events, median)."""
+def _call(config: KernelConfig, probe: Probe) -> Callable[[], torch.Tensor]:
+    """`config`'s call on the probe's inputs (what check_config times and replay_ms captures)."""
     from zyfa_tune.api import flash_attn_func
 
-    def call():
-        return flash_attn_func(*probe.args, causal=probe.causal, config=config, **probe.kwargs)
+    return lambda: flash_attn_func(*probe.args, causal=probe.causal, config=config, **probe.kwargs)
 
+
+def check_config(config: KernelConfig, probe: Probe, *, reps: int = 20) -> Verdict:
+    """Gate `config`'s error on the probe's inputs, then time it (CUDA events, median)."""
+    call = _call(config, probe)
     out = call()
     err = rel_l2(out, probe.reference)
     emax = max_abs_err(out, probe.reference)
@@ -155,11 +159,7 @@ def check_config(config: KernelConfig, probe: Probe, *, reps: int = 20) -> Verdi
 def replay_ms(config: KernelConfig, probe: Probe, *, reps: int = 20) -> float | None:
     """Median device time of the call replayed from a CUDA graph: what its kernels take without the
     host's launch work. None where the call cannot be captured (the reason is logged)."""
-    from zyfa_tune.api import flash_attn_func
-
-    def call():
-        return flash_attn_func(*probe.args, causal=probe.causal, config=config, **probe.kwargs)
-
+    call = _call(config, probe)
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -196,17 +196,19 @@ def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERR
     v = check_config(config, probe)
     if not v.ok:
         return v
-    slowdown = (v.median_ms - entry.median_ms) / entry.median_ms
-    if slowdown > max_slowdown:  # once more: a launch-bound call's median (tens of us) moves with the host
+
+    def slowdown(ms: float) -> float:
+        return (ms - entry.median_ms) / entry.median_ms
+
+    if slowdown(v.median_ms) > max_slowdown:  # once more: a launch-bound call's median moves with the host
         again = check_config(config, probe)
         if again.ok and again.median_ms < v.median_ms:
-            v, slowdown = again, (again.median_ms - entry.median_ms) / entry.median_ms
-    if slowdown > max_slowdown:
-        device_ms = replay_ms(config, probe)
-        if device_ms is not None and (device_ms - entry.median_ms) / entry.median_ms <= max_slowdown:
-            return Verdict(True, f"launch-bound: the call {slowdown:+.1%}, its kernels {device_ms:.3f} ms "
-                                 f"(graph replay)", v.error_rel_l2, v.error_limit, v.median_ms, slowdown,
-                           timing=v.timing)
-        return Verdict(False, f"{slowdown:+.1%} slower than stored", v.error_rel_l2, v.error_limit, v.median_ms, slowdown,
-                       timing=v.timing)
-    return Verdict(True, "", v.error_rel_l2, v.error_limit, v.median_ms, slowdown, timing=v.timing)
+            v = again
+    v = replace(v, slowdown=slowdown(v.median_ms))
+    if v.slowdown <= max_slowdown:
+        return v
+    device_ms = replay_ms(config, probe)
+    if device_ms is not None and slowdown(device_ms) <= max_slowdown:
+        return replace(v, reason=f"launch-bound: the call {v.slowdown:+.1%}, its kernels "
+                                             f"{device_ms:.3f} ms (graph replay)")
+    return replace(v, ok=False, reason=f"{v.slowdown:+.1%} slower than stored")
