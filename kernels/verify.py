@@ -191,6 +191,7 @@ def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERR
     if not (batch and heads and seqlen):  # shape not recorded: the bucket's largest shape
         heads = max(k.gqa_group, min(k.bh_bucket, 64))
         batch, seqlen = max(1, k.bh_bucket // heads), k.seqlen_bucket
+    torch.cuda.empty_cache()  # this entry's inputs in fresh allocations, not in blocks earlier entries left cached
     probe = make_probe(config.dtype, config.head_dim_qk, config.head_dim_v, batch=batch, heads=heads,
                        kv_heads=max(1, heads // k.gqa_group), seqlen=seqlen, causal=k.causal, gate=gate)
     v = check_config(config, probe)
