@@ -384,6 +384,20 @@ def _p_stage(w, p_smem):
 
 
 @gluon.jit
+def _pv_prologue(pP, pPb, acc, l_i, alpha, row_o: gl.constexpr, V_PERM: gl.constexpr, LEAN: gl.constexpr,
+                 p_layout: gl.constexpr, p_smem):
+    """What precedes PV(j-1) in an overlapped step and in the last block's PV: P(j-1) as the e4m3 A
+    operand (both key parts under SPLIT), O (and l) rescaled by alpha(j-1), and under P_SMEM the P
+    tile published. Returns (p8, p8b, acc, l_i)."""
+    p8 = _p_operand(pP, V_PERM, LEAN, p_layout, p_smem)
+    p8b = _p_operand(pPb, V_PERM, LEAN, p_layout) if SPLIT else p8
+    acc, l_i = _rescale(acc, l_i, alpha, row_o)
+    if P_SMEM:
+        _p_publish()
+    return p8, p8b, acc, l_i
+
+
+@gluon.jit
 def _p_publish():
     """P_SMEM: make the warpgroup's stores to its P tile visible to the wgmma about to read it. The
     proxy fence waits for the stores, hundreds of cycles under the tensor cores' shared-memory traffic;
@@ -572,11 +586,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     _mark(kv_it, EV_START, CID)
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
-    p8 = _p_operand(pP, V_PERM, LEAN, p_layout, p_smem)
-    p8b = _p_operand(pPb, V_PERM, LEAN, p_layout) if SPLIT else p8
-    acc, l_i = _rescale(acc, l_i, alpha, row_o)
-    if P_SMEM:
-        _p_publish()
+    p8, p8b, acc, l_i = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout, p_smem)
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
@@ -751,11 +761,7 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                         kv_it += 1
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
-                p8 = _p_operand(pP, V_PERM, LEAN, p_layout, p_smem)
-                p8b = _p_operand(pPb, V_PERM, LEAN, p_layout) if SPLIT else p8
-                acc, l_i = _rescale(acc, l_i, alpha, row_o)
-                if P_SMEM:
-                    _p_publish()
+                p8, p8b, acc, l_i = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout, p_smem)
                 mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
                 _turn_wait(turn_bars, turn_it, CID, PINGPONG)
                 o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
