@@ -5,6 +5,7 @@ when its kernels, replayed from a CUDA graph, are within the margin of the store
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -79,6 +80,51 @@ def test_slow_twice_fails_when_the_call_cannot_be_replayed(timings):
 def test_an_entry_on_record_is_not_replayed(timings):
     calls = timings(0.054, 0.031, replay=0.001)
     assert verify_entry(ENTRY).reason == "" and ("replay", CONFIG) not in calls
+
+
+def test_still_slow_is_timed_in_a_fresh_process_which_has_the_last_word(timings):
+    """Slow twice and its graph replay slow too: `fresh_ms` (the CLI: a new worker process) decides,
+    and the verdict names both readings."""
+    fresh = []
+    timings(0.036, 0.035, replay=0.034)
+    v = verify_entry(ENTRY, fresh_ms=lambda e: fresh.append(e) or 0.031)
+    assert v.ok and fresh == [ENTRY] and v.median_ms == 0.035
+    assert v.reason == "+16.7% here, +3.3% in a fresh process (0.031 ms)"
+    timings(0.036, 0.035, replay=0.034)
+    v = verify_entry(ENTRY, fresh_ms=lambda e: 0.036)
+    assert not v.ok and v.reason == "+16.7% slower than stored (+20.0% in a fresh process)"
+    timings(0.036, 0.035, replay=0.034)  # (the fresh process failed: the verdict stands)
+    v = verify_entry(ENTRY, fresh_ms=lambda e: None)
+    assert not v.ok and v.reason == "+16.7% slower than stored"
+
+
+def test_a_fast_entry_never_starts_a_process(timings):
+    timings(0.031)
+    assert verify_entry(ENTRY, fresh_ms=lambda e: pytest.fail("a process for an entry on record")).ok
+    timings(0.041, 0.040, replay=0.012)  # launch-bound: its kernels are on record
+    assert verify_entry(ENTRY, fresh_ms=lambda e: pytest.fail("a process for a launch-bound entry")).ok
+
+
+def test_an_entry_is_timed_in_a_fresh_worker_process_at_its_own_shape():
+    """time_in_fresh_process runs the entry's config at entry_shape in a new child process: with the
+    replay runner (stored GPU measurements, CPU only) it answers the entry's own stored trial."""
+    from zyfa_tune.db import open_store
+    from zyfa_tune.kernels import dispatch
+    from zyfa_tune.worker import Shape, time_in_fresh_process
+
+    shipped = str(Path(dispatch.TUNED_DIR) / "h200.db")
+    with open_store(shipped, readonly=True, create=False) as store:
+        entry = next(e for e in store.best_entries(dtype="fp8", head_dims=(256, 256)) if e.seqlen == 16384)
+    assert verify.entry_shape(entry) == (entry.batch, entry.heads, entry.heads, 16384)
+    r = time_in_fresh_process(entry.config_json, Shape(*verify.entry_shape(entry)), causal=entry.key.causal,
+                              runner=f"replay:{shipped}", timeout_s=120)
+    assert r.status == "ok" and r.median_ms == pytest.approx(entry.median_ms) and r.seqlen == 16384
+
+
+def test_a_bucket_without_a_recorded_shape_is_checked_at_its_largest():
+    entry = SimpleNamespace(**{**vars(ENTRY), "batch": None, "heads": None, "seqlen": None,
+                               "key": SimpleNamespace(gqa_group=4, bh_bucket=128, seqlen_bucket=8192, causal=True)})
+    assert verify.entry_shape(entry) == (2, 64, 16, 8192)
 
 
 def test_a_wrong_result_fails_without_timing(monkeypatch):

@@ -59,7 +59,7 @@ from zyfa_tune.kernels.inputs import check_input_family
 
 from .runners import RunnerSpec, exception_text, make_runner, parse_runner, tail
 
-__all__ = ["Shape", "Task", "Worker", "WorkerError", "START_METHODS"]
+__all__ = ["Shape", "Task", "Worker", "WorkerError", "START_METHODS", "time_in_fresh_process"]
 
 START_METHODS = ("spawn", "fork")
 #: seconds between SIGTERM and SIGKILL when a child is stopped
@@ -595,3 +595,12 @@ def _trial_result(fields: dict[str, Any], shape: Shape) -> TrialResult:
     except (TypeError, ValueError) as exc:
         return TrialResult(status="crash", message=tail(f"the worker sent an invalid result ({exc}): {fields!r:.1000}"),
                            batch=shape.batch, heads=shape.heads, seqlen=shape.seqlen)
+
+
+def time_in_fresh_process(config_json: str, shape: Shape, *, causal: bool = True, runner: str = "gpu",
+                          timeout_s: float = 600.0) -> TrialResult:
+    """`config_json` checked and timed at `shape` by a new worker process, as a trial is: its own CUDA
+    context and memory, nothing left over from what the calling process ran before (`zyfa-tune
+    verify`'s last word on an entry that reads slow late in a long run)."""
+    with Worker(runner=runner, timeout_s=timeout_s) as worker:
+        return worker.run(Task(config_json, (shape,), causal=causal))[0]
