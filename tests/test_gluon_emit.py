@@ -106,8 +106,10 @@ def test_constants_are_the_config(cfg):
                  "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first",
                  "BALANCED": cfg.q_order == "balanced", "V_PERM": cfg.v_permute,
                  "V_NATURAL": cfg.v_layout == "natural", "NAMED_TURNS": cfg.turn_barrier == "named",
-                 "BN_A": 128 if cfg.block_n == 192 else cfg.block_n, "BN_B": 64 if cfg.block_n == 192 else 0,
-                 "SPLIT": cfg.block_n == 192, **fence_constants(cfg),
+                 # key parts: 192 = 128 + 64; a 256-key pv_defer block 128 + 128; else one part
+                 "BN_A": 128 if cfg.block_n == 192 or (cfg.block_n == 256 and cfg.pv_defer) else cfg.block_n,
+                 "BN_B": 64 if cfg.block_n == 192 else 128 if cfg.block_n == 256 and cfg.pv_defer else 0,
+                 "SPLIT": cfg.block_n == 192 or (cfg.block_n == 256 and cfg.pv_defer), **fence_constants(cfg),
                  "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,
                  "PRODUCER_REGS": producer_regs, "NUM_WARPS": 4, "PERSISTENT": cfg.persistent,
                  "KERNEL_NAME": KERNEL_NAME, "LEAN": lean, "LEAN_FMA": lean and cfg.lean_fold in ("fma", "centered"),
@@ -149,8 +151,8 @@ def test_only_validated_values_become_text(cfg):
     lean = cfg.softmax == "lean"
     expected |= {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
     expected |= {exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else ""}
-    if cfg.skip_rescale:
-        expected |= {rescale_asm(cfg.head_dim_v // 2), rescale_constraints(cfg.head_dim_v // 2)}
+    if emit_gluon.rescale_in_place(cfg):  # skip_rescale, or a 256-key pv_defer block (always, in place)
+        expected |= {rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale), rescale_constraints(cfg.head_dim_v // 2)}
     for value in fence_constants(cfg).values():  # ex2_fence: generator.fence_asm, from ints only
         expected |= set(value) if isinstance(value, tuple) else {value}
     assert strings(emit(cfg).source) == expected
