@@ -98,6 +98,8 @@ def test_constants_are_the_config(cfg):
     lean = cfg.softmax == "lean"
     consumer_regs, producer_regs = gluon_registers(cfg)
     in_place = cfg.skip_rescale or (cfg.block_n == 256 and cfg.pv_defer)
+    # key parts: 192 = 128 + 64; a 256-key pv_defer block 128 + 128; else one part
+    parts = (128, 64) if cfg.block_n == 192 else (128, 128) if cfg.block_n == 256 and cfg.pv_defer else (cfg.block_n, 0)
     assert c == {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "HEAD_D": cfg.head_dim_v, "HEAD_QK": cfg.head_dim_qk,
                  "QK_PARTS": cfg.head_dim_qk // emit_gluon.qk_part_width(cfg), "QK_W": emit_gluon.qk_part_width(cfg),
                  "Q_BOXES": 3 if cfg.block_m == 192 else 1,
@@ -106,10 +108,7 @@ def test_constants_are_the_config(cfg):
                  "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first",
                  "BALANCED": cfg.q_order == "balanced", "V_PERM": cfg.v_permute,
                  "V_NATURAL": cfg.v_layout == "natural", "NAMED_TURNS": cfg.turn_barrier == "named",
-                 # key parts: 192 = 128 + 64; a 256-key pv_defer block 128 + 128; else one part
-                 "BN_A": 128 if cfg.block_n == 192 or (cfg.block_n == 256 and cfg.pv_defer) else cfg.block_n,
-                 "BN_B": 64 if cfg.block_n == 192 else 128 if cfg.block_n == 256 and cfg.pv_defer else 0,
-                 "SPLIT": cfg.block_n == 192 or (cfg.block_n == 256 and cfg.pv_defer), **fence_constants(cfg),
+                 "BN_A": parts[0], "BN_B": parts[1], "SPLIT": parts[1] > 0, **fence_constants(cfg),
                  "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,
                  "PRODUCER_REGS": producer_regs, "NUM_WARPS": 4, "PERSISTENT": cfg.persistent,
                  "KERNEL_NAME": KERNEL_NAME, "LEAN": lean, "LEAN_FMA": lean and cfg.lean_fold in ("fma", "centered"),
