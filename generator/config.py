@@ -56,16 +56,17 @@ CHOICES: dict[str, tuple] = {
     "pv_defer": (False, True),
     "p_carry": ("f32", "e4m3", "smem"),
     "lane_sums": (False, True),
+    "late_rescale": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
-                "p_carry", "lane_sums")
+                "p_carry", "lane_sums", "late_rescale")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
-               "p_carry", "lane_sums")
+               "p_carry", "lane_sums", "late_rescale")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads")
@@ -156,6 +157,10 @@ class KernelConfig:
                   epilogue (as FA3 does): two shuffles and two FADDs less per row and step, off the
                   chain from the last exponential to the PV wgmma. Sums in another order: not bitwise
                   the per-step sum.
+    late_rescale: Gluon, overlap=True: O (and a row-sum MMA's l) is rescaled by the step's new factor
+                  right after the step's PV(j-1) wait instead of at the top of the next step, so nothing
+                  but the waits stands between one step's last exponentials and the next step's wgmma
+                  issue (where FA3 puts it). The same operations in the same order: bitwise the same output.
     pv_defer:     Gluon (overlap=False only): PV(j-1) is issued right after QK^T(j) and both are waited
                   for at once, so the tensor cores get the two products back to back and the warpgroup
                   waits once per key block instead of twice; the softmax still runs after both (no P
@@ -198,6 +203,7 @@ class KernelConfig:
     pv_defer: bool = False
     p_carry: str = "f32"
     lane_sums: bool = False
+    late_rescale: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -269,6 +275,9 @@ class KernelConfig:
             raise ConfigError(why)
         if self.lane_sums and (why := lane_sums_conflict(vars(self))):
             raise ConfigError(why)
+        if self.late_rescale and not self.overlap:
+            raise ConfigError("late_rescale=True moves the overlapped step's O rescale after its PV wait: it needs "
+                              "overlap=True")
         if self.ex2_fence and not self.overlap:
             raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
                               "under the softmax")

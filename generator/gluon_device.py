@@ -391,7 +391,8 @@ def _pv_prologue(pP, pPb, acc, l_i, alpha, row_o: gl.constexpr, V_PERM: gl.const
     tile published. Returns (p8, p8b, acc, l_i)."""
     p8 = _p_operand(pP, V_PERM, LEAN, p_layout, p_smem)
     p8b = _p_operand(pPb, V_PERM, LEAN, p_layout) if SPLIT else p8
-    acc, l_i = _rescale(acc, l_i, alpha, row_o)
+    if not LATE_RESCALE:
+        acc, l_i = _rescale(acc, l_i, alpha, row_o)
     if P_SMEM:
         _p_publish()
     return p8, p8b, acc, l_i
@@ -637,6 +638,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     if not PV_DEFER:
         acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # PV(j-1) done
         _mark(kv_it, EV_PV_DONE, CID)
+        if LATE_RESCALE:
+            acc, l_i = _rescale(acc, l_i, alpha, row_o)
     if P_SMEM:  # the P tile is free: P(j) goes there for the next step's PV; V(j-1) is released
         _p_stage(pP, p_smem)
         mbarrier.arrive(v_empty.index(pst), count=1)

@@ -41,6 +41,7 @@ PARAMS = (backend_param(),
     gluon_only("ex2_fence", (False, True), needs=("overlap", True), unless=("rowsum", "mma")),  # exps before PV wait
     gluon_only("skip_rescale", (False, True)),          # a warp whose row maxima stayed skips O's rescale
     gluon_only("turn_barrier", ("mbarrier", "named"), needs=("ping_pong", True)),  # ping-pong token
+    gluon_only("late_rescale", (False, True), needs=("overlap", True)),  # O rescaled after the PV wait
     Param("p_carry", ("f32", "e4m3"), only_if=("backend", "gluon"),  # P packed across steps, where it can be
           decode=lambda v, f: "f32" if packed_p_conflict(f) else v),
     Param("lane_sums", (False, True), only_if=("backend", "gluon"),  # row sums per lane, reduced in the epilogue

@@ -321,6 +321,27 @@ def test_lane_sums_within_rounding_of_the_row_sums(name, sq, sk, causal):
     assert rel_l2(lanes, per_step) < 1e-3
 
 
+#: overlapped schedules of every kind (ping-pong at hd128, three consumers with skip_rescale's in-place
+#: asm, 192-key blocks, 192/128's column parts, P through shared memory)
+LATE = {"seed-packed": GLUON.replace(p_carry="e4m3"), "64-three": PACKED["64-three"],
+        "192-keys": PACKED["192-keys"], "192/128": PACKED["192/128"], "smem": GLUON.replace(p_carry="smem")}
+
+
+@pytest.mark.parametrize("name", LATE)
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
+def test_late_rescale_equals_the_rescale_at_the_step_start(name, sq, sk, causal):
+    """late_rescale=True multiplies O by the same factor before the same PV, only a step's end earlier
+    in program order: bitwise the output of the rescale at the top of the next step, except that under
+    the row-sum MMA the early order's l * alpha + rowsum is one contracted FMA and the late order's
+    (l + rowsum) * alpha two roundings (PTX: 18 FMAs become adds), so there within rounding."""
+    cfg = LATE[name]
+    late, early = variant_and_twin(cfg.replace(late_rescale=True), cfg, sq, sk, causal)
+    if cfg.rowsum == "mma":
+        assert rel_l2(late, early) < 1e-3
+    else:
+        assert torch.equal(late, early)
+
+
 #: (batch, seqlen_q, seqlen_k, heads, kv_heads, causal): ragged, GQA, non-causal, fewer tiles than SMs
 BALANCE_SHAPES = [(2, 1000, 1000, 8, 8, True), (1, 777, 1500, 8, 2, True), (3, 4096, 4096, 4, 4, True),
                   (2, 600, 900, 4, 4, False), (1, 130, 130, 2, 1, True)]
