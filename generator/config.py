@@ -17,9 +17,18 @@ GENERATOR_VERSION = "0.1.0"
 
 #: Head dims the Triton backend emits; non-powers of two are split into power-of-two chunks.
 HEAD_DIMS = (64, 96, 128, 192, 256)
-#: (head_dim_qk, head_dim_v) pairs the Gluon backend emits (one 64 x head_dim_v accumulator per
-#: consumer warpgroup; a 192-wide Q / K is loaded and multiplied in three 64-column parts).
-GLUON_HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
+#: (head_dim_qk, head_dim_v) pairs the Gluon backend emits (one 64 x gluon_o_width(head_dim_v)
+#: accumulator per consumer warpgroup; a 192- / 96-wide Q / K is loaded and multiplied in three 64- /
+#: 32-column parts).
+GLUON_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
+
+
+def gluon_o_width(head_dim_v: int) -> int:
+    """Columns of a Gluon consumer's O accumulator, V^T tile and output tile: head_dim_v rounded up to
+    a power of two (tensor shapes must be powers of two), so 96 -> 128. The PV wgmma then reads 32
+    V^T rows past the head (the next head's, or TMA's zeros past the tensor): they only fill O
+    columns that are never stored (the output's TMA box is clipped at head_dim_v)."""
+    return 1 << (int(head_dim_v) - 1).bit_length()
 
 #: Allowed values of every field. Search spaces draw from these; validation enforces them.
 CHOICES: dict[str, tuple] = {
@@ -57,16 +66,17 @@ CHOICES: dict[str, tuple] = {
     "p_carry": ("f32", "e4m3", "smem"),
     "lane_sums": (False, True),
     "late_rescale": (False, True),
+    "o_split": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
-                "p_carry", "lane_sums", "late_rescale")
+                "p_carry", "lane_sums", "late_rescale", "o_split")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
-               "p_carry", "lane_sums", "late_rescale")
+               "p_carry", "lane_sums", "late_rescale", "o_split")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads")
@@ -161,6 +171,10 @@ class KernelConfig:
                   right after the step's PV(j-1) wait instead of at the top of the next step, so nothing
                   but the waits stands between one step's last exponentials and the next step's wgmma
                   issue (where FA3 puts it). The same operations in the same order: bitwise the same output.
+    o_split:      Gluon, head_dim_v=96 only: O, its V^T tile and its output tile in a 64- and a 32-column
+                  part (two accumulators, two PV wgmmas, two output boxes) instead of one 128-column
+                  accumulator whose last 32 columns are padding: 16 registers fewer per thread (room
+                  for FA3's hd96 tile, three consumer warpgroups) and no padded PV product.
     pv_defer:     Gluon (overlap=False only): PV(j-1) is issued right after QK^T(j) and both are waited
                   for at once, so the tensor cores get the two products back to back and the warpgroup
                   waits once per key block instead of twice; the softmax still runs after both (no P
@@ -204,6 +218,7 @@ class KernelConfig:
     p_carry: str = "f32"
     lane_sums: bool = False
     late_rescale: bool = False
+    o_split: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -274,6 +289,8 @@ class KernelConfig:
         if self.p_carry != "f32" and (why := packed_p_conflict(vars(self))):
             raise ConfigError(why)
         if self.lane_sums and (why := lane_sums_conflict(vars(self))):
+            raise ConfigError(why)
+        if self.o_split and (why := o_split_conflict(vars(self))):
             raise ConfigError(why)
         if self.late_rescale and not self.overlap:
             raise ConfigError("late_rescale=True moves the overlapped step's O rescale after its PV wait: it needs "
@@ -368,7 +385,7 @@ class KernelConfig:
                                           ("named", self.turn_barrier == "named"), ("defer", self.pv_defer),
                                           ("packedP", self.p_carry == "e4m3"),
                                           ("smemP", self.p_carry == "smem"),
-                                          ("laneSums", self.lane_sums),
+                                          ("laneSums", self.lane_sums), ("oSplit", self.o_split),
                                           ("balanced", self.q_order == "balanced")) if flag]
             softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
@@ -416,6 +433,25 @@ def lane_sums_conflict(f: Mapping[str, Any]) -> str | None:
     if f["ex2_fence"]:
         return "lane_sums=True with ex2_fence=True: that fence is on the per-row sums; use one or the other"
     return None
+
+
+def o_split_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why a Gluon config with these fields cannot hold O in a 64- and a 32-column part (o_split=True),
+    or None. One rule for validation and for the search space (which decodes a suggested True to False)."""
+    if f["head_dim_v"] != 96:
+        return (f"o_split=True splits a 96-column O into 64 + 32 columns: it needs head_dim_v=96, not "
+                f"{f['head_dim_v']} (other head dims are one power-of-two accumulator)")
+    if f["block_n"] == 192 or (f["block_n"] == 256 and f["pv_defer"]):
+        return ("o_split=True is built for blocks of one key part: not block_n=192, nor 256 with pv_defer")
+    if f["v_layout"] == "natural":
+        return "o_split=True reads the V^T copy in two row boxes: it needs v_layout='transposed'"
+    return None
+
+
+def gluon_o_parts(config: KernelConfig) -> tuple[int, int]:
+    """Columns of a Gluon consumer's O accumulators (and of the V^T and output tiles behind them):
+    (gluon_o_width(head_dim_v), 0) in one power-of-two part, or with o_split (64, 32)."""
+    return (64, 32) if config.o_split else (gluon_o_width(config.head_dim_v), 0)
 
 
 def gluon_registers(config: KernelConfig) -> tuple[int, int]:

@@ -8,13 +8,17 @@ The source holds everything the kernel runs, so its hash identifies the kernel (
 build cache), as for the Triton backend.
 
 Kernel contract (see kernels/gluon_launch.py):
-  (Dqk/D = head dims of Q, K / of V and O: 64/64, 128/128, 192/128, 256/256; W = the width of one
-  Q / K column part, qk_part_width: Dqk, or 64 for 192)
+  (Dqk/D = head dims of Q, K / of V and O: 64/64, 96/96, 128/128, 192/128, 256/256; W = the width
+  of one Q / K column part, qk_part_width: Dqk, 64 for 192, 32 for 96; Dp = D rounded up to a power
+  of two, config.gluon_o_width)
   desc_q: Q viewed (B*Sq, H*Dqk), block [BLOCK_M, W]; desc_k: K viewed (B*Sk, Hkv*Dqk), block
-  [BLOCK_N, W]; desc_v: V^T viewed (B*Hkv*D, Skv), block [D, BLOCK_N], its keys permuted within
+  [BLOCK_N, W]; desc_v: V^T viewed (B*Hkv*D, Skv), block [Dp, BLOCK_N], its keys permuted within
   32-key chunks when V_PERM (Skv = Sk padded to 32, padding zeros), else Skv = Sk; with
-  v_layout="natural" V itself viewed (B*Sk, Hkv*D), block [BLOCK_N, D]; desc_o: O viewed
-  (B, Sq, H*D) bf16, block [1, 64, D] (stores clipped per batch). QD/KD/VD: float32 descales
+  v_layout="natural" V itself viewed (B*Sk, Hkv*D), block [BLOCK_N, Dp]; desc_o: O viewed
+  (B, Sq, H*D) bf16, block [1, 64, D] (stores clipped per batch), or where Dp > D viewed
+  (B, Sq, H, D), block [1, 64, 1, Dp] (clipped at D too); with o_split (D = 96) V^T blocks [64,
+  BLOCK_N] and desc_vc [32, BLOCK_N] (rows 64.. of the head), O blocks [1, 64, 64] and desc_oc
+  [1, 64, 32] (columns 64..) on the (B, Sq, H*D) view. QD/KD/VD: float32 descales
   indexed [b * stride_db + hkv * stride_dh], or None. Grid: min(#SMs, tiles) when PERSISTENT, else
   one program per tile; tiles = N_M_BLOCKS * B * H. Causal masking is bottom-right aligned.
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from .config import GENERATOR_VERSION, KernelConfig, gluon_registers
+from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
@@ -54,14 +58,20 @@ def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
     """Element type and TMA block of each descriptor argument, in kernel order (the launcher and the
     ahead-of-time compile build their descriptors from this one table)."""
     w, dv = qk_part_width(config), config.head_dim_v
+    oa, oc = gluon_o_parts(config)
     bn, bn_b = key_parts(config)
     blocks = {"desc_q": ("fp8", [q_box_rows(config), w]), "desc_k": ("fp8", [bn, w])}
     if bn_b:  # the second key part's K rows
         blocks["desc_kb"] = ("fp8", [bn_b, w])
-    blocks["desc_v"] = ("fp8", [bn, dv] if config.v_layout == "natural" else [dv, bn])
+    blocks["desc_v"] = ("fp8", [bn, oa] if config.v_layout == "natural" else [oa, bn])
     if bn_b:  # the second key part's V^T columns
-        blocks["desc_vb"] = ("fp8", [dv, bn_b])
-    blocks["desc_o"] = ("bf16", [1, 64, dv])
+        blocks["desc_vb"] = ("fp8", [oa, bn_b])
+    if oc:  # o_split: the second O part's V^T rows
+        blocks["desc_vc"] = ("fp8", [oc, bn])
+    # O's columns [0, oa), clipped per batch; a padded tile (oa > dv) also at dv, in a 4-D view
+    blocks["desc_o"] = ("bf16", [1, 64, oa] if oa <= dv else [1, 64, 1, oa])
+    if oc:  # o_split: O's columns [oa, oa + oc)
+        blocks["desc_oc"] = ("bf16", [1, 64, oc])
     return blocks
 
 
@@ -89,10 +99,11 @@ def q_box_rows(config: KernelConfig) -> int:
 
 
 def qk_part_width(config: KernelConfig) -> int:
-    """Columns of one Q / K tile part: tensor shapes must be powers of two, so a 192-wide Q / K comes
-    in three 64-column parts (one TMA copy and one chained wgmma each); other head dims in one."""
-    d = config.head_dim_qk
-    return d if d & (d - 1) == 0 else 64
+    """Columns of one Q / K tile part: tensor shapes must be powers of two, so a 192- / 96-wide Q / K
+    comes in three 64- / 32-column parts (one TMA copy and one chained wgmma each; the largest power
+    of two dividing the head dim); other head dims in one."""
+    d = int(config.head_dim_qk)
+    return d & -d
 
 
 def descriptor_layout(dtype: str, block: list[int]):
@@ -155,6 +166,10 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
     lean = c.softmax == "lean"
     values = [
         ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", int(c.head_dim_v)), ("HEAD_QK", int(c.head_dim_qk)),
+        # O's accumulator columns (a power of two: padded, or with O_SPLIT the first of two parts, O_W + O_C;
+        # without, O_C is the width of an unused stand-in) and the wgmmas of one PV issue
+        ("O_W", gluon_o_parts(c)[0]), ("O_SPLIT", bool(c.o_split)), ("O_C", gluon_o_parts(c)[1] or 8),
+        ("PV_GROUPS", (2 if key_parts(c)[1] else 1) * (2 if c.rowsum == "mma" else 1) + int(bool(c.o_split))),
         ("QK_PARTS", int(c.head_dim_qk) // qk_part_width(c)), ("QK_W", qk_part_width(c)),
         ("Q_BOXES", int(c.block_m) // q_box_rows(c)),
         ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", consumers),
@@ -179,11 +194,9 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("EXP2_ASM", exp2_asm(int(c.exp2_poly), int(c.exp2_poly_degree)) if c.exp2_poly else ""),
         ("EXP2_CONSTRAINTS", EXP2_CONSTRAINTS),
         # O's rescale skipped by warps whose maxima stayed (generator/rescale_asm.py): per thread, the
-        # 64 x head_dim_v accumulator is head_dim_v / 2 registers
+        # 64 x O_W accumulator is O_W / 2 registers
         # (in place, without the skip, also for a 256-key pv_defer block: rescale_in_place)
-        ("RESCALE_IN_PLACE", rescale_in_place(c)), ("RESCALE_PACK", int(c.head_dim_v) // 2),
-        ("RESCALE_ASM", rescale_asm(int(c.head_dim_v) // 2, skip=c.skip_rescale) if rescale_in_place(c) else ""),
-        ("RESCALE_CONSTRAINTS", rescale_constraints(int(c.head_dim_v) // 2) if rescale_in_place(c) else ""),
+        *_rescale_constants(c),
         # ex2_fence (generator/fence_asm.py): one asm per consumer warpgroup (its own named barrier)
         *_fence_constants(c),
         # timeline stamps (generator/timeline.py): a validated address and slot count only
@@ -199,6 +212,19 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
               f"PERSISTENT = {bool(c.persistent)!r}",
               f"KERNEL_NAME = {KERNEL_NAME!r}", ""]
     return "\n".join(lines) + "\n"
+
+
+def _rescale_constants(c: KernelConfig) -> list[tuple[str, object]]:
+    """O's in-place rescale asm (generator/rescale_asm.py) for each O part: per thread, a 64 x w
+    accumulator is w / 2 registers; "" where O is rescaled by a multiply (or has no second part)."""
+    out: list[tuple[str, object]] = [("RESCALE_IN_PLACE", rescale_in_place(c))]
+    for name, w in zip(("", "_C"), gluon_o_parts(c)):
+        n = int(w) // 2
+        on = rescale_in_place(c) and n > 0
+        out += [(f"RESCALE{name}_PACK", n or 1),
+                (f"RESCALE{name}_ASM", rescale_asm(n, skip=c.skip_rescale) if on else ""),
+                (f"RESCALE{name}_CONSTRAINTS", rescale_constraints(n) if on else "")]
+    return out
 
 
 def _fence_constants(c: KernelConfig) -> list[tuple[str, object]]:
@@ -222,8 +248,9 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
     # schedule constants of every other config stay exactly as they were
     ones = "ones_bufs" if c.rowsum == "mma" else "None"
     onesb = "onesb_bufs" if c.rowsum == "mma" and key_parts(c)[1] else ones
-    return (f"({cid}, desc_o, q_bufs, k_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,\n"
-            "                    turn_bars, QD, KD, VD, stride_db, stride_dh, sm_scale_log2, H, GROUP, SEQ_Q, SEQ_K,\n"
+    return (f"({cid}, desc_o, desc_oc, q_bufs, k_bufs, v_bufs, vc_bufs, o_bufs, oc_bufs, q_ready, q_empty,\n"
+            "                    k_ready, k_empty, v_ready, v_empty, turn_bars, QD, KD, VD, stride_db, stride_dh,\n"
+            "                    sm_scale_log2, H, GROUP, SEQ_Q, SEQ_K,\n"
             "                    N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
             "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
             f"{bool(c.ex2_fence)!r}, LEAN, {ones}, QK_PARTS,\n"
@@ -233,7 +260,7 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
 _PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
                   "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M,\n"
                   "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST, HEAD_QK, QK_PARTS,\n"
-                  "                    v_raw, v_raw_ready, desc_kb, desc_vb, kb_bufs, vb_bufs)")
+                  "                    v_raw, v_raw_ready, desc_kb, desc_vb, kb_bufs, vb_bufs, desc_vc, vc_bufs)")
 
 
 def _ones_lines(c: KernelConfig) -> list[str]:
@@ -276,6 +303,8 @@ def _stand_ins(c: KernelConfig) -> list[str]:
         out.append("    p_bufs = o_bufs")
     if not key_parts(c)[1]:
         out += ["    desc_kb = desc_k", "    desc_vb = desc_v", "    kb_bufs = k_bufs", "    vb_bufs = v_bufs"]
+    if not c.o_split:
+        out += ["    desc_vc = desc_v", "    vc_bufs = v_bufs", "    desc_oc = desc_o", "    oc_bufs = o_bufs"]
     return out
 
 
@@ -284,13 +313,15 @@ def _v_lines(c: KernelConfig) -> list[str]:
     (BLOCK_N, D) slots V is loaded into and their barriers (the producer transposes it into the ring).
     What a kernel lacks, `_stand_ins` aliases."""
     if c.v_layout != "natural":
-        lines = ["    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BN_A], desc_v.layout)"]
+        lines = ["    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, O_W, BN_A], desc_v.layout)"]
         if key_parts(c)[1]:
-            lines.append("    vb_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BN_B], desc_vb.layout)")
+            lines.append("    vb_bufs = gl.allocate_shared_memory(dtype, [STAGES, O_W, BN_B], desc_vb.layout)")
+        if c.o_split:
+            lines.append("    vc_bufs = gl.allocate_shared_memory(dtype, [STAGES, O_C, BN_A], desc_vc.layout)")
         return lines
-    return ["    vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_D, BLOCK_N], dtype)",
-            "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, HEAD_D, BLOCK_N], vt_layout)",
-            "    v_raw = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_D], desc_v.layout)",
+    return ["    vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([O_W, BLOCK_N], dtype)",
+            "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, O_W, BLOCK_N], vt_layout)",
+            "    v_raw = gl.allocate_shared_memory(dtype, [2, BLOCK_N, O_W], desc_v.layout)",
             "    v_raw_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
             "    mbarrier.init(v_raw_ready.index(0), count=1)",
             "    mbarrier.init(v_raw_ready.index(1), count=1)"]
@@ -315,8 +346,11 @@ def _entry(c: KernelConfig) -> str:
         "                                       desc_q.layout)",
         *_k_lines(c),
         *_v_lines(c),
-        "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], gl.bfloat16)",
-        "    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, HEAD_D], o_layout)",
+        "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_W], gl.bfloat16)",
+        "    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, O_W], o_layout)",
+        *(["    oc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_C], gl.bfloat16)",
+           "    oc_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, O_C], oc_layout)"]
+          if c.o_split else []),
         *_ones_lines(c),
         *_p_lines(c),
         "    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",

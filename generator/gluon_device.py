@@ -111,7 +111,8 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               H, GROUP, Hkv, Sq, Sk, n_m, n_tiles, tile_table,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-              HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr, v_raw, v_raw_ready, kb_desc, vb_desc, kb_bufs, vb_bufs):
+              HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr, v_raw, v_raw_ready, kb_desc, vb_desc, kb_bufs, vb_bufs,
+              vc_desc, vc_bufs):
     """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
     K and V barriers so that QK^T can start before V has landed). Q and K tiles come in QK_PARTS
     column parts of HEAD_QK / QK_PARTS (tensor shapes must be powers of two: 192 = 3 x 64), a
@@ -121,7 +122,8 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
     V(j) are issued, then V^T(j-1) written while V(j) is in flight, so the consumers get K(j) and
     V^T(j-1) in the order they use them (QK^T(j) beside PV(j-1)).
     SPLIT (two key parts, BN_A + BN_B: 128 + 64, or 128 + 128 with pv_defer): K and V^T of a block
-    come as one box per part each (kb_*, vb_*), on the same barriers."""
+    come as one box per part each (kb_*, vb_*), on the same barriers. O_SPLIT: V^T's rows come as two
+    boxes, O_W and O_C rows (vc_*), on the same barrier."""
     n_bh = n_tiles // n_m
     kv_it = 0
     q_it = 0
@@ -168,32 +170,38 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
                 tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * HEAD_D], v_raw_ready.index(raw_slot),
                                                 v_raw.index(raw_slot))
                 if j > 0:
-                    _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, HEAD_D)
+                    _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, O_W)
             elif K_AHEAD:  # V(j-1) after K(j): K(j) does not wait for V(j-2)'s release (step j's QK^T)
                 if j > 0:
-                    _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, n0 + BLOCK_N, STAGES)
+                    _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, n0 + BLOCK_N, STAGES,
+                            vc_desc, vc_bufs)
             else:
-                _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it, v_row, n0, STAGES)
+                _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it, v_row, n0, STAGES, vc_desc, vc_bufs)
             kv_it += 1
         if n_blocks > 0:
             if V_NATURAL:
-                _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, HEAD_D)
+                _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, O_W)
             elif K_AHEAD:
-                _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, 0, STAGES)
+                _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, 0, STAGES, vc_desc,
+                        vc_bufs)
 
 
 @gluon.jit
-def _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, it, v_row, n0, STAGES: gl.constexpr):
+def _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, it, v_row, n0, STAGES: gl.constexpr, vc_desc, vc_bufs):
     """TMA load of KV block `it`'s V^T (keys n0 ..) into its stage, once the stage's V is released."""
     s = it % STAGES
     mbarrier.wait(v_empty.index(s), ((it // STAGES) & 1) ^ 1)
     if SPLIT:
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + vb_desc.block_type.nbytes)
+    elif O_SPLIT:
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + vc_desc.block_type.nbytes)
     else:
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(v_desc, [v_row, n0], v_ready.index(s), v_bufs.index(s))
     if SPLIT:
         tma.async_copy_global_to_shared(vb_desc, [v_row, n0 + BN_A], v_ready.index(s), vb_bufs.index(s))
+    if O_SPLIT:  # the second O part's V^T rows
+        tma.async_copy_global_to_shared(vc_desc, [v_row + O_W, n0], v_ready.index(s), vc_bufs.index(s))
 
 
 @gluon.jit
@@ -318,19 +326,28 @@ def _exp2(x):
 
 
 @gluon.jit
-def _rescale(acc, l_i, alpha, row_o: gl.constexpr):
+def _rescale(acc, l_i, alpha, row_o: gl.constexpr, accc, row_oc: gl.constexpr):
     """O *= alpha per row, and l too under ROWSUM_MMA (whose row sums arrive with PV, so l is
-    rescaled when O is). RESCALE_IN_PLACE: inline PTX on O's own registers (generator/rescale_asm.py),
-    with skip_rescale jumped over by a warp whose rows all have alpha == 1 (maxima kept)."""
-    a = gl.convert_layout(alpha, row_o)[:, None]
-    if RESCALE_IN_PLACE:
-        acc = gl.inline_asm_elementwise(RESCALE_ASM, RESCALE_CONSTRAINTS, [acc, gl.broadcast(acc, a)[1]],
-                                        dtype=gl.float32, is_pure=True, pack=RESCALE_PACK)
-    else:
-        acc = acc * a
+    rescaled when O is). O_SPLIT: O's second part (accc) too. Returns (acc, l_i, accc)."""
+    acc = _times_rows(acc, alpha, row_o, RESCALE_ASM, RESCALE_CONSTRAINTS, RESCALE_PACK)
+    if O_SPLIT:
+        accc = _times_rows(accc, alpha, row_oc, RESCALE_C_ASM, RESCALE_C_CONSTRAINTS, RESCALE_C_PACK)
     if ROWSUM_MMA:
         l_i = l_i * alpha
-    return acc, l_i
+    return acc, l_i, accc
+
+
+@gluon.jit
+def _times_rows(acc, alpha, row: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, PACK: gl.constexpr):
+    """One O accumulator times its rows' alpha. RESCALE_IN_PLACE: inline PTX on its own registers
+    (generator/rescale_asm.py), with skip_rescale jumped over by a warp whose rows all have alpha == 1
+    (maxima kept)."""
+    a = gl.convert_layout(alpha, row)[:, None]
+    if RESCALE_IN_PLACE:
+        return gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, gl.broadcast(acc, a)[1]], dtype=gl.float32,
+                                         is_pure=True, pack=PACK)
+    else:
+        return acc * a
 
 
 @gluon.jit
@@ -385,17 +402,17 @@ def _p_stage(w, p_smem):
 
 @gluon.jit
 def _pv_prologue(pP, pPb, acc, l_i, alpha, row_o: gl.constexpr, V_PERM: gl.constexpr, LEAN: gl.constexpr,
-                 p_layout: gl.constexpr, p_smem):
+                 p_layout: gl.constexpr, p_smem, accc, row_oc: gl.constexpr):
     """What precedes PV(j-1) in an overlapped step and in the last block's PV: P(j-1) as the e4m3 A
     operand (both key parts under SPLIT), O (and l) rescaled by alpha(j-1), and under P_SMEM the P
-    tile published. Returns (p8, p8b, acc, l_i)."""
+    tile published. Returns (p8, p8b, acc, l_i, accc)."""
     p8 = _p_operand(pP, V_PERM, LEAN, p_layout, p_smem)
     p8b = _p_operand(pPb, V_PERM, LEAN, p_layout) if SPLIT else p8
     if not LATE_RESCALE:
-        acc, l_i = _rescale(acc, l_i, alpha, row_o)
+        acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
     if P_SMEM:
         _p_publish()
-    return p8, p8b, acc, l_i
+    return p8, p8b, acc, l_i, accc
 
 
 @gluon.jit
@@ -524,41 +541,54 @@ def _qk_result(s_tok, sb_tok, PV_IN_FLIGHT: gl.constexpr):
     """S = Q K^T once its wgmmas are done (and the second key part's S under SPLIT, else S again);
     with PV_IN_FLIGHT the PV wgmmas issued after it (and their row sums) may still run."""
     if SPLIT:
-        s, sb = warpgroup_mma_wait((4 if ROWSUM_MMA else 2) if PV_IN_FLIGHT else 0, deps=(s_tok, sb_tok))
+        s, sb = warpgroup_mma_wait(PV_GROUPS if PV_IN_FLIGHT else 0, deps=(s_tok, sb_tok))
     else:
-        s = warpgroup_mma_wait((2 if ROWSUM_MMA else 1) if PV_IN_FLIGHT else 0, deps=(s_tok,))
+        s = warpgroup_mma_wait(PV_GROUPS if PV_IN_FLIGHT else 0, deps=(s_tok,))
         sb = s
     return s, sb
 
 
 @gluon.jit
-def _pv_issue(p8, v_smem, acc, ones_smem, l_zero, p8b, vb_smem, onesb_smem):
+def _pv_issue(p8, v_smem, acc, ones_smem, l_zero, p8b, vb_smem, onesb_smem, accc, vc_smem):
     """O += P V as an async wgmma; under ROWSUM_MMA also the rounded row sum: P against the ones
     tile (fresh accumulator each time: FP8 wgmma accumulation is too coarse for a running sum).
     It replaces one FADD per score (the exact softmax's sum) by one m64n8k32 wgmma per 32 keys.
-    SPLIT: the second key part's P (p8b) chained onto each (PV and row sum: two wgmmas each)."""
+    SPLIT: the second key part's P (p8b) chained onto each (PV and row sum: two wgmmas each).
+    O_SPLIT: O's second part (accc, V^T rows vc_smem) its own wgmma. PV_GROUPS counts them all.
+    Returns the tokens (O, O's second part or O again, row sum or O again)."""
     o_tok = warpgroup_mma(p8, v_smem.permute((1, 0)), acc, is_async=True)
     if SPLIT:
         o_tok = warpgroup_mma(p8b, vb_smem.permute((1, 0)), o_tok, is_async=True)
+    if O_SPLIT:
+        oc_tok = warpgroup_mma(p8, vc_smem.permute((1, 0)), accc, is_async=True)
+    else:
+        oc_tok = o_tok
     if ROWSUM_MMA:
         r_tok = warpgroup_mma(p8, ones_smem.permute((1, 0)), l_zero, use_acc=False, is_async=True)
         if SPLIT:
             r_tok = warpgroup_mma(p8b, onesb_smem.permute((1, 0)), r_tok, is_async=True)
     else:
         r_tok = o_tok  # a stand-in _pv_done ignores (a None in a returned tuple does not compile)
-    return o_tok, r_tok
+    return o_tok, r_tok, oc_tok
 
 
 @gluon.jit
-def _pv_done(o_tok, r_tok, l_i, row_s: gl.constexpr, LATER: gl.constexpr = 0):
+def _pv_done(o_tok, r_tok, l_i, row_s: gl.constexpr, oc_tok, accc, LATER: gl.constexpr = 0):
     """Wait for _pv_issue's wgmmas (LATER: wgmmas issued after them may still run); under ROWSUM_MMA
-    add the row sum (all 8 columns hold it) to l."""
-    if ROWSUM_MMA:
+    add the row sum (all 8 columns hold it) to l. Returns (acc, l_i, accc: O's second part under
+    O_SPLIT, else accc as given)."""
+    if O_SPLIT:
+        if ROWSUM_MMA:
+            acc, accc, rs = warpgroup_mma_wait(LATER, deps=(o_tok, oc_tok, r_tok))
+            l_i = l_i + gl.convert_layout(gl.max(rs, axis=1), row_s)
+        else:
+            acc, accc = warpgroup_mma_wait(LATER, deps=(o_tok, oc_tok))
+    elif ROWSUM_MMA:
         acc, rs = warpgroup_mma_wait(LATER, deps=(o_tok, r_tok))
         l_i = l_i + gl.convert_layout(gl.max(rs, axis=1), row_s)
     else:
         acc = warpgroup_mma_wait(LATER, deps=(o_tok,))
-    return acc, l_i
+    return acc, l_i, accc
 
 
 @gluon.jit
@@ -569,7 +599,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
              qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, V_PERM: gl.constexpr,
              P_OFFSET: gl.constexpr, EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_smem, l_zero,
              QK_PARTS: gl.constexpr, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout: gl.constexpr,
-             p_smem):
+             p_smem, accc, vc_bufs, row_oc: gl.constexpr):
     """Overlapped step j >= 1: issue QK^T(j) and PV(j-1) back to back, wait for QK^T(j) only, run
     softmax(j) while PV(j-1) is on the tensor cores, then wait for PV(j-1). What keeps ptxas from
     undoing the overlap: nothing in flight across the loop back-edge (else every wgmma of the kernel
@@ -583,11 +613,12 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     pPb are stand-ins), P(j) written there once PV(j-1) is done, and V(j-1) released then. PV_DEFER
     (overlap off): both products are waited for before the softmax and V(j-1) is released in this
     step; with two key parts PV(j-1) is issued first and QK^T(j)'s second part only once PV(j-1) is
-    done (below)."""
+    done (below). O_SPLIT: O's second part (accc) goes with O everywhere."""
     _mark(kv_it, EV_START, CID)
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
-    p8, p8b, acc, l_i = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout, p_smem)
+    p8, p8b, acc, l_i, accc = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout, p_smem, accc,
+                                           row_oc)
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
@@ -596,16 +627,16 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         # PV(j-1), then QK^T(j)'s first key part; once PV(j-1) is done (the P registers it reads are
         # free) the second part, so that the scores of a 256-key block never share the registers
         # with the P in flight (128 + 32 + 64 would spill, 64 + 32 + 64 and 128 + 64 do not)
-        o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
-                                 onesb_smem)
+        o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
+                                         onesb_smem, accc, vc_bufs.index(pst))
         s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
-        acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), QK_PARTS)
+        acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), oc_tok, accc, QK_PARTS)
         sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS)
     else:
         s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
         sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS) if SPLIT else s_tok
-        o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
-                                 onesb_smem)
+        o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
+                                         onesb_smem, accc, vc_bufs.index(pst))
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
     _mark(kv_it, EV_ISSUED, CID)
     # QK^T(j) done; PV(j-1) may still run, unless PV_DEFER (the plain step with PV(j-1) paired: both
@@ -614,8 +645,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     _mark(kv_it, EV_QK_DONE, CID)
     mbarrier.arrive(k_empty.index(st), count=1)
     if PV_DEFER:
-        if not SPLIT:
-            acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # retired already: no wait
+        if not SPLIT:  # retired already: no wait
+            acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), oc_tok, accc)
         mbarrier.arrive(v_empty.index(pst), count=1)
     elif not P_SMEM:  # PV(j-2) retired at the end of the previous step: release its V stage now
         mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=j >= 2)
@@ -636,16 +667,16 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
             l_i = gl.inline_asm_elementwise(ROW_SUM_FENCE_ASM[CID], ROW_SUM_FENCE_CONSTRAINTS, [l_i], dtype=gl.float32,
                                             is_pure=False, pack=2)
     if not PV_DEFER:
-        acc, l_i = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout))  # PV(j-1) done
+        acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), oc_tok, accc)  # PV(j-1) done
         _mark(kv_it, EV_PV_DONE, CID)
         if LATE_RESCALE:
-            acc, l_i = _rescale(acc, l_i, alpha, row_o)
+            acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
     if P_SMEM:  # the P tile is free: P(j) goes there for the next step's PV; V(j-1) is released
         _p_stage(pP, p_smem)
         mbarrier.arrive(v_empty.index(pst), count=1)
         pP = alpha
         pPb = alpha
-    return pP, acc, alpha, m_i, l_i, pPb
+    return pP, acc, alpha, m_i, l_i, pPb, accc
 
 
 @gluon.jit
@@ -661,7 +692,7 @@ def _ones(smem, N: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
+def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_bufs, o_bufs, oc_bufs,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn_bars,
               QD, KD, VD, ds0, ds1, scale_log2,
               H, GROUP, Sq, Sk, n_m, n_tiles, tile_table,
@@ -679,12 +710,17 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
     qkb_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN_B if SPLIT else BN_A, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 32])
+                                                       instr_shape=[16, O_W, 32])
+    # O_SPLIT: O's second part (else an unused stand-in O_C columns wide)
+    oc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, O_C, 32])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=4)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_oc: gl.constexpr = gl.SliceLayout(1, oc_layout)
     row_s: gl.constexpr = gl.SliceLayout(1, qk_layout)
 
     o_smem = o_bufs.index(CID)
+    oc_smem = oc_bufs.index(CID)
     if P_SMEM:  # P's way from one step's softmax to the next step's PV wgmma (the A operand's tile)
         p_smem = p_bufs.index(CID)
     else:
@@ -731,7 +767,8 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
             l_i = _lane_sums(gl.zeros([64, BN_A], gl.float32, layout=qk_layout))
         else:
             l_i = gl.full([64], 0.0, gl.float32, layout=row_s)
-        acc = gl.zeros([64, HEAD_D], gl.float32, layout=o_layout)
+        acc = gl.zeros([64, O_W], gl.float32, layout=o_layout)
+        accc = gl.zeros([64, O_C], gl.float32, layout=oc_layout)
         s_zero = gl.zeros([64, BN_A], gl.float32, layout=qk_layout)
         sb_zero = gl.zeros([64, BN_B], gl.float32, layout=qkb_layout) if SPLIT else s_zero
 
@@ -754,24 +791,26 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                     lo = 1 if phase == 0 else gl.maximum(n_masked, 1)
                     hi = n_masked if phase == 0 else n_blocks
                     for j in range(lo, hi):
-                        pP, acc, alpha, m_i, l_i, pPb = _ov_step(
+                        pP, acc, alpha, m_i, l_i, pPb, accc = _ov_step(
                             j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs, v_bufs, s_zero,
                             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
                             phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
                             qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
-                            QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem)
+                            QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc, vc_bufs,
+                            row_oc)
                         turn_it += 1
                         kv_it += 1
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
-                p8, p8b, acc, l_i = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout, p_smem)
+                p8, p8b, acc, l_i, accc = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout, p_smem,
+                                                       accc, row_oc)
                 mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
                 _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-                o_tok, r_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
-                                         onesb_smem)
+                o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
+                                                 onesb_smem, accc, vc_bufs.index(pst))
                 _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
                 turn_it += 1
-                acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)
+                acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, row_s, oc_tok, accc)
                 if not (PV_DEFER or P_SMEM):  # (they released each V stage in its own step)
                     mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=n_blocks >= 2)
                 mbarrier.arrive(v_empty.index(pst), count=1)
@@ -794,16 +833,16 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
                                                             BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, False,
                                                             sb, qkb_layout, kv_it)
                     l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
-                    acc, l_i = _rescale(acc, l_i, alpha, row_o)
+                    acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
                     mbarrier.wait(v_ready.index(s_st), s_ph)
                     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-                    o_tok, r_tok = _pv_issue(_p_operand(p8, V_PERM, False, p_layout), v_bufs.index(s_st), acc,
-                                             ones_smem, l_zero, _p_operand(p8b, V_PERM, False, p_layout),
-                                             vb_bufs.index(s_st), onesb_smem)
+                    o_tok, r_tok, oc_tok = _pv_issue(_p_operand(p8, V_PERM, False, p_layout), v_bufs.index(s_st), acc,
+                                                     ones_smem, l_zero, _p_operand(p8b, V_PERM, False, p_layout),
+                                                     vb_bufs.index(s_st), onesb_smem, accc, vc_bufs.index(s_st))
                     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
                     _mark(kv_it, EV_PV_ISSUED, CID)
                     turn_it += 1
-                    acc, l_i = _pv_done(o_tok, r_tok, l_i, row_s)
+                    acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, row_s, oc_tok, accc)
                     _mark(kv_it, EV_PV_DONE, CID)
                     mbarrier.arrive(v_empty.index(s_st), count=1)
                     kv_it += 1
@@ -820,6 +859,13 @@ def _consumer(CID: gl.constexpr, o_desc, q_bufs, k_bufs, v_bufs, o_bufs,
         o = (acc * inv[:, None]).to(gl.bfloat16)
         tma.store_wait(0)
         o_smem.store(o)
+        if O_SPLIT:
+            oc_smem.store((accc * gl.convert_layout(inv, row_oc)[:, None]).to(gl.bfloat16))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, row0, h * HEAD_D], o_smem.reshape([1, 64, HEAD_D]))
+        if O_W <= HEAD_D:  # O's first (or only) O_W columns
+            tma.async_copy_shared_to_global(o_desc, [b, row0, h * HEAD_D], o_smem.reshape([1, 64, O_W]))
+        else:  # (B, Sq, H, D) view: the box's columns past D (the padding of O_W) are clipped
+            tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], o_smem.reshape([1, 64, 1, O_W]))
+        if O_SPLIT:
+            tma.async_copy_shared_to_global(oc_desc, [b, row0, h * HEAD_D + O_W], oc_smem.reshape([1, 64, O_C]))
     tma.store_wait(0)

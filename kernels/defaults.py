@@ -72,9 +72,16 @@ def gluon_three_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
     """Three consumer warpgroups (192 query rows per tile, FA3's head-dim-64 tile), no ping-pong,
     row sum by MMA, rescale skipped where no row maximum moved: at FP8 head dim 64 0.94x / 0.97x
     FA3-fp8 at 8K / 16K where the shipped Triton kernel is 0.89x / 0.91x (docs/PERF.md, session 6).
-    Only for head dims <= 64: wider heads leave three consumers too few registers."""
+    At head dim 96 (FA3's hd96 tile is 192 x 128 too) with O in a 64- and a 32-column part (o_split),
+    ping-pong, P carried packed and O rescaled after the PV wait: 748.4 TFLOP/s at B=2 S=8K against
+    the padded 256-key kernel's 697.0 and FA3-fp8's 813.4 (docs/PERF.md, session 13).
+    Only for head dims <= 64 and 96: wider heads leave three consumers too few registers."""
+    if (head_dim_qk, head_dim_v) == (96, 96):
+        return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(
+            block_m=192, o_split=True, p_carry="e4m3", late_rescale=True)
     if max(head_dim_qk, head_dim_v) > 64:
-        raise ConfigError(f"three consumer warpgroups are seeded at head dim <= 64, not {head_dim_qk}/{head_dim_v}")
+        raise ConfigError(f"three consumer warpgroups are seeded at head dims <= 64 and 96, not "
+                          f"{head_dim_qk}/{head_dim_v}")
     return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(
         block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True)
 

@@ -112,15 +112,20 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch
     views = {"desc_q": (q, [b * sq, h * d], [q.stride(1), 1]),
              "desc_k": (k, [b * sk, hk * d], [k.stride(1), 1]),
              "desc_v": v_view,
-             "desc_o": (out, [b, sq, h * dv], [sq * h * dv, h * dv, 1])}
-    return [TensorDescriptor(*views[DESCRIPTOR_TENSOR[name][1]], block, descriptor_layout(dtype, block))
+             "desc_o": (out, [b, sq, h * dv], [sq * h * dv, h * dv, 1]),
+             # a padded O tile (4-D box, config.gluon_o_width > dv): its columns past dv are clipped
+             "desc_o4": (out, [b, sq, h, dv], [sq * h * dv, h * dv, dv, 1])}
+    return [TensorDescriptor(*views[DESCRIPTOR_TENSOR[name][1] + ("4" if len(block) == 4 else "")], block,
+                             descriptor_layout(dtype, block))
             for name, (dtype, block) in descriptor_blocks(config).items()]
 
 
 #: descriptor -> (index of its tensor in (q, k, v, out), the view it is built on): a 192-key
-#: block's second key part (desc_kb, desc_vb) is a smaller box on K's / V^T's view
+#: block's second key part (desc_kb, desc_vb) and o_split's second O part (desc_vc, desc_oc) are
+#: other boxes on K's / V^T's / O's view
 DESCRIPTOR_TENSOR = {"desc_q": (0, "desc_q"), "desc_k": (1, "desc_k"), "desc_kb": (1, "desc_k"),
-                     "desc_v": (2, "desc_v"), "desc_vb": (2, "desc_v"), "desc_o": (3, "desc_o")}
+                     "desc_v": (2, "desc_v"), "desc_vb": (2, "desc_v"), "desc_vc": (2, "desc_v"),
+                     "desc_o": (3, "desc_o"), "desc_oc": (3, "desc_o")}
 
 
 def descriptor_owners(config: KernelConfig) -> tuple[int, ...]:

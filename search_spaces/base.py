@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import zyfa_tune.kernels as _kernels
-from zyfa_tune.generator import CHOICES, GLUON_HEAD_DIMS, ConfigError, KernelConfig, gluon_registers
+from zyfa_tune.generator import CHOICES, GLUON_HEAD_DIMS, ConfigError, KernelConfig, gluon_o_parts, gluon_registers
 from zyfa_tune.kernels.defaults import default_config
 
 if TYPE_CHECKING:  # optuna is imported lazily: a config can be built without it
@@ -254,9 +254,10 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
     Exact to within the margin (compiled: 147920 B for the default against 148480 estimated; 150000 B
     for its lean P variant)."""
     q = c.q_stages * c.block_m * c.head_dim_qk
-    kv = c.num_stages * c.block_n * (c.head_dim_qk + c.head_dim_v)
-    raw_v = 2 * c.block_n * c.head_dim_v if c.v_layout == "natural" else 0  # the tiles the producer transposes
-    out = (c.block_m // 64) * 64 * c.head_dim_v * 2
+    dp = sum(gluon_o_parts(c))  # V^T and O tiles: padded to a power of two (96 -> 128), or 64 + 32
+    kv = c.num_stages * c.block_n * (c.head_dim_qk + dp)
+    raw_v = 2 * c.block_n * dp if c.v_layout == "natural" else 0  # the tiles the producer transposes
+    out = (c.block_m // 64) * 64 * dp * 2
     ones = (c.block_m // 64) * 8 * c.block_n if c.rowsum == "mma" else 0
     p_tiles = (c.block_m // 64) * 64 * c.block_n if c.p_carry == "smem" else 0  # P's way to the PV wgmma
     return q + kv + raw_v + out + ones + p_tiles + TMA_SMEM_MARGIN
@@ -300,6 +301,13 @@ GLUON_ONE_CONSUMER_TABLE_REGISTERS = 16
 GLUON_DEFER_MMA_REGISTERS = 16
 
 
+#: Extra registers of three consumer warpgroups (160 registers each) carrying P as float32 with O in two
+#: parts (o_split, head dim 96): 3 of 4 such kernels spilled 24-32 bytes (estimated 152 without this
+#: term; ping-pong with the row-sum MMA and skip_rescale did not and is rejected with them), while every
+#: packed-P (p_carry="e4m3") one compiled clean (session 13, 50 compiles over head dim 96)
+GLUON_SPLIT_O_F32_THREE_REGISTERS = 16
+
+
 def gluon_register_estimate(c: KernelConfig) -> int:
     """Registers per thread a Gluon consumer warpgroup needs at least: its 64 x head_dim fp32
     accumulator, the 64 x block_n fp32 scores and, with overlap, the previous block's P carried into
@@ -315,19 +323,25 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     packed P carried (overlap, v_permute) need GLUON_OTHER_DIM_REGISTERS more: without them a 256 x
     128-key and a 64 x 256-key (producer_regs=56) config passed and spilled 48 and 8 bytes, while the
     same term on head dim 128 would reject a 256-key one-consumer config that fits (7 more compiles,
-    tests/test_gluon_compile.py CALIBRATION)."""
-    acc = 64 * c.head_dim_v // 128
+    tests/test_gluon_compile.py CALIBRATION). Head dim 96 counts its accumulator as 128 columns
+    (padded) or 64 + 32 (o_split, without the other-dims term: three consumers and 256-key overlapped
+    blocks compile clean at 152 and 232; GLUON_SPLIT_O_F32_THREE_REGISTERS)."""
+    dp = sum(gluon_o_parts(c))  # the accumulators' columns (96 -> 128, or 64 + 32)
+    acc = 64 * dp // 128
     scores = 64 * c.block_n // 128
     carried = 0 if not (c.overlap or c.pv_defer) else scores // 4 if c.v_permute else scores + 16
-    other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and c.head_dim_v != 128 else 0
+    other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and dp != 128 and not c.o_split else 0
+    f32_three = (GLUON_SPLIT_O_F32_THREE_REGISTERS if c.o_split and c.block_m == 192 and c.overlap
+                 and c.p_carry == "f32" else 0)
     defer_mma = GLUON_DEFER_MMA_REGISTERS if c.pv_defer and c.rowsum == "mma" else 0
-    three = GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and c.head_dim_v >= 128 else 0
+    three = GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and dp >= 128 else 0
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
     if c.pv_defer and c.block_n == 256:  # peak at the softmax: no P in flight beside the scores, O in place
         return acc + scores + defer_mma + table + GLUON_SPLIT_DEFER_REGISTERS + GLUON_REGISTER_OVERHEAD
-    return acc + scores + carried + other_dim + three + split + mla + defer_mma + table + GLUON_REGISTER_OVERHEAD
+    return (acc + scores + carried + other_dim + three + split + mla + defer_mma + table + f32_three
+            + GLUON_REGISTER_OVERHEAD)
 
 
 def gluon_infeasibility(c: KernelConfig) -> str | None:

@@ -8,7 +8,7 @@ field). `backend` comes first: the fields after it that only one backend reads a
 
 from functools import partial
 
-from zyfa_tune.generator.config import KernelConfig, lane_sums_conflict, packed_p_conflict
+from zyfa_tune.generator.config import KernelConfig, lane_sums_conflict, o_split_conflict, packed_p_conflict
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_natural_config,
                                        gluon_packed_config, gluon_three_config, gluon_wide_config)
 
@@ -46,6 +46,8 @@ PARAMS = (backend_param(),
           decode=lambda v, f: "f32" if packed_p_conflict(f) else v),
     Param("lane_sums", (False, True), only_if=("backend", "gluon"),  # row sums per lane, reduced in the epilogue
           decode=lambda v, f: v and not lane_sums_conflict(f)),
+    Param("o_split", (False, True), only_if=("backend", "gluon"),  # hd96: O in 64 + 32 columns, not padded to 128
+          decode=lambda v, f: v and not o_split_conflict(f)),
 )
 
 
@@ -59,7 +61,7 @@ def lane_sums_twin(config: KernelConfig) -> list[KernelConfig]:
 
 #: Enqueued right after the Triton default (where statically feasible): the Gluon backend's default
 #: (the spike's best schedule), its 256-key-block kernel, at head dim 256 its pv_defer schedule, its
-#: one-launch natural-V twin (launch-bound shapes), at head dim 64 three consumer warpgroups, the
+#: one-launch natural-V twin (launch-bound shapes), at head dims 64 and 96 three consumer warpgroups, the
 #: default with P carried packed, and the 256-key kernel with its row sums per lane.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                     extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,

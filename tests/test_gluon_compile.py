@@ -68,8 +68,36 @@ SMEM_CASES = [GLUON.replace(p_carry="smem"), GLUON.replace(p_carry="smem", ping_
 #: hd256's 64-key blocks
 LANE_CASES = [gluon_wide_config("fp8", 128, 128).replace(lane_sums=True), GLUON.replace(p_carry="e4m3", lane_sums=True),
               MLA.replace(lane_sums=True), HD64.replace(lane_sums=True), HD256.replace(lane_sums=True)]
+#: head dim 96: Q / K in three 32-column parts; O padded to 128 columns (the seed, 256-key blocks,
+#: V read as given) or in a 64- and a 32-column part (o_split: the seed, three consumers, 256-key
+#: blocks overlapped, pv_defer, skip_rescale's asm on both parts)
+HD96 = default_config("fp8", 96, 96, "gluon")
+HD96_SPLIT = HD96.replace(o_split=True)
+HD96_CASES = [HD96, gluon_wide_config("fp8", 96, 96).replace(lane_sums=True),
+              HD96.replace(v_permute=False, v_layout="natural", producer_regs=40),
+              HD96_SPLIT, HD96_SPLIT.replace(block_m=192, p_carry="e4m3", late_rescale=True),
+              HD96_SPLIT.replace(block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True, p_carry="e4m3"),
+              HD96_SPLIT.replace(block_n=256, num_stages=2, p_carry="e4m3", lane_sums=True),
+              HD96_SPLIT.replace(overlap=False, pv_defer=True, p_carry="e4m3", lane_sums=True)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
-         + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + LANE_CASES)
+         + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + LANE_CASES + HD96_CASES)
+
+
+def test_hd96_q_and_k_in_32_column_parts_and_o_padded_or_split(compiled):
+    """Head dim 96: Q and K are three 32-column TMA copies each (the seed at hd128: one) and three
+    chained k32 wgmmas into one S. O padded to 128 columns is an m64n128 PV wgmma and a 4-D output
+    store per consumer (clipped at 96 columns); o_split makes it an m64n64 and an m64n32 wgmma, one
+    more V^T box and two 3-D output stores."""
+    ref, pad, split = compiled(GLUON), compiled(HD96), compiled(HD96_SPLIT)
+    load, store3, store4 = ("cp.async.bulk.tensor.2d.shared::cluster.global", "cp.async.bulk.tensor.3d.global.shared",
+                            "cp.async.bulk.tensor.4d.global.shared")
+    assert pad.ptx.count(load) == ref.ptx.count(load) + 4 and split.ptx.count(load) == ref.ptx.count(load) + 5
+    assert pad.ptx.count(store4) == ref.ptx.count(store3) and pad.ptx.count(store3) == 0
+    assert split.ptx.count(store3) == 2 * ref.ptx.count(store3) and split.ptx.count(store4) == 0
+    # QK^T: 3 of hd128's 4 k-steps; PV: the same 128 columns padded, or 64 + 32
+    assert pad.ptx.count("m64n128k32") == ref.ptx.count("m64n128k32") * 7 // 8
+    assert split.ptx.count("m64n128k32") == ref.ptx.count("m64n128k32") * 3 // 8
+    assert split.ptx.count("m64n64k32.f32.e4m3.e4m3") == split.ptx.count("m64n32k32.f32.e4m3.e4m3") > 0
 
 
 def test_192_wide_q_and_k_come_in_three_parts(compiled):
@@ -237,6 +265,12 @@ CALIBRATION = [
           rowsum="mma"), True),                                                                 # 248 > 240: 32 B
     (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, pv_defer=True,
           producer_regs=56), True),                                                             # 232 > 224: 128 B
+    # head dim 96: padded O (128 columns) at three consumers; O in two parts (o_split) at three
+    # consumers with P packed or not (GLUON_SPLIT_O_F32_THREE_REGISTERS), 256-key overlapped blocks
+    (dict(head_dim_qk=96, head_dim_v=96, block_m=192, p_carry="e4m3"), True),                # 192 > 160: 152 B
+    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, p_carry="e4m3"), False),            # 152
+    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, ping_pong=False), True),  # 168: 24 B
+    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_n=256, num_stages=2, p_carry="e4m3"), False),  # 232
 ]
 
 

@@ -48,17 +48,23 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     with pytest.raises(ConfigError, match=rf"^{field}={other!r}: not a field of backend='triton'"):
         KernelConfig(**{field: other})
     needs = {"exp2_poly": 4} if field == "exp2_poly_degree" else {"overlap": False} if field == "pv_defer" else \
-        {"q_order": "heavy_first"} if field == "persistent" else {}
+        {"q_order": "heavy_first"} if field == "persistent" else \
+        {"head_dim_qk": 96, "head_dim_v": 96} if field == "o_split" else {}
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 
 @pytest.mark.parametrize("changes,match", [
     (dict(dtype="bf16", p_scale_log2=0), r"^dtype='bf16': backend='gluon' emits FP8"),
-    (dict(head_dim_qk=96, head_dim_v=96),
-     r"^head_dim_qk=96, head_dim_v=96: backend='gluon' implements the head-dim pairs \['64/64', '128/128', '192/128', '256/256'\] only"),
+    (dict(head_dim_qk=96, head_dim_v=64),
+     r"^head_dim_qk=96, head_dim_v=64: backend='gluon' implements the head-dim pairs \['64/64', '96/96', '128/128', "
+     r"'192/128', '256/256'\] only"),
     (dict(head_dim_v=64), r"^head_dim_qk=128, head_dim_v=64: backend='gluon' implements the head-dim pairs"),
     (dict(head_dim_qk=128, head_dim_v=192), r"^head_dim_qk=128, head_dim_v=192: backend='gluon' implements"),
     (dict(block_m=256), r"^block_m=256: .*block_m must be 64, 128 or 192"),
+    (dict(o_split=True), r"^o_split=True splits a 96-column O into 64 \+ 32 columns: it needs head_dim_v=96, not 128"),
+    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_n=192), r"^o_split=True is built for blocks of one key"),
+    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, v_layout="natural", v_permute=False),
+     r"^o_split=True reads the V\^T copy in two row boxes"),
     (dict(num_stages=1), r"^num_stages=1: the Gluon K/V ring needs at least 2 stages"),
     (dict(block_m=64), r"^ping_pong=True needs two or three consumer warpgroups"),
     (dict(rowsum="mma", ex2_fence=True, v_permute=False), r"^ex2_fence=True with rowsum='mma' fences on the float32 "
@@ -147,13 +153,14 @@ def test_gluon_values_are_type_checked():
 
 
 def test_unsupported_head_dims_never_reach_a_launch():
-    """Only head dims 64 and 128 are implemented in Gluon: configs, defaults and overrides all refuse
-    others."""
-    assert GLUON_HEAD_DIMS == ((64, 64), (128, 128), (192, 128), (256, 256))
+    """Only the listed head-dim pairs are implemented in Gluon: configs, defaults and overrides all
+    refuse others."""
+    assert GLUON_HEAD_DIMS == ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
     assert default_config("fp8", 192, 128, "gluon").block_n == 128
     assert default_config("fp8", 64, 64, "gluon").head_dim_v == 64
     assert default_config("fp8", 256, 256, "gluon").block_n == 64  # the 64 x 256 accumulator's registers
-    for dqk, dv in ((96, 96), (64, 128)):
+    assert default_config("fp8", 96, 96, "gluon").block_n == 128
+    for dqk, dv in ((96, 128), (64, 128)):
         with pytest.raises(ConfigError, match="implements the head-dim pairs"):
             default_config("fp8", dqk, dv, "gluon")
         with pytest.raises(ConfigError, match="implements the head-dim pairs"):
@@ -247,7 +254,8 @@ def test_space_seeds_the_gluon_default_right_after_the_triton_default():
     assert seeds[:2] == [default_config("fp8", 128, 128), GLUON]
     assert space.as_optuna_params(GLUON)["backend"] == "gluon"
     assert space.seeds(64, 64)[1] == default_config("fp8", 64, 64, "gluon")
-    for dqk, dv in ((96, 96),):  # no Gluon seed where Gluon does not implement the dims
+    assert space.seeds(96, 96)[1] == default_config("fp8", 96, 96, "gluon")
+    for dqk, dv in ((96, 128), (128, 64)):  # no Gluon seed where Gluon does not implement the dims
         assert all(c.backend == "triton" for c in space.seeds(dqk, dv))
     assert all(c.backend == "triton" for c in get_space("bf16").seeds(128, 128))
 
@@ -278,8 +286,8 @@ def test_space_samples_both_backends_as_valid_canonical_configs():
 def test_space_maps_gluon_to_triton_where_gluon_lacks_the_head_dims():
     space = get_space("fp8")
     study = optuna.create_study()
-    study.enqueue_trial({**space.as_optuna_params(space.base(96, 96)), "backend": "gluon"})
-    config = space.suggest(study.ask(), 96, 96)
+    study.enqueue_trial({**space.as_optuna_params(space.base(96, 128)), "backend": "gluon"})
+    config = space.suggest(study.ask(), 96, 128)
     assert config is not None and config.backend == "triton"
 
 

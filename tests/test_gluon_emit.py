@@ -99,8 +99,15 @@ def test_constants_are_the_config(cfg):
     consumer_regs, producer_regs = gluon_registers(cfg)
     in_place = cfg.skip_rescale or (cfg.block_n == 256 and cfg.pv_defer)
     # key parts: 192 = 128 + 64; a 256-key pv_defer block 128 + 128; else one part
+    # O's accumulator columns: a power of two (96 padded to 128), or with o_split 64 + 32 (else a
+    # stand-in 8 wide); the wgmmas of one PV issue
+    ow, oc = (64, 32) if cfg.o_split else (128 if cfg.head_dim_v == 96 else cfg.head_dim_v, 0)
+    pv_groups = (2 if cfg.block_n == 192 or (cfg.block_n == 256 and cfg.pv_defer) else 1) * (
+        2 if cfg.rowsum == "mma" else 1) + cfg.o_split
     parts = (128, 64) if cfg.block_n == 192 else (128, 128) if cfg.block_n == 256 and cfg.pv_defer else (cfg.block_n, 0)
     assert c == {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "HEAD_D": cfg.head_dim_v, "HEAD_QK": cfg.head_dim_qk,
+                 "O_W": ow,
+                 "O_SPLIT": cfg.o_split, "O_C": oc or 8, "PV_GROUPS": pv_groups,
                  "QK_PARTS": cfg.head_dim_qk // emit_gluon.qk_part_width(cfg), "QK_W": emit_gluon.qk_part_width(cfg),
                  "Q_BOXES": 3 if cfg.block_m == 192 else 1,
                  "STAGES": cfg.num_stages,
@@ -116,9 +123,12 @@ def test_constants_are_the_config(cfg):
                  "LEAN_MAGIC": MAGIC, "LEAN_ASM": lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else "",
                  "ROWSUM_MMA": cfg.rowsum == "mma", "EXP2_POLY": cfg.exp2_poly,
                  "EXP2_ASM": exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else "",
-                 "EXP2_CONSTRAINTS": EXP2_CONSTRAINTS, "RESCALE_IN_PLACE": in_place, "RESCALE_PACK": cfg.head_dim_v // 2,
-                 "RESCALE_ASM": rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale) if in_place else "",
-                 "RESCALE_CONSTRAINTS": rescale_constraints(cfg.head_dim_v // 2) if in_place else "",
+                 "EXP2_CONSTRAINTS": EXP2_CONSTRAINTS, "RESCALE_IN_PLACE": in_place, "RESCALE_PACK": ow // 2,
+                 "RESCALE_ASM": rescale_asm(ow // 2, skip=cfg.skip_rescale) if in_place else "",
+                 "RESCALE_CONSTRAINTS": rescale_constraints(ow // 2) if in_place else "",
+                 "RESCALE_C_PACK": oc // 2 or 1,
+                 "RESCALE_C_ASM": rescale_asm(oc // 2, skip=cfg.skip_rescale) if in_place and oc else "",
+                 "RESCALE_C_CONSTRAINTS": rescale_constraints(oc // 2) if in_place and oc else "",
                  "PACK_P": cfg.p_carry == "e4m3", "E4M3X4_ASM": gluon_device.E4M3X4_ASM.value,
                  "P_SMEM": cfg.p_carry == "smem", "K_AHEAD": cfg.p_carry == "smem", "P_SWIZZLE": min(128, cfg.block_n),
                  "LANE_SUMS": cfg.lane_sums, "LATE_RESCALE": cfg.late_rescale and cfg.overlap,

@@ -103,6 +103,34 @@ def test_prepare_gluon_variants():
     assert grid == (min(gluon_launch.DEFAULT_SMS, 8 * 2 * 8),)
 
 
+@pytest.mark.parametrize("o_split", [False, True])
+def test_prepare_gluon_hd96_o_boxes(o_split):
+    """Head dim 96: Q / K boxes of 32 columns; O padded to 128 columns reads 128-row V^T boxes and
+    stores through a (B, Sq, H, 96) view whose 128-column box TMA clips at 96 (no write reaches the
+    next head); o_split reads 64 + 32 V^T rows and stores 64 + 32 columns on the (B, Sq, H*96) view."""
+    cfg = default_config("fp8", 96, 96, "gluon").replace(o_split=o_split)
+    b, sq, h, hk = 2, 1000, 8, 2
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, sq, n, 96, generator=g).to(FP8) for n in (h, hk, hk))
+    out = torch.empty(b, sq, h, 96, dtype=BF16)
+    _, args, _ = launch.prepare(cfg, q, k, v, out, 0.1, True, sms=132)
+    names = list(emit_gluon.descriptor_blocks(cfg))
+    a = dict(zip(names, args))
+    assert list(a["desc_q"].block_shape) == [128, 32] and list(a["desc_k"].block_shape) == [128, 32]
+    assert a["desc_v"].shape == [b * hk * 96, padded_keys(sq, True)]
+    if o_split:
+        assert names == ["desc_q", "desc_k", "desc_v", "desc_vc", "desc_o", "desc_oc"]
+        assert list(a["desc_v"].block_shape) == [64, 128] and list(a["desc_vc"].block_shape) == [32, 128]
+        assert a["desc_vc"].base is a["desc_v"].base and a["desc_oc"].base is out
+        assert list(a["desc_o"].block_shape) == [1, 64, 64] and list(a["desc_oc"].block_shape) == [1, 64, 32]
+        assert a["desc_o"].shape == a["desc_oc"].shape == [b, sq, h * 96]
+    else:
+        assert names == ["desc_q", "desc_k", "desc_v", "desc_o"]
+        assert list(a["desc_v"].block_shape) == [128, 128]
+        assert list(a["desc_o"].block_shape) == [1, 64, 1, 128]
+        assert a["desc_o"].shape == [b, sq, h, 96] and a["desc_o"].strides == [sq * h * 96, h * 96, 96, 1]
+
+
 def test_prepare_gluon_natural_v_passes_v_itself():
     """v_layout="natural": no V^T copy; desc_v is V's (batch*keys, kv_heads*dim) rows in
     (block_n, dim) boxes, as desc_k is K's."""

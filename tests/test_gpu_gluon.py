@@ -1,4 +1,4 @@
-"""GPU tests of the Gluon backend (head dim 128, the only one it implements): against float64 on
+"""GPU tests of the Gluon backend (head dim 128, and the others in test_other_head_dims): against float64 on
 fresh inputs, beside FA3-fp8's error on the same inputs; bitwise stable; the per-layout fast path
 equal to the checked path; descales, K-major V and CUDA graphs; the dispatcher running a Gluon
 winner from a database."""
@@ -168,9 +168,10 @@ def test_exp2_poly(name, sq, sk, causal):
     assert rel_l2(out, exact) < 0.5 * rel_l2(exact, ref) + 1e-3
 
 
-#: head dims 64 and 256: the seed schedule, the hd128 study's winner schedule, lean P
+#: head dims 64, 96 (O padded to 128 columns), 256 and 192/128: the seed schedule, the hd128 study's
+#: winner schedule, lean P
 OTHER_DIMS = {}
-for _dqk, _dv in ((64, 64), (256, 256), (192, 128)):
+for _dqk, _dv in ((64, 64), (96, 96), (256, 256), (192, 128)):
     _seed = default_config("fp8", _dqk, _dv, "gluon")
     OTHER_DIMS.update({f"{_dqk}-seed": _seed,
                        f"{_dqk}-winner": _seed.replace(ping_pong=False, q_stages=2, q_order="forward"),
@@ -180,6 +181,21 @@ for _dqk, _dv in ((64, 64), (256, 256), (192, 128)):
     if _dqk != 256:  # 192-key blocks (a 256-wide K/V ring of 192 keys does not fit in shared memory)
         OTHER_DIMS[f"{_dqk}-split"] = _seed.replace(block_n=192, num_stages=2, ping_pong=False, rowsum="mma",
                                                     skip_rescale=True)
+#: head dim 96 with O in a 64- and a 32-column part (o_split): the seed, three consumers (FA3's hd96
+#: tile; packed P, row-sum MMA, skip_rescale's asm on both parts), 256-key blocks (plain, and overlapped
+#: with packed P), pv_defer, one consumer without overlap, lean P
+_HD96 = default_config("fp8", 96, 96, "gluon").replace(o_split=True)
+OTHER_DIMS.update({"96-osplit": _HD96,
+                   "96-osplit-three": _HD96.replace(block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True,
+                                                    p_carry="e4m3"),
+                   "96-osplit-three-pp": _HD96.replace(block_m=192, p_carry="e4m3", late_rescale=True),
+                   "96-osplit-wide": _HD96.replace(block_n=256, num_stages=2, overlap=False, ping_pong=False,
+                                                   q_stages=2, lane_sums=True),
+                   "96-osplit-256-overlap": _HD96.replace(block_n=256, num_stages=2, p_carry="e4m3", lane_sums=True),
+                   "96-osplit-defer": _HD96.replace(overlap=False, pv_defer=True, p_carry="e4m3", lane_sums=True),
+                   "96-osplit-plain": _HD96.replace(block_m=64, ping_pong=False, overlap=False, v_permute=False,
+                                                    persistent=False, q_order="forward", q_stages=2, block_n=64),
+                   "96-osplit-lean": _HD96.replace(softmax="lean", rowsum="mma")})
 #: head dim 256's pv_defer seed (128-key blocks, no overlap, PV paired with the next QK^T): its error
 #: matched FA3's in the session-6 bench (2.09e-2 at 8K); these cases not yet run on the GPU
 OTHER_DIMS["256-defer"] = gluon_defer_config("fp8", 256, 256)
@@ -196,7 +212,7 @@ OTHER_DIMS.update({"64-three": default_config("fp8", 64, 64, "gluon").replace(bl
 @pytest.mark.parametrize("name", OTHER_DIMS)
 @pytest.mark.parametrize("sq,sk,causal", [(1, 1, True), (17, 17, True), (1000, 1000, True), (4096, 4096, True),
                                           (300, 100, True), (1000, 1536, False)])
-def test_head_dims_64_256_and_192_128(name, sq, sk, causal):
+def test_other_head_dims(name, sq, sk, causal):
     lean = name.endswith("lean")
     check(OTHER_DIMS[name], 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128,
           bound=0.045 if lean else FP8_BOUND, fa3_factor=1.6 if lean else 1.1)
