@@ -4,13 +4,17 @@ spills, issue FP8 warpgroup MMAs (QGMMA), rebalance registers per role (setmaxnr
 wgmmas overlapped (no ptxas C7514-style serialisation) and fit the shared-memory estimate; the
 register estimate's calibration; the runners' compile check rejects serialised wgmmas.
 
-Each config compiles once per module (the `compiled` fixture); numbers print with pytest -s.
+Each config compiles once per module (the `compiled` fixture), those of the selected parametrised
+tests ahead of time in a process pool (one worker per core); numbers print with pytest -s.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
 import re
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 from gluon_cases import GLUON, SPACE, neighbours, sampled
@@ -109,21 +113,45 @@ def test_192_wide_q_and_k_come_in_three_parts(compiled):
     assert art.ptx.count("m64n128k32.f32.e4m3.e4m3") == ref.ptx.count("m64n128k32.f32.e4m3.e4m3") * 60 // 48
 
 
+def ahead_of_time(request) -> list[KernelConfig]:
+    """The configs this module's selected tests take as parameters (a config, or a calibration row's
+    changes to the seed), in test order, each once."""
+    configs: list[KernelConfig] = []
+    for item in request.session.items:
+        if item.module is not request.module or not hasattr(item, "callspec"):
+            continue
+        for name, value in item.callspec.params.items():
+            cfg = GLUON.replace(**value) if name == "changes" else value
+            if isinstance(cfg, KernelConfig) and cfg not in configs:
+                try:
+                    emit(cfg)
+                except ConfigError:  # (a test of what fails to emit)
+                    continue
+                configs.append(cfg)
+    return configs
+
+
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(request):
     cache: dict[tuple, CompiledArtifacts] = {}
+    # compiles are single-threaded and take seconds each: one process per core does them ahead of the
+    # tests (spawned: a clean interpreter, no forked state)
+    pool = ProcessPoolExecutor(max_workers=os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn"))
+    ahead = {(cfg, True, True): pool.submit(compile_for_target, emit(cfg)) for cfg in ahead_of_time(request)}
 
     def get(cfg: KernelConfig, causal: bool = True, descales: bool = True) -> CompiledArtifacts:
         key = (cfg, causal, descales)
         if key not in cache:
-            art = cache[key] = compile_for_target(emit(cfg), causal=causal, descales=descales)
+            art = cache[key] = (ahead[key].result() if key in ahead
+                                else compile_for_target(emit(cfg), causal=causal, descales=descales))
             changed = {k: v for k, v in cfg.all_fields().items() if v != getattr(GLUON, k)}
             print(f"\n  gluon {changed or 'seed'} causal={causal} descales={descales}: regs={art.registers} "
                   f"spill={art.spill_bytes} smem={art.shared_bytes} QGMMA={art.count('QGMMA')} "
                   f"USETMAXREG={art.count('USETMAXREG')} EX2={art.count('MUFU.EX2')}", end="")
         return cache[key]
 
-    return get
+    yield get
+    pool.shutdown(cancel_futures=True)
 
 
 def check_usable(art: CompiledArtifacts, cfg: KernelConfig) -> None:
