@@ -306,6 +306,10 @@ GLUON_DEFER_MMA_REGISTERS = 16
 #: term; ping-pong with the row-sum MMA and skip_rescale did not and is rejected with them), while every
 #: packed-P (p_carry="e4m3") one compiled clean (session 13, 50 compiles over head dim 96)
 GLUON_SPLIT_O_F32_THREE_REGISTERS = 16
+#: Extra registers of those three consumers (o_split) without the key permutation (v_permute=False:
+#: P reaches the PV wgmma through a layout conversion): all 4 compiled spilled 8-40 bytes at an
+#: estimated 136, overlap or not; with the permutation none did (session 13)
+GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS = 32
 
 
 def gluon_register_estimate(c: KernelConfig) -> int:
@@ -333,6 +337,7 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and dp != 128 and not c.o_split else 0
     f32_three = (GLUON_SPLIT_O_F32_THREE_REGISTERS if c.o_split and c.block_m == 192 and c.overlap
                  and c.p_carry == "f32" else 0)
+    f32_three += GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS if c.o_split and c.block_m == 192 and not c.v_permute else 0
     defer_mma = GLUON_DEFER_MMA_REGISTERS if c.pv_defer and c.rowsum == "mma" else 0
     three = GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and dp >= 128 else 0
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0

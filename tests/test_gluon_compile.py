@@ -299,6 +299,10 @@ CALIBRATION = [
     (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, p_carry="e4m3"), False),            # 152
     (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, ping_pong=False), True),  # 168: 24 B
     (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_n=256, num_stages=2, p_carry="e4m3"), False),  # 232
+    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, overlap=False, rowsum="mma", num_stages=4),
+     False),                                                                                          # 136
+    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, overlap=False, v_permute=False, rowsum="mma",
+          num_stages=4), True),                                                                       # 168: 8 B
 ]
 
 
