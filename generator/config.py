@@ -17,18 +17,9 @@ GENERATOR_VERSION = "0.1.0"
 
 #: Head dims the Triton backend emits; non-powers of two are split into power-of-two chunks.
 HEAD_DIMS = (64, 96, 128, 192, 256)
-#: (head_dim_qk, head_dim_v) pairs the Gluon backend emits (one 64 x gluon_o_width(head_dim_v)
-#: accumulator per consumer warpgroup; a 192- / 96-wide Q / K is loaded and multiplied in three 64- /
-#: 32-column parts).
+#: (head_dim_qk, head_dim_v) pairs the Gluon backend emits (O in 64 x gluon_o_parts accumulators per
+#: consumer warpgroup; a 192- / 96-wide Q / K is loaded and multiplied in three 64- / 32-column parts).
 GLUON_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
-
-
-def gluon_o_width(head_dim_v: int) -> int:
-    """Columns of a Gluon consumer's O accumulator, V^T tile and output tile: head_dim_v rounded up to
-    a power of two (tensor shapes must be powers of two), so 96 -> 128. The PV wgmma then reads 32
-    V^T rows past the head (the next head's, or TMA's zeros past the tensor): they only fill O
-    columns that are never stored (the output's TMA box is clipped at head_dim_v)."""
-    return 1 << (int(head_dim_v) - 1).bit_length()
 
 #: Allowed values of every field. Search spaces draw from these; validation enforces them.
 CHOICES: dict[str, tuple] = {
@@ -450,8 +441,13 @@ def o_split_conflict(f: Mapping[str, Any]) -> str | None:
 
 def gluon_o_parts(config: KernelConfig) -> tuple[int, int]:
     """Columns of a Gluon consumer's O accumulators (and of the V^T and output tiles behind them):
-    (gluon_o_width(head_dim_v), 0) in one power-of-two part, or with o_split (64, 32)."""
-    return (64, 32) if config.o_split else (gluon_o_width(config.head_dim_v), 0)
+    with o_split (64, 32); else (head_dim_v rounded up to a power of two, 0), as tensor shapes must be
+    powers of two. Padded (96 -> 128), the PV wgmma reads 32 V^T rows past the head (the next head's,
+    or TMA's zeros past the tensor) into O columns that are never stored (the output's TMA box is
+    clipped at head_dim_v)."""
+    if config.o_split:
+        return 64, 32
+    return 1 << (int(config.head_dim_v) - 1).bit_length(), 0
 
 
 def gluon_registers(config: KernelConfig) -> tuple[int, int]:

@@ -10,7 +10,7 @@ build cache), as for the Triton backend.
 Kernel contract (see kernels/gluon_launch.py):
   (Dqk/D = head dims of Q, K / of V and O: 64/64, 96/96, 128/128, 192/128, 256/256; W = the width
   of one Q / K column part, qk_part_width: Dqk, 64 for 192, 32 for 96; Dp = D rounded up to a power
-  of two, config.gluon_o_width)
+  of two, config.gluon_o_parts)
   desc_q: Q viewed (B*Sq, H*Dqk), block [BLOCK_M, W]; desc_k: K viewed (B*Sk, Hkv*Dqk), block
   [BLOCK_N, W]; desc_v: V^T viewed (B*Hkv*D, Skv), block [Dp, BLOCK_N], its keys permuted within
   32-key chunks when V_PERM (Skv = Sk padded to 32, padding zeros), else Skv = Sk; with
@@ -183,7 +183,7 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("P_SMEM", c.p_carry == "smem"), ("K_AHEAD", c.p_carry == "smem"),
         # the P tile's swizzle (bytes): a row of BLOCK_N e4m3, up to the 128-byte maximum
         ("P_SWIZZLE", min(128, int(c.block_n))),
-        ("LANE_SUMS", bool(c.lane_sums)), ("LATE_RESCALE", bool(c.late_rescale and c.overlap)),
+        ("LANE_SUMS", bool(c.lane_sums)), ("LATE_RESCALE", bool(c.late_rescale)),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
         ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"), ("LEAN_FMA", lean and c.lean_fold in ONE_FMA_FOLDS),
         ("LEAN_CENTER", fold_center(c.lean_fold) if lean else 0.0), ("LEAN_MAGIC", MAGIC),

@@ -109,15 +109,17 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch
             raise ValueError(f"v: V^T strides {v.stride()} are not those of a (B, Hkv, D, keys) buffer with "
                              f"keys contiguous")
         v_view = (v, [b * hk * dv, skv], [v.stride(2), 1])
+    blocks = descriptor_blocks(config)
+    if len(blocks["desc_o"][1]) == 4:  # a padded O tile (wider than dv): (B, Sq, H, dv), its box clipped at dv
+        o_view = (out, [b, sq, h, dv], [sq * h * dv, h * dv, dv, 1])
+    else:
+        o_view = (out, [b, sq, h * dv], [sq * h * dv, h * dv, 1])
     views = {"desc_q": (q, [b * sq, h * d], [q.stride(1), 1]),
              "desc_k": (k, [b * sk, hk * d], [k.stride(1), 1]),
              "desc_v": v_view,
-             "desc_o": (out, [b, sq, h * dv], [sq * h * dv, h * dv, 1]),
-             # a padded O tile (4-D box, config.gluon_o_width > dv): its columns past dv are clipped
-             "desc_o4": (out, [b, sq, h, dv], [sq * h * dv, h * dv, dv, 1])}
-    return [TensorDescriptor(*views[DESCRIPTOR_TENSOR[name][1] + ("4" if len(block) == 4 else "")], block,
-                             descriptor_layout(dtype, block))
-            for name, (dtype, block) in descriptor_blocks(config).items()]
+             "desc_o": o_view}
+    return [TensorDescriptor(*views[DESCRIPTOR_TENSOR[name][1]], block, descriptor_layout(dtype, block))
+            for name, (dtype, block) in blocks.items()]
 
 
 #: descriptor -> (index of its tensor in (q, k, v, out), the view it is built on): a 192-key

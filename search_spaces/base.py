@@ -335,9 +335,9 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     scores = 64 * c.block_n // 128
     carried = 0 if not (c.overlap or c.pv_defer) else scores // 4 if c.v_permute else scores + 16
     other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and dp != 128 and not c.o_split else 0
-    f32_three = (GLUON_SPLIT_O_F32_THREE_REGISTERS if c.o_split and c.block_m == 192 and c.overlap
-                 and c.p_carry == "f32" else 0)
-    f32_three += GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS if c.o_split and c.block_m == 192 and not c.v_permute else 0
+    three_split_o = c.o_split and c.block_m == 192  # (o_split's own terms for three consumers)
+    split_o = ((GLUON_SPLIT_O_F32_THREE_REGISTERS if three_split_o and c.overlap and c.p_carry == "f32" else 0)
+               + (GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS if three_split_o and not c.v_permute else 0))
     defer_mma = GLUON_DEFER_MMA_REGISTERS if c.pv_defer and c.rowsum == "mma" else 0
     three = GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and dp >= 128 else 0
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
@@ -345,7 +345,7 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
     if c.pv_defer and c.block_n == 256:  # peak at the softmax: no P in flight beside the scores, O in place
         return acc + scores + defer_mma + table + GLUON_SPLIT_DEFER_REGISTERS + GLUON_REGISTER_OVERHEAD
-    return (acc + scores + carried + other_dim + three + split + mla + defer_mma + table + f32_three
+    return (acc + scores + carried + other_dim + three + split + mla + defer_mma + table + split_o
             + GLUON_REGISTER_OVERHEAD)
 
 
