@@ -51,12 +51,19 @@ PARAMS = (backend_param(),
 )
 
 
-def lane_sums_twin(config: KernelConfig) -> list[KernelConfig]:
-    """A database winner with its row sums per lane, where they apply: +1.3-2.3% on the shipped
-    192/128 and hd256 schedules (docs/PERF.md, session 10), which were tuned before the field existed."""
-    if config.backend != "gluon" or config.lane_sums or lane_sums_conflict(vars(config)):
+def field_twins(config: KernelConfig) -> list[KernelConfig]:
+    """A database winner with a field it was tuned without, where it applies: row sums per lane
+    (+1.3-2.3% on the shipped 192/128 and hd256 schedules, docs/PERF.md session 10) and, at head dim
+    96, O in a 64- and a 32-column part (+2.0% on the padded 256-key 4K winner, session 14). A
+    short study would rarely sample these one-field neighbours of the best kernel it already has."""
+    if config.backend != "gluon":
         return []
-    return [config.replace(lane_sums=True)]
+    twins = []
+    if not config.lane_sums and not lane_sums_conflict(vars(config)):
+        twins.append(config.replace(lane_sums=True))
+    if not config.o_split and not o_split_conflict(vars(config)):
+        twins.append(config.replace(o_split=True))
+    return twins
 
 
 #: Enqueued right after the Triton default (where statically feasible): the Gluon backend's default
@@ -66,4 +73,4 @@ def lane_sums_twin(config: KernelConfig) -> list[KernelConfig]:
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                     extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
                                  gluon_natural_config, gluon_three_config, gluon_packed_config, gluon_lanes_config),
-                    winner_twins=lane_sums_twin)
+                    winner_twins=field_twins)

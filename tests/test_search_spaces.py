@@ -290,6 +290,26 @@ def test_database_winners_are_followed_by_their_lane_sums_twins():
     assert not any(c.lane_sums and c.block_m == 192 for c in space.seeds(64, 64))
 
 
+def test_field_twins_at_head_dim_96():
+    """A Gluon winner's one-field twins (`field_twins`, seeded after the database winners): per-lane
+    row sums where they apply, and at head dim 96 O in 64 + 32 columns (o_split) for a winner with O
+    padded to 128 (the session-14 study picked that twin of the padded 4K winner, +2%); none for a
+    Triton config, none with o_split beyond head dim 96, none that is already set."""
+    from zyfa_tune.search_spaces.fp8_causal import field_twins
+
+    wide96 = gluon_wide_config("fp8", 96, 96)
+    assert field_twins(wide96) == [wide96.replace(lane_sums=True), wide96.replace(o_split=True)]
+    assert field_twins(wide96.replace(lane_sums=True)) == [wide96.replace(lane_sums=True, o_split=True)]
+    assert field_twins(wide96.replace(lane_sums=True, o_split=True)) == []
+    wide128 = gluon_wide_config("fp8", 128, 128)
+    assert field_twins(wide128) == [wide128.replace(lane_sums=True)]
+    assert field_twins(D("fp8", 96, 96)) == []
+    # the shipped hd96 winners (the 4K one is that twin) are seeds; none of hd128's carries o_split
+    seeds = get_space("fp8").seeds(96, 96)
+    assert all(c in seeds for c in shipped_best("fp8", 96, 96) if c.backend == "gluon")
+    assert not any(c.o_split for c in get_space("fp8").seeds(128, 128))
+
+
 def test_turn_barrier_only_with_ping_pong():
     space = get_space("fp8")
     opts = space.as_optuna_params(D("fp8", 128, 128, "gluon"))
