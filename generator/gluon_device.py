@@ -505,6 +505,22 @@ def _q_rows(q_bufs, slot, CID: gl.constexpr):
 
 
 @gluon.jit
+def _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, STAGES: gl.constexpr):
+    """A consumer whose rows all lie past the queries' end releases each of its tile's n_blocks K and
+    V stages once loaded (every stage waits for all NUM_CONSUMERS releases; arriving before the load
+    would count toward the stage's previous use) and computes nothing. Returns the next kv_it."""
+    for j in range(n_blocks):
+        st = kv_it % STAGES
+        ph = (kv_it // STAGES) & 1
+        mbarrier.wait(k_ready.index(st), ph)
+        mbarrier.arrive(k_empty.index(st), count=1)
+        mbarrier.wait(v_ready.index(st), ph)
+        mbarrier.arrive(v_empty.index(st), count=1)
+        kv_it += 1
+    return kv_it
+
+
+@gluon.jit
 def _qk_issue(q_bufs, qb, k_bufs, kb, s_zero, CID: gl.constexpr, QK_PARTS: gl.constexpr):
     """S = Q K^T as QK_PARTS chained async wgmmas over the column parts (slots qb.., kb..); returns
     the token of the last (each wgmma is its own commit group, so waiting for it waits for all)."""
@@ -772,7 +788,12 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
         s_zero = gl.zeros([64, BN_A], gl.float32, layout=qk_layout)
         sb_zero = gl.zeros([64, BN_B], gl.float32, layout=qkb_layout) if SPLIT else s_zero
 
-        if n_blocks > 0:
+        # rows past the queries' end (the partial last block of a 192-row tile): no work but passing the
+        # tile's K/V stages on; with ping-pong the turns need every consumer's wgmmas, so it computes
+        skip = (row0 >= Sq) & (not PINGPONG)
+        if skip:
+            kv_it = _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, STAGES)
+        elif n_blocks > 0:
             if OVERLAP or PV_DEFER:  # (PV_DEFER: the overlapped step's issue order, softmax after both waits)
                 # ---- block 0 (the diagonal / tail block whenever any block is masked)
                 s, sb = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
@@ -850,22 +871,23 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
         mbarrier.arrive(q_empty.index(qs), count=1)
         q_it += 1
 
-        # ---- epilogue: O / l * v_descale -> bf16 -> smem -> TMA store (3-D: clipped per batch)
-        if LANE_SUMS:  # the four lanes of each row add their sums once per tile
-            l_o = gl.convert_layout(gl.sum(l_i, axis=1), row_o)
-        else:
-            l_o = gl.convert_layout(l_i, row_o)
-        inv = gl.where(l_o > 0.0, v_scale / l_o, 0.0)
-        o = (acc * inv[:, None]).to(gl.bfloat16)
-        tma.store_wait(0)
-        o_smem.store(o)
-        if O_SPLIT:
-            oc_smem.store((accc * gl.convert_layout(inv, row_oc)[:, None]).to(gl.bfloat16))
-        fence_async_shared()
-        if O_W <= HEAD_D:  # O's first (or only) O_W columns
-            tma.async_copy_shared_to_global(o_desc, [b, row0, h * HEAD_D], o_smem.reshape([1, 64, O_W]))
-        else:  # (B, Sq, H, D) view: the box's columns past D (the padding of O_W) are clipped
-            tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], o_smem.reshape([1, 64, 1, O_W]))
-        if O_SPLIT:
-            tma.async_copy_shared_to_global(oc_desc, [b, row0, h * HEAD_D + O_W], oc_smem.reshape([1, 64, O_C]))
+        if not skip:
+            # ---- epilogue: O / l * v_descale -> bf16 -> smem -> TMA store (3-D: clipped per batch)
+            if LANE_SUMS:  # the four lanes of each row add their sums once per tile
+                l_o = gl.convert_layout(gl.sum(l_i, axis=1), row_o)
+            else:
+                l_o = gl.convert_layout(l_i, row_o)
+            inv = gl.where(l_o > 0.0, v_scale / l_o, 0.0)
+            o = (acc * inv[:, None]).to(gl.bfloat16)
+            tma.store_wait(0)
+            o_smem.store(o)
+            if O_SPLIT:
+                oc_smem.store((accc * gl.convert_layout(inv, row_oc)[:, None]).to(gl.bfloat16))
+            fence_async_shared()
+            if O_W <= HEAD_D:  # O's first (or only) O_W columns
+                tma.async_copy_shared_to_global(o_desc, [b, row0, h * HEAD_D], o_smem.reshape([1, 64, O_W]))
+            else:  # (B, Sq, H, D) view: the box's columns past D (the padding of O_W) are clipped
+                tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], o_smem.reshape([1, 64, 1, O_W]))
+            if O_SPLIT:
+                tma.async_copy_shared_to_global(oc_desc, [b, row0, h * HEAD_D + O_W], oc_smem.reshape([1, 64, O_C]))
     tma.store_wait(0)

@@ -21,7 +21,7 @@ from gluon_cases import GLUON, SPACE, neighbours, sampled
 
 from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
-from zyfa_tune.kernels.defaults import default_config, gluon_wide_config
+from zyfa_tune.kernels.defaults import default_config, gluon_three_config, gluon_wide_config
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
 from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
 
@@ -331,6 +331,36 @@ def test_serialised_wgmma_is_a_compile_error(compiled, monkeypatch):
     monkeypatch.setattr("zyfa_tune.generator.build.compile_for_target", lambda *a, **k: no_spill)
     check = runners.compile_check(cfg, True)
     assert check.error.startswith("ptxas serialises the wgmmas: ") and "serialized" in check.error
+
+
+# ---- rows past the queries' end ------------------------------------------------------------------
+
+def pass_loops(sass: str) -> int:
+    """Loops that wait on stages and release them (SYNCS) with no wgmma, TMA load or exponential:
+    a consumer passing a tile's K/V stages on (_pass_blocks)."""
+    ins = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass)]
+    count = 0
+    for addr, text in ins:
+        branch = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if branch and int(branch.group(1), 16) < addr:
+            body = [t for a, t in ins if int(branch.group(1), 16) <= a <= addr]
+            if (not any(op in t for t in body for op in ("QGMMA", "UTMALDG", "MUFU"))
+                    and sum("SYNCS.ARRIVE" in t for t in body) >= 2):
+                count += 1
+    return count
+
+
+@pytest.mark.parametrize("cfg,consumers", [
+    (gluon_wide_config("fp8", 128, 128), 2),     # two consumer warpgroups, no ping-pong
+    (gluon_three_config("fp8", 64, 64), 3),      # three (192-row tiles: 4096 = 21 x 192 + 64)
+    (GLUON, 0),                                  # ping-pong: the turns need every consumer's wgmmas
+], ids=["wide", "three-hd64", "ping-pong"])
+def test_consumers_past_the_end_only_pass_their_blocks_on(cfg, consumers, compiled):
+    """A consumer whose 64 rows all lie past the queries' end (the partial last block of a tile)
+    computes nothing: it waits for each of the tile's K / V stages and releases it, so that the
+    producer's count of releases stays whole. One such loop per consumer, none with ping-pong. (On the
+    GPU, the three-consumer cases at 1000 and 4096 tokens run it: tests/test_gpu_gluon.py.)"""
+    assert pass_loops(compiled(cfg).sass) == consumers
 
 
 # ---- ex2_fence: every exponential of an overlapped step issues before its PV wait ------------------
