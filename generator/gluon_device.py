@@ -505,35 +505,19 @@ def _q_rows(q_bufs, slot, CID: gl.constexpr):
 
 
 @gluon.jit
-def _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, turn_bars, turn_it, CID: gl.constexpr,
-                 NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr):
+def _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, STAGES: gl.constexpr):
     """A consumer whose rows all lie past the queries' end releases each of its tile's n_blocks K and
     V stages once loaded (every stage waits for all NUM_CONSUMERS releases; arriving before the load
-    would count toward the stage's previous use) and computes nothing. Under ping-pong it also takes
-    and passes on each of its turns (the others wait for them): one per block with overlap or
-    pv_defer (QK^T(j) beside PV(j-1)) and one more for the last PV, two per block in the plain step.
-    Returns (kv_it, turn_it) after the tile."""
+    would count toward the stage's previous use) and computes nothing. Returns the next kv_it."""
     for j in range(n_blocks):
         st = kv_it % STAGES
         ph = (kv_it // STAGES) & 1
         mbarrier.wait(k_ready.index(st), ph)
-        _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-        _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-        turn_it += 1
         mbarrier.arrive(k_empty.index(st), count=1)
         mbarrier.wait(v_ready.index(st), ph)
-        if not (OVERLAP or PV_DEFER):
-            _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-            _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-            turn_it += 1
         mbarrier.arrive(v_empty.index(st), count=1)
         kv_it += 1
-    if OVERLAP or PV_DEFER:
-        if n_blocks > 0:
-            _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-            _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-            turn_it += 1
-    return kv_it, turn_it
+    return kv_it
 
 
 @gluon.jit
@@ -804,12 +788,11 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
         s_zero = gl.zeros([64, BN_A], gl.float32, layout=qk_layout)
         sb_zero = gl.zeros([64, BN_B], gl.float32, layout=qkb_layout) if SPLIT else s_zero
 
-        # rows past the queries' end (the partial last block of a tile): no work but passing the tile's
-        # K/V stages (and ping-pong turns) on
-        skip = row0 >= Sq
+        # rows past the queries' end (the partial last block of a 192-row tile): no work but passing the
+        # tile's K/V stages on; with ping-pong the turns need every consumer's wgmmas, so it computes
+        skip = (row0 >= Sq) & (not PINGPONG)
         if skip:
-            kv_it, turn_it = _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, turn_bars, turn_it,
-                                          CID, NUM_CONSUMERS, PINGPONG, STAGES)
+            kv_it = _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, STAGES)
         elif n_blocks > 0:
             if OVERLAP or PV_DEFER:  # (PV_DEFER: the overlapped step's issue order, softmax after both waits)
                 # ---- block 0 (the diagonal / tail block whenever any block is masked)
