@@ -788,8 +788,8 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
         s_zero = gl.zeros([64, BN_A], gl.float32, layout=qk_layout)
         sb_zero = gl.zeros([64, BN_B], gl.float32, layout=qkb_layout) if SPLIT else s_zero
 
-        # rows past the queries' end (the partial last block of a 192-row tile): no work but passing the
-        # tile's K/V stages on; with ping-pong the turns need every consumer's wgmmas, so it computes
+        # rows past the queries' end (a partial last query block, e.g. 4096 = 21 x 192 + 64): no work but
+        # passing the tile's K/V stages on; with ping-pong the turns need every consumer's wgmmas
         skip = (row0 >= Sq) & (not PINGPONG)
         if skip:
             kv_it = _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, STAGES)

@@ -333,21 +333,28 @@ def test_serialised_wgmma_is_a_compile_error(compiled, monkeypatch):
     assert check.error.startswith("ptxas serialises the wgmmas: ") and "serialized" in check.error
 
 
+# ---- loops of the SASS ----------------------------------------------------------------------------
+
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", re.M)
+
+
+def sass_loops(sass: str, innermost: bool = False) -> list[list[str]]:
+    """Bodies (instruction texts) of the loops in `sass`, one per backward branch, from its target
+    to the branch; `innermost`: only those with no backward branch inside."""
+    ins = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass)]
+    back = [(a, int(m.group(1), 16)) for a, t in ins
+            if (m := re.search(r"\bBRA (0x[0-9a-f]+)", t)) and int(m.group(1), 16) < a]
+    return [[t for a, t in ins if target <= a <= addr] for addr, target in back
+            if not (innermost and any(target <= a < addr for a, _ in back))]
+
+
 # ---- rows past the queries' end ------------------------------------------------------------------
 
 def pass_loops(sass: str) -> int:
     """Loops that wait on stages and release them (SYNCS) with no wgmma, TMA load or exponential:
     a consumer passing a tile's K/V stages on (_pass_blocks)."""
-    ins = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass)]
-    count = 0
-    for addr, text in ins:
-        branch = re.search(r"\bBRA (0x[0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < addr:
-            body = [t for a, t in ins if int(branch.group(1), 16) <= a <= addr]
-            if (not any(op in t for t in body for op in ("QGMMA", "UTMALDG", "MUFU"))
-                    and sum("SYNCS.ARRIVE" in t for t in body) >= 2):
-                count += 1
-    return count
+    return sum(not any(op in t for t in body for op in ("QGMMA", "UTMALDG", "MUFU"))
+               and sum("SYNCS.ARRIVE" in t for t in body) >= 2 for body in sass_loops(sass))
 
 
 @pytest.mark.parametrize("cfg,consumers", [
@@ -365,23 +372,13 @@ def test_consumers_past_the_end_only_pass_their_blocks_on(cfg, consumers, compil
 
 # ---- ex2_fence: every exponential of an overlapped step issues before its PV wait ------------------
 
-_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", re.M)
-
-
 def overlapped_step_loops(sass: str, block_n: int, mmas: int | None = None) -> list[list[str]]:
     """The bodies of the consumers' overlapped-step loops (masked and unmasked, every consumer): the
     backward branches whose body issues QK^T(j) (4 QGMMA over head dim 128) and PV(j-1) (block_n / 32)
     and the step's exponentials; `mmas`: another count of QGMMA per step."""
-    ins = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass)]
-    loops = []
-    for addr, text in ins:
-        branch = re.search(r"\bBRA (0x[0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < addr:
-            body = [t for a, t in ins if int(branch.group(1), 16) <= a <= addr]
-            if (sum("QGMMA" in t for t in body) == (mmas or 4 + block_n // 32)
-                    and sum("MUFU.EX2" in t for t in body) >= block_n // 2):
-                loops.append(body)
-    return loops
+    return [body for body in sass_loops(sass)
+            if sum("QGMMA" in t for t in body) == (mmas or 4 + block_n // 32)
+            and sum("MUFU.EX2" in t for t in body) >= block_n // 2]
 
 
 def exponentials_after_pv_wait(body: list[str]) -> int:
@@ -629,17 +626,8 @@ def test_ex2_fence_with_the_row_sum_mma_ors_the_probabilities(cfg, compiled):
 def overlapped_loops(sass: str, exps: int) -> list[list[str]]:
     """Bodies of the innermost loops (no backward branch inside) with exactly `exps` MUFU.EX2 and a
     wgmma wait: the overlapped steps, masked and unmasked, of every consumer."""
-    ins = [(int(a, 16), text) for a, text in _SASS_LINE.findall(sass)]
-    back = {a: int(m.group(1), 16) for a, t in ins if (m := re.search(r"\bBRA (0x[0-9a-f]+)", t))
-            and int(m.group(1), 16) < a}
-    loops = []
-    for addr, target in back.items():
-        if any(target <= a < addr for a in back):
-            continue  # an outer loop
-        body = [t for a, t in ins if target <= a <= addr]
-        if sum("MUFU.EX2" in t for t in body) == exps and any("WARPGROUP.DEPBAR" in t for t in body):
-            loops.append(body)
-    return loops
+    return [body for body in sass_loops(sass, innermost=True)
+            if sum("MUFU.EX2" in t for t in body) == exps and any("WARPGROUP.DEPBAR" in t for t in body)]
 
 
 def test_fence_asm_text():
