@@ -521,13 +521,14 @@ def _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, STAGES: gl
 
 
 @gluon.jit
-def _qk_issue(q_bufs, qb, k_bufs, kb, s_zero, CID: gl.constexpr, QK_PARTS: gl.constexpr):
+def _qk_issue(q_bufs, qb, k_bufs, kb, s_zero, CID: gl.constexpr, QK_PARTS: gl.constexpr, HALF: gl.constexpr = 0):
     """S = Q K^T as QK_PARTS chained async wgmmas over the column parts (slots qb.., kb..); returns
-    the token of the last (each wgmma is its own commit group, so waiting for it waits for all)."""
-    s_tok = warpgroup_mma(_q_rows(q_bufs, qb, CID), k_bufs.index(kb).permute((1, 0)), s_zero,
+    the token of the last (each wgmma is its own commit group, so waiting for it waits for all).
+    HALF > 0: the first HALF keys (rows) of the K tile only."""
+    s_tok = warpgroup_mma(_q_rows(q_bufs, qb, CID), _keys(k_bufs.index(kb), HALF, 0).permute((1, 0)), s_zero,
                           use_acc=False, is_async=True)
     for p in gl.static_range(1, QK_PARTS):
-        s_tok = warpgroup_mma(_q_rows(q_bufs, qb + p, CID), k_bufs.index(kb + p).permute((1, 0)),
+        s_tok = warpgroup_mma(_q_rows(q_bufs, qb + p, CID), _keys(k_bufs.index(kb + p), HALF, 0).permute((1, 0)),
                               s_tok, is_async=True)
     return s_tok
 
@@ -535,14 +536,15 @@ def _qk_issue(q_bufs, qb, k_bufs, kb, s_zero, CID: gl.constexpr, QK_PARTS: gl.co
 @gluon.jit
 def _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it, CID: gl.constexpr,
                NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr, QK_PARTS: gl.constexpr,
-               kb_bufs, sb_zero):
-    """S = Q K^T for the K block in stage kv_it % STAGES, issued in this warpgroup's turn and waited
-    for; that K stage is released. Returns (S, S of the second key part under SPLIT, else S)."""
+               kb_bufs, sb_zero, HALF: gl.constexpr = 0):
+    """S = Q K^T for the K block in stage kv_it % STAGES (HALF > 0: its first HALF keys), issued in
+    this warpgroup's turn and waited for; that K stage is released. Returns (S, S of the second key
+    part under SPLIT, else S)."""
     st = kv_it % STAGES
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
     _mark(kv_it, EV_READY, CID)
-    s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
+    s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS, HALF)
     sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS) if SPLIT else s_tok
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
     _mark(kv_it, EV_ISSUED, CID)
@@ -696,6 +698,88 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
 
 
 @gluon.jit
+def _upper_half_unseen(n_blocks, row0, Sq, Sk, BLOCK_N: gl.constexpr):
+    """HALF_BLOCK (causal): whether keys [top + BLOCK_N / 2, top + BLOCK_N) of the first block visited
+    (top = its first key) lie past the key end or past the diagonal of every row of the warpgroup
+    whose first row is row0 (rows are bottom-right aligned: row r sees keys <= r + Sk - Sq)."""
+    hi = gl.minimum(Sk, gl.maximum(gl.minimum(row0 + 64, Sq) + Sk - Sq, 0))
+    return (n_blocks > 0) & (hi <= (n_blocks - 1) * BLOCK_N + BLOCK_N // 2)
+
+
+@gluon.jit
+def _plain_step(j, n_blocks, n_masked, kv_it, turn_it, acc, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs, vc_bufs,
+                kb_bufs, vb_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
+                ones_smem, onesb_smem, l_zero, CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+                PINGPONG: gl.constexpr, STAGES: gl.constexpr, QK_PARTS: gl.constexpr, CAUSAL: gl.constexpr,
+                BLOCK_N: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, row_oc: gl.constexpr,
+                row_s: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr, qkb_layout: gl.constexpr,
+                s_zero, sb_zero, HALF: gl.constexpr):
+    """One step of the plain schedule on the K/V block in stage kv_it % STAGES (visit j of n_blocks,
+    masked when j < n_masked): S = QK^T; wait; softmax; O += PV; wait; both stages released.
+    HALF (HALF_BLOCK, 0 otherwise): only the block's first HALF keys, a masked step on the lower
+    halves of the K and V^T tiles, for a block whose upper half no row sees (s_zero: S's shape and
+    layout, HALF keys wide then; sb_zero: the second key part's under SPLIT, never halved).
+    Returns (acc, m_i, l_i, accc)."""
+    _mark(kv_it, EV_START, CID)
+    s_st = kv_it % STAGES
+    s_ph = (kv_it // STAGES) & 1
+    s_layout: gl.constexpr = s_zero.type.layout
+    s, sb = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
+                       CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, kb_bufs, sb_zero, HALF)
+    n0 = (n_blocks - 1 - j) * BLOCK_N
+    if HALF > 0:
+        p8, m_h, l_h, alpha, p8b = _softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, s_layout)),
+                                            _half_sums(l_i, s_zero), qk_scale, n0, row0, Sk, off, True, CAUSAL,
+                                            HALF, s_layout, p_layout, V_PERM, P_OFFSET, False, sb, qkb_layout,
+                                            kv_it)
+        m_i = gl.convert_layout(m_h, row_s)
+        l_i = gl.convert_layout(l_h, l_i.type.layout)
+        alpha = gl.convert_layout(alpha, row_s)
+    elif j < n_masked:
+        p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, True, CAUSAL,
+                                            BLOCK_N, s_layout, p_layout, V_PERM, P_OFFSET, False,
+                                            sb, qkb_layout, kv_it)
+    else:
+        p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, False, CAUSAL,
+                                            BLOCK_N, s_layout, p_layout, V_PERM, P_OFFSET, False,
+                                            sb, qkb_layout, kv_it)
+    l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
+    acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
+    mbarrier.wait(v_ready.index(s_st), s_ph)
+    _turn_wait(turn_bars, turn_it + 1, CID, PINGPONG)
+    ones_h = _keys(ones_smem, HALF, 1) if ROWSUM_MMA else ones_smem  # (None without a row-sum MMA)
+    o_tok, r_tok, oc_tok = _pv_issue(_p_operand(p8, V_PERM, False, p_layout), _keys(v_bufs.index(s_st), HALF, 1),
+                                     acc, ones_h, l_zero, _p_operand(p8b, V_PERM, False, p_layout),
+                                     vb_bufs.index(s_st), onesb_smem, accc, _keys(vc_bufs.index(s_st), HALF, 1))
+    _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
+    _mark(kv_it, EV_PV_ISSUED, CID)
+    acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, row_s, oc_tok, accc)
+    _mark(kv_it, EV_PV_DONE, CID)
+    mbarrier.arrive(v_empty.index(s_st), count=1)
+    return acc, m_i, l_i, accc
+
+
+@gluon.jit
+def _half_sums(l_i, s_zero):
+    """l in the layout a HALF step's softmax keeps it in (s_zero: its scores' shape and layout): per
+    row, or LANE_SUMS's (64, 4) per lane; the same registers either way (a thread's keys of a row are
+    summed inside it), so the conversion moves nothing."""
+    if LANE_SUMS:
+        return gl.convert_layout(l_i, _lane_sums(s_zero).type.layout)
+    else:
+        return gl.convert_layout(l_i, gl.SliceLayout(1, s_zero.type.layout))
+
+
+@gluon.jit
+def _keys(smem, HALF: gl.constexpr, DIM: gl.constexpr):
+    """A K (DIM 0) or V^T / ones (DIM 1) tile, or with HALF > 0 its first HALF keys."""
+    if HALF > 0:
+        return smem.slice(0, HALF, dim=DIM)
+    else:
+        return smem
+
+
+@gluon.jit
 def _ones(smem, N: gl.constexpr):
     """Fill an (8, N) e4m3 tile with ones and return it. Every byte is 1.0 (0x38), so the swizzle
     does not matter: the tile is written as a flat run of 32-bit words. (A 2-D e4m3 store of the tile
@@ -725,6 +809,9 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
     # SPLIT: the second key part's scores (otherwise an unused twin of qk_layout)
     qkb_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN_B if SPLIT else BN_A, 32])
+    # HALF_BLOCK: the scores of a step on half a block
+    qkh_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, BN_A // 2, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, O_W, 32])
     # O_SPLIT: O's second part (else an unused stand-in O_C columns wide)
@@ -837,35 +924,29 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 mbarrier.arrive(v_empty.index(pst), count=1)
             else:
                 # ---- plain schedule: S = QK^T; wait; softmax; O += PV; wait
-                for j in range(n_blocks):
-                    _mark(kv_it, EV_START, CID)
-                    s_st = kv_it % STAGES
-                    s_ph = (kv_it // STAGES) & 1
-                    s, sb = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
-                                       CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, kb_bufs, sb_zero)
-                    turn_it += 1
-                    n0 = (n_blocks - 1 - j) * BLOCK_N
-                    if j < n_masked:
-                        p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, True, CAUSAL,
-                                                            BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, False,
-                                                            sb, qkb_layout, kv_it)
-                    else:
-                        p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, False, CAUSAL,
-                                                            BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, False,
-                                                            sb, qkb_layout, kv_it)
-                    l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
-                    acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
-                    mbarrier.wait(v_ready.index(s_st), s_ph)
-                    _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-                    o_tok, r_tok, oc_tok = _pv_issue(_p_operand(p8, V_PERM, False, p_layout), v_bufs.index(s_st), acc,
-                                                     ones_smem, l_zero, _p_operand(p8b, V_PERM, False, p_layout),
-                                                     vb_bufs.index(s_st), onesb_smem, accc, vc_bufs.index(s_st))
-                    _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-                    _mark(kv_it, EV_PV_ISSUED, CID)
-                    turn_it += 1
-                    acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, row_s, oc_tok, accc)
-                    _mark(kv_it, EV_PV_DONE, CID)
-                    mbarrier.arrive(v_empty.index(s_st), count=1)
+                j0 = 0
+                # a causal tile's first block whose upper half no row of this warpgroup sees: BLOCK_N / 2 keys
+                # (not compiled into the non-causal kernel: there only a key end could leave half a block
+                # empty, and the second step body costs it 16 bytes of spills)
+                if HALF_BLOCK and CAUSAL:
+                    if _upper_half_unseen(n_blocks, row0, Sq, Sk, BLOCK_N):
+                        acc, m_i, l_i, accc = _plain_step(
+                            0, n_blocks, 1, kv_it, turn_it, acc, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs, vc_bufs,
+                            kb_bufs, vb_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk,
+                            off, ones_smem, onesb_smem, l_zero, CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS,
+                            CAUSAL, BLOCK_N, p_layout, row_o, row_oc, row_s, V_PERM, P_OFFSET, qkb_layout,
+                            gl.zeros([64, BLOCK_N // 2], gl.float32, layout=qkh_layout), sb_zero, BLOCK_N // 2)
+                        turn_it += 2
+                        kv_it += 1
+                        j0 = 1
+                for j in range(j0, n_blocks):
+                    acc, m_i, l_i, accc = _plain_step(
+                        j, n_blocks, n_masked, kv_it, turn_it, acc, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs,
+                        vc_bufs, kb_bufs, vb_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk,
+                        off, ones_smem, onesb_smem, l_zero, CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS,
+                        CAUSAL, BLOCK_N, p_layout, row_o, row_oc, row_s, V_PERM, P_OFFSET, qkb_layout,
+                        s_zero, sb_zero, 0)
+                    turn_it += 2
                     kv_it += 1
         # Q of this tile is no longer read by this warpgroup
         mbarrier.arrive(q_empty.index(qs), count=1)

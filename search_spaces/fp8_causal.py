@@ -8,7 +8,8 @@ field). `backend` comes first: the fields after it that only one backend reads a
 
 from functools import partial
 
-from zyfa_tune.generator.config import KernelConfig, lane_sums_conflict, o_split_conflict, packed_p_conflict
+from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, o_split_conflict,
+                                        packed_p_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_natural_config,
                                        gluon_packed_config, gluon_three_config, gluon_wide_config)
 
@@ -48,14 +49,17 @@ PARAMS = (backend_param(),
           decode=lambda v, f: v and not lane_sums_conflict(f)),
     Param("o_split", (False, True), only_if=("backend", "gluon"),  # hd96: O in 64 + 32 columns, not padded to 128
           decode=lambda v, f: v and not o_split_conflict(f)),
+    Param("half_block", (False, True), only_if=("backend", "gluon"),  # plain: a half-empty first block halved
+          decode=lambda v, f: v and not half_block_conflict(f)),
 )
 
 
 def field_twins(config: KernelConfig) -> list[KernelConfig]:
     """A database winner with a field it was tuned without, where it applies: row sums per lane
-    (+1.3-2.3% on the shipped 192/128 and hd256 schedules, docs/PERF.md session 10) and, at head dim
-    96, O in a 64- and a 32-column part (+2.0% on the padded 256-key 4K winner, session 14). A
-    short study would rarely sample these one-field neighbours of the best kernel it already has."""
+    (+1.3-2.3% on the shipped 192/128 and hd256 schedules, docs/PERF.md session 10), at head dim
+    96 O in a 64- and a 32-column part (+2.0% on the padded 256-key 4K winner, session 14), and a
+    half-empty first block run as half a block (+1.6-3.2% on the 256-key kernels at 4K / 8K, session
+    15). A short study would rarely sample these one-field neighbours of the best kernel it already has."""
     if config.backend != "gluon":
         return []
     twins = []
@@ -63,6 +67,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
         twins.append(config.replace(lane_sums=True))
     if not config.o_split and not o_split_conflict(vars(config)):
         twins.append(config.replace(o_split=True))
+    if not config.half_block and not half_block_conflict(vars(config)):
+        twins.append(config.replace(half_block=True))
     return twins
 
 

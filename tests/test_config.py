@@ -25,7 +25,7 @@ def valid_with(field: str, value) -> KernelConfig:
         changes["exp2_poly"] = 4
     if field == "turn_barrier":
         changes["ping_pong"] = True
-    if field == "pv_defer" and value:
+    if field in ("pv_defer", "half_block") and value:
         changes["overlap"] = False
     if field == "persistent" and not value:
         changes["q_order"] = "heavy_first"

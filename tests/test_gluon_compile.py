@@ -21,7 +21,7 @@ from gluon_cases import GLUON, SPACE, neighbours, sampled
 
 from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
-from zyfa_tune.kernels.defaults import default_config, gluon_three_config, gluon_wide_config
+from zyfa_tune.kernels.defaults import default_config, gluon_lanes_config, gluon_three_config, gluon_wide_config
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
 from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
 
@@ -83,8 +83,14 @@ HD96_CASES = [HD96, gluon_wide_config("fp8", 96, 96).replace(lane_sums=True),
               HD96_SPLIT.replace(block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True, p_carry="e4m3"),
               HD96_SPLIT.replace(block_n=256, num_stages=2, p_carry="e4m3", lane_sums=True),
               HD96_SPLIT.replace(overlap=False, pv_defer=True, p_carry="e4m3", lane_sums=True)]
+#: a half-empty first block run as half a block (half_block): the untuned hd128 kernel (256-key blocks,
+#: per-lane sums), head dim 96's shipped 4K schedule, 128-key blocks under one consumer with the row-sum MMA
+HALF_CASES = [gluon_lanes_config("fp8", 128, 128),
+              gluon_wide_config("fp8", 96, 96).replace(o_split=True, lane_sums=True, half_block=True),
+              GLUON.replace(block_m=64, ping_pong=False, overlap=False, q_stages=2, num_stages=2, rowsum="mma",
+                            half_block=True)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
-         + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + LANE_CASES + HD96_CASES)
+         + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + LANE_CASES + HD96_CASES + HALF_CASES)
 
 
 def test_hd96_q_and_k_in_32_column_parts_and_o_padded_or_split(compiled):
@@ -188,6 +194,21 @@ def test_256_key_defer_issues_the_second_part_after_the_pv_wait(compiled):
     assert art.spill_bytes == 0 and art.serialised_wgmma is None
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in art.sass
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in compiled(gluon_wide_config("fp8", 128, 128)).sass
+
+
+def test_half_block_adds_a_half_width_step_to_the_causal_kernel(compiled):
+    """half_block: beside each copy of the 256-key step (four m64n256 QK^T k-steps, PV in m64n128 at head
+    dim 128), one of the half step: four m64n128 QK^T k-steps on the K tile's first 128 rows and four PV
+    k-steps on V^T's first 128 keys. Not in the non-causal kernel (no code, no spills there)."""
+    half = gluon_lanes_config("fp8", 128, 128)
+    whole = half.replace(half_block=False)
+    assert half.half_block
+    for causal in (True, False):
+        h, w = compiled(half, causal=causal), compiled(whole, causal=causal)
+        assert h.spill_bytes == 0 and h.ptx.count("m64n256k32") == w.ptx.count("m64n256k32") > 0
+        added = h.ptx.count("m64n128k32") - w.ptx.count("m64n128k32")
+        assert added == (2 * w.ptx.count("m64n256k32") if causal else 0)
+    assert compiled(half, causal=False).sass == compiled(whole, causal=False).sass
 
 
 def test_smem_p_is_staged_by_stmatrix_and_fenced(compiled):

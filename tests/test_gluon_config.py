@@ -49,7 +49,8 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
         KernelConfig(**{field: other})
     needs = {"exp2_poly": 4} if field == "exp2_poly_degree" else {"overlap": False} if field == "pv_defer" else \
         {"q_order": "heavy_first"} if field == "persistent" else \
-        {"head_dim_qk": 96, "head_dim_v": 96} if field == "o_split" else {}
+        {"head_dim_qk": 96, "head_dim_v": 96} if field == "o_split" else \
+        {"overlap": False} if field == "half_block" else {}
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 
@@ -90,6 +91,10 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(block_n=192, lane_sums=True), r"^lane_sums=True sums one key part's scores per lane"),
     (dict(block_n=256, overlap=False, pv_defer=True, lane_sums=True), r"^lane_sums=True sums one key part's"),
     (dict(ex2_fence=True, lane_sums=True), r"^lane_sums=True with ex2_fence=True"),
+    (dict(half_block=True), r"^half_block=True halves a block of the plain schedule: it needs overlap=False"),
+    (dict(overlap=False, pv_defer=True, half_block=True), r"^half_block=True halves a block of the plain"),
+    (dict(overlap=False, block_n=192, half_block=True), r"^half_block=True halves a block of the plain"),
+    (dict(overlap=False, block_n=64, half_block=True), r"^half_block=True halves a block of the plain"),
 ])
 def test_bad_gluon_combinations_name_the_field(changes, match):
     with pytest.raises(ConfigError, match=match):

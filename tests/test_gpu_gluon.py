@@ -337,6 +337,30 @@ def test_lane_sums_within_rounding_of_the_row_sums(name, sq, sk, causal):
     assert rel_l2(lanes, per_step) < 1e-3
 
 
+#: plain schedules whose first block may run as half a block (half_block): 256-key blocks with per-lane and
+#: per-step row sums, the row-sum MMA, ping-pong turns, head dim 96's o_split; 128-key blocks with natural V
+#: (256 keys do not fit beside its raw V slots) and under one consumer
+HALVES = {"wide-lanes": gluon_wide_config("fp8", 128, 128).replace(lane_sums=True),
+          "wide": gluon_wide_config("fp8", 128, 128),
+          "wide-mma": gluon_wide_config("fp8", 128, 128).replace(rowsum="mma"),
+          "wide-pp": gluon_wide_config("fp8", 128, 128).replace(ping_pong=True),
+          "natural": GLUON.replace(overlap=False, ping_pong=False, q_stages=2, num_stages=2, v_permute=False,
+                                   v_layout="natural", producer_regs=40),
+          "96-osplit-wide": gluon_wide_config("fp8", 96, 96).replace(o_split=True, lane_sums=True),
+          "64-rows": GLUON.replace(block_m=64, ping_pong=False, overlap=False, q_stages=2, num_stages=2)}
+
+
+@pytest.mark.parametrize("name", HALVES)
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES + [(1000, 1500, True), (384, 384, True)])
+def test_half_block_equals_the_whole_block(name, sq, sk, causal):
+    """half_block=True skips the upper half of a first block that no row sees: the scores it drops are
+    the ones the whole block masks to -inf (probability 0, a zero product in PV, a zero in the row
+    sum), so the output is bitwise the whole block's, and within FA3's error against float64."""
+    cfg = HALVES[name]
+    half, whole = variant_and_twin(cfg.replace(half_block=True), cfg, sq, sk, causal)
+    assert torch.equal(half, whole)
+
+
 #: overlapped schedules of every kind (ping-pong at hd128, three consumers with skip_rescale's in-place
 #: asm, 192-key blocks, 192/128's column parts, P through shared memory)
 LATE = {"seed-packed": GLUON.replace(p_carry="e4m3"), "64-three": PACKED["64-three"],

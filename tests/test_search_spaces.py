@@ -32,7 +32,7 @@ FAMILY_FIELDS = {
                    "lean_clamp", "lean_pack", "p_scale_log2", "scale_block", "rowsum", "q_order", "loads",
                    "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
                    "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer", "p_carry",
-                   "lane_sums", "late_rescale", "o_split"},  # exp2_poly: slower
+                   "lane_sums", "late_rescale", "o_split", "half_block"},  # exp2_poly: slower
     "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
                     "q_order", "loads", "v_layout"},
 }
@@ -292,17 +292,22 @@ def test_database_winners_are_followed_by_their_lane_sums_twins():
 
 def test_field_twins_at_head_dim_96():
     """A Gluon winner's one-field twins (`field_twins`, seeded after the database winners): per-lane
-    row sums where they apply, and at head dim 96 O in 64 + 32 columns (o_split) for a winner with O
-    padded to 128 (the session-14 study picked that twin of the padded 4K winner, +2%); none for a
+    row sums where they apply, at head dim 96 O in 64 + 32 columns (o_split) for a winner with O
+    padded to 128 (the session-14 study picked that twin of the padded 4K winner, +2%), and a
+    plain-schedule winner with its half-empty first blocks halved (half_block); none for a
     Triton config, none with o_split beyond head dim 96, none that is already set."""
     from zyfa_tune.search_spaces.fp8_causal import field_twins
 
     wide96 = gluon_wide_config("fp8", 96, 96)
-    assert field_twins(wide96) == [wide96.replace(lane_sums=True), wide96.replace(o_split=True)]
-    assert field_twins(wide96.replace(lane_sums=True)) == [wide96.replace(lane_sums=True, o_split=True)]
-    assert field_twins(wide96.replace(lane_sums=True, o_split=True)) == []
+    assert field_twins(wide96) == [wide96.replace(lane_sums=True), wide96.replace(o_split=True),
+                                   wide96.replace(half_block=True)]
+    lanes96 = wide96.replace(lane_sums=True)
+    assert field_twins(lanes96) == [lanes96.replace(o_split=True), lanes96.replace(half_block=True)]
+    assert field_twins(lanes96.replace(o_split=True, half_block=True)) == []
     wide128 = gluon_wide_config("fp8", 128, 128)
-    assert field_twins(wide128) == [wide128.replace(lane_sums=True)]
+    assert field_twins(wide128) == [wide128.replace(lane_sums=True), wide128.replace(half_block=True)]
+    # no half-block twin for an overlapped or pv_defer winner (hd256's, 192/128's)
+    assert not any(c.half_block for c in field_twins(gluon_defer_config("fp8", 256, 256)))
     assert field_twins(D("fp8", 96, 96)) == []
     # the shipped hd96 winners (the 4K one is that twin) are seeds; none of hd128's carries o_split
     seeds = get_space("fp8").seeds(96, 96)
