@@ -131,7 +131,7 @@ def test_constants_are_the_config(cfg):
                  "RESCALE_C_CONSTRAINTS": rescale_constraints(oc // 2) if in_place and oc else "",
                  "PACK_P": cfg.p_carry == "e4m3", "E4M3X4_ASM": gluon_device.E4M3X4_ASM.value,
                  "P_SMEM": cfg.p_carry == "smem", "K_AHEAD": cfg.p_carry == "smem", "P_SWIZZLE": min(128, cfg.block_n),
-                 "LANE_SUMS": cfg.lane_sums, "LATE_RESCALE": cfg.late_rescale and cfg.overlap,
+                 "LANE_SUMS": cfg.lane_sums, "LATE_RESCALE": cfg.late_rescale and cfg.overlap, "HALF_BLOCK": cfg.half_block,
                  # timeline stamps off (tests/test_timeline.py traces)
                  "TRACE": False, "TRACE_STEPS": 0, "TRACE_EVENTS": len(EVENTS), "TRACE_ASM": "", "TRACE_AFTER_ASM": "",
                  **{f"EV_{name.upper()}": i for i, name in enumerate(EVENTS)}}
