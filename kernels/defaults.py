@@ -52,6 +52,14 @@ def gluon_lanes_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
     return gluon_wide_config(dtype, head_dim_qk, head_dim_v).replace(lane_sums=True, half_block=True)
 
 
+def gluon_lean_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """The Gluon default schedule with lean P (softmax="lean": one FMA per score writes the e4m3 code of
+    2^x, no exponential; its rounded row sum from an MMA against ones): 1.07-1.10x the best exact
+    kernel at hd128 4K-16K and 1.02-1.04x FA3, at ~1.35x the exact error (docs/PERF.md, session 15). A
+    seed of studies whose accuracy gate or Pareto front admits that error (`SearchSpace.loose_seeds`)."""
+    return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(softmax="lean", rowsum="mma")
+
+
 def gluon_packed_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """The Gluon default schedule carrying P packed as e4m3 from one step to the next
     (p_carry="e4m3", a quarter of the float32 carry's registers): at 128-key blocks with overlap and

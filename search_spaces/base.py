@@ -407,7 +407,8 @@ class SearchSpace:
 
     def __init__(self, family: str, dtype: str, params: Sequence[Param],
                  extra_seeds: Sequence[Callable[[str, int, int], KernelConfig]] = (),
-                 winner_twins: Callable[[KernelConfig], Sequence[KernelConfig]] = lambda config: ()):
+                 winner_twins: Callable[[KernelConfig], Sequence[KernelConfig]] = lambda config: (),
+                 loose_seeds: Sequence[Callable[[str, int, int], KernelConfig]] = ()):
         if dtype not in CHOICES["dtype"]:
             raise ValueError(f"dtype: {dtype!r} is not one of {list(CHOICES['dtype'])}")
         self.family = family
@@ -415,6 +416,7 @@ class SearchSpace:
         self.params: tuple[Param, ...] = tuple(params)
         self.extra_seeds = tuple(extra_seeds)
         self.winner_twins = winner_twins
+        self.loose_seeds = tuple(loose_seeds)
         _check_params(self.params)
 
     def __repr__(self) -> str:
@@ -528,12 +530,15 @@ class SearchSpace:
         return static_infeasibility(config)
 
     def seeds(self, head_dim_qk: int, head_dim_v: int, *,
-              databases: Iterable[str | os.PathLike] | None = None) -> list[KernelConfig]:
+              databases: Iterable[str | os.PathLike] | None = None, loose: bool = False) -> list[KernelConfig]:
         """Known-good configs to enqueue first: the default, the family's extra seeds (`extra_seeds`:
         the Gluon backend's default where it implements the head dims), then the best configs of
         these head dims in `databases` (default: SEED_DATABASES, the shipped H200 database), most
         problem classes won first, then each winner's `winner_twins` (the family's variants of a
         winner with a field it was tuned before: measured gains a short study would not sample).
+        loose: also the family's `loose_seeds` (configs whose error passes only a looser accuracy gate
+        than the default, such as lean P at ~1.35x the exact error), last, for a study whose gate or
+        Pareto front has room for them.
         Rows that fail validation, are not causal, are not points of this space or are statically
         infeasible are skipped; the list is deduplicated (after `canonical`)."""
         base = self.base(head_dim_qk, head_dim_v)
@@ -551,7 +556,13 @@ class SearchSpace:
                 out.append(config)
         winners = [config for config, _ in sorted(wins.items(), key=lambda kv: -kv[1])]  # stable on ties
         twins = [twin for config in winners for twin in self.winner_twins(config)]
-        for config in winners + twins:
+        extra = []
+        for make in self.loose_seeds if loose else ():
+            try:
+                extra.append(make(self.dtype, head_dim_qk, head_dim_v))
+            except ConfigError:  # not implemented for these head dims
+                continue
+        for config in winners + twins + extra:
             if config in out:
                 continue
             try:

@@ -315,6 +315,20 @@ def test_field_twins_at_head_dim_96():
     assert not any(c.o_split for c in get_space("fp8").seeds(128, 128))
 
 
+def test_loose_seeds_only_when_asked():
+    """The lean Gluon default (lean P: ~1.35x the exact error) is a seed only of a study whose gate or
+    Pareto front admits it (`seeds(..., loose=True)`), last; a default-gate study never sees it."""
+    from zyfa_tune.kernels.defaults import gluon_lean_config
+
+    space = get_space("fp8")
+    lean = gluon_lean_config("fp8", 128, 128)
+    assert lean.softmax == "lean" and lean.rowsum == "mma" and space.feasible(lean) is None
+    strict, loose = space.seeds(128, 128), space.seeds(128, 128, loose=True)
+    assert not any(c.softmax == "lean" for c in strict)
+    assert loose[:-1] == strict and loose[-1] == lean
+    assert get_space("bf16").seeds(128, 128, loose=True) == get_space("bf16").seeds(128, 128)
+
+
 def test_turn_barrier_only_with_ping_pong():
     space = get_space("fp8")
     opts = space.as_optuna_params(D("fp8", 128, 128, "gluon"))

@@ -201,6 +201,19 @@ def test_sigkill_and_resume_lose_and_repeat_nothing(tmp_path):
     assert len(measured) == len(set(measured)), "a configuration was measured twice"
 
 
+@pytest.mark.parametrize("kw,lean", [({}, False), ({"gate": 1.5}, True), ({"multi_objective": True}, True)])
+def test_lean_seed_only_where_the_gate_admits_it(tmp_path, kw, lean):
+    """A study is seeded with lean P's config only if its gate is at least tune.LOOSE_GATE or it keeps
+    the Pareto front over (speed, error): under the default 1.25 it would be a certain rejection."""
+    from zyfa_tune.kernels.defaults import gluon_lean_config
+
+    tuner = Tuner(spec(tmp_path, **kw))
+    study = tuner.open_study()
+    queued = [t.system_attrs["fixed_params"] for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))]
+    assert (tuner.space.as_optuna_params(gluon_lean_config("fp8", 128, 128)) in queued) is lean
+    assert len(queued) == len(tuner.space.seeds(128, 128)) + lean
+
+
 def test_a_repeated_proposal_enqueues_an_unmeasured_neighbour(tmp_path):
     """When TPE proposes a config measured before, the tuner tells it the stored value and enqueues
     one unmeasured neighbour of it (a local move), so the next ask measures something new."""

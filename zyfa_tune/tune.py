@@ -33,6 +33,10 @@ from zyfa_tune.search_spaces import get_space
 from zyfa_tune.worker import Shape, Task, Worker
 
 SAMPLERS = ("tpe", "random")
+#: An accuracy gate at least this loose (allowed error / the exact reference's) admits lean P's linear
+#: fold (measured 1.33-1.40x): such a study, or a multi-objective one, is also seeded with the space's
+#: `loose_seeds`. The default gate (1.25) is not, so its studies spend no trial on a certain rejection.
+LOOSE_GATE = 1.4
 _HOST = socket.gethostname()
 
 
@@ -225,7 +229,8 @@ class Tuner:
         study.set_user_attr("spec", {f.name: getattr(self.spec, f.name) for f in dataclasses.fields(self.spec)})
         self._recover(study)
         if not exists:
-            for cfg in self.space.seeds(self.spec.head_dim_qk, self.spec.head_dim_v):
+            loose = self.spec.multi_objective or self.spec.gate >= LOOSE_GATE
+            for cfg in self.space.seeds(self.spec.head_dim_qk, self.spec.head_dim_v, loose=loose):
                 study.enqueue_trial(self.space.as_optuna_params(cfg), skip_if_exists=True)
         return study
 
