@@ -547,21 +547,12 @@ class SearchSpace:
             for config in self._db_configs(path, head_dim_qk, head_dim_v):
                 wins[config] += 1
         out = [base]
-        for make in self.extra_seeds:
-            try:
-                config = make(self.dtype, head_dim_qk, head_dim_v)
-            except ConfigError:  # not implemented for these head dims
-                continue
+        for config in self._made(self.extra_seeds, head_dim_qk, head_dim_v):
             if config not in out and self.feasible(config) is None:
                 out.append(config)
         winners = [config for config, _ in sorted(wins.items(), key=lambda kv: -kv[1])]  # stable on ties
         twins = [twin for config in winners for twin in self.winner_twins(config)]
-        extra = []
-        for make in self.loose_seeds if loose else ():
-            try:
-                extra.append(make(self.dtype, head_dim_qk, head_dim_v))
-            except ConfigError:  # not implemented for these head dims
-                continue
+        extra = self._made(self.loose_seeds, head_dim_qk, head_dim_v) if loose else []
         for config in winners + twins + extra:
             if config in out:
                 continue
@@ -575,6 +566,18 @@ class SearchSpace:
                 log.debug("seed skipped: %s", reason)
                 continue
             out.append(config)
+        return out
+
+    def _made(self, makers: Sequence[Callable[[str, int, int], KernelConfig]], head_dim_qk: int,
+              head_dim_v: int) -> list[KernelConfig]:
+        """The configs these seed makers build for the head dims (a maker raising ConfigError does not
+        implement them and is left out)."""
+        out = []
+        for make in makers:
+            try:
+                out.append(make(self.dtype, head_dim_qk, head_dim_v))
+            except ConfigError:
+                continue
         return out
 
     def _db_configs(self, path: str | os.PathLike, head_dim_qk: int, head_dim_v: int) -> list[KernelConfig]:
