@@ -54,7 +54,7 @@ CHOICES: dict[str, tuple] = {
     "skip_rescale": (False, True),
     "turn_barrier": ("mbarrier", "named"),
     "pv_defer": (False, True),
-    "p_carry": ("f32", "e4m3", "smem"),
+    "p_carry": ("f32", "e4m3", "smem", "smem2"),
     "lane_sums": (False, True),
     "late_rescale": (False, True),
     "o_split": (False, True),
@@ -153,7 +153,11 @@ class KernelConfig:
                   of the registers, no byte moves; generator/gluon_device._p_pack) or "smem" (packed so,
                   then written to a shared-memory tile per consumer once PV(j-1) is done, and read by
                   the PV wgmma from there: no register holds P while the next softmax runs, which is
-                  what lets a 256-key block overlap; FA3 keeps it in registers at 224 keys).
+                  what lets a 256-key block overlap; FA3 keeps it in registers at 224 keys), or
+                  "smem2" (two such tiles per consumer: P(j) is stored into the one PV(j-1) does not
+                  read as soon as the softmax makes it, and published by the proxy fence and barrier
+                  under QK^T(j+1), so the staging leaves the step's critical path; the output tile
+                  lives in the first P tile where it fits; session 16).
     lane_sums:    Gluon, rowsum="fp32": each thread keeps its own partial row sums (its keys of a row)
                   from step to step, and the four lanes that share a row add theirs once, in the
                   epilogue (as FA3 does): two shuffles and two FADDs less per row and step, off the
@@ -384,7 +388,7 @@ class KernelConfig:
                                           ("naturalV", self.v_layout == "natural"),
                                           ("named", self.turn_barrier == "named"), ("defer", self.pv_defer),
                                           ("packedP", self.p_carry == "e4m3"),
-                                          ("smemP", self.p_carry == "smem"),
+                                          ("smemP", self.p_carry == "smem"), ("smemP2", self.p_carry == "smem2"),
                                           ("laneSums", self.lane_sums), ("oSplit", self.o_split),
                                           ("halfBlock", self.half_block),
                                           ("balanced", self.q_order == "balanced")) if flag]
@@ -405,9 +409,9 @@ def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
     One rule for validation and for the search space, which decodes a suggested packed carry to "f32"
     where it does not apply."""
     carry = f["p_carry"]
-    if carry == "smem" and not f["overlap"]:
-        return ("p_carry='smem' hands P(j) to the PV wgmma issued with QK^T(j+1) through shared memory: it needs "
-                "overlap=True")
+    if carry in ("smem", "smem2") and not f["overlap"]:
+        return (f"p_carry={carry!r} hands P(j) to the PV wgmma issued with QK^T(j+1) through shared memory: it "
+                "needs overlap=True")
     if not (f["overlap"] or f["pv_defer"]):
         return (f"p_carry={carry!r} is how P is carried from one step to the next: it needs overlap=True or "
                 "pv_defer=True (the plain step uses P where it is made)")
@@ -417,8 +421,8 @@ def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
     if f["ex2_fence"] and f["rowsum"] == "mma":
         return (f"p_carry={carry!r} with ex2_fence=True and rowsum='mma': that fence ORs the float32 probabilities, "
                 "which are packed here; use rowsum='fp32' (its fence is on the row sums) or p_carry='f32'")
-    if carry == "smem" and f["block_n"] == 192:
-        return "p_carry='smem' holds one key part's P tile: it needs block_n a power of two, not 192"
+    if carry in ("smem", "smem2") and f["block_n"] == 192:
+        return f"p_carry={carry!r} holds one key part's P tile: it needs block_n a power of two, not 192"
     return None
 
 
@@ -467,6 +471,13 @@ def gluon_o_parts(config: KernelConfig) -> tuple[int, int]:
     if config.o_split:
         return 64, 32
     return 1 << (int(config.head_dim_v) - 1).bit_length(), 0
+
+
+def o_in_p_tile(c: KernelConfig) -> bool:
+    """p_carry="smem2": each consumer's bf16 output tile lives in its first P tile (free once the
+    tile's last PV is done) where it fits: 64 x block_n e4m3 bytes hold 64 x O_W bf16 when
+    block_n >= 2 O_W (one O part)."""
+    return c.p_carry == "smem2" and not c.o_split and c.block_n >= 2 * gluon_o_parts(c)[0]
 
 
 def gluon_registers(config: KernelConfig) -> tuple[int, int]:

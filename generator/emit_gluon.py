@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers
+from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_in_p_tile
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
@@ -180,7 +180,9 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("PV_DEFER", bool(c.pv_defer)),
         ("BN_A", key_parts(c)[0]), ("BN_B", key_parts(c)[1]), ("SPLIT", bool(key_parts(c)[1])),
         ("P_OFFSET", float(int(c.p_scale_log2))), ("PACK_P", c.p_carry == "e4m3"),
-        ("P_SMEM", c.p_carry == "smem"), ("K_AHEAD", c.p_carry == "smem"),
+        ("P_SMEM", c.p_carry in ("smem", "smem2")), ("K_AHEAD", c.p_carry in ("smem", "smem2")),
+        # two P tiles per consumer (P(j) stored while PV(j-1) reads the other; published under QK^T(j+1))
+        ("P_DOUBLE", c.p_carry == "smem2"), ("O_IN_P", o_in_p_tile(c)),
         # the P tile's swizzle (bytes): a row of BLOCK_N e4m3, up to the 128-byte maximum
         ("P_SWIZZLE", min(128, int(c.block_n))),
         ("LANE_SUMS", bool(c.lane_sums)), ("LATE_RESCALE", bool(c.late_rescale)),
@@ -280,11 +282,12 @@ def _ones_lines(c: KernelConfig) -> list[str]:
 
 def _p_lines(c: KernelConfig) -> list[str]:
     """p_carry="smem": each consumer warpgroup's (64, BLOCK_N) e4m3 P tile, the PV wgmma's A operand."""
-    if c.p_carry != "smem":
+    if c.p_carry not in ("smem", "smem2"):
         return []
+    tiles = "2 * NUM_CONSUMERS" if c.p_carry == "smem2" else "NUM_CONSUMERS"
     return ["    p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=P_SWIZZLE, element_bitwidth=8,",
             "                                                  rank=2)",
-            "    p_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 64, BLOCK_N], p_layout)"]
+            f"    p_bufs = gl.allocate_shared_memory(dtype, [{tiles}, 64, BLOCK_N], p_layout)"]
 
 
 def _k_lines(c: KernelConfig) -> list[str]:
@@ -301,7 +304,7 @@ def _stand_ins(c: KernelConfig) -> list[str]:
     out = [] if c.v_layout == "natural" else ["    v_raw = v_bufs", "    v_raw_ready = v_ready"]
     if c.q_order != "balanced":
         out.append("    TILE_TABLE = N_TILES")
-    if c.p_carry != "smem":
+    if c.p_carry not in ("smem", "smem2"):
         out.append("    p_bufs = o_bufs")
     if not key_parts(c)[1]:
         out += ["    desc_kb = desc_k", "    desc_vb = desc_v", "    kb_bufs = k_bufs", "    vb_bufs = v_bufs"]
@@ -349,12 +352,15 @@ def _entry(c: KernelConfig) -> str:
         *_k_lines(c),
         *_v_lines(c),
         "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_W], gl.bfloat16)",
-        "    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, O_W], o_layout)",
+        *(["    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, O_W], o_layout)"]
+          if not o_in_p_tile(c) else []),
         *(["    oc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_C], gl.bfloat16)",
            "    oc_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, O_C], oc_layout)"]
           if c.o_split else []),
         *_ones_lines(c),
         *_p_lines(c),
+        *(["    o_bufs = p_bufs._reinterpret(gl.bfloat16, [NUM_CONSUMERS, 64, O_W], o_layout)"]
+          if o_in_p_tile(c) else []),
         "    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
         "    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
         "    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",

@@ -416,6 +416,13 @@ def _pv_prologue(pP, pPb, acc, l_i, alpha, row_o: gl.constexpr, V_PERM: gl.const
 
 
 @gluon.jit
+def _p_tile(p_smem, it, CID: gl.constexpr):
+    """P_DOUBLE: the P tile of KV block `it`, this warpgroup's tile it % 2 of its two (the first also
+    holds the warpgroup's output tile in the epilogue where it fits, O_IN_P)."""
+    return p_smem.index((it % 2) * NUM_CONSUMERS + CID)
+
+
+@gluon.jit
 def _p_publish():
     """P_SMEM: make the warpgroup's stores to its P tile visible to the wgmma about to read it. The
     proxy fence waits for the stores, hundreds of cycles under the tensor cores' shared-memory traffic;
@@ -628,33 +635,51 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     rounded row sum of P(j-1) is one more wgmma (against ones) issued with PV(j-1), so l is
     rescaled and summed exactly when O is. SPLIT: two key parts, so twice the wgmmas of each kind
     (pPb carries the second part's P). P_SMEM: P(j-1) is read from the warpgroup's P tile (pP and
-    pPb are stand-ins), P(j) written there once PV(j-1) is done, and V(j-1) released then. PV_DEFER
+    pPb are stand-ins), P(j) written there once PV(j-1) is done, and V(j-1) released then; P_DOUBLE
+    (two tiles, one key part): QK^T(j) is issued first, P(j-1)'s tile published and O rescaled while it
+    runs, PV(j-1) issued behind it, and P(j) stored into the other tile before the PV(j-1) wait. PV_DEFER
     (overlap off): both products are waited for before the softmax and V(j-1) is released in this
     step; with two key parts PV(j-1) is issued first and QK^T(j)'s second part only once PV(j-1) is
     done (below). O_SPLIT: O's second part (accc) goes with O everywhere."""
     _mark(kv_it, EV_START, CID)
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
-    p8, p8b, acc, l_i, accc = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout, p_smem, accc,
-                                           row_oc)
-    mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
-    mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
-    _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-    _mark(kv_it, EV_READY, CID)
-    if PV_DEFER and SPLIT:
-        # PV(j-1), then QK^T(j)'s first key part; once PV(j-1) is done (the P registers it reads are
-        # free) the second part, so that the scores of a 256-key block never share the registers
-        # with the P in flight (128 + 32 + 64 would spill, 64 + 32 + 64 and 128 + 64 do not)
-        o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
-                                         onesb_smem, accc, vc_bufs.index(pst))
+    if P_DOUBLE:
+        # QK^T(j) first; P(j-1)'s tile is published (proxy fence, warpgroup barrier) and O rescaled while
+        # it runs, then PV(j-1) issued behind it
+        mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
+        _turn_wait(turn_bars, turn_it, CID, PINGPONG)
+        _mark(kv_it, EV_READY, CID)
         s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
-        acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), oc_tok, accc, QK_PARTS)
-        sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS)
+        sb_tok = s_tok
+        _p_publish()
+        p8 = _p_tile(p_smem, kv_it - 1, CID)
+        if not LATE_RESCALE:
+            acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
+        mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
+        o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8, vb_bufs.index(pst),
+                                         onesb_smem, accc, vc_bufs.index(pst))
     else:
-        s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
-        sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS) if SPLIT else s_tok
-        o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
-                                         onesb_smem, accc, vc_bufs.index(pst))
+        p8, p8b, acc, l_i, accc = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout, p_smem, accc,
+                                               row_oc)
+        mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
+        mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
+        _turn_wait(turn_bars, turn_it, CID, PINGPONG)
+        _mark(kv_it, EV_READY, CID)
+        if PV_DEFER and SPLIT:
+            # PV(j-1), then QK^T(j)'s first key part; once PV(j-1) is done (the P registers it reads are
+            # free) the second part, so that the scores of a 256-key block never share the registers
+            # with the P in flight (128 + 32 + 64 would spill, 64 + 32 + 64 and 128 + 64 do not)
+            o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
+                                             onesb_smem, accc, vc_bufs.index(pst))
+            s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
+            acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), oc_tok, accc, QK_PARTS)
+            sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS)
+        else:
+            s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
+            sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS) if SPLIT else s_tok
+            o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
+                                             onesb_smem, accc, vc_bufs.index(pst))
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
     _mark(kv_it, EV_ISSUED, CID)
     # QK^T(j) done; PV(j-1) may still run, unless PV_DEFER (the plain step with PV(j-1) paired: both
@@ -672,6 +697,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
                                         MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN,
                                         sb, qkb_layout, kv_it)
     l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
+    if P_DOUBLE:  # the other tile (PV(j-2), its last reader, is done): stored before the PV(j-1) wait
+        _p_stage(pP, _p_tile(p_smem, kv_it, CID))
     if EX2_FENCE:
         # a barrier that needs every exponential of step j (the row sums, or the OR of all the
         # probabilities; generator/fence_asm.py), right before the PV wait, which ptxas keeps after it
@@ -690,7 +717,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         if LATE_RESCALE:
             acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
     if P_SMEM:  # the P tile is free: P(j) goes there for the next step's PV; V(j-1) is released
-        _p_stage(pP, p_smem)
+        if not P_DOUBLE:
+            _p_stage(pP, p_smem)
         mbarrier.arrive(v_empty.index(pst), count=1)
         pP = alpha
         pPb = alpha
@@ -824,7 +852,9 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
 
     o_smem = o_bufs.index(CID)
     oc_smem = oc_bufs.index(CID)
-    if P_SMEM:  # P's way from one step's softmax to the next step's PV wgmma (the A operand's tile)
+    if P_DOUBLE:  # two tiles per warpgroup, indexed by _p_tile
+        p_smem = p_bufs
+    elif P_SMEM:  # P's way from one step's softmax to the next step's PV wgmma (the A operand's tile)
         p_smem = p_bufs.index(CID)
     else:
         p_smem = None
@@ -890,7 +920,9 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                                                     True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET,
                                                     LEAN, sb, qkb_layout, kv_it)
                 if P_SMEM:
-                    _p_stage(pP, p_smem)
+                    if O_IN_P:  # the tile may still be read by the previous tile's output store
+                        tma.store_wait(0)
+                    _p_stage(pP, _p_tile(p_smem, kv_it, CID) if P_DOUBLE else p_smem)
                     pP = alpha
                     pPb = alpha
                 kv_it += 1
@@ -910,7 +942,8 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                         kv_it += 1
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
-                p8, p8b, acc, l_i, accc = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout, p_smem,
+                p8, p8b, acc, l_i, accc = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout,
+                                                       _p_tile(p_smem, kv_it - 1, CID) if P_DOUBLE else p_smem,
                                                        accc, row_oc)
                 mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
                 _turn_wait(turn_bars, turn_it, CID, PINGPONG)

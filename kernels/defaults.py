@@ -52,6 +52,15 @@ def gluon_lanes_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
     return gluon_wide_config(dtype, head_dim_qk, head_dim_v).replace(lane_sums=True, half_block=True)
 
 
+def gluon_smem2_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """The 256-key kernel with intra-warpgroup overlap (PV(j-1) under softmax(j)), which fits the
+    registers because P goes through two shared-memory tiles per consumer (p_carry="smem2": P(j) stored
+    as the softmax makes it, published under QK^T(j+1); the output tile lives in the first P tile):
+    at hd128 1.04-1.06x the 256-key plain kernel at 8K / 16K and 0.98-1.01x FA3-fp8 (docs/PERF.md,
+    session 16). A seed of the FP8 space."""
+    return gluon_wide_config(dtype, head_dim_qk, head_dim_v).replace(overlap=True, p_carry="smem2", lane_sums=True)
+
+
 def gluon_lean_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """The Gluon default schedule with lean P (softmax="lean": one FMA per score writes the e4m3 code of
     2^x, no exponential; its rounded row sum from an MMA against ones): 1.07-1.10x the best exact

@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import zyfa_tune.kernels as _kernels
-from zyfa_tune.generator import CHOICES, GLUON_HEAD_DIMS, ConfigError, KernelConfig, gluon_o_parts, gluon_registers
+from zyfa_tune.generator import (CHOICES, GLUON_HEAD_DIMS, ConfigError, KernelConfig, gluon_o_parts, gluon_registers,
+                                 o_in_p_tile)
 from zyfa_tune.kernels.defaults import default_config
 
 if TYPE_CHECKING:  # optuna is imported lazily: a config can be built without it
@@ -260,6 +261,8 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
     out = (c.block_m // 64) * 64 * dp * 2
     ones = (c.block_m // 64) * 8 * c.block_n if c.rowsum == "mma" else 0
     p_tiles = (c.block_m // 64) * 64 * c.block_n if c.p_carry == "smem" else 0  # P's way to the PV wgmma
+    if c.p_carry == "smem2":  # two P tiles per consumer; the output tile lives in the first where it fits
+        p_tiles = 2 * (c.block_m // 64) * 64 * c.block_n - (out if o_in_p_tile(c) else 0)
     return q + kv + raw_v + out + ones + p_tiles + TMA_SMEM_MARGIN
 
 
@@ -334,6 +337,8 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     acc = 64 * dp // 128
     scores = 64 * c.block_n // 128
     carried = 0 if not (c.overlap or c.pv_defer) else scores // 4 if c.v_permute else scores + 16
+    if c.p_carry == "smem2":  # stored as the softmax makes it, before the PV(j-1) wait: carried in no register
+        carried = 0
     other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and dp != 128 and not c.o_split else 0
     three_split_o = c.o_split and c.block_m == 192  # (o_split's own terms for three consumers)
     split_o = ((GLUON_SPLIT_O_F32_THREE_REGISTERS if three_split_o and c.overlap and c.p_carry == "f32" else 0)

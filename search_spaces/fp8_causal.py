@@ -11,7 +11,8 @@ from functools import partial
 from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, o_split_conflict,
                                         packed_p_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
-                                       gluon_natural_config, gluon_packed_config, gluon_three_config, gluon_wide_config)
+                                       gluon_natural_config, gluon_packed_config, gluon_smem2_config, gluon_three_config,
+                                       gluon_wide_config)
 
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
                    rowsum_param, scale_per_tile, triton_only)
@@ -43,7 +44,7 @@ PARAMS = (backend_param(),
     gluon_only("skip_rescale", (False, True)),          # a warp whose row maxima stayed skips O's rescale
     gluon_only("turn_barrier", ("mbarrier", "named"), needs=("ping_pong", True)),  # ping-pong token
     gluon_only("late_rescale", (False, True), needs=("overlap", True)),  # O rescaled after the PV wait
-    Param("p_carry", ("f32", "e4m3"), only_if=("backend", "gluon"),  # P packed across steps, where it can be
+    Param("p_carry", ("f32", "e4m3", "smem2"), only_if=("backend", "gluon"),  # P packed, or via two smem tiles
           decode=lambda v, f: "f32" if packed_p_conflict(f) else v),
     Param("lane_sums", (False, True), only_if=("backend", "gluon"),  # row sums per lane, reduced in the epilogue
           decode=lambda v, f: v and not lane_sums_conflict(f)),
@@ -79,5 +80,6 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
 #: gate admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also gets the lean Gluon default.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                     extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
-                                 gluon_natural_config, gluon_three_config, gluon_packed_config, gluon_lanes_config),
+                                 gluon_natural_config, gluon_three_config, gluon_packed_config, gluon_lanes_config,
+                                 gluon_smem2_config),
                     winner_twins=field_twins, loose_seeds=(gluon_lean_config,))

@@ -19,9 +19,10 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 from gluon_cases import GLUON, SPACE, neighbours, sampled
 
-from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon
+from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon, o_in_p_tile
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
-from zyfa_tune.kernels.defaults import default_config, gluon_lanes_config, gluon_three_config, gluon_wide_config
+from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_smem2_config, gluon_three_config,
+                                       gluon_wide_config)
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
 from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
 
@@ -68,6 +69,14 @@ PACKED_CASES = [GLUON.replace(p_carry="e4m3"), MLA.replace(p_carry="e4m3"),
 SMEM_CASES = [GLUON.replace(p_carry="smem"), GLUON.replace(p_carry="smem", ping_pong=False),
               HD64.replace(block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True, p_carry="smem"),
               MLA.replace(p_carry="smem"), HD256.replace(p_carry="smem")]
+#: two P tiles per consumer (p_carry="smem2", searched): the 256-key overlap at head dims 128 and 96 (the
+#: output tile in the first P tile), with ping-pong and per-step row sums, the seed, three consumers at
+#: head dim 64, 192/128
+SMEM2_CASES = [gluon_smem2_config("fp8", 128, 128), gluon_smem2_config("fp8", 96, 96),
+               gluon_smem2_config("fp8", 128, 128).replace(lane_sums=False, ping_pong=True),
+               GLUON.replace(p_carry="smem2"),
+               HD64.replace(block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True, p_carry="smem2"),
+               MLA.replace(p_carry="smem2")]
 #: row sums kept per lane (lane_sums): the 256-key kernel, the packed overlapped seed, 192/128, hd64 and
 #: hd256's 64-key blocks
 LANE_CASES = [gluon_wide_config("fp8", 128, 128).replace(lane_sums=True), GLUON.replace(p_carry="e4m3", lane_sums=True),
@@ -90,7 +99,8 @@ HALF_CASES = [gluon_lanes_config("fp8", 128, 128),
               GLUON.replace(block_m=64, ping_pong=False, overlap=False, q_stages=2, num_stages=2, rowsum="mma",
                             half_block=True)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
-         + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + LANE_CASES + HD96_CASES + HALF_CASES)
+         + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES
+         + HALF_CASES)
 
 
 def test_hd96_q_and_k_in_32_column_parts_and_o_padded_or_split(compiled):
@@ -231,6 +241,52 @@ def test_smem_p_at_256_keys_spills_as_estimated(compiled):
     cfg = gluon_wide_config("fp8", 128, 128).replace(overlap=True, p_carry="smem")
     assert "registers" in SPACE.feasible(cfg)
     assert compiled(cfg).spill_bytes > 0
+
+
+def sass_ops(art: CompiledArtifacts) -> list[str]:
+    """The SASS instructions' mnemonics (with their shape suffixes), in order, predicates dropped."""
+    return [m.group(1) for m in re.finditer(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", art.sass, re.M)]
+
+
+def test_double_smem_p_is_published_under_qk_and_stored_under_pv(compiled):
+    """p_carry="smem2" at 256 keys (the overlap that fits only so): in each step the proxy fence that
+    publishes P(j-1) comes after QK^T(j)'s m64n256 wgmmas and before PV(j-1)'s m64n128 ones, and between
+    the QK^T wait and the PV wait lie the exponentials of all the step's scores (128 a thread) and the 8
+    stmatrix of P(j) into the other tile. The single tile's step fences before issuing anything."""
+    cfg = SMEM2_CASES[0]
+    ops = sass_ops(compiled(cfg))
+    steps = 0
+    for i, op in enumerate(ops):
+        if not op.startswith("FENCE.VIEW.ASYNC"):
+            continue
+        # a step's fence sits right behind its QK^T issue (the last block's PV, after the loop, fences too)
+        before = [o for o in ops[i - 8:i] if o.startswith("QGMMA")]
+        after = [j for j in range(i, len(ops)) if ops[j].startswith("QGMMA")]
+        if not (before and after and before[-1].startswith("QGMMA.64x256") and ops[after[0]].startswith("QGMMA.64x128")):
+            continue
+        waits = [j for j in range(after[0], len(ops)) if ops[j].startswith("WARPGROUP.DEPBAR")][:2]
+        between = ops[waits[0]:waits[1]]
+        nxt = next((j for j in range(waits[1], len(ops)) if ops[j].startswith(("QGMMA", "BRA"))), len(ops))
+        # every score's exponential before the PV wait; at most the two rows' correction factors (needed
+        # by the next step's rescale) sink past it
+        assert between.count("MUFU.EX2") >= 64 * cfg.block_n // 128 and ops[waits[1]:nxt].count("MUFU.EX2") <= 2
+        assert sum(o.startswith("STSM") for o in between) == 8
+        steps += 1
+    assert steps == 4  # the masked and the unmasked step loop of each consumer warpgroup
+    single = sass_ops(compiled(SMEM_CASES[0]))
+    first_fence = next(i for i, o in enumerate(single) if o.startswith("FENCE.VIEW.ASYNC"))
+    assert not any(o.startswith("QGMMA") for o in single[first_fence - 30:first_fence])
+
+
+def test_double_smem_p_fits_the_256_key_overlap():
+    """Two P tiles take no P register across the step (estimated 216 of 240: accepted, where one tile's
+    carried words make it 248) and the output tile lives in the first P tile at head dim 128 (64 x 256
+    e4m3 = 64 x 128 bf16 bytes), so the 2-stage ring with a Q ring of 2 fits (compiled: check_usable)."""
+    two = SMEM2_CASES[0]
+    assert gluon_register_estimate(two) == 216 and SPACE.feasible(two) is None
+    assert "registers" in SPACE.feasible(two.replace(p_carry="smem"))
+    assert o_in_p_tile(two) and not o_in_p_tile(GLUON.replace(p_carry="smem2"))  # 128 keys: 8 KiB < 16 KiB
+    assert gluon_smem_estimate(two) == gluon_smem_estimate(two.replace(p_carry="smem")) <= SMEM_LIMIT
 
 
 def test_lane_sums_leave_the_row_sum_shuffles_to_the_epilogue(compiled):

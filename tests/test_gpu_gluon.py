@@ -320,6 +320,23 @@ def test_smem_p_equals_the_packed_carry(name, sq, sk, causal):
     assert torch.equal(smem, packed)
 
 
+#: two P tiles per consumer (p_carry="smem2"): the 256-key overlap it makes fit, with and without
+#: per-lane row sums, and the seed
+SMEM2 = {"256": gluon_wide_config("fp8", 128, 128).replace(overlap=True, half_block=False, q_stages=2),
+         "256-rowsum": gluon_wide_config("fp8", 128, 128).replace(overlap=True, half_block=False, lane_sums=False),
+         "seed": GLUON, "64-three": PACKED["64-three"], "192/128": PACKED["192/128"]}
+
+
+@pytest.mark.parametrize("name", SMEM2)
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
+def test_double_smem_p_equals_the_single_tile(name, sq, sk, causal):
+    """p_carry="smem2" stores P(j) in the warpgroup's other tile before PV(j-1) is done and publishes it
+    under QK^T(j+1): the same products in the same order as one tile, so bitwise its output."""
+    cfg = SMEM2[name]
+    two, one = variant_and_twin(cfg.replace(p_carry="smem2"), cfg.replace(p_carry="smem"), sq, sk, causal)
+    assert torch.equal(two, one)
+
+
 #: row sums kept per lane (lane_sums) on the schedules they apply to, every head dim
 LANES = {"wide": gluon_wide_config("fp8", 128, 128), "seed-packed": GLUON.replace(p_carry="e4m3"),
          "64-three": PACKED["64-three"].replace(rowsum="fp32"), "192/128": PACKED["192/128"],
