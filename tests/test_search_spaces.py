@@ -294,8 +294,10 @@ def test_field_twins_at_head_dim_96():
     """A Gluon winner's one-field twins (`field_twins`, seeded after the database winners): per-lane
     row sums where they apply, at head dim 96 O in 64 + 32 columns (o_split) for a winner with O
     padded to 128 (the session-14 study picked that twin of the padded 4K winner, +2%), and a
-    plain-schedule winner with its half-empty first blocks halved (half_block); none for a
-    Triton config, none with o_split beyond head dim 96, none that is already set."""
+    plain-schedule winner with its half-empty first blocks halved (half_block), an overlapped one with
+    P through two shared-memory tiles (p_carry="smem2"); none for a Triton config, none with o_split
+    beyond head dim 96, none that is already set."""
+    from zyfa_tune.kernels.defaults import gluon_lean_config
     from zyfa_tune.search_spaces.fp8_causal import field_twins
 
     wide96 = gluon_wide_config("fp8", 96, 96)
@@ -308,7 +310,14 @@ def test_field_twins_at_head_dim_96():
     assert field_twins(wide128) == [wide128.replace(lane_sums=True), wide128.replace(half_block=True)]
     # no half-block twin for an overlapped or pv_defer winner (hd256's, 192/128's)
     assert not any(c.half_block for c in field_twins(gluon_defer_config("fp8", 256, 256)))
-    assert field_twins(D("fp8", 96, 96)) == []
+    # an overlapped winner gets its two-P-tile twin (not a pv_defer one, nor lean P)
+    assert field_twins(D("fp8", 96, 96)) == []  # (the Triton default)
+    seed96 = D("fp8", 96, 96, "gluon")
+    assert field_twins(seed96) == [seed96.replace(lane_sums=True), seed96.replace(o_split=True),
+                                   seed96.replace(p_carry="smem2")]
+    assert field_twins(seed96.replace(lane_sums=True, o_split=True, p_carry="smem2")) == []
+    assert not any(c.p_carry == "smem2" for c in field_twins(gluon_defer_config("fp8", 256, 256)))
+    assert field_twins(gluon_lean_config("fp8", 128, 128)) == []
     # the shipped hd96 winners (the 4K one is that twin) are seeds; none of hd128's carries o_split
     seeds = get_space("fp8").seeds(96, 96)
     assert all(c in seeds for c in shipped_best("fp8", 96, 96) if c.backend == "gluon")
