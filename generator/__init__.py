@@ -2,7 +2,7 @@
 
 from . import emit_gluon, emit_triton
 from .config import (CHOICES, GENERATOR_VERSION, GLUON_HEAD_DIMS, HEAD_DIMS, ConfigError, KernelConfig,
-                     gluon_o_parts, gluon_registers, o_in_p_tile)
+                     gluon_o_parts, gluon_registers, o_in_p_tile, p_tiles)
 from .emit_triton import head_chunks
 from .emitted import EmittedKernel
 
@@ -16,4 +16,4 @@ def emit(config: KernelConfig) -> EmittedKernel:
 
 __all__ = ["CHOICES", "GENERATOR_VERSION", "GLUON_HEAD_DIMS", "HEAD_DIMS", "ConfigError", "KernelConfig",
            "EmittedKernel", "emit", "gluon_o_parts", "gluon_registers", "head_chunks",
-           "o_in_p_tile"]
+           "o_in_p_tile", "p_tiles"]

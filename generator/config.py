@@ -409,7 +409,8 @@ def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
     One rule for validation and for the search space, which decodes a suggested packed carry to "f32"
     where it does not apply."""
     carry = f["p_carry"]
-    if carry in ("smem", "smem2") and not f["overlap"]:
+    in_smem = carry in ("smem", "smem2")
+    if in_smem and not f["overlap"]:
         return (f"p_carry={carry!r} hands P(j) to the PV wgmma issued with QK^T(j+1) through shared memory: it "
                 "needs overlap=True")
     if not (f["overlap"] or f["pv_defer"]):
@@ -421,7 +422,7 @@ def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
     if f["ex2_fence"] and f["rowsum"] == "mma":
         return (f"p_carry={carry!r} with ex2_fence=True and rowsum='mma': that fence ORs the float32 probabilities, "
                 "which are packed here; use rowsum='fp32' (its fence is on the row sums) or p_carry='f32'")
-    if carry in ("smem", "smem2") and f["block_n"] == 192:
+    if in_smem and f["block_n"] == 192:
         return f"p_carry={carry!r} holds one key part's P tile: it needs block_n a power of two, not 192"
     return None
 
@@ -473,11 +474,16 @@ def gluon_o_parts(config: KernelConfig) -> tuple[int, int]:
     return 1 << (int(config.head_dim_v) - 1).bit_length(), 0
 
 
+def p_tiles(c: KernelConfig) -> int:
+    """Shared-memory P tiles per consumer warpgroup: 1 with p_carry="smem", 2 with "smem2", else 0."""
+    return {"smem": 1, "smem2": 2}.get(c.p_carry, 0)
+
+
 def o_in_p_tile(c: KernelConfig) -> bool:
     """p_carry="smem2": each consumer's bf16 output tile lives in its first P tile (free once the
     tile's last PV is done) where it fits: 64 x block_n e4m3 bytes hold 64 x O_W bf16 when
     block_n >= 2 O_W (one O part)."""
-    return c.p_carry == "smem2" and not c.o_split and c.block_n >= 2 * gluon_o_parts(c)[0]
+    return p_tiles(c) == 2 and not c.o_split and c.block_n >= 2 * gluon_o_parts(c)[0]
 
 
 def gluon_registers(config: KernelConfig) -> tuple[int, int]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_in_p_tile
+from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_in_p_tile, p_tiles
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
@@ -180,9 +180,9 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("PV_DEFER", bool(c.pv_defer)),
         ("BN_A", key_parts(c)[0]), ("BN_B", key_parts(c)[1]), ("SPLIT", bool(key_parts(c)[1])),
         ("P_OFFSET", float(int(c.p_scale_log2))), ("PACK_P", c.p_carry == "e4m3"),
-        ("P_SMEM", c.p_carry in ("smem", "smem2")), ("K_AHEAD", c.p_carry in ("smem", "smem2")),
+        ("P_SMEM", p_tiles(c) > 0), ("K_AHEAD", p_tiles(c) > 0),
         # two P tiles per consumer (P(j) stored while PV(j-1) reads the other; published under QK^T(j+1))
-        ("P_DOUBLE", c.p_carry == "smem2"), ("O_IN_P", o_in_p_tile(c)),
+        ("P_DOUBLE", p_tiles(c) == 2), ("O_IN_P", o_in_p_tile(c)),
         # the P tile's swizzle (bytes): a row of BLOCK_N e4m3, up to the 128-byte maximum
         ("P_SWIZZLE", min(128, int(c.block_n))),
         ("LANE_SUMS", bool(c.lane_sums)), ("LATE_RESCALE", bool(c.late_rescale)),
@@ -281,10 +281,11 @@ def _ones_lines(c: KernelConfig) -> list[str]:
 
 
 def _p_lines(c: KernelConfig) -> list[str]:
-    """p_carry="smem": each consumer warpgroup's (64, BLOCK_N) e4m3 P tile, the PV wgmma's A operand."""
-    if c.p_carry not in ("smem", "smem2"):
+    """p_carry="smem" / "smem2": each consumer warpgroup's one or two (64, BLOCK_N) e4m3 P tiles, the PV
+    wgmma's A operand."""
+    if not p_tiles(c):
         return []
-    tiles = "2 * NUM_CONSUMERS" if c.p_carry == "smem2" else "NUM_CONSUMERS"
+    tiles = "2 * NUM_CONSUMERS" if p_tiles(c) == 2 else "NUM_CONSUMERS"
     return ["    p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=P_SWIZZLE, element_bitwidth=8,",
             "                                                  rank=2)",
             f"    p_bufs = gl.allocate_shared_memory(dtype, [{tiles}, 64, BLOCK_N], p_layout)"]
@@ -304,7 +305,7 @@ def _stand_ins(c: KernelConfig) -> list[str]:
     out = [] if c.v_layout == "natural" else ["    v_raw = v_bufs", "    v_raw_ready = v_ready"]
     if c.q_order != "balanced":
         out.append("    TILE_TABLE = N_TILES")
-    if c.p_carry not in ("smem", "smem2"):
+    if not p_tiles(c):
         out.append("    p_bufs = o_bufs")
     if not key_parts(c)[1]:
         out += ["    desc_kb = desc_k", "    desc_vb = desc_v", "    kb_bufs = k_bufs", "    vb_bufs = v_bufs"]

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import zyfa_tune.kernels as _kernels
 from zyfa_tune.generator import (CHOICES, GLUON_HEAD_DIMS, ConfigError, KernelConfig, gluon_o_parts, gluon_registers,
-                                 o_in_p_tile)
+                                 o_in_p_tile, p_tiles)
 from zyfa_tune.kernels.defaults import default_config
 
 if TYPE_CHECKING:  # optuna is imported lazily: a config can be built without it
@@ -251,7 +251,8 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
     rings (2 x num_stages x block_n x 128), one 64 x 128 bf16 output tile per consumer warpgroup,
     lean P's (8, block_n) e4m3 ones tile per consumer warpgroup, barriers and swizzle alignment
     (TMA_SMEM_MARGIN), with v_layout="natural" the two (block_n, head_dim_v) slots V is loaded into,
-    and with p_carry="smem" one (64, block_n) e4m3 P tile per consumer warpgroup.
+    and with p_carry="smem" / "smem2" one / two (64, block_n) e4m3 P tiles per consumer warpgroup (with
+    "smem2" the output tile in the first where it fits).
     Exact to within the margin (compiled: 147920 B for the default against 148480 estimated; 150000 B
     for its lean P variant)."""
     q = c.q_stages * c.block_m * c.head_dim_qk
@@ -260,10 +261,10 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
     raw_v = 2 * c.block_n * dp if c.v_layout == "natural" else 0  # the tiles the producer transposes
     out = (c.block_m // 64) * 64 * dp * 2
     ones = (c.block_m // 64) * 8 * c.block_n if c.rowsum == "mma" else 0
-    p_tiles = (c.block_m // 64) * 64 * c.block_n if c.p_carry == "smem" else 0  # P's way to the PV wgmma
-    if c.p_carry == "smem2":  # two P tiles per consumer; the output tile lives in the first where it fits
-        p_tiles = 2 * (c.block_m // 64) * 64 * c.block_n - (out if o_in_p_tile(c) else 0)
-    return q + kv + raw_v + out + ones + p_tiles + TMA_SMEM_MARGIN
+    p = p_tiles(c) * (c.block_m // 64) * 64 * c.block_n  # P's way to the PV wgmma
+    if o_in_p_tile(c):  # the output tiles live in the first P tiles
+        out = 0
+    return q + kv + raw_v + out + ones + p + TMA_SMEM_MARGIN
 
 
 #: setmaxnreg of a producer warpgroup that transposes V (v_layout="natural"): at 24 it spilled 8 bytes
@@ -336,9 +337,9 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     dp = sum(gluon_o_parts(c))  # the accumulators' columns (96 -> 128, or 64 + 32)
     acc = 64 * dp // 128
     scores = 64 * c.block_n // 128
-    carried = 0 if not (c.overlap or c.pv_defer) else scores // 4 if c.v_permute else scores + 16
-    if c.p_carry == "smem2":  # stored as the softmax makes it, before the PV(j-1) wait: carried in no register
-        carried = 0
+    # (two P tiles: P(j) is stored as the softmax makes it, before the PV(j-1) wait, and carried in no register)
+    carried = (0 if not (c.overlap or c.pv_defer) or p_tiles(c) == 2
+               else scores // 4 if c.v_permute else scores + 16)
     other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and dp != 128 and not c.o_split else 0
     three_split_o = c.o_split and c.block_m == 192  # (o_split's own terms for three consumers)
     split_o = ((GLUON_SPLIT_O_F32_THREE_REGISTERS if three_split_o and c.overlap and c.p_carry == "f32" else 0)

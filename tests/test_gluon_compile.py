@@ -243,39 +243,26 @@ def test_smem_p_at_256_keys_spills_as_estimated(compiled):
     assert compiled(cfg).spill_bytes > 0
 
 
-def sass_ops(art: CompiledArtifacts) -> list[str]:
-    """The SASS instructions' mnemonics (with their shape suffixes), in order, predicates dropped."""
-    return [m.group(1) for m in re.finditer(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", art.sass, re.M)]
-
-
 def test_double_smem_p_is_published_under_qk_and_stored_under_pv(compiled):
-    """p_carry="smem2" at 256 keys (the overlap that fits only so): in each step the proxy fence that
-    publishes P(j-1) comes after QK^T(j)'s m64n256 wgmmas and before PV(j-1)'s m64n128 ones, and between
-    the QK^T wait and the PV wait lie the exponentials of all the step's scores (128 a thread) and the 8
-    stmatrix of P(j) into the other tile. The single tile's step fences before issuing anything."""
+    """p_carry="smem2" at 256 keys (the overlap that fits only so): in each step loop the proxy fence that
+    publishes P(j-1) comes after QK^T(j)'s four m64n256 wgmmas and before PV(j-1)'s m64n128 ones, the 8
+    stmatrix of P(j) into the other tile lie between the QK^T wait and the PV wait, and no score's
+    exponential comes after the PV wait (at most the two rows' correction factors, needed only by the
+    next step's rescale). The single tile's step fences before issuing anything."""
     cfg = SMEM2_CASES[0]
-    ops = sass_ops(compiled(cfg))
-    steps = 0
-    for i, op in enumerate(ops):
-        if not op.startswith("FENCE.VIEW.ASYNC"):
-            continue
-        # a step's fence sits right behind its QK^T issue (the last block's PV, after the loop, fences too)
-        before = [o for o in ops[i - 8:i] if o.startswith("QGMMA")]
-        after = [j for j in range(i, len(ops)) if ops[j].startswith("QGMMA")]
-        if not (before and after and before[-1].startswith("QGMMA.64x256") and ops[after[0]].startswith("QGMMA.64x128")):
-            continue
-        waits = [j for j in range(after[0], len(ops)) if ops[j].startswith("WARPGROUP.DEPBAR")][:2]
-        between = ops[waits[0]:waits[1]]
-        nxt = next((j for j in range(waits[1], len(ops)) if ops[j].startswith(("QGMMA", "BRA"))), len(ops))
-        # every score's exponential before the PV wait; at most the two rows' correction factors (needed
-        # by the next step's rescale) sink past it
-        assert between.count("MUFU.EX2") >= 64 * cfg.block_n // 128 and ops[waits[1]:nxt].count("MUFU.EX2") <= 2
-        assert sum(o.startswith("STSM") for o in between) == 8
-        steps += 1
-    assert steps == 4  # the masked and the unmasked step loop of each consumer warpgroup
-    single = sass_ops(compiled(SMEM_CASES[0]))
-    first_fence = next(i for i, o in enumerate(single) if o.startswith("FENCE.VIEW.ASYNC"))
-    assert not any(o.startswith("QGMMA") for o in single[first_fence - 30:first_fence])
+    loops = overlapped_step_loops(compiled(cfg).sass, cfg.block_n)
+    assert len(loops) == 2 * (cfg.block_m // 64)   # masked and unmasked steps of each consumer
+    for body in loops:
+        fence = next(i for i, t in enumerate(body) if "FENCE.VIEW.ASYNC" in t)
+        mma = [i for i, t in enumerate(body) if "QGMMA" in t]
+        assert ["64x256" in body[i] for i in mma] == [i < fence for i in mma] and sum(i < fence for i in mma) == 4
+        waits = [i for i, t in enumerate(body) if "WARPGROUP.DEPBAR" in t]
+        assert len(waits) == 2 and sum("STSM" in t for t in body[waits[0]:waits[1]]) == 8
+        assert exponentials_after_pv_wait(body) <= 2
+    single = SMEM_CASES[0]
+    for body in overlapped_step_loops(compiled(single).sass, single.block_n):
+        fence = next(i for i, t in enumerate(body) if "FENCE.VIEW.ASYNC" in t)
+        assert fence < min(i for i, t in enumerate(body) if "QGMMA" in t)
 
 
 def test_double_smem_p_fits_the_256_key_overlap():

@@ -12,7 +12,7 @@ from zyfa_tune import api, explain, flash_attn_func
 from zyfa_tune.db import ProblemKey, TrialResult, current_fingerprint, open_store
 from zyfa_tune.generator import emit
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.defaults import default_config, gluon_defer_config, gluon_wide_config
+from zyfa_tune.kernels.defaults import default_config, gluon_defer_config, gluon_smem2_config, gluon_wide_config
 from zyfa_tune.kernels.reference import attention_reference, rel_l2
 from zyfa_tune.kernels.verify import make_inputs
 
@@ -322,8 +322,8 @@ def test_smem_p_equals_the_packed_carry(name, sq, sk, causal):
 
 #: two P tiles per consumer (p_carry="smem2"): the 256-key overlap it makes fit, with and without
 #: per-lane row sums, and the seed
-SMEM2 = {"256": gluon_wide_config("fp8", 128, 128).replace(overlap=True, half_block=False, q_stages=2),
-         "256-rowsum": gluon_wide_config("fp8", 128, 128).replace(overlap=True, half_block=False, lane_sums=False),
+SMEM2 = {"256": gluon_smem2_config("fp8", 128, 128),
+         "256-rowsum": gluon_smem2_config("fp8", 128, 128).replace(lane_sums=False),
          "seed": GLUON, "64-three": PACKED["64-three"], "192/128": PACKED["192/128"]}
 
 
