@@ -178,11 +178,14 @@ class KernelConfig:
                   With two key parts (block_n 192, and 256 as 128 + 128) PV(j-1) goes first, then
                   QK^T(j)'s first part, a wait that lets that part run on, then the second part in the
                   registers the P in flight had: a 256-key block fits (O rescaled in place).
-    half_block:   Gluon, plain schedule (overlap=False, pv_defer=False; block_n 128 or 256), causal
-                  kernel: a warpgroup's first block (the diagonal one) whose upper half holds no key
-                  any of its rows sees runs as a step of block_n / 2 keys (the lower halves of the K
-                  and V^T tiles). With 128-row tiles and 256-key blocks that is every second tile's
-                  diagonal block: a whole block of masked work halved (+3% at 4K). Bitwise the same output.
+    half_block:   Gluon (pv_defer=False; block_n 128 or 256), causal kernel: a warpgroup's first block
+                  (the diagonal one) whose upper half holds no key any of its rows sees is computed on
+                  its lower half only. Plain schedule: a step of block_n / 2 keys (the lower halves of
+                  the K and V^T tiles). Overlapped with P in shared memory (p_carry "smem"/"smem2"):
+                  QK^T and softmax on the lower half, P's upper half stored as zeros, so the pipeline
+                  (whose PV reads whole tiles) is unchanged. With 128-row tiles and 256-key blocks that
+                  is every second tile's diagonal block: half a block of exponentials saved (+3% at 4K
+                  on the plain schedule). The same output (bitwise on the plain schedule).
     """
 
     dtype: str = "fp8"
@@ -444,9 +447,9 @@ def lane_sums_conflict(f: Mapping[str, Any]) -> str | None:
 def half_block_conflict(f: Mapping[str, Any]) -> str | None:
     """Why a Gluon config with these fields cannot run a first block as half a block (half_block=True),
     or None."""
-    if f["overlap"] or f["pv_defer"] or f["block_n"] not in (128, 256):
-        return ("half_block=True halves a block of the plain schedule: it needs overlap=False, pv_defer=False "
-                "and block_n 128 or 256 (one key part)")
+    if f["pv_defer"] or f["block_n"] not in (128, 256) or (f["overlap"] and f["p_carry"] not in ("smem", "smem2")):
+        return ("half_block=True halves a first block: it needs pv_defer=False, block_n 128 or 256 (one key part), "
+                "and the plain schedule (overlap=False) or P in shared memory (p_carry 'smem' or 'smem2')")
     return None
 
 

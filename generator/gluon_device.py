@@ -309,9 +309,16 @@ def _masked(s, n0, row0, Sk, off, CAUSAL: gl.constexpr, layout: gl.constexpr):
     """s (64 rows x its keys from n0) with keys past Sk, and past each row's diagonal if CAUSAL, at -inf."""
     cols = n0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, layout))
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-    keep = cols[None, :] < Sk
-    if CAUSAL:
-        keep = keep & (cols[None, :] <= rows[:, None] + off)
+    if CAUSAL and P_SMEM:
+        # a row before the queries' end sees no key at or past Sk (row + off < Sq + off = Sk), so the causal
+        # compare alone masks both; rows past the end see finite scores and are not stored. (Here only:
+        # ptxas spills 8 bytes in several register-P kernels without the key-end compare, and the P_SMEM
+        # kernels' masked steps with a half first block spill with it: its i1 masks packed into words.)
+        keep = cols[None, :] <= rows[:, None] + off
+    else:
+        keep = cols[None, :] < Sk
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None] + off)
     return gl.where(keep, s, float("-inf"))
 
 
@@ -398,6 +405,17 @@ def _p_stage(w, p_smem):
     words = p_smem._reinterpret(gl.int32, [64, w.shape[1]],
                                 gl.NVMMASharedLayout(swizzle_byte_width=P_SWIZZLE, element_bitwidth=32, rank=2))
     words.store(w)
+
+
+@gluon.jit
+def _p_stage_lower(w, p_smem):
+    """HALF_BLOCK on an overlapped kernel: a half block's _p_pack words into the lower half of the keys
+    of the P tile, zeros into the upper half (the pipeline's PV wgmma reads the whole tile; the upper
+    keys' V rows are loaded, finite, and times zero add nothing)."""
+    words = p_smem._reinterpret(gl.int32, [64, 2 * w.shape[1]],
+                                gl.NVMMASharedLayout(swizzle_byte_width=P_SWIZZLE, element_bitwidth=32, rank=2))
+    words.slice(0, w.shape[1], dim=1).store(w)
+    words.slice(w.shape[1], w.shape[1], dim=1).store(gl.zeros_like(w))
 
 
 @gluon.jit
@@ -726,6 +744,49 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
 
 
 @gluon.jit
+def _first_softmax(s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_smem, CID: gl.constexpr,
+                   CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                   row_s: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr, LEAN: gl.constexpr,
+                   qkb_layout: gl.constexpr, HALF: gl.constexpr):
+    """The overlapped schedule's first block (visit 0, masked) after its QK^T: softmax, and under P_SMEM
+    P staged in its tile (pP then a stand-in). HALF (HALF_BLOCK, 0 otherwise): on the block's lower
+    HALF keys only (their scores are half of each thread's registers), P's upper keys staged as zeros,
+    so the pipeline after it, whose PV reads whole tiles, is the same. Returns (pP, m_i, l_i, alpha, pPb)."""
+    n0 = (n_blocks - 1) * BLOCK_N
+    if HALF > 0:
+        s = _lower_keys(_masked(s, n0, row0, Sk, off, CAUSAL, s_layout))
+        h_layout: gl.constexpr = s.type.layout
+        pP, m_h, l_h, a_h, pPb = _softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
+                                          _half_sums(l_i, s), qk_scale, n0, row0, Sk, off, False, CAUSAL,
+                                          HALF, h_layout, p_layout, V_PERM, P_OFFSET, False, s, qkb_layout, kv_it)
+        m_i = gl.convert_layout(m_h, row_s)
+        l_i = gl.convert_layout(l_h, l_i.type.layout)
+        alpha = gl.convert_layout(a_h, row_s)
+    else:
+        pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, True, CAUSAL, BLOCK_N,
+                                            s_layout, p_layout, V_PERM, P_OFFSET, LEAN, sb, qkb_layout, kv_it)
+    if P_SMEM:
+        if O_IN_P:  # the tile may still be read by the previous tile's output store
+            tma.store_wait(0)
+        tile = _p_tile(p_smem, kv_it, CID) if P_DOUBLE else p_smem
+        if HALF > 0:
+            _p_stage_lower(pP, tile)
+        else:
+            _p_stage(pP, tile)
+        pP = alpha
+        pPb = alpha
+    return pP, m_i, l_i, alpha, pPb
+
+
+@gluon.jit
+def _lower_keys(s):
+    """The scores of a block's lower half of keys, from the whole block's (64, N) accumulator: a thread
+    holds keys 8c + 2q + b, so the lower half (c < N / 16) is half of each thread's registers."""
+    lo, hi = gl.split(s.reshape([64, 2, s.shape[1] // 2]).permute((0, 2, 1)))
+    return lo
+
+
+@gluon.jit
 def _upper_half_unseen(n_blocks, row0, Sq, Sk, BLOCK_N: gl.constexpr):
     """HALF_BLOCK (causal): whether keys [top + BLOCK_N / 2, top + BLOCK_N) of the first block visited
     (top = its first key) lie past the key end or past the diagonal of every row of the warpgroup
@@ -912,19 +973,26 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
             kv_it = _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, STAGES)
         elif n_blocks > 0:
             if OVERLAP or PV_DEFER:  # (PV_DEFER: the overlapped step's issue order, softmax after both waits)
-                # ---- block 0 (the diagonal / tail block whenever any block is masked)
+                # ---- block 0 (the diagonal / tail block whenever any block is masked); HALF_BLOCK (overlapped:
+                # P in shared memory, half_block_conflict): its softmax on the lower half when no row sees the
+                # upper one (the whole block's QK^T either way: one wgmma turn, and a half-width accumulator
+                # in a second copy of the block makes ptxas spill in the step loops)
                 s, sb = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
                                    CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, kb_bufs, sb_zero)
+                if HALF_BLOCK and CAUSAL:
+                    if _upper_half_unseen(n_blocks, row0, Sq, Sk, BLOCK_N):
+                        pP, m_i, l_i, alpha, pPb = _first_softmax(
+                            s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_smem, CID, CAUSAL,
+                            BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, BLOCK_N // 2)
+                    else:
+                        pP, m_i, l_i, alpha, pPb = _first_softmax(
+                            s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_smem, CID, CAUSAL,
+                            BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, 0)
+                else:
+                    pP, m_i, l_i, alpha, pPb = _first_softmax(
+                        s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_smem, CID, CAUSAL,
+                        BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, 0)
                 turn_it += 1
-                pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1) * BLOCK_N, row0, Sk, off,
-                                                    True, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET,
-                                                    LEAN, sb, qkb_layout, kv_it)
-                if P_SMEM:
-                    if O_IN_P:  # the tile may still be read by the previous tile's output store
-                        tma.store_wait(0)
-                    _p_stage(pP, _p_tile(p_smem, kv_it, CID) if P_DOUBLE else p_smem)
-                    pP = alpha
-                    pPb = alpha
                 kv_it += 1
                 # ---- masked blocks (phase 0), then unmasked blocks (phase 1): two loops, MASK constant in each
                 for phase in gl.static_range(2):

@@ -56,9 +56,11 @@ def gluon_smem2_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
     """The 256-key kernel with intra-warpgroup overlap (PV(j-1) under softmax(j)), which fits the
     registers because P goes through two shared-memory tiles per consumer (p_carry="smem2": P(j) stored
     as the softmax makes it, published under QK^T(j+1); the output tile lives in the first P tile):
-    at hd128 1.04-1.06x the 256-key plain kernel at 8K / 16K and 0.98-1.01x FA3-fp8 (docs/PERF.md,
-    session 16). A seed of the FP8 space."""
-    return gluon_wide_config(dtype, head_dim_qk, head_dim_v).replace(overlap=True, p_carry="smem2", lane_sums=True)
+    at hd128 1.04-1.06x the 256-key plain kernel at 8K / 16K (docs/PERF.md, session 16); with a first
+    block whose upper half no row sees computed on its lower half (half_block) +4.5% / +2.9% more at
+    4K / 8K (session 17). A seed of the FP8 space."""
+    return gluon_wide_config(dtype, head_dim_qk, head_dim_v).replace(overlap=True, p_carry="smem2", lane_sums=True,
+                                                                     half_block=True)
 
 
 def gluon_lean_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:

@@ -50,7 +50,7 @@ PARAMS = (backend_param(),
           decode=lambda v, f: v and not lane_sums_conflict(f)),
     Param("o_split", (False, True), only_if=("backend", "gluon"),  # hd96: O in 64 + 32 columns, not padded to 128
           decode=lambda v, f: v and not o_split_conflict(f)),
-    Param("half_block", (False, True), only_if=("backend", "gluon"),  # plain: a half-empty first block halved
+    Param("half_block", (False, True), only_if=("backend", "gluon"),  # a half-empty first block halved
           decode=lambda v, f: v and not half_block_conflict(f)),
 )
 
@@ -60,9 +60,10 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     (+1.3-2.3% on the shipped 192/128 and hd256 schedules, docs/PERF.md session 10), at head dim
     96 O in a 64- and a 32-column part (+2.0% on the padded 256-key 4K winner, session 14), and a
     half-empty first block run as half a block (+1.6-3.2% on the 256-key kernels at 4K / 8K, session
-    15), and an overlapped winner with P through two shared-memory tiles (p_carry="smem2", session 16:
-    what made the hd128 256-key overlap fit, 1.04-1.06x the plain kernel at 8K / 16K; not yet measured on
-    the 128-key and three-consumer overlaps the other head dims ship). A short study would rarely sample
+    15; on the overlapped kernels with P in shared memory +3-4.5% at 4K / 8K, session 17), and an
+    overlapped winner with P through two shared-memory tiles (p_carry="smem2", session 16: what made the
+    hd128 256-key overlap fit, 1.04-1.06x the plain kernel at 8K / 16K; not yet measured on the 128-key
+    and three-consumer overlaps the other head dims ship), its first blocks halved too. A short study would rarely sample
     these one-field neighbours of the best kernel it already has."""
     if config.backend != "gluon":
         return []
@@ -75,7 +76,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
         twins.append(config.replace(half_block=True))
     two_tiles = {**vars(config), "p_carry": "smem2"}
     if config.overlap and config.p_carry in ("f32", "e4m3") and not packed_p_conflict(two_tiles):
-        twins.append(config.replace(p_carry="smem2"))
+        twin = config.replace(p_carry="smem2")  # with its half-empty first blocks halved where that applies
+        twins.append(twin.replace(half_block=True) if not half_block_conflict(vars(twin)) else twin)
     return twins
 
 

@@ -93,11 +93,15 @@ HD96_CASES = [HD96, gluon_wide_config("fp8", 96, 96).replace(lane_sums=True),
               HD96_SPLIT.replace(block_n=256, num_stages=2, p_carry="e4m3", lane_sums=True),
               HD96_SPLIT.replace(overlap=False, pv_defer=True, p_carry="e4m3", lane_sums=True)]
 #: a half-empty first block run as half a block (half_block): the untuned hd128 kernel (256-key blocks,
-#: per-lane sums), head dim 96's shipped 4K schedule, 128-key blocks under one consumer with the row-sum MMA
+#: per-lane sums), head dim 96's shipped 4K schedule, 128-key blocks under one consumer with the row-sum MMA;
+#: overlapped with P in shared memory: the smem2 seed, with ping-pong and per-step sums, one 128-key P tile
 HALF_CASES = [gluon_lanes_config("fp8", 128, 128),
               gluon_wide_config("fp8", 96, 96).replace(o_split=True, lane_sums=True, half_block=True),
               GLUON.replace(block_m=64, ping_pong=False, overlap=False, q_stages=2, num_stages=2, rowsum="mma",
-                            half_block=True)]
+                            half_block=True),
+              gluon_smem2_config("fp8", 128, 128),
+              gluon_smem2_config("fp8", 128, 128).replace(ping_pong=True, lane_sums=False),
+              GLUON.replace(p_carry="smem", half_block=True)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
          + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES
          + HALF_CASES)
@@ -219,6 +223,27 @@ def test_half_block_adds_a_half_width_step_to_the_causal_kernel(compiled):
         added = h.ptx.count("m64n128k32") - w.ptx.count("m64n128k32")
         assert added == (2 * w.ptx.count("m64n256k32") if causal else 0)
     assert compiled(half, causal=False).sass == compiled(whole, causal=False).sass
+
+
+@pytest.mark.parametrize("cfg", HALF_CASES[3:], ids=["smem2", "smem2-pp-rowsum", "smem-128"])
+def test_half_block_on_shared_p_halves_the_first_softmax_only(cfg, compiled):
+    """half_block with P in shared memory: the first block keeps its whole QK^T (no second wgmma shape:
+    a half-width accumulator in a second copy of the block makes ptxas spill in the step loops) and gets
+    a second softmax on its lower half (per thread 64 x block_n / 2 / 128 exponentials, 2 for its rows'
+    rescale factors), whose P goes to the tile beside zeros; the step loops are the whole-block kernel's
+    (same wgmmas and exponentials). The non-causal kernel compiles no half block at all."""
+    whole = cfg.replace(half_block=False)
+    assert cfg.half_block
+    h, w = compiled(cfg), compiled(whole)
+    check_usable(h, cfg)
+    consumers = cfg.block_m // 64
+    assert h.count("QGMMA") == w.count("QGMMA")
+    assert h.count("MUFU.EX2") - w.count("MUFU.EX2") == consumers * (64 * cfg.block_n // 2 // 128 + 2)
+    per_loop = [(sum("QGMMA" in t for t in b), sum("MUFU.EX2" in t for t in b))
+                for b in overlapped_step_loops(h.sass, cfg.block_n)]
+    assert per_loop and per_loop == [(sum("QGMMA" in t for t in b), sum("MUFU.EX2" in t for t in b))
+                                     for b in overlapped_step_loops(w.sass, cfg.block_n)]
+    assert compiled(cfg, causal=False).sass == compiled(whole, causal=False).sass
 
 
 def test_smem_p_is_staged_by_stmatrix_and_fenced(compiled):

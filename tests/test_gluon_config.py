@@ -91,10 +91,13 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(block_n=192, lane_sums=True), r"^lane_sums=True sums one key part's scores per lane"),
     (dict(block_n=256, overlap=False, pv_defer=True, lane_sums=True), r"^lane_sums=True sums one key part's"),
     (dict(ex2_fence=True, lane_sums=True), r"^lane_sums=True with ex2_fence=True"),
-    (dict(half_block=True), r"^half_block=True halves a block of the plain schedule: it needs overlap=False"),
-    (dict(overlap=False, pv_defer=True, half_block=True), r"^half_block=True halves a block of the plain"),
-    (dict(overlap=False, block_n=192, half_block=True), r"^half_block=True halves a block of the plain"),
-    (dict(overlap=False, block_n=64, half_block=True), r"^half_block=True halves a block of the plain"),
+    (dict(half_block=True), r"^half_block=True halves a first block: .* the plain schedule \(overlap=False\) or P "
+                            r"in shared memory \(p_carry 'smem' or 'smem2'\)"),
+    (dict(p_carry="e4m3", half_block=True), r"^half_block=True halves a first block: it needs pv_defer=False"),
+    (dict(overlap=False, pv_defer=True, half_block=True), r"^half_block=True halves a first block"),
+    (dict(overlap=False, block_n=192, half_block=True), r"^half_block=True halves a first block"),
+    (dict(overlap=False, block_n=64, half_block=True), r"^half_block=True halves a first block"),
+    (dict(p_carry="smem", block_n=64, half_block=True), r"^half_block=True halves a first block"),
 ])
 def test_bad_gluon_combinations_name_the_field(changes, match):
     with pytest.raises(ConfigError, match=match):

@@ -354,9 +354,10 @@ def test_lane_sums_within_rounding_of_the_row_sums(name, sq, sk, causal):
     assert rel_l2(lanes, per_step) < 1e-3
 
 
-#: plain schedules whose first block may run as half a block (half_block): 256-key blocks with per-lane and
+#: schedules whose first block may run as half a block (half_block). Plain: 256-key blocks with per-lane and
 #: per-step row sums, the row-sum MMA, ping-pong turns, head dim 96's o_split; 128-key blocks with natural V
-#: (256 keys do not fit beside its raw V slots) and under one consumer
+#: (256 keys do not fit beside its raw V slots) and under one consumer. Overlapped with P in shared memory:
+#: two P tiles at 256 keys (per-lane / per-step sums, ping-pong), one P tile at 128 keys
 HALVES = {"wide-lanes": gluon_wide_config("fp8", 128, 128).replace(lane_sums=True),
           "wide": gluon_wide_config("fp8", 128, 128),
           "wide-mma": gluon_wide_config("fp8", 128, 128).replace(rowsum="mma"),
@@ -364,7 +365,11 @@ HALVES = {"wide-lanes": gluon_wide_config("fp8", 128, 128).replace(lane_sums=Tru
           "natural": GLUON.replace(overlap=False, ping_pong=False, q_stages=2, num_stages=2, v_permute=False,
                                    v_layout="natural", producer_regs=40),
           "96-osplit-wide": gluon_wide_config("fp8", 96, 96).replace(o_split=True, lane_sums=True),
-          "64-rows": GLUON.replace(block_m=64, ping_pong=False, overlap=False, q_stages=2, num_stages=2)}
+          "64-rows": GLUON.replace(block_m=64, ping_pong=False, overlap=False, q_stages=2, num_stages=2),
+          "smem2-lanes": gluon_smem2_config("fp8", 128, 128).replace(half_block=False),
+          "smem2": gluon_smem2_config("fp8", 128, 128).replace(lane_sums=False, half_block=False),
+          "smem2-pp": gluon_smem2_config("fp8", 128, 128).replace(ping_pong=True, half_block=False),
+          "smem-128": GLUON.replace(p_carry="smem")}
 
 
 @pytest.mark.parametrize("name", HALVES)

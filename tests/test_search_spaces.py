@@ -294,8 +294,8 @@ def test_field_twins_at_head_dim_96():
     """A Gluon winner's one-field twins (`field_twins`, seeded after the database winners): per-lane
     row sums where they apply, at head dim 96 O in 64 + 32 columns (o_split) for a winner with O
     padded to 128 (the session-14 study picked that twin of the padded 4K winner, +2%), and a
-    plain-schedule winner with its half-empty first blocks halved (half_block), an overlapped one with
-    P through two shared-memory tiles (p_carry="smem2"); none for a Triton config, none with o_split
+    winner with its half-empty first blocks halved (half_block: plain schedule or P in shared memory), an
+    overlapped one with P through two shared-memory tiles (p_carry="smem2", halved too); none for a Triton config, none with o_split
     beyond head dim 96, none that is already set."""
     from zyfa_tune.kernels.defaults import gluon_lean_config
     from zyfa_tune.search_spaces.fp8_causal import field_twins
@@ -308,14 +308,17 @@ def test_field_twins_at_head_dim_96():
     assert field_twins(lanes96.replace(o_split=True, half_block=True)) == []
     wide128 = gluon_wide_config("fp8", 128, 128)
     assert field_twins(wide128) == [wide128.replace(lane_sums=True), wide128.replace(half_block=True)]
-    # no half-block twin for an overlapped or pv_defer winner (hd256's, 192/128's)
+    # no half-block twin for a pv_defer winner (hd256's, 192/128's) or one overlapped with P in registers
     assert not any(c.half_block for c in field_twins(gluon_defer_config("fp8", 256, 256)))
     # an overlapped winner gets its two-P-tile twin (not a pv_defer one, nor lean P)
     assert field_twins(D("fp8", 96, 96)) == []  # (the Triton default)
     seed96 = D("fp8", 96, 96, "gluon")
     assert field_twins(seed96) == [seed96.replace(lane_sums=True), seed96.replace(o_split=True),
-                                   seed96.replace(p_carry="smem2")]
-    assert field_twins(seed96.replace(lane_sums=True, o_split=True, p_carry="smem2")) == []
+                                   seed96.replace(p_carry="smem2", half_block=True)]
+    # with P in shared memory a first block halves in the overlapped pipeline too
+    two = seed96.replace(lane_sums=True, o_split=True, p_carry="smem2")
+    assert field_twins(two) == [two.replace(half_block=True)]
+    assert field_twins(two.replace(half_block=True)) == []
     assert not any(c.p_carry == "smem2" for c in field_twins(gluon_defer_config("fp8", 256, 256)))
     assert field_twins(gluon_lean_config("fp8", 128, 128)) == []
     # the shipped hd96 winners (the 4K one is that twin) are seeds; none of hd128's carries o_split
