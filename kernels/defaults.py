@@ -48,7 +48,7 @@ def gluon_lanes_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
     theirs once per tile, not every step): 1.015-1.016x the 256-key kernel at hd128 8K / 16K (B=2 / 1,
     H=32; docs/PERF.md, session 10); and running a first block whose upper half no row sees as half a
     block (half_block: +3.2% / +1.6% at 4K / 8K, bitwise the same output; session 15). A seed of the FP8
-    space, and the untuned FP8 kernel at head dim 128."""
+    space (the untuned FP8 kernel at head dim 128 in sessions 10-16)."""
     return gluon_wide_config(dtype, head_dim_qk, head_dim_v).replace(lane_sums=True, half_block=True)
 
 
@@ -121,13 +121,14 @@ def gluon_defer_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
 
 
 def fallback_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
-    """What `flash_attn_func` runs where no tuned entry applies (the untuned kernel): the Gluon
-    256-key kernel at FP8 head dim 128, where it measured 1.04-1.20x the other untuned configs
-    (0.86x / 0.93x FA3-fp8 at 8K / 16K; docs/PERF.md, session 4), with its row sums per lane
-    (gluon_lanes_config, +1.5%, session 10), else `default_config`. Head dims other than 128 keep the
-    Triton default until a Gluon config is measured faster there untuned."""
+    """What `flash_attn_func` runs where no tuned entry applies (the untuned kernel): at FP8 head dim
+    128 the overlapped Gluon 256-key kernel with P through two shared-memory tiles
+    (gluon_smem2_config: 0.99x / 1.01x / 1.00x FA3-fp8 at 4K / 8K / 16K; 1.04x / 1.07x at 4K / 8K
+    the plain 256-key kernel gluon_lanes_config, the fallback of sessions 10-16; docs/PERF.md,
+    session 17), else `default_config`. Head dims other than 128 keep the Triton default until a
+    Gluon config is measured faster there untuned."""
     if dtype == "fp8" and (head_dim_qk, head_dim_v) == (128, 128):
-        return gluon_lanes_config(dtype, head_dim_qk, head_dim_v)
+        return gluon_smem2_config(dtype, head_dim_qk, head_dim_v)
     return default_config(dtype, head_dim_qk, head_dim_v)
 
 

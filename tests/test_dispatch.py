@@ -11,7 +11,7 @@ import pytest
 from zyfa_tune.db import Fingerprint, ProblemKey, TrialResult, open_store
 from zyfa_tune.generator import GENERATOR_VERSION, KernelConfig, emit
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.defaults import default_config, gluon_lanes_config
+from zyfa_tune.kernels.defaults import default_config, gluon_smem2_config
 
 H200 = ("NVIDIA H200", "9.0", GENERATOR_VERSION)
 
@@ -88,10 +88,10 @@ def test_default_when_nothing_matches(tmp_path):
     d = dispatch.Dispatcher([])
     choice = d.choose(key(8192, dtype="bf16"), H200)
     assert choice.source == "default" and choice.config == default_config("bf16", 128, 128)
-    # FP8 head dim 128 falls back to the Gluon 256-key kernel with per-lane row sums (measured fastest
-    # untuned), others to the Triton default
+    # FP8 head dim 128 falls back to the overlapped Gluon 256-key kernel with P through two shared-memory
+    # tiles (measured fastest untuned), others to the Triton default
     choice = d.choose(key(8192, dtype="fp8"), H200)
-    assert choice.source == "default" and choice.config == gluon_lanes_config("fp8", 128, 128)
+    assert choice.source == "default" and choice.config == gluon_smem2_config("fp8", 128, 128)
     assert choice.config.backend == "gluon" and choice.config.block_n == 256
     assert d.choose(key(8192, dtype="fp8", d=64), H200).config == default_config("fp8", 64, 64)
 

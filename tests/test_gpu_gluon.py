@@ -70,6 +70,10 @@ CONFIGS = {
 }
 #: P carried packed as e4m3 (four keys per register) from one step's softmax to the next step's PV
 CONFIGS["carry-e4m3"] = GLUON.replace(p_carry="e4m3")
+#: P through shared memory with half-empty first blocks halved: their causal mask has no key-end compare
+#: (rows past the queries' end see keys past Sk; unequal lengths below), two 256-key P tiles or one 128-key one
+CONFIGS["smem2-half"] = gluon_smem2_config("fp8", 128, 128)
+CONFIGS["smem-half"] = GLUON.replace(p_carry="smem", half_block=True)
 #: natural-V configs and the same schedule reading the V^T copy: the V^T tiles are the same bytes
 NATURAL_TWINS = {name: CONFIGS[name].replace(v_layout="transposed") for name in CONFIGS if name.startswith("natural")}
 #: rel. L2 vs float64 and factor over FA3's error per config (lean P: its linear fold, see LEAN_BOUNDS)
@@ -117,7 +121,8 @@ def test_gqa_mqa(h, hk):
     check(GLUON, 1, 777, 777, h, hk)
 
 
-@pytest.mark.parametrize("name", ["seed", "plain", "rowsum-mma", "plain-mma", "skip-rescale", "plain-skip", "wide"])
+@pytest.mark.parametrize("name", ["seed", "plain", "rowsum-mma", "plain-mma", "skip-rescale", "plain-skip", "wide",
+                                  "smem2-half", "smem-half"])
 @pytest.mark.parametrize("sq,sk", [(100, 300), (300, 100), (1, 5000), (1000, 1536)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_unequal_seqlens_causal_and_not(name, sq, sk, causal):
