@@ -419,9 +419,9 @@ def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
     if not (f["overlap"] or f["pv_defer"]):
         return (f"p_carry={carry!r} is how P is carried from one step to the next: it needs overlap=True or "
                 "pv_defer=True (the plain step uses P where it is made)")
-    if not (f["v_permute"] and f["softmax"] == "exact"):
-        return (f"p_carry={carry!r} packs the exact softmax's P as the A operand's registers (four keys per "
-                "thread): it needs v_permute=True and softmax='exact'")
+    if not f["v_permute"]:
+        return (f"p_carry={carry!r} packs P as the A operand's registers (four keys per thread, the exact "
+                "softmax's roundings or lean P's codes): it needs v_permute=True")
     if f["ex2_fence"] and f["rowsum"] == "mma":
         return (f"p_carry={carry!r} with ex2_fence=True and rowsum='mma': that fence ORs the float32 probabilities, "
                 "which are packed here; use rowsum='fp32' (its fence is on the row sums) or p_carry='f32'")

@@ -285,7 +285,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         else:
             l_new = l_i * alpha + gl.sum(p, axis=1)
     if V_PERM:
-        p8 = _carried(p, p_layout)
+        p8 = _carried(p, p_layout, LEAN)
         p8b = _carried(pb, p_layout) if SPLIT else p8
     else:
         p8 = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
@@ -358,29 +358,35 @@ def _times_rows(acc, alpha, row: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: g
 
 
 @gluon.jit
-def _carried(p, p_layout: gl.constexpr):
+def _carried(p, p_layout: gl.constexpr, LEAN: gl.constexpr = False):
     """One key part's float32 P as it goes to the PV wgmma (V_PERM): a thread's accumulator registers
     hold, per 32-key chunk, keys {16h + 8s + 2q + b}; the register A operand wants them as
     {16h + 4q + 2s + b}. Relabelling the keys (a bit permutation, no data movement) and storing V^T in
     the same key order makes the tensor already distributed like the A operand. Float32, rounded by
-    _p_operand next to its wgmma, or (PACK_P) rounded now and carried packed."""
+    _p_operand next to its wgmma, or (PACK_P, P_SMEM) rounded now and carried packed (LEAN: the folded
+    scores turned into their codes, P_SMEM only)."""
     NB: gl.constexpr = p.shape[1] // 32
     p = p.reshape([64, NB, 2, 2, 4, 2]).permute((0, 1, 2, 4, 3, 5)).reshape([64, p.shape[1]])
     p = gl.convert_layout(p, p_layout)
     if PACK_P or P_SMEM:
-        p = _p_pack(p)
+        p = _p_pack(p, LEAN)
     return p
 
 
 @gluon.jit
-def _p_pack(p):
+def _p_pack(p, LEAN: gl.constexpr = False):
     """float32 P (64 x keys, the A operand's layout: four consecutive keys per thread) -> int32
-    (64 x keys / 4), four e4m3 per register: a quarter of the registers to carry across steps."""
+    (64 x keys / 4), four e4m3 per register: a quarter of the registers to carry across steps.
+    LEAN: p holds lean P's folded scores, made codes by LEAN_ASM (the same four-in, one-out form)."""
     x0, x1 = gl.split(p.reshape([64, p.shape[1] // 4, 2, 2]))   # key 4a + 2b + c: c = 0 / 1
     x00, x01 = gl.split(x0)                                      # b = 0 / 1
     x10, x11 = gl.split(x1)
-    return gl.inline_asm_elementwise(E4M3X4_ASM, "=r,r,r,r,r", [x00, x10, x01, x11], dtype=gl.int32,
-                                     is_pure=True, pack=1)
+    if LEAN:
+        return gl.inline_asm_elementwise(LEAN_ASM, "=r,r,r,r,r", [x00, x10, x01, x11], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        return gl.inline_asm_elementwise(E4M3X4_ASM, "=r,r,r,r,r", [x00, x10, x01, x11], dtype=gl.int32,
+                                         is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -455,14 +461,14 @@ def _p_operand(pP, V_PERM: gl.constexpr, LEAN: gl.constexpr = False, p_layout: g
     carried across a loop back-edge costs ~100 byte-repacking instructions per step; carried as
     float32 and rounded here (4 registers -> one register of 4 e4m3), they fold away. PACK_P: carried
     already rounded, as int32 words of four e4m3 (_p_pack), a quarter of the registers. LEAN: the
-    folded scores become codes by integer clamp and byte packing (generator/lean_asm.py). P_SMEM: the
-    warpgroup's P tile (pP is a stand-in)."""
+    folded scores become codes by integer clamp and byte packing (generator/lean_asm.py), or were made
+    codes already where PACK_P packed them. P_SMEM: the warpgroup's P tile (pP is a stand-in)."""
     if P_SMEM:
         return p_smem
+    elif PACK_P:  # (lean P's codes too: _carried made them)
+        return _p_unpack(pP, p_layout)
     elif LEAN:
         return gl.inline_asm_elementwise(LEAN_ASM, "=r,r,r,r,r", [pP], dtype=gl.float8e4nv, is_pure=True, pack=4)
-    elif PACK_P:
-        return _p_unpack(pP, p_layout)
     elif V_PERM:
         return gl.inline_asm_elementwise(E4M3X4_ASM, "=r,r,r,r,r", [pP], dtype=gl.float8e4nv, is_pure=True, pack=4)
     else:
@@ -758,7 +764,7 @@ def _first_softmax(s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_
         h_layout: gl.constexpr = s.type.layout
         pP, m_h, l_h, a_h, pPb = _softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
                                           _half_sums(l_i, s), qk_scale, n0, row0, Sk, off, False, CAUSAL,
-                                          HALF, h_layout, p_layout, V_PERM, P_OFFSET, False, s, qkb_layout, kv_it)
+                                          HALF, h_layout, p_layout, V_PERM, P_OFFSET, LEAN, s, qkb_layout, kv_it)
         m_i = gl.convert_layout(m_h, row_s)
         l_i = gl.convert_layout(l_h, l_i.type.layout)
         alpha = gl.convert_layout(a_h, row_s)

@@ -29,6 +29,10 @@ from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
 #: lean P (Gluon): each instruction sequence, on the seed and on the 15-minute study's winner schedule
 LEAN_CASES = [GLUON.replace(softmax="lean", rowsum="mma", lean_fold=fold) for fold in ("fma", "sub_fma", "corrected")]
 LEAN_CASES.append(LEAN_CASES[0].replace(ping_pong=False, q_stages=2, q_order="forward", lean_clamp="fmax", lean_pack="bfi"))
+#: lean P's codes made where the softmax folds the scores and carried packed: in registers, through one
+#: shared-memory tile, through two with a halved first block
+LEAN_CASES += [LEAN_CASES[0].replace(p_carry="e4m3"), LEAN_CASES[0].replace(p_carry="smem"),
+               LEAN_CASES[0].replace(p_carry="smem2", half_block=True)]
 #: head dim 64 (Q, K, V and O tiles of 64 columns): the seed, one consumer, lean P, 64-key blocks
 HD64 = default_config("fp8", 64, 64, "gluon")
 HD64_CASES = [HD64, HD64.replace(block_m=64, ping_pong=False), HD64.replace(softmax="lean", rowsum="mma"),
@@ -392,6 +396,11 @@ CALIBRATION = [
      False),                                                                                          # 136
     (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, overlap=False, v_permute=False, rowsum="mma",
           num_stages=4), True),                                                                       # 168: 8 B
+    # two P tiles at 256 keys (no P in registers: 216) with the row-sum MMA (GLUON_TWO_TILE_MMA_REGISTERS),
+    # exact and lean
+    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, p_carry="smem2"), False),              # 216
+    (dict(block_n=256, num_stages=2, ping_pong=False, p_carry="smem2", rowsum="mma"), True),  # 248: 48 B
+    (dict(block_n=256, num_stages=2, ping_pong=False, p_carry="smem2", softmax="lean", rowsum="mma"), True),  # 32 B
 ]
 
 

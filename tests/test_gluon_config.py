@@ -80,12 +80,11 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
                                r"v_permute=False"),
     (dict(overlap=False, p_carry="e4m3"), r"^p_carry='e4m3' is how P is carried from one step to the next: it needs "
                                           r"overlap=True or pv_defer=True"),
-    (dict(v_permute=False, p_carry="e4m3"), r"^p_carry='e4m3' packs the exact softmax's P .* it needs v_permute=True"),
-    (dict(softmax="lean", rowsum="mma", p_carry="e4m3"), r"^p_carry='e4m3' packs the exact softmax's P"),
+    (dict(v_permute=False, p_carry="e4m3"), r"^p_carry='e4m3' packs P as the A operand's .* it needs v_permute=True"),
     (dict(rowsum="mma", ex2_fence=True, p_carry="e4m3"), r"^p_carry='e4m3' with ex2_fence=True and rowsum='mma'"),
     (dict(overlap=False, pv_defer=True, p_carry="smem"), r"^p_carry='smem' hands P\(j\) to the PV wgmma issued with "
                                                          r"QK\^T\(j\+1\) through shared memory: it needs overlap=True"),
-    (dict(v_permute=False, p_carry="smem"), r"^p_carry='smem' packs the exact softmax's P .* it needs v_permute=True"),
+    (dict(v_permute=False, p_carry="smem"), r"^p_carry='smem' packs P as the A operand's .* it needs v_permute=True"),
     (dict(block_n=192, p_carry="smem"), r"^p_carry='smem' holds one key part's P tile: it needs block_n a power "),
     (dict(rowsum="mma", lane_sums=True), r"^lane_sums=True keeps the float32 row sums .* it needs rowsum='fp32'"),
     (dict(block_n=192, lane_sums=True), r"^lane_sums=True sums one key part's scores per lane"),

@@ -307,6 +307,24 @@ def test_packed_p_equals_the_float32_carry(name, sq, sk, causal):
     assert torch.equal(packed, f32)
 
 
+#: lean P's codes made where the softmax folds the scores and carried packed (in registers, through one
+#: shared-memory tile, through two with a halved first block) instead of made next to the PV wgmma
+LEAN_CARRIES = {"e4m3": dict(p_carry="e4m3"), "smem": dict(p_carry="smem"),
+                "smem2-half": dict(p_carry="smem2", half_block=True)}
+
+
+@pytest.mark.parametrize("name", LEAN_CARRIES)
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
+def test_lean_codes_carried_packed_equal_the_float32_carry(name, sq, sk, causal):
+    """The same LEAN_ASM on the same folded scores, only earlier: bitwise the float32 carry's output (a
+    halved first block's dropped keys are codes of 0 there), within lean P's bounds against float64."""
+    cfg = LEAN.replace(**LEAN_CARRIES[name])
+    bound, factor = LEAN_BOUNDS["fma"]
+    out = check(cfg, 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128, bound=bound, fa3_factor=factor)
+    args, kw = make_inputs("fp8", 128, 128, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=0)
+    assert torch.equal(out, flash_attn_func(*args, causal=causal, config=LEAN, **kw))
+
+
 #: P through a shared-memory tile (p_carry="smem", not searched: measured 1-19% slower, docs/PERF.md
 #: session 10), beside the packed carry of the same schedule: the seed with and without ping-pong,
 #: three consumers at head dim 64, 192/128 and head dim 256's 64-key blocks (a 64-byte swizzle)
