@@ -412,7 +412,7 @@ def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
     One rule for validation and for the search space, which decodes a suggested packed carry to "f32"
     where it does not apply."""
     carry = f["p_carry"]
-    in_smem = carry in ("smem", "smem2")
+    in_smem = carry in P_TILES
     if in_smem and not f["overlap"]:
         return (f"p_carry={carry!r} hands P(j) to the PV wgmma issued with QK^T(j+1) through shared memory: it "
                 "needs overlap=True")
@@ -447,7 +447,7 @@ def lane_sums_conflict(f: Mapping[str, Any]) -> str | None:
 def half_block_conflict(f: Mapping[str, Any]) -> str | None:
     """Why a Gluon config with these fields cannot run a first block as half a block (half_block=True),
     or None."""
-    if f["pv_defer"] or f["block_n"] not in (128, 256) or (f["overlap"] and f["p_carry"] not in ("smem", "smem2")):
+    if f["pv_defer"] or f["block_n"] not in (128, 256) or (f["overlap"] and f["p_carry"] not in P_TILES):
         return ("half_block=True halves a first block: it needs pv_defer=False, block_n 128 or 256 (one key part), "
                 "and the plain schedule (overlap=False) or P in shared memory (p_carry 'smem' or 'smem2')")
     return None
@@ -477,9 +477,13 @@ def gluon_o_parts(config: KernelConfig) -> tuple[int, int]:
     return 1 << (int(config.head_dim_v) - 1).bit_length(), 0
 
 
+#: the p_carry values that take P through shared memory -> P tiles per consumer warpgroup
+P_TILES = {"smem": 1, "smem2": 2}
+
+
 def p_tiles(c: KernelConfig) -> int:
     """Shared-memory P tiles per consumer warpgroup: 1 with p_carry="smem", 2 with "smem2", else 0."""
-    return {"smem": 1, "smem2": 2}.get(c.p_carry, 0)
+    return P_TILES.get(c.p_carry, 0)
 
 
 def o_in_p_tile(c: KernelConfig) -> bool:

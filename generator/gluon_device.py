@@ -381,12 +381,8 @@ def _p_pack(p, LEAN: gl.constexpr = False):
     x0, x1 = gl.split(p.reshape([64, p.shape[1] // 4, 2, 2]))   # key 4a + 2b + c: c = 0 / 1
     x00, x01 = gl.split(x0)                                      # b = 0 / 1
     x10, x11 = gl.split(x1)
-    if LEAN:
-        return gl.inline_asm_elementwise(LEAN_ASM, "=r,r,r,r,r", [x00, x10, x01, x11], dtype=gl.int32,
-                                         is_pure=True, pack=1)
-    else:
-        return gl.inline_asm_elementwise(E4M3X4_ASM, "=r,r,r,r,r", [x00, x10, x01, x11], dtype=gl.int32,
-                                         is_pure=True, pack=1)
+    ASM: gl.constexpr = LEAN_ASM if LEAN else E4M3X4_ASM
+    return gl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [x00, x10, x01, x11], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -408,9 +404,14 @@ def _p_stage(w, p_smem):
     under a 32-bit view of its swizzle, P_SWIZZLE bytes, and 8-bit tensors stored from registers are
     lowered to stmatrix.b16). Call only once the PV wgmma reading the tile is done; _p_publish before the
     next one reads it."""
-    words = p_smem._reinterpret(gl.int32, [64, w.shape[1]],
-                                gl.NVMMASharedLayout(swizzle_byte_width=P_SWIZZLE, element_bitwidth=32, rank=2))
-    words.store(w)
+    _p_words(p_smem, w.shape[1]).store(w)
+
+
+@gluon.jit
+def _p_words(p_smem, N: gl.constexpr):
+    """The P tile as (64, N) int32 words (N = its keys / 4), the view _p_stage and _p_stage_lower store."""
+    return p_smem._reinterpret(gl.int32, [64, N],
+                               gl.NVMMASharedLayout(swizzle_byte_width=P_SWIZZLE, element_bitwidth=32, rank=2))
 
 
 @gluon.jit
@@ -418,8 +419,7 @@ def _p_stage_lower(w, p_smem):
     """HALF_BLOCK on an overlapped kernel: a half block's _p_pack words into the lower half of the keys
     of the P tile, zeros into the upper half (the pipeline's PV wgmma reads the whole tile; the upper
     keys' V rows are loaded, finite, and times zero add nothing)."""
-    words = p_smem._reinterpret(gl.int32, [64, 2 * w.shape[1]],
-                                gl.NVMMASharedLayout(swizzle_byte_width=P_SWIZZLE, element_bitwidth=32, rank=2))
+    words = _p_words(p_smem, 2 * w.shape[1])
     words.slice(0, w.shape[1], dim=1).store(w)
     words.slice(w.shape[1], w.shape[1], dim=1).store(gl.zeros_like(w))
 

@@ -60,11 +60,11 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     (+1.3-2.3% on the shipped 192/128 and hd256 schedules, docs/PERF.md session 10), at head dim
     96 O in a 64- and a 32-column part (+2.0% on the padded 256-key 4K winner, session 14), and a
     half-empty first block run as half a block (+1.6-3.2% on the 256-key kernels at 4K / 8K, session
-    15; on the overlapped kernels with P in shared memory +3-4.5% at 4K / 8K, session 17), and an
+    15; on the overlapped kernels with P in shared memory +1-4.5% at 4K / 8K, session 17), and an
     overlapped winner with P through two shared-memory tiles (p_carry="smem2", session 16: what made the
-    hd128 256-key overlap fit, 1.04-1.06x the plain kernel at 8K / 16K; not yet measured on the 128-key
-    and three-consumer overlaps the other head dims ship), its first blocks halved too. A short study would rarely sample
-    these one-field neighbours of the best kernel it already has."""
+    hd128 256-key overlap fit, 1.04-1.06x the plain kernel at 8K / 16K; at hd64 4K the shipped 128-key
+    winner's twin won, session 17), its first blocks halved too. A short study would rarely sample
+    these neighbours of the best kernel it already has."""
     if config.backend != "gluon":
         return []
     twins = []
