@@ -63,6 +63,15 @@ def gluon_smem2_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
                                                                      half_block=True)
 
 
+def gluon_smem2_narrow_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """gluon_smem2_config at 128-key blocks in a 3-stage K/V ring with ping-pong: where two P tiles
+    beside 256-key K/V stages exceed shared memory (192/128: 255 KB), the 128-key ones fit (213 KB)
+    and compile without spills at every producer split (CPU, session 18). A seed of the FP8 space, so
+    that head dims whose 256-key overlap cannot fit still measure the overlap with P in shared memory."""
+    return gluon_smem2_config(dtype, head_dim_qk, head_dim_v).replace(block_n=128, num_stages=3, q_stages=1,
+                                                                      ping_pong=True)
+
+
 def gluon_lean_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """The Gluon default schedule with lean P (softmax="lean": one FMA per score writes the e4m3 code of
     2^x, no exponential; its rounded row sum from an MMA against ones): 1.07-1.10x the best exact

@@ -21,7 +21,8 @@ from gluon_cases import GLUON, SPACE, neighbours, sampled
 
 from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon, o_in_p_tile
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
-from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_smem2_config, gluon_three_config,
+from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_smem2_config,
+                                       gluon_smem2_narrow_config, gluon_three_config,
                                        gluon_wide_config)
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
 from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
@@ -75,12 +76,14 @@ SMEM_CASES = [GLUON.replace(p_carry="smem"), GLUON.replace(p_carry="smem", ping_
               MLA.replace(p_carry="smem"), HD256.replace(p_carry="smem")]
 #: two P tiles per consumer (p_carry="smem2", searched): the 256-key overlap at head dims 128 and 96 (the
 #: output tile in the first P tile), with ping-pong and per-step row sums, the seed, three consumers at
-#: head dim 64, 192/128
+#: head dim 64, 192/128 (the seed's schedule, the narrow seed, the session-18 study's winner)
 SMEM2_CASES = [gluon_smem2_config("fp8", 128, 128), gluon_smem2_config("fp8", 96, 96),
                gluon_smem2_config("fp8", 128, 128).replace(lane_sums=False, ping_pong=True),
                GLUON.replace(p_carry="smem2"),
                HD64.replace(block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True, p_carry="smem2"),
-               MLA.replace(p_carry="smem2")]
+               MLA.replace(p_carry="smem2"), gluon_smem2_narrow_config("fp8", 192, 128),
+               gluon_smem2_narrow_config("fp8", 192, 128).replace(lane_sums=False, rowsum="mma", late_rescale=True,
+                                                                   turn_barrier="named", producer_regs=40)]
 #: row sums kept per lane (lane_sums): the 256-key kernel, the packed overlapped seed, 192/128, hd64 and
 #: hd256's 64-key blocks
 LANE_CASES = [gluon_wide_config("fp8", 128, 128).replace(lane_sums=True), GLUON.replace(p_carry="e4m3", lane_sums=True),

@@ -12,7 +12,8 @@ from zyfa_tune import api, explain, flash_attn_func
 from zyfa_tune.db import ProblemKey, TrialResult, current_fingerprint, open_store
 from zyfa_tune.generator import emit
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.defaults import default_config, gluon_defer_config, gluon_smem2_config, gluon_wide_config
+from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_smem2_config, gluon_smem2_narrow_config,
+                                       gluon_wide_config)
 from zyfa_tune.kernels.reference import attention_reference, rel_l2
 from zyfa_tune.kernels.verify import make_inputs
 
@@ -201,6 +202,12 @@ OTHER_DIMS.update({"96-osplit": _HD96,
                    "96-osplit-plain": _HD96.replace(block_m=64, ping_pong=False, overlap=False, v_permute=False,
                                                     persistent=False, q_order="forward", q_stages=2, block_n=64),
                    "96-osplit-lean": _HD96.replace(softmax="lean", rowsum="mma")})
+#: P through two shared-memory tiles at 128 keys (the narrow seed; where the 256-key overlap does not fit),
+#: and the 192/128 study's winner schedule (row-sum MMA, O rescaled after the PV wait; session 18)
+OTHER_DIMS.update({f"{_dqk}-smem2-narrow": gluon_smem2_narrow_config("fp8", _dqk, _dv)
+                   for _dqk, _dv in ((64, 64), (96, 96), (192, 128))})
+OTHER_DIMS["192-smem2-mma"] = gluon_smem2_narrow_config("fp8", 192, 128).replace(
+    lane_sums=False, rowsum="mma", late_rescale=True, turn_barrier="named", producer_regs=40)
 #: head dim 256's pv_defer seed (128-key blocks, no overlap, PV paired with the next QK^T): its error
 #: matched FA3's in the session-6 bench (2.09e-2 at 8K); these cases not yet run on the GPU
 OTHER_DIMS["256-defer"] = gluon_defer_config("fp8", 256, 256)
