@@ -430,7 +430,7 @@ def test_serialised_wgmma_is_a_compile_error(compiled, monkeypatch):
     assert compiled(GLUON).serialised_wgmma is None
     no_spill = dataclasses.replace(art, spill_bytes=0)
     monkeypatch.setattr("zyfa_tune.generator.build.compile_for_target", lambda *a, **k: no_spill)
-    check = runners.compile_check(cfg, True)
+    check = runners._compile_check(cfg, True)
     assert check.error.startswith("ptxas serialises the wgmmas: ") and "serialized" in check.error
 
 

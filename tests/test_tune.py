@@ -157,13 +157,14 @@ _KILL_SCRIPT = textwrap.dedent("""
     import sys
     from zyfa_tune.tune import Tuner, TuneSpec
     storage, journal, shipped, resume = sys.argv[1:5]
-    Tuner(TuneSpec(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(8192,), trials=40, storage=storage,
+    Tuner(TuneSpec(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(8192,), trials=24, storage=storage,
                    study_storage=journal, runner="replay:" + shipped, timeout_s=60.0, sampler="random",
                    resume=resume == "1")).run()
 """)
 
 
 def test_sigkill_and_resume_lose_and_repeat_nothing(tmp_path):
+    """24 trials: the hd128 seeds (enqueued: a resume must not enqueue them again) and a few random ones."""
     script = tmp_path / "run.py"
     script.write_text(_KILL_SCRIPT)
     storage, journal = str(tmp_path / "tune.db"), str(tmp_path / "study.journal")

@@ -168,13 +168,39 @@ def test_compile_exceptions_are_compile_errors(monkeypatch):
         return compile_for_target
 
     monkeypatch.setattr(build, "compile_for_target", fail(PTXASError("ptxas fatal: too many resources")))
-    check = runners.compile_check(FP8, True)
+    check = runners._compile_check(FP8, True)
     assert check.error is not None and "ptxas fatal" in check.error
     monkeypatch.setattr(build, "compile_for_target", fail(CompilationError("src", None, "bad dot")))
-    assert "bad dot" in runners.compile_check(FP8, True).error
+    assert "bad dot" in runners._compile_check(FP8, True).error
     monkeypatch.setattr(build, "compile_for_target", fail(FileNotFoundError("cuobjdump")))
     with pytest.raises(FileNotFoundError):  # a broken installation is not the variant's fault
-        runners.compile_check(FP8, True)
+        runners._compile_check(FP8, True)
+
+
+def test_compile_checks_are_kept_per_source_and_toolchain(tmp_path, monkeypatch):
+    """A verdict is stored under cache_dir()/checks keyed by source hash, causal and Triton's version:
+    read back without compiling; a damaged or ill-typed file is redone, never trusted; a config with
+    other source or the other causal specialisation is compiled afresh."""
+    from zyfa_tune.generator import emit
+
+    monkeypatch.setenv("ZYFA_TUNE_CACHE", str(tmp_path))
+    calls = []
+    verdicts = {True: runners.CompileCheck(None, 168, 0, 1024), False: runners.CompileCheck("spills 8 bytes", 255, 8, 9)}
+    monkeypatch.setattr(runners, "_compile_check", lambda c, causal: calls.append((c, causal)) or verdicts[causal])
+    assert runners.compile_check(FP8, True) == verdicts[True] and len(calls) == 1
+    assert runners.compile_check(FP8, True) == verdicts[True] and len(calls) == 1  # read back
+    assert runners.compile_check(FP8, False) == verdicts[False] and len(calls) == 2
+    other = FP8.replace(num_stages=FP8.num_stages + 1)
+    assert emit(other).source_hash != emit(FP8).source_hash
+    runners.compile_check(other, True)
+    assert len(calls) == 3
+    (path,) = [p for p in (tmp_path / "checks").iterdir() if p.name.startswith(emit(FP8).source_hash + "-causal-")]
+    for damaged in ("{not json", '{"error": 5, "registers": 1, "spill_bytes": 0, "shared_bytes": 0}',
+                    '{"error": null, "registers": "1; import os", "spill_bytes": 0, "shared_bytes": 0}', "[]"):
+        path.write_text(damaged)
+        assert runners.compile_check(FP8, True) == verdicts[True]
+        assert runners.CompileCheck(**json.loads(path.read_text())) == verdicts[True]  # rewritten
+    assert len(calls) == 7
 
 
 def test_gpu_error_classification():

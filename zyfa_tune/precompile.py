@@ -10,7 +10,8 @@ What is compiled is what the worker's first launch would compile:
   arguments `kernels.launch.prepare` makes for each tuned shape, built from meta tensors (shapes,
   strides and dtypes, no memory; a real allocation's pointer is aligned like a meta tensor's null).
   Needs the CUDA driver (the target is read from the device), not GPU memory or time.
-- any other runner (replay, fault): `runners.compile_check`, the sm_90a compile those runners make.
+- any other runner (replay, fault): `runners.compile_check`, the sm_90a compile those runners make
+  (its verdict is stored under the cache folder, where the worker's own check then finds it).
 """
 
 from __future__ import annotations

@@ -68,14 +68,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import logging
 import math
 import os
 import re
 import signal
+import tempfile
 import time
 import traceback
 from collections import OrderedDict
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -83,6 +86,8 @@ from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig
 
 if TYPE_CHECKING:  # imported lazily at run time (the GPU runner must not touch CUDA before its setup)
     from zyfa_tune.worker import Shape, Task
+
+log = logging.getLogger("zyfa_tune.runners")
 
 #: sm_90 maximum dynamic shared memory per block (227 KiB)
 SM90_SHARED_LIMIT = 232448
@@ -366,7 +371,63 @@ class CompileCheck:
 
 def compile_check(config: KernelConfig, causal: bool) -> CompileCheck:
     """Compile for sm_90a on the CPU; compile errors, spills and shared memory overflow become
-    the error text. Environment failures (a missing tool: OSError, ImportError) propagate."""
+    the error text. Environment failures (a missing tool: OSError, ImportError) propagate.
+
+    The verdict is a function of the emitted source, `causal` and the toolchain (Triton and the
+    ptxas it ships), so it is kept on disk under cache_dir()/checks, keyed by those: the precompile
+    pool's check is the one the worker then reads, and a config checked once is not compiled, run
+    through ptxas again and disassembled in every later study (Triton's own cache saves only the first)."""
+    from zyfa_tune.generator import emit
+
+    try:
+        path = _check_path(emit(config).source_hash, causal)
+    except Exception:  # emission failed: _compile_check words the error
+        return _compile_check(config, causal)
+    cached = _read_check(path)
+    if cached is not None:
+        return cached
+    check = _compile_check(config, causal)
+    _write_check(path, check)
+    return check
+
+
+def _check_path(source_hash: str, causal: bool) -> Path:
+    import triton
+
+    from zyfa_tune.generator.build import cache_dir
+
+    toolchain = re.sub(r"[^A-Za-z0-9_.+-]", "_", triton.__version__)
+    return cache_dir() / "checks" / f"{source_hash}-{'causal' if causal else 'full'}-triton{toolchain}.json"
+
+
+def _read_check(path: Path) -> CompileCheck | None:
+    """A stored verdict, or None if there is none or it does not read as one (then it is redone)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or set(data) != {f.name for f in fields(CompileCheck)}:
+        return None
+    if not (data["error"] is None or isinstance(data["error"], str)) or not all(
+            data[k] is None or type(data[k]) is int for k in ("registers", "spill_bytes", "shared_bytes")):
+        return None
+    return CompileCheck(**data)
+
+
+def _write_check(path: Path, check: CompileCheck) -> None:
+    """Write-then-rename, so a concurrent reader (the worker, another compile process) never sees
+    half a file; a cache that cannot be written only costs the next compile."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(asdict(check), fh)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("compile check not cached at %s: %s", path, exc)
+
+
+def _compile_check(config: KernelConfig, causal: bool) -> CompileCheck:
     from triton.runtime.errors import OutOfResources
 
     from zyfa_tune.generator import emit
