@@ -4,12 +4,17 @@ ahead-of-time compilation for a GPU target without a GPU (sm_90 from a CPU machi
 Triton's JIT reads a kernel's source with `inspect`, so each emitted kernel is written to a file
 named by its source hash under the cache directory and imported from there. Triton keeps its own
 on-disk cache of compiled binaries keyed by that source, so a kernel compiles once per machine.
+Verdicts of the toolchain on one input (a compile check, ptxas's warnings on one PTX) are kept beside
+them as small JSON memos (`memo_path`), so that the one made in the precompile pool is the worker's.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
+import json
+import logging
 import os
 import re
 import subprocess
@@ -22,6 +27,7 @@ from types import ModuleType
 
 from .emitted import KERNEL_NAME, EmittedKernel
 
+log = logging.getLogger("zyfa_tune.generator.build")
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
 
@@ -32,6 +38,37 @@ def cache_dir() -> Path:
     if not root:
         root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zyfa_tune")
     return Path(root)
+
+
+def memo_path(kind: str, key: str) -> Path:
+    """Where the toolchain's verdict `kind` on input `key` is kept: cache_dir()/<kind>/<key>-triton<version>.json
+    (Triton's version fixes its compiler and the ptxas it ships)."""
+    import triton
+
+    version = re.sub(r"[^A-Za-z0-9_.+-]", "_", triton.__version__)
+    return cache_dir() / kind / f"{key}-triton{version}.json"
+
+
+def read_memo(path: Path):
+    """The JSON value stored at `path`, or None if there is none or it does not parse (the caller
+    checks its shape: a memo is redone, never trusted, when it does not read as one)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_memo(path: Path, value) -> None:
+    """Write-then-rename, so a concurrent reader (a worker, another compile process) never sees half
+    a file; a memo that cannot be written only costs the next run of the tool."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(value, fh)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("not kept at %s: %s", path, exc)
 
 
 def load_module(kernel: EmittedKernel) -> ModuleType:
@@ -94,8 +131,8 @@ class CompiledArtifacts:
 
     @property
     def serialised_wgmma(self) -> str | None:
-        """The ptxas warning that it serialised the wgmmas (C7514 ...), or None."""
-        return _serialisation(self.ptxas_log)
+        """The ptxas warning that it serialised the wgmmas (C7514 ...), or None (kept per PTX text)."""
+        return serialised_wgmma(self.ptx)
 
 
 def ptxas_log(ptx: str, capability: int = 90) -> str:
@@ -109,13 +146,18 @@ def ptxas_log(ptx: str, capability: int = 90) -> str:
 
 
 def serialised_wgmma(ptx: str) -> str | None:
-    """The ptxas warning that it serialised a kernel's wgmmas (C7514 ...), or None."""
-    return _serialisation(ptxas_log(ptx))
-
-
-def _serialisation(log: str) -> str | None:
-    match = _SERIALISED_WGMMA.search(log)
-    return match.group(0).strip() if match else None
+    """The ptxas warning that it serialised a kernel's wgmmas (C7514 ...), or None. One ptxas run
+    (about 2 s for the larger Gluon kernels) per PTX text: the answer is kept (memo_path "ptxas"), so
+    the precompile pool runs it while the GPU measures the previous trial, not the worker."""
+    path = memo_path("ptxas", hashlib.sha256(ptx.encode()).hexdigest()[:32])
+    kept = read_memo(path)
+    if isinstance(kept, dict) and set(kept) == {"serialised"} and (kept["serialised"] is None
+                                                                   or isinstance(kept["serialised"], str)):
+        return kept["serialised"]
+    match = _SERIALISED_WGMMA.search(ptxas_log(ptx))
+    verdict = match.group(0).strip() if match else None
+    write_memo(path, {"serialised": verdict})
+    return verdict
 
 
 def _tool(name: str) -> str:

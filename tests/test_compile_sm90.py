@@ -199,3 +199,28 @@ def test_load_variants(compiled, loads, v_layout):
         assert art.count("UTMALDG") > 0
     if v_layout == "transposed":  # V arrives K-major: no byte-wise transpose through shared memory
         assert art.count("STS.U8") == 0
+
+
+def test_ptxas_serialisation_verdict_is_kept_per_ptx(tmp_path, monkeypatch):
+    """serialised_wgmma runs ptxas once per PTX text and keeps the answer (what the precompile pool
+    makes, the worker reads); a memo that does not read as one is redone, never trusted."""
+    from zyfa_tune.generator import build
+
+    monkeypatch.setenv("ZYFA_TUNE_CACHE", str(tmp_path))
+    runs = []
+    warning = "ptxas warning : (C7514) wgmma.mma_async instructions are serialized due to register pressure"
+
+    def fake_log(ptx, capability=90):
+        runs.append(ptx)
+        return warning if "pressure" in ptx else "ptxas info : 168 registers"
+
+    monkeypatch.setattr(build, "ptxas_log", fake_log)
+    assert build.serialised_wgmma("// pressure") == warning and len(runs) == 1
+    assert build.serialised_wgmma("// pressure") == warning and len(runs) == 1  # kept
+    assert build.serialised_wgmma("// fine") is None and len(runs) == 2
+    assert build.serialised_wgmma("// fine") is None and len(runs) == 2
+    (kept,) = (tmp_path / "ptxas").glob(f"{build.hashlib.sha256(b'// pressure').hexdigest()[:32]}-triton*.json")
+    for damaged in ("{", '{"serialised": 3}', '{"serialised": null, "x": 1}', "null"):
+        kept.write_text(damaged)
+        assert build.serialised_wgmma("// pressure") == warning
+    assert len(runs) == 6

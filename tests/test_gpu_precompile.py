@@ -1,5 +1,6 @@
 """GPU: a kernel compiled ahead in a compile process is what the worker's JIT then finds in
-Triton's on-disk cache (the point of compile-ahead, zyfa_tune/precompile.py)."""
+Triton's on-disk cache (the point of compile-ahead, zyfa_tune/precompile.py), and its ptxas check
+for serialised wgmmas is answered there too."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def _compiled_kernels(cache: Path) -> set[str]:
 def test_precompiled_kernel_is_a_cache_hit(tmp_path, monkeypatch):
     cache = tmp_path / "triton"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.setenv("ZYFA_TUNE_CACHE", str(tmp_path / "zyfa"))
     cfg = default_config("fp8", 128, 128).replace(num_stages=2, maxnreg=184)  # used by no other test
     with Precompiler("gpu", [(2, 1000, 8, 2)], True) as pc:
         pc.submit(cfg)
@@ -35,6 +37,7 @@ def test_precompiled_kernel_is_a_cache_hit(tmp_path, monkeypatch):
         assert pc.compiled == [cfg.to_json()], pc.failed
     ahead = _compiled_kernels(cache)
     assert ahead
+    assert list((tmp_path / "zyfa" / "ptxas").glob("*.json"))  # the worker's ptxas check, made ahead
     args, kw = make_inputs("fp8", 128, 128, batch=2, heads=8, kv_heads=2, seqlen=1000, seed=0)
     flash_attn_func(*args, config=cfg, **kw)
     assert _compiled_kernels(cache) == ahead  # the JIT compiled nothing new: it loaded the precompiled one

@@ -8,8 +8,10 @@ compile processes inherit the tuner's environment (TRITON_CACHE_DIR, ZYFA_TUNE_C
 What is compiled is what the worker's first launch would compile:
 - runner "gpu": the Triton JIT's own path (`warmup`: specialise, compile, no launch) on the
   arguments `kernels.launch.prepare` makes for each tuned shape, built from meta tensors (shapes,
-  strides and dtypes, no memory; a real allocation's pointer is aligned like a meta tensor's null).
-  Needs the CUDA driver (the target is read from the device), not GPU memory or time.
+  strides and dtypes, no memory; a real allocation's pointer is aligned like a meta tensor's null),
+  and the worker's ptxas check of each kernel's PTX for serialised wgmmas (kept per PTX text, so the
+  worker reads the answer instead of running ptxas with the GPU idle). Needs the CUDA driver (the
+  target is read from the device), not GPU memory or time.
 - any other runner (replay, fault): `runners.compile_check`, the sm_90a compile those runners make
   (its verdict is stored under the cache folder, where the worker's own check then finds it).
 """
@@ -39,6 +41,7 @@ def compile_for_gpu(config_json: str, shapes: Sequence[tuple[int, int, int, int]
     """Compile `config` through Triton's JIT for each shape's argument specialisation (no launch)."""
     import torch
 
+    from zyfa_tune.generator.build import serialised_wgmma
     from zyfa_tune.kernels.launch import kernel, prepare
 
     t0 = time.perf_counter()
@@ -52,7 +55,9 @@ def compile_for_gpu(config_json: str, shapes: Sequence[tuple[int, int, int, int]
         ds = [torch.empty(b, hk, dtype=torch.float32, device="meta") for _ in range(3)] if cfg.dtype == "fp8" \
             else [None] * 3
         grid, args, options = prepare(cfg, q, k, v, out, cfg.head_dim_qk ** -0.5, causal, *ds)
-        kernel(cfg).warmup(*args, grid=grid, **options)
+        compiled = kernel(cfg).warmup(*args, grid=grid, **options)
+        if compiled is not None:  # the worker's ptxas check, answered here (kept per PTX text)
+            serialised_wgmma(compiled.asm["ptx"])
     return time.perf_counter() - t0
 
 

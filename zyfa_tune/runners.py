@@ -66,15 +66,11 @@ a clean CUDA context). Runner strings:
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
-import logging
 import math
 import os
 import re
 import signal
-import tempfile
 import time
 import traceback
 from collections import OrderedDict
@@ -86,8 +82,6 @@ from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig
 
 if TYPE_CHECKING:  # imported lazily at run time (the GPU runner must not touch CUDA before its setup)
     from zyfa_tune.worker import Shape, Task
-
-log = logging.getLogger("zyfa_tune.runners")
 
 #: sm_90 maximum dynamic shared memory per block (227 KiB)
 SM90_SHARED_LIMIT = 232448
@@ -279,12 +273,13 @@ class GpuRunner:
 
     @staticmethod
     def _serialised_wgmma(config: KernelConfig) -> str | None:
-        """ptxas's C7514-style warning for a compiled kernel of this config (one ptxas run per
-        kernel, memoised per PTX text), or None."""
+        """ptxas's C7514-style warning for a compiled kernel of this config, or None (one ptxas run
+        per PTX text, kept: usually made by the precompile pool already)."""
+        from zyfa_tune.generator.build import serialised_wgmma
         from zyfa_tune.kernels import launch
 
         for ck in launch.compiled_kernels(config):
-            warning = _serialisation_of(ck.asm["ptx"])
+            warning = serialised_wgmma(ck.asm["ptx"])
             if warning:
                 return warning
         return None
@@ -347,13 +342,6 @@ class GpuRunner:
                     tflop_per_j=flops / 1e12 / energy if energy else None)
 
 
-@functools.lru_cache(maxsize=64)
-def _serialisation_of(ptx: str) -> str | None:
-    from zyfa_tune.generator.build import serialised_wgmma
-
-    return serialised_wgmma(ptx)
-
-
 # ---- replay ------------------------------------------------------------------------------------
 
 _TRIAL_FLOATS = ("median_ms", "p20_ms", "p80_ms", "tflops", "error_rel_l2", "error_max", "sm_clock_mhz",
@@ -373,58 +361,30 @@ def compile_check(config: KernelConfig, causal: bool) -> CompileCheck:
     """Compile for sm_90a on the CPU; compile errors, spills and shared memory overflow become
     the error text. Environment failures (a missing tool: OSError, ImportError) propagate.
 
-    The verdict is a function of the emitted source, `causal` and the toolchain (Triton and the
-    ptxas it ships), so it is kept on disk under cache_dir()/checks, keyed by those: the precompile
-    pool's check is the one the worker then reads, and a config checked once is not compiled, run
-    through ptxas again and disassembled in every later study (Triton's own cache saves only the first)."""
+    The verdict is a function of the emitted source, `causal` and the toolchain, so it is kept
+    (build.memo_path "checks"): the precompile pool's check is the one the worker then reads, and a
+    config checked once is not compiled, run through ptxas again and disassembled in every later
+    study (Triton's own cache saves only the compile)."""
     from zyfa_tune.generator import emit
+    from zyfa_tune.generator.build import memo_path, read_memo, write_memo
 
     try:
-        path = _check_path(emit(config).source_hash, causal)
+        path = memo_path("checks", f"{emit(config).source_hash}-{'causal' if causal else 'full'}")
     except Exception:  # emission failed: _compile_check words the error
         return _compile_check(config, causal)
-    cached = _read_check(path)
-    if cached is not None:
-        return cached
+    kept = read_memo(path)
+    if _is_check(kept):
+        return CompileCheck(**kept)
     check = _compile_check(config, causal)
-    _write_check(path, check)
+    write_memo(path, asdict(check))
     return check
 
 
-def _check_path(source_hash: str, causal: bool) -> Path:
-    import triton
-
-    from zyfa_tune.generator.build import cache_dir
-
-    toolchain = re.sub(r"[^A-Za-z0-9_.+-]", "_", triton.__version__)
-    return cache_dir() / "checks" / f"{source_hash}-{'causal' if causal else 'full'}-triton{toolchain}.json"
-
-
-def _read_check(path: Path) -> CompileCheck | None:
-    """A stored verdict, or None if there is none or it does not read as one (then it is redone)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or set(data) != {f.name for f in fields(CompileCheck)}:
-        return None
-    if not (data["error"] is None or isinstance(data["error"], str)) or not all(
-            data[k] is None or type(data[k]) is int for k in ("registers", "spill_bytes", "shared_bytes")):
-        return None
-    return CompileCheck(**data)
-
-
-def _write_check(path: Path, check: CompileCheck) -> None:
-    """Write-then-rename, so a concurrent reader (the worker, another compile process) never sees
-    half a file; a cache that cannot be written only costs the next compile."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(asdict(check), fh)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("compile check not cached at %s: %s", path, exc)
+def _is_check(data: Any) -> bool:
+    """Whether a kept memo has CompileCheck's fields and types (else it is redone)."""
+    return (isinstance(data, dict) and set(data) == {f.name for f in fields(CompileCheck)}
+            and (data["error"] is None or isinstance(data["error"], str))
+            and all(data[k] is None or type(data[k]) is int for k in ("registers", "spill_bytes", "shared_bytes")))
 
 
 def _compile_check(config: KernelConfig, causal: bool) -> CompileCheck:
