@@ -88,8 +88,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
 #: one-launch natural-V twin (launch-bound shapes), at head dims 64 and 96 three consumer warpgroups, the
 #: default with P carried packed, the 256-key kernel with its row sums per lane, and the overlapped kernels
 #: with P through two shared-memory tiles at 256 and at 128 keys (the latter where the former does not
-#: fit: 192/128). A study whose
-#: gate admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also gets the lean Gluon default.
+#: fit: 192/128). A study whose gate admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also
+#: gets the lean Gluon default.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                     extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
                                  gluon_natural_config, gluon_three_config, gluon_packed_config, gluon_lanes_config,
