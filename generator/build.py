@@ -59,16 +59,22 @@ def read_memo(path: Path):
 
 
 def write_memo(path: Path, value) -> None:
-    """Write-then-rename, so a concurrent reader (a worker, another compile process) never sees half
-    a file; a memo that cannot be written only costs the next run of the tool."""
+    """Keep `value` at `path` (_write_file); a memo that cannot be written only costs the next run of
+    the tool."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(value, fh)
-        os.replace(tmp, path)
+        _write_file(path, json.dumps(value))
     except OSError as exc:
         log.warning("not kept at %s: %s", path, exc)
+
+
+def _write_file(path: Path, text: str) -> None:
+    """Write-then-rename, so a concurrent reader (a worker, another compile process) never sees half
+    a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
 
 
 def load_module(kernel: EmittedKernel) -> ModuleType:
@@ -77,15 +83,9 @@ def load_module(kernel: EmittedKernel) -> ModuleType:
         mod = _modules.get(kernel.source_hash)
         if mod is not None:
             return mod
-        folder = cache_dir() / "kernels"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"zyfa_{kernel.source_hash}.py"
+        path = cache_dir() / "kernels" / f"zyfa_{kernel.source_hash}.py"
         if not path.exists() or path.read_text() != kernel.source:
-            # write-then-rename: a concurrent reader never sees a half-written file
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-            with os.fdopen(fd, "w") as fh:
-                fh.write(kernel.source)
-            os.replace(tmp, path)
+            _write_file(path, kernel.source)
         name = f"zyfa_tune_kernels.k_{kernel.source_hash}"
         spec = importlib.util.spec_from_file_location(name, path)
         assert spec is not None and spec.loader is not None
