@@ -1,4 +1,5 @@
-"""The one timing function (device events, medians, rotated inputs) and GPU state from NVML."""
+"""The one timing function (device events, medians, rotated inputs), energy under sustained load,
+and GPU state from NVML."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import functools
 import os
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -21,8 +23,34 @@ class Timing:
     reps: int
     sm_clock_mhz: float | None = None  # mean of NVML reads during timing
     power_w: float | None = None
-    energy_j_per_call: float | None = None
+    energy_j_per_call: float | None = None  # only from a window of >= MIN_ENERGY_WINDOW_S
     samples_ms: tuple[float, ...] = ()  # every timed call, sorted (what `pooled` merges)
+
+
+#: Shortest window whose NVML energy reading is reported. On the A100 / H100 the power sensor behind
+#: NVML's energy counter is sampled about 25 ms of every 100 ms (Yang et al. 2024, "Part-time Power
+#: Measurements", arXiv 2312.02741): a timing block of 40 ms reads a slice of idle time or nothing
+#: (this H200 gave 130-230 W for full-load attention rows, docs/PERF.md session 17). Over a second
+#: or more of back-to-back calls the sampling averages out.
+MIN_ENERGY_WINDOW_S = 1.0
+
+
+@dataclass(frozen=True)
+class Energy:
+    """Energy of `calls` back-to-back calls over a `seconds`-long window (NVML's energy counter)."""
+
+    calls: int
+    seconds: float
+    joules: float
+    sm_clock_mhz: float | None = None
+
+    @property
+    def joules_per_call(self) -> float:
+        return self.joules / self.calls
+
+    @property
+    def power_w(self) -> float:
+        return self.joules / self.seconds
 
 
 def pooled(timings: Sequence[Timing]) -> Timing:
@@ -115,7 +143,7 @@ def time_cuda(calls: Sequence[Callable[[], Any]], *, warmup: int = 5, reps: int 
         calls[i % len(calls)]()
     torch.cuda.synchronize(device)
     nv, h = _nvml_handle(device)
-    e0 = _energy_mj(nv, h)
+    e0, t0 = _energy_mj(nv, h), time.perf_counter()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     clocks, powers = [], []
@@ -127,14 +155,81 @@ def time_cuda(calls: Sequence[Callable[[], Any]], *, warmup: int = 5, reps: int 
             clocks.append(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
             powers.append(nv.nvmlDeviceGetPowerUsage(h) / 1000.0)
     torch.cuda.synchronize(device)
-    e1 = _energy_mj(nv, h)
+    energy = _window(e0, _energy_mj(nv, h), time.perf_counter() - t0, reps)
     ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
     q = statistics.quantiles(ms, n=5) if len(ms) >= 5 else [ms[0]] * 4
-    energy = (e1 - e0) / 1000.0 / reps if e0 is not None and e1 is not None and e1 > e0 else None
     return Timing(median_ms=statistics.median(ms), p20_ms=q[0], p80_ms=q[3], min_ms=ms[0], reps=reps,
                   sm_clock_mhz=statistics.mean(clocks) if clocks else None,
                   power_w=statistics.mean(powers) if powers else None,
-                  energy_j_per_call=energy, samples_ms=tuple(ms))
+                  energy_j_per_call=energy.joules_per_call if energy else None, samples_ms=tuple(ms))
+
+
+def _window(e0_mj: float | None, e1_mj: float | None, seconds: float, calls: int) -> Energy | None:
+    """The energy of a window from two counter reads, or None where NVML gave none, the counter did
+    not move, or the window is too short to trust (MIN_ENERGY_WINDOW_S)."""
+    if e0_mj is None or e1_mj is None or e1_mj <= e0_mj or calls < 1 or seconds < MIN_ENERGY_WINDOW_S:
+        return None
+    return Energy(calls=calls, seconds=seconds, joules=(e1_mj - e0_mj) / 1000.0)
+
+
+def sustain(launch: Callable[[], Any], seconds: float, *, now: Callable[[], float] = time.perf_counter,
+            depth: int = 2) -> tuple[int, float]:
+    """Call `launch` (one batch of asynchronous calls; it returns something with `.synchronize()`,
+    a recorded CUDA event) until `seconds` have passed, with up to `depth` batches queued so the GPU
+    never waits for the host; return (batches, seconds elapsed) once all are done."""
+    if seconds <= 0:
+        raise ValueError(f"seconds: expected > 0, got {seconds}")
+    pending: deque = deque()
+    start, batches = now(), 0
+    while True:
+        pending.append(launch())
+        batches += 1
+        if len(pending) > depth:
+            pending.popleft().synchronize()
+        if now() - start >= seconds:
+            break
+    while pending:
+        pending.popleft().synchronize()
+    return batches, now() - start
+
+
+def sustained_energy(calls: Sequence[Callable[[], Any]], *, seconds: float = 2.0, call_ms: float = 1.0,
+                     device: int = 0) -> Energy | None:
+    """Energy per call under sustained load: `calls` round-robin back to back for `seconds`
+    (>= MIN_ENERGY_WINDOW_S), the NVML energy counter read before and after. The GPU runs at the clock
+    its power limit allows for this work, so the joules are what a long job would pay per call.
+    `call_ms` (a timing's median) sizes the batches between host checks (~50 ms each). None without
+    NVML's counter."""
+    if not calls:
+        raise ValueError("calls: need at least one callable")
+    if seconds < MIN_ENERGY_WINDOW_S:
+        raise ValueError(f"seconds: NVML's energy counter needs windows of >= {MIN_ENERGY_WINDOW_S} s, got {seconds}")
+    nv, h = _nvml_handle(device)
+    if _energy_mj(nv, h) is None:
+        return None
+    per_batch = max(1, round(50.0 / max(call_ms, 1e-3)))
+    clocks: list[float] = []
+    done = [0]
+
+    def launch():
+        for _ in range(per_batch):
+            calls[done[0] % len(calls)]()
+            done[0] += 1
+        event = torch.cuda.Event()
+        event.record()
+        clocks.append(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+        return event
+
+    for c in calls:  # warm: the window measures calls, not first-use work
+        c()
+    torch.cuda.synchronize(device)
+    e0 = _energy_mj(nv, h)
+    _, elapsed = sustain(launch, seconds)
+    energy = _window(e0, _energy_mj(nv, h), elapsed, done[0])
+    if energy is None:
+        return None
+    return Energy(calls=energy.calls, seconds=energy.seconds, joules=energy.joules,
+                  sm_clock_mhz=statistics.mean(clocks[len(clocks) // 2:]))  # the settled half
 
 
 def _energy_mj(nv, h) -> float | None:

@@ -342,7 +342,7 @@ def test_bench_on_gpu(tmp_path, dtype):
     peers = "sdpa-flash-bf16" if dtype == "bf16" else "none"
     rc = cli.main(["bench", "--dtype", dtype, "--head-dim", "128", "--seqlens", "1024,2048", "--batch-heads", "1x8",
                    "--peers", peers, "--ours", "fwd:q_order=forward", "--reps", "5", "--warm", "0.2",
-                   "--json", str(out)])
+                   "--json", str(out), *(["--energy-s", "1", "--ceiling"] if dtype == "fp8" else [])])
     assert rc == 0
     res = bench.BenchResult.load(out)
     ours = [r for r in res.rows if r.kind != "peer"]
@@ -352,6 +352,12 @@ def test_bench_on_gpu(tmp_path, dtype):
     assert {r.source for r in ours if r.kind == "ours"} <= {"exact", "nearest", "other-device", "default"}
     assert {r.source for r in ours if r.kind == "forced"} == {"forced"}
     assert res.environment.get("gpu_name") and json.loads(out.read_text())["settings"]["reps"] == 5
+    if dtype == "fp8":  # the FP8 GEMM ceiling and an energy window per system (where NVML has a counter)
+        assert 300 < res.ceiling["tflops"] < 3000 and res.ceiling["m"] == bench.CEILING_N
+        from zyfa_tune.kernels.timing import _energy_mj, _nvml_handle
+
+        if _energy_mj(*_nvml_handle(0)) is not None:
+            assert all(r.tflop_per_j and 50 < r.power_w < 1500 for r in ours)
 
 
 def test_rounds_interleave_systems_in_rotated_order_and_pool_their_samples():
@@ -397,3 +403,129 @@ def test_pooled_timing():
     assert pooled([dataclasses.replace(a, samples_ms=()), dataclasses.replace(b, samples_ms=())]).median_ms == 2.0
     with pytest.raises(ValueError):
         pooled([])
+
+
+# ---- energy windows and the FP8 GEMM ceiling ---------------------------------------------------
+
+class FakeEvent:
+    def __init__(self, log):
+        self.log, self.done = log, False
+
+    def synchronize(self):
+        self.done = True
+        self.log.append("sync")
+
+
+def test_sustain_keeps_batches_queued_until_the_window_ends():
+    """`sustain` launches until its window has passed, never waits on the batch just queued (the GPU
+    always has the next one) and returns only when every batch is done."""
+    clock, log, events = [0.0], [], []
+
+    def now():
+        return clock[0]
+
+    def launch():
+        clock[0] += 0.25   # each batch's launch + the waits take a quarter second of host time here
+        log.append("launch")
+        events.append(FakeEvent(log))
+        return events[-1]
+
+    from zyfa_tune.kernels.timing import sustain
+
+    batches, elapsed = sustain(launch, 1.0, now=now, depth=2)
+    assert batches == 4 and elapsed == pytest.approx(1.0) and all(e.done for e in events)
+    assert log[:4] == ["launch"] * 3 + ["sync"]   # the first wait comes once 3 batches are queued
+    with pytest.raises(ValueError):
+        sustain(launch, 0.0)
+
+
+def test_energy_window_is_reported_only_when_long_enough():
+    from zyfa_tune.kernels import timing
+
+    e = timing._window(1000.0, 3000.0, 2.0, 400)      # 2 J over 2 s, 400 calls
+    assert e.joules == pytest.approx(2.0) and e.power_w == pytest.approx(1.0) and e.joules_per_call == pytest.approx(5e-3)
+    assert timing._window(1000.0, 1600.0, 0.04, 20) is None            # a 40 ms timing block: noise
+    assert timing._window(1000.0, 1000.0, 2.0, 20) is None             # the counter did not move
+    assert timing._window(None, 1000.0, 2.0, 20) is None               # no NVML
+    with pytest.raises(ValueError, match="1.0 s"):
+        timing.sustained_energy([lambda: None], seconds=0.5)
+
+
+def test_sustained_energy_without_nvml_is_none(monkeypatch):
+    from zyfa_tune.kernels import timing
+
+    monkeypatch.setattr(timing, "_nvml_handle", lambda device: (None, None))
+    assert timing.sustained_energy([lambda: None], seconds=1.0) is None
+
+
+def test_energy_windows_give_tflop_per_j_and_power():
+    """With energy_s, each system gets one window after its timing; its joules per call make TFLOP/J
+    and its mean power the W column; a failing window is that system's error, not the run's."""
+    from zyfa_tune.kernels.timing import Energy
+
+    shape = bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=128, heads=2, kv_heads=2)
+    seen = []
+
+    def energy(calls, seconds, call_ms):
+        seen.append((len(calls), seconds, call_ms))
+        if len(seen) == 2:
+            raise RuntimeError("NVML went away")
+        return Energy(calls=1000, seconds=seconds, joules=500.0, sm_clock_mhz=1700.0)
+
+    systems = [bench.System(n, "peer", "bf16", bench._sdpa("MATH")) for n in ("a", "b")]
+    a, b = bench.measure_shape(shape, systems, seed=0, reps=5, device="cpu", timer=fake_timer, energy_s=2.0,
+                               energy=energy)
+    assert seen == [(1, 2.0, 2.0), (1, 2.0, 2.0)]  # the window is told the timed median
+    assert a.energy_j_per_call == pytest.approx(0.5) and a.power_w == pytest.approx(250.0)
+    assert a.tflop_per_j == pytest.approx(shape.flops / 0.5 / 1e12)
+    assert a.sustained_tflops == pytest.approx(shape.flops * 500 / 1e12) and a.sustained_clock_mhz == 1700.0
+    assert "sustained" in bench_report.row_line(a) and "sustained" not in bench_report.row_line(b)
+    assert b.error == "RuntimeError: NVML went away" and b.tflops is None
+    plain = bench.measure_shape(shape, systems[:1], seed=0, reps=5, device="cpu", timer=fake_timer, energy=energy)
+    assert len(seen) == 2 and plain[0].power_w == 500.0  # energy_s=0: no window
+
+
+def test_energy_window_length_is_validated():
+    shapes = bench.shapes_from(128, None, "1024")
+    for bad in (0.5, -1.0, 61.0):
+        with pytest.raises(ValueError, match="energy_s"):
+            bench.BenchPlan(shapes=shapes, ours=(), peers=(), energy_s=bad)
+    assert bench.BenchPlan(shapes=shapes, ours=(), peers=(), energy_s=2.0).energy_s == 2.0
+
+
+def test_gemm_ceiling_record_and_table_share():
+    """The ceiling is pooled over its blocks (start and end of the run); FP8 rows show their share of
+    it, bf16 rows none; it survives the JSON round trip, and a run without one has no such column."""
+    from rich.console import Console
+
+    blocks = [Timing(median_ms=1.0, p20_ms=1.0, p80_ms=1.0, min_ms=1.0, reps=5, samples_ms=(1.0,) * 5),
+              Timing(median_ms=1.2, p20_ms=1.2, p80_ms=1.2, min_ms=1.2, reps=5, samples_ms=(1.2,) * 5)]
+    c = bench.gemm_ceiling(blocks, n=1000)
+    assert c["tflops"] == pytest.approx(2e9 / 1.1e-3 / 1e12) and c["m"] == 1000 and c["reps"] == 10
+    res = dataclasses.replace(sample_result(), ceiling=dict(c, tflops=1000.0))
+
+    def text(r):
+        console = Console(width=300, record=True)
+        console.print(bench_report.results_table(r))
+        return console.export_text()
+
+    out = text(res)
+    assert "of FP8 GEMM" in out and "FP8 GEMM ceiling: 1000.0 TFLOP/s" in out
+    assert "50%" in out and "91%" in out  # ours 500 at 4K; FA3 700 x 1.3 at 16K
+    assert "of FP8 GEMM" not in text(sample_result())
+
+
+def test_ceiling_json_round_trip_and_old_runs(tmp_path):
+    res = dataclasses.replace(sample_result(), ceiling={"tflops": 1270.0, "m": 8192})
+    res.save(tmp_path / "r.json")
+    assert bench.BenchResult.load(tmp_path / "r.json") == res
+    assert bench.BenchResult.load(OLD_JSON).ceiling == {}
+
+
+def test_cli_energy_and_ceiling_reach_the_plan(monkeypatch):
+    plans = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run", lambda plan, on_row=None: plans.append(plan) or sample_result())
+    cli.main(["bench", "--seqlens", "4096", "--peers", "none", "--energy-s", "2", "--ceiling"])
+    cli.main(["bench", "--seqlens", "4096", "--peers", "none"])
+    assert [(p.energy_s, p.ceiling) for p in plans] == [(2.0, True), (0.0, False)]

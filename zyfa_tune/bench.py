@@ -18,6 +18,13 @@ gaussian by default, or activation-like ones). BF16 systems get the bf16 tensors
 quantised from. "ours" is `flash_attn_func` through the dispatcher (what a user gets);
 forced configs (`--ours label:key=val,...`) run beside it. FLOPs = 2*B*H*S^2*(Dqk+Dv)/2 (causal).
 
+Energy (`energy_s`): NVML's counter is only trustworthy over a second or more (kernels.timing), so
+TFLOP/J comes from a separate window per system after its timing rounds, the calls back to back for
+`energy_s` seconds at whatever clock the power limit then allows; the W column is that window's mean
+power. The FP8 GEMM ceiling (`ceiling`): torch._scaled_mm at 8192^3 (e4m3 in, bf16 out), timed by the
+same timer at the start and at the end of the run, so each FP8 row can say what share of the tensor
+cores' practical rate it reaches.
+
 Results are a `BenchResult` (JSON: `save` / `load`); `zyfa_tune.bench_report` draws the table and
 the plot from it, so a saved run can be redrawn on a machine without a GPU.
 """
@@ -34,6 +41,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from zyfa_tune.generator import HEAD_DIMS, ConfigError, KernelConfig
+from zyfa_tune.kernels.timing import MIN_ENERGY_WINDOW_S
 from zyfa_tune.worker import Shape
 
 E4M3_MAX = 448.0
@@ -391,9 +399,11 @@ class BenchRow:
     min_ms: float | None = None
     reps: int | None = None
     sm_clock_mhz: float | None = None
-    power_w: float | None = None
+    power_w: float | None = None         # NVML: the energy window's mean power where one ran, else reads while timing
     energy_j_per_call: float | None = None
     tflop_per_j: float | None = None
+    sustained_tflops: float | None = None      # over the energy window: at the clock the power limit allows
+    sustained_clock_mhz: float | None = None
     rel_l2: float | None = None
     max_err: float | None = None
     config: str | None = None
@@ -426,6 +436,7 @@ class BenchResult:
     environment: dict[str, Any]          # driver, CUDA, torch, Triton, generator version
     settings: dict[str, Any]             # reps, seed, rotate, warm-up seconds
     rows: tuple[BenchRow, ...]
+    ceiling: dict[str, Any] = dataclasses.field(default_factory=dict)  # gemm_ceiling's, where measured
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -449,7 +460,7 @@ class BenchResult:
         rows = tuple(BenchRow.from_dict(r) for r in data["rows"])
         return cls(date=str(data.get("date", "")), gpu=dict(data.get("gpu") or {}),
                    gpu_after=dict(data.get("gpu_after") or {}), environment=dict(data.get("environment") or {}),
-                   settings=dict(data.get("settings") or {}), rows=rows)
+                   settings=dict(data.get("settings") or {}), rows=rows, ceiling=dict(data.get("ceiling") or {}))
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -461,18 +472,21 @@ def _error_text(exc: BaseException) -> str:
 
 def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, reps: int, rotate: int = 1,
                   rounds: int = 3, device: str = "cuda", timer: Callable[..., Any] | None = None,
-                  input_family: str = "gaussian", quant: str = "per-tensor",
+                  input_family: str = "gaussian", quant: str = "per-tensor", energy_s: float = 0.0,
+                  energy: Callable[..., Any] | None = None,
                   on_row: Callable[[BenchRow], None] | None = None) -> list[BenchRow]:
     """All systems on `rotate` fresh input sets of one shape (seeds seed, seed+1, ...). Each system
     runs once on the first set for its error against the float64 reference (computed once per
     dtype); then they are timed in `rounds` rounds of about reps / rounds calls each, every round in
     a rotated order, so that the clock drift of a GPU at its power limit (1980 -> 1500 MHz within a
     run, docs/PERF.md) falls on every system alike instead of on whichever runs last. A failing
-    system gives a row with `error`."""
+    system gives a row with `error`. With `energy_s` > 0 each system then runs for that long back to
+    back (`energy`, default kernels.timing.sustained_energy) for its joules per call."""
     from zyfa_tune.kernels.reference import max_abs_err, rel_l2
-    from zyfa_tune.kernels.timing import pooled, time_cuda
+    from zyfa_tune.kernels.timing import pooled, sustained_energy, time_cuda
 
     timer = timer or time_cuda
+    energy = energy or sustained_energy
     inputs = [Inputs.random(shape, seed + i, device, input_family, quant == "native") for i in range(rotate)]
     refs: dict[str, torch.Tensor] = {}
     base = dict(shape=shape.label, dqk=shape.head_dim_qk, dv=shape.head_dim_v, b=shape.batch, s=shape.seqlen,
@@ -510,17 +524,26 @@ def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, re
                 blocks[i].append(timer([b.call for b in ready[i][0]], warmup=3, reps=per_round))
             except Exception as exc:
                 rows[i] = failed(systems[i], ready[i][0], exc)
+    timings = {i: pooled(blocks[i]) for i in order if i not in rows}
+    windows: dict[int, Any] = {}
+    for i in (timings if energy_s > 0 else ()):
+        try:
+            windows[i] = energy([b.call for b in ready[i][0]], seconds=energy_s, call_ms=timings[i].median_ms)
+        except Exception as exc:
+            rows[i] = failed(systems[i], ready[i][0], exc)
     out_rows = []
     for i, system in enumerate(systems):
         if i not in rows:
             bound, errors = ready[i]
-            t = pooled(blocks[i])
-            flops, energy = shape.flops, t.energy_j_per_call
+            t, window = timings[i], windows.get(i)
+            joules = window.joules_per_call if window else t.energy_j_per_call
             rows[i] = BenchRow(**base, system=system.name, kind=system.kind, dtype=system.dtype, **errors,
-                               tflops=flops / (t.median_ms * 1e-3) / 1e12, median_ms=t.median_ms, p20_ms=t.p20_ms,
-                               p80_ms=t.p80_ms, min_ms=t.min_ms, reps=t.reps, sm_clock_mhz=t.sm_clock_mhz,
-                               power_w=t.power_w, energy_j_per_call=energy,
-                               tflop_per_j=flops / energy / 1e12 if energy else None,
+                               tflops=shape.flops / (t.median_ms * 1e-3) / 1e12, median_ms=t.median_ms,
+                               p20_ms=t.p20_ms, p80_ms=t.p80_ms, min_ms=t.min_ms, reps=t.reps,
+                               sm_clock_mhz=t.sm_clock_mhz, power_w=window.power_w if window else t.power_w,
+                               energy_j_per_call=joules, tflop_per_j=shape.flops / joules / 1e12 if joules else None,
+                               sustained_tflops=shape.flops * window.calls / window.seconds / 1e12 if window else None,
+                               sustained_clock_mhz=window.sm_clock_mhz if window else None,
                                config=bound[0].config, source=bound[0].source)
         out_rows.append(rows[i])
         if on_row:
@@ -540,6 +563,8 @@ class BenchPlan:
     warm_s: float = 3.0      # seconds of bf16 GEMMs before the first timing
     input_family: str = "gaussian"   # kernels.inputs families, comma-separated: every shape on each
     quant: str = "per-tensor"        # QUANT_MODES
+    energy_s: float = 0.0            # seconds of back-to-back calls per system for TFLOP/J (0: none)
+    ceiling: bool = False            # also time the FP8 GEMM ceiling (gemm_ceiling) at the start and end
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -560,6 +585,9 @@ class BenchPlan:
         if quantised and self.quant != "native":
             raise ValueError(f"--ours {quantised[0]}: quantisation options need --quant native "
                              f"(per-tensor mode gives every FP8 system the same tensors)")
+        if self.energy_s and not MIN_ENERGY_WINDOW_S <= self.energy_s <= 60:
+            raise ValueError(f"energy_s: expected 0 (no energy window) or {MIN_ENERGY_WINDOW_S}-60 seconds "
+                             f"(NVML's counter is not trustworthy over shorter windows), got {self.energy_s}")
         for name, lo in (("reps", 5), ("rotate", 1), ("rounds", 1)):
             if getattr(self, name) < lo:
                 raise ValueError(f"{name}: expected >= {lo}, got {getattr(self, name)}")
@@ -584,9 +612,33 @@ def environment() -> dict[str, Any]:
         return {"torch": torch.__version__}
 
 
+#: The FP8 GEMM whose rate is the ceiling FP8 attention is compared with (issue 6: ~1270 TFLOP/s here).
+CEILING_N = 8192
+
+
+def fp8_gemm(n: int = CEILING_N, device: str = "cuda") -> Callable[[], Any]:
+    """One call of torch._scaled_mm on n x n x n e4m3 operands (B column-major, as cuBLASLt's FP8
+    GEMM wants it), bf16 out: the tensor cores' practical FP8 rate on this GPU."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=g).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device, generator=g).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def gemm_ceiling(timings: Sequence[Any], n: int = CEILING_N) -> dict[str, Any]:
+    """The ceiling's record from its timing blocks (kernels.timing.Timing, pooled over the run)."""
+    from zyfa_tune.kernels.timing import pooled
+
+    t = pooled(timings)
+    return dict(system="torch._scaled_mm e4m3 x e4m3 -> bf16", m=n, n=n, k=n, median_ms=t.median_ms,
+                tflops=2.0 * n ** 3 / (t.median_ms * 1e-3) / 1e12, sm_clock_mhz=t.sm_clock_mhz, reps=t.reps)
+
+
 def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> BenchResult:
-    """Warm the GPU, then measure every shape; GPU state recorded before and after."""
-    from zyfa_tune.kernels.timing import gpu_state, warm_gpu
+    """Warm the GPU, then measure every shape; GPU state recorded before and after (and the FP8 GEMM
+    ceiling at both ends where asked)."""
+    from zyfa_tune.kernels.timing import gpu_state, time_cuda, warm_gpu
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench: no CUDA device is visible; measuring needs the GPU "
@@ -594,15 +646,20 @@ def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> Be
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     before = gpu_state()
     warm_gpu(plan.warm_s)
+    gemm = fp8_gemm() if plan.ceiling else None
+    ceiling_blocks = [time_cuda([gemm], warmup=3, reps=plan.reps)] if gemm else []
     rows: list[BenchRow] = []
     for family in plan.families:
         for shape in plan.shapes:
             rows += measure_shape(shape, systems_for(shape, plan.ours, plan.peers), seed=plan.seed, reps=plan.reps,
                                   rotate=plan.rotate, rounds=plan.rounds, on_row=on_row, input_family=family,
-                                  quant=plan.quant)
+                                  quant=plan.quant, energy_s=plan.energy_s)
             torch.cuda.empty_cache()
+    if gemm:
+        ceiling_blocks.append(time_cuda([gemm], warmup=3, reps=plan.reps))
     settings = dict(reps=plan.reps, seed=plan.seed, rotate=plan.rotate, rounds=plan.rounds, warm_s=plan.warm_s,
-                    input_family=plan.input_family, quant=plan.quant,
+                    input_family=plan.input_family, quant=plan.quant, energy_s=plan.energy_s,
                     peers=list(plan.peers), ours=[dataclasses.asdict(o) for o in plan.ours])
     return BenchResult(date=date, gpu=before, gpu_after=gpu_state(), environment=environment(),
-                       settings=settings, rows=tuple(rows))
+                       settings=settings, rows=tuple(rows),
+                       ceiling=gemm_ceiling(ceiling_blocks) if ceiling_blocks else {})

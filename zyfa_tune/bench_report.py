@@ -73,18 +73,25 @@ def results_table(result: BenchResult) -> Table:
     inputs = ", ".join(families)
     quant = result.settings.get("quant", "per-tensor")
     how = "each system quantises its own (error vs unquantised)" if quant == "native" else "shared FP8 inputs"
-    table = Table(title=f"zyfa-tune bench: {gpu}, causal, {result.date[:16]}, {inputs} inputs, {how}")
-    for col in ("shape", "system", "TFLOP/s", "vs best peer", "median ms", "rel.L2", "SM MHz", "W", "TFLOP/J",
-                "kernel"):
+    gemm = result.ceiling.get("tflops")
+    caption = (f"FP8 GEMM ceiling: {gemm:.1f} TFLOP/s ({result.ceiling.get('system', 'FP8 GEMM')}, "
+               f"{result.ceiling.get('m')}^3, {_num(result.ceiling.get('sm_clock_mhz'), '.0f')} MHz)" if gemm else None)
+    table = Table(title=f"zyfa-tune bench: {gpu}, causal, {result.date[:16]}, {inputs} inputs, {how}", caption=caption)
+    columns = ["shape", "system", "TFLOP/s", "vs best peer"] + (["of FP8 GEMM"] if gemm else []) + [
+        "median ms", "rel.L2", "SM MHz", "W", "TFLOP/J", "kernel"]
+    for col in columns:
         table.add_column(col, overflow="fold", justify="left" if col in ("shape", "system", "kernel") else "right")
     peers = best_peer(result.rows)
     for r in result.rows:
         style = "bold" if r.kind != "peer" else None
         if r.error:
-            table.add_row(_shape(r, len(families) > 1), r.system, *["-"] * 7, f"[red]{r.error}[/red]", style=style)
+            table.add_row(_shape(r, len(families) > 1), r.system, *["-"] * (len(columns) - 3), f"[red]{r.error}[/red]",
+                          style=style)
             continue
         ref = peers.get((r.shape, r.dtype, r.family))
-        table.add_row(_shape(r, len(families) > 1), r.system, _num(r.tflops, ".1f"), f"{r.tflops / ref:.2f}x" if ref and r.tflops else "-",
+        share = [f"{r.tflops / gemm:.0%}" if r.tflops and r.dtype == "fp8" else "-"] if gemm else []
+        table.add_row(_shape(r, len(families) > 1), r.system, _num(r.tflops, ".1f"),
+                      f"{r.tflops / ref:.2f}x" if ref and r.tflops else "-", *share,
                       _num(r.median_ms, ".3f"), _num(r.rel_l2, ".2e"), _num(r.sm_clock_mhz, ".0f"),
                       _num(r.power_w, ".0f"), _num(r.tflop_per_j, ".2f"), _kernel(r), style=style)
     return table
@@ -96,7 +103,9 @@ def row_line(r: BenchRow) -> str:
     if r.error:
         return f"{shape:<28} {r.system:<22} ERROR {r.error}"
     return (f"{shape:<28} {r.system:<22} {_num(r.tflops, '7.1f')} TFLOP/s  {_num(r.median_ms, '8.3f')} ms  "
-            f"relL2 {_num(r.rel_l2, '.3e')}  {_num(r.sm_clock_mhz, '.0f')} MHz  {_num(r.power_w, '.0f')} W")
+            f"relL2 {_num(r.rel_l2, '.3e')}  {_num(r.sm_clock_mhz, '.0f')} MHz  {_num(r.power_w, '.0f')} W"
+            + (f"  sustained {r.sustained_tflops:.1f} TFLOP/s at {_num(r.sustained_clock_mhz, '.0f')} MHz, "
+               f"{_num(r.tflop_per_j, '.2f')} TFLOP/J" if r.sustained_tflops else ""))
 
 
 # ---- plot --------------------------------------------------------------------------------------

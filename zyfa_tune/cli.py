@@ -345,7 +345,7 @@ def _bench_plan(args: argparse.Namespace):
     return bench.BenchPlan(shapes=shapes, ours=tuple(ours), peers=bench.parse_peers(args.peers, dtypes),
                            reps=args.reps, seed=args.seed, rotate=args.rotate, rounds=args.rounds, warm_s=args.warm,
                            input_family=",".join(FAMILY_NAMES) if args.input_family == "all" else args.input_family,
-                           quant=args.quant)
+                           quant=args.quant, energy_s=args.energy_s, ceiling=args.ceiling)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -511,6 +511,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="FP8 inputs: one shared per-tensor quantisation (kernel error only), or each system's "
                         "own with errors against the unquantised inputs (then --ours NAME:smooth_k=true works)")
     p.add_argument("--warm", type=float, default=3.0, help="seconds of GEMMs to reach sustained clocks first")
+    p.add_argument("--energy-s", type=float, default=0.0, metavar="SECONDS",
+                   help="TFLOP/J: after its timing, run each system back to back this long (>= 1 s; NVML's energy "
+                        "counter is noise over shorter windows) and read the energy counter around it (default 0: none)")
+    p.add_argument("--ceiling", action="store_true",
+                   help="also time the FP8 GEMM ceiling (torch._scaled_mm, 8192^3) at the start and end of the run; "
+                        "FP8 rows then show their share of it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="OUT.json", help="save every row and the GPU state")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="TFLOP/s vs seqlen (needs zyfa-tune[plot])")
