@@ -59,16 +59,17 @@ CHOICES: dict[str, tuple] = {
     "late_rescale": (False, True),
     "o_split": (False, True),
     "half_block": (False, True),
+    "o_through_p": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
-                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block")
+                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
-               "p_carry", "lane_sums", "late_rescale", "o_split", "half_block")
+               "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads")
@@ -186,6 +187,11 @@ class KernelConfig:
                   (whose PV reads whole tiles) is unchanged. With 128-row tiles and 256-key blocks that
                   is every second tile's diagonal block: half a block of exponentials saved (+3% at 4K
                   on the plain schedule). The same output (bitwise on the plain schedule).
+    o_through_p:  Gluon, p_carry="smem2", where the 64 x O_W bf16 output tile does not fit one P tile
+                  (block_n < 2 O_W: hd256 and 192/128 at 128 keys): no output tile of its own; the epilogue
+                  stores O in column chunks of block_n / 2 (what one P tile holds), alternating between the
+                  warpgroup's two P tiles (free once the tile's last PV is done). At hd256 that is the 64 KB
+                  that keeps the 128-key overlap with two P tiles out of shared memory (263 KB -> 199 KB).
     """
 
     dtype: str = "fp8"
@@ -224,6 +230,7 @@ class KernelConfig:
     late_rescale: bool = False
     o_split: bool = False
     half_block: bool = False
+    o_through_p: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -298,6 +305,8 @@ class KernelConfig:
         if self.o_split and (why := o_split_conflict(vars(self))):
             raise ConfigError(why)
         if self.half_block and (why := half_block_conflict(vars(self))):
+            raise ConfigError(why)
+        if self.o_through_p and (why := o_through_p_conflict(vars(self))):
             raise ConfigError(why)
         if self.late_rescale and not self.overlap:
             raise ConfigError("late_rescale=True moves the overlapped step's O rescale after its PV wait: it needs "
@@ -393,7 +402,7 @@ class KernelConfig:
                                           ("packedP", self.p_carry == "e4m3"),
                                           ("smemP", self.p_carry == "smem"), ("smemP2", self.p_carry == "smem2"),
                                           ("laneSums", self.lane_sums), ("oSplit", self.o_split),
-                                          ("halfBlock", self.half_block),
+                                          ("halfBlock", self.half_block), ("oThroughP", self.o_through_p),
                                           ("balanced", self.q_order == "balanced")) if flag]
             softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
@@ -466,6 +475,29 @@ def o_split_conflict(f: Mapping[str, Any]) -> str | None:
     return None
 
 
+def o_through_p_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why a Gluon config with these fields cannot store its output through its two P tiles in chunks
+    (o_through_p=True), or None. One rule for validation and for the search space."""
+    if f["p_carry"] != "smem2" or f["o_split"]:
+        return ("o_through_p=True stores O through the warpgroup's two P tiles: it needs p_carry='smem2' and "
+                "one O part (o_split=False)")
+    width = _o_width(int(f["head_dim_v"]))
+    if width != f["head_dim_v"]:
+        return (f"o_through_p=True stores O in column chunks of its own width: head_dim_v={f['head_dim_v']} is "
+                f"padded to {width} columns (stored through a clipped 4-D box)")
+    if f["block_n"] >= 2 * width:
+        return (f"o_through_p=True: at block_n={f['block_n']} the 64 x {width} output tile already lives in the "
+                f"first P tile")
+    if width // (f["block_n"] // 2) > 4:
+        return (f"o_through_p=True at block_n={f['block_n']}: {width} columns would take "
+                f"{width // (f['block_n'] // 2)} chunks of {f['block_n'] // 2}; at most 4")
+    return None
+
+
+def _o_width(head_dim_v: int) -> int:
+    return 1 << (head_dim_v - 1).bit_length()
+
+
 def gluon_o_parts(config: KernelConfig) -> tuple[int, int]:
     """Columns of a Gluon consumer's O accumulators (and of the V^T and output tiles behind them):
     with o_split (64, 32); else (head_dim_v rounded up to a power of two, 0), as tensor shapes must be
@@ -474,7 +506,7 @@ def gluon_o_parts(config: KernelConfig) -> tuple[int, int]:
     clipped at head_dim_v)."""
     if config.o_split:
         return 64, 32
-    return 1 << (int(config.head_dim_v) - 1).bit_length(), 0
+    return _o_width(int(config.head_dim_v)), 0
 
 
 #: the p_carry values that take P through shared memory -> P tiles per consumer warpgroup
@@ -489,8 +521,17 @@ def p_tiles(c: KernelConfig) -> int:
 def o_in_p_tile(c: KernelConfig) -> bool:
     """p_carry="smem2": each consumer's bf16 output tile lives in its first P tile (free once the
     tile's last PV is done) where it fits: 64 x block_n e4m3 bytes hold 64 x O_W bf16 when
-    block_n >= 2 O_W (one O part)."""
-    return p_tiles(c) == 2 and not c.o_split and c.block_n >= 2 * gluon_o_parts(c)[0]
+    block_n >= 2 O_W (one O part); with o_through_p, in chunks through both P tiles (o_chunks)."""
+    return p_tiles(c) == 2 and not c.o_split and (c.block_n >= 2 * gluon_o_parts(c)[0] or c.o_through_p)
+
+
+def o_chunks(c: KernelConfig) -> tuple[int, int]:
+    """(columns, count) of the output stores per consumer tile: O_W in one store, or with o_through_p
+    chunks of block_n / 2 columns (one P tile of 64 x block_n e4m3 bytes holds 64 x block_n / 2 bf16)."""
+    width = gluon_o_parts(c)[0]
+    if c.o_through_p:
+        return c.block_n // 2, width // (c.block_n // 2)
+    return width, 1
 
 
 def gluon_registers(config: KernelConfig) -> tuple[int, int]:

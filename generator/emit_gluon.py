@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_in_p_tile, p_tiles
+from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_chunks, o_in_p_tile, p_tiles
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
@@ -68,8 +68,9 @@ def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
         blocks["desc_vb"] = ("fp8", [oa, bn_b])
     if oc:  # o_split: the second O part's V^T rows
         blocks["desc_vc"] = ("fp8", [oc, bn])
-    # O's columns [0, oa), clipped per batch; a padded tile (oa > dv) also at dv, in a 4-D view
-    blocks["desc_o"] = ("bf16", [1, 64, oa] if oa <= dv else [1, 64, 1, oa])
+    # O's columns [0, oa), clipped per batch; a padded tile (oa > dv) also at dv, in a 4-D view; with
+    # o_through_p in chunks of o_chunks' width
+    blocks["desc_o"] = ("bf16", [1, 64, o_chunks(config)[0]] if oa <= dv else [1, 64, 1, oa])
     if oc:  # o_split: O's columns [oa, oa + oc)
         blocks["desc_oc"] = ("bf16", [1, 64, oc])
     return blocks
@@ -183,6 +184,8 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("P_SMEM", p_tiles(c) > 0), ("K_AHEAD", p_tiles(c) > 0),
         # two P tiles per consumer (P(j) stored while PV(j-1) reads the other; published under QK^T(j+1))
         ("P_DOUBLE", p_tiles(c) == 2), ("O_IN_P", o_in_p_tile(c)),
+        # the output's stores per tile: O_CHUNKS of O_CHUNK columns (o_through_p: through both P tiles)
+        ("O_CHUNK", o_chunks(c)[0]), ("O_CHUNKS", o_chunks(c)[1]),
         # the P tile's swizzle (bytes): a row of BLOCK_N e4m3, up to the 128-byte maximum
         ("P_SWIZZLE", min(128, int(c.block_n))),
         ("LANE_SUMS", bool(c.lane_sums)), ("LATE_RESCALE", bool(c.late_rescale)),
@@ -352,7 +355,7 @@ def _entry(c: KernelConfig) -> str:
         "                                       desc_q.layout)",
         *_k_lines(c),
         *_v_lines(c),
-        "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_W], gl.bfloat16)",
+        "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_CHUNK], gl.bfloat16)",
         *(["    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, O_W], o_layout)"]
           if not o_in_p_tile(c) else []),
         *(["    oc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_C], gl.bfloat16)",
@@ -360,8 +363,8 @@ def _entry(c: KernelConfig) -> str:
           if c.o_split else []),
         *_ones_lines(c),
         *_p_lines(c),
-        *(["    o_bufs = p_bufs._reinterpret(gl.bfloat16, [NUM_CONSUMERS, 64, O_W], o_layout)"]
-          if o_in_p_tile(c) else []),
+        *([f"    o_bufs = p_bufs._reinterpret(gl.bfloat16, [{'2 * ' if c.o_through_p else ''}NUM_CONSUMERS, 64, "
+           "O_CHUNK], o_layout)"] if o_in_p_tile(c) else []),
         "    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
         "    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
         "    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",

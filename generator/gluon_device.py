@@ -785,6 +785,27 @@ def _first_softmax(s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_
 
 
 @gluon.jit
+def _column_halves(x):
+    """The (64, W / 2) left and right halves of a (64, W) wgmma accumulator (or its bf16 rounding): a thread
+    holds columns 8c + 2q + b, so each half is half of its registers (no data movement)."""
+    return gl.split(x.reshape([64, 2, x.shape[1] // 2]).permute((0, 2, 1)))
+
+
+@gluon.jit
+def _o_chunk_store(x, K: gl.constexpr, o_bufs, o_desc, b, row0, col0, CID: gl.constexpr):
+    """O_THROUGH_P: output chunk K (columns [K O_CHUNK, (K + 1) O_CHUNK) of the warpgroup's 64 rows) into
+    its P tile K % 2 and a TMA store from there; chunk K >= 2 first waits for the store of chunk K - 2,
+    which read the same tile. The tile's last PV is done (O is final), and the next tile's first P store
+    waits for these stores (O_IN_P)."""
+    if K >= 2:
+        tma.store_wait(1)
+    tile = o_bufs.index((K % 2) * NUM_CONSUMERS + CID)
+    tile.store(x)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, row0, col0 + K * O_CHUNK], tile.reshape([1, 64, O_CHUNK]))
+
+
+@gluon.jit
 def _lower_keys(s):
     """The scores of a block's lower half of keys, from the whole block's (64, N) accumulator: a thread
     holds keys 8c + 2q + b, so the lower half (c < N / 16) is half of each thread's registers."""
@@ -1068,14 +1089,28 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
             inv = gl.where(l_o > 0.0, v_scale / l_o, 0.0)
             o = (acc * inv[:, None]).to(gl.bfloat16)
             tma.store_wait(0)
-            o_smem.store(o)
-            if O_SPLIT:
-                oc_smem.store((accc * gl.convert_layout(inv, row_oc)[:, None]).to(gl.bfloat16))
-            fence_async_shared()
-            if O_W <= HEAD_D:  # O's first (or only) O_W columns
-                tma.async_copy_shared_to_global(o_desc, [b, row0, h * HEAD_D], o_smem.reshape([1, 64, O_W]))
-            else:  # (B, Sq, H, D) view: the box's columns past D (the padding of O_W) are clipped
-                tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], o_smem.reshape([1, 64, 1, O_W]))
-            if O_SPLIT:
-                tma.async_copy_shared_to_global(oc_desc, [b, row0, h * HEAD_D + O_W], oc_smem.reshape([1, 64, O_C]))
+            if O_CHUNKS > 1:  # o_through_p: chunks through the two P tiles (O_CHUNKS 2 or 4)
+                o_left, o_right = _column_halves(o)
+                if O_CHUNKS == 2:
+                    _o_chunk_store(o_left, 0, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
+                    _o_chunk_store(o_right, 1, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
+                else:
+                    o_0, o_1 = _column_halves(o_left)
+                    o_2, o_3 = _column_halves(o_right)
+                    _o_chunk_store(o_0, 0, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
+                    _o_chunk_store(o_1, 1, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
+                    _o_chunk_store(o_2, 2, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
+                    _o_chunk_store(o_3, 3, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
+            else:
+                o_smem.store(o)
+                if O_SPLIT:
+                    oc_smem.store((accc * gl.convert_layout(inv, row_oc)[:, None]).to(gl.bfloat16))
+                fence_async_shared()
+                if O_W <= HEAD_D:  # O's first (or only) O_W columns
+                    tma.async_copy_shared_to_global(o_desc, [b, row0, h * HEAD_D], o_smem.reshape([1, 64, O_W]))
+                else:  # (B, Sq, H, D) view: the box's columns past D (the padding of O_W) are clipped
+                    tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], o_smem.reshape([1, 64, 1, O_W]))
+                if O_SPLIT:
+                    tma.async_copy_shared_to_global(oc_desc, [b, row0, h * HEAD_D + O_W],
+                                                    oc_smem.reshape([1, 64, O_C]))
     tma.store_wait(0)

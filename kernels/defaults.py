@@ -13,6 +13,7 @@ over round robin at 4K-16K, bitwise the same output), producer warp at 24 regist
 from __future__ import annotations
 
 from zyfa_tune.generator import ConfigError, KernelConfig
+from zyfa_tune.generator.config import o_through_p_conflict
 
 
 def default_config(dtype: str, head_dim_qk: int, head_dim_v: int, backend: str = "triton") -> KernelConfig:
@@ -70,6 +71,19 @@ def gluon_smem2_narrow_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> 
     that head dims whose 256-key overlap cannot fit still measure the overlap with P in shared memory."""
     return gluon_smem2_config(dtype, head_dim_qk, head_dim_v).replace(block_n=128, num_stages=3, q_stages=1,
                                                                       ping_pong=True)
+
+
+def gluon_smem2_chunked_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """gluon_smem2_narrow_config with the output stored in column chunks through the two P tiles
+    (o_through_p) where the output tile does not fit one: at hd256, in a 2-stage ring (a third 128-key
+    stage is 64 KB more), what brings the 128-key overlap with P in shared memory within the 227 KB
+    (197 KB compiled, from 263 estimated; session 19); at 192/128 the narrow seed's 3 stages with 32 KB
+    freed. Where o_through_p does not apply, the narrow seed itself (so no extra seed). A seed of the
+    FP8 space."""
+    narrow = gluon_smem2_narrow_config(dtype, head_dim_qk, head_dim_v)
+    stages = 2 if head_dim_qk + head_dim_v > 320 else narrow.num_stages
+    chunked = {**vars(narrow), "num_stages": stages, "o_through_p": True}
+    return narrow if o_through_p_conflict(chunked) else narrow.replace(num_stages=stages, o_through_p=True)
 
 
 def gluon_lean_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:

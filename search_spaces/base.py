@@ -303,8 +303,10 @@ GLUON_ONE_CONSUMER_TABLE_REGISTERS = 16
 #: 232) rowsum="fp32" did not spill at 240 registers and "mma" spilled 32-40 bytes; at 224 both spilled
 #: 120-160 (session 6, 64 compiles over head dims 64 / 256)
 GLUON_DEFER_MMA_REGISTERS = 16
-#: Extra registers of two P tiles (p_carry="smem2") at 256-key blocks with the row-sum MMA: estimated 216
-#: without it, the exact softmax spilled 48-64 bytes and lean P 32 (rowsum="fp32": none; session 17)
+#: Extra registers of two P tiles (p_carry="smem2") with the row-sum MMA where accumulator and scores take
+#: 192 registers (hd128 at 256 keys, hd256 at 128): at hd128 (estimated 216 without it) the exact softmax
+#: spilled 48-64 bytes and lean P 32 (session 17); at hd256 with the output through the P tiles (228)
+#: 32-40 bytes (session 19); rowsum="fp32": none
 GLUON_TWO_TILE_MMA_REGISTERS = 32
 
 
@@ -336,8 +338,8 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     same term on head dim 128 would reject a 256-key one-consumer config that fits (7 more compiles,
     tests/test_gluon_compile.py CALIBRATION). Head dim 96 counts its accumulator as 128 columns
     (padded) or 64 + 32 (o_split, without the other-dims term: three consumers and 256-key overlapped
-    blocks compile clean at 152 and 232; GLUON_SPLIT_O_F32_THREE_REGISTERS). Two P tiles at 256 keys with
-    the row-sum MMA: GLUON_TWO_TILE_MMA_REGISTERS."""
+    blocks compile clean at 152 and 232; GLUON_SPLIT_O_F32_THREE_REGISTERS). Two P tiles with the row-sum MMA
+    beside 192 registers of accumulator and scores: GLUON_TWO_TILE_MMA_REGISTERS."""
     dp = sum(gluon_o_parts(c))  # the accumulators' columns (96 -> 128, or 64 + 32)
     acc = 64 * dp // 128
     scores = 64 * c.block_n // 128
@@ -349,7 +351,7 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     split_o = ((GLUON_SPLIT_O_F32_THREE_REGISTERS if three_split_o and c.overlap and c.p_carry == "f32" else 0)
                + (GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS if three_split_o and not c.v_permute else 0))
     defer_mma = GLUON_DEFER_MMA_REGISTERS if c.pv_defer and c.rowsum == "mma" else 0
-    two_tile_mma = GLUON_TWO_TILE_MMA_REGISTERS if p_tiles(c) == 2 and c.block_n == 256 and c.rowsum == "mma" else 0
+    two_tile_mma = GLUON_TWO_TILE_MMA_REGISTERS if p_tiles(c) == 2 and acc + scores >= 192 and c.rowsum == "mma" else 0
     three = GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and dp >= 128 else 0
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0

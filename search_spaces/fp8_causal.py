@@ -9,10 +9,11 @@ field). `backend` comes first: the fields after it that only one backend reads a
 from functools import partial
 
 from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, o_split_conflict,
-                                        packed_p_conflict)
+                                        o_through_p_conflict, packed_p_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
-                                       gluon_natural_config, gluon_packed_config, gluon_smem2_config,
-                                       gluon_smem2_narrow_config, gluon_three_config, gluon_wide_config)
+                                       gluon_natural_config, gluon_packed_config, gluon_smem2_chunked_config,
+                                       gluon_smem2_config, gluon_smem2_narrow_config, gluon_three_config,
+                                       gluon_wide_config)
 
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
                    rowsum_param, scale_per_tile, triton_only)
@@ -52,6 +53,8 @@ PARAMS = (backend_param(),
           decode=lambda v, f: v and not o_split_conflict(f)),
     Param("half_block", (False, True), only_if=("backend", "gluon"),  # a half-empty first block halved
           decode=lambda v, f: v and not half_block_conflict(f)),
+    Param("o_through_p", (False, True), only_if=("backend", "gluon"),  # output in chunks through the P tiles
+          decode=lambda v, f: v and not o_through_p_conflict(f)),
 )
 
 
@@ -88,10 +91,10 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
 #: one-launch natural-V twin (launch-bound shapes), at head dims 64 and 96 three consumer warpgroups, the
 #: default with P carried packed, the 256-key kernel with its row sums per lane, and the overlapped kernels
 #: with P through two shared-memory tiles at 256 and at 128 keys (the latter where the former does not
-#: fit: 192/128). A study whose gate admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also
+#: fit: 192/128; at hd256 in a 2-stage ring with the output through the P tiles). A study whose gate admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also
 #: gets the lean Gluon default.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                     extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
                                  gluon_natural_config, gluon_three_config, gluon_packed_config, gluon_lanes_config,
-                                 gluon_smem2_config, gluon_smem2_narrow_config),
+                                 gluon_smem2_config, gluon_smem2_narrow_config, gluon_smem2_chunked_config),
                     winner_twins=field_twins, loose_seeds=(gluon_lean_config,))

@@ -21,8 +21,8 @@ from gluon_cases import GLUON, SPACE, neighbours, sampled
 
 from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon, o_in_p_tile
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
-from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_smem2_config,
-                                       gluon_smem2_narrow_config, gluon_three_config,
+from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_smem2_chunked_config,
+                                       gluon_smem2_config, gluon_smem2_narrow_config, gluon_three_config,
                                        gluon_wide_config)
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
 from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
@@ -101,6 +101,12 @@ HD96_CASES = [HD96, gluon_wide_config("fp8", 96, 96).replace(lane_sums=True),
               HD96_SPLIT.replace(overlap=False, pv_defer=True, p_carry="e4m3", lane_sums=True)]
 #: a half-empty first block run as half a block (half_block): the untuned hd128 kernel (256-key blocks,
 #: per-lane sums), head dim 96's shipped 4K schedule, 128-key blocks under one consumer with the row-sum MMA;
+#: the output stored in column chunks through the two P tiles (o_through_p, session 19): hd256's
+#: 128-key overlap with P in shared memory (the seed; fits only so), 192/128's narrow seed in a 2-stage
+#: ring, 64-key blocks at hd128 (four chunks of 32 columns)
+CHUNKED_CASES = [gluon_smem2_chunked_config("fp8", 256, 256), gluon_smem2_chunked_config("fp8", 192, 128),
+                 gluon_smem2_narrow_config("fp8", 128, 128).replace(block_n=64, num_stages=4, half_block=False,
+                                                                    o_through_p=True)]
 #: overlapped with P in shared memory: the smem2 seed, with ping-pong and per-step sums, one 128-key P tile
 HALF_CASES = [gluon_lanes_config("fp8", 128, 128),
               gluon_wide_config("fp8", 96, 96).replace(o_split=True, lane_sums=True, half_block=True),
@@ -110,7 +116,7 @@ HALF_CASES = [gluon_lanes_config("fp8", 128, 128),
               gluon_smem2_config("fp8", 128, 128).replace(ping_pong=True, lane_sums=False),
               GLUON.replace(p_carry="smem", half_block=True)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
-         + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES
+         + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES + CHUNKED_CASES
          + HALF_CASES)
 
 
@@ -308,6 +314,22 @@ def test_double_smem_p_fits_the_256_key_overlap():
     assert gluon_smem_estimate(two) == gluon_smem_estimate(two.replace(p_carry="smem")) <= SMEM_LIMIT
 
 
+def test_output_through_the_p_tiles_fits_hd256_and_stores_chunks(compiled):
+    """o_through_p: at hd256 the 128-key overlap with two P tiles fits only without an output tile of its
+    own (estimated 263 KB with one, ~199 KB without); each consumer stores its O in one TMA store per
+    chunk (UTMASTG), and the chunks change nothing but the epilogue (the same wgmmas and exponentials as
+    the kernel with its own output tile, 192/128)."""
+    hd256, mla, narrow64 = CHUNKED_CASES
+    assert gluon_smem_estimate(hd256) <= SMEM_LIMIT < gluon_smem_estimate(hd256.replace(o_through_p=False))
+    assert SPACE.feasible(hd256) is None and "shared" in SPACE.feasible(hd256.replace(o_through_p=False))
+    for cfg, chunks in ((hd256, 4), (mla, 2), (narrow64, 4)):
+        assert compiled(cfg).count("UTMASTG") == chunks * cfg.block_m // 64, cfg.summary()
+    own = compiled(mla.replace(o_through_p=False))
+    assert own.count("UTMASTG") == mla.block_m // 64
+    for op in ("QGMMA", "MUFU.EX2", "STSM"):
+        assert compiled(mla).count(op) == own.count(op), op
+
+
 def test_lane_sums_leave_the_row_sum_shuffles_to_the_epilogue(compiled):
     """lane_sums=True: per step, each row's sum is no longer reduced over its quad of lanes (two
     shuffles per row of each thread's two rows), only once per tile in the epilogue: the 256-key
@@ -404,6 +426,12 @@ CALIBRATION = [
     (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, p_carry="smem2"), False),              # 216
     (dict(block_n=256, num_stages=2, ping_pong=False, p_carry="smem2", rowsum="mma"), True),  # 248: 48 B
     (dict(block_n=256, num_stages=2, ping_pong=False, p_carry="smem2", softmax="lean", rowsum="mma"), True),  # 32 B
+    # and at hd256 on 128-key blocks with the output through the P tiles (the same 192 registers of
+    # accumulator and scores; without ping-pong 8 bytes spilled too, left to the compile check)
+    (dict(head_dim_qk=256, head_dim_v=256, num_stages=2, p_carry="smem2", o_through_p=True, lane_sums=True),
+     False),                                                                                          # 228
+    (dict(head_dim_qk=256, head_dim_v=256, num_stages=2, p_carry="smem2", o_through_p=True, rowsum="mma",
+          late_rescale=True), True),                                                           # 260: 32 B
 ]
 
 

@@ -50,7 +50,7 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     needs = {"exp2_poly": 4} if field == "exp2_poly_degree" else {"overlap": False} if field == "pv_defer" else \
         {"q_order": "heavy_first"} if field == "persistent" else \
         {"head_dim_qk": 96, "head_dim_v": 96} if field == "o_split" else \
-        {"overlap": False} if field == "half_block" else {}
+        {"overlap": False} if field == "half_block" else {"p_carry": "smem2"} if field == "o_through_p" else {}
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 
@@ -97,6 +97,17 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(overlap=False, block_n=192, half_block=True), r"^half_block=True halves a first block"),
     (dict(overlap=False, block_n=64, half_block=True), r"^half_block=True halves a first block"),
     (dict(p_carry="smem", block_n=64, half_block=True), r"^half_block=True halves a first block"),
+    (dict(o_through_p=True), r"^o_through_p=True stores O through the warpgroup's two P tiles: it needs "
+                             r"p_carry='smem2'"),
+    (dict(p_carry="smem", o_through_p=True), r"^o_through_p=True stores O through .* p_carry='smem2'"),
+    (dict(head_dim_qk=96, head_dim_v=96, p_carry="smem2", o_through_p=True),
+     r"^o_through_p=True stores O in column chunks of its own width: head_dim_v=96 is padded to 128"),
+    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, p_carry="smem2", o_through_p=True),
+     r"^o_through_p=True stores O through .* one O part"),
+    (dict(block_n=256, num_stages=2, p_carry="smem2", o_through_p=True),
+     r"^o_through_p=True: at block_n=256 the 64 x 128 output tile already lives in the first P tile"),
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=64, p_carry="smem2", o_through_p=True),
+     r"^o_through_p=True at block_n=64: 256 columns would take 8 chunks of 32; at most 4"),
 ])
 def test_bad_gluon_combinations_name_the_field(changes, match):
     with pytest.raises(ConfigError, match=match):
@@ -125,6 +136,23 @@ def test_smem_p_carry_is_stored_and_summarised():
     smem = GLUON.replace(p_carry="smem")
     assert smem.to_dict()["p_carry"] == "smem" and KernelConfig.from_json(smem.to_json()) == smem
     assert "smemP" in smem.summary() and "packedP" not in smem.summary()
+
+
+def test_output_through_p_tiles_is_stored_only_when_set_and_chunks_by_tile():
+    """o_through_p (a field added after the shipped rows): in the JSON only when set; the output goes in
+    chunks of what one P tile holds (64 x block_n e4m3 bytes = 64 x block_n / 2 bf16), so hd256 at 128
+    keys stores 4 chunks of 64 columns and 192/128 two of 64; without it one store of O_W columns."""
+    from zyfa_tune.generator.config import o_chunks, o_in_p_tile
+
+    hd256 = GLUON.replace(head_dim_qk=256, head_dim_v=256, num_stages=2, p_carry="smem2", o_through_p=True)
+    assert hd256.to_dict()["o_through_p"] is True and "o_through_p" not in GLUON.to_dict()
+    assert KernelConfig.from_json(hd256.to_json()) == hd256 and "oThroughP" in hd256.summary()
+    assert o_chunks(hd256) == (64, 4) and o_in_p_tile(hd256)
+    assert o_chunks(hd256.replace(o_through_p=False)) == (256, 1) and not o_in_p_tile(hd256.replace(o_through_p=False))
+    mla = hd256.replace(head_dim_qk=192, head_dim_v=128)
+    assert o_chunks(mla) == (64, 2) and o_chunks(GLUON.replace(block_n=64, p_carry="smem2", o_through_p=True)) == (32, 4)
+    wide = GLUON.replace(block_n=256, num_stages=2, p_carry="smem2")
+    assert o_in_p_tile(wide) and o_chunks(wide) == (128, 1)  # fits whole in one tile: no chunks
 
 
 def test_lane_sums_are_stored_only_when_set():

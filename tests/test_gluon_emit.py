@@ -16,13 +16,15 @@ from zyfa_tune.generator.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from zyfa_tune.generator.lean_asm import MAGIC, lean_tail_asm
 from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
 from zyfa_tune.generator.timeline import EVENTS
-from zyfa_tune.kernels.defaults import default_config, gluon_smem2_config
+from zyfa_tune.kernels.defaults import default_config, gluon_smem2_chunked_config, gluon_smem2_config
 
 #: the Gluon seed, one variant per value of every field the space searches for it, a sample of
 #: the space's points, and P through shared memory (not searched), with a 128- and a 64-byte swizzle
 VARIANTS = neighbours() + sampled(20) + [GLUON.replace(p_carry="smem"),
                                          default_config("fp8", 256, 256, "gluon").replace(p_carry="smem"),
-                                         GLUON.replace(p_carry="smem2"), gluon_smem2_config("fp8", 128, 128)]
+                                         GLUON.replace(p_carry="smem2"), gluon_smem2_config("fp8", 128, 128),
+                                         gluon_smem2_chunked_config("fp8", 256, 256),
+                                         gluon_smem2_chunked_config("fp8", 192, 128)]
 
 
 def constants(source: str) -> dict:
@@ -133,8 +135,11 @@ def test_constants_are_the_config(cfg):
                  "PACK_P": cfg.p_carry == "e4m3", "E4M3X4_ASM": gluon_device.E4M3X4_ASM.value,
                  "P_SMEM": cfg.p_carry in ("smem", "smem2"), "K_AHEAD": cfg.p_carry in ("smem", "smem2"),
                  "P_SWIZZLE": min(128, cfg.block_n), "P_DOUBLE": cfg.p_carry == "smem2",
-                 # smem2: the output tile in the first P tile where 64 x block_n bytes hold 64 x O_W bf16
-                 "O_IN_P": cfg.p_carry == "smem2" and not cfg.o_split and cfg.block_n >= 2 * ow,
+                 # smem2: the output tile in the first P tile where 64 x block_n bytes hold 64 x O_W bf16,
+                 # or (o_through_p) in chunks of block_n / 2 columns through both P tiles
+                 "O_IN_P": cfg.p_carry == "smem2" and not cfg.o_split and (cfg.block_n >= 2 * ow or cfg.o_through_p),
+                 "O_CHUNK": cfg.block_n // 2 if cfg.o_through_p else ow,
+                 "O_CHUNKS": ow // (cfg.block_n // 2) if cfg.o_through_p else 1,
                  "LANE_SUMS": cfg.lane_sums, "LATE_RESCALE": cfg.late_rescale and cfg.overlap, "HALF_BLOCK": cfg.half_block,
                  # timeline stamps off (tests/test_timeline.py traces)
                  "TRACE": False, "TRACE_STEPS": 0, "TRACE_EVENTS": len(EVENTS), "TRACE_ASM": "", "TRACE_AFTER_ASM": "",

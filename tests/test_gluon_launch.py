@@ -350,3 +350,19 @@ def test_raw_launch_not_used_with_hooks_or_scratch(monkeypatch):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert fastlaunch.raw_launch(object()) is None
+
+
+@pytest.mark.parametrize("through_p", [False, True])
+def test_output_box_is_one_chunk_with_the_output_through_p_tiles(through_p):
+    """o_through_p (hd256, 128-key blocks, two P tiles): the output descriptor's box is one chunk of
+    64 columns (what a P tile holds), on the same (B, Sq, H*256) view; the kernel stores 4 per row block."""
+    cfg = default_config("fp8", 256, 256, "gluon").replace(block_n=128, num_stages=2, p_carry="smem2",
+                                                                o_through_p=through_p)
+    b, sq, h = 1, 300, 2
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, sq, h, 256, generator=g).to(FP8) for _ in range(3))
+    out = torch.empty(b, sq, h, 256, dtype=BF16)
+    _, args, _ = launch.prepare(cfg, q, k, v, out, 0.1, True, sms=132)
+    a = dict(zip(emit_gluon.descriptor_blocks(cfg), args))
+    assert list(a["desc_o"].block_shape) == [1, 64, 64 if through_p else 256]
+    assert a["desc_o"].base is out and a["desc_o"].shape == [b, sq, h * 256]

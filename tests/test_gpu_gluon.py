@@ -12,8 +12,8 @@ from zyfa_tune import api, explain, flash_attn_func
 from zyfa_tune.db import ProblemKey, TrialResult, current_fingerprint, open_store
 from zyfa_tune.generator import emit
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_smem2_config, gluon_smem2_narrow_config,
-                                       gluon_wide_config)
+from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_smem2_chunked_config,
+                                       gluon_smem2_config, gluon_smem2_narrow_config, gluon_wide_config)
 from zyfa_tune.kernels.reference import attention_reference, rel_l2
 from zyfa_tune.kernels.verify import make_inputs
 
@@ -208,6 +208,10 @@ OTHER_DIMS.update({f"{_dqk}-smem2-narrow": gluon_smem2_narrow_config("fp8", _dqk
                    for _dqk, _dv in ((64, 64), (96, 96), (192, 128))})
 OTHER_DIMS["192-smem2-mma"] = gluon_smem2_narrow_config("fp8", 192, 128).replace(
     lane_sums=False, rowsum="mma", late_rescale=True, turn_barrier="named", producer_regs=40)
+#: the output through the P tiles in column chunks (o_through_p): hd256's 128-key overlap with P in shared
+#: memory (fits only so) and 192/128's narrow seed in a 2-stage ring (session 19)
+OTHER_DIMS.update({f"{_dqk}-smem2-chunked": gluon_smem2_chunked_config("fp8", _dqk, _dv)
+                   for _dqk, _dv in ((256, 256), (192, 128))})
 #: head dim 256's pv_defer seed (128-key blocks, no overlap, PV paired with the next QK^T): its error
 #: matched FA3's in the session-6 bench (2.09e-2 at 8K); these cases not yet run on the GPU
 OTHER_DIMS["256-defer"] = gluon_defer_config("fp8", 256, 256)
@@ -365,6 +369,21 @@ def test_double_smem_p_equals_the_single_tile(name, sq, sk, causal):
     cfg = SMEM2[name]
     two, one = variant_and_twin(cfg.replace(p_carry="smem2"), cfg.replace(p_carry="smem"), sq, sk, causal)
     assert torch.equal(two, one)
+
+
+CHUNKED = {"192/128": gluon_smem2_chunked_config("fp8", 192, 128),
+           "128-64key": gluon_smem2_narrow_config("fp8", 128, 128).replace(block_n=64, num_stages=4,
+                                                                           half_block=False, o_through_p=True)}
+
+
+@pytest.mark.parametrize("name", CHUNKED)
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
+def test_output_through_p_tiles_equals_its_own_tile(name, sq, sk, causal):
+    """o_through_p stores the same bf16 output in column chunks through the P tiles: bitwise the output
+    of the kernel with its own output tile (2 and 4 chunks; rows past Sq clipped by each chunk's box)."""
+    cfg = CHUNKED[name]
+    chunked, own = variant_and_twin(cfg, cfg.replace(o_through_p=False), sq, sk, causal)
+    assert torch.equal(chunked, own)
 
 
 #: row sums kept per lane (lane_sums) on the schedules they apply to, every head dim

@@ -33,7 +33,7 @@ FAMILY_FIELDS = {
                    "lean_clamp", "lean_pack", "p_scale_log2", "scale_block", "rowsum", "q_order", "loads",
                    "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
                    "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer", "p_carry",
-                   "lane_sums", "late_rescale", "o_split", "half_block"},  # exp2_poly: slower
+                   "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p"},  # exp2_poly: slower
     "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
                     "q_order", "loads", "v_layout"},
 }

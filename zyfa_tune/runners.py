@@ -22,7 +22,8 @@ a clean CUDA context). Runner strings:
                      run on the kernel's PTX finds it); message = error tail; the remaining
                      shapes get the same result without being tried;
       wrong          error above the probe's limit, or NaN/inf (error_rel_l2 None then);
-      ok             median/p20/p80, TFLOP/s, errors, SM clock, power, energy, TFLOP/J;
+      ok             median/p20/p80, TFLOP/s, errors, SM clock, power; energy and TFLOP/J only
+                     where the timing lasted >= 1 s (kernels.timing.MIN_ENERGY_WINDOW_S; else None);
       crash          anything else raised (CUDA errors such as an illegal memory access, out of
                      memory, a failed launch): the exception propagates, the child exits.
     Hangs and hard crashes (segfaults) are seen by the parent as timeout / crash.
