@@ -66,7 +66,9 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     15; on the overlapped kernels with P in shared memory +1-4.5% at 4K / 8K, session 17), and an
     overlapped winner with P through two shared-memory tiles (p_carry="smem2", session 16: what made the
     hd128 256-key overlap fit, 1.04-1.06x the plain kernel at 8K / 16K; at hd64 4K the shipped 128-key
-    winner's twin won, session 17), its first blocks halved too. A short study would rarely sample
+    winner's twin won, session 17), its first blocks halved too, and a two-tile winner whose output
+    tile does not fit a P tile (192/128's 128-key kernels) with its output through the P tiles
+    (o_through_p, session 19), alone and with the freed shared memory spent on a Q ring of 2. A short study would rarely sample
     these neighbours of the best kernel it already has."""
     if config.backend != "gluon":
         return []
@@ -83,6 +85,10 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
             and not packed_p_conflict(two_tiles):
         twin = config.replace(p_carry="smem2")  # with its half-empty first blocks halved where that applies
         twins.append(twin.replace(half_block=True) if not half_block_conflict(vars(twin)) else twin)
+    if config.p_carry == "smem2" and not config.o_through_p and not o_through_p_conflict(
+            {**vars(config), "o_through_p": True}):
+        chunked = config.replace(o_through_p=True)  # the output tile's shared memory freed: a Q ring of 2
+        twins += [chunked, chunked.replace(q_stages=2)] if config.q_stages == 1 else [chunked]
     return twins
 
 

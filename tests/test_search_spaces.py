@@ -291,6 +291,19 @@ def test_database_winners_are_followed_by_their_lane_sums_twins():
     assert not any(c.lane_sums and c.block_m == 192 for c in space.seeds(64, 64))
 
 
+def test_two_tile_winners_get_output_through_p_twins():
+    """192/128's shipped two-P-tile winners (128-key blocks: the 64 x 128 bf16 output does not fit a
+    64 x 128 e4m3 P tile) are followed by their o_through_p twins, one with a Q ring of 2 where they
+    had 1 (the 32 KB the output tiles took); hd128's 256-key winners (output already in a P tile) get none."""
+    space = get_space("fp8")
+    winners = [c for c in shipped_best("fp8", 192, 128) if c.p_carry == "smem2"]
+    seeds = space.seeds(192, 128)
+    assert winners and all(c.replace(o_through_p=True) in seeds for c in winners)
+    assert any(c.replace(o_through_p=True, q_stages=2) in seeds for c in winners if c.q_stages == 1)
+    hd128 = space.seeds(128, 128)
+    assert not any(c.o_through_p and c.block_n == 256 for c in hd128)
+
+
 def test_field_twins_at_head_dim_96():
     """A Gluon winner's one-field twins (`field_twins`, seeded after the database winners): per-lane
     row sums where they apply, at head dim 96 O in 64 + 32 columns (o_split) for a winner with O
