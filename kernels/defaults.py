@@ -81,9 +81,9 @@ def gluon_smem2_chunked_config(dtype: str, head_dim_qk: int, head_dim_v: int) ->
     freed. Where o_through_p does not apply, the narrow seed itself (so no extra seed). A seed of the
     FP8 space."""
     narrow = gluon_smem2_narrow_config(dtype, head_dim_qk, head_dim_v)
-    stages = 2 if head_dim_qk + head_dim_v > 320 else narrow.num_stages
-    chunked = {**vars(narrow), "num_stages": stages, "o_through_p": True}
-    return narrow if o_through_p_conflict(chunked) else narrow.replace(num_stages=stages, o_through_p=True)
+    if o_through_p_conflict(vars(narrow)):
+        return narrow
+    return narrow.replace(num_stages=2 if head_dim_qk + head_dim_v > 320 else narrow.num_stages, o_through_p=True)
 
 
 def gluon_lean_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:

@@ -8,7 +8,7 @@ import os
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -226,10 +226,8 @@ def sustained_energy(calls: Sequence[Callable[[], Any]], *, seconds: float = 2.0
     e0 = _energy_mj(nv, h)
     _, elapsed = sustain(launch, seconds)
     energy = _window(e0, _energy_mj(nv, h), elapsed, done[0])
-    if energy is None:
-        return None
-    return Energy(calls=energy.calls, seconds=energy.seconds, joules=energy.joules,
-                  sm_clock_mhz=statistics.mean(clocks[len(clocks) // 2:]))  # the settled half
+    return replace(energy, sm_clock_mhz=statistics.mean(clocks[len(clocks) // 2:])) \
+        if energy else None  # the clock of the window's settled half
 
 
 def _energy_mj(nv, h) -> float | None:

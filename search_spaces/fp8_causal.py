@@ -68,8 +68,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     hd128 256-key overlap fit, 1.04-1.06x the plain kernel at 8K / 16K; at hd64 4K the shipped 128-key
     winner's twin won, session 17), its first blocks halved too, and a two-tile winner whose output
     tile does not fit a P tile (192/128's 128-key kernels) with its output through the P tiles
-    (o_through_p, session 19), alone and with the freed shared memory spent on a Q ring of 2. A short study would rarely sample
-    these neighbours of the best kernel it already has."""
+    (o_through_p, session 19), alone and with the freed shared memory spent on a Q ring of 2. A short
+    study would rarely sample these neighbours of the best kernel it already has."""
     if config.backend != "gluon":
         return []
     twins = []
@@ -85,8 +85,7 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
             and not packed_p_conflict(two_tiles):
         twin = config.replace(p_carry="smem2")  # with its half-empty first blocks halved where that applies
         twins.append(twin.replace(half_block=True) if not half_block_conflict(vars(twin)) else twin)
-    if config.p_carry == "smem2" and not config.o_through_p and not o_through_p_conflict(
-            {**vars(config), "o_through_p": True}):
+    if config.p_carry == "smem2" and not config.o_through_p and not o_through_p_conflict(vars(config)):
         chunked = config.replace(o_through_p=True)  # the output tile's shared memory freed: a Q ring of 2
         twins += [chunked, chunked.replace(q_stages=2)] if config.q_stages == 1 else [chunked]
     return twins
@@ -97,8 +96,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
 #: one-launch natural-V twin (launch-bound shapes), at head dims 64 and 96 three consumer warpgroups, the
 #: default with P carried packed, the 256-key kernel with its row sums per lane, and the overlapped kernels
 #: with P through two shared-memory tiles at 256 and at 128 keys (the latter where the former does not
-#: fit: 192/128; at hd256 in a 2-stage ring with the output through the P tiles). A study whose gate admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also
-#: gets the lean Gluon default.
+#: fit: 192/128; at hd256 in a 2-stage ring with the output through the P tiles). A study whose gate
+#: admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also gets the lean Gluon default.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                     extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
                                  gluon_natural_config, gluon_three_config, gluon_packed_config, gluon_lanes_config,

@@ -526,11 +526,12 @@ def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, re
                 rows[i] = failed(systems[i], ready[i][0], exc)
     timings = {i: pooled(blocks[i]) for i in order if i not in rows}
     windows: dict[int, Any] = {}
-    for i in (timings if energy_s > 0 else ()):
-        try:
-            windows[i] = energy([b.call for b in ready[i][0]], seconds=energy_s, call_ms=timings[i].median_ms)
-        except Exception as exc:
-            rows[i] = failed(systems[i], ready[i][0], exc)
+    if energy_s > 0:
+        for i in timings:
+            try:
+                windows[i] = energy([b.call for b in ready[i][0]], seconds=energy_s, call_ms=timings[i].median_ms)
+            except Exception as exc:
+                rows[i] = failed(systems[i], ready[i][0], exc)
     out_rows = []
     for i, system in enumerate(systems):
         if i not in rows:
