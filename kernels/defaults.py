@@ -12,6 +12,8 @@ over round robin at 4K-16K, bitwise the same output), producer warp at 24 regist
 
 from __future__ import annotations
 
+from typing import Iterable
+
 from zyfa_tune.generator import ConfigError, KernelConfig
 from zyfa_tune.generator.config import o_through_p_conflict
 
@@ -168,3 +170,17 @@ def parse_value(text: str) -> int | bool | str:
     if text.lstrip("-").isdigit():
         return int(text)
     return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse_changes(items: Iterable[str], what: str) -> dict[str, int | bool | str]:
+    """Command-line `key=value` items (one per item, or comma-separated within one) -> config field
+    changes for `config_with`; `what` (the option) names a malformed item."""
+    out: dict[str, int | bool | str] = {}
+    for item in (part.strip() for text in items for part in text.split(",")):
+        if not item:
+            continue
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{what}: expected key=value, got {item!r}")
+        out[key.strip()] = parse_value(val)
+    return out

@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 from zyfa_tune.db import TrialResult, open_store
 from zyfa_tune.generator import CHOICES, GLUON_HEAD_DIMS, ConfigError, KernelConfig, emit, gluon_registers
 from zyfa_tune.generator.config import GLUON_FIELDS, LATE_FIELDS, TRITON_FIELDS
-from zyfa_tune.kernels.defaults import config_with, default_config, parse_value
+from zyfa_tune.kernels.defaults import config_with, default_config, parse_changes, parse_value
 from zyfa_tune.kernels.dispatch import TUNED_DIR
 from zyfa_tune.search_spaces import SEED_DATABASES, get_space
 
@@ -270,6 +270,12 @@ def test_overrides_pick_the_named_backends_default():
         config_with("fp8", 128, 128, {"backend": "gluon", "num_warps": 8})
     texts = ("128", "-1", "true", "False", "gluon", " 7 ")
     assert [parse_value(t) for t in texts] == [128, -1, True, False, "gluon", 7]
+    # --set items, --ours / --enqueue comma lists: one parser
+    assert parse_changes(["backend=gluon", " ping_pong = false , block_n=256,", ""], "--set") == \
+        {"backend": "gluon", "ping_pong": False, "block_n": 256}
+    for bad in ("backend", "=gluon", "a=1,b"):
+        with pytest.raises(ConfigError, match="^--set: expected key=value"):
+            parse_changes([bad], "--set")
 
 
 def test_bench_ours_backend_gluon_is_the_gluon_default():

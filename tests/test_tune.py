@@ -215,6 +215,57 @@ def test_lean_seed_only_where_the_gate_admits_it(tmp_path, kw, lean):
     assert len(queued) == len(tuner.space.seeds(128, 128)) + lean
 
 
+def test_enqueued_configs_run_first_and_bad_ones_are_named(tmp_path):
+    """`--enqueue key=val,...`: the config runs before the seeds (also when a study is resumed), and a
+    malformed, unknown, unsearched or statically infeasible one is refused before the study starts."""
+    from zyfa_tune.kernels.defaults import config_with
+
+    text = "backend=gluon,p_carry=smem2,half_block=true,late_rescale=true"
+    want = config_with("fp8", 128, 128, {"backend": "gluon", "p_carry": "smem2", "half_block": True,
+                                         "late_rescale": True})
+    tuner = Tuner(spec(tmp_path, enqueue=(text,)))
+    assert tuner.spec.enqueued == (tuner.space.canonical(want),)
+    study = tuner.open_study()
+    queued = [t.system_attrs["fixed_params"] for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))]
+    assert queued[0] == tuner.space.as_optuna_params(want)
+    assert len(queued) == len(tuner.space.seeds(128, 128)) + (want not in tuner.space.seeds(128, 128))
+    asked = tuner._ask(study, __import__("types").SimpleNamespace(gpu=None))
+    assert asked is not None and asked.cfg == tuner.space.canonical(want)
+    # resumed with another config: it is queued, the study's first one is not queued again
+    again = Tuner(spec(tmp_path, resume=True, enqueue=(text, "backend=gluon,producer_regs=40")))
+    st = again.open_study()
+    waiting = [t.system_attrs["fixed_params"] for t in st.get_trials(states=(optuna.trial.TrialState.WAITING,))]
+    assert again.space.as_optuna_params(again.spec.enqueued[1]) in waiting
+    assert waiting.count(again.space.as_optuna_params(want)) == 0  # asked above: not WAITING any more
+    for bad, match in (("backend=gluon,half_block", "expected key=value"),
+                       ("backend=gluon,no_such_field=1", "no_such_field"),
+                       ("block_m=96", "block_m"),
+                       ("backend=gluon,block_n=256,num_stages=4,q_stages=2", "does not fit")):
+        with pytest.raises(ValueError, match=match):
+            spec(tmp_path, enqueue=(bad,))
+
+
+def test_cli_enqueue_is_the_first_trial(tmp_path, capsys):
+    from zyfa_tune import cli
+    from zyfa_tune.kernels.defaults import config_with
+    from zyfa_tune.search_spaces import get_space
+    from zyfa_tune.tune import _config_key
+
+    journal = str(tmp_path / "s.journal")
+    argv = ["tune", "--head-dim", "128", "--seqlens", "8192", "--trials", "1", "--runner", f"replay:{SHIPPED}",
+            "--storage", str(tmp_path / "t.db"), "--study-storage", journal, "--timeout", "60"]
+    assert cli.main(argv + ["--enqueue", "backend=gluon,producer_regs=40,ping_pong=false"]) == 0
+    study = optuna.load_study(study_name="fp8-128x128-causal", storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(journal)))
+    first = min((t for t in study.trials if t.state.is_finished()), key=lambda t: t.number)
+    want = get_space("fp8").canonical(config_with("fp8", 128, 128, {"backend": "gluon", "producer_regs": 40,
+                                                                     "ping_pong": False}))
+    assert first.user_attrs["config"] == _config_key(want)
+    capsys.readouterr()
+    assert cli.main(argv + ["--study", "other", "--enqueue", "backend=gluon,num_stages=9"]) == 2
+    assert "enqueue 'backend=gluon,num_stages=9'" in capsys.readouterr().out
+
+
 def test_a_repeated_proposal_enqueues_an_unmeasured_neighbour(tmp_path):
     """When TPE proposes a config measured before, the tuner tells it the stored value and enqueues
     one unmeasured neighbour of it (a local move), so the next ask measures something new."""

@@ -115,19 +115,6 @@ def shapes_from(head_dim: int, head_dim_v: int | None, seqlens: str, batch_heads
                  for s, (b, h) in zip(lens, pairs))
 
 
-def parse_overrides(text: str) -> dict[str, Any]:
-    """'key=val,key=val' -> {key: int, bool (true / false) or str}."""
-    from zyfa_tune.kernels.defaults import parse_value
-
-    out: dict[str, Any] = {}
-    for item in filter(None, (i.strip() for i in text.split(","))):
-        key, sep, val = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--ours: expected key=value, got {item!r}")
-        out[key.strip()] = parse_value(val)
-    return out
-
-
 @dataclass(frozen=True)
 class OursSpec:
     """One of our systems: the dispatcher's choice (`overrides` None) or a forced config (the
@@ -153,7 +140,9 @@ def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
     label, sep, body = text.partition(":")
     if not sep or "=" in label:
         label, body = "", text
-    over = parse_overrides(body)
+    from zyfa_tune.kernels.defaults import parse_changes
+
+    over = parse_changes([body], "--ours")
     named = over.pop("dtype", None)
     if named is not None and named not in DTYPES:
         raise ValueError(f"--ours: dtype={named!r} is not one of {list(DTYPES)}")

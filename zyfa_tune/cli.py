@@ -30,14 +30,9 @@ console = Console()
 
 
 def _config(args: argparse.Namespace) -> KernelConfig:
-    from zyfa_tune.kernels.defaults import config_with, parse_value
+    from zyfa_tune.kernels.defaults import config_with, parse_changes
 
-    changes = {}
-    for item in args.set or []:
-        key, sep, val = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--set: expected key=value, got {item!r}")
-        changes[key] = parse_value(val)
+    changes = parse_changes(args.set or [], "--set")
     return config_with(args.dtype, args.head_dim, args.head_dim_v or args.head_dim, changes)
 
 
@@ -294,7 +289,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                     storage=args.storage, study_storage=args.study_storage, study_name=args.study,
                     resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
                     runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
-                    input_family=args.input_family, precompile=args.precompile, gate=args.gate)
+                    input_family=args.input_family, precompile=args.precompile, gate=args.gate,
+                    enqueue=tuple(args.enqueue or ()))
 
     def render(p: Progress) -> Table:
         t = Table(title=f"zyfa-tune {spec.name}: {len(spec.gpus)} worker(s), runner={spec.runner}")
@@ -420,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precompile", action="store_true",
                    help="compile the next trial's kernel in a separate process while the GPU measures")
+    p.add_argument("--enqueue", action="append", metavar="KEY=VAL,...",
+                   help="measure this config first (fields changed from the head dims' default, as in "
+                        "bench --ours; repeatable; also with --resume)")
     p.set_defaults(fn=cmd_tune)
     p = sub.add_parser("compile", help="compile a kernel config for sm_90a (no GPU needed)")
     common(p)

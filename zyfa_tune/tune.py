@@ -69,6 +69,8 @@ class TuneSpec:
     input_family: str = "gaussian"       # random inputs' family for the accuracy gate (kernels.inputs)
     precompile: bool = False             # compile the next trial's kernel in a CPU process while the GPU
                                          # measures (zyfa_tune.precompile); opt-in until it measures faster
+    enqueue: tuple[str, ...] = ()        # configs to measure first, as 'key=val,...' changes to the
+                                         # head dims' default (what `--ours` / `--set` take)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp8", "bf16"):
@@ -100,6 +102,25 @@ class TuneSpec:
                 or not math.isfinite(self.gate) or self.gate < 1.0:
             raise ValueError(f"gate: expected a finite number >= 1 (allowed error / the exact reference's), "
                              f"got {self.gate!r}")
+        self.enqueued  # parse and check the configs now, not after the study has started
+
+    @functools.cached_property
+    def enqueued(self) -> tuple[KernelConfig, ...]:
+        """The `enqueue` configs, each a point of the family's space that fits statically."""
+        from zyfa_tune.kernels.defaults import config_with, parse_changes
+
+        space, out = get_space(self.dtype), []
+        for text in self.enqueue:
+            try:
+                cfg = config_with(self.dtype, self.head_dim_qk, self.head_dim_v, parse_changes([text], "enqueue"))
+                space.as_optuna_params(cfg)
+            except ValueError as exc:  # ConfigError is one
+                raise ValueError(f"enqueue {text!r}: {exc}") from exc
+            reason = space.feasible(cfg)
+            if reason is not None:
+                raise ValueError(f"enqueue {text!r}: does not fit: {reason}")
+            out.append(cfg)
+        return tuple(out)
 
     @functools.cached_property
     def shapes(self) -> tuple[Shape, ...]:
@@ -228,6 +249,8 @@ class Tuner:
                                     directions=directions, load_if_exists=True)
         study.set_user_attr("spec", {f.name: getattr(self.spec, f.name) for f in dataclasses.fields(self.spec)})
         self._recover(study)
+        for cfg in self.spec.enqueued:  # first: WAITING trials run in the order they were enqueued
+            study.enqueue_trial(self.space.as_optuna_params(cfg), skip_if_exists=True)
         if not exists:
             loose = self.spec.multi_objective or self.spec.gate >= LOOSE_GATE
             for cfg in self.space.seeds(self.spec.head_dim_qk, self.spec.head_dim_v, loose=loose):
