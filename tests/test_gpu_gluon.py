@@ -373,7 +373,11 @@ def test_double_smem_p_equals_the_single_tile(name, sq, sk, causal):
 
 CHUNKED = {"192/128": gluon_smem2_chunked_config("fp8", 192, 128),
            "128-64key": gluon_smem2_narrow_config("fp8", 128, 128).replace(block_n=64, num_stages=4,
-                                                                           half_block=False, o_through_p=True)}
+                                                                           half_block=False, o_through_p=True),
+           # three consumers at hd128 with P through two tiles (fits since session 20; benched correct
+           # at 8K / 16K, 0.93x the shipped kernel): three warpgroups' chunks through their own tiles
+           "128-three": gluon_smem2_narrow_config("fp8", 128, 128).replace(block_m=192, o_through_p=True,
+                                                                            late_rescale=True)}
 
 
 @pytest.mark.parametrize("name", CHUNKED)
