@@ -291,6 +291,13 @@ GLUON_SPLIT_REGISTERS = 24
 GLUON_MLA_MMA_REGISTERS = 16
 #: Extra registers a Gluon consumer needs at head dims 64 and 256 with the packed P carried (measured)
 GLUON_OTHER_DIM_REGISTERS = 12
+#: Extra registers of the plain step (no overlap, no pv_defer) at head dim 256 on 128-key blocks (a
+#: 64 x 256 accumulator beside 64 x 128 scores, estimated 216): it spilled 8-32 bytes at 224 and 232
+#: per consumer (producer_regs 56 / 40, with or without ping-pong, half_block, skip_rescale, lane sums)
+#: and none at 240; with the row-sum MMA 24 bytes at 240 too (session 20, a random sweep of the hd256
+#: space: 3 of 80 feasible points spilled, this one and two at the estimate's edge)
+GLUON_WIDE_PLAIN_REGISTERS = 24
+GLUON_WIDE_PLAIN_MMA_REGISTERS = 8
 #: Extra registers of a 256-key pv_defer block (two 128-key parts, the second QK^T issued after the PV
 #: wait, so the scores never share the registers with the P in flight). Such a block always rescales O
 #: in place (inline PTX, emit_gluon.rescale_in_place): so it compiled without spills at 240 per
@@ -361,10 +368,12 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
+    wide_plain = (GLUON_WIDE_PLAIN_REGISTERS + (GLUON_WIDE_PLAIN_MMA_REGISTERS if c.rowsum == "mma" else 0)
+                  if dp == 256 and c.block_n >= 128 and not (c.overlap or c.pv_defer) else 0)
     if c.pv_defer and c.block_n == 256:  # peak at the softmax: no P in flight beside the scores, O in place
         return acc + scores + defer_mma + table + GLUON_SPLIT_DEFER_REGISTERS + GLUON_REGISTER_OVERHEAD
     return (acc + scores + carried + other_dim + three + split + mla + defer_mma + two_tile_mma + table + split_o
-            + GLUON_REGISTER_OVERHEAD)
+            + wide_plain + GLUON_REGISTER_OVERHEAD)
 
 
 def gluon_infeasibility(c: KernelConfig) -> str | None:

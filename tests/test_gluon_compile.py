@@ -381,7 +381,11 @@ CALIBRATION = [
     (dict(head_dim_qk=256, head_dim_v=256, block_n=64, num_stages=2, producer_regs=56), False),  # 204 <= 224
     (dict(head_dim_qk=256, head_dim_v=256, block_n=64, num_stages=2, v_permute=False, producer_regs=40), False),
     (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2), True),                   # 244 > 240: 48 B
-    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False), False),   # 216
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False), False),   # 240 <= 240
+    # (GLUON_WIDE_PLAIN_REGISTERS: that plain step spills below 240 per consumer, and with the row-sum MMA)
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, ping_pong=False,
+          producer_regs=40), True),                                                             # 240 > 232: 8 B
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, rowsum="mma"), True),  # 248: 24 B
     # three consumers at 160 registers (GLUON_THREE_CONSUMER_REGISTERS)
     (dict(block_m=192, num_stages=2, ping_pong=False, overlap=False, v_permute=False), True),  # 176 > 160: 80 B
     (dict(block_m=192, block_n=64, num_stages=2), False),                                        # 152 <= 160
