@@ -243,6 +243,9 @@ def test_enqueued_configs_run_first_and_bad_ones_are_named(tmp_path):
                        ("backend=gluon,block_n=256,num_stages=4,q_stages=2", "does not fit")):
         with pytest.raises(ValueError, match=match):
             spec(tmp_path, enqueue=(bad,))
+    for not_a_list in ("backend=gluon", (1,)):
+        with pytest.raises(ValueError, match="enqueue: expected a sequence"):
+            spec(tmp_path, enqueue=not_a_list)
 
 
 def test_cli_enqueue_is_the_first_trial(tmp_path, capsys):

@@ -109,6 +109,8 @@ class TuneSpec:
         """The `enqueue` configs, each a point of the family's space that fits statically."""
         from zyfa_tune.kernels.defaults import config_with, parse_changes
 
+        if isinstance(self.enqueue, str) or not all(isinstance(t, str) for t in self.enqueue):
+            raise ValueError(f"enqueue: expected a sequence of 'key=val,...' strings, got {self.enqueue!r}")
         space, out = get_space(self.dtype), []
         for text in self.enqueue:
             try:
