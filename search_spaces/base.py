@@ -279,9 +279,11 @@ GLUON_REGISTER_OVERHEAD = 24
 #: overlap, v_permute, rowsum="mma" or skip_rescale; 64-key blocks (estimated 120-128) did not, nor did
 #: head dim 64 with 128-key blocks (estimated 148; session 5). With P through two shared tiles (no P
 #: in registers) and the row sums in fp32 they fit (hd128, 128-key blocks: 152, no spill with or without
-#: the output through the P tiles, late_rescale, skip_rescale, 4 stages, a Q ring of 2); with the row-sum
-#: MMA they still spill (48 bytes; session 20)
+#: the output through the P tiles, late_rescale, skip_rescale, 4 stages, a Q ring of 2) at 160, but not at
+#: 152 (producer_regs=56: 512 bytes, wgmmas serialised): GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS; with
+#: the row-sum MMA they still spill (48 bytes; session 20)
 GLUON_THREE_CONSUMER_REGISTERS = 24
+GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS = 8
 #: Extra registers of an overlapped 192-key block (two key parts, two accumulators): at 240 per
 #: consumer none spilled, at 224 (producer_regs=56) 40 bytes did with the estimate at 208 (session 5)
 GLUON_SPLIT_REGISTERS = 24
@@ -362,9 +364,9 @@ def gluon_register_estimate(c: KernelConfig) -> int:
                + (GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS if three_split_o and not c.v_permute else 0))
     defer_mma = GLUON_DEFER_MMA_REGISTERS if c.pv_defer and c.rowsum == "mma" else 0
     two_tile_mma = GLUON_TWO_TILE_MMA_REGISTERS if p_tiles(c) == 2 and acc + scores >= 192 and c.rowsum == "mma" else 0
-    # (with two P tiles and the row sums in fp32, three consumers at hd128 compiled clean: session 20)
-    three = (GLUON_THREE_CONSUMER_REGISTERS if c.block_m == 192 and dp >= 128
-             and not (p_tiles(c) == 2 and c.rowsum == "fp32") else 0)
+    three = 0 if c.block_m != 192 or dp < 128 else (
+        GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS if p_tiles(c) == 2 and c.rowsum == "fp32"
+        else GLUON_THREE_CONSUMER_REGISTERS)
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0

@@ -389,8 +389,11 @@ CALIBRATION = [
     # three consumers at 160 registers (GLUON_THREE_CONSUMER_REGISTERS)
     (dict(block_m=192, num_stages=2, ping_pong=False, overlap=False, v_permute=False), True),  # 176 > 160: 80 B
     (dict(block_m=192, block_n=64, num_stages=2), False),                                        # 152 <= 160
-    # ... not where P goes through two shared tiles with fp32 row sums (152); with the row-sum MMA 176: 48 B
+    # ... nor where P goes through two shared tiles with fp32 row sums (160), unless the producer takes 56
+    # (152 each: 512 B); with the row-sum MMA 176: 48 B
     (dict(block_m=192, p_carry="smem2", lane_sums=True, half_block=True), False),
+    (dict(block_m=192, p_carry="smem2", half_block=True, o_through_p=True, q_stages=2, num_stages=2,
+          producer_regs=56), True),
     (dict(block_m=192, p_carry="smem2", half_block=True, o_through_p=True, rowsum="mma"), True),
     # 192-key blocks (128 + 64 key parts) with overlap (GLUON_SPLIT_REGISTERS): 232 <= 240; 232 > 224
     # at producer_regs=56 (40 B); without the key permutation 320
