@@ -285,7 +285,9 @@ GLUON_REGISTER_OVERHEAD = 24
 GLUON_THREE_CONSUMER_REGISTERS = 24
 GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS = 8
 #: Extra registers of an overlapped 192-key block (two key parts, two accumulators): at 240 per
-#: consumer none spilled, at 224 (producer_regs=56) 40 bytes did with the estimate at 208 (session 5)
+#: consumer none spilled, at 224 (producer_regs=56) 40 bytes did with the estimate at 208 (session 5).
+#: Three consumers need them without overlap too: at hd64 their plain 192-key step spilled 64-80 bytes
+#: at 160 (estimated 152) and 160-224 with the wgmmas serialised at 152 (session 20, compile sweep)
 GLUON_SPLIT_REGISTERS = 24
 #: Extra registers at head dims 192/128 (Q and K in three column parts) with overlap and the row-sum
 #: MMA: one consumer with 256-key blocks spilled 64 bytes at an estimated 248 of 256 (hd128: none;
@@ -367,7 +369,7 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     three = 0 if c.block_m != 192 or dp < 128 else (
         GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS if p_tiles(c) == 2 and c.rowsum == "fp32"
         else GLUON_THREE_CONSUMER_REGISTERS)
-    split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and c.overlap else 0
+    split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and (c.overlap or c.block_m == 192) else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
     wide_plain = (GLUON_WIDE_PLAIN_REGISTERS + (GLUON_WIDE_PLAIN_MMA_REGISTERS if c.rowsum == "mma" else 0)

@@ -400,6 +400,8 @@ CALIBRATION = [
     (dict(block_n=192, num_stages=2), False),
     (dict(block_n=192, num_stages=3, q_stages=2, producer_regs=56, ex2_fence=True, skip_rescale=True), True),
     (dict(block_n=192, num_stages=2, v_permute=False), True),
+    # three consumers need them without overlap too (hd64, 176 > 160: 80 B)
+    (dict(head_dim_qk=64, head_dim_v=64, block_m=192, block_n=192, num_stages=4, overlap=False), True),
     # 192/128 (GLUON_MLA_MMA_REGISTERS): one consumer, 256-key blocks, overlap; the row-sum MMA tips it
     (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2, q_order="heavy_first"),
      False),                                                                                           # 248
