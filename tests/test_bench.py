@@ -513,6 +513,11 @@ def test_gemm_ceiling_record_and_table_share():
     assert "of FP8 GEMM" in out and "FP8 GEMM ceiling: 1000.0 TFLOP/s" in out
     assert "50%" in out and "91%" in out  # ours 500 at 4K; FA3 700 x 1.3 at 16K
     assert "of FP8 GEMM" not in text(sample_result())
+    assert "per clock" not in out  # the ceiling's clock unknown
+    # with both clocks: the share per MHz (GEMM 1000 at 1600 MHz; ours 500 at 4K read at 2000 MHz: 40%)
+    clocked = [dataclasses.replace(r, sm_clock_mhz=2000.0) for r in sample_result().rows]
+    out = text(dataclasses.replace(sample_result(clocked), ceiling=dict(c, tflops=1000.0, sm_clock_mhz=1600.0)))
+    assert "per clock" in out and "40%" in out and "50%" in out
 
 
 def test_ceiling_json_round_trip_and_old_runs(tmp_path):
