@@ -1038,47 +1038,30 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 for phase in gl.static_range(2):
                     lo = 1 if phase == 0 else gl.maximum(n_masked, 1)
                     hi = n_masked if phase == 0 else n_blocks
+                    j0 = lo
                     if QK_AHEAD:  # two steps a turn: the first issues the second's QK^T before its softmax
                         for jj in range(lo, hi - 1, 2):
-                            pP, acc, alpha, m_i, l_i, pPb, accc, s_next = _ov_step(
-                                jj, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs, v_bufs,
-                                s_zero, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
-                                phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
-                                qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
-                                QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc,
-                                vc_bufs, row_oc, s_zero, True, False)
-                            turn_it += 1
-                            kv_it += 1
-                            pP, acc, alpha, m_i, l_i, pPb, accc, s_next = _ov_step(
-                                jj + 1, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs,
-                                v_bufs, s_zero, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk,
-                                off, phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
-                                qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
-                                QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc,
-                                vc_bufs, row_oc, s_next, False, True)
-                            turn_it += 1
-                            kv_it += 1
-                        if (hi - lo) % 2 == 1:  # an odd count: the last step alone
-                            pP, acc, alpha, m_i, l_i, pPb, accc, s_next = _ov_step(
-                                hi - 1, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs,
-                                v_bufs, s_zero, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk,
-                                off, phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
-                                qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
-                                QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc,
-                                vc_bufs, row_oc, s_zero, False, False)
-                            turn_it += 1
-                            kv_it += 1
-                    else:
-                        for j in range(lo, hi):
-                            pP, acc, alpha, m_i, l_i, pPb, accc, s_next = _ov_step(
-                                j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs, v_bufs,
-                                s_zero, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
-                                phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
-                                qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
-                                QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc,
-                                vc_bufs, row_oc, s_zero, False, False)
-                            turn_it += 1
-                            kv_it += 1
+                            for half in gl.static_range(2):  # (the turn's first step, then its second)
+                                pP, acc, alpha, m_i, l_i, pPb, accc, s_next = _ov_step(
+                                    jj + half, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs,
+                                    v_bufs, s_zero, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk,
+                                    off, phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
+                                    qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
+                                    QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc,
+                                    vc_bufs, row_oc, s_zero if half == 0 else s_next, half == 0, half == 1)
+                                turn_it += 1
+                                kv_it += 1
+                        j0 = gl.maximum(hi - (hi - lo) % 2, lo)  # an odd count's last step runs alone, below
+                    for j in range(j0, hi):
+                        pP, acc, alpha, m_i, l_i, pPb, accc, s_next = _ov_step(
+                            j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs, v_bufs, s_zero,
+                            k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
+                            phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
+                            qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
+                            QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc, vc_bufs,
+                            row_oc, s_zero, False, False)
+                        turn_it += 1
+                        kv_it += 1
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
                 p8, p8b, acc, l_i, accc = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout,
