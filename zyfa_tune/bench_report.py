@@ -76,7 +76,7 @@ def results_table(result: BenchResult) -> Table:
     gemm = result.ceiling.get("tflops")
     gemm_mhz = result.ceiling.get("sm_clock_mhz")
     caption = (f"FP8 GEMM ceiling: {gemm:.1f} TFLOP/s ({result.ceiling.get('system', 'FP8 GEMM')}, "
-               f"{result.ceiling.get('m')}^3, {_num(result.ceiling.get('sm_clock_mhz'), '.0f')} MHz)" if gemm else None)
+               f"{result.ceiling.get('m')}^3, {_num(gemm_mhz, '.0f')} MHz)" if gemm else None)
     table = Table(title=f"zyfa-tune bench: {gpu}, causal, {result.date[:16]}, {inputs} inputs, {how}", caption=caption)
     # the GEMM runs power-limited (~1600 MHz), a timed attention row near 1980: per clock is the fair share
     ceiling_cols = (["of FP8 GEMM"] + (["per clock"] if gemm_mhz else [])) if gemm else []
