@@ -4,8 +4,11 @@ SIGKILL."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -17,6 +20,7 @@ import pytest
 
 from zyfa_tune.db import ProblemKey, open_store
 from zyfa_tune.kernels import dispatch
+from zyfa_tune.search_spaces import get_space
 from zyfa_tune.tune import Tuner, TuneSpec, parse_duration, replay_fingerprint
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
@@ -267,6 +271,71 @@ def test_cli_enqueue_is_the_first_trial(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(argv + ["--study", "other", "--enqueue", "backend=gluon,num_stages=9"]) == 2
     assert "enqueue 'backend=gluon,num_stages=9'" in capsys.readouterr().out
+
+
+def _shipped_best_configs(path: str, dqk: int, dv: int) -> list[str]:
+    """The best entries' config text of fp8 causal (dqk, dv) in a database, fastest first (raw SQL)."""
+    with sqlite3.connect(path) as db:
+        return [r[0] for r in db.execute(
+            "select v.config_json from best b join problems p on b.problem_id = p.id join variants v on "
+            "b.variant_id = v.id where p.dtype = 'fp8' and p.head_dim_qk = ? and p.head_dim_v = ? and p.causal = 1 "
+            "order by b.tflops desc", (dqk, dv))]
+
+
+def test_warm_start_queues_the_stored_bests_once_fastest_first(tmp_path):
+    """`--warm-start DB`: the best configs the database holds for the head dims, on any shape, are queued
+    after `--enqueue` and before the seeds, each once; a stored config that does not parse (here one
+    crafted to carry code) or lies outside the space is skipped; a missing database is named."""
+    from zyfa_tune.generator import KernelConfig
+
+    stored = _shipped_best_configs(SHIPPED, 192, 128)
+    assert len(stored) >= 2
+    space = get_space("fp8")
+    want = list(dict.fromkeys(space.canonical(KernelConfig.from_json(c)).to_json() for c in stored))
+    first = "backend=gluon,p_carry=smem2,half_block=true,late_rescale=true"
+    tuner = Tuner(spec(tmp_path, head_dim_qk=192, head_dim_v=128, warm_start=(SHIPPED,), enqueue=(first,)))
+    assert [c.to_json() for c in tuner.spec.warm_configs] == [c for c in want
+                                                              if c != tuner.spec.enqueued[0].to_json()]
+    study = tuner.open_study()
+    queued = [t.system_attrs["fixed_params"] for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))]
+    assert queued[0] == space.as_optuna_params(tuner.spec.enqueued[0])
+    assert queued[1:1 + len(tuner.spec.warm_configs)] == [space.as_optuna_params(c) for c in tuner.spec.warm_configs]
+    assert len(queued) == len({json.dumps(q, sort_keys=True) for q in queued})  # each once
+    # a damaged copy: the fastest entry's config carries code, another names a block size outside the space
+    bad = tmp_path / "bad.db"
+    shutil.copy(SHIPPED, bad)
+    with sqlite3.connect(bad) as db:
+        ids = [r[0] for r in db.execute(
+            "select v.id from best b join problems p on b.problem_id = p.id join variants v on b.variant_id = v.id "
+            "where p.dtype = 'fp8' and p.head_dim_qk = 192 and p.head_dim_v = 128 and p.causal = 1 "
+            "order by b.tflops desc")]
+        db.execute("update variants set config_json = ? where id = ?",
+                   (json.dumps({**json.loads(stored[0]), "block_m": "__import__('os').system('true')"}), ids[0]))
+    left = Tuner(spec(tmp_path, study_name="b", head_dim_qk=192, head_dim_v=128, warm_start=(str(bad),)))
+    assert stored[0] not in stored[1:]  # so its config is gone from the warm list, not kept by a twin
+    assert space.canonical(KernelConfig.from_json(stored[0])).to_json() not in \
+        [c.to_json() for c in left.spec.warm_configs]
+    assert len(left.spec.warm_configs) == len(want) - 1
+    with pytest.raises(ValueError, match="warm_start .*nowhere.db"):
+        spec(tmp_path, warm_start=(str(tmp_path / "nowhere.db"),))
+    with pytest.raises(ValueError, match="warm_start: expected a sequence"):
+        spec(tmp_path, warm_start=SHIPPED)
+
+
+def test_cli_warm_start_shipped_measures_a_stored_best_first(tmp_path):
+    from zyfa_tune import cli
+    from zyfa_tune.generator import KernelConfig
+    from zyfa_tune.tune import _config_key
+
+    journal = str(tmp_path / "s.journal")
+    assert cli.main(["tune", "--head-dim", "192", "--head-dim-v", "128", "--seqlens", "8192", "--trials", "1",
+                     "--runner", f"replay:{SHIPPED}", "--storage", str(tmp_path / "t.db"), "--study-storage",
+                     journal, "--timeout", "60", "--warm-start", "shipped"]) == 0
+    study = optuna.load_study(study_name="fp8-192x128-causal", storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(journal)))
+    first = min((t for t in study.trials if t.state.is_finished()), key=lambda t: t.number)
+    fastest = _shipped_best_configs(SHIPPED, 192, 128)[0]
+    assert first.user_attrs["config"] == _config_key(get_space("fp8").canonical(KernelConfig.from_json(fastest)))
 
 
 def test_a_repeated_proposal_enqueues_an_unmeasured_neighbour(tmp_path):

@@ -275,6 +275,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from zyfa_tune.tune import Progress, Tuner, TuneSpec, best_per_shape, parse_duration
+    from zyfa_tune.runners import shipped_db
 
     runner = args.runner
     if runner == "replay":  # the shipped H200 measurements
@@ -290,7 +291,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                     resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
                     runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
                     input_family=args.input_family, precompile=args.precompile, gate=args.gate,
-                    enqueue=tuple(args.enqueue or ()))
+                    enqueue=tuple(args.enqueue or ()),
+                    warm_start=tuple(shipped_db() if w == "shipped" else w for w in args.warm_start or ()))
 
     def render(p: Progress) -> Table:
         t = Table(title=f"zyfa-tune {spec.name}: {len(spec.gpus)} worker(s), runner={spec.runner}")
@@ -419,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enqueue", action="append", metavar="KEY=VAL,...",
                    help="measure this config first (fields changed from the head dims' default, as in "
                         "bench --ours; repeatable; also with --resume)")
+    p.add_argument("--warm-start", action="append", metavar="DB",
+                   help="measure next the best configs this tuning database (path or URL; 'shipped': the "
+                        "database shipped with zyfa-tune) holds for these head dims on any shape; repeatable")
     p.set_defaults(fn=cmd_tune)
     p = sub.add_parser("compile", help="compile a kernel config for sm_90a (no GPU needed)")
     common(p)

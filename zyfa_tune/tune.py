@@ -71,6 +71,8 @@ class TuneSpec:
                                          # measures (zyfa_tune.precompile); opt-in until it measures faster
     enqueue: tuple[str, ...] = ()        # configs to measure first, as 'key=val,...' changes to the
                                          # head dims' default (what `--ours` / `--set` take)
+    warm_start: tuple[str, ...] = ()     # tuning databases (path or URL) whose best configs of these
+                                         # head dims, on any shape, are measured next (see warm_configs)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp8", "bf16"):
@@ -103,6 +105,7 @@ class TuneSpec:
             raise ValueError(f"gate: expected a finite number >= 1 (allowed error / the exact reference's), "
                              f"got {self.gate!r}")
         self.enqueued  # parse and check the configs now, not after the study has started
+        self.warm_configs
 
     @functools.cached_property
     def enqueued(self) -> tuple[KernelConfig, ...]:
@@ -122,6 +125,40 @@ class TuneSpec:
             if reason is not None:
                 raise ValueError(f"enqueue {text!r}: does not fit: {reason}")
             out.append(cfg)
+        return tuple(out)
+
+    @functools.cached_property
+    def warm_configs(self) -> tuple[KernelConfig, ...]:
+        """The best configs that `warm_start` databases hold for this dtype, head-dim pair and
+        causality, fastest first, each once and not already in `enqueued`. A kernel tuned at one
+        sequence length or batch is often the best at its neighbours too, or a better start than the
+        seeds: a study measures these before the sampler's own asks, and a shape tuned long ago
+        gets the newer kernels its neighbours found (session 21: the 192/128 kernel of
+        16K x 16 heads was two generator versions older than that of 16K x 32 heads, 0.95x FA3 at
+        32K). Entries outside the current search space or not fitting statically are skipped; a
+        stored config is validated (`KernelConfig.from_json`) before anything reads it."""
+        if isinstance(self.warm_start, str) or not all(isinstance(t, str) for t in self.warm_start):
+            raise ValueError(f"warm_start: expected a sequence of database paths or URLs, got {self.warm_start!r}")
+        from zyfa_tune.db import DatabaseError
+
+        space, out = get_space(self.dtype), []
+        seen = {space.canonical(c).to_json() for c in self.enqueued}
+        for target in self.warm_start:
+            try:
+                with open_store(target, readonly=True, create=False) as store:
+                    entries = store.best_entries(head_dims=(self.head_dim_qk, self.head_dim_v), dtype=self.dtype)
+            except DatabaseError as exc:
+                raise ValueError(f"warm_start {target!r}: {exc}") from exc
+            for e in sorted((e for e in entries if e.key.causal == self.causal), key=lambda e: e.median_ms
+                            if e.tflops is None else -e.tflops):
+                try:
+                    cfg = space.canonical(KernelConfig.from_json(e.config_json))
+                    space.as_optuna_params(cfg)
+                except ValueError:  # another generator version's field, or a point outside this space
+                    continue
+                if cfg.to_json() not in seen and space.feasible(cfg) is None:
+                    seen.add(cfg.to_json())
+                    out.append(cfg)
         return tuple(out)
 
     @functools.cached_property
@@ -251,8 +288,8 @@ class Tuner:
                                     directions=directions, load_if_exists=True)
         study.set_user_attr("spec", {f.name: getattr(self.spec, f.name) for f in dataclasses.fields(self.spec)})
         self._recover(study)
-        for cfg in self.spec.enqueued:  # first: WAITING trials run in the order they were enqueued
-            study.enqueue_trial(self.space.as_optuna_params(cfg), skip_if_exists=True)
+        for cfg in self.spec.enqueued + self.spec.warm_configs:  # first: WAITING trials run in the order
+            study.enqueue_trial(self.space.as_optuna_params(cfg), skip_if_exists=True)  # they were enqueued
         if not exists:
             loose = self.spec.multi_objective or self.spec.gate >= LOOSE_GATE
             for cfg in self.space.seeds(self.spec.head_dim_qk, self.spec.head_dim_v, loose=loose):
