@@ -60,17 +60,16 @@ CHOICES: dict[str, tuple] = {
     "o_split": (False, True),
     "half_block": (False, True),
     "o_through_p": (False, True),
-    "qk_ahead": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
-                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "qk_ahead")
+                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
-               "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "qk_ahead")
+               "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p")
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads")
@@ -193,11 +192,6 @@ class KernelConfig:
                   stores O in column chunks of block_n / 2 (what one P tile holds), alternating between the
                   warpgroup's two P tiles (free once the tile's last PV is done). At hd256 that is the 64 KB
                   that keeps the 128-key overlap with two P tiles out of shared memory (263 KB -> 199 KB).
-    qk_ahead:     Gluon, p_carry="smem2" on blocks of up to 128 keys: the step loop runs two steps a turn,
-                  and the first issues QK^T(j+1) right after QK^T(j)'s wait, so it runs under softmax(j) and
-                  the second step starts with its scores done. Within a loop turn only: a wgmma in flight
-                  across the loop's back-edge makes ptxas serialise them all (C7514, session 20). The
-                  same products in the same order: bitwise the same output.
     """
 
     dtype: str = "fp8"
@@ -237,7 +231,6 @@ class KernelConfig:
     o_split: bool = False
     half_block: bool = False
     o_through_p: bool = False
-    qk_ahead: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -314,8 +307,6 @@ class KernelConfig:
         if self.half_block and (why := half_block_conflict(vars(self))):
             raise ConfigError(why)
         if self.o_through_p and (why := o_through_p_conflict(vars(self))):
-            raise ConfigError(why)
-        if self.qk_ahead and (why := qk_ahead_conflict(vars(self))):
             raise ConfigError(why)
         if self.late_rescale and not self.overlap:
             raise ConfigError("late_rescale=True moves the overlapped step's O rescale after its PV wait: it needs "
@@ -412,7 +403,6 @@ class KernelConfig:
                                           ("smemP", self.p_carry == "smem"), ("smemP2", self.p_carry == "smem2"),
                                           ("laneSums", self.lane_sums), ("oSplit", self.o_split),
                                           ("halfBlock", self.half_block), ("oThroughP", self.o_through_p),
-                                          ("qkAhead", self.qk_ahead),
                                           ("balanced", self.q_order == "balanced")) if flag]
             softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
@@ -501,17 +491,6 @@ def o_through_p_conflict(f: Mapping[str, Any]) -> str | None:
     if width // (f["block_n"] // 2) > 4:
         return (f"o_through_p=True at block_n={f['block_n']}: {width} columns would take "
                 f"{width // (f['block_n'] // 2)} chunks of {f['block_n'] // 2}; at most 4")
-    return None
-
-
-def qk_ahead_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a Gluon config with these fields cannot issue the next block's QK^T before its softmax
-    (qk_ahead=True), or None: it needs the two P tiles (no P in registers beside two score tiles)
-    and blocks of at most 128 keys (at 256 the second score tile spills: 72 bytes, session 20)."""
-    if f["p_carry"] != "smem2":
-        return "qk_ahead=True keeps two score tiles in registers: it needs P in shared memory (p_carry='smem2')"
-    if f["block_n"] > 128:
-        return f"qk_ahead=True at block_n={f['block_n']}: two score tiles of that width do not fit the registers"
     return None
 
 

@@ -189,8 +189,6 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         # the P tile's swizzle (bytes): a row of BLOCK_N e4m3, up to the 128-byte maximum
         ("P_SWIZZLE", min(128, int(c.block_n))),
         ("LANE_SUMS", bool(c.lane_sums)), ("LATE_RESCALE", bool(c.late_rescale)),
-        # two steps a loop turn, the first issuing the second's QK^T before its softmax
-        ("QK_AHEAD", bool(c.qk_ahead)),
         # a first block whose upper half no row sees runs as a step of BLOCK_N / 2 keys (plain schedule)
         ("HALF_BLOCK", bool(c.half_block)),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),

@@ -648,7 +648,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
              qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, V_PERM: gl.constexpr,
              P_OFFSET: gl.constexpr, EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_smem, l_zero,
              QK_PARTS: gl.constexpr, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout: gl.constexpr,
-             p_smem, accc, vc_bufs, row_oc: gl.constexpr, s_in, AHEAD: gl.constexpr, FROM_AHEAD: gl.constexpr):
+             p_smem, accc, vc_bufs, row_oc: gl.constexpr):
     """Overlapped step j >= 1: issue QK^T(j) and PV(j-1) back to back, wait for QK^T(j) only, run
     softmax(j) while PV(j-1) is on the tensor cores, then wait for PV(j-1). What keeps ptxas from
     undoing the overlap: nothing in flight across the loop back-edge (else every wgmma of the kernel
@@ -664,23 +664,17 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     runs, PV(j-1) issued behind it, and P(j) stored into the other tile before the PV(j-1) wait. PV_DEFER
     (overlap off): both products are waited for before the softmax and V(j-1) is released in this
     step; with two key parts PV(j-1) is issued first and QK^T(j)'s second part only once PV(j-1) is
-    done (below). O_SPLIT: O's second part (accc) goes with O everywhere. QK_AHEAD (P_DOUBLE): AHEAD
-    issues QK^T(j+1) once QK^T(j) is done, before the softmax, and returns its pending scores (else
-    s_zero); the next step, FROM_AHEAD, takes them as s_in instead of issuing its own."""
+    done (below). O_SPLIT: O's second part (accc) goes with O everywhere."""
     _mark(kv_it, EV_START, CID)
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
     if P_DOUBLE:
         # QK^T(j) first; P(j-1)'s tile is published (proxy fence, warpgroup barrier) and O rescaled while
         # it runs, then PV(j-1) issued behind it
-        if FROM_AHEAD:  # QK^T(j) was issued by the previous step
-            _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-            s_tok = s_in
-        else:
-            mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
-            _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-            s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
+        mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
+        _turn_wait(turn_bars, turn_it, CID, PINGPONG)
         _mark(kv_it, EV_READY, CID)
+        s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
         sb_tok = s_tok
         _p_publish()
         p8 = _p_tile(p_smem, kv_it - 1, CID)
@@ -717,12 +711,6 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     s, sb = _qk_result(s_tok, sb_tok, not PV_DEFER)
     _mark(kv_it, EV_QK_DONE, CID)
     mbarrier.arrive(k_empty.index(st), count=1)
-    if AHEAD:  # QK^T(j+1) now, under softmax(j) (groups in flight: PV(j-1), then QK^T(j+1))
-        nst = (kv_it + 1) % STAGES
-        mbarrier.wait(k_ready.index(nst), ((kv_it + 1) // STAGES) & 1)
-        s_next = _qk_issue(q_bufs, qb, k_bufs, nst * QK_PARTS, s_zero, CID, QK_PARTS)
-    else:
-        s_next = s_zero
     if PV_DEFER:
         if not SPLIT:  # retired already: no wait
             acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), oc_tok, accc)
@@ -748,8 +736,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
             l_i = gl.inline_asm_elementwise(ROW_SUM_FENCE_ASM[CID], ROW_SUM_FENCE_CONSTRAINTS, [l_i], dtype=gl.float32,
                                             is_pure=False, pack=2)
     if not PV_DEFER:
-        acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), oc_tok, accc,
-                                  QK_PARTS if AHEAD else 0)  # PV(j-1) done (QK^T(j+1) may run on)
+        acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), oc_tok, accc)  # PV(j-1) done
         _mark(kv_it, EV_PV_DONE, CID)
         if LATE_RESCALE:
             acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
@@ -759,7 +746,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         mbarrier.arrive(v_empty.index(pst), count=1)
         pP = alpha
         pPb = alpha
-    return pP, acc, alpha, m_i, l_i, pPb, accc, s_next
+    return pP, acc, alpha, m_i, l_i, pPb, accc
 
 
 @gluon.jit
@@ -1038,28 +1025,14 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 for phase in gl.static_range(2):
                     lo = 1 if phase == 0 else gl.maximum(n_masked, 1)
                     hi = n_masked if phase == 0 else n_blocks
-                    j0 = lo
-                    if QK_AHEAD:  # two steps a turn: the first issues the second's QK^T before its softmax
-                        for jj in range(lo, hi - 1, 2):
-                            for half in gl.static_range(2):  # (the turn's first step, then its second)
-                                pP, acc, alpha, m_i, l_i, pPb, accc, s_next = _ov_step(
-                                    jj + half, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs,
-                                    v_bufs, s_zero, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk,
-                                    off, phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
-                                    qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
-                                    QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc,
-                                    vc_bufs, row_oc, s_zero if half == 0 else s_next, half == 0, half == 1)
-                                turn_it += 1
-                                kv_it += 1
-                        j0 = gl.maximum(hi - (hi - lo) % 2, lo)  # an odd count's last step runs alone, below
-                    for j in range(j0, hi):
-                        pP, acc, alpha, m_i, l_i, pPb, accc, s_next = _ov_step(
+                    for j in range(lo, hi):
+                        pP, acc, alpha, m_i, l_i, pPb, accc = _ov_step(
                             j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs, v_bufs, s_zero,
                             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
                             phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
                             qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
                             QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc, vc_bufs,
-                            row_oc, s_zero, False, False)
+                            row_oc)
                         turn_it += 1
                         kv_it += 1
                 # ---- PV of the last block

@@ -302,10 +302,6 @@ GLUON_OTHER_DIM_REGISTERS = 12
 #: space: 3 of 80 feasible points spilled, this one and two at the estimate's edge)
 GLUON_WIDE_PLAIN_REGISTERS = 24
 GLUON_WIDE_PLAIN_MMA_REGISTERS = 8
-#: Extra registers of qk_ahead beyond the second score tile (session 20, 128-key two-tile kernels): at
-#: hd128 clean at 240 per consumer and 16 bytes spilled at 224; with the row-sum MMA, or at 192/128 (Q
-#: and K in three column parts), 24-40 bytes at 240; hd64 clean at 240
-GLUON_QK_AHEAD_REGISTERS = 16
 #: Extra registers of a 256-key pv_defer block (two 128-key parts, the second QK^T issued after the PV
 #: wait, so the scores never share the registers with the P in flight). Such a block always rescales O
 #: in place (inline PTX, emit_gluon.rescale_in_place): so it compiled without spills at 240 per
@@ -376,14 +372,12 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and (c.overlap or c.block_m == 192) else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
-    ahead = (scores + GLUON_QK_AHEAD_REGISTERS  # the next block's scores in flight beside this block's
-             + (GLUON_QK_AHEAD_REGISTERS if c.rowsum == "mma" or c.head_dim_qk == 192 else 0)) if c.qk_ahead else 0
     wide_plain = (GLUON_WIDE_PLAIN_REGISTERS + (GLUON_WIDE_PLAIN_MMA_REGISTERS if c.rowsum == "mma" else 0)
                   if dp == 256 and c.block_n >= 128 and not (c.overlap or c.pv_defer) else 0)
     if c.pv_defer and c.block_n == 256:  # peak at the softmax: no P in flight beside the scores, O in place
         return acc + scores + defer_mma + table + GLUON_SPLIT_DEFER_REGISTERS + GLUON_REGISTER_OVERHEAD
     return (acc + scores + carried + other_dim + three + split + mla + defer_mma + two_tile_mma + table + split_o
-            + wide_plain + ahead + GLUON_REGISTER_OVERHEAD)
+            + wide_plain + GLUON_REGISTER_OVERHEAD)
 
 
 def gluon_infeasibility(c: KernelConfig) -> str | None:

@@ -31,7 +31,7 @@ def valid_with(field: str, value) -> KernelConfig:
         changes["q_order"] = "heavy_first"
     if field == "o_split" and value:
         changes.update(head_dim_qk=96, head_dim_v=96)
-    if field in ("o_through_p", "qk_ahead") and value:
+    if field == "o_through_p" and value:
         changes["p_carry"] = "smem2"
     if field in GLUON_FIELDS or (field, value) in (("backend", "gluon"), ("block_m", 192), ("block_n", 192),
                                                    ("q_order", "balanced")):

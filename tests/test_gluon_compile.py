@@ -365,16 +365,6 @@ def test_schedule_shows_in_the_sass(compiled):
     assert seed.count("F2FP.SATFINITE.E4M3") > 0  # P rounded to e4m3 next to its wgmma
 
 
-def test_qk_ahead_compiles_without_serialised_wgmmas(compiled):
-    """qk_ahead's QK^T in flight stays inside a loop turn (two steps), so ptxas keeps the wgmmas
-    asynchronous; the turn's two step bodies show in the SASS as more QGMMAs than the one-step loop."""
-    cfg = GLUON.replace(p_carry="smem2", lane_sums=True, half_block=True)
-    ahead, plain = compiled(cfg.replace(qk_ahead=True)), compiled(cfg)
-    check_usable(ahead, cfg.replace(qk_ahead=True))
-    assert ahead.serialised_wgmma is None and ahead.spill_bytes == 0
-    assert ahead.count("QGMMA") > plain.count("QGMMA")
-
-
 #: Register calibration (Triton 3.6, compile_for_target): config changes from the seed -> spills.
 #: The static estimate must reject exactly the configs that spill (the full 36-config sweep it was
 #: fitted on is described in search_spaces/base.py).
@@ -454,13 +444,6 @@ CALIBRATION = [
      False),                                                                                          # 228
     (dict(head_dim_qk=256, head_dim_v=256, num_stages=2, p_carry="smem2", o_through_p=True, rowsum="mma",
           late_rescale=True), True),                                                           # 260: 32 B
-    # qk_ahead: a second score tile in flight (GLUON_QK_AHEAD_REGISTERS): 232 of 240 clean, of 224 16 B;
-    # with the row-sum MMA (248) 40 B, at 192/128 (248) 24 B
-    (dict(p_carry="smem2", lane_sums=True, half_block=True, qk_ahead=True), False),
-    (dict(p_carry="smem2", lane_sums=True, half_block=True, qk_ahead=True, producer_regs=56), True),
-    (dict(p_carry="smem2", half_block=True, rowsum="mma", qk_ahead=True), True),
-    (dict(head_dim_qk=192, p_carry="smem2", lane_sums=True, half_block=True, o_through_p=True, qk_ahead=True),
-     True),
 ]
 
 

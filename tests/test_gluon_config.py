@@ -50,8 +50,7 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     needs = {"exp2_poly": 4} if field == "exp2_poly_degree" else {"overlap": False} if field == "pv_defer" else \
         {"q_order": "heavy_first"} if field == "persistent" else \
         {"head_dim_qk": 96, "head_dim_v": 96} if field == "o_split" else \
-        {"overlap": False} if field == "half_block" else \
-        {"p_carry": "smem2"} if field in ("o_through_p", "qk_ahead") else {}
+        {"overlap": False} if field == "half_block" else {"p_carry": "smem2"} if field == "o_through_p" else {}
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 
@@ -154,20 +153,6 @@ def test_output_through_p_tiles_is_stored_only_when_set_and_chunks_by_tile():
     assert o_chunks(mla) == (64, 2) and o_chunks(GLUON.replace(block_n=64, p_carry="smem2", o_through_p=True)) == (32, 4)
     wide = GLUON.replace(block_n=256, num_stages=2, p_carry="smem2")
     assert o_in_p_tile(wide) and o_chunks(wide) == (128, 1)  # fits whole in one tile: no chunks
-
-
-def test_qk_ahead_needs_two_p_tiles_and_narrow_blocks():
-    """qk_ahead (added after the shipped rows): in the JSON only when set; it keeps two score tiles in
-    the registers, so only where P goes through shared memory and blocks have at most 128 keys."""
-    ahead = GLUON.replace(p_carry="smem2", qk_ahead=True)
-    assert ahead.to_dict()["qk_ahead"] is True and "qk_ahead" not in GLUON.to_dict()
-    assert KernelConfig.from_json(ahead.to_json()) == ahead and "qkAhead" in ahead.summary()
-    with pytest.raises(ConfigError, match="qk_ahead=True keeps two score tiles"):
-        GLUON.replace(qk_ahead=True)  # P carried in registers
-    with pytest.raises(ConfigError, match="qk_ahead=True at block_n=256"):
-        GLUON.replace(block_n=256, num_stages=2, p_carry="smem2", qk_ahead=True)
-    with pytest.raises(ConfigError, match="qk_ahead"):
-        KernelConfig(qk_ahead=True)  # a Triton config keeps the Gluon fields at their defaults
 
 
 def test_lane_sums_are_stored_only_when_set():

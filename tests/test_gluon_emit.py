@@ -141,7 +141,6 @@ def test_constants_are_the_config(cfg):
                  "O_CHUNK": cfg.block_n // 2 if cfg.o_through_p else ow,
                  "O_CHUNKS": ow // (cfg.block_n // 2) if cfg.o_through_p else 1,
                  "LANE_SUMS": cfg.lane_sums, "LATE_RESCALE": cfg.late_rescale and cfg.overlap, "HALF_BLOCK": cfg.half_block,
-                 "QK_AHEAD": cfg.qk_ahead,
                  # timeline stamps off (tests/test_timeline.py traces)
                  "TRACE": False, "TRACE_STEPS": 0, "TRACE_EVENTS": len(EVENTS), "TRACE_ASM": "", "TRACE_AFTER_ASM": "",
                  **{f"EV_{name.upper()}": i for i, name in enumerate(EVENTS)}}

@@ -390,24 +390,6 @@ def test_output_through_p_tiles_equals_its_own_tile(name, sq, sk, causal):
     assert torch.equal(chunked, own)
 
 
-#: qk_ahead: two steps a loop turn, the first issuing the second's QK^T before its softmax (session 20;
-#: compiled clean on the CPU, not yet run on the GPU when written)
-AHEAD = {"128-narrow": gluon_smem2_narrow_config("fp8", 128, 128).replace(qk_ahead=True),
-         "128-late-skip-named": gluon_smem2_narrow_config("fp8", 128, 128).replace(
-             qk_ahead=True, late_rescale=True, skip_rescale=True, turn_barrier="named"),
-         "64-narrow": gluon_smem2_narrow_config("fp8", 64, 64).replace(qk_ahead=True)}
-
-
-@pytest.mark.parametrize("name", AHEAD)
-@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES + [(1000, 1128, True), (256, 384, False)])
-def test_qk_ahead_equals_the_step_by_step_kernel(name, sq, sk, causal):
-    """The same products in the same order, only issued earlier: bitwise the output of the kernel
-    that issues each QK^T in its own step (odd and even step counts per tile, masked and unmasked)."""
-    cfg = AHEAD[name]
-    ahead, plain = variant_and_twin(cfg, cfg.replace(qk_ahead=False), sq, sk, causal)
-    assert torch.equal(ahead, plain)
-
-
 #: row sums kept per lane (lane_sums) on the schedules they apply to, every head dim
 LANES = {"wide": gluon_wide_config("fp8", 128, 128), "seed-packed": GLUON.replace(p_carry="e4m3"),
          "64-three": PACKED["64-three"].replace(rowsum="fp32"), "192/128": PACKED["192/128"],

@@ -322,7 +322,7 @@ def test_warm_start_queues_the_stored_bests_once_fastest_first(tmp_path):
         spec(tmp_path, warm_start=SHIPPED)
 
 
-def test_cli_warm_start_shipped_measures_a_stored_best_first(tmp_path):
+def test_cli_warm_start_shipped_measures_a_stored_best_first(tmp_path, capsys):
     from zyfa_tune import cli
     from zyfa_tune.generator import KernelConfig
     from zyfa_tune.tune import _config_key
@@ -331,6 +331,7 @@ def test_cli_warm_start_shipped_measures_a_stored_best_first(tmp_path):
     assert cli.main(["tune", "--head-dim", "192", "--head-dim-v", "128", "--seqlens", "8192", "--trials", "1",
                      "--runner", f"replay:{SHIPPED}", "--storage", str(tmp_path / "t.db"), "--study-storage",
                      journal, "--timeout", "60", "--warm-start", "shipped"]) == 0
+    assert "stored best config(s) of 192/128 fp8" in capsys.readouterr().out
     study = optuna.load_study(study_name="fp8-192x128-causal", storage=optuna.storages.JournalStorage(
         optuna.storages.journal.JournalFileBackend(journal)))
     first = min((t for t in study.trials if t.state.is_finished()), key=lambda t: t.number)

@@ -309,6 +309,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
             t.add_row("measured per GPU", ", ".join(f"gpu {g}: {n}" for g, n in sorted(p.by_gpu.items())) or "-")
         return t
 
+    if spec.warm_start:
+        console.print(f"warm start: {len(spec.warm_configs)} stored best config(s) of {spec.head_dim_qk}/"
+                      f"{spec.head_dim_v} {spec.dtype} from {', '.join(spec.warm_start)} measured first")
     tuner = Tuner(spec)
     with Live(render(tuner.progress), console=console, refresh_per_second=2, transient=False) as live:
         tuner.on_progress = lambda p: live.update(render(p))
