@@ -26,7 +26,7 @@ from typing import Callable
 
 import optuna
 
-from zyfa_tune.db import Fingerprint, ProblemKey, TrialResult, open_store
+from zyfa_tune.db import DatabaseError, Fingerprint, ProblemKey, TrialResult, open_store
 from zyfa_tune.generator import GENERATOR_VERSION, HEAD_DIMS, KernelConfig, emit
 from zyfa_tune.kernels.inputs import check_input_family
 from zyfa_tune.search_spaces import get_space
@@ -133,14 +133,12 @@ class TuneSpec:
         causality, fastest first, each once and not already in `enqueued`. A kernel tuned at one
         sequence length or batch is often the best at its neighbours too, or a better start than the
         seeds: a study measures these before the sampler's own asks, and a shape tuned long ago
-        gets the newer kernels its neighbours found (session 21: the 192/128 kernel of
-        16K x 16 heads was two generator versions older than that of 16K x 32 heads, 0.95x FA3 at
-        32K). Entries outside the current search space or not fitting statically are skipped; a
+        gets the newer kernels its neighbours found (session 21: 192/128's 16K x 16 heads entry,
+        tuned before the two-P-tile kernel existed, ran 0.95x FA3 at 32K; re-tuned from its
+        neighbours' kernels, 1.07x). Entries outside the current search space or not fitting statically are skipped; a
         stored config is validated (`KernelConfig.from_json`) before anything reads it."""
         if isinstance(self.warm_start, str) or not all(isinstance(t, str) for t in self.warm_start):
             raise ValueError(f"warm_start: expected a sequence of database paths or URLs, got {self.warm_start!r}")
-        from zyfa_tune.db import DatabaseError
-
         space, out = get_space(self.dtype), []
         seen = {space.canonical(c).to_json() for c in self.enqueued}
         for target in self.warm_start:
@@ -149,8 +147,7 @@ class TuneSpec:
                     entries = store.best_entries(head_dims=(self.head_dim_qk, self.head_dim_v), dtype=self.dtype)
             except DatabaseError as exc:
                 raise ValueError(f"warm_start {target!r}: {exc}") from exc
-            for e in sorted((e for e in entries if e.key.causal == self.causal), key=lambda e: e.median_ms
-                            if e.tflops is None else -e.tflops):
+            for e in sorted((e for e in entries if e.key.causal == self.causal), key=lambda e: -(e.tflops or 0.0)):
                 try:
                     cfg = space.canonical(KernelConfig.from_json(e.config_json))
                     space.as_optuna_params(cfg)
