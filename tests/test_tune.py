@@ -322,21 +322,30 @@ def test_warm_start_queues_the_stored_bests_once_fastest_first(tmp_path):
         spec(tmp_path, warm_start=SHIPPED)
 
 
-def test_cli_warm_start_shipped_measures_a_stored_best_first(tmp_path, capsys):
+@pytest.mark.parametrize("flag", [[], ["--warm-start", "shipped"], ["--warm-start", "none"]])
+def test_cli_warm_start_is_the_shipped_database_unless_none(tmp_path, capsys, flag):
+    """By default (and with 'shipped') a CLI study measures the shipped database's fastest config of its
+    head dims first; with 'none' the space's first seed."""
     from zyfa_tune import cli
     from zyfa_tune.generator import KernelConfig
     from zyfa_tune.tune import _config_key
 
     journal = str(tmp_path / "s.journal")
-    assert cli.main(["tune", "--head-dim", "192", "--head-dim-v", "128", "--seqlens", "8192", "--trials", "1",
-                     "--runner", f"replay:{SHIPPED}", "--storage", str(tmp_path / "t.db"), "--study-storage",
-                     journal, "--timeout", "60", "--warm-start", "shipped"]) == 0
-    assert "stored best config(s) of 192/128 fp8" in capsys.readouterr().out
+    argv = ["tune", "--head-dim", "192", "--head-dim-v", "128", "--seqlens", "8192", "--trials", "1", "--runner",
+            f"replay:{SHIPPED}", "--storage", str(tmp_path / "t.db"), "--study-storage", journal, "--timeout", "60"]
+    assert cli.main(argv + flag) == 0
+    warm = flag != ["--warm-start", "none"]
+    assert ("stored best config(s) of 192/128 fp8" in capsys.readouterr().out) is warm
     study = optuna.load_study(study_name="fp8-192x128-causal", storage=optuna.storages.JournalStorage(
         optuna.storages.journal.JournalFileBackend(journal)))
     first = min((t for t in study.trials if t.state.is_finished()), key=lambda t: t.number)
-    fastest = _shipped_best_configs(SHIPPED, 192, 128)[0]
-    assert first.user_attrs["config"] == _config_key(get_space("fp8").canonical(KernelConfig.from_json(fastest)))
+    space = get_space("fp8")
+    want = space.canonical(KernelConfig.from_json(_shipped_best_configs(SHIPPED, 192, 128)[0])) if warm \
+        else space.seeds(192, 128)[0]
+    assert first.user_attrs["config"] == _config_key(want)
+    if not warm:
+        assert cli.main(argv + ["--study", "x", "--warm-start", "none", "--warm-start", "shipped"]) == 2
+        assert "--warm-start none: give it alone" in capsys.readouterr().out
 
 
 def test_a_repeated_proposal_enqueues_an_unmeasured_neighbour(tmp_path):

@@ -270,12 +270,27 @@ def config_changes(config: KernelConfig) -> str:
     return " ".join(changed) or "(the default config)"
 
 
+def _warm_start(given: list[str] | None) -> tuple[str, ...]:
+    """--warm-start values -> databases: 'shipped' is the database shipped with zyfa-tune (also the
+    default, where the package has it), 'none' turns the warm start off."""
+    from pathlib import Path
+
+    from zyfa_tune.runners import shipped_db
+
+    if given is None:
+        return (shipped_db(),) if Path(shipped_db()).is_file() else ()
+    if "none" in given:
+        if len(given) > 1:
+            raise ValueError("--warm-start none: give it alone (it turns the warm start off)")
+        return ()
+    return tuple(shipped_db() if w == "shipped" else w for w in given)
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     """Optuna study over the family's search space; results go to the tuning database."""
     from rich.live import Live
 
     from zyfa_tune.tune import Progress, Tuner, TuneSpec, best_per_shape, parse_duration
-    from zyfa_tune.runners import shipped_db
 
     runner = args.runner
     if runner == "replay":  # the shipped H200 measurements
@@ -292,7 +307,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                     runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
                     input_family=args.input_family, precompile=args.precompile, gate=args.gate,
                     enqueue=tuple(args.enqueue or ()),
-                    warm_start=tuple(shipped_db() if w == "shipped" else w for w in args.warm_start or ()))
+                    warm_start=_warm_start(args.warm_start))
 
     def render(p: Progress) -> Table:
         t = Table(title=f"zyfa-tune {spec.name}: {len(spec.gpus)} worker(s), runner={spec.runner}")
@@ -425,8 +440,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure this config first (fields changed from the head dims' default, as in "
                         "bench --ours; repeatable; also with --resume)")
     p.add_argument("--warm-start", action="append", metavar="DB",
-                   help="measure next the best configs this tuning database (path or URL; 'shipped': the "
-                        "database shipped with zyfa-tune) holds for these head dims on any shape; repeatable")
+                   help="measure first (after --enqueue) the best configs this tuning database (path or URL; "
+                        "'shipped': the one shipped with zyfa-tune, the default) holds for these head dims on "
+                        "any shape; repeatable; 'none' for no warm start")
     p.set_defaults(fn=cmd_tune)
     p = sub.add_parser("compile", help="compile a kernel config for sm_90a (no GPU needed)")
     common(p)
