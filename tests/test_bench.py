@@ -229,6 +229,38 @@ def test_table_ratios_to_the_best_peer():
     assert bench_report.best_peer(sample_result().rows)[("128/128 B=1 S=4096 H=32", "fp8", None)] == 700
 
 
+def test_a_borrowed_kernel_says_whose_in_the_row_and_the_table(tmp_path):
+    """A row whose dispatcher kernel was tuned for another problem class (nearest) or GPU says which,
+    in the JSON and in the kernel column; the shape's own entry adds nothing."""
+    from rich.console import Console
+
+    from zyfa_tune.db import ProblemKey
+    from zyfa_tune.kernels.defaults import default_config
+    from zyfa_tune.kernels.dispatch import Choice
+
+    def key(s, bh, gqa=1):
+        return ProblemKey(dtype="fp8", head_dim_qk=192, head_dim_v=128, causal=True, gqa_group=gqa,
+                          seqlen_bucket=s, bh_bucket=bh)
+    cfg = default_config("fp8", 192, 128, "gluon")
+    own = key(32768, 16)
+    assert bench.borrowed_from(Choice(cfg, "exact", own, tuned_key=own)) is None
+    assert bench.borrowed_from(Choice(cfg, "default", own)) is None
+    near = bench.borrowed_from(Choice(cfg, "nearest", own, tuned_key=key(16384, 16)))
+    assert near == "tuned at seqlen<=16384 B*H<=16"
+    other = Choice(cfg, "other-device", own, tuned_key=key(32768, 16, gqa=2), tuned_on="NVIDIA H100 80GB HBM3")
+    assert bench.borrowed_from(other) == "tuned at seqlen<=32768 B*H<=16 gqa=2 on NVIDIA H100 80GB HBM3"
+    row = bench.BenchRow(shape="192/128 B=1 S=32768 H=16", system="ours-fp8", kind="ours", dtype="fp8", dqk=192,
+                         dv=128, b=1, s=32768, h=16, hk=16, tflops=1023.2, median_ms=5.4, rel_l2=0.02,
+                         config=cfg.to_json(), source="nearest", entry=near)
+    res = bench.BenchResult(date="2026-12-02T10:00:00+00:00", gpu={"name": "NVIDIA H200"}, gpu_after={},
+                            environment={}, settings={}, rows=(row,))
+    res.save(tmp_path / "r.json")
+    assert bench.BenchResult.load(tmp_path / "r.json").rows[0].entry == near
+    console = Console(width=300, record=True)
+    console.print(bench_report.results_table(res))
+    assert "nearest (tuned at seqlen<=16384 B*H<=16)" in console.export_text()
+
+
 def test_several_input_families_in_one_run(tmp_path):
     """--input-family a,b measures every shape on each family; rows carry their family, each family's
     rows are compared with that family's peers, the plot gets a panel per family, and the saved

@@ -243,6 +243,7 @@ class Bound:
     output: Callable[[], torch.Tensor]
     config: str | None = None
     source: str | None = None
+    entry: str | None = None   # the tuned entry's problem class where another shape's ran (nearest, other device)
 
 
 @dataclass(frozen=True)
@@ -262,6 +263,20 @@ def _boxed(fn: Callable[[], Any], pick: Callable[[Any], torch.Tensor] = lambda r
     return call, lambda: box["o"]
 
 
+def borrowed_from(choice) -> str | None:
+    """Where the dispatcher's kernel was tuned when that was not this call's own problem class or GPU
+    (a `kernels.dispatch.Choice` of source nearest / other-device), else None: a row that runs another
+    shape's kernel says whose, so a stale neighbour shows in the table (session 21: 192/128 at 32K ran
+    a 16K entry two kernel generations old)."""
+    key, tuned = choice.key, choice.tuned_key
+    if tuned is None or (tuned == key and choice.source == "exact"):
+        return None
+    where = f"tuned at seqlen<={tuned.seqlen_bucket} B*H<={tuned.bh_bucket}"
+    if tuned.gqa_group != key.gqa_group:
+        where += f" gqa={tuned.gqa_group}"
+    return where + (f" on {choice.tuned_on}" if choice.source == "other-device" and choice.tuned_on else "")
+
+
 def ours_system(spec: OursSpec, shape: BenchShape) -> System:
     config = spec.config_for(shape.head_dim_qk, shape.head_dim_v)
 
@@ -273,7 +288,7 @@ def ours_system(spec: OursSpec, shape: BenchShape) -> System:
         if config is not None:
             return Bound(call, output, config.to_json(), "forced")
         choice = explain(*args, causal=True, **kw)
-        return Bound(call, output, choice.config.to_json(), choice.source)
+        return Bound(call, output, choice.config.to_json(), choice.source, borrowed_from(choice))
     return System(spec.label, "ours" if config is None else "forced", spec.dtype, bind)
 
 
@@ -397,6 +412,7 @@ class BenchRow:
     max_err: float | None = None
     config: str | None = None
     source: str | None = None
+    entry: str | None = None    # Bound.entry: which tuned problem class a borrowed kernel came from
     error: str | None = None
     family: str | None = None   # kernels.inputs family of the inputs (None in runs saved before it)
 
@@ -484,7 +500,7 @@ def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, re
     ready: dict[int, tuple[list[Bound], dict[str, float]]] = {}
 
     def failed(system: System, bound: list[Bound], exc: BaseException) -> BenchRow:
-        info = dict(config=bound[0].config, source=bound[0].source) if bound else {}
+        info = dict(config=bound[0].config, source=bound[0].source, entry=bound[0].entry) if bound else {}
         return BenchRow(**base, system=system.name, kind=system.kind, dtype=system.dtype, **info,
                         error=_error_text(exc))
 
@@ -534,7 +550,7 @@ def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, re
                                energy_j_per_call=joules, tflop_per_j=shape.flops / joules / 1e12 if joules else None,
                                sustained_tflops=shape.flops * window.calls / window.seconds / 1e12 if window else None,
                                sustained_clock_mhz=window.sm_clock_mhz if window else None,
-                               config=bound[0].config, source=bound[0].source)
+                               config=bound[0].config, source=bound[0].source, entry=bound[0].entry)
         out_rows.append(rows[i])
         if on_row:
             on_row(rows[i])

@@ -51,11 +51,12 @@ def _kernel(r: BenchRow) -> str:
         return ""
     from zyfa_tune.generator import ConfigError, KernelConfig
 
+    source = r.source if r.entry is None else f"{r.source} ({r.entry})"  # another shape's kernel: whose
     try:
         c = KernelConfig.from_json(r.config)
     except ConfigError:
-        return f"{r.source}: (invalid config)"
-    return f"{r.source}: {c.summary()}"
+        return f"{source}: (invalid config)"
+    return f"{source}: {c.summary()}"
 
 
 def _shape(r: BenchRow, with_family: bool) -> str:
