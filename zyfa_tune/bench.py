@@ -267,7 +267,7 @@ def borrowed_from(choice) -> str | None:
     """Where the dispatcher's kernel was tuned when that was not this call's own problem class or GPU
     (a `kernels.dispatch.Choice` of source nearest / other-device), else None: a row that runs another
     shape's kernel says whose, so a stale neighbour shows in the table (session 21: 192/128 at 32K ran
-    a 16K entry two kernel generations old)."""
+    a 16K entry tuned before the two-P-tile kernel existed)."""
     key, tuned = choice.key, choice.tuned_key
     if tuned is None or (tuned == key and choice.source == "exact"):
         return None

@@ -294,9 +294,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     runner = args.runner
     if runner == "replay":  # the shipped H200 measurements
-        from zyfa_tune.kernels.dispatch import TUNED_DIR
+        from zyfa_tune.runners import shipped_db
 
-        runner = f"replay:{TUNED_DIR / 'h200.db'}"
+        runner = f"replay:{shipped_db()}"
     spec = TuneSpec(dtype=args.dtype, head_dim_qk=args.head_dim, head_dim_v=args.head_dim_v or args.head_dim,
                     seqlens=() if args.inputs else _int_list(args.seqlens, "--seqlens"), heads=args.heads, kv_heads=args.kv_heads,
                     batches=_int_list(args.batches, "--batches") if args.batches else None,

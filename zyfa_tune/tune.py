@@ -112,8 +112,7 @@ class TuneSpec:
         """The `enqueue` configs, each a point of the family's space that fits statically."""
         from zyfa_tune.kernels.defaults import config_with, parse_changes
 
-        if isinstance(self.enqueue, str) or not all(isinstance(t, str) for t in self.enqueue):
-            raise ValueError(f"enqueue: expected a sequence of 'key=val,...' strings, got {self.enqueue!r}")
+        _check_texts("enqueue", self.enqueue, "'key=val,...' strings")
         space, out = get_space(self.dtype), []
         for text in self.enqueue:
             try:
@@ -135,10 +134,10 @@ class TuneSpec:
         seeds: a study measures these before the sampler's own asks, and a shape tuned long ago
         gets the newer kernels its neighbours found (session 21: 192/128's 16K x 16 heads entry,
         tuned before the two-P-tile kernel existed, ran 0.95x FA3 at 32K; re-tuned from its
-        neighbours' kernels, 1.07x). Entries outside the current search space or not fitting statically are skipped; a
-        stored config is validated (`KernelConfig.from_json`) before anything reads it."""
-        if isinstance(self.warm_start, str) or not all(isinstance(t, str) for t in self.warm_start):
-            raise ValueError(f"warm_start: expected a sequence of database paths or URLs, got {self.warm_start!r}")
+        neighbours' kernels, 1.07x). Entries outside the current search space or not fitting
+        statically are skipped; a stored config is validated (`KernelConfig.from_json`) before
+        anything reads it."""
+        _check_texts("warm_start", self.warm_start, "database paths or URLs")
         space, out = get_space(self.dtype), []
         seen = {space.canonical(c).to_json() for c in self.enqueued}
         for target in self.warm_start:
@@ -183,6 +182,12 @@ class TuneSpec:
     def inputs_label(self) -> str:
         """What the accuracy gate's inputs were, for the trial's provenance (no schema column)."""
         return f"file:{os.path.basename(self.inputs)}" if self.inputs is not None else self.input_family
+
+
+def _check_texts(name: str, value: object, what: str) -> None:
+    """A TuneSpec field that takes a sequence of strings (a bare string would be read per character)."""
+    if isinstance(value, str) or not all(isinstance(t, str) for t in value):
+        raise ValueError(f"{name}: expected a sequence of {what}, got {value!r}")
 
 
 @dataclass
