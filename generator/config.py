@@ -60,16 +60,21 @@ CHOICES: dict[str, tuple] = {
     "o_split": (False, True),
     "half_block": (False, True),
     "o_through_p": (False, True),
+    "l2_group_mib": (16, 8, 32, 64),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
-                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p")
+                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
-               "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p")
+               "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib")
+#: Fields only the launch reads (the persistent grid's tile table), not the kernel's code: configs that
+#: differ only in them differ in the source's header line alone (the config, so each is its own
+#: database variant: variants are keyed by source hash), and Triton compiles the kernel function once.
+LAUNCH_FIELDS = ("l2_group_mib",)
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
 TRITON_FIELDS = ("num_warps", "maxnreg", "scale_block", "loads")
@@ -192,6 +197,11 @@ class KernelConfig:
                   stores O in column chunks of block_n / 2 (what one P tile holds), alternating between the
                   warpgroup's two P tiles (free once the tile's last PV is done). At hd256 that is the 64 KB
                   that keeps the 128-key overlap with two P tiles out of shared memory (263 KB -> 199 KB).
+    l2_group_mib: Gluon, q_order="balanced", launch only (LAUNCH_FIELDS): the balanced tile table lists the
+                  tiles by groups of kv heads whose K and V fit in this many MiB together (kept in L2 while
+                  their tiles run side by side). 16 (a quarter of the H200's L2) was the one value until
+                  session 22; 32 (FA3's choice) measured 2.5-4% faster at 192/128 with 16 heads, equal at
+                  32 heads (docs/PERF.md, session 22).
     """
 
     dtype: str = "fp8"
@@ -231,6 +241,7 @@ class KernelConfig:
     o_split: bool = False
     half_block: bool = False
     o_through_p: bool = False
+    l2_group_mib: int = 16
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -295,6 +306,10 @@ class KernelConfig:
         if self.q_order == "balanced" and not self.persistent:
             raise ConfigError("q_order='balanced' is a persistent program's list of tiles: it needs persistent=True "
                               "(one program per tile is scheduled by the hardware)")
+        if self.l2_group_mib != _DEFAULTS["l2_group_mib"] and self.q_order != "balanced":
+            raise ConfigError(f"l2_group_mib={self.l2_group_mib}: the L2 group sizes the tile table of "
+                              f"q_order='balanced' (not {self.q_order!r}); keep the default "
+                              f"{_DEFAULTS['l2_group_mib']}")
         if self.pv_defer and self.overlap:
             raise ConfigError("pv_defer=True is the plain schedule's pairing of PV(j-1) with QK^T(j): overlap=True "
                               "already issues them together; it needs overlap=False")
@@ -391,6 +406,11 @@ class KernelConfig:
 
     def replace(self, **changes: Any) -> "KernelConfig":
         return dataclasses.replace(self, **changes)
+
+    def kernel_config(self) -> "KernelConfig":
+        """This config with its launch-only fields (LAUNCH_FIELDS) at their defaults: the config whose
+        kernel code this config runs."""
+        return dataclasses.replace(self, **{name: _DEFAULTS[name] for name in LAUNCH_FIELDS})
 
     def summary(self) -> str:
         """One line for tables (what `zyfa-tune best` and `zyfa-tune bench` print)."""

@@ -32,9 +32,6 @@ def grid_size(persistent: bool, tiles: int, sms: int) -> int:
     return min(sms, tiles) if persistent else tiles
 
 
-#: K and V bytes of the heads a balanced schedule keeps in flight together (a quarter of the H200's
-#: 60 MB L2, which is two partitions): tiles of the same heads run side by side and share their K/V
-L2_GROUP_BYTES = 16 << 20
 #: per-tile cost beyond its key blocks (Q load, first QK^T, epilogue), in key blocks
 TILE_OVERHEAD_BLOCKS = 1.0
 
@@ -49,17 +46,18 @@ def block_count(mb: int, block_m: int, block_n: int, sq: int, sk: int, causal: b
 
 @functools.lru_cache(maxsize=16)
 def schedule(n_b: int, n_h: int, group: int, n_m: int, sq: int, sk: int, block_m: int, block_n: int, causal: bool,
-             kv_bytes_per_key: int, programs: int) -> tuple[tuple[int, ...], ...]:
+             kv_bytes_per_key: int, programs: int, l2_group_bytes: int) -> tuple[tuple[int, ...], ...]:
     """The tiles (forward numbers bh * n_m + mb) of each program of a q_order="balanced" kernel.
 
-    Tiles are listed by groups of (batch, kv head) whose K and V fit in L2_GROUP_BYTES together, each
+    Tiles are listed by groups of (batch, kv head) whose K and V fit in l2_group_bytes together (the
+    config's l2_group_mib: their tiles run side by side and share K/V in L2), each
     group's longest query blocks first, and each goes to the program with the least work so far
     (cost: its key blocks + TILE_OVERHEAD_BLOCKS): what a dynamic scheduler would hand out, fixed
     ahead of time, so that no atomic counter has to be reset between launches. Round robin (the
     other orders) leaves the busiest program 3-9% above the mean on causal shapes. Costs about 0.5 us
     per tile on the host, once per shape (4096 tiles: 2 ms; with a new shape's plan, kernels/launch.py)."""
     per_kv_head = max(1, sk * kv_bytes_per_key)
-    kv_per_group = max(1, L2_GROUP_BYTES // per_kv_head)
+    kv_per_group = max(1, l2_group_bytes // per_kv_head)
     cost = [block_count(mb, block_m, block_n, sq, sk, causal) + TILE_OVERHEAD_BLOCKS for mb in range(n_m)]
     heap = [(0.0, p) for p in range(programs)]
     lists: list[list[int]] = [[] for _ in range(programs)]
@@ -154,7 +152,7 @@ def arguments(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.T
     programs = grid_size(config.persistent, tiles, sms)
     if config.q_order == "balanced":
         key = (b, h, h // hk, n_m, sq, sk, config.block_m, config.block_n, bool(causal),
-               config.head_dim_qk + config.head_dim_v, programs)
+               config.head_dim_qk + config.head_dim_v, programs, config.l2_group_mib << 20)
         args += (tile_table(key, q.device),)
     options = dict(CAUSAL=bool(causal), num_warps=NUM_WARPS)
     return (programs,), args, options

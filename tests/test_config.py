@@ -33,6 +33,8 @@ def valid_with(field: str, value) -> KernelConfig:
         changes.update(head_dim_qk=96, head_dim_v=96)
     if field == "o_through_p" and value:
         changes["p_carry"] = "smem2"
+    if field == "l2_group_mib":
+        changes["q_order"] = "balanced"
     if field in GLUON_FIELDS or (field, value) in (("backend", "gluon"), ("block_m", 192), ("block_n", 192),
                                                    ("q_order", "balanced")):
         return GLUON.replace(**changes)

@@ -67,8 +67,16 @@ def test_deterministic_and_hashed(cfg):
 
 
 def test_distinct_configs_give_distinct_code():
+    """Configs differing in a kernel field give different code; ones differing only in a launch field
+    (l2_group_mib) the same code under another header, so another source hash (database variants are
+    keyed by it: a launch twin's trials must not be filed under its twin's config)."""
     codes = {code_only(emit(c).source) for c in VARIANTS}
-    assert len(codes) == len(set(VARIANTS))
+    assert len(codes) == len({c.kernel_config() for c in VARIANTS})
+    launch_twins = [c for c in VARIANTS if c != c.kernel_config()]
+    assert launch_twins
+    for c in launch_twins:
+        twin = emit(c.kernel_config())
+        assert code_only(emit(c).source) == code_only(twin.source) and emit(c).source_hash != twin.source_hash
 
 
 def fence_constants(cfg) -> dict:

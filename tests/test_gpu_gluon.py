@@ -477,6 +477,24 @@ def test_balanced_schedule_is_round_robin_reordered(name, shape):
     assert torch.equal(balanced, flash_attn_func(*args, causal=causal, config=cfg.replace(q_order="heavy_first"), **kw))
 
 
+@pytest.mark.parametrize("name", ["seed", "192/128"])
+def test_l2_group_only_moves_tiles(name):
+    """l2_group_mib (a launch field) hands the tiles to other programs in another order: the output is
+    bitwise that of the default group, at a shape where every group size makes another table."""
+    from zyfa_tune.kernels import gluon_launch
+
+    cfg = GLUON if name == "seed" else gluon_smem2_chunked_config("fp8", 192, 128)
+    assert cfg.q_order == "balanced"
+    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=1, heads=16, kv_heads=16, seqlen=8192,
+                           seed=6)
+    base = flash_attn_func(*args, causal=True, config=cfg, **kw)
+    for mib in (8, 32, 64):
+        assert torch.equal(flash_attn_func(*args, causal=True, config=cfg.replace(l2_group_mib=mib), **kw), base)
+    tables = {gluon_launch.schedule(1, 16, 1, 8192 // cfg.block_m, 8192, 8192, cfg.block_m, cfg.block_n, True,
+                                    cfg.head_dim_qk + cfg.head_dim_v, 132, mib << 20) for mib in (8, 16, 32)}
+    assert len(tables) == 3  # K and V 2-2.5 MiB a head: groups of 3-4, 6-8 and 12-16 heads
+
+
 def test_balanced_first_call_in_capture_is_a_clear_error():
     """A new shape's tile table is a host copy: inside CUDA graph capture its first call says so."""
     args, kw = make_inputs("fp8", 128, 128, batch=1, heads=2, kv_heads=2, seqlen=333, seed=6)

@@ -33,7 +33,7 @@ FAMILY_FIELDS = {
                    "lean_clamp", "lean_pack", "p_scale_log2", "scale_block", "rowsum", "q_order", "loads",
                    "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
                    "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer", "p_carry",
-                   "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p"},  # exp2_poly: slower
+                   "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib"},  # exp2_poly: slower
     "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
                     "q_order", "loads", "v_layout"},
 }
@@ -313,7 +313,10 @@ def test_field_twins_at_head_dim_96():
     overlapped one with P through two shared-memory tiles (p_carry="smem2", halved too); none for a Triton config, none with o_split
     beyond head dim 96, none that is already set."""
     from zyfa_tune.kernels.defaults import gluon_lean_config
-    from zyfa_tune.search_spaces.fp8_causal import field_twins
+    from zyfa_tune.search_spaces import fp8_causal
+
+    def field_twins(config):  # the twins that are other kernels (not the launch twin, tested below)
+        return [t for t in fp8_causal.field_twins(config) if t.kernel_config() != config.kernel_config()]
 
     wide96 = gluon_wide_config("fp8", 96, 96)
     assert field_twins(wide96) == [wide96.replace(lane_sums=True), wide96.replace(o_split=True),
@@ -340,6 +343,24 @@ def test_field_twins_at_head_dim_96():
     seeds = get_space("fp8").seeds(96, 96)
     assert all(c in seeds for c in shipped_best("fp8", 96, 96) if c.backend == "gluon")
     assert not any(c.o_split for c in get_space("fp8").seeds(128, 128))
+
+
+def test_a_balanced_winner_has_its_l2_group_twin():
+    """A winner with the balanced tile table gets the same kernel launched with 32 MiB head groups
+    (the launch-only field l2_group_mib; 2.5-4% at 192/128 with 16 heads, session 22), last; a
+    round-robin winner or one already at another group size does not."""
+    from zyfa_tune.search_spaces.fp8_causal import field_twins
+
+    winners = [c.kernel_config() for c in shipped_best("fp8", 192, 128)]
+    for config in winners + [D("fp8", 128, 128, "gluon").replace(q_order="balanced")]:
+        assert config.q_order == "balanced" and config.l2_group_mib == 16
+        twins = field_twins(config)
+        assert twins[-1] == config.replace(l2_group_mib=32) and twins[-1].kernel_config() == config
+        assert sum(t.kernel_config() == config for t in twins) == 1
+        for other in (8, 32):
+            assert not any(t.kernel_config() == config for t in field_twins(config.replace(l2_group_mib=other)))
+    heavy = D("fp8", 128, 128, "gluon").replace(q_order="heavy_first")
+    assert all(t.l2_group_mib == 16 for t in field_twins(heavy))
 
 
 def test_loose_seeds_only_when_asked():
