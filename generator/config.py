@@ -200,8 +200,8 @@ class KernelConfig:
     l2_group_mib: Gluon, q_order="balanced", launch only (LAUNCH_FIELDS): the balanced tile table lists the
                   tiles by groups of kv heads whose K and V fit in this many MiB together (kept in L2 while
                   their tiles run side by side). 16 (a quarter of the H200's L2) was the one value until
-                  session 22; 32 (FA3's choice) measured 2.5-4% faster at 192/128 with 16 heads, equal at
-                  32 heads (docs/PERF.md, session 22).
+                  session 22; 32 (FA3's choice) measured 1.4-3.4% faster at 192/128 with 16 heads, equal or up
+                  to 3% slower with 32 heads (docs/PERF.md, session 22): tuned per shape.
     """
 
     dtype: str = "fp8"
@@ -427,8 +427,9 @@ class KernelConfig:
             softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
             softmax += " skip-rescale" if self.skip_rescale else ""
+            group = f" L2group{self.l2_group_mib}MiB" if self.l2_group_mib != _DEFAULTS["l2_group_mib"] else ""
             return (f"gluon {softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
-                    f"{'+'.join(on) or 'plain'}")
+                    f"{'+'.join(on) or 'plain'}{group}")
         return (f"{self.softmax} {self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} "
                 f"{self.loads}/{self.v_layout} rowsum={self.rowsum}")
 

@@ -376,3 +376,17 @@ def test_dispatcher_picks_the_faster_backend(tmp_path, gluon_ms, winner):
                                source_hash=emit(cfg).source_hash)
     choice = dispatch.Dispatcher([str(tmp_path / "d.db")]).choose(key, ("NVIDIA H200", "9.0", GENERATOR_VERSION))
     assert choice.source == "exact" and choice.config.backend == winner
+
+
+def test_l2_group_is_stored_only_when_set_and_named_in_the_summary():
+    """l2_group_mib (a launch field added after the shipped rows): in the JSON and the one-line summary
+    only away from 16, so every earlier config keeps its JSON and database rows."""
+    balanced = GLUON.replace(q_order="balanced")
+    wide = balanced.replace(l2_group_mib=32)
+    assert "l2_group_mib" not in balanced.to_dict() and wide.to_dict()["l2_group_mib"] == 32
+    assert KernelConfig.from_json(wide.to_json()) == wide and wide.kernel_config() == balanced
+    assert wide.summary() == balanced.summary() + " L2group32MiB" and "L2group" not in balanced.summary()
+    with pytest.raises(ConfigError, match="l2_group_mib: 12 is not one of"):
+        balanced.replace(l2_group_mib=12)
+    with pytest.raises(ConfigError, match="l2_group_mib: expected int"):
+        balanced.replace(l2_group_mib="32")
