@@ -44,6 +44,33 @@ def block_count(mb: int, block_m: int, block_n: int, sq: int, sk: int, causal: b
     return -(-hi // block_n)
 
 
+def group_bounds(n_kv: int, kv_per_group: int, even: bool) -> tuple[int, ...]:
+    """Where the groups of kv heads start and end: chunks of kv_per_group (the last holds the rest), or
+    (even) as many groups with sizes differing by at most one, the larger ones first."""
+    if not even:
+        return (*range(0, n_kv, kv_per_group), n_kv)
+    n_groups = -(-n_kv // kv_per_group)
+    size, larger = divmod(n_kv, n_groups)
+    return tuple(i * size + min(i, larger) for i in range(n_groups + 1))
+
+
+def _greedy(bounds: tuple[int, ...], n_h: int, group: int, n_m: int, cost: list[float],
+            programs: int) -> tuple[list[list[int]], float]:
+    """Each group's tiles, longest query blocks first, each to the program with the least work so far:
+    (the programs' lists, the largest load)."""
+    heap = [(0.0, p) for p in range(programs)]
+    lists: list[list[int]] = [[] for _ in range(programs)]
+    for first, last in zip(bounds, bounds[1:]):
+        heads = [kv // (n_h // group) * n_h + (kv % (n_h // group)) * group + g
+                 for kv in range(first, last) for g in range(group)]
+        for mb in range(n_m - 1, -1, -1):
+            for bh in heads:
+                load, p = heapq.heappop(heap)
+                lists[p].append(bh * n_m + mb)
+                heapq.heappush(heap, (load + cost[mb], p))
+    return lists, max(load for load, _ in heap)
+
+
 @functools.lru_cache(maxsize=16)
 def schedule(n_b: int, n_h: int, group: int, n_m: int, sq: int, sk: int, block_m: int, block_n: int, causal: bool,
              kv_bytes_per_key: int, programs: int, l2_group_bytes: int) -> tuple[tuple[int, ...], ...]:
@@ -55,21 +82,22 @@ def schedule(n_b: int, n_h: int, group: int, n_m: int, sq: int, sk: int, block_m
     (cost: its key blocks + TILE_OVERHEAD_BLOCKS): what a dynamic scheduler would hand out, fixed
     ahead of time, so that no atomic counter has to be reset between launches. Round robin (the
     other orders) leaves the busiest program 3-9% above the mean on causal shapes. Costs about 0.5 us
-    per tile on the host, once per shape (4096 tiles: 2 ms; with a new shape's plan, kernels/launch.py)."""
+    per tile on the host, once per shape (4096 tiles: 2 ms; with a new shape's plan, kernels/launch.py).
+
+    The groups are full chunks with the rest last, unless groups of even sizes give a smaller largest
+    load: a last group of one head puts its longest tiles at the end, where the programs can no longer
+    even out (192/128 at 16 heads, 16K, 16 MiB: 4.6% over the mean in this model, 0.3% with even
+    groups; measured 3.4% slower than 32 MiB's table, docs/PERF.md session 22)."""
     per_kv_head = max(1, sk * kv_bytes_per_key)
     kv_per_group = max(1, l2_group_bytes // per_kv_head)
     cost = [block_count(mb, block_m, block_n, sq, sk, causal) + TILE_OVERHEAD_BLOCKS for mb in range(n_m)]
-    heap = [(0.0, p) for p in range(programs)]
-    lists: list[list[int]] = [[] for _ in range(programs)]
     n_kv = n_b * (n_h // group)
-    for first in range(0, n_kv, kv_per_group):
-        heads = [kv // (n_h // group) * n_h + (kv % (n_h // group)) * group + g
-                 for kv in range(first, min(n_kv, first + kv_per_group)) for g in range(group)]
-        for mb in range(n_m - 1, -1, -1):
-            for bh in heads:
-                load, p = heapq.heappop(heap)
-                lists[p].append(bh * n_m + mb)
-                heapq.heappush(heap, (load + cost[mb], p))
+    lists, worst = _greedy(group_bounds(n_kv, kv_per_group, even=False), n_h, group, n_m, cost, programs)
+    even = group_bounds(n_kv, kv_per_group, even=True)
+    if even != group_bounds(n_kv, kv_per_group, even=False):
+        even_lists, even_worst = _greedy(even, n_h, group, n_m, cost, programs)
+        if even_worst < worst:
+            lists = even_lists
     return tuple(tuple(x) for x in lists)
 
 
