@@ -82,7 +82,8 @@ def schedule(n_b: int, n_h: int, group: int, n_m: int, sq: int, sk: int, block_m
     (cost: its key blocks + TILE_OVERHEAD_BLOCKS): what a dynamic scheduler would hand out, fixed
     ahead of time, so that no atomic counter has to be reset between launches. Round robin (the
     other orders) leaves the busiest program 3-9% above the mean on causal shapes. Costs about 0.5 us
-    per tile on the host, once per shape (4096 tiles: 2 ms; with a new shape's plan, kernels/launch.py).
+    per tile on the host, once per shape (4096 tiles: 2 ms, twice that where even groups are tried too;
+    with a new shape's plan, kernels/launch.py).
 
     The groups are full chunks with the rest last, unless groups of even sizes give a smaller largest
     load: a last group of one head puts its longest tiles at the end, where the programs can no longer
