@@ -93,9 +93,9 @@ def schedule(n_b: int, n_h: int, group: int, n_m: int, sq: int, sk: int, block_m
     kv_per_group = max(1, l2_group_bytes // per_kv_head)
     cost = [block_count(mb, block_m, block_n, sq, sk, causal) + TILE_OVERHEAD_BLOCKS for mb in range(n_m)]
     n_kv = n_b * (n_h // group)
-    lists, worst = _greedy(group_bounds(n_kv, kv_per_group, even=False), n_h, group, n_m, cost, programs)
-    even = group_bounds(n_kv, kv_per_group, even=True)
-    if even != group_bounds(n_kv, kv_per_group, even=False):
+    chunks, even = (group_bounds(n_kv, kv_per_group, even=e) for e in (False, True))
+    lists, worst = _greedy(chunks, n_h, group, n_m, cost, programs)
+    if even != chunks:
         even_lists, even_worst = _greedy(even, n_h, group, n_m, cost, programs)
         if even_worst < worst:
             lists = even_lists

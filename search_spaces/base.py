@@ -575,7 +575,7 @@ class SearchSpace:
         base = self.base(head_dim_qk, head_dim_v)
         wins: Counter[KernelConfig] = Counter()
         for path in (SEED_DATABASES if databases is None else databases):
-            for config in self._db_configs(path, head_dim_qk, head_dim_v):
+            for config, _ in self.stored_bests(path, head_dim_qk, head_dim_v):
                 wins[config] += 1
         out = [base]
         for config in self._made(self.extra_seeds, head_dim_qk, head_dim_v):
@@ -611,33 +611,41 @@ class SearchSpace:
                 continue
         return out
 
-    def _db_configs(self, path: str | os.PathLike, head_dim_qk: int, head_dim_v: int) -> list[KernelConfig]:
+    def stored_bests(self, database: str | os.PathLike, head_dim_qk: int, head_dim_v: int, *, causal: bool = True,
+                     required: bool = False) -> list[tuple[KernelConfig, float | None]]:
+        """(config, TFLOP/s) of each best entry a tuning database (path or URL) holds for this family's
+        dtype, these head dims and `causal`, in the database's order, each config validated
+        (`KernelConfig.from_json`: an invalid one is skipped with a warning) and canonical. The seeds'
+        winners and the tuner's warm start both come from here. A database that is missing or does not
+        open is skipped with a log line, or with `required` raises the DatabaseError."""
         from zyfa_tune.db import DatabaseError, open_store
 
-        if not Path(path).exists():
-            log.info("seed database %s does not exist", path)
+        if not required and not Path(database).exists():
+            log.info("seed database %s does not exist", database)
             return []
         try:
-            with open_store(path, readonly=True, create=False) as store:
+            with open_store(database, readonly=True, create=False) as store:
                 entries = store.best_entries(head_dims=(head_dim_qk, head_dim_v), dtype=self.dtype)
         except DatabaseError as exc:
+            if required:
+                raise
             log.warning("seed database skipped: %s", exc)
             return []
         out = []
         for entry in entries:
-            if not entry.key.causal:
+            if entry.key.causal != causal:
                 continue
             try:
-                config = KernelConfig.from_json(entry.config_json)
+                config = self.canonical(KernelConfig.from_json(entry.config_json))
             except ConfigError as exc:
-                log.warning("%s: skipping an invalid best config: %s", path, exc)
+                log.warning("%s: skipping an invalid best config: %s", database, exc)
                 continue
             if entry.backend != config.backend:
-                log.warning("%s: skipping a best config stored under backend %r", path, entry.backend)
+                log.warning("%s: skipping a best config stored under backend %r", database, entry.backend)
                 continue
             if (config.dtype, config.head_dim_qk, config.head_dim_v) != (self.dtype, head_dim_qk, head_dim_v):
                 continue
-            out.append(self.canonical(config))
+            out.append((config, entry.tflops))
         return out
 
 

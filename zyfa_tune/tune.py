@@ -142,15 +142,14 @@ class TuneSpec:
         seen = {space.canonical(c).to_json() for c in self.enqueued}
         for target in self.warm_start:
             try:
-                with open_store(target, readonly=True, create=False) as store:
-                    entries = store.best_entries(head_dims=(self.head_dim_qk, self.head_dim_v), dtype=self.dtype)
+                stored = space.stored_bests(target, self.head_dim_qk, self.head_dim_v, causal=self.causal,
+                                            required=True)
             except DatabaseError as exc:
                 raise ValueError(f"warm_start {target!r}: {exc}") from exc
-            for e in sorted((e for e in entries if e.key.causal == self.causal), key=lambda e: -(e.tflops or 0.0)):
+            for cfg, _ in sorted(stored, key=lambda pair: -(pair[1] or 0.0)):
                 try:
-                    cfg = space.canonical(KernelConfig.from_json(e.config_json))
                     space.as_optuna_params(cfg)
-                except ValueError:  # another generator version's field, or a point outside this space
+                except ValueError:  # a point outside this space
                     continue
                 if cfg.to_json() not in seen and space.feasible(cfg) is None:
                     seen.add(cfg.to_json())
