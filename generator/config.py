@@ -100,7 +100,7 @@ class KernelConfig:
                   per SM (e.g. 168 lets three 4-warp programs share the 64K registers).
     softmax:      "exact" = exp2 on the MUFU unit then conversion; "lean" = lean P, an FMA that
                   writes the e4m3 code of 2^x directly (fp8 only), in inline PTX. Both backends
-                  (Gluon: with overlap, v_permute and rowsum="mma").
+                  (Gluon: with overlap, v_permute and rowsum "mma" or "rounded").
     lean_fold/clamp/pack: which lean P instruction sequence is emitted (see generator.lean_asm).
     p_scale_log2: probabilities are scaled by 2^p_scale_log2 before rounding, to use more of the
                   e4m3 range; the factor cancels in the normalisation.
@@ -109,7 +109,9 @@ class KernelConfig:
     rowsum:       "fp32" = sum of unrounded probabilities; "rounded" = sum of the probabilities as
                   rounded to the P@V dtype (numerator and denominator agree); "mma" = the same sum
                   from an extra MMA of P against a ones tile. Gluon: "fp32" or "mma" under exact
-                  softmax ("mma" saves one FADD per score), "mma" under lean.
+                  softmax ("mma" saves one FADD per score); "mma" or "rounded" under lean, where
+                  "rounded" decodes the packed e4m3 codes (two codes per cvt to f16x2, summed in
+                  f16x2 per lane and step, then in float32): no MMA and no shared-memory re-read of P.
     q_order:      "forward" or "heavy_first" (causal: the longest query blocks are launched first).
                   Gluon persistent only, "balanced": each program takes the tiles of a schedule the
                   launcher computes once per shape (kernels/gluon_launch.tile_table: groups of heads
@@ -164,11 +166,11 @@ class KernelConfig:
                   read as soon as the softmax makes it, and published by the proxy fence and barrier
                   under QK^T(j+1), so the staging leaves the step's critical path; the output tile
                   lives in the first P tile where it fits; session 16).
-    lane_sums:    Gluon, rowsum="fp32": each thread keeps its own partial row sums (its keys of a row)
-                  from step to step, and the four lanes that share a row add theirs once, in the
-                  epilogue (as FA3 does): two shuffles and two FADDs less per row and step, off the
-                  chain from the last exponential to the PV wgmma. Sums in another order: not bitwise
-                  the per-step sum.
+    lane_sums:    Gluon, rowsum="fp32" (or lean's "rounded"): each thread keeps its own partial row
+                  sums (its keys of a row) from step to step, and the four lanes that share a row add
+                  theirs once, in the epilogue (as FA3 does): two shuffles and two FADDs less per row
+                  and step, off the chain from the last exponential to the PV wgmma. Sums in another
+                  order: not bitwise the per-step sum.
     late_rescale: Gluon, overlap=True: O (and a row-sum MMA's l) is rescaled by the step's new factor
                   right after the step's PV(j-1) wait instead of at the top of the next step, so nothing
                   but the waits stands between one step's last exponentials and the next step's wgmma
@@ -338,10 +340,16 @@ class KernelConfig:
         if self.softmax == "lean":
             if not (self.overlap and self.v_permute):
                 raise ConfigError("softmax='lean' with backend='gluon' needs overlap=True and v_permute=True "
-                                  "(its row sum comes from an MMA issued with PV)")
-            if self.rowsum != "mma":
-                raise ConfigError(f"rowsum={self.rowsum!r}: Gluon lean P sums the rounded probabilities by an "
-                                  f"MMA against ones: rowsum must be 'mma'")
+                                  "(its codes are made in the overlapped step)")
+            if self.rowsum not in ("mma", "rounded"):
+                raise ConfigError(f"rowsum={self.rowsum!r}: Gluon lean P sums its rounded probabilities by an "
+                                  f"MMA against ones ('mma') or by decoding its e4m3 codes ('rounded')")
+            if self.rowsum == "rounded" and self.p_carry == "f32":
+                raise ConfigError("rowsum='rounded' with softmax='lean' decodes the packed e4m3 codes of P: it needs "
+                                  "p_carry 'e4m3', 'smem' or 'smem2' (with 'f32' the codes are made at the wgmma)")
+            if self.rowsum == "rounded" and self.ex2_fence:
+                raise ConfigError("ex2_fence=True fences on the float32 row sums or the row-sum MMA's operand; "
+                                  "rowsum='rounded' under lean P has neither")
         else:
             for name in ("lean_fold", "lean_clamp", "lean_pack"):
                 if getattr(self, name) != _DEFAULTS[name]:
@@ -426,6 +434,7 @@ class KernelConfig:
                                           ("balanced", self.q_order == "balanced")) if flag]
             softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
+            softmax += " codeSums" if self.rowsum == "rounded" and self.softmax == "lean" else ""
             softmax += " skip-rescale" if self.skip_rescale else ""
             group = f" L2group{self.l2_group_mib}MiB" if self.l2_group_mib != _DEFAULTS["l2_group_mib"] else ""
             return (f"gluon {softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
@@ -463,9 +472,10 @@ def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
 def lane_sums_conflict(f: Mapping[str, Any]) -> str | None:
     """Why a Gluon config with these fields cannot keep per-lane row sums (lane_sums=True), or None.
     One rule for validation and for the search space (which decodes a suggested True to False)."""
-    if f["rowsum"] != "fp32" or f["softmax"] != "exact":
-        return (f"lane_sums=True keeps the float32 row sums of the exact softmax per lane: it needs rowsum='fp32' "
-                f"and softmax='exact' (rowsum={f['rowsum']!r}, softmax={f['softmax']!r})")
+    if (f["softmax"], f["rowsum"]) not in (("exact", "fp32"), ("lean", "rounded")):
+        return (f"lane_sums=True keeps float32 row sums per lane, of the exact softmax's probabilities "
+                f"(rowsum='fp32') or of lean P's decoded codes (rowsum='rounded'); not softmax={f['softmax']!r} "
+                f"with rowsum={f['rowsum']!r}")
     if f["block_n"] == 192 or (f["block_n"] == 256 and f["pv_defer"]):
         return ("lane_sums=True sums one key part's scores per lane: it needs a block of one part (not block_n=192, "
                 "nor 256 with pv_defer)")

@@ -235,9 +235,10 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     """Online softmax of one 64 x BLOCK_N score block. Probabilities are scaled by 2^P_OFFSET so
     that small ones stay out of e4m3 subnormals; l carries the same factor, which cancels.
     LEAN (lean P): no exponential here; one FMA per score leaves what _p_operand turns into e4m3
-    codes (LEAN_ASM: generator/lean_asm.lean_tail_asm), and l is left alone: the rounded row sum
-    comes from an MMA with PV. ROWSUM_MMA (always under LEAN): l is not summed here either; the row
-    sum of the probabilities as rounded to e4m3 comes from the MMA against ones (_pv_issue).
+    codes (LEAN_ASM: generator/lean_asm.lean_tail_asm); the rounded row sum comes from an MMA with PV
+    (ROWSUM_MMA), or CODE_SUMS from the packed codes, decoded here (_code_sums). ROWSUM_MMA: l is not
+    summed here; the row sum of the probabilities as rounded to e4m3 comes from the MMA against ones
+    (_pv_issue).
     SPLIT (two key parts): s holds keys [n0, n0 + BN_A) and sb keys [n0 + BN_A, n0 + BN_A + BN_B): one
     row maximum and one row sum over both, two P operands (the last result, p8b; else p8 again).
     kv_it: the step, for the timeline's row-maximum stamp (TRACE only)."""
@@ -293,7 +294,36 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
             p8b = gl.convert_layout(pb.to(gl.float8e4nv), p_layout)
         else:
             p8b = p8
+    if LEAN and CODE_SUMS:
+        l_new = _with_code_sums(l_i, alpha, p8)
     return p8, m_new, l_new, alpha, p8b
+
+
+@gluon.jit
+def _with_code_sums(l_i, alpha, w):
+    """CODE_SUMS: l * alpha plus the sums of the probabilities that lean P's packed codes w (64 x keys / 4
+    words, as _p_pack lays them out) encode, per lane (LANE_SUMS: l is (64, 4)) or per row."""
+    r = _code_sums(w)
+    if LANE_SUMS:
+        r = gl.convert_layout(r, l_i.type.layout)
+        return l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + r
+    else:
+        return l_i * alpha + gl.convert_layout(gl.sum(r, axis=1), l_i.type.layout)
+
+
+@gluon.jit
+def _code_sums(w):
+    """(64, 4): each lane's sum of the probabilities its words of a row encode. Per 32-key chunk c a
+    thread holds words 8c + 4h + q of its rows (h = 0, 1; q its lane in the quad), so four words of one
+    row (two chunks, both h) go into each CODE_SUM_ASM without leaving the thread."""
+    NC: gl.constexpr = w.shape[1] // 8
+    x = w.reshape([64, NC // 2, 2, 2, 4]).permute((0, 4, 1, 2, 3))   # [row, q, chunk pair, chunk, h]
+    x0, x1 = gl.split(x)
+    x00, x01 = gl.split(x0)
+    x10, x11 = gl.split(x1)
+    s = gl.inline_asm_elementwise(CODE_SUM_ASM, CODE_SUM_CONSTRAINTS, [x00, x01, x10, x11], dtype=gl.float32,
+                                  is_pure=True, pack=1)
+    return gl.sum(s, axis=2)
 
 
 @gluon.jit

@@ -147,3 +147,23 @@ def lean_tail_asm(fold: str, clamp: str, pack: str) -> str:
 
 #: Inline-asm constraints: one packed output register, then 3 x 4 float inputs.
 LEAN_P_CONSTRAINTS = "=r," + ",".join(["f"] * 12)
+
+
+def code_sum_asm() -> str:
+    """PTX for lean P's rounded row sum without an MMA (Gluon, rowsum="rounded"): four registers of
+    four e4m3 codes each ($1..$4) -> the float32 sum of the 16 probabilities they encode ($0). Each
+    pair of codes becomes an f16x2 by the hardware conversion (exact: every e4m3 value is an f16),
+    the eight pairs are added as f16x2 (16 codes of at most 448 sum to at most 7168, well inside f16;
+    each add rounds to 11 bits, so a sum is within ~2^-10 of the exact one), and the two halves are
+    added in float32. 8 conversions, 7 f16x2 adds, 3 more: 18 instructions per 16 scores."""
+    body = [f"mov.b32 {{c{2 * i}, c{2 * i + 1}}}, ${1 + i};" for i in range(4)]
+    body += [f"cvt.rn.f16x2.e4m3x2 h{i}, c{i};" for i in range(8)]
+    body += [f"add.rn.f16x2 h{a}, h{a}, h{b};" for a, b in ((0, 1), (2, 3), (4, 5), (6, 7), (0, 2), (4, 6), (0, 4))]
+    body += ["mov.b32 {lo, hi}, h0;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.rn.f32 $0, flo, fhi;"]
+    regs = (".reg .b16 " + ", ".join(f"c{i}" for i in range(8)) + ", lo, hi;\n.reg .b32 "
+            + ", ".join(f"h{i}" for i in range(8)) + ";\n.reg .f32 flo, fhi;")
+    return "{\n" + regs + "\n" + "\n".join(body) + "\n}"
+
+
+#: Inline-asm constraints of `code_sum_asm`: one float output, four code registers.
+CODE_SUM_CONSTRAINTS = "=f,r,r,r,r"

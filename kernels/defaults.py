@@ -96,6 +96,18 @@ def gluon_lean_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelCo
     return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(softmax="lean", rowsum="mma")
 
 
+def gluon_lean_smem2_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """Lean P on the 256-key kernel with P through two shared-memory tiles, its rounded row sum from its
+    own codes, decoded per lane (rowsum="rounded", lane_sums: no row-sum MMA, which cost the exact
+    kernel of that structure 9-11%), with ping-pong and the rescale skip: the fastest hd128 kernel
+    measured, 1.01-1.03x the best exact one at 8K-32K and 1.07x FA3-fp8, at ~1.35x the exact error
+    (docs/PERF.md, session 23). A
+    seed of studies whose gate admits that error, like `gluon_lean_config`."""
+    return gluon_smem2_config(dtype, head_dim_qk, head_dim_v).replace(
+        softmax="lean", rowsum="rounded", half_block=False, ping_pong=True, producer_regs=56, skip_rescale=True,
+        p_scale_log2=7)
+
+
 def gluon_packed_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """The Gluon default schedule carrying P packed as e4m3 from one step to the next
     (p_carry="e4m3", a quarter of the float32 carry's registers): at 128-key blocks with overlap and

@@ -142,10 +142,12 @@ def scale_per_tile(block_n_choices: tuple) -> Param:
 def rowsum_param(choices: tuple = ("fp32", "rounded", "mma")) -> Param:
     """rowsum; under softmax="lean" (no unrounded probabilities) a suggested "fp32" becomes "rounded".
     The Gluon backend sums by "fp32" or "mma" under exact softmax (a suggested "rounded", the sum
-    "mma" computes, becomes "mma") and always by "mma" under lean."""
+    "mma" computes, becomes "mma"), and by "mma" or "rounded" (its codes decoded) under lean."""
     def decode(v, f):
         if f["backend"] == "gluon":
-            return "mma" if f["softmax"] == "lean" or v != "fp32" else "fp32"
+            if f["softmax"] == "lean":
+                return "mma" if v == "mma" else "rounded"
+            return "mma" if v != "fp32" else "fp32"
         return "rounded" if v == "fp32" and f["softmax"] == "lean" else v
     return Param("rowsum", choices, decode=decode)
 

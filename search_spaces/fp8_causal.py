@@ -11,9 +11,9 @@ from functools import partial
 from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, o_split_conflict,
                                         o_through_p_conflict, packed_p_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
-                                       gluon_natural_config, gluon_packed_config, gluon_smem2_chunked_config,
-                                       gluon_smem2_config, gluon_smem2_narrow_config, gluon_three_config,
-                                       gluon_wide_config)
+                                       gluon_lean_smem2_config, gluon_natural_config, gluon_packed_config,
+                                       gluon_smem2_chunked_config, gluon_smem2_config, gluon_smem2_narrow_config,
+                                       gluon_three_config, gluon_wide_config)
 
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
                    rowsum_param, scale_per_tile, triton_only)
@@ -28,7 +28,7 @@ PARAMS = (backend_param(),
     lean_only("lean_pack", ("prmt", "bfi")),            # only under softmax="lean"
     Param("p_scale_log2", (6, 7, 8)),
     triton_only(scale_per_tile(BLOCK_N)),               # Optuna "scale_per_tile": scale_block 0 / block_n
-    rowsum_param(("fp32", "rounded", "mma")),           # "fp32" under lean -> "rounded"; Gluon: "fp32" / "mma"
+    rowsum_param(("fp32", "rounded", "mma")),           # "fp32" under lean -> "rounded"; Gluon exact: "fp32" / "mma"
     Param("q_order", ("forward", "heavy_first", "balanced"),  # "balanced": Gluon (persistent) only
           decode=lambda v, f: f["q_order"] if v == "balanced" and f["backend"] != "gluon" else v),
     triton_only(Param("loads", ("tma", "pointer"))),
@@ -71,8 +71,9 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     tile does not fit a P tile (192/128's 128-key kernels) with its output through the P tiles
     (o_through_p, session 19), alone and with the freed shared memory spent on a Q ring of 2, and a
     balanced winner with its tile table's heads grouped for 32 MiB of L2 (2.5-4% at 192/128 with 16
-    heads, session 22; the same compiled kernel). A short study would rarely sample these neighbours of
-    the best kernel it already has."""
+    heads, session 22; the same compiled kernel), and a lean winner with the row-sum MMA summing its decoded
+    codes instead (per lane where that applies; 5-9% faster than with the MMA at hd128, session 23). A short study
+    would rarely sample these neighbours of the best kernel it already has."""
     if config.backend != "gluon":
         return []
     twins = []
@@ -91,6 +92,9 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     if config.p_carry == "smem2" and not config.o_through_p and not o_through_p_conflict(vars(config)):
         chunked = config.replace(o_through_p=True)  # the output tile's shared memory freed: a Q ring of 2
         twins += [chunked, chunked.replace(q_stages=2)] if config.q_stages == 1 else [chunked]
+    if config.softmax == "lean" and config.rowsum == "mma" and config.p_carry != "f32":
+        twin = config.replace(rowsum="rounded")  # its codes decoded: no row-sum MMA (session 23)
+        twins.append(twin if lane_sums_conflict({**vars(twin), "lane_sums": True}) else twin.replace(lane_sums=True))
     if config.q_order == "balanced" and config.l2_group_mib == 16:
         twins.append(config.replace(l2_group_mib=32))
     return twins
@@ -102,9 +106,10 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
 #: default with P carried packed, the 256-key kernel with its row sums per lane, and the overlapped kernels
 #: with P through two shared-memory tiles at 256 and at 128 keys (the latter where the former does not
 #: fit: 192/128; at hd256 in a 2-stage ring with the output through the P tiles). A study whose gate
-#: admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also gets the lean Gluon default.
+#: admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also gets the lean Gluon default and the
+#: lean two-tile kernel that sums its decoded codes per lane.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                     extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
                                  gluon_natural_config, gluon_three_config, gluon_packed_config, gluon_lanes_config,
                                  gluon_smem2_config, gluon_smem2_narrow_config, gluon_smem2_chunked_config),
-                    winner_twins=field_twins, loose_seeds=(gluon_lean_config,))
+                    winner_twins=field_twins, loose_seeds=(gluon_lean_config, gluon_lean_smem2_config))

@@ -438,6 +438,11 @@ CALIBRATION = [
     (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, p_carry="smem2"), False),              # 216
     (dict(block_n=256, num_stages=2, ping_pong=False, p_carry="smem2", rowsum="mma"), True),  # 248: 48 B
     (dict(block_n=256, num_stages=2, ping_pong=False, p_carry="smem2", softmax="lean", rowsum="mma"), True),  # 32 B
+    # lean P summing its decoded codes per lane instead (no row-sum MMA): fits, with and without ping-pong
+    (dict(block_n=256, num_stages=2, ping_pong=False, p_carry="smem2", softmax="lean", rowsum="rounded",
+          lane_sums=True, half_block=True), False),
+    (dict(block_n=256, num_stages=2, q_stages=2, p_carry="smem2", softmax="lean", rowsum="rounded", lane_sums=True,
+          producer_regs=56, skip_rescale=True, p_scale_log2=7), False),
     # and at hd256 on 128-key blocks with the output through the P tiles (the same 192 registers of
     # accumulator and scores; without ping-pong 8 bytes spilled too, left to the compile check)
     (dict(head_dim_qk=256, head_dim_v=256, num_stages=2, p_carry="smem2", o_through_p=True, lane_sums=True),
@@ -610,6 +615,32 @@ def test_lean_p_has_no_exponentials_per_score(cfg, compiled):
     assert packs > 0 and art.ptx.count("prmt.b32 r0" if cfg.lean_pack == "prmt" else "bfi.b32 r0") >= packs
     assert art.ptx.count("m64n8k32.f32.e4m3.e4m3") == art.ptx.count("m64n128k32.f32.e4m3.e4m3") // 2
     assert re.search(r"st\.shared\.v\d\.b32\s+\[[^\]]+\], \{943208504, 943208504", art.ptx)  # 0x38383838
+
+
+#: lean P's row sum from its packed codes (rowsum="rounded"): in registers per row, through two shared
+#: tiles per lane (the 256-key two-tile kernel)
+CODE_SUM_CASES = [GLUON.replace(softmax="lean", rowsum="rounded", p_carry="e4m3"),
+                  gluon_smem2_config("fp8", 128, 128).replace(softmax="lean", rowsum="rounded", q_stages=1)]
+
+
+@pytest.mark.parametrize("cfg", CODE_SUM_CASES, ids=["e4m3-rows", "smem2-256-lanes"])
+def test_lean_code_sums_decode_the_codes_without_an_mma(cfg, compiled):
+    """rowsum="rounded" under lean P: no m64n8 row-sum wgmma and no ones tile; each pair of codes is
+    converted to f16x2 once (F2FP.F16.E4M3.UNPACK_B: one per two scores of a step body) and added
+    as f16x2; no exponential per score, no spill, and (per lane) no more shuffles than the exact
+    kernel with lane sums."""
+    art, mma = compiled(cfg), compiled(cfg.replace(rowsum="mma", lane_sums=False))
+    exact = compiled(cfg.replace(softmax="exact", rowsum="fp32"))
+    check_usable(art, cfg)
+    assert art.spill_bytes == 0 and art.count("MUFU.EX2") <= 16
+    assert "m64n8k32" not in art.ptx and "943208504" not in art.ptx  # no row-sum wgmma, no 0x38383838 fill
+    assert art.ptx.count("m64n128k32.f32.e4m3.e4m3") == mma.ptx.count("m64n128k32.f32.e4m3.e4m3")
+    # a thread's codes per step body: 2 rows x block_n / 4 keys, two per unpack; at least the masked and
+    # the unmasked body, each with all of its unpacks
+    unpacks = art.count("F2FP.F16.E4M3.UNPACK_B")
+    assert unpacks == art.ptx.count("cvt.rn.f16x2.e4m3x2") and unpacks % (cfg.block_n // 4) == 0
+    assert unpacks >= 2 * (cfg.block_n // 4) and art.count("HADD2") >= unpacks
+    assert art.count("SHFL") <= exact.count("SHFL")
 
 
 #: the hd128 study's winner schedule (ping-pong off, Q ring of 2), exact softmax

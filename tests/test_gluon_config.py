@@ -86,7 +86,13 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
                                                          r"QK\^T\(j\+1\) through shared memory: it needs overlap=True"),
     (dict(v_permute=False, p_carry="smem"), r"^p_carry='smem' packs P as the A operand's .* it needs v_permute=True"),
     (dict(block_n=192, p_carry="smem"), r"^p_carry='smem' holds one key part's P tile: it needs block_n a power "),
-    (dict(rowsum="mma", lane_sums=True), r"^lane_sums=True keeps the float32 row sums .* it needs rowsum='fp32'"),
+    (dict(rowsum="mma", lane_sums=True), r"^lane_sums=True keeps float32 row sums per lane, .* not softmax='exact' "
+                                         r"with rowsum='mma'"),
+    (dict(softmax="lean", rowsum="mma", lane_sums=True), r"^lane_sums=True .* not softmax='lean' with rowsum='mma'"),
+    (dict(softmax="lean", rowsum="fp32"), r"^rowsum='fp32': Gluon lean P sums .* \('mma'\) or by decoding"),
+    (dict(softmax="lean", rowsum="rounded"), r"^rowsum='rounded' with softmax='lean' decodes the packed e4m3 codes"),
+    (dict(softmax="lean", rowsum="rounded", p_carry="e4m3", ex2_fence=True),
+     r"^ex2_fence=True fences .* rowsum='rounded' under lean P has neither"),
     (dict(block_n=192, lane_sums=True), r"^lane_sums=True sums one key part's scores per lane"),
     (dict(block_n=256, overlap=False, pv_defer=True, lane_sums=True), r"^lane_sums=True sums one key part's"),
     (dict(ex2_fence=True, lane_sums=True), r"^lane_sums=True with ex2_fence=True"),
@@ -390,3 +396,18 @@ def test_l2_group_is_stored_only_when_set_and_named_in_the_summary():
         balanced.replace(l2_group_mib=12)
     with pytest.raises(ConfigError, match="l2_group_mib: expected int"):
         balanced.replace(l2_group_mib="32")
+
+
+def test_lean_code_sums_are_a_gluon_row_sum():
+    """Gluon lean P sums its rounded probabilities by the row-sum MMA or (rowsum="rounded") by decoding
+    its packed codes, per row or per lane; the JSON round-trips (rowsum is stored whenever lean) and the
+    summary names the code sums. Exact softmax keeps "fp32" / "mma" only."""
+    lean = GLUON.replace(softmax="lean", rowsum="mma", p_carry="e4m3")
+    for lanes in (False, True):
+        coded = lean.replace(rowsum="rounded", lane_sums=lanes)
+        assert KernelConfig.from_json(coded.to_json()) == coded and coded.to_dict()["rowsum"] == "rounded"
+        assert "codeSums" in coded.summary() and ("laneSums" in coded.summary()) == lanes
+        assert emit(coded).source_hash != emit(lean).source_hash
+    assert "codeSums" not in lean.summary()
+    with pytest.raises(ConfigError, match="the exact Gluon kernel sums"):
+        GLUON.replace(rowsum="rounded")

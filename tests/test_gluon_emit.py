@@ -13,7 +13,7 @@ from gluon_cases import GLUON, neighbours, sampled
 from zyfa_tune.generator import KernelConfig, emit, emit_gluon, emit_triton, gluon_device, gluon_registers
 from zyfa_tune.generator.emitted import KERNEL_NAME
 from zyfa_tune.generator.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
-from zyfa_tune.generator.lean_asm import MAGIC, lean_tail_asm
+from zyfa_tune.generator.lean_asm import MAGIC, code_sum_asm, lean_tail_asm
 from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
 from zyfa_tune.generator.timeline import EVENTS
 from zyfa_tune.kernels.defaults import default_config, gluon_smem2_chunked_config, gluon_smem2_config
@@ -132,7 +132,9 @@ def test_constants_are_the_config(cfg):
                  "KERNEL_NAME": KERNEL_NAME, "LEAN": lean, "LEAN_FMA": lean and cfg.lean_fold in ("fma", "centered"),
                  "LEAN_CENTER": 0.4375 if lean and cfg.lean_fold == "centered" else 0.0, "PV_DEFER": cfg.pv_defer,
                  "LEAN_MAGIC": MAGIC, "LEAN_ASM": lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else "",
-                 "ROWSUM_MMA": cfg.rowsum == "mma", "EXP2_POLY": cfg.exp2_poly,
+                 "ROWSUM_MMA": cfg.rowsum == "mma", "CODE_SUMS": lean and cfg.rowsum == "rounded",
+                 "CODE_SUM_ASM": code_sum_asm() if lean and cfg.rowsum == "rounded" else "",
+                 "CODE_SUM_CONSTRAINTS": "=f,r,r,r,r", "EXP2_POLY": cfg.exp2_poly,
                  "EXP2_ASM": exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else "",
                  "EXP2_CONSTRAINTS": EXP2_CONSTRAINTS, "RESCALE_IN_PLACE": in_place, "RESCALE_PACK": ow // 2,
                  "RESCALE_ASM": rescale_asm(ow // 2, skip=cfg.skip_rescale) if in_place else "",

@@ -336,6 +336,28 @@ def test_lean_codes_carried_packed_equal_the_float32_carry(name, sq, sk, causal)
     assert torch.equal(out, flash_attn_func(*args, causal=causal, config=LEAN, **kw))
 
 
+#: lean P's rounded row sum from its packed codes (rowsum="rounded": decoded to f16x2, 16 codes summed
+#: in f16, then float32) beside the same kernel's row-sum MMA: per row or per lane, with the codes in
+#: registers, through one shared tile, through two (with a halved first block, whose exact step sums
+#: float32), and the 256-key two-tile kernel
+CODE_SUMS = {"e4m3": dict(p_carry="e4m3"), "smem": dict(p_carry="smem"),
+             "smem2-half": dict(p_carry="smem2", half_block=True),
+             "smem2-half-lanes": dict(p_carry="smem2", half_block=True, lane_sums=True),
+             "256-lanes": dict(gluon_smem2_config("fp8", 128, 128).replace(q_stages=1).to_dict(), lane_sums=True)}
+
+
+@pytest.mark.parametrize("name", CODE_SUMS)
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
+def test_lean_code_sums_match_the_row_sum_mma(name, sq, sk, causal):
+    cfg = LEAN.replace(**CODE_SUMS[name], rowsum="rounded")
+    bound, factor = LEAN_BOUNDS["fma"]
+    out = check(cfg, 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128, bound=bound, fa3_factor=factor)
+    args, kw = make_inputs("fp8", 128, 128, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=0)
+    twin = flash_attn_func(*args, causal=causal, config=cfg.replace(rowsum="mma", lane_sums=False), **kw)
+    # the same codes; only the sum's order and f16 partial sums differ (each within ~2^-10)
+    assert rel_l2(out, twin) < 2e-3
+
+
 #: P through a shared-memory tile (p_carry="smem", not searched: measured 1-19% slower, docs/PERF.md
 #: session 10), beside the packed carry of the same schedule: the seed with and without ping-pong,
 #: three consumers at head dim 64, 192/128 and head dim 256's 64-key blocks (a 64-byte swizzle)

@@ -446,3 +446,63 @@ def test_gluon_tail_gives_the_same_codes_as_the_triton_sequence(fold, clamp, pac
         ab = [fold_operands(fold, scale, refs[r]) for r in row_of_lane]
         folded = [fma_f32(sc, a, b) for sc, (a, b) in zip(scores, ab)]  # gl.fma: one rounding
         assert run_lean_asm(tail, folded) == run_lean_asm(full, scores + [a for a, _ in ab] + [b for _, b in ab])
+
+
+# ---- lean P's row sum from its codes (Gluon rowsum="rounded": generator/lean_asm.code_sum_asm) ----------
+
+def run_code_sum_asm(text: str, words: list[int]) -> float:
+    """Interpret code_sum_asm's PTX on four 32-bit words of codes: mov.b32 {lo, hi} splits a word into
+    .b16 halves; cvt.rn.f16x2.e4m3x2 widens a half's two e4m3 bytes (low byte -> low half) exactly;
+    add.rn.f16x2 adds per half with one round-to-nearest-even to f16 (the float64 sum of two f16 is
+    exact); cvt.f32.f16 is exact; add.rn.f32 rounds once to float32."""
+    regs: dict[str, object] = {}
+    for line in (ln.strip() for ln in text.splitlines()):
+        if m := re.fullmatch(r"mov\.b32 \{(\w+), (\w+)\}, \$(\d);", line):
+            w = words[int(m[3]) - 1]
+            regs[m[1]], regs[m[2]] = w & 0xFFFF, w >> 16
+        elif m := re.fullmatch(r"cvt\.rn\.f16x2\.e4m3x2 (\w+), (\w+);", line):
+            half = regs[m[2]]
+            regs[m[1]] = tuple(np.float16(decode_e4m3(np.array([(half >> (8 * i)) & 0xFF]))[0]) for i in (0, 1))
+        elif m := re.fullmatch(r"add\.rn\.f16x2 (\w+), (\w+), (\w+);", line):
+            regs[m[1]] = tuple(np.float16(float(a) + float(b)) for a, b in zip(regs[m[2]], regs[m[3]]))
+        elif m := re.fullmatch(r"mov\.b32 \{(\w+), (\w+)\}, (h\d);", line):
+            regs[m[1]], regs[m[2]] = regs[m[3]]
+        elif m := re.fullmatch(r"cvt\.f32\.f16 (\w+), (\w+);", line):
+            regs[m[1]] = float(regs[m[2]])
+        elif m := re.fullmatch(r"add\.rn\.f32 \$0, (\w+), (\w+);", line):
+            return f32(regs[m[1]] + regs[m[2]])
+        elif line and not line.startswith((".reg", "{", "}")):
+            raise AssertionError(f"unmodelled PTX: {line}")
+    raise AssertionError("no result")
+
+
+def test_every_e4m3_probability_is_an_f16():
+    """The code sums' widening is exact: every finite non-negative e4m3fn value is an f16."""
+    values = decode_e4m3(np.arange(127, dtype=np.uint8))
+    np.testing.assert_array_equal(values.astype(np.float16).astype(np.float64), values)
+
+
+def test_code_sum_asm_is_the_sum_of_the_codes_within_three_f16_roundings():
+    """Four words (16 codes) -> their decoded sum: each half is a depth-3 tree of f16 adds, so the result
+    is within (1 + 2^-11)^3 - 1 of the exact sum (float32 adds nothing at this size); 16 codes of at most
+    448 sum to 7168, far from f16's 65504, and a block of small codes sums exactly."""
+    from zyfa_tune.generator.lean_asm import code_sum_asm
+
+    text = code_sum_asm()
+    rng = np.random.default_rng(0)
+    bound = (1 + 2.0**-11) ** 3 - 1
+    worst = 0.0
+    for trial in range(3000):
+        hi = 127 if trial % 3 else 121  # all codes, or those of probabilities <= 2^8 (p_scale_log2 <= 8)
+        codes = rng.integers(0, hi, size=16).astype(np.uint32)
+        words = [int(codes[4 * i] | codes[4 * i + 1] << 8 | codes[4 * i + 2] << 16 | codes[4 * i + 3] << 24)
+                 for i in range(4)]
+        exact = float(decode_e4m3(codes).sum())
+        got = run_code_sum_asm(text, words)
+        assert abs(got - exact) <= bound * exact + 1e-30
+        worst = max(worst, abs(got - exact) / exact if exact else 0.0)
+    assert 0 < worst <= bound
+    top = 0x7E7E7E7E  # 448 x 16
+    assert run_code_sum_asm(text, [top] * 4) == 16 * 448.0
+    small = 0x01020304  # subnormal codes: exact
+    assert run_code_sum_asm(text, [small] * 4) == float(decode_e4m3(np.array([1, 2, 3, 4] * 4)).sum())

@@ -345,6 +345,31 @@ def test_field_twins_at_head_dim_96():
     assert not any(c.o_split for c in get_space("fp8").seeds(128, 128))
 
 
+def test_a_lean_winner_with_the_row_sum_mma_has_its_code_sum_twin():
+    """Lean P with its codes carried packed and summed by the row-sum MMA: its twin sums the decoded codes
+    (rowsum="rounded"), per lane where that applies; not with P carried as float32 (no packed codes)."""
+    from zyfa_tune.kernels.defaults import gluon_lean_config
+    from zyfa_tune.search_spaces.fp8_causal import field_twins
+
+    space = get_space("fp8")
+    for carry in ("e4m3", "smem2"):
+        lean = gluon_lean_config("fp8", 128, 128).replace(p_carry=carry)
+        twin = lean.replace(rowsum="rounded", lane_sums=True)
+        assert twin in field_twins(lean) and space.feasible(twin) is None
+        space.as_optuna_params(twin)  # a point of the space
+    assert not any(t.rowsum == "rounded" for t in field_twins(gluon_lean_config("fp8", 128, 128)))
+
+
+def test_gluon_lean_rowsum_decodes_to_mma_or_the_code_sums():
+    """Under Gluon lean P a suggested "mma" stays; "fp32" (no unrounded probabilities) and "rounded"
+    become "rounded", the sum of the decoded codes; under exact softmax "rounded" is still "mma"."""
+    param = next(p for p in get_space("fp8").params if p.name == "rowsum")
+    lean = {"backend": "gluon", "softmax": "lean"}
+    assert [param.to_field(v, lean) for v in ("fp32", "rounded", "mma")] == ["rounded", "rounded", "mma"]
+    exact = {"backend": "gluon", "softmax": "exact"}
+    assert [param.to_field(v, exact) for v in ("fp32", "rounded", "mma")] == ["fp32", "mma", "mma"]
+
+
 def test_a_balanced_winner_has_its_l2_group_twin():
     """A winner with the balanced tile table gets the same kernel launched with 32 MiB head groups
     (the launch-only field l2_group_mib; 2.5-4% at 192/128 with 16 heads, session 22), last; a
@@ -368,12 +393,18 @@ def test_loose_seeds_only_when_asked():
     Pareto front admits it (`seeds(..., loose=True)`), last; a default-gate study never sees it."""
     from zyfa_tune.kernels.defaults import gluon_lean_config
 
+    from zyfa_tune.kernels.defaults import gluon_lean_smem2_config
+
     space = get_space("fp8")
     lean = gluon_lean_config("fp8", 128, 128)
     assert lean.softmax == "lean" and lean.rowsum == "mma" and space.feasible(lean) is None
+    # and the lean two-tile kernel that decodes its codes for the row sum, per lane (session 23)
+    coded = gluon_lean_smem2_config("fp8", 128, 128)
+    assert (coded.softmax, coded.rowsum, coded.lane_sums, coded.p_carry) == ("lean", "rounded", True, "smem2")
+    assert space.feasible(coded) is None
     strict, loose = space.seeds(128, 128), space.seeds(128, 128, loose=True)
     assert not any(c.softmax == "lean" for c in strict)
-    assert loose[:-1] == strict and loose[-1] == lean
+    assert loose[:-2] == strict and loose[-2:] == [lean, coded]
     assert get_space("bf16").seeds(128, 128, loose=True) == get_space("bf16").seeds(128, 128)
 
 
