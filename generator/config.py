@@ -110,8 +110,8 @@ class KernelConfig:
                   rounded to the P@V dtype (numerator and denominator agree); "mma" = the same sum
                   from an extra MMA of P against a ones tile. Gluon: "fp32" or "mma" under exact
                   softmax ("mma" saves one FADD per score); "mma" or "rounded" under lean, where
-                  "rounded" decodes the packed e4m3 codes (two codes per cvt to f16x2, summed in
-                  f16x2 per lane and step, then in float32): no MMA and no shared-memory re-read of P.
+                  "rounded" decodes the packed e4m3 codes (two codes per cvt to f16x2, 16 codes
+                  summed in f16x2, then in float32): no MMA and no shared-memory re-read of P.
     q_order:      "forward" or "heavy_first" (causal: the longest query blocks are launched first).
                   Gluon persistent only, "balanced": each program takes the tiles of a schedule the
                   launcher computes once per shape (kernels/gluon_launch.tile_table: groups of heads
