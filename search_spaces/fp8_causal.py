@@ -18,6 +18,14 @@ from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluo
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
                    rowsum_param, scale_per_tile, triton_only)
 
+def decode_p_carry(v: str, f: dict) -> str:
+    """p_carry: "f32" where a packed carry does not apply; where lean P sums its codes (rowsum="rounded")
+    a suggested "f32" becomes "e4m3": the sums decode the packed codes, so they need a packed carry."""
+    if packed_p_conflict(f):
+        return "f32"
+    return "e4m3" if v == "f32" and f["softmax"] == "lean" and f["rowsum"] == "rounded" else v
+
+
 PARAMS = (backend_param(),
           gluon_tile("block_m", (64, 128, 192)),     # Gluon 192: three consumer warpgroups (FA3's hd64 tile)
           gluon_tile("block_n", BLOCK_N + (192,)),   # Gluon 192: a 128- and a 64-key part, with overlap
@@ -36,18 +44,18 @@ PARAMS = (backend_param(),
           decode=lambda v, f: "transposed" if f["backend"] == "gluon" and f["softmax"] == "lean" else v),
     gluon_only("ping_pong", (True, False), one_consumer=False),  # consumer warpgroups alternate wgmma issue
     gluon_only("overlap", (True, False)),               # softmax(j) runs while PV(j-1) is on the tensor cores
-    gluon_only("pv_defer", (False, True), needs=("overlap", False)),  # plain: PV(j-1) paired with QK^T(j)
+    gluon_only("pv_defer", (False, True), needs=(("overlap", False),)),  # plain: PV(j-1) paired with QK^T(j)
     gluon_only("q_stages", (1, 2)),                     # Q ring: 2 prefetches the next tile's Q
     gluon_only("v_permute", (True, False), unless=("v_layout", "natural"), default=False),  # key-permuted V^T
     gluon_only("persistent", (True, False), unless=("q_order", "balanced")),  # grid = min(SMs, tiles)
-    gluon_only("l2_group_mib", (16, 32, 8, 64), needs=("q_order", "balanced")),  # launch only: the tile table's head groups
+    gluon_only("l2_group_mib", (16, 32, 8, 64), needs=(("q_order", "balanced"),)),  # launch only: tile table's groups
     gluon_only("producer_regs", (24, 40, 56), one_consumer=24),  # setmaxnreg split: consumers get the rest
-    gluon_only("ex2_fence", (False, True), needs=("overlap", True), unless=("rowsum", "mma")),  # exps before PV wait
+    gluon_only("ex2_fence", (False, True), needs=(("overlap", True), ("rowsum", "fp32"))),  # exps before PV wait
     gluon_only("skip_rescale", (False, True)),          # a warp whose row maxima stayed skips O's rescale
-    gluon_only("turn_barrier", ("mbarrier", "named"), needs=("ping_pong", True)),  # ping-pong token
-    gluon_only("late_rescale", (False, True), needs=("overlap", True)),  # O rescaled after the PV wait
+    gluon_only("turn_barrier", ("mbarrier", "named"), needs=(("ping_pong", True),)),  # ping-pong token
+    gluon_only("late_rescale", (False, True), needs=(("overlap", True),)),  # O rescaled after the PV wait
     Param("p_carry", ("f32", "e4m3", "smem2"), only_if=("backend", "gluon"),  # P packed, or via two smem tiles
-          decode=lambda v, f: "f32" if packed_p_conflict(f) else v),
+          decode=decode_p_carry),
     Param("lane_sums", (False, True), only_if=("backend", "gluon"),  # row sums per lane, reduced in the epilogue
           decode=lambda v, f: v and not lane_sums_conflict(f)),
     Param("o_split", (False, True), only_if=("backend", "gluon"),  # hd96: O in 64 + 32 columns, not padded to 128

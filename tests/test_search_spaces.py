@@ -370,6 +370,18 @@ def test_gluon_lean_rowsum_decodes_to_mma_or_the_code_sums():
     assert [param.to_field(v, exact) for v in ("fp32", "rounded", "mma")] == ["fp32", "mma", "mma"]
 
 
+def test_lean_code_sums_get_a_packed_carry_and_no_fence():
+    """The code sums decode packed codes and have no fence: under lean with rowsum="rounded" a suggested
+    float32 carry becomes "e4m3" and ex2_fence stays False, so no such suggestion is an invalid point."""
+    params = {p.name: p for p in get_space("fp8").params}
+    base = dict(vars(D("fp8", 128, 128, "gluon")), softmax="lean", overlap=True, v_permute=True)
+    coded, mma = dict(base, rowsum="rounded"), dict(base, rowsum="mma")
+    assert [params["p_carry"].to_field(v, coded) for v in ("f32", "e4m3", "smem2")] == ["e4m3", "e4m3", "smem2"]
+    assert [params["p_carry"].to_field(v, mma) for v in ("f32", "e4m3", "smem2")] == ["f32", "e4m3", "smem2"]
+    assert params["ex2_fence"].to_field(True, coded) is False and params["ex2_fence"].to_field(True, mma) is False
+    assert params["ex2_fence"].to_field(True, dict(base, softmax="exact", rowsum="fp32")) is True
+
+
 def test_a_balanced_winner_has_its_l2_group_twin():
     """A winner with the balanced tile table gets the same kernel launched with 32 MiB head groups
     (the launch-only field l2_group_mib; 2.5-4% at 192/128 with 16 heads, session 22), last; a
