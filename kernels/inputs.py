@@ -38,6 +38,9 @@ flat      scores scaled to std 0.2: near-uniform rows, every probability ~1/n (d
 llm       outliers + RoPE + sink as they occur together in LLMs: the outlier channels sit in the
           lowest-frequency RoPE pairs (barely rotated, so still fixed channels), the sink is added
           after the rotation.
+entry_outliers  `EntryOutliers`: the FlashAttention-3 paper's FP8 test inputs, N(0, 1) + N(0, 100) x
+          Bernoulli(0.001) in every entry of Q, K and V: outliers in random entries, not channels,
+          the case a Hadamard rotation is for (it spreads each over the head dim).
 
 What is known about real activations, in brief: LLMs have a few fixed feature dimensions with
 magnitudes far above the rest (Dettmers et al. 2022, LLM.int8(); Sun et al. 2024, "Massive
@@ -89,6 +92,12 @@ class Rope:
 
 
 @dataclass(frozen=True)
+class EntryOutliers:
+    rate: float = 1e-3   # share of entries of q, k and v with an outlier
+    std: float = 10.0    # the outlier's std (N(0, 100) in the FA3 paper), added to the N(0, 1) entry
+
+
+@dataclass(frozen=True)
 class Family:
     """A named combination of components; applied in a fixed order: RoPE mean, outliers, RoPE
     rotation, sink, temperature (so outliers are pre-RoPE and the sink is post-RoPE)."""
@@ -99,6 +108,7 @@ class Family:
     sink: Sink | None = None
     rope: Rope | None = None
     score_std: float | None = None  # rescale Q so that scores have this std (peaky / flat)
+    entry_outliers: EntryOutliers | None = None  # added to the token noise first
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -110,6 +120,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("flat", "high temperature: score std 0.2, near-uniform rows", score_std=0.2),
     Family("llm", "outliers in low-frequency RoPE channels + RoPE + sink", outliers=Outliers(), sink=Sink(),
            rope=Rope()),
+    Family("entry_outliers", "FA3's test: N(0,1) + N(0,100) x Bernoulli(0.001) entries of Q, K, V",
+           entry_outliers=EntryOutliers()),
 )}
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
 
@@ -151,6 +163,8 @@ def make_qkv(family: str | Family = "gaussian", *, batch: int, seqlen: int, head
     q = torch.randn(batch, seqlen, heads, head_dim_qk, device=device, generator=g)
     k = torch.randn(batch, sk, kv_heads, head_dim_qk, device=device, generator=g)
     v = torch.randn(batch, sk, kv_heads, head_dim_v, device=device, generator=g)
+    if fam.entry_outliers is not None:
+        q, k, v = (_add_entry_outliers(t, fam.entry_outliers, g) for t in (q, k, v))
     group = heads // kv_heads
     if fam.rope is not None:
         mean = _rope_mean(fam.rope, seed, kv_heads, head_dim_qk).to(q.device)
@@ -191,6 +205,15 @@ def _check_components(fam: Family, dim: int) -> None:
         raise ValueError(f"sink.score: expected > 0, got {fam.sink.score!r}")
     if fam.score_std is not None and not fam.score_std > 0:
         raise ValueError(f"score_std: expected > 0, got {fam.score_std!r}")
+    e = fam.entry_outliers
+    if e is not None and not (0 < e.rate <= 1 and e.std > 0):
+        raise ValueError(f"entry_outliers: expected 0 < rate <= 1 and std > 0, got {e!r}")
+
+
+def _add_entry_outliers(x: torch.Tensor, e: EntryOutliers, g: torch.Generator) -> torch.Tensor:
+    """x + N(0, std^2) in a random `rate` share of its entries (token noise: the device generator)."""
+    spikes = torch.randn(x.shape, device=x.device, generator=g) * e.std
+    return x + spikes * (torch.rand(x.shape, device=x.device, generator=g) < e.rate)
 
 
 def _structure(seed: int, component: str, head: int) -> torch.Generator:

@@ -166,17 +166,21 @@ def triton_only(param: Param) -> Param:
 
 def gluon_only(name: str, choices: tuple, *, one_consumer: Any = None,
                needs: tuple[tuple[str, Any], ...] = (), unless: tuple[str, Any] | None = None,
-               default: Any = None) -> Param:
+               default: Any = None, forced: tuple[str, Any, Any] | None = None) -> Param:
     """A Gluon schedule field (KernelConfig's GLUON_FIELDS). `one_consumer`: the field's only value
     with one consumer warpgroup (block_m=64) for a field that exists with two (ping_pong: False).
     `needs` ((field, value), ...) / `unless` (field, value): the field keeps the family default (or
     `default`) unless each of those fields / when that field (declared before it) has that value
-    (ex2_fence: only with overlap=True and rowsum="fp32"; v_permute: False with v_layout="natural")."""
-    decode = None if one_consumer is None else (lambda v, f: v if f["block_m"] > 64 else one_consumer)
-    if needs or unless is not None:
-        def decode(v, f):
-            ok = all(f[field] == value for field, value in needs) and (unless is None or f[unless[0]] != unless[1])
-            return v if ok else f[name] if default is None else default
+    (ex2_fence: only with overlap=True and rowsum="fp32"; v_permute: False with v_layout="natural").
+    `forced` (field, value, this field's value): the one value this field can take when that field
+    has that value (Gluon lean P runs only overlapped, on key-permuted V^T)."""
+    def decode(v, f):
+        if one_consumer is not None and f["block_m"] <= 64:
+            return one_consumer
+        if forced is not None and f[forced[0]] == forced[1]:
+            return forced[2]
+        ok = all(f[field] == value for field, value in needs) and (unless is None or f[unless[0]] != unless[1])
+        return v if ok else f[name] if default is None else default
     return Param(name, choices, decode=decode, only_if=("backend", "gluon"))
 
 

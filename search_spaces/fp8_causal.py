@@ -21,16 +21,22 @@ from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluo
 def decode_p_carry(v: str, f: dict) -> str:
     """p_carry: "f32" where a packed carry does not apply; where lean P sums its codes (rowsum="rounded")
     a suggested "f32" becomes "e4m3": the sums decode the packed codes, so they need a packed carry."""
-    if packed_p_conflict(f):
+    if v != "f32" and packed_p_conflict({**f, "p_carry": v}):  # f holds the default's carry, not v
         return "f32"
     return "e4m3" if v == "f32" and f["softmax"] == "lean" and f["rowsum"] == "rounded" else v
+
+
+def _exact_only_block(f: dict) -> bool:
+    """A Gluon 192-key block (a 128- and a 64-key part) exists for the exact softmax on V^T only."""
+    return f["backend"] == "gluon" and f["block_n"] == 192
 
 
 PARAMS = (backend_param(),
           gluon_tile("block_m", (64, 128, 192)),     # Gluon 192: three consumer warpgroups (FA3's hd64 tile)
           gluon_tile("block_n", BLOCK_N + (192,)),   # Gluon 192: a 128- and a 64-key part, with overlap
           *(p for p in TILE_PARAMS if p.name not in ("block_m", "block_n")),
-    Param("softmax", ("exact", "lean")),                # both backends (Gluon lean: overlap + v_permute)
+    Param("softmax", ("exact", "lean"),                 # both backends (Gluon lean: overlap + v_permute)
+          decode=lambda v, f: "exact" if _exact_only_block(f) else v),
     lean_only("lean_fold", ("fma", "sub_fma", "corrected", "centered")),  # only under softmax="lean"
     lean_only("lean_clamp", ("imax", "fmax")),          # only under softmax="lean"
     lean_only("lean_pack", ("prmt", "bfi")),            # only under softmax="lean"
@@ -40,13 +46,15 @@ PARAMS = (backend_param(),
     Param("q_order", ("forward", "heavy_first", "balanced"),  # "balanced": Gluon (persistent) only
           decode=lambda v, f: f["q_order"] if v == "balanced" and f["backend"] != "gluon" else v),
     triton_only(Param("loads", ("tma", "pointer"))),
-    Param("v_layout", ("transposed", "natural"),     # Gluon lean P reads key-permuted V^T: "transposed"
-          decode=lambda v, f: "transposed" if f["backend"] == "gluon" and f["softmax"] == "lean" else v),
+    Param("v_layout", ("transposed", "natural"),     # Gluon lean P and 192-key blocks read V^T: "transposed"
+          decode=lambda v, f: "transposed" if f["backend"] == "gluon" and (f["softmax"] == "lean"
+                                                                          or _exact_only_block(f)) else v),
     gluon_only("ping_pong", (True, False), one_consumer=False),  # consumer warpgroups alternate wgmma issue
-    gluon_only("overlap", (True, False)),               # softmax(j) runs while PV(j-1) is on the tensor cores
+    gluon_only("overlap", (True, False), forced=("softmax", "lean", True)),  # softmax(j) while PV(j-1) runs
     gluon_only("pv_defer", (False, True), needs=(("overlap", False),)),  # plain: PV(j-1) paired with QK^T(j)
     gluon_only("q_stages", (1, 2)),                     # Q ring: 2 prefetches the next tile's Q
-    gluon_only("v_permute", (True, False), unless=("v_layout", "natural"), default=False),  # key-permuted V^T
+    gluon_only("v_permute", (True, False), unless=("v_layout", "natural"), default=False,  # key-permuted V^T
+               forced=("softmax", "lean", True)),
     gluon_only("persistent", (True, False), unless=("q_order", "balanced")),  # grid = min(SMs, tiles)
     gluon_only("l2_group_mib", (16, 32, 8, 64), needs=(("q_order", "balanced"),)),  # launch only: tile table's groups
     gluon_only("producer_regs", (24, 40, 56), one_consumer=24),  # setmaxnreg split: consumers get the rest

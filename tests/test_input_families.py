@@ -233,3 +233,16 @@ def test_probe_cache_keys_on_the_family(monkeypatch):
     for family in ("gaussian", "outliers", "gaussian", "outliers"):
         gpu._probe(cfg, shape, Task(cfg.to_json(), (shape,), input_family=family))
     assert calls == ["gaussian", "outliers"]
+
+
+def test_entry_outliers_are_fa3s_random_entries_in_q_k_and_v():
+    """About 0.1% of the entries of each of q, k and v carry an N(0, 100) outlier; no channel or token
+    is favoured (FA3's test distribution, the case for the Hadamard rotation)."""
+    q, k, v = qkv("entry_outliers", batch=4, seqlen=512)
+    for x in (q, k, v):
+        big = x.abs() > 5  # an N(0, 1) entry is above 5 with probability 6e-7
+        share = big.float().mean().item()
+        assert 0.5e-3 < share < 1.2e-3  # P(|N(0,100)| > 5) = 0.62 of the 1e-3
+        assert x[big].abs().max() > 20 and x[~big].std() == pytest.approx(1.0, abs=0.02)
+        per_channel = big.sum(dim=(0, 1, 2)).float()
+        assert per_channel.max() < 4 * per_channel.mean() + 4  # random entries, not channels

@@ -382,6 +382,39 @@ def test_lean_code_sums_get_a_packed_carry_and_no_fence():
     assert params["ex2_fence"].to_field(True, dict(base, softmax="exact", rowsum="fp32")) is True
 
 
+def test_decodes_leave_few_invalid_points():
+    """Random suggestions at hd128 (the sampler's start): Gluon lean P is decoded to overlap on key-permuted
+    V^T, a Gluon 192-key block to the exact softmax on V^T, a packed carry that cannot apply (judged with
+    the suggested carry, not the default's) to "f32". Before: 507 of 2000 draws were lean points without
+    overlap / v_permute, 121 lean or natural-V 192-key blocks, 68 shared-memory carries that could not be."""
+    space = get_space("fp8")
+    s = study(seed=0)
+    invalid, lean_ok = [], 0
+    for _ in range(2000):
+        trial, config = ask_config(space, s, 128, 128)
+        reason = trial.user_attrs.get("infeasible", "")
+        if reason.startswith("invalid"):
+            invalid.append(reason)
+        lean_ok += config is not None and config.softmax == "lean"
+        s.tell(trial, 0.0)
+    assert len(invalid) < 20, invalid[:5]  # what is left: pv_defer's 256-key parts with natural V
+    assert not any("softmax='lean'" in r or "block_n=192" in r or "p_carry" in r for r in invalid)
+    assert lean_ok > 400
+
+
+def test_p_carry_decode_judges_the_suggested_carry():
+    """The fields so far hold the family default's p_carry; the decode must test the suggestion: a
+    shared-memory carry on a 192-key block or without overlap becomes "f32", registers stay packed."""
+    param = next(p for p in get_space("fp8").params if p.name == "p_carry")
+    base = dict(vars(D("fp8", 128, 128, "gluon")), softmax="exact", rowsum="fp32", overlap=True, v_permute=True,
+                p_carry="f32")
+    assert [param.to_field(v, base) for v in ("f32", "e4m3", "smem2")] == ["f32", "e4m3", "smem2"]
+    assert param.to_field("smem2", dict(base, block_n=192)) == "f32"
+    assert param.to_field("e4m3", dict(base, block_n=192)) == "e4m3"
+    assert param.to_field("smem2", dict(base, overlap=False, pv_defer=True)) == "f32"
+    assert param.to_field("e4m3", dict(base, overlap=False, pv_defer=True)) == "e4m3"
+
+
 def test_a_balanced_winner_has_its_l2_group_twin():
     """A winner with the balanced tile table gets the same kernel launched with 32 MiB head groups
     (the launch-only field l2_group_mib; 2.5-4% at 192/128 with 16 heads, session 22), last; a

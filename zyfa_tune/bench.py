@@ -41,10 +41,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from zyfa_tune.generator import HEAD_DIMS, ConfigError, KernelConfig
+from zyfa_tune.kernels.quantize import E4M3_MAX
 from zyfa_tune.kernels.timing import MIN_ENERGY_WINDOW_S
 from zyfa_tune.worker import Shape
 
-E4M3_MAX = 448.0
 DTYPES = ("fp8", "bf16")
 #: tokens per shape when no batch is given: batch = max(1, TOKENS // seqlen), as `zyfa-tune tune`
 TOKENS = 16384

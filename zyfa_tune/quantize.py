@@ -1,40 +1,14 @@
 """FP8 quantisation of attention inputs with per-(batch, kv-head) descales, optionally after a
-normalised Hadamard rotation of Q and K (QK^T is unchanged, outliers are spread over channels)."""
+normalised Hadamard rotation of Q and K (QK^T is unchanged, outliers are spread over channels) or
+K smoothing. The arithmetic is kernels/quantize.py's: two Triton passes on a GPU, torch ops elsewhere."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-E4M3_MAX = 448.0
+from zyfa_tune.kernels.quantize import E4M3_MAX, KERNEL_DTYPES, hadamard_matrix, quantize_heads
 
-
-@functools.lru_cache(maxsize=32)
-def _hadamard_cpu(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / n ** 0.5
-
-
-def hadamard_matrix(dim: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Orthonormal (dim x dim) rotation: Sylvester-Hadamard blocks of the largest power of two
-    dividing `dim` on the diagonal (96 -> three 32 x 32 blocks)."""
-    if dim <= 0:
-        raise ValueError(f"dim: expected a positive head dim, got {dim}")
-    block = dim & -dim
-    h = torch.block_diag(*[_hadamard_cpu(block)] * (dim // block))
-    return h.to(device=device, dtype=dtype)
-
-
-def _quantize(x: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    b, s, h, d = x.shape
-    xf = x.float().view(b, s, kv_heads, h // kv_heads, d)
-    amax = xf.abs().amax(dim=(1, 3, 4)).clamp_min(1e-12)  # (b, kv_heads)
-    descale = amax / E4M3_MAX
-    q8 = (xf / descale.view(b, 1, kv_heads, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX)
-    return q8.view(b, s, h, d).to(torch.float8_e4m3fn), descale.contiguous()
+__all__ = ["E4M3_MAX", "hadamard_matrix", "quantize_fp8"]
 
 
 def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bool = False,
@@ -71,15 +45,12 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
         raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {q.shape[3]}")
     if not isinstance(smooth_k, bool) or not isinstance(hadamard, bool):
         raise TypeError("hadamard, smooth_k: expected bool")
-    if smooth_k:
-        k = k.float() - k.float().mean(dim=1, keepdim=True)
-    if hadamard:
-        rot = hadamard_matrix(q.shape[3], device=q.device)
-        q = q.float() @ rot
-        k = k.float() @ rot
-    q8, qd = _quantize(q, hk)
-    k8, kd = _quantize(k, hk)
-    v8, vd = _quantize(v, hk)
+    mean = None
+    if smooth_k:  # (batch, kv_heads, dim), float32 like the rest of the arithmetic
+        mean = (k if k.dtype in KERNEL_DTYPES else k.float()).mean(dim=1, dtype=torch.float32).contiguous()
+    q8, qd = quantize_heads(q, hk, rotate=hadamard)
+    k8, kd = quantize_heads(k, hk, rotate=hadamard, mean=mean)
+    v8, vd = quantize_heads(v, hk)
     if v_layout == "k_major":  # the kernels' V^T buffer, seen as (batch, seqlen, kv_heads, dim)
         from zyfa_tune.kernels.transpose import transpose_v
 
