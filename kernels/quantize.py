@@ -5,12 +5,11 @@ Why a kernel: in torch ops each tensor went through float32 copies of itself (x.
 x / descale, the clamp) and, rotated, a float32 matmul: on the H200 at hd128 and 16K tokens x 32
 heads, 2.7 ms for Q, K and V, more than the 2.1 ms attention it feeds (docs/PERF.md, session 24).
 Here pass 1 reads a block of rows and folds its amax into its (batch, kv head)'s by an atomic max
-(of non-negative floats: the result does not depend on the order); the descales are made from those
-by two torch ops on a (batch, kv heads) tensor; pass 2 reads the rows again and writes their e4m3
-codes. Only the codes are written.
+(of non-negative floats: the result does not depend on the order); pass 2 makes the descale from it,
+reads the rows again and writes their e4m3 codes. Only the codes (and the descales) are written.
 
 The numbers are the torch path's (`quantize_heads_reference`: the CPU path and the tests'
-reference): descale = max(amax, 1e-12) / 448, codes = e4m3 round-to-nearest-even of
+reference): descale = max(amax, 1e-12) * float32(1 / 448), codes = e4m3 round-to-nearest-even of
 clamp(x / descale, -448, 448) with IEEE division, so without the rotation the two are bitwise
 equal. The rotation is a tensor-core product with the +-1 Sylvester matrix (block-diagonal where the
 head dim is not a power of two, as `hadamard_matrix`), then one float32 multiply by 1/sqrt(block).
@@ -32,6 +31,11 @@ from .fastlaunch import run
 
 E4M3_MAX = 448.0
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
+#: descale = max(amax, 1e-12) times the float32 reciprocal of 448 (what torch's CUDA division by a scalar
+#: computes; written out so that the CPU path, whose division by a scalar is exact, gives the same descales)
+INV_E4M3_MAX = float(torch.tensor(1.0) / torch.tensor(E4M3_MAX))
+_INV_E4M3_MAX = tl.constexpr(INV_E4M3_MAX)
+AMAX_FLOOR = 1e-12
 #: rows x padded head dim per program (4096 values: 32 a thread at four warps), at most 32 rows (at
 #: hd64, 64-row blocks made ptxas spill the centred amax pass at 64 registers)
 TILE = 4096
@@ -80,7 +84,7 @@ def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = Fals
     if rotate:
         xf = xf @ hadamard_matrix(d, device=x.device)
     xf = xf.reshape(b, s, kv_heads, h // kv_heads, d)
-    descale = xf.abs().amax(dim=(1, 3, 4)).clamp_min(1e-12) / E4M3_MAX  # (b, kv_heads)
+    descale = xf.abs().amax(dim=(1, 3, 4)).clamp_min(AMAX_FLOOR) * INV_E4M3_MAX  # (b, kv_heads)
     codes = (xf / descale.view(b, 1, kv_heads, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX)
     return codes.view(b, s, h, d).to(torch.float8_e4m3fn), descale.contiguous()
 
@@ -105,9 +109,9 @@ def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
     amax = torch.zeros(b, kv_heads, dtype=torch.float32, device=x.device)
     run(("quantize_amax", *head), _amax_kernel, grid, (x, rot, centre, amax, *common), consts,
         dict(num_warps=NUM_WARPS, num_stages=1), x.device.index)
-    descale = amax.clamp_min_(1e-12).div_(E4M3_MAX)  # torch's arithmetic: the descales equal the reference's
+    descale = torch.empty(b, kv_heads, dtype=torch.float32, device=x.device)
     codes = torch.empty(b, s, h, d, dtype=torch.float8_e4m3fn, device=x.device)
-    run(("quantize_codes", *head), _codes_kernel, grid, (x, rot, centre, descale, codes, *common), consts,
+    run(("quantize_codes", *head), _codes_kernel, grid, (x, rot, centre, amax, descale, codes, *common), consts,
         dict(num_warps=NUM_WARPS, num_stages=1), x.device.index)
     return codes, descale
 
@@ -187,11 +191,13 @@ def _amax_kernel(X, R, MEAN, AMAX, S, D, H, GROUP, stride_b, stride_s, stride_h,
 
 
 @triton.jit
-def _codes_kernel(X, R, MEAN, DESCALE, OUT, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d, inv_sqrt,
+def _codes_kernel(X, R, MEAN, AMAX, DESCALE, OUT, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d, inv_sqrt,
                   DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr, CENTER: tl.constexpr,
                   ROTATE: tl.constexpr, TERMS: tl.constexpr):
     x, b, h, kv = _program_rows(X, MEAN, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d, DP, BLOCK_S, CENTER)
-    descale = tl.load(DESCALE + kv)
+    descale = tl.maximum(tl.load(AMAX + kv), 1e-12) * _INV_E4M3_MAX  # AMAX_FLOOR, as the reference
+    if (tl.program_id(0) == 0) & (h % GROUP == 0):
+        tl.store(DESCALE + kv, descale)
     s0 = tl.program_id(0) * BLOCK_S
     rows = s0 + tl.arange(0, BLOCK_S)
     dst = OUT + ((b.to(tl.int64) * S + s0) * H + h) * D + tl.arange(0, BLOCK_S)[:, None] * (H * D)

@@ -166,10 +166,10 @@ def test_constants_are_the_config(cfg):
 @pytest.mark.parametrize("cfg", VARIANTS)
 def test_only_validated_values_become_text(cfg):
     """Apart from the docstring (the validated config as JSON), the strings in the source are the
-    device code's own (fixed) strings and, for lean P and exp2_poly, the PTX generator.lean_asm and
-    generator.exp2_poly build from validated enum / int fields (skip_rescale: generator.rescale_asm from
-    the head dim; ex2_fence: generator.fence_asm from the block and consumer): the config adds no
-    text of its own."""
+    device code's own (fixed) strings and, for lean P (its code sums too) and exp2_poly, the PTX
+    generator.lean_asm and generator.exp2_poly build from validated enum / int fields (skip_rescale:
+    generator.rescale_asm from the head dim; ex2_fence: generator.fence_asm from the block and
+    consumer): the config adds no text of its own."""
     def strings(src: str) -> set:
         tree = ast.parse(src)
         doc = tree.body[0].value
@@ -178,6 +178,7 @@ def test_only_validated_values_become_text(cfg):
     expected = strings(emit(GLUON).source) - {""}  # the seed: LEAN_ASM = EXP2_ASM = ""
     lean = cfg.softmax == "lean"
     expected |= {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
+    expected |= {code_sum_asm() if lean and cfg.rowsum == "rounded" else ""}  # code sums: no config text
     expected |= {exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else ""}
     if emit_gluon.rescale_in_place(cfg):  # skip_rescale, or a 256-key pv_defer block (always, in place)
         expected |= {rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale), rescale_constraints(cfg.head_dim_v // 2)}
