@@ -40,6 +40,9 @@ AMAX_FLOOR = 1e-12
 #: hd64, 64-row blocks made ptxas spill the centred amax pass at 64 registers)
 TILE = 4096
 NUM_WARPS = 4
+#: rotating: rows x padded head dim per program at eight warps (128 x 128, 64 x 256): each program reads
+#: the whole +-1 matrix, so more rows a program means less of that traffic per row (the wgmma tile)
+ROT_TILE, ROT_ROWS, ROT_WARPS = 16384, 128, 8
 #: output columns per rotation product: the +-1 matrix's (padded dim x 64) slice is at most 64 KB
 ROT_N = 64
 #: dtypes the kernel reads as they are (others are made float32 first, as the torch path does), and the
@@ -97,7 +100,7 @@ def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
     if x.dtype not in KERNEL_DTYPES:
         x = x.float()
     b, s, h, d = x.shape
-    block_s, dp, bn = _tiles(d, rotate)
+    block_s, dp, bn, warps = _tiles(d, rotate)
     group = h // kv_heads
     grid = (triton.cdiv(s, block_s), b * h)
     rot = _pm1_matrix(d, x.device) if rotate else x
@@ -108,19 +111,20 @@ def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
     head = (d, str(x.dtype), mean is not None, bool(rotate))
     amax = torch.zeros(b, kv_heads, dtype=torch.float32, device=x.device)
     run(("quantize_amax", *head), _amax_kernel, grid, (x, rot, centre, amax, *common), consts,
-        dict(num_warps=NUM_WARPS, num_stages=1), x.device.index)
+        dict(num_warps=warps, num_stages=1), x.device.index)
     descale = torch.empty(b, kv_heads, dtype=torch.float32, device=x.device)
     codes = torch.empty(b, s, h, d, dtype=torch.float8_e4m3fn, device=x.device)
     run(("quantize_codes", *head), _codes_kernel, grid, (x, rot, centre, amax, descale, codes, *common), consts,
-        dict(num_warps=NUM_WARPS, num_stages=1), x.device.index)
+        dict(num_warps=warps, num_stages=1), x.device.index)
     return codes, descale
 
 
-def _tiles(d: int, rotate: bool) -> tuple[int, int, int]:
-    """(rows per program, head dim padded to a power of two, columns per rotation step)."""
+def _tiles(d: int, rotate: bool) -> tuple[int, int, int, int]:
+    """(rows per program, head dim padded to a power of two, columns per rotation step, warps)."""
     dp = triton.next_power_of_2(d)
-    bn = min(dp, ROT_N) if rotate else dp
-    return max(16, min(32, TILE // dp)), dp, bn
+    if rotate:
+        return max(16, min(ROT_ROWS, ROT_TILE // dp)), dp, min(dp, ROT_N), ROT_WARPS
+    return max(16, min(32, TILE // dp)), dp, dp, NUM_WARPS
 
 
 @functools.lru_cache(maxsize=32)
