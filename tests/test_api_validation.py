@@ -339,6 +339,8 @@ def test_quantize_bad_arguments(inputs):
         quantize_fp8(q, k[0], v)
     with pytest.raises(TypeError, match="^v: expected a floating dtype"):
         quantize_fp8(q, k, v.to(torch.int32))
+    with pytest.raises(ValueError, match=r"^k: expected a non-empty tensor .*\(2, 0, 2, 128\)"):
+        quantize_fp8(q, k[:, :0], v)
     with pytest.raises(ValueError, match="kv_heads=2 .*must divide q's heads=3"):
         quantize_fp8(q[:, :, :3], k, v)
     with pytest.raises(ValueError, match="kv_heads"):

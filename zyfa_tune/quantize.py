@@ -38,6 +38,9 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
             raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got {tuple(t.shape)}")
         if not t.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+        if t.numel() == 0:
+            raise ValueError(f"{name}: expected a non-empty tensor (each (batch, kv head) needs a scale), "
+                             f"got shape {tuple(t.shape)}")
     hk = k.shape[2]
     if v.shape[2] != hk or q.shape[2] % hk:
         raise ValueError(f"k/v: kv_heads={hk} (v has {v.shape[2]}) must divide q's heads={q.shape[2]}")
