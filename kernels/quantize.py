@@ -102,7 +102,7 @@ def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
     b, s, h, d = x.shape
     block_s, dp, bn, warps = _tiles(d, rotate)
     group = h // kv_heads
-    grid = (triton.cdiv(s, block_s), b * h)
+    grid = (triton.cdiv(s, block_s) * b * h,)
     rot = _pm1_matrix(d, x.device) if rotate else x
     centre = mean.contiguous() if mean is not None else x
     consts = dict(DP=dp, BN=bn, BLOCK_S=block_s, CENTER=mean is not None, ROTATE=bool(rotate),
@@ -140,14 +140,16 @@ def _pm1_matrix(d: int, device: torch.device) -> torch.Tensor:
 @triton.jit
 def _program_rows(X, MEAN, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d,
                   DP: tl.constexpr, BLOCK_S: tl.constexpr, CENTER: tl.constexpr):
-    """This program's rows (row block program_id(0) of head program_id(1) % H of batch program_id(1) // H),
-    the head dim padded to DP with zeros (as are rows past S); centred (float32) with CENTER, else in the
-    input's dtype. Returns (rows, batch, head, index of the (batch, kv head) in the descales)."""
-    bh = tl.program_id(1)
+    """This program's rows (a one-dimensional grid, row blocks of one head after another: no grid
+    dimension limits batch x heads), the head dim padded to DP with zeros (as are rows past S); centred
+    (float32) with CENTER, else in the input's dtype. Returns (rows, batch, head, index of the (batch,
+    kv head) in the descales, first row)."""
+    blocks = tl.cdiv(S, BLOCK_S)
+    bh = tl.program_id(0) // blocks
     b = bh // H
     h = bh % H
     kv = b * (H // GROUP) + h // GROUP
-    s0 = tl.program_id(0) * BLOCK_S
+    s0 = (tl.program_id(0) % blocks) * BLOCK_S
     rows = s0 + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, DP)
     ok = (rows < S)[:, None] & (cols < D)[None, :]
@@ -156,7 +158,7 @@ def _program_rows(X, MEAN, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_
     if CENTER:
         mean = tl.load(MEAN + kv * D + cols, mask=cols < D, other=0.0)
         x = tl.where(ok, x.to(tl.float32) - mean[None, :], 0.0)
-    return x, b, h, kv
+    return x, b, h, kv, s0
 
 
 @triton.jit
@@ -198,11 +200,11 @@ def _amax_kernel(X, R, MEAN, AMAX, S, D, H, GROUP, stride_b, stride_s, stride_h,
 def _codes_kernel(X, R, MEAN, AMAX, DESCALE, OUT, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d, inv_sqrt,
                   DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr, CENTER: tl.constexpr,
                   ROTATE: tl.constexpr, TERMS: tl.constexpr):
-    x, b, h, kv = _program_rows(X, MEAN, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d, DP, BLOCK_S, CENTER)
+    x, b, h, kv, s0 = _program_rows(X, MEAN, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d, DP, BLOCK_S,
+                                    CENTER)
     descale = tl.maximum(tl.load(AMAX + kv), 1e-12) * _INV_E4M3_MAX  # AMAX_FLOOR, as the reference
-    if (tl.program_id(0) == 0) & (h % GROUP == 0):
+    if (s0 == 0) & (h % GROUP == 0):
         tl.store(DESCALE + kv, descale)
-    s0 = tl.program_id(0) * BLOCK_S
     rows = s0 + tl.arange(0, BLOCK_S)
     dst = OUT + ((b.to(tl.int64) * S + s0) * H + h) * D + tl.arange(0, BLOCK_S)[:, None] * (H * D)
     for c0 in range(0, DP, BN):

@@ -137,6 +137,17 @@ def test_kernels_give_the_reference_codes(dtype, shape, kv_heads, rotate, centre
 
 
 @pytest.mark.gpu
+def test_more_heads_than_a_grid_dimension_holds():
+    """batch x heads = 65600 > 65535 (a CUDA grid's y and z limit): the grid is one-dimensional."""
+    x = torch.randn(4100, 3, 16, 64, device="cuda", dtype=torch.bfloat16)
+    for rotate in (False, True):
+        got = quantize_heads(x, 16, rotate=rotate)
+        want = quantize_heads_reference(x, 16, rotate=rotate)
+        _codes_close(got[0], want[0], exact=not rotate)
+        torch.testing.assert_close(got[1], want[1], rtol=0 if not rotate else 2e-5, atol=0)
+
+
+@pytest.mark.gpu
 def test_quantize_fp8_on_the_gpu_is_the_cpu_arithmetic():
     """The whole API on a GPU against the same call on the CPU (GQA, every option): bitwise without a
     rotation or centring (the descale is amax times float32(1/448) on both: torch's own division by a
