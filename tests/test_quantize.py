@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from zyfa_tune.kernels.quantize import (_amax_kernel, _codes_kernel, _pm1_matrix, _tiles, hadamard_matrix,
+from zyfa_tune.kernels.quantize import (_TERMS, _amax_kernel, _codes_kernel, _pm1_matrix, _tiles, hadamard_matrix,
                                         quantize_heads, quantize_heads_reference, rotation_block)
 from zyfa_tune.quantize import quantize_fp8
 
@@ -23,7 +23,7 @@ def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool):
     from triton.compiler import ASTSource
 
     block_s, dp, bn, warps = _tiles(dim, rotate)
-    terms = 3 if centre else {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}[dtype]
+    terms = 3 if centre else _TERMS[dtype]
     sig = {name: "i32" for name in kernel.arg_names}
     sig.update(X="*" + _DT[dtype], R="*bf16", MEAN="*fp32", inv_sqrt="fp32")
     sig.update(AMAX="*fp32")
