@@ -36,6 +36,7 @@ _E4M3_MAX = tl.constexpr(E4M3_MAX)
 INV_E4M3_MAX = float(torch.tensor(1.0) / torch.tensor(E4M3_MAX))
 _INV_E4M3_MAX = tl.constexpr(INV_E4M3_MAX)
 AMAX_FLOOR = 1e-12
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 #: rows x padded head dim per program (4096 values: 32 a thread at four warps), at most 32 rows (at
 #: hd64, 64-row blocks made ptxas spill the centred amax pass at 64 registers)
 TILE = 4096
@@ -202,7 +203,7 @@ def _codes_kernel(X, R, MEAN, AMAX, DESCALE, OUT, S, D, H, GROUP, stride_b, stri
                   ROTATE: tl.constexpr, TERMS: tl.constexpr):
     x, b, h, kv, s0 = _program_rows(X, MEAN, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d, DP, BLOCK_S,
                                     CENTER)
-    descale = tl.maximum(tl.load(AMAX + kv), 1e-12) * _INV_E4M3_MAX  # AMAX_FLOOR, as the reference
+    descale = tl.maximum(tl.load(AMAX + kv), _AMAX_FLOOR) * _INV_E4M3_MAX  # as the reference
     if (s0 == 0) & (h % GROUP == 0):
         tl.store(DESCALE + kv, descale)
     rows = s0 + tl.arange(0, BLOCK_S)

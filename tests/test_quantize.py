@@ -164,23 +164,3 @@ def test_quantize_fp8_on_the_gpu_is_the_cpu_arithmetic():
             _codes_close(t.cpu().contiguous(), c.contiguous(), exact=exact)
         for c, t in zip(cpu[3:], gpu[3:]):  # rotated or centred: float32 summation order
             torch.testing.assert_close(t.cpu(), c, rtol=0 if exact else 2e-5, atol=0)
-
-
-@pytest.mark.gpu
-def test_kernel_time_against_the_torch_path():
-    """Reported, not gated: device time of quantize_fp8 (kernels) against the same arithmetic in torch
-    ops, hd128 bf16 B=1 S=16K H=32."""
-    from zyfa_tune.kernels.timing import time_cuda
-
-    q, k, v = (torch.randn(1, 16384, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    for opts in ({}, dict(hadamard=True), dict(smooth_k=True)):
-        mean = k.float().mean(dim=1) if opts.get("smooth_k") else None
-
-        def torch_path(opts=opts, mean=mean):
-            for x, m, r in ((q, None, opts.get("hadamard", False)), (k, mean, opts.get("hadamard", False)),
-                            (v, None, False)):
-                quantize_heads_reference(x, 32, rotate=r, mean=m)
-
-        kern = time_cuda([lambda opts=opts: quantize_fp8(q, k, v, **opts)], warmup=3, reps=20)
-        ref = time_cuda([torch_path], warmup=3, reps=20)
-        print(f"quantize_fp8 {opts or 'plain'}: kernels {kern.median_ms:.3f} ms, torch ops {ref.median_ms:.3f} ms")
