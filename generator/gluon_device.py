@@ -281,8 +281,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
             l_new = l_i * alpha + gl.sum(p, axis=1) + gl.convert_layout(gl.sum(pb, axis=1),
                                                                         gl.SliceLayout(1, qk_layout))
         elif LANE_SUMS:
-            r = _lane_sums(p)
-            l_new = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, r.type.layout))[:, None] + r
+            l_new = _lane_update(l_i, alpha, _lane_sums(p))
         else:
             l_new = l_i * alpha + gl.sum(p, axis=1)
     if V_PERM:
@@ -305,10 +304,16 @@ def _with_code_sums(l_i, alpha, w):
     words, as _p_pack lays them out) encode, per lane (LANE_SUMS: l is (64, 4)) or per row."""
     r = _code_sums(w)
     if LANE_SUMS:
-        r = gl.convert_layout(r, l_i.type.layout)
-        return l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + r
+        return _lane_update(l_i, alpha, r)
     else:
         return l_i * alpha + gl.convert_layout(gl.sum(r, axis=1), l_i.type.layout)
+
+
+@gluon.jit
+def _lane_update(l_i, alpha, r):
+    """LANE_SUMS: the (64, 4) per-lane sums l rescaled by their rows' alpha, plus this step's r."""
+    r = gl.convert_layout(r, l_i.type.layout)
+    return l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))[:, None] + r
 
 
 @gluon.jit

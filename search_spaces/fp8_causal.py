@@ -6,6 +6,7 @@ field). `backend` comes first: the fields after it that only one backend reads a
 (`triton_only`, `gluon_only`) and take their defaults under the other (see base.py).
 """
 
+import dataclasses
 from functools import partial
 
 from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, o_split_conflict,
@@ -24,6 +25,14 @@ def decode_p_carry(v: str, f: dict) -> str:
     if v != "f32" and packed_p_conflict({**f, "p_carry": v}):  # f holds the default's carry, not v
         return "f32"
     return "e4m3" if v == "f32" and f["softmax"] == "lean" and f["rowsum"] == "rounded" else v
+
+
+def _pv_defer() -> Param:
+    """pv_defer: only without overlap, and a 256-key block's two 128-key parts only on the V^T copy
+    (what is not is decoded to False, not sampled as an invalid point)."""
+    plain = gluon_only("pv_defer", (False, True), needs=(("overlap", False),))
+    return dataclasses.replace(plain, decode=lambda v, f: plain.decode(v, f) and not (
+        f["block_n"] == 256 and f["v_layout"] == "natural"))
 
 
 def _exact_only_block(f: dict) -> bool:
@@ -51,7 +60,7 @@ PARAMS = (backend_param(),
                                                                           or _exact_only_block(f)) else v),
     gluon_only("ping_pong", (True, False), one_consumer=False),  # consumer warpgroups alternate wgmma issue
     gluon_only("overlap", (True, False), forced=("softmax", "lean", True)),  # softmax(j) while PV(j-1) runs
-    gluon_only("pv_defer", (False, True), needs=(("overlap", False),)),  # plain: PV(j-1) paired with QK^T(j)
+    _pv_defer(),                                        # plain: PV(j-1) paired with QK^T(j)
     gluon_only("q_stages", (1, 2)),                     # Q ring: 2 prefetches the next tile's Q
     gluon_only("v_permute", (True, False), unless=("v_layout", "natural"), default=False,  # key-permuted V^T
                forced=("softmax", "lean", True)),
