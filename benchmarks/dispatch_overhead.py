@@ -19,35 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
 from zyfa_tune import explain, flash_attn_func
 from zyfa_tune.kernels import launch as launch_mod
 from zyfa_tune.kernels.defaults import gluon_natural_config
-from zyfa_tune.kernels.timing import gpu_state, time_cuda
+from zyfa_tune.kernels.timing import gpu_state, host_us, time_cuda
 from zyfa_tune.kernels.verify import make_inputs
-
-
-def host_us(fns: dict, calls: int = 200, rounds: int = 21) -> dict:
-    """Median over rounds of the host time per call of `calls` back-to-back calls, for each of
-    `fns`; the functions take turns round by round so that drift of the host affects all alike."""
-    for fn in fns.values():
-        for _ in range(20):
-            fn()
-    torch.cuda.synchronize()
-    per_call: dict = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            per_call[name].append((time.perf_counter() - t0) / calls * 1e6)
-            torch.cuda.synchronize()
-    return {name: statistics.median(v) for name, v in per_call.items()}
 
 
 def main(argv=None) -> int:

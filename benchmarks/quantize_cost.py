@@ -1,8 +1,9 @@
 """What FP8 input quantisation costs next to the attention it feeds (issue 5: "Hadamard rotation ...
 with its cost measured").
 
-For each shape: bf16 Q, K, V (gaussian family), then device time (median, `time_cuda`) of
-`quantize_fp8` with each option (the Triton kernels of kernels/quantize.py), of the same arithmetic
+For each shape: bf16 Q, K, V (gaussian family), then device time (median, `time_cuda`) and host time
+per call (`host_us`: what a launch-bound caller waits) of `quantize_fp8` with each option (the Triton
+kernels of kernels/quantize.py), device time of the same arithmetic
 in torch ops (`quantize_heads_reference`, what `quantize_fp8` ran before), and of the attention on
 the quantised inputs: `flash_attn_func` (the dispatcher's kernel) and FA3-fp8, same process, same
 inputs.
@@ -13,6 +14,7 @@ inputs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -21,7 +23,7 @@ import torch
 from zyfa_tune import flash_attn_func
 from zyfa_tune.kernels.inputs import make_qkv
 from zyfa_tune.kernels.quantize import quantize_heads_reference
-from zyfa_tune.kernels.timing import attention_flops, gpu_state, time_cuda, warm_gpu
+from zyfa_tune.kernels.timing import attention_flops, gpu_state, host_us, time_cuda, warm_gpu
 from zyfa_tune.quantize import quantize_fp8
 
 OPTIONS = {"plain": {}, "hadamard": dict(hadamard=True), "smooth_k": dict(smooth_k=True),
@@ -57,8 +59,9 @@ def main(argv=None) -> int:
                                                              head_dim_qk=d, head_dim_v=d, seed=s, device="cuda"))
         row = dict(batch=b, seqlen=s, heads=h, head_dim=d)
         for name, opts in OPTIONS.items():
-            row[f"kernels {name}"] = time_cuda([lambda o=opts: quantize_fp8(q, k, v, **o)], warmup=3,
-                                               reps=args.reps).median_ms
+            call = functools.partial(quantize_fp8, q, k, v, **opts)
+            row[f"kernels {name}"] = time_cuda([call], warmup=3, reps=args.reps).median_ms
+            row[f"host us {name}"] = host_us({name: call}, calls=50, rounds=7)[name]
             row[f"torch {name}"] = time_cuda([lambda o=opts: _torch_path(q, k, v, o.get("hadamard", False),
                                                                         o.get("smooth_k", False))],
                                              warmup=2, reps=max(5, args.reps // 4)).median_ms
@@ -76,8 +79,8 @@ def main(argv=None) -> int:
               + (f", FA3-fp8 {row['attention fa3-fp8']:.3f} ms" if fa3 else ""), flush=True)
         for name in OPTIONS:
             kt, tt = row[f"kernels {name}"], row[f"torch {name}"]
-            print(f"  quantize {name:18s} kernels {kt:7.3f} ms ({100 * kt / att:5.1f}% of attention)"
-                  f"   torch ops {tt:7.3f} ms ({100 * tt / att:5.1f}%)", flush=True)
+            print(f"  quantize {name:18s} kernels {kt:7.3f} ms ({100 * kt / att:5.1f}% of attention), host "
+                  f"{row[f'host us {name}']:5.1f} us a call   torch ops {tt:7.3f} ms ({100 * tt / att:5.1f}%)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, gpu=gpu_state()), f, indent=1)

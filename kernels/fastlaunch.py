@@ -145,6 +145,23 @@ class RawLaunch:
                     None, None, self.packed_metadata, None, None, None, *args)
 
 
+class Bound:
+    """One CompiledKernel on a fixed grid and device: launched through its RawLaunch when it has one
+    and no launch hook is set, else through `launch_compiled` (hooks get Triton's metadata)."""
+
+    __slots__ = ("compiled", "raw", "grid", "device")
+
+    def __init__(self, compiled, grid: tuple, device: int):
+        self.compiled, self.raw, self.device = compiled, raw_launch(compiled), device
+        self.grid = (*grid, 1, 1)[:3]
+
+    def __call__(self, args: tuple) -> None:
+        if self.raw is not None and not hooks_set():
+            self.raw(self.grid, self.device, args)
+        else:
+            launch_compiled(self.compiled, self.grid, self.device, args)
+
+
 def raw_launch(compiled) -> RawLaunch | None:
     """The RawLaunch of `compiled`, or None where its launcher is not the one this module knows
     (Triton's CudaLauncher: its C launcher, wrapped by `wrap_handle_tensordesc` when the kernel

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fastlaunch import run
+from .fastlaunch import Bound, run
 
 E4M3_MAX = 448.0
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -96,28 +96,111 @@ def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = Fals
 def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
                    mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_heads_reference`'s result; on a GPU by the two passes below."""
-    if x.device.type != "cuda":
-        return quantize_heads_reference(x, kv_heads, rotate, mean)
-    if x.dtype not in KERNEL_DTYPES:
-        x = x.float()
-    b, s, h, d = x.shape
-    block_s, dp, bn, warps = _tiles(d, rotate)
-    group = h // kv_heads
-    grid = (triton.cdiv(s, block_s) * b * h,)
-    rot = _pm1_matrix(d, x.device) if rotate else x
-    centre = mean.contiguous() if mean is not None else x
-    consts = dict(DP=dp, BN=bn, BLOCK_S=block_s, CENTER=mean is not None, ROTATE=bool(rotate),
-                  TERMS=3 if mean is not None else _TERMS[x.dtype])
-    common = (s, d, h, group, *x.stride(), rotation_block(d) ** -0.5)
-    head = (d, str(x.dtype), mean is not None, bool(rotate))
-    amax = torch.zeros(b, kv_heads, dtype=torch.float32, device=x.device)
-    run(("quantize_amax", *head), _amax_kernel, grid, (x, rot, centre, amax, *common), consts,
-        dict(num_warps=warps, num_stages=1), x.device.index)
-    descale = torch.empty(b, kv_heads, dtype=torch.float32, device=x.device)
-    codes = torch.empty(b, s, h, d, dtype=torch.float8_e4m3fn, device=x.device)
-    run(("quantize_codes", *head), _codes_kernel, grid, (x, rot, centre, amax, descale, codes, *common), consts,
-        dict(num_warps=warps, num_stages=1), x.device.index)
-    return codes, descale
+    codes, descales = quantize_tensors(((x, rotate, mean),), kv_heads)
+    return codes[0], descales[0]
+
+
+def quantize_tensors(items, kv_heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(codes, descales) of each (x, rotate, mean) in `items` (at most three tensors of one batch size
+    and kv head count), as `quantize_heads`.
+
+    On a GPU, tensors that take the same compiled passes (head dim, dtype, options, last stride) are
+    one launch per pass: each program finds its tensor from its index (quantize_fp8's plain Q, K and
+    V: two launches in all). The amaxes of all tensors are one zeroed buffer and their descales
+    views of one more. What depends only on the layouts is kept in a plan per layout: a call costs
+    four allocations and the launches (host time: docs/PERF.md, session 25)."""
+    if items[0][0].device.type != "cuda":
+        out = [quantize_heads_reference(x, kv_heads, rotate, mean) for x, rotate, mean in items]
+        return [c for c, _ in out], [d for _, d in out]
+    if len(items) > MAX_SEGMENTS:
+        raise ValueError(f"items: at most {MAX_SEGMENTS} tensors a call, got {len(items)}")
+    xs = [x if x.dtype in KERNEL_DTYPES else x.float() for x, _, _ in items]
+    means = [None if m is None else m.contiguous() for _, _, m in items]
+    key = (kv_heads, xs[0].device.index, *((x.shape, x.stride(), x.dtype, bool(r), m is not None,
+                                            x.data_ptr() % 16 == 0, m is None or m.data_ptr() % 16 == 0)
+                                           for x, (_, r, _), m in zip(xs, items, means)))
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= PLAN_LIMIT:
+            _plans.clear()
+        plan = _plans[key] = _Plan(xs, [bool(r) for _, r, _ in items], [m is not None for m in means], kv_heads)
+    b = xs[0].shape[0]
+    amax = torch.zeros(len(xs) * b * kv_heads, dtype=torch.float32, device=xs[0].device)
+    descales = torch.empty(len(xs), b, kv_heads, dtype=torch.float32, device=xs[0].device)
+    codes = [torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) for x in xs]
+    plan(xs, means, amax, descales, codes)
+    return codes, list(descales.unbind(0))
+
+
+#: tensors one launch can take (Q, K and V)
+MAX_SEGMENTS = 3
+#: plans kept (one per layout of the call's tensors and option set: a prefill with varying lengths
+#: makes one per length); beyond it the cache starts over
+PLAN_LIMIT = 256
+_plans: dict[tuple, "_Plan"] = {}
+
+
+class _Plan:
+    """The launches of one call layout: its tensors grouped by the compiled passes they take (a
+    centred tensor alone: the mean is one argument)."""
+
+    __slots__ = ("groups",)
+
+    def __init__(self, xs: list, rotates: list, centres: list, kv_heads: int):
+        by_kind: dict[tuple, list[int]] = {}
+        for i, (x, r, c) in enumerate(zip(xs, rotates, centres)):
+            by_kind.setdefault((x.shape[3], x.dtype, x.stride(3), r, i if c else -1), []).append(i)
+        self.groups = [_Group(xs, members, kv_heads, r, c >= 0) for (_, _, _, r, c), members in by_kind.items()]
+
+    def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list) -> None:
+        for group in self.groups:
+            group(xs, means, amax, descales, codes)
+
+
+class _Group:
+    """The two passes over up to three tensors (segments) of one head dim, dtype and option set: the
+    grid and every argument that is not a tensor. The passes are compiled (through `run`) at the
+    first call and launched directly (`Bound`) after it."""
+
+    __slots__ = ("members", "grid", "tail", "consts", "options", "head", "amax_pass", "codes_pass")
+
+    def __init__(self, xs: list, members: list[int], kv_heads: int, rotate: bool, centre: bool):
+        x0 = xs[members[0]]
+        b, d = x0.shape[0], x0.shape[3]
+        block_s, dp, bn, warps = _tiles(d, rotate)
+        starts, fields = [0], []   # per segment: S, H, GROUP, stride_b, stride_s, stride_h
+        for i in members:
+            x = xs[i]
+            starts.append(starts[-1] + triton.cdiv(x.shape[1], block_s) * b * x.shape[2])
+            fields.append((x.shape[1], x.shape[2], x.shape[2] // kv_heads, *x.stride()[:3]))
+        pad = MAX_SEGMENTS - len(members)   # unused segments repeat the first
+        self.members = tuple(members + members[:1] * pad)
+        fields += fields[:1] * pad
+        self.grid = (starts[-1],)
+        self.tail = (starts[1], starts[min(2, len(members))],            # P1, P2: where segments 1, 2 start
+                     *(i * b * kv_heads for i in self.members),              # F0, F1, F2: their first scales
+                     *(f[k] for k in range(6) for f in fields), x0.stride(3), d, rotation_block(d) ** -0.5)
+        self.consts = dict(NSEG=len(members), DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate,
+                           TERMS=3 if centre else _TERMS[x0.dtype])
+        self.options = dict(num_warps=warps, num_stages=1)
+        self.head = (d, str(x0.dtype), centre, rotate)
+        self.amax_pass = self.codes_pass = None
+
+    def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list) -> None:
+        x0 = xs[self.members[0]]
+        r = _pm1_matrix(x0.shape[3], x0.device) if self.consts["ROTATE"] else x0
+        m = means[self.members[0]] if self.consts["CENTER"] else x0
+        ins = (*(xs[i] for i in self.members), r, m, amax)
+        outs = (descales, *(codes[i] for i in self.members))
+        if self.amax_pass is None:   # first call: compile through Triton's path, then launch directly
+            dev = x0.device.index
+            self.amax_pass = Bound(run(("quantize_amax", *self.head), _amax_kernel, self.grid, (*ins, *self.tail),
+                                       self.consts, self.options, dev), self.grid, dev)
+            self.codes_pass = Bound(run(("quantize_codes", *self.head), _codes_kernel, self.grid,
+                                        (*ins, *outs, *self.tail), self.consts, self.options, dev), self.grid, dev)
+        else:
+            self.amax_pass((*ins, *self.tail, *self.consts.values()))
+            self.codes_pass((*ins, *outs, *self.tail, *self.consts.values()))
 
 
 def _tiles(d: int, rotate: bool) -> tuple[int, int, int, int]:
@@ -139,27 +222,52 @@ def _pm1_matrix(d: int, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _program_rows(X, MEAN, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d,
-                  DP: tl.constexpr, BLOCK_S: tl.constexpr, CENTER: tl.constexpr):
-    """This program's rows (a one-dimensional grid, row blocks of one head after another: no grid
-    dimension limits batch x heads), the head dim padded to DP with zeros (as are rows past S); centred
-    (float32) with CENTER, else in the input's dtype. Returns (rows, batch, head, index of the (batch,
-    kv head) in the descales, first row)."""
+def _pick(seg, a0, a1, a2, NSEG: tl.constexpr):
+    """The value of segment `seg` of a scalar passed once per segment."""
+    v = a0
+    if NSEG > 1:
+        v = tl.where(seg >= 1, a1, v)
+    if NSEG > 2:
+        v = tl.where(seg >= 2, a2, v)
+    return v
+
+
+@triton.jit
+def _program_rows(X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2,
+                  SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D,
+                  NSEG: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr, CENTER: tl.constexpr):
+    """This program's tensor (segment: programs [0, P1) the first, [P1, P2) the second, then the
+    third) and its rows there (a one-dimensional grid, row blocks of one head after another: no grid
+    dimension limits batch x heads), the head dim padded to DP with zeros (as are rows past S);
+    centred (float32) with CENTER, else in the input's dtype. Returns (rows, segment, batch, head,
+    index of the (batch, kv head) in the amax and descale buffers, first row, S, H, GROUP)."""
+    pid = tl.program_id(0)
+    seg = 0
+    if NSEG > 1:
+        seg = (pid >= P1).to(tl.int32)
+    if NSEG > 2:
+        seg += (pid >= P2).to(tl.int32)
+    pid -= _pick(seg, 0, P1, P2, NSEG)
+    S = _pick(seg, S0, S1, S2, NSEG)
+    H = _pick(seg, H0, H1, H2, NSEG)
+    GROUP = _pick(seg, G0, G1, G2, NSEG)
     blocks = tl.cdiv(S, BLOCK_S)
-    bh = tl.program_id(0) // blocks
+    bh = pid // blocks
     b = bh // H
     h = bh % H
-    kv = b * (H // GROUP) + h // GROUP
-    s0 = (tl.program_id(0) % blocks) * BLOCK_S
+    kv = _pick(seg, F0, F1, F2, NSEG) + b * (H // GROUP) + h // GROUP
+    s0 = (pid % blocks) * BLOCK_S
     rows = s0 + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, DP)
     ok = (rows < S)[:, None] & (cols < D)[None, :]
-    src = X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + s0.to(tl.int64) * stride_s
+    stride_s = _pick(seg, SS0, SS1, SS2, NSEG)
+    src = _pick(seg, X0, X1, X2, NSEG) + b.to(tl.int64) * _pick(seg, SB0, SB1, SB2, NSEG) \
+        + h.to(tl.int64) * _pick(seg, SH0, SH1, SH2, NSEG) + s0.to(tl.int64) * stride_s
     x = tl.load(src + tl.arange(0, BLOCK_S)[:, None] * stride_s + cols[None, :] * stride_d, mask=ok, other=0.0)
-    if CENTER:
-        mean = tl.load(MEAN + kv * D + cols, mask=cols < D, other=0.0)
+    if CENTER:  # (a centred segment is alone in its launch: its kv index is its own)
+        mean = tl.load(MEAN + (kv - F0) * D + cols, mask=cols < D, other=0.0)
         x = tl.where(ok, x.to(tl.float32) - mean[None, :], 0.0)
-    return x, b, h, kv, s0
+    return x, seg, b, h, kv, s0, S, H, GROUP
 
 
 @triton.jit
@@ -183,11 +291,18 @@ def _columns(x, R, c0, inv_sqrt, DP: tl.constexpr, BN: tl.constexpr, ROTATE: tl.
         return x.to(tl.float32)
 
 
-@triton.jit
-def _amax_kernel(X, R, MEAN, AMAX, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d, inv_sqrt,
-                 DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr, CENTER: tl.constexpr,
-                 ROTATE: tl.constexpr, TERMS: tl.constexpr):
-    x, b, h, kv = _program_rows(X, MEAN, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d, DP, BLOCK_S, CENTER)
+#: the segment starts and buffer offsets are not specialised on: one compiled kernel for any of them
+_SEGMENT_ARGS = ["P1", "P2", "F0", "F1", "F2"]
+
+
+@triton.jit(do_not_specialize=_SEGMENT_ARGS)
+def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2,
+                 SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt,
+                 NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
+                 CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr):
+    x, seg, b, h, kv, s0, S, H, GROUP = _program_rows(
+        X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
+        SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER)
     if ROTATE:
         m = 0.0
         for c0 in range(0, DP, BN):
@@ -197,17 +312,20 @@ def _amax_kernel(X, R, MEAN, AMAX, S, D, H, GROUP, stride_b, stride_s, stride_h,
     tl.atomic_max(AMAX + kv, m, sem="relaxed")  # m >= 0: the result does not depend on the order
 
 
-@triton.jit
-def _codes_kernel(X, R, MEAN, AMAX, DESCALE, OUT, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d, inv_sqrt,
-                  DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr, CENTER: tl.constexpr,
-                  ROTATE: tl.constexpr, TERMS: tl.constexpr):
-    x, b, h, kv, s0 = _program_rows(X, MEAN, S, D, H, GROUP, stride_b, stride_s, stride_h, stride_d, DP, BLOCK_S,
-                                    CENTER)
+@triton.jit(do_not_specialize=_SEGMENT_ARGS)
+def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, F0, F1, F2, S0, S1, S2,
+                  H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt,
+                  NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
+                  CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr):
+    x, seg, b, h, kv, s0, S, H, GROUP = _program_rows(
+        X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
+        SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER)
     descale = tl.maximum(tl.load(AMAX + kv), _AMAX_FLOOR) * _INV_E4M3_MAX  # as the reference
     if (s0 == 0) & (h % GROUP == 0):
         tl.store(DESCALE + kv, descale)
     rows = s0 + tl.arange(0, BLOCK_S)
-    dst = OUT + ((b.to(tl.int64) * S + s0) * H + h) * D + tl.arange(0, BLOCK_S)[:, None] * (H * D)
+    dst = _pick(seg, OUT0, OUT1, OUT2, NSEG) + ((b.to(tl.int64) * S + s0) * H + h) * D \
+        + tl.arange(0, BLOCK_S)[:, None] * (H * D)
     for c0 in range(0, DP, BN):
         y = tl.clamp(tl.math.div_rn(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS), descale),
                      -_E4M3_MAX, _E4M3_MAX)

@@ -1,5 +1,5 @@
-"""The one timing function (device events, medians, rotated inputs), energy under sustained load,
-and GPU state from NVML."""
+"""The one timing function (device events, medians, rotated inputs), host time per call, energy under
+sustained load, and GPU state from NVML."""
 
 from __future__ import annotations
 
@@ -162,6 +162,24 @@ def time_cuda(calls: Sequence[Callable[[], Any]], *, warmup: int = 5, reps: int 
                   sm_clock_mhz=statistics.mean(clocks) if clocks else None,
                   power_w=statistics.mean(powers) if powers else None,
                   energy_j_per_call=energy.joules_per_call if energy else None, samples_ms=tuple(ms))
+
+
+def host_us(fns: dict, calls: int = 200, rounds: int = 21) -> dict:
+    """Median over rounds of the host time per call of `calls` back-to-back calls, for each of
+    `fns`; the functions take turns round by round so that drift of the host affects all alike."""
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    torch.cuda.synchronize()
+    per_call: dict = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call[name].append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+    return {name: statistics.median(v) for name, v in per_call.items()}
 
 
 def _window(e0_mj: float | None, e1_mj: float | None, seconds: float, calls: int) -> Energy | None:

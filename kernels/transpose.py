@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fastlaunch import hooks_set, launch_compiled, raw_launch, run
+from .fastlaunch import Bound, run
 
 #: Keys per program (a multiple of 32, so a permuted chunk never straddles two programs) and head
 #: dims per program: 128 x 64 bytes of fp8 per tile, four warps.
@@ -86,19 +86,15 @@ def bind_transpose(v: torch.Tensor, permute: bool) -> Callable[[torch.Tensor], t
 
 
 class _BoundTranspose:
-    __slots__ = ("compiled", "raw", "grid", "device", "shape", "dtype", "tail", "keys")
+    __slots__ = ("launch", "shape", "dtype", "tail", "keys")
 
     def __init__(self, compiled, grid: tuple, device: int, shape: tuple, dtype: torch.dtype, tail: tuple,
                  keys: int | None):
-        self.compiled, self.raw, self.grid, self.device = compiled, raw_launch(compiled), grid, device
-        self.shape, self.dtype, self.tail, self.keys = shape, dtype, tail, keys
+        self.launch, self.shape, self.dtype, self.tail, self.keys = Bound(compiled, grid, device), shape, dtype, tail, keys
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype, device=v.device)
-        if self.raw is not None and not hooks_set():
-            self.raw(self.grid, self.device, (v, out, *self.tail))
-        else:
-            launch_compiled(self.compiled, self.grid, self.device, (v, out, *self.tail))
+        self.launch((v, out, *self.tail))
         return out if self.keys is None else out[..., :self.keys]
 
 

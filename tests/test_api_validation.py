@@ -349,6 +349,10 @@ def test_quantize_bad_arguments(inputs):
         quantize_fp8(q, k[..., :64], v)
     with pytest.raises(ValueError, match="^v_layout: expected 'natural' or 'k_major'"):
         quantize_fp8(q, k, v, v_layout="transposed")
+    with pytest.raises(ValueError, match=r"^q/k/v: expected one batch size, got 2, 1, 2"):
+        quantize_fp8(q, k[:1], v)
+    with pytest.raises(ValueError, match=r"^q/k/v: expected tensors on one device, got cpu, meta, cpu"):
+        quantize_fp8(q, k.to("meta"), v)
 
 
 @pytest.mark.parametrize("sk", [48, 45, 1])

@@ -17,7 +17,7 @@ FP8 = torch.float8_e4m3fn
 _DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool):
+def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, segments: int = 3):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -25,13 +25,17 @@ def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool):
     block_s, dp, bn, warps = _tiles(dim, rotate)
     terms = 3 if centre else _TERMS[dtype]
     sig = {name: "i32" for name in kernel.arg_names}
-    sig.update(X="*" + _DT[dtype], R="*bf16", MEAN="*fp32", inv_sqrt="fp32")
+    sig.update({f"X{i}": "*" + _DT[dtype] for i in range(3)}, R="*bf16", MEAN="*fp32", inv_sqrt="fp32")
     sig.update(AMAX="*fp32")
     if kernel is _codes_kernel:
-        sig.update(DESCALE="*fp32", OUT="*fp8e4nv")
-    constexprs = dict(stride_d=1, DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate, TERMS=terms)
+        sig.update({f"OUT{i}": "*fp8e4nv" for i in range(3)}, DESCALE="*fp32")
+    constexprs = dict(stride_d=1, NSEG=segments, DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate,
+                      TERMS=terms)
     sig.update({name: "constexpr" for name in constexprs})
-    return triton.compile(ASTSource(kernel, sig, constexprs, {}), target=GPUTarget("cuda", 90, 32),
+    # pointers, strides and sizes that are multiples of 16, as a launch on contiguous inputs specialises them
+    div16 = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if sig[name].startswith("*") or re.fullmatch(r"S[BSH]?\d|D", name)}
+    return triton.compile(ASTSource(kernel, sig, constexprs, div16), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": 1})
 
 
@@ -40,16 +44,20 @@ def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool):
     (96, torch.float16, False, True), (64, torch.float32, False, True), (256, torch.bfloat16, True, True),
     (192, torch.bfloat16, False, False), (64, torch.float16, True, False)])
 def test_kernels_compile_without_spills(dim, dtype, centre, rotate):
-    """Both passes, for the head dims and input dtypes the API takes: no local memory, and the
-    rotation (only it) on the tensor cores."""
+    """Both passes, for the head dims and input dtypes the API takes (a centred tensor alone in its
+    launch, others as three segments, Q, K and V): no local memory, the rotation (only it) on the
+    tensor cores, and 16-byte loads of the rows and stores of the codes whichever segment a program
+    takes."""
     from zyfa_tune.generator.build import _disassemble
 
     for kernel in (_amax_kernel, _codes_kernel):
-        sass, usage = _disassemble(_compile(kernel, dim, dtype, centre, rotate).asm["cubin"])
+        sass, usage = _disassemble(_compile(kernel, dim, dtype, centre, rotate, 1 if centre else 3).asm["cubin"])
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (kernel.__name__, usage)
         assert bool(re.search(r"\bHGMMA\b", sass)) == rotate, kernel.__name__  # the rotation: wgmma
+        assert "LDG.E.128" in sass and not re.search(r"LDG\.E\.(U16|64)\b", sass), kernel.__name__
         if kernel is _codes_kernel:
-            assert "F2FP.SATFINITE.E4M3" in sass  # the rounding to e4m3, satfinite as torch's cast after the clamp
+            assert "F2FP.SATFINITE.E4M3" in sass
+            assert "STG.E.128" in sass and not re.search(r"STG\.E\.(U8|U16|64)\b", sass)  # the rounding to e4m3, satfinite as torch's cast after the clamp
 
 
 @pytest.mark.parametrize("dtype,parts", [(torch.bfloat16, 1), (torch.float16, 2), (torch.float32, 3)])
@@ -87,6 +95,33 @@ def test_reference_is_the_cpu_path():
             a = quantize_heads(x, 2, rotate=rotate, mean=m)
             b = quantize_heads_reference(x, 2, rotate=rotate, mean=m)
             assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+
+
+def test_plan_groups_tensors_by_their_passes():
+    """One launch per pass for the tensors that take the same compiled passes (CPU: a plan is built
+    from shapes and strides only): plain Q, K, V of one head dim are one group of three segments; a
+    rotation splits off V, K smoothing K (a centred tensor is always alone), another head dim V.
+    Segment starts are cumulative program counts, buffer offsets (batch x kv heads) per tensor."""
+    from zyfa_tune.kernels.quantize import _Plan
+
+    b, hk = 2, 3
+    q, k, v = (torch.empty(b, s, h, 128) for s, h in ((100, 6), (300, 3), (300, 3)))
+    rows = _tiles(128, False)[0]
+    plain = _Plan([q, k, v], [False] * 3, [False] * 3, hk).groups
+    assert [(g.members, g.consts["NSEG"]) for g in plain] == [((0, 1, 2), 3)]
+    nq, nk = -(-100 // rows) * b * 6, -(-300 // rows) * b * 3
+    assert plain[0].grid == (nq + 2 * nk,) and plain[0].tail[:5] == (nq, nq + nk, 0, b * hk, 2 * b * hk)
+    assert plain[0].tail[5:8] == (100, 300, 300)  # S per segment
+    rotated = _Plan([q, k, v], [True, True, False], [False] * 3, hk).groups
+    assert [(g.members, g.consts["ROTATE"]) for g in rotated] == [((0, 1, 0), True), ((2, 2, 2), False)]
+    assert rotated[1].tail[:5] == (rotated[1].grid[0],) * 2 + (2 * b * hk,) * 3
+    smooth = _Plan([q, k, v], [False] * 3, [False, True, False], hk).groups
+    assert [(g.members, g.consts["CENTER"]) for g in smooth] == [((0, 2, 0), False), ((1, 1, 1), True)]
+    both = _Plan([k, k, k], [False] * 3, [True] * 3, hk).groups
+    assert [g.members for g in both] == [(0, 0, 0), (1, 1, 1), (2, 2, 2)]
+    v128 = torch.empty(b, 300, 3, 128)
+    q192, k192 = torch.empty(b, 100, 6, 192), torch.empty(b, 300, 3, 192)
+    assert [g.members for g in _Plan([q192, k192, v128], [False] * 3, [False] * 3, hk).groups] == [(0, 1, 0), (2, 2, 2)]
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
@@ -163,4 +198,29 @@ def test_quantize_fp8_on_the_gpu_is_the_cpu_arithmetic():
             assert t.shape == c.shape and t.stride() == c.stride()
             _codes_close(t.cpu().contiguous(), c.contiguous(), exact=exact)
         for c, t in zip(cpu[3:], gpu[3:]):  # rotated or centred: float32 summation order
+            torch.testing.assert_close(t.cpu(), c, rtol=0 if exact else 2e-5, atol=0)
+
+
+@pytest.mark.gpu
+def test_planned_launches_quantize_new_inputs():
+    """A second call with the same layout runs the plan kept from the first (direct launches of the
+    compiled passes, shared amax and descale buffers): fresh inputs give the CPU path's codes and
+    descales, and no new plan is made."""
+    from zyfa_tune.kernels import quantize as kq
+
+    g = torch.Generator().manual_seed(11)
+    shapes = ((3, 333, 6, 192), (3, 517, 3, 192), (3, 517, 3, 128))  # Q and K one launch, V another (plain)
+    for opts in ({}, dict(hadamard=True), dict(smooth_k=True)):
+        first = [torch.randn(*shape, generator=g).to(torch.float16) for shape in shapes]
+        quantize_fp8(*(t.cuda() for t in first), **opts)
+        plans = len(kq._plans)
+        fresh = [torch.randn(*shape, generator=g).to(torch.float16) * 5 for shape in shapes]
+        gpu = quantize_fp8(*(t.cuda() for t in fresh), **opts)
+        assert len(kq._plans) == plans
+        cpu = quantize_fp8(*fresh, **opts)
+        exact = not opts
+        for c, t in zip(cpu[:3], gpu[:3]):
+            _codes_close(t.cpu(), c, exact=exact)
+        for c, t in zip(cpu[3:], gpu[3:]):
+            assert t.shape == (3, 3) and t.is_contiguous()
             torch.testing.assert_close(t.cpu(), c, rtol=0 if exact else 2e-5, atol=0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from zyfa_tune.kernels.quantize import E4M3_MAX, KERNEL_DTYPES, hadamard_matrix, quantize_heads
+from zyfa_tune.kernels.quantize import E4M3_MAX, KERNEL_DTYPES, hadamard_matrix, quantize_tensors
 
 __all__ = ["E4M3_MAX", "hadamard_matrix", "quantize_fp8"]
 
@@ -41,6 +41,10 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
         if t.numel() == 0:
             raise ValueError(f"{name}: expected a non-empty tensor (each (batch, kv head) needs a scale), "
                              f"got shape {tuple(t.shape)}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q/k/v: expected tensors on one device, got {q.device}, {k.device}, {v.device}")
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"q/k/v: expected one batch size, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     hk = k.shape[2]
     if v.shape[2] != hk or q.shape[2] % hk:
         raise ValueError(f"k/v: kv_heads={hk} (v has {v.shape[2]}) must divide q's heads={q.shape[2]}")
@@ -51,9 +55,7 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     mean = None
     if smooth_k:  # (batch, kv_heads, dim), float32 like the rest of the arithmetic
         mean = (k if k.dtype in KERNEL_DTYPES else k.float()).mean(dim=1, dtype=torch.float32).contiguous()
-    q8, qd = quantize_heads(q, hk, rotate=hadamard)
-    k8, kd = quantize_heads(k, hk, rotate=hadamard, mean=mean)
-    v8, vd = quantize_heads(v, hk)
+    (q8, k8, v8), (qd, kd, vd) = quantize_tensors(((q, hadamard, None), (k, hadamard, mean), (v, False, None)), hk)
     if v_layout == "k_major":  # the kernels' V^T buffer, seen as (batch, seqlen, kv_heads, dim)
         from zyfa_tune.kernels.transpose import transpose_v
 
