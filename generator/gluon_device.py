@@ -252,8 +252,9 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     if LEAN and LEAN_FMA:  # b = magic + 56 - (8 ref + LEAN_CENTER) must be exact in fp32: ref on its grid
-        if LEAN_CENTER != 0.0:
-            m_new = gl.ceil(m_new * 8.0 + LEAN_CENTER) * 0.125 - LEAN_CENTER * 0.125
+        if LEAN_CENTER != 0.0:  # grid index n: ref = (n - LEAN_CENTER) / 8 - P_OFFSET, so 8 ref + LEAN_CENTER = n - 8 P
+            grid_n = gl.ceil(m_new * 8.0 + LEAN_CENTER)
+            m_new = grid_n * 0.125 - LEAN_CENTER * 0.125
         else:
             m_new = gl.ceil(m_new * 8.0) * 0.125
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -263,8 +264,11 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         ref = m_use - P_OFFSET
         ones = gl.full(s.shape, 1.0, gl.float32, layout=qk_layout)
         if LEAN_FMA:   # y = 8 (s scale - ref) + magic + 56: the code is in y's low bits
-            if LEAN_CENTER != 0.0:  # "centered": the line lowered by LEAN_CENTER codes (lean_asm.py)
-                a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0) - (8.0 * ref + LEAN_CENTER))[:, None])
+            if LEAN_CENTER != 0.0:  # "centered": the line lowered by LEAN_CENTER codes (lean_asm.py); b straight
+                # from the grid index, as "fma"'s from ceil(8 m): one rounding and one add after the row maximum
+                # (through m_use, ptxas scheduled both rows' maxima before any fold: 12% slower, docs/PERF.md s25)
+                n_use = gl.where(grid_n == float("-inf"), LEAN_CENTER, grid_n)  # m_use = 0 for an empty row
+                a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0 + 8.0 * P_OFFSET) - n_use)[:, None])
             else:
                 a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0) - 8.0 * ref)[:, None])
         else:                    # x = s scale - ref; _p_operand finishes the fold
