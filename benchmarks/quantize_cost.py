@@ -79,8 +79,9 @@ def main(argv=None) -> int:
               + (f", FA3-fp8 {row['attention fa3-fp8']:.3f} ms" if fa3 else ""), flush=True)
         for name in OPTIONS:
             kt, tt = row[f"kernels {name}"], row[f"torch {name}"]
+            host = row[f"host us {name}"]
             print(f"  quantize {name:18s} kernels {kt:7.3f} ms ({100 * kt / att:5.1f}% of attention), host "
-                  f"{row[f'host us {name}']:5.1f} us a call   torch ops {tt:7.3f} ms ({100 * tt / att:5.1f}%)", flush=True)
+                  f"{host:5.1f} us a call   torch ops {tt:7.3f} ms ({100 * tt / att:5.1f}%)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, gpu=gpu_state()), f, indent=1)

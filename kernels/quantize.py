@@ -7,6 +7,7 @@ heads, 2.7 ms for Q, K and V, more than the 2.1 ms attention it feeds (docs/PERF
 Here pass 1 reads a block of rows and folds its amax into its (batch, kv head)'s by an atomic max
 (of non-negative floats: the result does not depend on the order); pass 2 makes the descale from it,
 reads the rows again and writes their e4m3 codes. Only the codes (and the descales) are written.
+Q, K and V that take the same passes share one launch of each (`quantize_tensors`: segments of one grid).
 
 The numbers are the torch path's (`quantize_heads_reference`: the CPU path and the tests'
 reference): descale = max(amax, 1e-12) * float32(1 / 448), codes = e4m3 round-to-nearest-even of

@@ -90,7 +90,8 @@ class _BoundTranspose:
 
     def __init__(self, compiled, grid: tuple, device: int, shape: tuple, dtype: torch.dtype, tail: tuple,
                  keys: int | None):
-        self.launch, self.shape, self.dtype, self.tail, self.keys = Bound(compiled, grid, device), shape, dtype, tail, keys
+        self.launch = Bound(compiled, grid, device)
+        self.shape, self.dtype, self.tail, self.keys = shape, dtype, tail, keys
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype, device=v.device)
