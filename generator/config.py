@@ -312,9 +312,8 @@ class KernelConfig:
             raise ConfigError(f"l2_group_mib={self.l2_group_mib}: the L2 group sizes the tile table of "
                               f"q_order='balanced' (not {self.q_order!r}); keep the default "
                               f"{_DEFAULTS['l2_group_mib']}")
-        if self.pv_defer and self.overlap:
-            raise ConfigError("pv_defer=True is the plain schedule's pairing of PV(j-1) with QK^T(j): overlap=True "
-                              "already issues them together; it needs overlap=False")
+        if self.pv_defer and (why := pv_defer_conflict(vars(self))):
+            raise ConfigError(why)
         if self.p_carry != "f32" and (why := packed_p_conflict(vars(self))):
             raise ConfigError(why)
         if self.lane_sums and (why := lane_sums_conflict(vars(self))):
@@ -364,9 +363,6 @@ class KernelConfig:
         if self.block_n == 192 and (self.v_layout == "natural" or self.softmax == "lean"):
             raise ConfigError("block_n=192 (128 + 64 key parts) is built for the exact softmax with the V^T copy: "
                               "it needs softmax='exact' and v_layout='transposed'")
-        if self.block_n == 256 and self.pv_defer and self.v_layout == "natural":
-            raise ConfigError("block_n=256 with pv_defer=True (two 128-key parts) is built for the V^T copy: it "
-                              "needs v_layout='transposed'")
         if self.v_layout == "natural" and self.v_permute:
             raise ConfigError("v_layout='natural' with backend='gluon' writes V^T in key order: it needs "
                               "v_permute=False (and so softmax='exact')")
@@ -466,6 +462,18 @@ def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
                 "which are packed here; use rowsum='fp32' (its fence is on the row sums) or p_carry='f32'")
     if in_smem and f["block_n"] == 192:
         return f"p_carry={carry!r} holds one key part's P tile: it needs block_n a power of two, not 192"
+    return None
+
+
+def pv_defer_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why a Gluon config with these fields cannot pair PV(j-1) with QK^T(j) (pv_defer=True), or None.
+    One rule for validation and for the search space (which decodes a suggested True to False)."""
+    if f["overlap"]:
+        return ("pv_defer=True is the plain schedule's pairing of PV(j-1) with QK^T(j): overlap=True already "
+                "issues them together; it needs overlap=False")
+    if f["block_n"] == 256 and f["v_layout"] == "natural":
+        return ("block_n=256 with pv_defer=True (two 128-key parts) is built for the V^T copy: it needs "
+                "v_layout='transposed'")
     return None
 
 

@@ -6,11 +6,10 @@ field). `backend` comes first: the fields after it that only one backend reads a
 (`triton_only`, `gluon_only`) and take their defaults under the other (see base.py).
 """
 
-import dataclasses
 from functools import partial
 
 from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, o_split_conflict,
-                                        o_through_p_conflict, packed_p_conflict)
+                                        o_through_p_conflict, packed_p_conflict, pv_defer_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
                                        gluon_lean_smem2_config, gluon_natural_config, gluon_packed_config,
                                        gluon_smem2_chunked_config, gluon_smem2_config, gluon_smem2_narrow_config,
@@ -25,14 +24,6 @@ def decode_p_carry(v: str, f: dict) -> str:
     if v != "f32" and packed_p_conflict({**f, "p_carry": v}):  # f holds the default's carry, not v
         return "f32"
     return "e4m3" if v == "f32" and f["softmax"] == "lean" and f["rowsum"] == "rounded" else v
-
-
-def _pv_defer() -> Param:
-    """pv_defer: only without overlap, and a 256-key block's two 128-key parts only on the V^T copy
-    (what is not is decoded to False, not sampled as an invalid point)."""
-    plain = gluon_only("pv_defer", (False, True), needs=(("overlap", False),))
-    return dataclasses.replace(plain, decode=lambda v, f: plain.decode(v, f) and not (
-        f["block_n"] == 256 and f["v_layout"] == "natural"))
 
 
 def _exact_only_block(f: dict) -> bool:
@@ -60,7 +51,8 @@ PARAMS = (backend_param(),
                                                                           or _exact_only_block(f)) else v),
     gluon_only("ping_pong", (True, False), one_consumer=False),  # consumer warpgroups alternate wgmma issue
     gluon_only("overlap", (True, False), forced=("softmax", "lean", True)),  # softmax(j) while PV(j-1) runs
-    _pv_defer(),                                        # plain: PV(j-1) paired with QK^T(j)
+    Param("pv_defer", (False, True), only_if=("backend", "gluon"),  # plain: PV(j-1) paired with QK^T(j)
+          decode=lambda v, f: v and not pv_defer_conflict(f)),
     gluon_only("q_stages", (1, 2)),                     # Q ring: 2 prefetches the next tile's Q
     gluon_only("v_permute", (True, False), unless=("v_layout", "natural"), default=False,  # key-permuted V^T
                forced=("softmax", "lean", True)),
