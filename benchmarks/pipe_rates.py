@@ -26,6 +26,19 @@ _CVT = ("cvt.rn.satfinite.e4m3x2.f32 h0, $5, $4;\ncvt.rn.satfinite.e4m3x2.f32 h1
         "mov.b32 w0, {h0, h1};\nmov.b32 w1, {h2, h3};\n")
 _CVT_REGS = "{ .reg .b16 h0, h1, h2, h3; .reg .b32 w0, w1;\n"
 
+#: scratch registers of the two-kind bodies: t0..t3, one per chain
+_T32 = "{ .reg .b32 t0, t1, t2, t3;\n"
+#: the low 16 bits of $4..$7 as l0..l3 (mov to a .b16 pair is a register view), scratch t0..t3
+_B16 = ("{ .reg .b16 l0, h0, l1, h1, l2, h2, l3, h3; .reg .b32 t0, t1, t2, t3;\n"
+        + "".join(f"mov.b32 {{l{k}, h{k}}}, ${4 + k};\n" for k in range(4)))
+
+
+def _each(line: str) -> str:
+    """`line` for each chain k = 0..3: {o} its output $k, {i} its input $(4+k), {n} the next chain's
+    input (for two-input instructions), {k} its index (scratch registers)."""
+    return "".join(line.format(o=f"${k}", i=f"${4 + k}", n=f"${4 + (k + 1) % 4}", k=k) + "\n" for k in range(4))
+
+
 #: name -> (PTX body over $4..$7 into $0..$3, instructions of the measured kind per iteration, that
 #: kind); a rate is the body's time per instruction of that kind, its other instructions included
 BODIES = {
@@ -42,6 +55,22 @@ BODIES = {
     # ex2's four exponentials and cvt's four conversions in one body: if the conversion used the MUFU
     # pipe, this would take ex2 + cvt; it takes ex2 alone
     "ex2+cvt": (_CVT_REGS + _EX2 + _CVT + "xor.b32 $0, $0, w0;\nxor.b32 $1, $1, w1; }", 4, "MUFU.EX2"),
+    # lean P's instructions (session 26): its clamp as a saturating FMA or an integer max, the code
+    # sums' e4m3 -> f16x2 unpack and f16x2 add, and bf16x2 packing / max (a halved row-maximum tree)
+    "ffma.sat": (_each("fma.rn.sat.f32 {o}, {i}, 0f3F000000, 0f3E000000;"), 4, "FFMA.SAT"),
+    "imnmx": (_each("max.s32 {o}, {i}, 1262485504;"), 4, "VIMNMX"),
+    "unpack": (_B16 + _each("cvt.rn.f16x2.e4m3x2 {o}, l{k};") + "}", 4, "F2FP.F16.E4M3.UNPACK_B"),
+    "hadd2": (_each("add.rn.f16x2 {o}, {i}, {i};"), 4, "HADD2"),
+    "bf16pack": (_each("cvt.rn.bf16x2.f32 {o}, {i}, {n};"), 4, "F2FP.BF16.F32.PACK_AB"),
+    "hmnmx2": (_each("max.bf16x2 {o}, {i}, {n};"), 4, "HMNMX2"),
+    # two kinds per chain: as fast as the slower alone where they issue to different pipes, their sum
+    # where they share one
+    "unpack+fmnmx": (_B16 + _each("cvt.rn.f16x2.e4m3x2 t{k}, l{k};\nmax.f32 {o}, t{k}, 0f3F000000;") + "}",
+                     4, "F2FP.F16.E4M3.UNPACK_B"),
+    "fmnmx+ffma": (_T32 + _each("max.f32 t{k}, {i}, 0f3F000000;\nfma.rn.f32 {o}, t{k}, 0f3F000000, 0fBE000000;") + "}",
+                   4, "FMNMX"),
+    "fmnmx+prmt": (_T32 + _each("max.f32 t{k}, {i}, 0f3F000000;\nprmt.b32 {o}, t{k}, {n}, 0x5140;") + "}",
+                   4, "FMNMX"),
 }
 ITERS = 2048
 WARPS = 8  # per program; 4 programs per SM

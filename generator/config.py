@@ -33,7 +33,7 @@ CHOICES: dict[str, tuple] = {
     "maxnreg": (0, 128, 152, 168, 184, 200, 232),
     "softmax": ("exact", "lean"),
     "lean_fold": ("fma", "sub_fma", "corrected", "centered"),
-    "lean_clamp": ("imax", "fmax"),
+    "lean_clamp": ("imax", "fmax", "sat"),
     "lean_pack": ("prmt", "bfi"),
     "p_scale_log2": tuple(range(0, 9)),
     "scale_block": (0, 32, 64, 128, 256),

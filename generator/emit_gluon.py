@@ -32,7 +32,7 @@ from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_regist
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
-from .lean_asm import CODE_SUM_CONSTRAINTS, MAGIC, ONE_FMA_FOLDS, code_sum_asm, fold_center, lean_tail_asm
+from .lean_asm import CODE_SUM_CONSTRAINTS, MAGIC, ONE_FMA_FOLDS, SAT_SCALE, code_sum_asm, fold_center, lean_tail_asm
 from .rescale_asm import rescale_asm, rescale_constraints
 from .timeline import EVENTS, TraceBuffer, clock_asm
 
@@ -194,6 +194,7 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
         ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"), ("LEAN_FMA", lean and c.lean_fold in ONE_FMA_FOLDS),
         ("LEAN_CENTER", fold_center(c.lean_fold) if lean else 0.0), ("LEAN_MAGIC", MAGIC),
+        ("LEAN_SAT", lean and c.lean_clamp == "sat"), ("LEAN_SAT_SCALE", SAT_SCALE),
         # PTX from generator/lean_asm.py for validated enum values only (never text from a config)
         ("LEAN_ASM", lean_tail_asm(c.lean_fold, c.lean_clamp, c.lean_pack) if lean else ""),
         # lean P's row sum from its packed codes (rowsum="rounded"): generator/lean_asm.code_sum_asm

@@ -18,7 +18,7 @@ import math
 
 from .config import GENERATOR_VERSION, KernelConfig
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
-from .lean_asm import E4M3_ONE_CODE, LEAN_P_CONSTRAINTS, MAGIC, ONE_FMA_FOLDS, fold_center, lean_p_asm
+from .lean_asm import E4M3_ONE_CODE, LEAN_P_CONSTRAINTS, MAGIC, ONE_FMA_FOLDS, SAT_SCALE, fold_center, lean_p_asm
 
 #: Cap of the per-tile extra exponent (scale_block): keeps acc rescale factors within 2^16.
 SCALE_EXP_CAP = 16
@@ -223,7 +223,10 @@ class _Emitter:
         L += [f"{ind}ref = {ref}",
               f"{ind}alpha = tl.math.exp2(ref_i - ref)"]
         if self.lean:
-            if c.lean_fold in ONE_FMA_FOLDS:
+            if c.lean_fold in ONE_FMA_FOLDS and c.lean_clamp == "sat":  # lean_asm.SAT_SCALE
+                L += [f"{ind}a = qk_scale * {8.0 / SAT_SCALE!r}",
+                      f"{ind}bias = ({float(E4M3_ONE_CODE)!r} - (8.0 * ref + {center!r})) * {1.0 / SAT_SCALE!r}"]
+            elif c.lean_fold in ONE_FMA_FOLDS:
                 L += [f"{ind}a = qk_scale * 8.0",
                       f"{ind}bias = {MAGIC + E4M3_ONE_CODE!r} - 8.0 * ref" if not center else
                       f"{ind}bias = {MAGIC + E4M3_ONE_CODE!r} - (8.0 * ref + {center!r})"]

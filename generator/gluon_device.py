@@ -268,12 +268,23 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
                 # from the grid index, as "fma"'s from ceil(8 m): one rounding and one add after the row maximum
                 # (through m_use, ptxas scheduled both rows' maxima before any fold: 12% slower, docs/PERF.md s25)
                 n_use = gl.where(grid_n == float("-inf"), LEAN_CENTER, grid_n)  # m_use = 0 for an empty row
-                a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0 + 8.0 * P_OFFSET) - n_use)[:, None])
+                if LEAN_SAT:     # t = sat((8x + 56 - center) / 128): b from n in one exact FMA
+                    a, b = gl.broadcast(ones * (qk_scale * (8.0 / LEAN_SAT_SCALE)),
+                                        gl.fma(n_use, -1.0 / LEAN_SAT_SCALE, (56.0 + 8.0 * P_OFFSET) / LEAN_SAT_SCALE)[:, None])
+                else:
+                    a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0 + 8.0 * P_OFFSET) - n_use)[:, None])
+            elif LEAN_SAT:
+                a, b = gl.broadcast(ones * (qk_scale * (8.0 / LEAN_SAT_SCALE)),
+                                    gl.fma(ref, -8.0 / LEAN_SAT_SCALE, 56.0 / LEAN_SAT_SCALE)[:, None])
             else:
                 a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0) - 8.0 * ref)[:, None])
         else:                    # x = s scale - ref; _p_operand finishes the fold
             a, b = gl.broadcast(ones * qk_scale, -ref[:, None])
-        p = gl.fma(s, a, b)      # one rounding: under LEAN_FMA, y's low bits are exactly round(8x) + 56
+        if LEAN_FMA and LEAN_SAT:  # clamp "sat": the FMA saturates (FFMA.SAT), LEAN_ASM adds the magic
+            p = gl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f", [s, a, b], dtype=gl.float32,
+                                          is_pure=True, pack=1)
+        else:
+            p = gl.fma(s, a, b)  # one rounding: under LEAN_FMA, y's low bits are exactly round(8x) + 56
         l_new = l_i
     else:
         p = _exp2(s * qk_scale - (m_use - P_OFFSET)[:, None])

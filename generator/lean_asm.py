@@ -30,7 +30,12 @@ the tuner searches:
                    z = x - c*f*(1-f) with f = frac(x) (floor by a round-down add of the magic
                    constant), y = 8z + magic + 56. Makes the code equal the correctly rounded e4m3
                    of 2^x for ~97% of x in the normal range (53% without), at 8 FP ops per score.
-- clamp: "imax"    max.s32 on the bit pattern; "fmax" max.f32 against the magic float.
+- clamp: "imax"    max.s32 on the bit pattern; "fmax" max.f32 against the magic float;
+         "sat"     no max: the fold's last FMA saturates t = (8x + 56 - center) / 128 to [0, 1]
+                   (FFMA.SAT; -inf and NaN give 0), then y = 128 t + magic (one more FMA): one
+                   VIMNMX per score becomes an FFMA, and ptxas schedules the Gluon step ~6% shorter
+                   (docs/PERF.md, session 26). t is rounded to float32 first, so a code can differ
+                   from round(8x + 56) only where 8x + 56 is within 2^-18 of a half-integer.
 - pack:  "prmt"    three byte permutes; "bfi" three bit-field inserts.
 """
 
@@ -68,33 +73,47 @@ LEAN_CORRECTION = 0.346
 _X_FLOOR = -64.0
 
 
-def _fold_lines(fold: str) -> list[str]:
+#: clamp "sat": a one-FMA fold's a = 8*scale and b = 56 - 8*ref - center (no magic) are divided by this,
+#: so that the FMA gives t = (8x + 56 - center) / SAT_SCALE, saturated to [0, 1] (powers of two and small
+#: integers: a and b stay exact); codes stay below 128 (P <= 2^8)
+SAT_SCALE = 128.0
+
+
+def _code_line(i: int, clamp: str) -> str:
+    """The fold's last FMA, from x (log2 units) in r{i}: y = 8x + magic + 56, or under "sat"
+    t = sat((8x + 56) / SAT_SCALE)."""
+    if clamp == "sat":
+        return (f"fma.rn.sat.f32 r{i}, r{i}, 0f{_f32_hex(8.0 / SAT_SCALE)}, "
+                f"0f{_f32_hex(E4M3_ONE_CODE / SAT_SCALE)};")
+    return f"fma.rn.f32 r{i}, r{i}, 0f41000000, 0f{_f32_hex(MAGIC + E4M3_ONE_CODE)};"
+
+
+def _fold_lines(fold: str, clamp: str) -> list[str]:
     if fold in ONE_FMA_FOLDS:
-        # $1..$4 scores, $5..$8 a = 8*scale, $9..$12 b = magic + 56 - 8*ref (- LEAN_CENTER)
-        return [f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};" for i in range(4)]
+        # $1..$4 scores, $5..$8 a = 8*scale, $9..$12 b = magic + 56 - 8*ref (- LEAN_CENTER); "sat": SAT_SCALE
+        sat = ".sat" if clamp == "sat" else ""
+        return [f"fma.rn{sat}.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};" for i in range(4)]
     if fold == "sub_fma":
         # $5..$8 a = scale, $9..$12 b = -ref; then y = 8*t + (magic + 56)
-        bias = _f32_hex(MAGIC + E4M3_ONE_CODE)
         return [line for i in range(4) for line in (
-            f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};",
-            f"fma.rn.f32 r{i}, r{i}, 0f41000000, 0f{bias};")]
+            f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};", _code_line(i, clamp))]
     if fold == "corrected":
         # $5..$8 a = scale, $9..$12 b = -ref (as sub_fma); t, u are scratch registers
         return [line for i in range(4) for line in (
-            f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};", *_correction_lines(i))]
+            f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};", *_correction_lines(i, clamp))]
     raise ValueError(f"unknown lean fold {fold!r}")
 
 
-def _correction_lines(i: int) -> list[str]:
+def _correction_lines(i: int, clamp: str) -> list[str]:
     """x in r{i} -> y = 8z + magic + 56 with z = x - c*f*(1-f), f = frac(x) (the corrected fold)."""
-    magic, bias = _f32_hex(MAGIC), _f32_hex(MAGIC + E4M3_ONE_CODE)
+    magic = _f32_hex(MAGIC)
     return [f"max.f32 r{i}, r{i}, 0f{_f32_hex(_X_FLOOR)};",
             f"add.rm.f32 t, r{i}, 0f{magic};",          # magic + floor(x)
             f"sub.f32 t, t, 0f{magic};",                # floor(x), exact
             f"sub.f32 t, t, r{i};",                     # -f
             "fma.rn.f32 u, t, t, t;",                   # f*f - f = -f(1-f)
             f"fma.rn.f32 r{i}, u, 0f{_f32_hex(LEAN_CORRECTION)}, r{i};",  # z = x - c f(1-f)
-            f"fma.rn.f32 r{i}, r{i}, 0f41000000, 0f{bias};"]             # y = 8z + magic + 56
+            _code_line(i, clamp)]                                          # y = 8z + magic + 56
 
 
 def _clamp_lines(clamp: str) -> list[str]:
@@ -102,6 +121,8 @@ def _clamp_lines(clamp: str) -> list[str]:
         return [f"max.s32 r{i}, r{i}, {MAGIC_BITS};" for i in range(4)]
     if clamp == "fmax":
         return [f"max.f32 r{i}, r{i}, 0f{_f32_hex(MAGIC)};" for i in range(4)]
+    if clamp == "sat":  # t in [0, 1] -> y = SAT_SCALE t + magic: the code in the low byte
+        return [f"fma.rn.f32 r{i}, r{i}, 0f{_f32_hex(SAT_SCALE)}, 0f{_f32_hex(MAGIC)};" for i in range(4)]
     raise ValueError(f"unknown lean clamp {clamp!r}")
 
 
@@ -120,7 +141,7 @@ def _pack_lines(pack: str) -> list[str]:
 
 def lean_p_asm(fold: str, clamp: str, pack: str) -> str:
     """PTX for one pack of four scores ($1..$4) with per-element a ($5..$8) and b ($9..$12)."""
-    body = _fold_lines(fold) + _clamp_lines(clamp) + _pack_lines(pack)
+    body = _fold_lines(fold, clamp) + _clamp_lines(clamp) + _pack_lines(pack)
     regs = "r0, r1, r2, r3, t, u" if fold == "corrected" else "r0, r1, r2, r3"
     return "{\n.reg .b32 " + regs + ";\n" + "\n".join(body) + "\n}"
 
@@ -128,16 +149,15 @@ def lean_p_asm(fold: str, clamp: str, pack: str) -> str:
 def lean_tail_asm(fold: str, clamp: str, pack: str) -> str:
     """PTX for the Gluon backend, which folds in tensor code (one FMA per score, where the row's
     constants are at hand) and rounds next to the PV wgmma: four folded values ($1..$4) -> one
-    register of four e4m3 codes. fold "fma": $i is already y = 8x + magic + 56; "sub_fma": $i is
-    x = s*scale - ref, one more FMA makes y; "corrected": $i is x, corrected as in `lean_p_asm`;
-    "centered" as "fma" (its offset is in b)."""
+    register of four e4m3 codes. fold "fma": $i is already y = 8x + magic + 56 (clamp "sat": the
+    saturated t); "sub_fma": $i is x = s*scale - ref, one more FMA makes y; "corrected": $i is x,
+    corrected as in `lean_p_asm`; "centered" as "fma" (its offset is in b)."""
     if fold in ONE_FMA_FOLDS:
         body = [f"mov.b32 r{i}, ${1 + i};" for i in range(4)]
     elif fold == "sub_fma":
-        bias = _f32_hex(MAGIC + E4M3_ONE_CODE)
-        body = [f"fma.rn.f32 r{i}, ${1 + i}, 0f41000000, 0f{bias};" for i in range(4)]
+        body = [line for i in range(4) for line in (f"mov.b32 r{i}, ${1 + i};", _code_line(i, clamp))]
     elif fold == "corrected":
-        body = [line for i in range(4) for line in (f"mov.b32 r{i}, ${1 + i};", *_correction_lines(i))]
+        body = [line for i in range(4) for line in (f"mov.b32 r{i}, ${1 + i};", *_correction_lines(i, clamp))]
     else:
         raise ValueError(f"unknown lean fold {fold!r}")
     body += _clamp_lines(clamp) + _pack_lines(pack)

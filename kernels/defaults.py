@@ -99,13 +99,14 @@ def gluon_lean_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelCo
 def gluon_lean_smem2_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """Lean P on the 256-key kernel with P through two shared-memory tiles, its rounded row sum from its
     own codes, decoded per lane (rowsum="rounded", lane_sums: no row-sum MMA, which cost the exact
-    kernel of that structure 9-11%), with ping-pong and the rescale skip: the fastest hd128 kernel
-    measured, 1.01-1.03x the best exact one at 8K-32K and 1.07x FA3-fp8, at ~1.35x the exact error
-    (docs/PERF.md, session 23). A
+    kernel of that structure 9-11%), with ping-pong and the rescale skip, its codes clamped by a saturating
+    FMA (lean_clamp="sat": an FFMA instead of an integer max per score, which ptxas schedules into a shorter
+    step, +0.8-4.4% at 8K-32K, docs/PERF.md session 26): the fastest hd128 kernel measured, 1.04-1.06x
+    the best exact one at 8K-32K and 1.08-1.15x FA3-fp8, at ~1.07x FA3's error (native quantisation). A
     seed of studies whose gate admits that error, like `gluon_lean_config`."""
     return gluon_smem2_config(dtype, head_dim_qk, head_dim_v).replace(
         softmax="lean", rowsum="rounded", half_block=False, ping_pong=True, producer_regs=56, skip_rescale=True,
-        p_scale_log2=7)
+        p_scale_log2=7, lean_clamp="sat")
 
 
 def gluon_packed_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:

@@ -163,7 +163,8 @@ def test_schedule_constants_script_sets_and_restores_the_schedule():
 
 # ---- pipe_rates.py ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["ex2", "ffma", "fmnmx", "prmt", "cvt", "ex2+cvt"])
+@pytest.mark.parametrize("name", ["ex2", "ffma", "fmnmx", "prmt", "cvt", "ex2+cvt", "ffma.sat", "imnmx", "unpack",
+                                  "hadd2", "bf16pack", "hmnmx2", "unpack+fmnmx", "fmnmx+ffma", "fmnmx+prmt"])
 def test_pipe_rate_bodies_compile_to_the_instructions_they_time(name):
     pr = script("pipe_rates")
     art = pr.compile_sm90(name)
@@ -173,5 +174,8 @@ def test_pipe_rate_bodies_compile_to_the_instructions_they_time(name):
     assert art.spill_bytes == 0
     if name == "ex2+cvt":  # both kinds in the same loop, one conversion per exponential
         assert art.count("F2FP") == n
+    if "+" in name and name != "ex2+cvt":  # the second kind as often as the first
+        second = {"unpack+fmnmx": "FMNMX", "fmnmx+ffma": "FFMA", "fmnmx+prmt": "PRMT"}[name]
+        assert art.count(second) == n
     if name != "ex2" and name != "ex2+cvt":
         assert art.count("MUFU") == 0

@@ -154,10 +154,13 @@ def test_lean_variants(compiled, fold, clamp, pack):
     if pack == "prmt":
         other = compiled(lean(fold, clamp, "bfi"))
         assert art.ptx.count("prmt.b32") - other.ptx.count("prmt.b32") == 3 * n_code // 4
-    # SASS: the clamp survives as one min/max instruction per code
+    # SASS: the clamp survives as one min/max instruction per code ("sat": a saturating FMA instead)
     ref = compiled(lean(fold, "fmax" if clamp == "imax" else "imax", pack))
-    opcode = "VIMNMX" if clamp == "imax" else "FMNMX"
-    assert art.count(opcode) - ref.count(opcode) >= n_code
+    if clamp == "sat":
+        assert art.count("FFMA.SAT") >= n_code and ref.count("VIMNMX") - art.count("VIMNMX") >= n_code
+    else:
+        opcode = "VIMNMX" if clamp == "imax" else "FMNMX"
+        assert art.count(opcode) - ref.count(opcode) >= n_code
     # SASS: the fold's FMAs survive, one per code ("fma") or two ("sub_fma")
     assert art.count("FFMA") >= (2 if fold == "sub_fma" else 1) * n_code
 

@@ -225,12 +225,16 @@ def test_lean_asm_instruction_counts(fold, clamp, pack):
     # per score: fma 1 FMA; sub_fma 2; corrected 4 FMAs + max (x floor) + add.rm + 2 sub
     fold_fmas = {"fma": 4, "centered": 4, "sub_fma": 8, "corrected": 16}[fold]
     fold_other = {"fma": 0, "centered": 0, "sub_fma": 0, "corrected": 16}[fold]
-    assert ops.count("fma.rn.f32") == fold_fmas
+    x_floor = 4 if fold == "corrected" else 0
+    if clamp == "sat":  # the fold's last FMA saturates; the clamp is one more FMA (+ magic), no max
+        assert ops.count("fma.rn.sat.f32") == 4 and ops.count("fma.rn.f32") == fold_fmas - 4 + 4
+        assert ops.count("max.s32") == 0 and ops.count("max.f32") == x_floor
+    else:
+        assert ops.count("fma.rn.f32") == fold_fmas and "sat" not in text
+        assert ops.count("max.s32" if clamp == "imax" else "max.f32") == 4 + (x_floor if clamp == "fmax" else 0)
+        assert ops.count("max.f32" if clamp == "imax" else "max.s32") == (x_floor if clamp == "imax" else 0)
     if fold == "corrected":
         assert ops.count("add.rm.f32") == 4 and ops.count("sub.f32") == 8
-    x_floor = 4 if fold == "corrected" else 0
-    assert ops.count("max.s32" if clamp == "imax" else "max.f32") == 4 + (x_floor if clamp == "fmax" else 0)
-    assert ops.count("max.f32" if clamp == "imax" else "max.s32") == (x_floor if clamp == "imax" else 0)
     assert ops.count("prmt.b32" if pack == "prmt" else "bfi.b32") == 3
     assert ops.count("bfi.b32" if pack == "prmt" else "prmt.b32") == 0
     assert len(ops) == fold_fmas + fold_other + 4 + 3

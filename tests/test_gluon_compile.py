@@ -30,6 +30,7 @@ from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
 #: lean P (Gluon): each instruction sequence, on the seed and on the 15-minute study's winner schedule
 LEAN_CASES = [GLUON.replace(softmax="lean", rowsum="mma", lean_fold=fold) for fold in ("fma", "sub_fma", "corrected")]
 LEAN_CASES.append(LEAN_CASES[0].replace(ping_pong=False, q_stages=2, q_order="forward", lean_clamp="fmax", lean_pack="bfi"))
+LEAN_CASES.append(LEAN_CASES[0].replace(lean_fold="centered", lean_clamp="sat"))
 #: lean P's codes made where the softmax folds the scores and carried packed: in registers, through one
 #: shared-memory tile, through two with a halved first block
 LEAN_CASES += [LEAN_CASES[0].replace(p_carry="e4m3"), LEAN_CASES[0].replace(p_carry="smem"),
@@ -610,7 +611,8 @@ def test_lean_p_has_no_exponentials_per_score(cfg, compiled):
     exact = compiled(GLUON)
     check_usable(art, cfg)
     assert art.count("MUFU.EX2") <= 16 < exact.count("MUFU.EX2")
-    clamp = "max.s32 r0, r0, 1262485504;" if cfg.lean_clamp == "imax" else "max.f32 r0, r0, 0f4B400000;"
+    clamp = {"imax": "max.s32 r0, r0, 1262485504;", "fmax": "max.f32 r0, r0, 0f4B400000;",
+             "sat": "fma.rn.f32 r0, r0, 0f43000000, 0f4B400000;"}[cfg.lean_clamp]
     packs = art.ptx.count(clamp)  # one per pack of four scores
     assert packs > 0 and art.ptx.count("prmt.b32 r0" if cfg.lean_pack == "prmt" else "bfi.b32 r0") >= packs
     assert art.ptx.count("m64n8k32.f32.e4m3.e4m3") == art.ptx.count("m64n128k32.f32.e4m3.e4m3") // 2
@@ -641,6 +643,20 @@ def test_lean_code_sums_decode_the_codes_without_an_mma(cfg, compiled):
     assert unpacks == art.ptx.count("cvt.rn.f16x2.e4m3x2") and unpacks % (cfg.block_n // 4) == 0
     assert unpacks >= 2 * (cfg.block_n // 4) and art.count("HADD2") >= unpacks
     assert art.count("SHFL") <= exact.count("SHFL")
+
+
+@pytest.mark.parametrize("fold", ["fma", "centered"])
+def test_lean_sat_clamp_is_one_saturating_fma_per_code(fold, compiled):
+    """clamp "sat" on the 256-key two-tile kernel with code sums: each code's integer max (VIMNMX)
+    becomes a saturating FMA (FFMA.SAT), its magic add one more FFMA; the same wgmmas, no spill."""
+    base = CODE_SUM_CASES[1].replace(lean_fold=fold)
+    art, imax = compiled(base.replace(lean_clamp="sat")), compiled(base)
+    check_usable(art, base.replace(lean_clamp="sat"))
+    assert art.spill_bytes == 0
+    clamps = imax.count("VIMNMX") - art.count("VIMNMX")
+    assert clamps >= 2 * (base.block_n // 2) and art.count("FFMA.SAT") == clamps
+    assert art.count("FFMA") - art.count("FFMA.SAT") >= imax.count("FFMA")  # (centered: b by an FFMA per row)
+    assert art.count("QGMMA") == imax.count("QGMMA")
 
 
 #: the hd128 study's winner schedule (ping-pong off, Q ring of 2), exact softmax

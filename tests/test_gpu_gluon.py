@@ -358,6 +358,27 @@ def test_lean_code_sums_match_the_row_sum_mma(name, sq, sk, causal):
     assert rel_l2(out, twin) < 2e-3
 
 
+#: clamp "sat" (a saturating FMA instead of the integer max) beside its "imax" twin: the same codes
+#: but where 8x + 56 is within 2^-18 of a half-integer (tests/test_lean_numerics.py), for each fold
+#: under the row-sum MMA and for the 256-key two-tile kernel with code sums
+SAT_TWINS = {**{fold: LEAN.replace(lean_fold=fold) for fold in LEAN_BOUNDS},
+             **{f"256-codes-{fold}": LEAN.replace(**CODE_SUMS["256-lanes"], rowsum="rounded", lean_fold=fold)
+                for fold in ("fma", "centered")}}
+
+
+@pytest.mark.parametrize("name", SAT_TWINS)
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
+def test_lean_sat_clamp_matches_imax(name, sq, sk, causal):
+    cfg = SAT_TWINS[name]
+    bound, factor = LEAN_BOUNDS[cfg.lean_fold]
+    out = check(cfg.replace(lean_clamp="sat"), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128,
+                bound=bound, fa3_factor=factor)
+    args, kw = make_inputs("fp8", 128, 128, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=0)
+    twin = flash_attn_func(*args, causal=causal, config=cfg, **kw)
+    # a few tens of the ~4M codes of a case move by one (ties within 2^-18), each moving its row by <~0.5%
+    assert rel_l2(out, twin) < 5e-4
+
+
 #: P through a shared-memory tile (p_carry="smem", not searched: measured 1-19% slower, docs/PERF.md
 #: session 10), beside the packed carry of the same schedule: the seed with and without ping-pong,
 #: three consumers at head dim 64, 192/128 and head dim 256's 64-key blocks (a 64-byte swizzle)

@@ -29,7 +29,7 @@ import torch
 
 from zyfa_tune.generator import CHOICES
 from zyfa_tune.generator.lean_asm import (E4M3_ONE_CODE, LEAN_CENTER, LEAN_CORRECTION, MAGIC, MAGIC_BITS, ONE_FMA_FOLDS,
-                                          fold_center, lean_p_asm, lean_tail_asm)
+                                          SAT_SCALE, fold_center, lean_p_asm, lean_tail_asm)
 
 LOG2E = 1.4426950408889634
 
@@ -86,9 +86,23 @@ def fma_f32(s: float, a: float, b: float) -> float:
     return round_f32(Fraction(s) * Fraction(a) + Fraction(b))
 
 
+def max_f32(a: float, b: float) -> float:
+    """PTX max.f32: a NaN operand gives the other one."""
+    return b if math.isnan(a) else a if math.isnan(b) else max(a, b)
+
+
+def sat_f32(v: float) -> float:
+    """The .sat modifier: clamp to [0, 1], NaN to 0."""
+    return 0.0 if math.isnan(v) else min(max(v, 0.0), 1.0)
+
+
 def code_from_y(y: float, clamp: str) -> int:
-    """The lean code from the FMA result: clamp against the magic constant, keep the low byte."""
-    if clamp == "imax":
+    """The lean code from the FMA result: clamp against the magic constant ("sat": y is never below
+    it), keep the low byte."""
+    if clamp == "sat":
+        assert y >= MAGIC
+        c = bits(y)
+    elif clamp == "imax":
         c = max(bits(y), MAGIC_BITS)  # max.s32 on the bit patterns
     else:
         c = bits(max(y, MAGIC))  # max.f32 against 1.5 * 2^23
@@ -108,23 +122,38 @@ def on_grid(fold: str, ref: float) -> float:
 
 # ---- lean P for a given score, per fold -----------------------------------------------------
 
-def fold_operands(fold: str, scale: float, ref: float) -> tuple[float, float]:
-    """The per-row (a, b) the kernel passes to the asm (see generator.emit_triton._tile)."""
+def fold_operands(fold: str, scale: float, ref: float, clamp: str = "imax") -> tuple[float, float]:
+    """The per-row (a, b) the kernel passes to the asm (see generator.emit_triton._tile): under clamp
+    "sat" a one-FMA fold's both divided by 128, b without the magic constant."""
+    if fold in ONE_FMA_FOLDS and clamp == "sat":
+        return f32(scale * 8.0 / 128), f32((E4M3_ONE_CODE - (8.0 * ref + fold_center(fold))) / 128)
     if fold in ONE_FMA_FOLDS:
         return f32(scale * 8.0), f32(MAGIC + E4M3_ONE_CODE - (8.0 * ref + fold_center(fold)))
     return f32(scale), f32(-ref)
 
 
-def lean_y(fold: str, s: float, a: float, b: float) -> float:
+def folded(fold: str, s: float, a: float, b: float, clamp: str = "imax") -> float:
+    """What the Gluon kernel's tensor code hands lean_tail_asm: the fold's FMA (saturated under a
+    one-FMA fold with clamp "sat")."""
+    v = fma_f32(s, a, b)
+    return sat_f32(v) if fold in ONE_FMA_FOLDS and clamp == "sat" else v
+
+
+def lean_y(fold: str, s: float, a: float, b: float, clamp: str = "imax") -> float:
+    """y, whose low byte is the code once clamped; clamp "sat": t = sat((8x + 56 - center) / 128),
+    then y = 128 t + magic."""
     if fold in ONE_FMA_FOLDS:
-        return fma_f32(s, a, b)
+        v = folded(fold, s, a, b, clamp)
+        return fma_f32(v, 128.0, MAGIC) if clamp == "sat" else v
     t = fma_f32(s, a, b)
     if fold == "corrected":  # x - c*frac(x)*(1-frac(x)), written from the PTX semantics
-        x = max(t, -64.0)
+        x = max_f32(t, -64.0)
         floor_magic = round_down_f32(Fraction(x) + Fraction(MAGIC))       # add.rm.f32
         neg_frac = round_f32(Fraction(f32(floor_magic - MAGIC)) - Fraction(x))  # sub.f32 twice
         u = fma_f32(neg_frac, neg_frac, neg_frac)
         t = fma_f32(u, f32(LEAN_CORRECTION), x)
+    if clamp == "sat":
+        return fma_f32(sat_f32(fma_f32(t, 1 / 16, E4M3_ONE_CODE / 128)), 128.0, MAGIC)
     return fma_f32(t, 8.0, f32(MAGIC + E4M3_ONE_CODE))
 
 
@@ -143,19 +172,44 @@ GRID_REFS = [0.0, -3.375, 5.125, 37.875 - 8]  # on the 1/8 grid, as the 'fma' fo
 @pytest.mark.parametrize("clamp", CHOICES["lean_clamp"])
 @pytest.mark.parametrize("scale", SCALES)
 def test_fma_fold_gives_round_8x_plus_56(scale, clamp, fold):
-    """One FMA leaves round(8x + 56) ("centered": round(8x + 56 - 7/16)) for references on the fold's grid."""
-    mismatches = []
+    """One FMA leaves round(8x + 56) ("centered": round(8x + 56 - 7/16)) for references on the fold's grid.
+    Clamp "sat" rounds t = (8x + 56 - center) / 128 to float32 first (below 1, so within 2^-25): its
+    code can differ only where 8x + 56 - center is within 2^-18 of a half-integer."""
+    mismatches, near_tie = [], 0
+    div = SAT_SCALE if clamp == "sat" else 1.0
+    magic = 0.0 if clamp == "sat" else MAGIC
     for ref in (on_grid(fold, r) for r in GRID_REFS):
-        a, b = fold_operands(fold, scale, ref)
-        assert Fraction(b) == MAGIC + E4M3_ONE_CODE - 8 * Fraction(ref) - Fraction(fold_center(fold))  # b exact
-        assert a == 8.0 * scale
+        a, b = fold_operands(fold, scale, ref, clamp)
+        # a and b exact
+        assert Fraction(b) == (magic + E4M3_ONE_CODE - 8 * Fraction(ref) - Fraction(fold_center(fold))) / Fraction(div)
+        assert a == 8.0 * scale / div
         for x in x_grid(-12.0, 8.0):
             s = f32((x + ref) / scale)
             x_exact = Fraction(s) * Fraction(scale) - Fraction(ref)
-            code = code_from_y(lean_y(fold, s, a, b), clamp)
+            code = code_from_y(lean_y(fold, s, a, b, clamp), clamp)
             if code != intended_code(x_exact, fold):
-                mismatches.append((ref, x, code, intended_code(x_exact, fold)))
-    assert not mismatches, mismatches[:5]
+                u = 8 * x_exact + E4M3_ONE_CODE - Fraction(fold_center(fold))
+                if clamp == "sat" and abs(u - (math.floor(u) + Fraction(1, 2))) <= Fraction(1, 2 ** 18):
+                    near_tie += 1
+                else:
+                    mismatches.append((ref, x, code, intended_code(x_exact, fold)))
+    assert not mismatches, mismatches[:5]  # (this grid puts 8x + 56 on half-integers up to s's rounding)
+    assert near_tie == 0 or clamp == "sat"
+
+
+@pytest.mark.parametrize("fold", ONE_FMA_FOLDS)
+def test_sat_clamp_codes_on_random_scores(fold):
+    """Clamp "sat" against "imax" on random scores of random rows: the same code but in a few per
+    hundred thousand (8x + 56 within 2^-18 of a half-integer)."""
+    rng = np.random.default_rng(5)
+    scale, differ, n = SCALES[2], 0, 20000
+    for ref in (on_grid(fold, r) for r in rng.integers(-80, 160, size=5) / 8.0):
+        a, b = fold_operands(fold, scale, ref)
+        a_sat, b_sat = fold_operands(fold, scale, ref, "sat")
+        for x in rng.uniform(-16.0, 8.0, size=n // 5):
+            s = f32((x + ref) / scale)
+            differ += code_from_y(lean_y(fold, s, a, b), "imax") != code_from_y(lean_y(fold, s, a_sat, b_sat, "sat"), "sat")
+    assert differ <= 2
 
 
 def test_fma_fold_needs_the_reference_on_the_eighth_grid():
@@ -203,12 +257,15 @@ def test_sub_fma_fold(scale):
 def test_masked_and_tiny_scores_give_code_zero(fold):
     scale, ref = SCALES[2], on_grid(fold, 12.5 - 8.0)
     a, b = fold_operands(fold, scale, ref)
-    for s in (-math.inf, -3.0e38, -1.0e30, -1.0e7, f32((-7.5 + ref) / scale), f32((-20.0 + ref) / scale)):
+    a_sat, b_sat = fold_operands(fold, scale, ref, "sat")
+    for s in (-math.inf, -3.0e38, -1.0e30, -1.0e7, f32((-7.5 + ref) / scale), f32((-20.0 + ref) / scale), math.nan):
         y = lean_y(fold, s, a, b)
-        assert code_from_y(y, "imax") == 0 and code_from_y(y, "fmax") == 0
+        assert (code_from_y(y, "imax") == 0 and code_from_y(y, "fmax") == 0) or math.isnan(s)
+        assert code_from_y(lean_y(fold, s, a_sat, b_sat, "sat"), "sat") == 0
     # the largest probability of a row (x = 8 with p_scale_log2 = 8) gives code 120 = 256.0
-    y = lean_y(fold, f32((8.0 + ref) / scale), a, b)
-    assert code_from_y(y, "imax") == code_from_y(y, "fmax") == 120
+    s = f32((8.0 + ref) / scale)
+    y = lean_y(fold, s, a, b)
+    assert code_from_y(y, "imax") == code_from_y(y, "fmax") == code_from_y(lean_y(fold, s, a_sat, b_sat, "sat"), "sat") == 120
 
 
 # ---- the PTX text, interpreted ---------------------------------------------------------------
@@ -262,6 +319,8 @@ def run_lean_asm(text: str, inputs: list[float]) -> int:
             val = srcs[0]
         elif op == "fma.rn.f32":
             val = bits(fma_f32(*(from_bits(v) for v in srcs)))
+        elif op == "fma.rn.sat.f32":
+            val = bits(sat_f32(fma_f32(*(from_bits(v) for v in srcs))))
         elif op == "add.rm.f32":
             val = bits(round_down_f32(sum(Fraction(from_bits(v)) for v in srcs)))
         elif op == "sub.f32":
@@ -271,7 +330,7 @@ def run_lean_asm(text: str, inputs: list[float]) -> int:
         elif op == "max.s32":
             val = max(from_bits_s32(v) for v in srcs)
         elif op == "max.f32":
-            val = bits(max(from_bits(v) for v in srcs))
+            val = bits(max_f32(*(from_bits(v) for v in srcs)))
         elif op == "prmt.b32":
             val = _prmt(*srcs)
         elif op == "bfi.b32":
@@ -300,12 +359,12 @@ def test_lean_asm_text_packs_the_intended_codes(fold, clamp, pack):
         scores = [f32((x + refs[r]) / scale) for x, r in zip(xs, row_of_lane)]
         if trial % 5 == 0:
             scores[trial % 4] = -math.inf  # masked
-        ab = [fold_operands(fold, scale, refs[r]) for r in row_of_lane]
+        ab = [fold_operands(fold, scale, refs[r], clamp) for r in row_of_lane]
         out = run_lean_asm(text, scores + [a for a, _ in ab] + [b for _, b in ab])
         got = [(out >> (8 * i)) & 0xFF for i in range(4)]
-        want = [code_from_y(lean_y(fold, s, a, b), clamp) for s, (a, b) in zip(scores, ab)]
+        want = [code_from_y(lean_y(fold, s, a, b, clamp), clamp) for s, (a, b) in zip(scores, ab)]
         assert got == want, (trial, got, want)
-        if fold in ONE_FMA_FOLDS:
+        if fold in ONE_FMA_FOLDS:  # (random scores: no x within 2^-18 of a tie under "sat")
             assert want == [intended_code(Fraction(s) * Fraction(scale) - Fraction(refs[r]), fold)
                             if s != -math.inf else 0 for s, r in zip(scores, row_of_lane)]
 
@@ -443,9 +502,9 @@ def test_gluon_tail_gives_the_same_codes_as_the_triton_sequence(fold, clamp, pac
         scores = [f32((x + refs[r]) / scale) for x, r in zip(rng.uniform(-14.0, 8.0, size=4), row_of_lane)]
         if trial % 5 == 0:
             scores[trial % 4] = -math.inf  # masked
-        ab = [fold_operands(fold, scale, refs[r]) for r in row_of_lane]
-        folded = [fma_f32(sc, a, b) for sc, (a, b) in zip(scores, ab)]  # gl.fma: one rounding
-        assert run_lean_asm(tail, folded) == run_lean_asm(full, scores + [a for a, _ in ab] + [b for _, b in ab])
+        ab = [fold_operands(fold, scale, refs[r], clamp) for r in row_of_lane]
+        ys = [folded(fold, sc, a, b, clamp) for sc, (a, b) in zip(scores, ab)]  # gl.fma: one rounding
+        assert run_lean_asm(tail, ys) == run_lean_asm(full, scores + [a for a, _ in ab] + [b for _, b in ab])
 
 
 # ---- lean P's row sum from its codes (Gluon rowsum="rounded": generator/lean_asm.code_sum_asm) ----------
