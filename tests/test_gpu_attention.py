@@ -28,7 +28,8 @@ def _configs(dtype, dqk, dv):
     if dtype == "bf16":
         return {"exact": base}
     lean = base.replace(softmax="lean", rowsum="rounded")
-    return {"exact": base, "lean": lean, "lean-centered": lean.replace(lean_fold="centered")}
+    return {"exact": base, "lean": lean, "lean-centered": lean.replace(lean_fold="centered"),
+            "lean-centered-sat": lean.replace(lean_fold="centered", lean_clamp="sat")}
 
 
 def _check(b, sq, sk, h, hk, dqk, dv, dtype, causal=True, seed=0):
