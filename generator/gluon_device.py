@@ -268,16 +268,16 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
                 # from the grid index, as "fma"'s from ceil(8 m): one rounding and one add after the row maximum
                 # (through m_use, ptxas scheduled both rows' maxima before any fold: 12% slower, docs/PERF.md s25)
                 n_use = gl.where(grid_n == float("-inf"), LEAN_CENTER, grid_n)  # m_use = 0 for an empty row
-                if LEAN_SAT:     # t = sat((8x + 56 - center) / 128): b from n in one exact FMA
-                    a, b = gl.broadcast(ones * (qk_scale * (8.0 / LEAN_SAT_SCALE)),
-                                        gl.fma(n_use, -1.0 / LEAN_SAT_SCALE, (56.0 + 8.0 * P_OFFSET) / LEAN_SAT_SCALE)[:, None])
+                if LEAN_SAT:     # clamp "sat": a and b divided by LEAN_SAT_SCALE, no magic (one exact FMA)
+                    b_row = gl.fma(n_use, -1.0 / LEAN_SAT_SCALE, (56.0 + 8.0 * P_OFFSET) / LEAN_SAT_SCALE)
                 else:
-                    a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0 + 8.0 * P_OFFSET) - n_use)[:, None])
+                    b_row = (LEAN_MAGIC + 56.0 + 8.0 * P_OFFSET) - n_use
             elif LEAN_SAT:
-                a, b = gl.broadcast(ones * (qk_scale * (8.0 / LEAN_SAT_SCALE)),
-                                    gl.fma(ref, -8.0 / LEAN_SAT_SCALE, 56.0 / LEAN_SAT_SCALE)[:, None])
+                b_row = gl.fma(ref, -8.0 / LEAN_SAT_SCALE, 56.0 / LEAN_SAT_SCALE)
             else:
-                a, b = gl.broadcast(ones * (qk_scale * 8.0), ((LEAN_MAGIC + 56.0) - 8.0 * ref)[:, None])
+                b_row = (LEAN_MAGIC + 56.0) - 8.0 * ref
+            a_mul: gl.constexpr = 8.0 / LEAN_SAT_SCALE if LEAN_SAT else 8.0
+            a, b = gl.broadcast(ones * (qk_scale * a_mul), b_row[:, None])
         else:                    # x = s scale - ref; _p_operand finishes the fold
             a, b = gl.broadcast(ones * qk_scale, -ref[:, None])
         if LEAN_FMA and LEAN_SAT:  # clamp "sat": the FMA saturates (FFMA.SAT), LEAN_ASM adds the magic

@@ -38,7 +38,7 @@ PARAMS = (backend_param(),
     Param("softmax", ("exact", "lean"),                 # both backends (Gluon lean: overlap + v_permute)
           decode=lambda v, f: "exact" if _exact_only_block(f) else v),
     lean_only("lean_fold", ("fma", "sub_fma", "corrected", "centered")),  # only under softmax="lean"
-    lean_only("lean_clamp", ("imax", "fmax", "sat")),          # only under softmax="lean"
+    lean_only("lean_clamp", ("imax", "fmax", "sat")),   # only under softmax="lean"
     lean_only("lean_pack", ("prmt", "bfi")),            # only under softmax="lean"
     Param("p_scale_log2", (6, 7, 8)),
     triton_only(scale_per_tile(BLOCK_N)),               # Optuna "scale_per_tile": scale_block 0 / block_n
