@@ -58,7 +58,14 @@ BODIES = {
     # lean P's instructions (session 26): its clamp as a saturating FMA or an integer max, the code
     # sums' e4m3 -> f16x2 unpack and f16x2 add, and bf16x2 packing / max (a halved row-maximum tree)
     "ffma.sat": (_each("fma.rn.sat.f32 {o}, {i}, 0f3F000000, 0f3E000000;"), 4, "FFMA.SAT"),
+    # (ptxas fuses this body's max.s32 pairs into VIMNMX3: its rate is per PTX max; imnmx3 times the
+    # instruction)
     "imnmx": (_each("max.s32 {o}, {i}, 1262485504;"), 4, "VIMNMX"),
+    # a three-input integer max (two max.s32 that ptxas fuses), and with FMNMX: one pipe or two
+    # (session 27: the row maximum over the scores' bits)
+    "imnmx3": (_T32 + _each("max.s32 t{k}, {i}, {n};\nmax.s32 {o}, t{k}, 1262485504;") + "}", 4, "VIMNMX3"),
+    "fmnmx+imnmx3": (_T32 + _each("max.f32 t{k}, {i}, 0f3F000000;\nmax.s32 {o}, t{k}, {n};\nmax.s32 {o}, {o}, 7;")
+                     + "}", 4, "FMNMX"),
     "unpack": (_B16 + _each("cvt.rn.f16x2.e4m3x2 {o}, l{k};") + "}", 4, "F2FP.F16.E4M3.UNPACK_B"),
     "hadd2": (_each("add.rn.f16x2 {o}, {i}, {i};"), 4, "HADD2"),
     "bf16pack": (_each("cvt.rn.bf16x2.f32 {o}, {i}, {n};"), 4, "F2FP.BF16.F32.PACK_AB"),

@@ -164,7 +164,8 @@ def test_schedule_constants_script_sets_and_restores_the_schedule():
 # ---- pipe_rates.py ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["ex2", "ffma", "fmnmx", "prmt", "cvt", "ex2+cvt", "ffma.sat", "imnmx", "unpack",
-                                  "hadd2", "bf16pack", "hmnmx2", "unpack+fmnmx", "fmnmx+ffma", "fmnmx+prmt"])
+                                  "hadd2", "bf16pack", "hmnmx2", "unpack+fmnmx", "fmnmx+ffma", "fmnmx+prmt",
+                                  "imnmx3", "fmnmx+imnmx3"])
 def test_pipe_rate_bodies_compile_to_the_instructions_they_time(name):
     pr = script("pipe_rates")
     art = pr.compile_sm90(name)
@@ -175,7 +176,7 @@ def test_pipe_rate_bodies_compile_to_the_instructions_they_time(name):
     if name == "ex2+cvt":  # both kinds in the same loop, one conversion per exponential
         assert art.count("F2FP") == n
     if "+" in name and name != "ex2+cvt":  # the second kind as often as the first
-        second = {"unpack+fmnmx": "FMNMX", "fmnmx+ffma": "FFMA", "fmnmx+prmt": "PRMT"}[name]
+        second = {"unpack+fmnmx": "FMNMX", "fmnmx+ffma": "FFMA", "fmnmx+prmt": "PRMT", "fmnmx+imnmx3": "VIMNMX3"}[name]
         assert art.count(second) == n
     if name != "ex2" and name != "ex2+cvt":
         assert art.count("MUFU") == 0
