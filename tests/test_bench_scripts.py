@@ -163,9 +163,7 @@ def test_schedule_constants_script_sets_and_restores_the_schedule():
 
 # ---- pipe_rates.py ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["ex2", "ffma", "fmnmx", "prmt", "cvt", "ex2+cvt", "ffma.sat", "imnmx", "unpack",
-                                  "hadd2", "bf16pack", "hmnmx2", "unpack+fmnmx", "fmnmx+ffma", "fmnmx+prmt",
-                                  "imnmx3", "fmnmx+imnmx3"])
+@pytest.mark.parametrize("name", list(script("pipe_rates").BODIES))  # every body the script can time
 def test_pipe_rate_bodies_compile_to_the_instructions_they_time(name):
     pr = script("pipe_rates")
     art = pr.compile_sm90(name)
