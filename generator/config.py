@@ -61,16 +61,19 @@ CHOICES: dict[str, tuple] = {
     "half_block": (False, True),
     "o_through_p": (False, True),
     "l2_group_mib": (16, 8, 32, 64),
+    "qk_acc": ("f32", "f16"),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
-                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib")
+                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
+                "qk_acc")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
-               "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib")
+               "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
+               "qk_acc")
 #: Fields only the launch reads (the persistent grid's tile table), not the kernel's code: configs that
 #: differ only in them differ in the source's header line alone (the config, so each is its own
 #: database variant: variants are keyed by source hash), and Triton compiles the kernel function once.
@@ -204,6 +207,12 @@ class KernelConfig:
                   their tiles run side by side). 16 (a quarter of the H200's L2) was the one value until
                   session 22; 32 (FA3's choice) measured 1.4-3.4% faster at 192/128 with 16 heads, equal or up
                   to 3% slower with 32 heads (docs/PERF.md, session 22): tuned per shape.
+    qk_acc:       Gluon lean P: the QK^T accumulator's type. "f16" halves the score registers and makes the row
+                  maximum and lean P's fold f16x2 instructions (two scores each; the codes' pack one PRMT per
+                  four): the step's softmax ~30% shorter (docs/PERF.md, session 28). Each consumer scales its
+                  Q rows in shared memory by a power of two so that no score or partial sum can leave f16's
+                  range for any e4m3 K (generator/gluon_device._q_headroom), and the scale goes into the
+                  softmax's; a score carries f16's 11-bit precision (0.03% of |x|, x in log2 units).
     """
 
     dtype: str = "fp8"
@@ -244,6 +253,7 @@ class KernelConfig:
     half_block: bool = False
     o_through_p: bool = False
     l2_group_mib: int = 16
+    qk_acc: str = "f32"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -323,6 +333,8 @@ class KernelConfig:
         if self.half_block and (why := half_block_conflict(vars(self))):
             raise ConfigError(why)
         if self.o_through_p and (why := o_through_p_conflict(vars(self))):
+            raise ConfigError(why)
+        if self.qk_acc != "f32" and (why := qk_acc_conflict(vars(self))):
             raise ConfigError(why)
         if self.late_rescale and not self.overlap:
             raise ConfigError("late_rescale=True moves the overlapped step's O rescale after its PV wait: it needs "
@@ -432,6 +444,7 @@ class KernelConfig:
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
             softmax += " codeSums" if self.rowsum == "rounded" and self.softmax == "lean" else ""
             softmax += " skip-rescale" if self.skip_rescale else ""
+            softmax += " f16S" if self.qk_acc == "f16" else ""
             group = f" L2group{self.l2_group_mib}MiB" if self.l2_group_mib != _DEFAULTS["l2_group_mib"] else ""
             return (f"gluon {softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
                     f"{'+'.join(on) or 'plain'}{group}")
@@ -462,6 +475,24 @@ def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
                 "which are packed here; use rowsum='fp32' (its fence is on the row sums) or p_carry='f32'")
     if in_smem and f["block_n"] == 192:
         return f"p_carry={carry!r} holds one key part's P tile: it needs block_n a power of two, not 192"
+    return None
+
+
+def qk_acc_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why a Gluon config with these fields cannot accumulate its scores in f16 (qk_acc="f16"), or None.
+    Built for lean P's one-FMA fold with clamp "sat" and the overlapped step with two P tiles (whose QK^T is
+    then synchronous); one rule for validation and for the search space."""
+    if f["softmax"] != "lean":
+        return ("qk_acc='f16' is built for lean P (the f16 fold writes e4m3 codes; the exact softmax's f16x2 "
+                "exponentials measured 0.91-0.96x its float32 ones, docs/PERF.md session 28): it needs "
+                "softmax='lean'")
+    if f["lean_fold"] not in ("fma", "centered") or f["lean_clamp"] != "sat":
+        return (f"qk_acc='f16' folds as lean_fold 'fma'/'centered' with lean_clamp='sat' do (one saturating FMA); "
+                f"not lean_fold={f['lean_fold']!r}, lean_clamp={f['lean_clamp']!r}")
+    if f["p_carry"] != "smem2":
+        return f"qk_acc='f16' is built on the two-P-tile step: it needs p_carry='smem2', not {f['p_carry']!r}"
+    if f["half_block"]:
+        return "qk_acc='f16' with half_block=True: the half block's scores are not built in f16; use one or the other"
     return None
 
 
@@ -498,6 +529,8 @@ def half_block_conflict(f: Mapping[str, Any]) -> str | None:
     if f["pv_defer"] or f["block_n"] not in (128, 256) or (f["overlap"] and f["p_carry"] not in P_TILES):
         return ("half_block=True halves a first block: it needs pv_defer=False, block_n 128 or 256 (one key part), "
                 "and the plain schedule (overlap=False) or P in shared memory (p_carry 'smem' or 'smem2')")
+    if f.get("qk_acc", "f32") == "f16":
+        return "half_block=True with qk_acc='f16': the half block's scores are not built in f16; use one or the other"
     return None
 
 

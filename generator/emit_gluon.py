@@ -32,7 +32,8 @@ from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_regist
 from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
-from .lean_asm import CODE_SUM_CONSTRAINTS, MAGIC, ONE_FMA_FOLDS, SAT_SCALE, code_sum_asm, fold_center, lean_tail_asm
+from .lean_asm import (CODE_SUM_CONSTRAINTS, E4M3_MAX, F16_SCORE_BOUND, MAGIC, ONE_FMA_FOLDS, SAT_SCALE, code_sum_asm,
+                       f16_fold_asm, f16_pack_asm, fold_center, lean_tail_asm)
 from .rescale_asm import rescale_asm, rescale_constraints
 from .timeline import EVENTS, TraceBuffer, clock_asm
 
@@ -192,6 +193,11 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         # a first block whose upper half no row sees runs as a step of BLOCK_N / 2 keys (plain schedule)
         ("HALF_BLOCK", bool(c.half_block)),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
+        # qk_acc="f16": f16 scores, lean P folded two per instruction, Q's rows scaled by _q_headroom so that
+        # E4M3_MAX * sum|q| * Q_HEADROOM <= 1 (generator/lean_asm.py)
+        ("F16_S", c.qk_acc == "f16"), ("Q_HEADROOM", E4M3_MAX / F16_SCORE_BOUND),
+        ("F16_FOLD_ASM", f16_fold_asm() if c.qk_acc == "f16" else ""),
+        ("F16_PACK_ASM", f16_pack_asm() if c.qk_acc == "f16" else ""),
         ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"), ("LEAN_FMA", lean and c.lean_fold in ONE_FMA_FOLDS),
         ("LEAN_CENTER", fold_center(c.lean_fold) if lean else 0.0), ("LEAN_MAGIC", MAGIC),
         ("LEAN_SAT", lean and c.lean_clamp == "sat"), ("LEAN_SAT_SCALE", SAT_SCALE),

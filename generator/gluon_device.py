@@ -249,6 +249,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     if SPLIT:
         row_max = gl.maximum(gl.max(s, axis=1), gl.convert_layout(gl.max(sb, axis=1), gl.SliceLayout(1, qk_layout)))
         m_new = gl.maximum(m_i, row_max * qk_scale)
+    elif F16_S:  # f16 scores; qk_scale is per row (_q_headroom's 2^e)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1).to(gl.float32) * qk_scale)
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     if LEAN and LEAN_FMA:  # b = magic + 56 - (8 ref + LEAN_CENTER) must be exact in fp32: ref on its grid
@@ -277,10 +279,13 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
             else:
                 b_row = (LEAN_MAGIC + 56.0) - 8.0 * ref
             a_mul: gl.constexpr = 8.0 / LEAN_SAT_SCALE if LEAN_SAT else 8.0
-            a, b = gl.broadcast(ones * (qk_scale * a_mul), b_row[:, None])
+            if not F16_S:
+                a, b = gl.broadcast(ones * (qk_scale * a_mul), b_row[:, None])
         else:                    # x = s scale - ref; _p_operand finishes the fold
             a, b = gl.broadcast(ones * qk_scale, -ref[:, None])
-        if LEAN_FMA and LEAN_SAT:  # clamp "sat": the FMA saturates (FFMA.SAT), LEAN_ASM adds the magic
+        if F16_S:
+            p = _f16_fold(s, qk_scale * a_mul, b_row)
+        elif LEAN_FMA and LEAN_SAT:  # clamp "sat": the FMA saturates (FFMA.SAT), LEAN_ASM adds the magic
             p = gl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f", [s, a, b], dtype=gl.float32,
                                           is_pure=True, pack=1)
         else:
@@ -311,6 +316,39 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     if LEAN and CODE_SUMS:
         l_new = _with_code_sums(l_i, alpha, p8)
     return p8, m_new, l_new, alpha, p8b
+
+
+@gluon.jit
+def _f16_fold(s, a_row, b_row):
+    """Lean P's fold on f16 scores (qk_acc="f16", clamp "sat"), two scores per instruction: t = sat(s a + b)
+    (HFMA2.SAT, a and b per row rounded to f16), then y = 128 t + 1024, whose low byte is the e4m3 code
+    (f16 integers are exact on [1024, 2048)). a's and b's f16 roundings change a row's codes all alike (a
+    scale and a shift common to the row, which the normalisation cancels); docs/BACKENDS.md."""
+    a, _ = gl.broadcast(a_row.to(gl.float16)[:, None], s)
+    b, _ = gl.broadcast(b_row.to(gl.float16)[:, None], s)
+    return gl.inline_asm_elementwise(F16_FOLD_ASM, "=r,r,r,r", [s, a, b], dtype=gl.float16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _q_headroom(q_bufs, qb, CID: gl.constexpr, row_s: gl.constexpr):
+    """qk_acc="f16": this warpgroup's Q rows scaled by 2^-e in shared memory, e >= 0 per row the least that
+    keeps every f16 score and partial sum within 2^15 for any e4m3 K (|q . k| <= 448 sum|q|): a power of
+    two, exact unless a value falls to a subnormal. Returns 2^e per row (row_s) for the softmax scale.
+    Call after the tile's Q has landed and before its first wgmma."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    l1 = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, layout))
+    for p in gl.static_range(QK_PARTS):
+        x = _q_rows(q_bufs, qb + p, CID).load(layout).to(gl.float32)
+        l1 += gl.sum(gl.abs(x), axis=1)
+    e = gl.maximum(gl.ceil(gl.log2(l1 * Q_HEADROOM)), 0.0)   # l1 = 0: log2 is -inf, e = 0
+    f = gl.exp2(-e)
+    for p in gl.static_range(QK_PARTS):
+        rows = _q_rows(q_bufs, qb + p, CID)
+        x = rows.load(layout).to(gl.float32)
+        rows.store((x * f[:, None]).to(gl.float8e4nv))
+    fence_async_shared()
+    gl.thread_barrier()
+    return gl.convert_layout(gl.exp2(e), row_s)
 
 
 @gluon.jit
@@ -431,6 +469,9 @@ def _p_pack(p, LEAN: gl.constexpr = False):
     x0, x1 = gl.split(p.reshape([64, p.shape[1] // 4, 2, 2]))   # key 4a + 2b + c: c = 0 / 1
     x00, x01 = gl.split(x0)                                      # b = 0 / 1
     x10, x11 = gl.split(x1)
+    if F16_S:  # y = 1024 + code in f16 (_f16_fold): the low bytes of two packed pairs, one PRMT
+        return gl.inline_asm_elementwise(F16_PACK_ASM, "=r,h,h,h,h", [x00, x10, x01, x11], dtype=gl.int32,
+                                         is_pure=True, pack=1)
     ASM: gl.constexpr = LEAN_ASM if LEAN else E4M3X4_ASM
     return gl.inline_asm_elementwise(ASM, "=r,r,r,r,r", [x00, x10, x01, x11], dtype=gl.int32, is_pure=True, pack=1)
 
@@ -605,12 +646,15 @@ def _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, STAGES: gl
 def _qk_issue(q_bufs, qb, k_bufs, kb, s_zero, CID: gl.constexpr, QK_PARTS: gl.constexpr, HALF: gl.constexpr = 0):
     """S = Q K^T as QK_PARTS chained async wgmmas over the column parts (slots qb.., kb..); returns
     the token of the last (each wgmma is its own commit group, so waiting for it waits for all).
-    HALF > 0: the first HALF keys (rows) of the K tile only."""
+    HALF > 0: the first HALF keys (rows) of the K tile only.
+    F16_S: the last wgmma is synchronous (done on return). Triton hands an f16 accumulator to the wait as
+    16-bit halves, split before the wait: ptxas then serialises every wgmma of the kernel; a synchronous
+    wgmma splits them after its own wait."""
     s_tok = warpgroup_mma(_q_rows(q_bufs, qb, CID), _keys(k_bufs.index(kb), HALF, 0).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)
+                          use_acc=False, is_async=not (F16_S and QK_PARTS == 1))
     for p in gl.static_range(1, QK_PARTS):
         s_tok = warpgroup_mma(_q_rows(q_bufs, qb + p, CID), _keys(k_bufs.index(kb + p), HALF, 0).permute((1, 0)),
-                              s_tok, is_async=True)
+                              s_tok, is_async=not (F16_S and p == QK_PARTS - 1))
     return s_tok
 
 
@@ -721,15 +765,21 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     if P_DOUBLE:
         # QK^T(j) first; P(j-1)'s tile is published (proxy fence, warpgroup barrier) and O rescaled while
         # it runs, then PV(j-1) issued behind it
+        if F16_S:  # QK^T(j) is synchronous (_qk_issue): publish and rescale first, PV(j-1) issued right behind it
+            _p_publish()
+            p8 = _p_tile(p_smem, kv_it - 1, CID)
+            if not LATE_RESCALE:
+                acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
         mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
         _turn_wait(turn_bars, turn_it, CID, PINGPONG)
         _mark(kv_it, EV_READY, CID)
         s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
         sb_tok = s_tok
-        _p_publish()
-        p8 = _p_tile(p_smem, kv_it - 1, CID)
-        if not LATE_RESCALE:
-            acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
+        if not F16_S:
+            _p_publish()
+            p8 = _p_tile(p_smem, kv_it - 1, CID)
+            if not LATE_RESCALE:
+                acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
         mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
         o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8, vb_bufs.index(pst),
                                          onesb_smem, accc, vc_bufs.index(pst))
@@ -1032,6 +1082,8 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
         qs = q_it % Q_STAGES
         mbarrier.wait(q_ready.index(qs), (q_it // Q_STAGES) & 1)
         qb = qs * QK_PARTS  # this tile's Q: slots qb .. qb + QK_PARTS - 1
+        if F16_S:  # scores accumulate in f16: Q's rows scaled into range, the scale per row
+            qk_scale = qk_scale * _q_headroom(q_bufs, qb, CID, row_s)
 
         m_i = gl.full([64], float("-inf"), gl.float32, layout=row_s)
         if LANE_SUMS:  # (64, 4) partial sums, laid out as _lane_sums makes them
@@ -1040,7 +1092,7 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
             l_i = gl.full([64], 0.0, gl.float32, layout=row_s)
         acc = gl.zeros([64, O_W], gl.float32, layout=o_layout)
         accc = gl.zeros([64, O_C], gl.float32, layout=oc_layout)
-        s_zero = gl.zeros([64, BN_A], gl.float32, layout=qk_layout)
+        s_zero = gl.zeros([64, BN_A], gl.float16 if F16_S else gl.float32, layout=qk_layout)
         sb_zero = gl.zeros([64, BN_B], gl.float32, layout=qkb_layout) if SPLIT else s_zero
 
         # rows past the queries' end (a partial last query block, e.g. 4096 = 21 x 192 + 64): no work but

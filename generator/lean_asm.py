@@ -187,3 +187,41 @@ def code_sum_asm() -> str:
 
 #: Inline-asm constraints of `code_sum_asm`: one float output, four code registers.
 CODE_SUM_CONSTRAINTS = "=f,r,r,r,r"
+
+
+# ---- lean P on f16 scores (qk_acc="f16", Gluon; docs/BACKENDS.md) -------------------------------------
+
+#: 1024 = 2^10: f16 values in [1024, 2048) are the integers, so y = 1024 + code holds the code in its low byte
+F16_BASE = 1024.0
+#: the bound the f16 scores are kept under (half the f16 maximum 65504, so that no partial sum rounds past it)
+F16_SCORE_BOUND = 32768.0
+#: largest e4m3 magnitude: |q . k| <= E4M3_MAX * sum|q| for any e4m3 K
+E4M3_MAX = 448.0
+
+
+def _f16x2_hex(value: float) -> str:
+    import numpy as np
+
+    half = int(np.array(value, dtype=np.float16).view(np.uint16))
+    return f"0x{half:04X}{half:04X}"
+
+
+def f16_fold_asm() -> str:
+    """PTX for two f16 scores ($1, packed) with the row's a ($2) and b ($3) (f16 pairs): t = sat(s a + b),
+    the fold of clamp "sat" in f16 (HFMA2.SAT), then y = SAT_SCALE t + 1024 (HFMA2), the code in each
+    half's low byte."""
+    return ("{\n.reg .b32 t, c, m;\n"
+            "fma.rn.sat.f16x2 t, $1, $2, $3;\n"
+            f"mov.b32 c, {_f16x2_hex(SAT_SCALE)};\n"
+            f"mov.b32 m, {_f16x2_hex(F16_BASE)};\n"
+            "fma.rn.f16x2 $0, t, c, m;\n}")
+
+
+def f16_pack_asm() -> str:
+    """PTX for four `f16_fold_asm` results ($1..$4, keys 4a .. 4a + 3, as 16-bit registers; consecutive
+    pairs share a 32-bit register in the accumulator) -> one register of four e4m3 codes: their low
+    bytes, one PRMT."""
+    return ("{\n.reg .b32 a, b;\n"
+            "mov.b32 a, {$1, $2};\n"
+            "mov.b32 b, {$3, $4};\n"
+            "prmt.b32 $0, a, b, 0x6420;\n}")

@@ -109,6 +109,14 @@ def gluon_lean_smem2_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Ke
         p_scale_log2=7, lean_clamp="sat")
 
 
+def gluon_lean_f16_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """`gluon_lean_smem2_config` on f16 scores (qk_acc="f16": the row maximum, the fold and the pack on
+    pairs of scores, Q's rows scaled into f16's range in the kernel): 1.13-1.20x the float32-score kernel
+    and 1.22-1.36x FA3-fp8 at hd128 8K-32K, at the same error on Gaussian inputs (docs/PERF.md, session 28).
+    A seed of studies whose gate admits lean P's error."""
+    return gluon_lean_smem2_config(dtype, head_dim_qk, head_dim_v).replace(qk_acc="f16")
+
+
 def gluon_packed_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """The Gluon default schedule carrying P packed as e4m3 from one step to the next
     (p_carry="e4m3", a quarter of the float32 carry's registers): at 128-key blocks with overlap and

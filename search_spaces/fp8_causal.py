@@ -9,10 +9,12 @@ field). `backend` comes first: the fields after it that only one backend reads a
 from functools import partial
 
 from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, o_split_conflict,
-                                        o_through_p_conflict, packed_p_conflict, pv_defer_conflict)
+                                        o_through_p_conflict, packed_p_conflict, pv_defer_conflict,
+                                        qk_acc_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
-                                       gluon_lean_smem2_config, gluon_natural_config, gluon_packed_config,
-                                       gluon_smem2_chunked_config, gluon_smem2_config, gluon_smem2_narrow_config,
+                                       gluon_lean_f16_config, gluon_lean_smem2_config, gluon_natural_config,
+                                       gluon_packed_config, gluon_smem2_chunked_config, gluon_smem2_config,
+                                       gluon_smem2_narrow_config,
                                        gluon_three_config, gluon_wide_config)
 
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
@@ -73,6 +75,8 @@ PARAMS = (backend_param(),
           decode=lambda v, f: v and not half_block_conflict(f)),
     Param("o_through_p", (False, True), only_if=("backend", "gluon"),  # output in chunks through the P tiles
           decode=lambda v, f: v and not o_through_p_conflict(f)),
+    Param("qk_acc", ("f32", "f16"), only_if=("backend", "gluon"),  # lean P on f16 scores (two per instruction)
+          decode=lambda v, f: "f32" if qk_acc_conflict(f) else v),
 )
 
 
@@ -89,8 +93,10 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     (o_through_p, session 19), alone and with the freed shared memory spent on a Q ring of 2, and a
     balanced winner with its tile table's heads grouped for 32 MiB of L2 (2.5-4% at 192/128 with 16
     heads, session 22; the same compiled kernel), and a lean winner with the row-sum MMA summing its decoded
-    codes instead (per lane where that applies; 5-9% faster than with the MMA at hd128, session 23). A short study
-    would rarely sample these neighbours of the best kernel it already has."""
+    codes instead (per lane where that applies; 5-9% faster than with the MMA at hd128, session 23), and a
+    winner whose scores can accumulate in f16 with them so (qk_acc="f16": lean P 1.13-1.20x its float32
+    scores at hd128 8K-32K, session 28). A short study would rarely sample these neighbours of the best kernel
+    it already has."""
     if config.backend != "gluon":
         return []
     twins = []
@@ -114,6 +120,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
         twins.append(twin if lane_sums_conflict({**vars(twin), "lane_sums": True}) else twin.replace(lane_sums=True))
     if config.q_order == "balanced" and config.l2_group_mib == 16:
         twins.append(config.replace(l2_group_mib=32))
+    if config.qk_acc == "f32" and not qk_acc_conflict(vars(config)):
+        twins.append(config.replace(qk_acc="f16"))  # scores in f16 (session 28)
     return twins
 
 
@@ -123,10 +131,11 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
 #: default with P carried packed, the 256-key kernel with its row sums per lane, and the overlapped kernels
 #: with P through two shared-memory tiles at 256 and at 128 keys (the latter where the former does not
 #: fit: 192/128; at hd256 in a 2-stage ring with the output through the P tiles). A study whose gate
-#: admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also gets the lean Gluon default and the
-#: lean two-tile kernel that sums its decoded codes per lane.
+#: admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also gets the lean Gluon default, the
+#: lean two-tile kernel that sums its decoded codes per lane, and the same on f16 scores.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                     extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
                                  gluon_natural_config, gluon_three_config, gluon_packed_config, gluon_lanes_config,
                                  gluon_smem2_config, gluon_smem2_narrow_config, gluon_smem2_chunked_config),
-                    winner_twins=field_twins, loose_seeds=(gluon_lean_config, gluon_lean_smem2_config))
+                    winner_twins=field_twins, loose_seeds=(gluon_lean_config, gluon_lean_smem2_config,
+                                                                 gluon_lean_f16_config))

@@ -21,7 +21,8 @@ from gluon_cases import GLUON, SPACE, neighbours, sampled
 
 from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon, o_in_p_tile
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
-from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_smem2_chunked_config,
+from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_lean_smem2_config,
+                                       gluon_smem2_chunked_config,
                                        gluon_smem2_config, gluon_smem2_narrow_config, gluon_three_config,
                                        gluon_wide_config)
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
@@ -116,7 +117,12 @@ HALF_CASES = [gluon_lanes_config("fp8", 128, 128),
               gluon_smem2_config("fp8", 128, 128),
               gluon_smem2_config("fp8", 128, 128).replace(ping_pong=True, lane_sums=False),
               GLUON.replace(p_carry="smem", half_block=True)]
-CASES = (neighbours() + sampled(6) + LEAN_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
+#: lean P on f16 scores (qk_acc="f16", session 28): the lean 256-key kernel at head dims 128 and 64, and at 96
+#: (three 32-column Q parts: the Q rescale over all of them, the last QK^T part synchronous)
+F16_CASES = [gluon_lean_smem2_config("fp8", 128, 128).replace(qk_acc="f16"),
+             gluon_lean_smem2_config("fp8", 64, 64).replace(qk_acc="f16"),
+             gluon_lean_smem2_config("fp8", 96, 96).replace(qk_acc="f16")]
+CASES = (neighbours() + sampled(6) + LEAN_CASES + F16_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
          + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES + CHUNKED_CASES
          + HALF_CASES)
 
@@ -222,6 +228,41 @@ def test_256_key_defer_issues_the_second_part_after_the_pv_wait(compiled):
     assert art.spill_bytes == 0 and art.serialised_wgmma is None
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in art.sass
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" not in compiled(gluon_wide_config("fp8", 128, 128)).sass
+
+
+def test_f16_scores_halve_the_softmax_and_keep_the_wgmmas_overlapped(compiled):
+    """qk_acc="f16": QK^T accumulates in f16 (QGMMA ...F16.E4M3.E4M3, no float32 64 x 256 product); the row
+    maximum is three-input f16 maxima (VHMNMX, two scores each), the fold two HFMA2 per two scores, the pack one
+    PRMT per four codes, so the step loop is ~30% shorter than the float32 kernel's. Its k-steps are chained with
+    no wait between them: Triton splits an async f16 accumulator into halves before its wait, and ptxas then
+    waits after every wgmma of the kernel (without a warning); the synchronous last k-step avoids it."""
+    f32 = gluon_lean_smem2_config("fp8", 128, 128)
+    f16 = f32.replace(qk_acc="f16")
+    art, ref = compiled(f16), compiled(f32)
+    check_usable(art, f16)
+    assert art.count("QGMMA.64x256x32.F16.E4M3.E4M3") > 0 and art.count("QGMMA.64x256x32.F32") == 0
+    assert re.search(r"QGMMA\.64x256x32\.F16\.E4M3\.E4M3 R\d+, gdesc\[UR\d+\], R\d+ ;", art.sass)  # chained, no wait
+    assert art.count("WARPGROUP.DEPBAR") < art.count("QGMMA") // 3, "a wait after every wgmma: serialised"
+    assert art.count("VHMNMX") > 0 and art.count("FMNMX") < ref.count("FMNMX") // 10
+    assert art.count("HFMA2") > 0 and art.count("FFMA") < ref.count("FFMA") // 10
+    loop, ref_loop = _longest_step_loop(art.sass), _longest_step_loop(ref.sass)
+    print(f"\n  step loop: {len(loop)} instructions (float32 scores: {len(ref_loop)})", end="")
+    assert len(loop) < 0.8 * len(ref_loop)
+    assert sum("PRMT" in x for x in loop) <= sum("PRMT" in x for x in ref_loop) // 2
+
+
+def _longest_step_loop(sass: str) -> list[str]:
+    """The instructions of the shortest loop that issues a whole step's wgmmas (QK^T's four k-steps and PV's
+    eight at head dim 128, 256 keys): a consumer's steady step."""
+    lines = [(int(a, 16), ins) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, ins in lines:
+        m = re.search(r"BRA .*?(0x[0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr:
+            body = [x for a, x in lines if int(m.group(1), 16) <= a <= addr]
+            if sum("QGMMA" in x for x in body) >= 12:
+                loops.append(body)
+    return min(loops, key=len)
 
 
 def test_half_block_adds_a_half_width_step_to_the_causal_kernel(compiled):

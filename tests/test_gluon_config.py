@@ -22,6 +22,8 @@ from zyfa_tune.search_spaces import SEED_DATABASES, get_space
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 GLUON = default_config("fp8", 128, 128, "gluon")
+#: what qk_acc="f16" is built on: lean P folded by one saturating FMA, P through two shared-memory tiles
+F16_NEEDS = dict(softmax="lean", rowsum="rounded", p_carry="smem2", lean_clamp="sat")
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
 
 
@@ -50,7 +52,8 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     needs = {"exp2_poly": 4} if field == "exp2_poly_degree" else {"overlap": False} if field == "pv_defer" else \
         {"q_order": "heavy_first"} if field == "persistent" else \
         {"head_dim_qk": 96, "head_dim_v": 96} if field == "o_split" else \
-        {"overlap": False} if field == "half_block" else {"p_carry": "smem2"} if field == "o_through_p" else {}
+        {"overlap": False} if field == "half_block" else {"p_carry": "smem2"} if field == "o_through_p" else \
+        F16_NEEDS if field == "qk_acc" else {}
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 
@@ -114,10 +117,25 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
      r"^o_through_p=True: at block_n=256 the 64 x 128 output tile already lives in the first P tile"),
     (dict(head_dim_qk=256, head_dim_v=256, block_n=64, p_carry="smem2", o_through_p=True),
      r"^o_through_p=True at block_n=64: 256 columns would take 8 chunks of 32; at most 4"),
+    (dict(qk_acc="f16"), r"^qk_acc='f16' is built for lean P .* it needs softmax='lean'"),
+    (dict(F16_NEEDS, lean_clamp="imax", qk_acc="f16"), r"^qk_acc='f16' folds as .* not lean_fold='fma', "
+                                                        r"lean_clamp='imax'"),
+    (dict(F16_NEEDS, lean_fold="corrected", qk_acc="f16"), r"^qk_acc='f16' folds as .* lean_fold='corrected'"),
+    (dict(F16_NEEDS, p_carry="smem", qk_acc="f16"), r"^qk_acc='f16' is built on the two-P-tile step: it needs "
+                                                    r"p_carry='smem2', not 'smem'"),
+    (dict(F16_NEEDS, half_block=True, qk_acc="f16"), r"^half_block=True with qk_acc='f16'"),
 ])
 def test_bad_gluon_combinations_name_the_field(changes, match):
     with pytest.raises(ConfigError, match=match):
         GLUON.replace(**changes)
+
+
+def test_f16_scores_are_stored_only_when_set():
+    """qk_acc (session 28) is a late field: every stored lean config keeps its JSON; "f16" round-trips."""
+    lean = GLUON.replace(**F16_NEEDS)
+    f16 = lean.replace(qk_acc="f16")
+    assert "qk_acc" not in lean.to_dict() and f16.to_dict()["qk_acc"] == "f16"
+    assert KernelConfig.from_json(f16.to_json()) == f16 and "f16S" in f16.summary()
 
 
 def test_natural_v_is_shared_and_stored_only_when_set():

@@ -13,10 +13,11 @@ from gluon_cases import GLUON, neighbours, sampled
 from zyfa_tune.generator import KernelConfig, emit, emit_gluon, emit_triton, gluon_device, gluon_registers
 from zyfa_tune.generator.emitted import KERNEL_NAME
 from zyfa_tune.generator.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
-from zyfa_tune.generator.lean_asm import MAGIC, code_sum_asm, lean_tail_asm
+from zyfa_tune.generator.lean_asm import MAGIC, code_sum_asm, f16_fold_asm, f16_pack_asm, lean_tail_asm
 from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
 from zyfa_tune.generator.timeline import EVENTS
-from zyfa_tune.kernels.defaults import default_config, gluon_smem2_chunked_config, gluon_smem2_config
+from zyfa_tune.kernels.defaults import (default_config, gluon_lean_smem2_config, gluon_smem2_chunked_config,
+                                       gluon_smem2_config)
 
 #: the Gluon seed, one variant per value of every field the space searches for it, a sample of
 #: the space's points, and P through shared memory (not searched), with a 128- and a 64-byte swizzle
@@ -24,7 +25,8 @@ VARIANTS = neighbours() + sampled(20) + [GLUON.replace(p_carry="smem"),
                                          default_config("fp8", 256, 256, "gluon").replace(p_carry="smem"),
                                          GLUON.replace(p_carry="smem2"), gluon_smem2_config("fp8", 128, 128),
                                          gluon_smem2_chunked_config("fp8", 256, 256),
-                                         gluon_smem2_chunked_config("fp8", 192, 128)]
+                                         gluon_smem2_chunked_config("fp8", 192, 128),
+                                         gluon_lean_smem2_config("fp8", 128, 128).replace(qk_acc="f16")]
 
 
 def constants(source: str) -> dict:
@@ -152,6 +154,10 @@ def test_constants_are_the_config(cfg):
                  "O_CHUNK": cfg.block_n // 2 if cfg.o_through_p else ow,
                  "O_CHUNKS": ow // (cfg.block_n // 2) if cfg.o_through_p else 1,
                  "LANE_SUMS": cfg.lane_sums, "LATE_RESCALE": cfg.late_rescale and cfg.overlap, "HALF_BLOCK": cfg.half_block,
+                 # qk_acc="f16": Q rows rescaled so that 448 sum|q| stays within 2^15
+                 "F16_S": cfg.qk_acc == "f16", "Q_HEADROOM": 448.0 / 32768.0,
+                 "F16_FOLD_ASM": f16_fold_asm() if cfg.qk_acc == "f16" else "",
+                 "F16_PACK_ASM": f16_pack_asm() if cfg.qk_acc == "f16" else "",
                  # timeline stamps off (tests/test_timeline.py traces)
                  "TRACE": False, "TRACE_STEPS": 0, "TRACE_EVENTS": len(EVENTS), "TRACE_ASM": "", "TRACE_AFTER_ASM": "",
                  **{f"EV_{name.upper()}": i for i, name in enumerate(EVENTS)}}
@@ -180,6 +186,7 @@ def test_only_validated_values_become_text(cfg):
     lean = cfg.softmax == "lean"
     expected |= {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
     expected |= {code_sum_asm() if lean and cfg.rowsum == "rounded" else ""}  # code sums: no config text
+    expected |= {f16_fold_asm(), f16_pack_asm()} if cfg.qk_acc == "f16" else set()  # fixed PTX
     expected |= {exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else ""}
     if emit_gluon.rescale_in_place(cfg):  # skip_rescale, or a 256-key pv_defer block (always, in place)
         expected |= {rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale), rescale_constraints(cfg.head_dim_v // 2)}

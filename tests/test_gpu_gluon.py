@@ -12,10 +12,13 @@ from zyfa_tune import api, explain, flash_attn_func
 from zyfa_tune.db import ProblemKey, TrialResult, current_fingerprint, open_store
 from zyfa_tune.generator import emit
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_smem2_chunked_config,
+from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lean_smem2_config,
+                                       gluon_smem2_chunked_config,
                                        gluon_smem2_config, gluon_smem2_narrow_config, gluon_wide_config)
 from zyfa_tune.kernels.reference import attention_reference, rel_l2
+from zyfa_tune.kernels.inputs import make_qkv
 from zyfa_tune.kernels.verify import make_inputs
+from zyfa_tune.quantize import quantize_fp8
 
 pytestmark = pytest.mark.gpu
 
@@ -377,6 +380,54 @@ def test_lean_sat_clamp_matches_imax(name, sq, sk, causal):
     twin = flash_attn_func(*args, causal=causal, config=cfg, **kw)
     # a few tens of the ~4M codes of a case move by one (ties within 2^-18), each moving its row by <~0.5%
     assert rel_l2(out, twin) < 5e-4
+
+
+#: lean P on f16 scores (qk_acc="f16", session 28) beside the same kernel on float32 scores, on inputs
+#: quantised as FA3's are (Q's maximum at 448, where f16 scores would overflow but for the kernel's
+#: rescale of Q's rows): the 256-key two-tile lean kernel with code sums (each one-FMA fold), and at head
+#: dims 64 and 96 (three 32-column Q parts)
+F16_TWINS = {"256-codes-fma": gluon_lean_smem2_config("fp8", 128, 128),
+             "256-codes-centered": gluon_lean_smem2_config("fp8", 128, 128).replace(lean_fold="centered"),
+             "hd64": gluon_lean_smem2_config("fp8", 64, 64), "hd96": gluon_lean_smem2_config("fp8", 96, 96)}
+
+
+@pytest.mark.parametrize("name", F16_TWINS)
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
+def test_f16_scores_match_float32_scores(name, sq, sk, causal):
+    """The same codes but where a score's f16 rounding, or the row's f16 scale and shift, moves it across a
+    rounding boundary (~3% of them by one code, tests/test_lean_numerics.py): within lean P's bounds against
+    float64 and within 2% of the float32-score kernel."""
+    cfg = F16_TWINS[name]
+    bound, factor = LEAN_BOUNDS[cfg.lean_fold]
+    out = check(cfg.replace(qk_acc="f16"), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128,
+                bound=bound, fa3_factor=factor)
+    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
+                           seqlen_k=sk, seed=0)
+    twin = flash_attn_func(*args, causal=causal, config=cfg, **kw)
+    print(f" f16 vs f32 scores: {rel_l2(out, twin):.3e}", end="")
+    assert rel_l2(out, twin) < 2e-2  # (1.3-1.6e-2 measured at 1000-4096 keys)
+
+
+@pytest.mark.parametrize("family,smooth_k,factor", [("sink", False, 1.05), ("peaky", False, 1.05), ("rope", False, 1.05),
+                                                     ("outliers", False, 1.35), ("outliers", True, 1.05)])
+def test_f16_scores_on_activation_like_inputs(family, smooth_k, factor):
+    """An attention sink, peaky rows and RoPE: no overflow, the float32-score kernel's error within 5%. Channel
+    outliers (a per-channel bias: logits of hundreds) cost f16 scores their 11-bit precision: 1.28x the error
+    at the session-28 measurement, unless K is smoothed (quantize_fp8(smooth_k=True), the remedy for that
+    family anyway), which takes the bias, and the large logits, out."""
+    cfg = F16_TWINS["256-codes-fma"]
+    q, k, v = make_qkv(family, batch=1, seqlen=2048, heads=4, kv_heads=4, head_dim_qk=128, head_dim_v=128, seed=1,
+                       device="cuda")
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, smooth_k=smooth_k)
+    args, kw = (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    ref = attention_reference(*args, causal=True, **kw)
+    out = flash_attn_func(*args, causal=True, config=cfg.replace(qk_acc="f16"), **kw)
+    twin = flash_attn_func(*args, causal=True, config=cfg, **kw)
+    assert torch.isfinite(out).all()
+    err, err32 = rel_l2(out, ref), rel_l2(twin, ref)
+    print(f"\n{family} smooth_k={smooth_k}: f16 scores {err:.4e}, float32 scores {err32:.4e} ({err / err32:.3f}x)",
+          end="")
+    assert err <= factor * err32
 
 
 #: P through a shared-memory tile (p_carry="smem", not searched: measured 1-19% slower, docs/PERF.md

@@ -29,7 +29,8 @@ import torch
 
 from zyfa_tune.generator import CHOICES
 from zyfa_tune.generator.lean_asm import (E4M3_ONE_CODE, LEAN_CENTER, LEAN_CORRECTION, MAGIC, MAGIC_BITS, ONE_FMA_FOLDS,
-                                          SAT_SCALE, fold_center, lean_p_asm, lean_tail_asm)
+                                          SAT_SCALE, f16_fold_asm, f16_pack_asm, fold_center, lean_p_asm,
+                                          lean_tail_asm)
 
 LOG2E = 1.4426950408889634
 
@@ -305,15 +306,25 @@ def run_lean_asm(text: str, inputs: list[float]) -> int:
     """Interpret the lean asm: $1..$12 (lean_p_asm) or $1..$4 (lean_tail_asm) float32 inputs,
     returns the 32-bit $0."""
     assert len(inputs) in (4, 12)
-    regs = {f"${i + 1}": bits(v) & 0xFFFFFFFF for i, v in enumerate(inputs)}
+    return _execute(text, {f"${i + 1}": bits(v) & 0xFFFFFFFF for i, v in enumerate(inputs)})
+
+
+def _execute(text: str, regs: dict[str, int]) -> int:
+    """Run an inline-asm block ({, .reg lines, instructions, }) on 32-bit (or 16-bit) register values; $0."""
     body = text.strip().splitlines()
-    assert body[0] == "{" and body[-1] == "}" and body[1].startswith(".reg .b32 ")
-    for name in body[1][len(".reg .b32 "):].rstrip(";").split(","):
-        regs.setdefault(name.strip(), 0)
-    for line in body[2:-1]:
+    assert body[0] == "{" and body[-1] == "}"
+    while body[1].startswith(".reg "):
+        body.pop(1)
+    for line in body[1:-1]:
         m = re.fullmatch(r"([a-z0-9.]+)\s+(.*);", line.strip())
         assert m, line
-        op, args = m.group(1), [t.strip() for t in m.group(2).split(",")]
+        op, operands = m.group(1), m.group(2)
+        if op == "mov.b32" and "{" in operands:  # two 16-bit halves into one register: d, {lo, hi}
+            dst, pair = (t.strip() for t in operands.split(",", 1))
+            lo, hi = (regs[t.strip()] & 0xFFFF for t in pair.strip("{}").split(","))
+            regs[dst] = lo | (hi << 16)
+            continue
+        args = [t.strip() for t in operands.split(",")]
         dst, srcs = args[0], [_operand(t, regs) for t in args[1:]]
         if op == "mov.b32":
             val = srcs[0]
@@ -321,6 +332,12 @@ def run_lean_asm(text: str, inputs: list[float]) -> int:
             val = bits(fma_f32(*(from_bits(v) for v in srcs)))
         elif op == "fma.rn.sat.f32":
             val = bits(sat_f32(fma_f32(*(from_bits(v) for v in srcs))))
+        elif op in ("fma.rn.f16x2", "fma.rn.sat.f16x2"):  # per half: exact s a + b, one rounding to f16
+            val = 0
+            for half in (0, 16):
+                s_, a_, b_ = (f16_from_bits((v >> half) & 0xFFFF) for v in srcs)
+                r = f16(s_ * a_ + b_)  # (exact in float64: a product of two f16 plus an f16)
+                val |= f16_bits(sat_f32(r) if op == "fma.rn.sat.f16x2" else r) << half
         elif op == "add.rm.f32":
             val = bits(round_down_f32(sum(Fraction(from_bits(v)) for v in srcs)))
         elif op == "sub.f32":
@@ -565,3 +582,83 @@ def test_code_sum_asm_is_the_sum_of_the_codes_within_three_f16_roundings():
     assert run_code_sum_asm(text, [top] * 4) == 16 * 448.0
     small = 0x01020304  # subnormal codes: exact
     assert run_code_sum_asm(text, [small] * 4) == float(decode_e4m3(np.array([1, 2, 3, 4] * 4)).sum())
+
+
+# ---- lean P on f16 scores (qk_acc="f16") -------------------------------------------------------
+
+def f16(v) -> float:
+    """Round to float16, nearest even (v exact in float64: a product of two f16 plus an f16 is)."""
+    return float(np.float16(v))
+
+
+def f16_bits(v: float) -> int:
+    return int(np.array(v, dtype=np.float16).view(np.uint16))
+
+
+def f16_from_bits(h: int) -> float:
+    return float(np.array(h, dtype=np.uint16).view(np.float16))
+
+
+def run_f16_asm(text: str, inputs: list[int]) -> int:
+    """Interpret f16_fold_asm / f16_pack_asm: $1.. are 32-bit registers (f16x2) or, for the pack, 16-bit
+    halves; returns the 32-bit $0 (f16x2 ops act on each half; .sat clamps to [0, 1], NaN to 0)."""
+    return _execute(text, {f"${i + 1}": v for i, v in enumerate(inputs)})
+
+
+def f16_codes(s: list[float], scale: float, n: int, p_offset: int = 7, fold: str = "fma") -> list[int]:
+    """The kernel's codes of f16 scores s of a row with f32 scale (qk_scale 2^e) and grid index n of its
+    maximum m (n = ceil(8 m + center)): a = f16(scale 8/128), b = f16 of the float32 b_row, then
+    f16_fold_asm on each pair and f16_pack_asm on each four."""
+    a = f16(f32(scale * 8.0 / SAT_SCALE))
+    b = f16(f32(fma_f32(float(n), -1.0 / SAT_SCALE, (E4M3_ONE_CODE + 8.0 * p_offset) / SAT_SCALE)))
+    pair = lambda x, y: f16_bits(x) | (f16_bits(y) << 16)
+    fold_text, codes = f16_fold_asm(), []
+    for i in range(0, len(s), 4):
+        y0 = run_f16_asm(fold_text, [pair(s[i], s[i + 1]), pair(a, a), pair(b, b)])
+        y1 = run_f16_asm(fold_text, [pair(s[i + 2], s[i + 3]), pair(a, a), pair(b, b)])
+        word = run_f16_asm(f16_pack_asm(), [y0 & 0xFFFF, y0 >> 16, y1 & 0xFFFF, y1 >> 16])
+        codes += [(word >> (8 * k)) & 0xFF for k in range(4)]
+    return codes
+
+
+@pytest.mark.parametrize("fold", ONE_FMA_FOLDS)
+def test_f16_fold_codes_match_the_float32_fold(fold):
+    """qk_acc="f16": on the same (f16) scores, the f16 fold's codes equal round(8x + 56 + 8P - center) but
+    where a's and b's f16 roundings (a scale and a shift common to the row) move x by a fraction of a code
+    across a rounding boundary: never more than one code apart for row maxima within 200 log2 units of 0,
+    and the same code for 97% of scores at |maximum| <= 20 (93% at 50, 81% at 200: the error grows with the
+    magnitude of the row, which a's relative rounding scales)."""
+    rng = np.random.default_rng(7)
+    p_offset, total, equal = 7, 0, 0
+    for scale in (f32(LOG2E / math.sqrt(128)), f32(LOG2E / math.sqrt(128) * 2.0 ** 7 / 3.0), 0.37):
+        for ref in (*rng.uniform(-20.0, 20.0, size=6), *rng.uniform(-200.0, 200.0, size=2)):
+            n = math.ceil(8 * ref + fold_center(fold))  # the grid index of a row maximum ref (log2 units)
+            ref_g = (n - fold_center(fold)) / 8
+            x = rng.uniform(-14.0, 0.0, size=64)
+            s = [f16((xi + ref_g) / scale) for xi in x]
+            got = f16_codes(s, scale, n, p_offset, fold)
+            for si, c in zip(s, got):
+                want = intended_code(Fraction(si) * Fraction(scale) - Fraction(ref_g) + p_offset, fold)
+                assert abs(c - min(want, 255)) <= 1, (scale, ref, si, c, want)
+                if abs(ref) <= 20:
+                    total += 1
+                    equal += c == want
+    assert equal / total >= 0.96, equal / total
+
+
+def test_f16_fold_masked_scores_give_code_zero_and_the_row_maximum_its_code():
+    """-inf (masked) f16 scores give code 0 (.sat takes -inf to 0); the row's maximum, x = ref + P, gives
+    56 + 8P, far below the 128 that .sat's 1.0 would give (the sign bit of e4m3)."""
+    scale, n = 0.25, 8 * 10
+    ref_g = n / 8
+    codes = f16_codes([-math.inf, f16(ref_g / scale), -math.inf, f16((ref_g - 30) / scale)], scale, n)
+    assert codes[0] == 0 and codes[2] == 0 and codes[3] == 0
+    assert codes[1] == E4M3_ONE_CODE + 8 * 7
+
+
+def test_f16_pack_takes_each_low_byte_in_key_order():
+    """f16_pack_asm: the low bytes of four f16 values (1024 + code) in key order, one PRMT."""
+    ys = [f16_bits(1024.0 + c) for c in (3, 77, 112, 0)]
+    word = run_f16_asm(f16_pack_asm(), ys)
+    assert [(word >> (8 * k)) & 0xFF for k in range(4)] == [3, 77, 112, 0]
+    assert f16_pack_asm().count("prmt") == 1 and "fma.rn.sat.f16x2" in f16_fold_asm()

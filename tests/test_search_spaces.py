@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig, emit
 from zyfa_tune.generator.config import lane_sums_conflict
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_natural_config, gluon_three_config,
-                                       gluon_lanes_config, gluon_wide_config)
+                                       gluon_lanes_config, gluon_smem2_config, gluon_wide_config)
 from zyfa_tune.search_spaces import (FAMILIES, SEED_DATABASES, SMEM_LIMIT, Param, SearchSpace, get_space,
                                      register_estimate, smem_estimate)
 from zyfa_tune.search_spaces import base as ss_base
@@ -33,7 +33,8 @@ FAMILY_FIELDS = {
                    "lean_clamp", "lean_pack", "p_scale_log2", "scale_block", "rowsum", "q_order", "loads",
                    "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
                    "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer", "p_carry",
-                   "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib"},  # exp2_poly: slower
+                   "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
+                   "qk_acc"},  # exp2_poly: slower
     "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
                     "q_order", "loads", "v_layout"},
 }
@@ -345,6 +346,21 @@ def test_field_twins_at_head_dim_96():
     assert not any(c.o_split for c in get_space("fp8").seeds(128, 128))
 
 
+def test_a_lean_two_tile_winner_has_its_f16_score_twin():
+    """qk_acc="f16" (session 28): a lean winner on the two-P-tile step with the saturating fold gets its twin on
+    f16 scores; not an exact winner, nor lean P carried in registers; an f16 winner's twins keep it (and get no
+    halved first block, which has no f16 build)."""
+    from zyfa_tune.kernels.defaults import gluon_lean_config, gluon_lean_smem2_config
+    from zyfa_tune.search_spaces.fp8_causal import field_twins
+
+    coded = gluon_lean_smem2_config("fp8", 128, 128)
+    assert coded.replace(qk_acc="f16") in field_twins(coded)
+    assert all(t.qk_acc == "f16" and not t.half_block for t in field_twins(coded.replace(qk_acc="f16")))
+    assert not any(t.qk_acc == "f16" for t in field_twins(gluon_lean_config("fp8", 128, 128)))
+    assert not any(t.qk_acc == "f16" for t in field_twins(gluon_smem2_config("fp8", 128, 128)))
+    get_space("fp8").as_optuna_params(coded.replace(qk_acc="f16"))  # a point of the space
+
+
 def test_a_lean_winner_with_the_row_sum_mma_has_its_code_sum_twin():
     """Lean P with its codes carried packed and summed by the row-sum MMA: its twin sums the decoded codes
     (rowsum="rounded"), per lane where that applies; not with P carried as float32 (no packed codes)."""
@@ -438,7 +454,7 @@ def test_loose_seeds_only_when_asked():
     Pareto front admits it (`seeds(..., loose=True)`), last; a default-gate study never sees it."""
     from zyfa_tune.kernels.defaults import gluon_lean_config
 
-    from zyfa_tune.kernels.defaults import gluon_lean_smem2_config
+    from zyfa_tune.kernels.defaults import gluon_lean_f16_config, gluon_lean_smem2_config
 
     space = get_space("fp8")
     lean = gluon_lean_config("fp8", 128, 128)
@@ -449,7 +465,10 @@ def test_loose_seeds_only_when_asked():
     assert space.feasible(coded) is None
     strict, loose = space.seeds(128, 128), space.seeds(128, 128, loose=True)
     assert not any(c.softmax == "lean" for c in strict)
-    assert loose[:-2] == strict and loose[-2:] == [lean, coded]
+    # and the same on f16 scores (session 28)
+    f16 = gluon_lean_f16_config("fp8", 128, 128)
+    assert f16 == coded.replace(qk_acc="f16") and space.feasible(f16) is None
+    assert loose[:-3] == strict and loose[-3:] == [lean, coded, f16]
     assert get_space("bf16").seeds(128, 128, loose=True) == get_space("bf16").seeds(128, 128)
 
 
