@@ -212,7 +212,9 @@ class KernelConfig:
                   four): the step's softmax ~30% shorter (docs/PERF.md, session 28). Each consumer scales its
                   Q rows in shared memory by a power of two so that no score or partial sum can leave f16's
                   range for any e4m3 K (generator/gluon_device._q_headroom), and the scale goes into the
-                  softmax's; a score carries f16's 11-bit precision (0.03% of |x|, x in log2 units).
+                  softmax's; a score carries f16's 11-bit precision (0.03% of |x|, x in log2 units). With
+                  lean_fold="corrected" the fold's second-order correction runs on f16 pairs too (five more
+                  operations; ~97% of codes correctly rounded; not yet timed on the GPU).
     """
 
     dtype: str = "fp8"
@@ -480,15 +482,16 @@ def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
 
 def qk_acc_conflict(f: Mapping[str, Any]) -> str | None:
     """Why a Gluon config with these fields cannot accumulate its scores in f16 (qk_acc="f16"), or None.
-    Built for lean P's one-FMA fold with clamp "sat" and the overlapped step with two P tiles (whose QK^T is
-    then synchronous); one rule for validation and for the search space."""
+    Built for lean P's one-FMA folds (and "corrected", on the same b) with clamp "sat" and the overlapped step
+    with two P tiles (whose QK^T is then synchronous); one rule for validation and for the search space."""
     if f["softmax"] != "lean":
         return ("qk_acc='f16' is built for lean P (the f16 fold writes e4m3 codes; the exact softmax's f16x2 "
                 "exponentials measured 0.91-0.96x its float32 ones, docs/PERF.md session 28): it needs "
                 "softmax='lean'")
-    if f["lean_fold"] not in ("fma", "centered") or f["lean_clamp"] != "sat":
-        return (f"qk_acc='f16' folds as lean_fold 'fma'/'centered' with lean_clamp='sat' do (one saturating FMA); "
-                f"not lean_fold={f['lean_fold']!r}, lean_clamp={f['lean_clamp']!r}")
+    if f["lean_fold"] not in ("fma", "centered", "corrected") or f["lean_clamp"] != "sat":
+        return (f"qk_acc='f16' folds as lean_fold 'fma'/'centered' with lean_clamp='sat' do (one saturating FMA; "
+                f"'corrected': five more f16x2 operations); not lean_fold={f['lean_fold']!r}, "
+                f"lean_clamp={f['lean_clamp']!r}")
     if f["p_carry"] != "smem2":
         return f"qk_acc='f16' is built on the two-P-tile step: it needs p_carry='smem2', not {f['p_carry']!r}"
     if f["half_block"]:

@@ -118,10 +118,11 @@ HALF_CASES = [gluon_lanes_config("fp8", 128, 128),
               gluon_smem2_config("fp8", 128, 128).replace(ping_pong=True, lane_sums=False),
               GLUON.replace(p_carry="smem", half_block=True)]
 #: lean P on f16 scores (qk_acc="f16", session 28): the lean 256-key kernel at head dims 128 and 64, and at 96
-#: (three 32-column Q parts: the Q rescale over all of them, the last QK^T part synchronous)
+#: (three 32-column Q parts: the Q rescale over all of them, the last QK^T part synchronous); the corrected fold
 F16_CASES = [gluon_lean_smem2_config("fp8", 128, 128).replace(qk_acc="f16"),
              gluon_lean_smem2_config("fp8", 64, 64).replace(qk_acc="f16"),
-             gluon_lean_smem2_config("fp8", 96, 96).replace(qk_acc="f16")]
+             gluon_lean_smem2_config("fp8", 96, 96).replace(qk_acc="f16"),
+             gluon_lean_smem2_config("fp8", 128, 128).replace(qk_acc="f16", lean_fold="corrected")]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + F16_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
          + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES + CHUNKED_CASES
          + HALF_CASES)

@@ -120,7 +120,7 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(qk_acc="f16"), r"^qk_acc='f16' is built for lean P .* it needs softmax='lean'"),
     (dict(F16_NEEDS, lean_clamp="imax", qk_acc="f16"), r"^qk_acc='f16' folds as .* not lean_fold='fma', "
                                                         r"lean_clamp='imax'"),
-    (dict(F16_NEEDS, lean_fold="corrected", qk_acc="f16"), r"^qk_acc='f16' folds as .* lean_fold='corrected'"),
+    (dict(F16_NEEDS, lean_fold="sub_fma", qk_acc="f16"), r"^qk_acc='f16' folds as .* lean_fold='sub_fma'"),
     (dict(F16_NEEDS, p_carry="smem", qk_acc="f16"), r"^qk_acc='f16' is built on the two-P-tile step: it needs "
                                                     r"p_carry='smem2', not 'smem'"),
     (dict(F16_NEEDS, half_block=True, qk_acc="f16"), r"^half_block=True with qk_acc='f16'"),

@@ -131,7 +131,7 @@ def test_constants_are_the_config(cfg):
                  "BN_A": parts[0], "BN_B": parts[1], "SPLIT": parts[1] > 0, **fence_constants(cfg),
                  "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,
                  "PRODUCER_REGS": producer_regs, "NUM_WARPS": 4, "PERSISTENT": cfg.persistent,
-                 "KERNEL_NAME": KERNEL_NAME, "LEAN": lean, "LEAN_FMA": lean and cfg.lean_fold in ("fma", "centered"),
+                 "KERNEL_NAME": KERNEL_NAME, "LEAN": lean, "LEAN_FMA": lean and (cfg.lean_fold in ("fma", "centered") or cfg.qk_acc == "f16"),
                  "LEAN_CENTER": 0.4375 if lean and cfg.lean_fold == "centered" else 0.0, "PV_DEFER": cfg.pv_defer,
                  "LEAN_MAGIC": MAGIC, "LEAN_SAT": lean and cfg.lean_clamp == "sat", "LEAN_SAT_SCALE": 128.0,
                  "LEAN_ASM": lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else "",
@@ -156,7 +156,7 @@ def test_constants_are_the_config(cfg):
                  "LANE_SUMS": cfg.lane_sums, "LATE_RESCALE": cfg.late_rescale and cfg.overlap, "HALF_BLOCK": cfg.half_block,
                  # qk_acc="f16": Q rows rescaled so that 448 sum|q| stays within 2^15
                  "F16_S": cfg.qk_acc == "f16", "Q_HEADROOM": 448.0 / 32768.0,
-                 "F16_FOLD_ASM": f16_fold_asm() if cfg.qk_acc == "f16" else "",
+                 "F16_FOLD_ASM": f16_fold_asm(cfg.lean_fold) if cfg.qk_acc == "f16" else "",
                  "F16_PACK_ASM": f16_pack_asm() if cfg.qk_acc == "f16" else "",
                  # timeline stamps off (tests/test_timeline.py traces)
                  "TRACE": False, "TRACE_STEPS": 0, "TRACE_EVENTS": len(EVENTS), "TRACE_ASM": "", "TRACE_AFTER_ASM": "",
@@ -186,7 +186,7 @@ def test_only_validated_values_become_text(cfg):
     lean = cfg.softmax == "lean"
     expected |= {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
     expected |= {code_sum_asm() if lean and cfg.rowsum == "rounded" else ""}  # code sums: no config text
-    expected |= {f16_fold_asm(), f16_pack_asm()} if cfg.qk_acc == "f16" else set()  # fixed PTX
+    expected |= {f16_fold_asm(cfg.lean_fold), f16_pack_asm()} if cfg.qk_acc == "f16" else set()  # fixed PTX
     expected |= {exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else ""}
     if emit_gluon.rescale_in_place(cfg):  # skip_rescale, or a 256-key pv_defer block (always, in place)
         expected |= {rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale), rescale_constraints(cfg.head_dim_v // 2)}

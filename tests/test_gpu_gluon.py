@@ -384,10 +384,11 @@ def test_lean_sat_clamp_matches_imax(name, sq, sk, causal):
 
 #: lean P on f16 scores (qk_acc="f16", session 28) beside the same kernel on float32 scores, on inputs
 #: quantised as FA3's are (Q's maximum at 448, where f16 scores would overflow but for the kernel's
-#: rescale of Q's rows): the 256-key two-tile lean kernel with code sums (each one-FMA fold), and at head
-#: dims 64 and 96 (three 32-column Q parts)
+#: rescale of Q's rows): the 256-key two-tile lean kernel with code sums (each one-FMA fold, and the corrected
+#: fold: its f16 form against the float32 one), and at head dims 64 and 96 (three 32-column Q parts)
 F16_TWINS = {"256-codes-fma": gluon_lean_smem2_config("fp8", 128, 128),
              "256-codes-centered": gluon_lean_smem2_config("fp8", 128, 128).replace(lean_fold="centered"),
+             "256-codes-corrected": gluon_lean_smem2_config("fp8", 128, 128).replace(lean_fold="corrected"),
              "hd64": gluon_lean_smem2_config("fp8", 64, 64), "hd96": gluon_lean_smem2_config("fp8", 96, 96)}
 
 

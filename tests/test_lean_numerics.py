@@ -338,6 +338,11 @@ def _execute(text: str, regs: dict[str, int]) -> int:
                 s_, a_, b_ = (f16_from_bits((v >> half) & 0xFFFF) for v in srcs)
                 r = f16(s_ * a_ + b_)  # (exact in float64: a product of two f16 plus an f16)
                 val |= f16_bits(sat_f32(r) if op == "fma.rn.sat.f16x2" else r) << half
+        elif op in ("sub.f16x2", "neg.f16x2"):  # per half, exact then one rounding
+            val = 0
+            for half in (0, 16):
+                a_, *b_ = (f16_from_bits((v >> half) & 0xFFFF) for v in srcs)
+                val |= f16_bits(f16(a_ - b_[0]) if op == "sub.f16x2" else -a_) << half
         elif op == "add.rm.f32":
             val = bits(round_down_f32(sum(Fraction(from_bits(v)) for v in srcs)))
         elif op == "sub.f32":
@@ -612,7 +617,7 @@ def f16_codes(s: list[float], scale: float, n: int, p_offset: int = 7, fold: str
     a = f16(f32(scale * 8.0 / SAT_SCALE))
     b = f16(f32(fma_f32(float(n), -1.0 / SAT_SCALE, (E4M3_ONE_CODE + 8.0 * p_offset) / SAT_SCALE)))
     pair = lambda x, y: f16_bits(x) | (f16_bits(y) << 16)
-    fold_text, codes = f16_fold_asm(), []
+    fold_text, codes = f16_fold_asm(fold), []
     for i in range(0, len(s), 4):
         y0 = run_f16_asm(fold_text, [pair(s[i], s[i + 1]), pair(a, a), pair(b, b)])
         y1 = run_f16_asm(fold_text, [pair(s[i + 2], s[i + 3]), pair(a, a), pair(b, b)])
@@ -646,14 +651,37 @@ def test_f16_fold_codes_match_the_float32_fold(fold):
     assert equal / total >= 0.96, equal / total
 
 
-def test_f16_fold_masked_scores_give_code_zero_and_the_row_maximum_its_code():
-    """-inf (masked) f16 scores give code 0 (.sat takes -inf to 0); the row's maximum, x = ref + P, gives
-    56 + 8P, far below the 128 that .sat's 1.0 would give (the sign bit of e4m3)."""
+def test_f16_corrected_fold_matches_correct_rounding():
+    """qk_acc="f16" with lean_fold="corrected": the f16 PTX's codes (interpreted) equal the correctly rounded
+    e4m3 of 2^(x + P) for ~97% of x in the normal range (x + P >= -6), never more than one code away (the
+    float32 "corrected" fold: ~97%, the linear fold: 54%)."""
+    p_offset, scale, n = 7, 0.125, 8 * 12  # a row maximum of 12 (log2 units); scores s = (x + 12) / scale
+    xs = [i / 512 + 1 / 1024 for i in range(-13 * 512, 0)]
+    s = [f16((x + n / 8) / scale) for x in xs]
+    got = f16_codes(s, scale, n, p_offset, "corrected")
+    want = [int(torch.tensor(2.0 ** (si * scale - n / 8 + p_offset)).to(torch.float8_e4m3fn).view(torch.uint8))
+            for si in s]
+    normal = [i for i, x in enumerate(xs) if x + p_offset >= -6]
+    equal = sum(got[i] == want[i] for i in normal) / len(normal)
+    assert max(abs(got[i] - want[i]) for i in normal) <= 1
+    assert equal >= 0.96, equal
+    linear = f16_codes(s, scale, n, p_offset, "fma")
+    assert sum(linear[i] == want[i] for i in normal) / len(normal) < 0.6
+
+
+@pytest.mark.parametrize("fold", [*ONE_FMA_FOLDS, "corrected"])
+def test_f16_fold_masked_scores_give_code_zero_and_the_row_maximum_its_code(fold):
+    """-inf (masked) f16 scores, and scores far below the row's maximum, give code 0 (.sat takes -inf and NaN
+    to 0; "corrected" saturates after its correction, which would otherwise take t below 0 and y's low byte
+    to 0xFF, an e4m3 NaN); the row's maximum, x = ref + P, gives 56 + 8P (or one less: the centered and
+    corrected folds), far below the 128 that .sat's 1.0 would give (the sign bit of e4m3)."""
     scale, n = 0.25, 8 * 10
     ref_g = n / 8
-    codes = f16_codes([-math.inf, f16(ref_g / scale), -math.inf, f16((ref_g - 30) / scale)], scale, n)
-    assert codes[0] == 0 and codes[2] == 0 and codes[3] == 0
-    assert codes[1] == E4M3_ONE_CODE + 8 * 7
+    far = [f16((ref_g - d) / scale) for d in (15.5, 16.0, 30.0, 100.0, 1000.0, 5000.0)]
+    scores = [-math.inf, f16(ref_g / scale), -math.inf, *far, -math.inf, -math.inf, -math.inf]
+    codes = f16_codes(scores, scale, n, fold=fold)
+    assert codes[0] == codes[2] == 0 and all(c == 0 for c in codes[3:]), codes
+    assert codes[1] in (E4M3_ONE_CODE + 8 * 7, E4M3_ONE_CODE + 8 * 7 - 1)
 
 
 def test_f16_pack_takes_each_low_byte_in_key_order():
