@@ -538,6 +538,16 @@ def _p_tile(p_smem, it, CID: gl.constexpr):
 
 
 @gluon.jit
+def _prev_p_ready(p_smem, kv_it, CID: gl.constexpr, acc, l_i, alpha, row_o: gl.constexpr, accc, row_oc: gl.constexpr):
+    """P_DOUBLE, before PV(j-1): P(j-1)'s tile published and O (and l) rescaled by alpha(j-1) (unless
+    LATE_RESCALE). Returns (the tile, acc, l_i, accc)."""
+    _p_publish()
+    if not LATE_RESCALE:
+        acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
+    return _p_tile(p_smem, kv_it - 1, CID), acc, l_i, accc
+
+
+@gluon.jit
 def _p_publish():
     """P_SMEM: make the warpgroup's stores to its P tile visible to the wgmma about to read it. The
     proxy fence waits for the stores, hundreds of cycles under the tensor cores' shared-memory traffic;
@@ -766,20 +776,14 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         # QK^T(j) first; P(j-1)'s tile is published (proxy fence, warpgroup barrier) and O rescaled while
         # it runs, then PV(j-1) issued behind it
         if F16_S:  # QK^T(j) is synchronous (_qk_issue): publish and rescale first, PV(j-1) issued right behind it
-            _p_publish()
-            p8 = _p_tile(p_smem, kv_it - 1, CID)
-            if not LATE_RESCALE:
-                acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
+            p8, acc, l_i, accc = _prev_p_ready(p_smem, kv_it, CID, acc, l_i, alpha, row_o, accc, row_oc)
         mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
         _turn_wait(turn_bars, turn_it, CID, PINGPONG)
         _mark(kv_it, EV_READY, CID)
         s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
         sb_tok = s_tok
         if not F16_S:
-            _p_publish()
-            p8 = _p_tile(p_smem, kv_it - 1, CID)
-            if not LATE_RESCALE:
-                acc, l_i, accc = _rescale(acc, l_i, alpha, row_o, accc, row_oc)
+            p8, acc, l_i, accc = _prev_p_ready(p_smem, kv_it, CID, acc, l_i, alpha, row_o, accc, row_oc)
         mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
         o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8, vb_bufs.index(pst),
                                          onesb_smem, accc, vc_bufs.index(pst))
