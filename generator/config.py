@@ -480,6 +480,10 @@ def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
     return None
 
 
+#: why f16 scores and a halved first block exclude each other (qk_acc_conflict, half_block_conflict)
+_F16_HALF_BLOCK = "the half block's scores are not built in f16; use one or the other"
+
+
 def qk_acc_conflict(f: Mapping[str, Any]) -> str | None:
     """Why a Gluon config with these fields cannot accumulate its scores in f16 (qk_acc="f16"), or None.
     Built for lean P's one-FMA folds (and "corrected", on the same b) with clamp "sat" and the overlapped step
@@ -495,7 +499,7 @@ def qk_acc_conflict(f: Mapping[str, Any]) -> str | None:
     if f["p_carry"] != "smem2":
         return f"qk_acc='f16' is built on the two-P-tile step: it needs p_carry='smem2', not {f['p_carry']!r}"
     if f["half_block"]:
-        return "qk_acc='f16' with half_block=True: the half block's scores are not built in f16; use one or the other"
+        return "qk_acc='f16' with half_block=True: " + _F16_HALF_BLOCK
     return None
 
 
@@ -532,8 +536,8 @@ def half_block_conflict(f: Mapping[str, Any]) -> str | None:
     if f["pv_defer"] or f["block_n"] not in (128, 256) or (f["overlap"] and f["p_carry"] not in P_TILES):
         return ("half_block=True halves a first block: it needs pv_defer=False, block_n 128 or 256 (one key part), "
                 "and the plain schedule (overlap=False) or P in shared memory (p_carry 'smem' or 'smem2')")
-    if f.get("qk_acc", "f32") == "f16":
-        return "half_block=True with qk_acc='f16': the half block's scores are not built in f16; use one or the other"
+    if f.get("qk_acc", "f32") == "f16":  # (the search space decodes half_block before qk_acc: hence both rules)
+        return "half_block=True with qk_acc='f16': " + _F16_HALF_BLOCK
     return None
 
 

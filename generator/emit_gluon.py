@@ -198,7 +198,9 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("F16_S", c.qk_acc == "f16"), ("Q_HEADROOM", E4M3_MAX / F16_SCORE_BOUND),
         ("F16_FOLD_ASM", f16_fold_asm(c.lean_fold) if c.qk_acc == "f16" else ""),
         ("F16_PACK_ASM", f16_pack_asm() if c.qk_acc == "f16" else ""),
-        ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"), ("LEAN_FMA", lean and (c.lean_fold in ONE_FMA_FOLDS or c.qk_acc == "f16")),
+        # (f16 scores fold "corrected" on the one-FMA fold's row constant too: f16_fold_asm adds the correction)
+        ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"),
+        ("LEAN_FMA", lean and (c.lean_fold in ONE_FMA_FOLDS or c.qk_acc == "f16")),
         ("LEAN_CENTER", fold_center(c.lean_fold) if lean else 0.0), ("LEAN_MAGIC", MAGIC),
         ("LEAN_SAT", lean and c.lean_clamp == "sat"), ("LEAN_SAT_SCALE", SAT_SCALE),
         # PTX from generator/lean_asm.py for validated enum values only (never text from a config)

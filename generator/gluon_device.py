@@ -249,10 +249,8 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     if SPLIT:
         row_max = gl.maximum(gl.max(s, axis=1), gl.convert_layout(gl.max(sb, axis=1), gl.SliceLayout(1, qk_layout)))
         m_new = gl.maximum(m_i, row_max * qk_scale)
-    elif F16_S:  # f16 scores; qk_scale is per row (_q_headroom's 2^e)
+    else:  # (F16_S: f16 scores, and qk_scale per row, _q_headroom's 2^e)
         m_new = gl.maximum(m_i, gl.max(s, axis=1).to(gl.float32) * qk_scale)
-    else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     if LEAN and LEAN_FMA:  # b = magic + 56 - (8 ref + LEAN_CENTER) must be exact in fp32: ref on its grid
         if LEAN_CENTER != 0.0:  # grid index n: ref = (n - LEAN_CENTER) / 8 - P_OFFSET, so 8 ref + LEAN_CENTER = n - 8 P
             grid_n = gl.ceil(m_new * 8.0 + LEAN_CENTER)

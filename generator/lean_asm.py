@@ -200,36 +200,39 @@ E4M3_MAX = 448.0
 
 
 def _f16x2_hex(value: float) -> str:
-    import numpy as np
+    """Both halves of an f16x2 immediate (value rounded to f16), as _f32_hex does for float32."""
+    import struct
 
-    half = int(np.array(value, dtype=np.float16).view(np.uint16))
-    return f"0x{half:04X}{half:04X}"
+    half = struct.pack(">e", value).hex().upper()
+    return f"0x{half}{half}"
 
 
 def f16_fold_asm(fold: str = "fma") -> str:
     """PTX for two f16 scores ($1, packed) with the row's a ($2) and b ($3) (f16 pairs): t = sat(s a + b),
     the fold of clamp "sat" in f16 (HFMA2.SAT), then y = SAT_SCALE t + 1024 (HFMA2), the code in each
-    half's low byte. fold "corrected": t = sat(t0 - (c / 16) frac (1 - frac)), t0 = s a + b, frac the position of the
-    code 128 t within its octave (16 t mod 1), the second-order mantissa correction of the float32
+    half's low byte. fold "corrected": t = sat(t0 - (c / 16) frac (1 - frac)), t0 = s a + b, frac the position
+    of the code 128 t within its octave (16 t mod 1), the second-order mantissa correction of the float32
     "corrected" fold (c = LEAN_CORRECTION) in five more f16x2 operations: k + 1/2 = round(16 t + 1023.5) -
     1023.5 (the f16 integers of [1024, 2048) round it), f = 16 t - k - 1/2 in [-1/2, 1/2], frac (1 - frac) =
     1/4 - f^2. Codes equal the correctly rounded e4m3 of 2^x for ~97% of x in the normal range."""
-    # "corrected": the correction is taken on the unsaturated t and saturated after it, so that a score far
-    # below the row (or masked: -inf, then NaN in the correction) still gives 0, never a t below 0 (whose
-    # y < 1024 has 0xFF, an e4m3 NaN, in its low byte)
-    lines = ["fma.rn.f16x2 t, $1, $2, $3;" if fold == "corrected" else "fma.rn.sat.f16x2 t, $1, $2, $3;"]
-    if fold == "corrected":
-        lines += [f"mov.b32 c, {_f16x2_hex(16.0)};",
-                  f"mov.b32 m, {_f16x2_hex(1023.5)};",
-                  "fma.rn.f16x2 r, t, c, m;",          # 16 t + 1023.5, rounded to an integer (k + 1024)
-                  "sub.f16x2 r, m, r;",                # -(k + 1/2), exact
-                  "fma.rn.f16x2 f, t, c, r;",          # f = 16 t - k - 1/2
-                  "neg.f16x2 r, f;",
-                  f"mov.b32 m, {_f16x2_hex(0.25)};",
-                  "fma.rn.f16x2 r, r, f, m;",          # 1/4 - f^2 = frac (1 - frac)
-                  f"mov.b32 c, {_f16x2_hex(-LEAN_CORRECTION / 16)};",
-                  "fma.rn.sat.f16x2 t, r, c, t;"]      # sat(t - (c / 16) frac (1 - frac))
-    elif fold not in ONE_FMA_FOLDS:
+    if fold in ONE_FMA_FOLDS:
+        lines = ["fma.rn.sat.f16x2 t, $1, $2, $3;"]
+    elif fold == "corrected":
+        # the correction is taken on the unsaturated t and saturated after it, so that a score far below the
+        # row (or masked: -inf, then NaN in the correction) still gives 0, never a t below 0 (whose y < 1024
+        # has 0xFF, an e4m3 NaN, in its low byte)
+        lines = ["fma.rn.f16x2 t, $1, $2, $3;",
+                 f"mov.b32 c, {_f16x2_hex(16.0)};",
+                 f"mov.b32 m, {_f16x2_hex(1023.5)};",
+                 "fma.rn.f16x2 r, t, c, m;",          # 16 t + 1023.5, rounded to an integer (k + 1024)
+                 "sub.f16x2 r, m, r;",                # -(k + 1/2), exact
+                 "fma.rn.f16x2 f, t, c, r;",          # f = 16 t - k - 1/2
+                 "neg.f16x2 r, f;",
+                 f"mov.b32 m, {_f16x2_hex(0.25)};",
+                 "fma.rn.f16x2 r, r, f, m;",          # 1/4 - f^2 = frac (1 - frac)
+                 f"mov.b32 c, {_f16x2_hex(-LEAN_CORRECTION / 16)};",
+                 "fma.rn.sat.f16x2 t, r, c, t;"]      # sat(t - (c / 16) frac (1 - frac))
+    else:
         raise ValueError(f"f16 scores fold as {ONE_FMA_FOLDS} or 'corrected', not {fold!r}")
     lines += [f"mov.b32 c, {_f16x2_hex(SAT_SCALE)};",
               f"mov.b32 m, {_f16x2_hex(F16_BASE)};",

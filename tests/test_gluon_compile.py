@@ -21,8 +21,8 @@ from gluon_cases import GLUON, SPACE, neighbours, sampled
 
 from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon, o_in_p_tile
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
-from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_lean_smem2_config,
-                                       gluon_smem2_chunked_config,
+from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_lean_f16_config,
+                                       gluon_lean_smem2_config, gluon_smem2_chunked_config,
                                        gluon_smem2_config, gluon_smem2_narrow_config, gluon_three_config,
                                        gluon_wide_config)
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
@@ -119,10 +119,9 @@ HALF_CASES = [gluon_lanes_config("fp8", 128, 128),
               GLUON.replace(p_carry="smem", half_block=True)]
 #: lean P on f16 scores (qk_acc="f16", session 28): the lean 256-key kernel at head dims 128 and 64, and at 96
 #: (three 32-column Q parts: the Q rescale over all of them, the last QK^T part synchronous); the corrected fold
-F16_CASES = [gluon_lean_smem2_config("fp8", 128, 128).replace(qk_acc="f16"),
-             gluon_lean_smem2_config("fp8", 64, 64).replace(qk_acc="f16"),
-             gluon_lean_smem2_config("fp8", 96, 96).replace(qk_acc="f16"),
-             gluon_lean_smem2_config("fp8", 128, 128).replace(qk_acc="f16", lean_fold="corrected")]
+F16_CASES = [gluon_lean_f16_config("fp8", 128, 128), gluon_lean_f16_config("fp8", 64, 64),
+             gluon_lean_f16_config("fp8", 96, 96),
+             gluon_lean_f16_config("fp8", 128, 128).replace(lean_fold="corrected")]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + F16_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
          + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES + CHUNKED_CASES
          + HALF_CASES)
@@ -237,8 +236,7 @@ def test_f16_scores_halve_the_softmax_and_keep_the_wgmmas_overlapped(compiled):
     PRMT per four codes, so the step loop is ~30% shorter than the float32 kernel's. Its k-steps are chained with
     no wait between them: Triton splits an async f16 accumulator into halves before its wait, and ptxas then
     waits after every wgmma of the kernel (without a warning); the synchronous last k-step avoids it."""
-    f32 = gluon_lean_smem2_config("fp8", 128, 128)
-    f16 = f32.replace(qk_acc="f16")
+    f32, f16 = gluon_lean_smem2_config("fp8", 128, 128), gluon_lean_f16_config("fp8", 128, 128)
     art, ref = compiled(f16), compiled(f32)
     check_usable(art, f16)
     assert art.count("QGMMA.64x256x32.F16.E4M3.E4M3") > 0 and art.count("QGMMA.64x256x32.F32") == 0
@@ -246,24 +244,16 @@ def test_f16_scores_halve_the_softmax_and_keep_the_wgmmas_overlapped(compiled):
     assert art.count("WARPGROUP.DEPBAR") < art.count("QGMMA") // 3, "a wait after every wgmma: serialised"
     assert art.count("VHMNMX") > 0 and art.count("FMNMX") < ref.count("FMNMX") // 10
     assert art.count("HFMA2") > 0 and art.count("FFMA") < ref.count("FFMA") // 10
-    loop, ref_loop = _longest_step_loop(art.sass), _longest_step_loop(ref.sass)
+    loop, ref_loop = _step_loop(art.sass), _step_loop(ref.sass)
     print(f"\n  step loop: {len(loop)} instructions (float32 scores: {len(ref_loop)})", end="")
     assert len(loop) < 0.8 * len(ref_loop)
     assert sum("PRMT" in x for x in loop) <= sum("PRMT" in x for x in ref_loop) // 2
 
 
-def _longest_step_loop(sass: str) -> list[str]:
+def _step_loop(sass: str) -> list[str]:
     """The instructions of the shortest loop that issues a whole step's wgmmas (QK^T's four k-steps and PV's
     eight at head dim 128, 256 keys): a consumer's steady step."""
-    lines = [(int(a, 16), ins) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = []
-    for addr, ins in lines:
-        m = re.search(r"BRA .*?(0x[0-9a-f]+)", ins)
-        if m and int(m.group(1), 16) < addr:
-            body = [x for a, x in lines if int(m.group(1), 16) <= a <= addr]
-            if sum("QGMMA" in x for x in body) >= 12:
-                loops.append(body)
-    return min(loops, key=len)
+    return min((body for body in sass_loops(sass) if sum("QGMMA" in x for x in body) >= 12), key=len)
 
 
 def test_half_block_adds_a_half_width_step_to_the_causal_kernel(compiled):

@@ -16,7 +16,7 @@ from zyfa_tune.generator.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from zyfa_tune.generator.lean_asm import MAGIC, code_sum_asm, f16_fold_asm, f16_pack_asm, lean_tail_asm
 from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
 from zyfa_tune.generator.timeline import EVENTS
-from zyfa_tune.kernels.defaults import (default_config, gluon_lean_smem2_config, gluon_smem2_chunked_config,
+from zyfa_tune.kernels.defaults import (default_config, gluon_lean_f16_config, gluon_smem2_chunked_config,
                                        gluon_smem2_config)
 
 #: the Gluon seed, one variant per value of every field the space searches for it, a sample of
@@ -26,7 +26,7 @@ VARIANTS = neighbours() + sampled(20) + [GLUON.replace(p_carry="smem"),
                                          GLUON.replace(p_carry="smem2"), gluon_smem2_config("fp8", 128, 128),
                                          gluon_smem2_chunked_config("fp8", 256, 256),
                                          gluon_smem2_chunked_config("fp8", 192, 128),
-                                         gluon_lean_smem2_config("fp8", 128, 128).replace(qk_acc="f16")]
+                                         gluon_lean_f16_config("fp8", 128, 128)]
 
 
 def constants(source: str) -> dict:
@@ -131,7 +131,8 @@ def test_constants_are_the_config(cfg):
                  "BN_A": parts[0], "BN_B": parts[1], "SPLIT": parts[1] > 0, **fence_constants(cfg),
                  "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,
                  "PRODUCER_REGS": producer_regs, "NUM_WARPS": 4, "PERSISTENT": cfg.persistent,
-                 "KERNEL_NAME": KERNEL_NAME, "LEAN": lean, "LEAN_FMA": lean and (cfg.lean_fold in ("fma", "centered") or cfg.qk_acc == "f16"),
+                 "KERNEL_NAME": KERNEL_NAME, "LEAN": lean,
+                 "LEAN_FMA": lean and (cfg.lean_fold in ("fma", "centered") or cfg.qk_acc == "f16"),
                  "LEAN_CENTER": 0.4375 if lean and cfg.lean_fold == "centered" else 0.0, "PV_DEFER": cfg.pv_defer,
                  "LEAN_MAGIC": MAGIC, "LEAN_SAT": lean and cfg.lean_clamp == "sat", "LEAN_SAT_SCALE": 128.0,
                  "LEAN_ASM": lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else "",
