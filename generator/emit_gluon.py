@@ -33,7 +33,7 @@ from .emitted import KERNEL_NAME, EmittedKernel, emitted
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
 from .lean_asm import (CODE_SUM_CONSTRAINTS, E4M3_MAX, F16_SCORE_BOUND, MAGIC, ONE_FMA_FOLDS, SAT_SCALE, code_sum_asm,
-                       f16_fold_asm, f16_pack_asm, fold_center, lean_tail_asm)
+                       f16_fold_asm, f16_pack_asm, f16_reversed, fold_center, lean_tail_asm)
 from .rescale_asm import rescale_asm, rescale_constraints
 from .timeline import EVENTS, TraceBuffer, clock_asm
 
@@ -198,10 +198,15 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("F16_S", c.qk_acc == "f16"), ("Q_HEADROOM", E4M3_MAX / F16_SCORE_BOUND),
         ("F16_FOLD_ASM", f16_fold_asm(c.lean_fold) if c.qk_acc == "f16" else ""),
         ("F16_PACK_ASM", f16_pack_asm() if c.qk_acc == "f16" else ""),
-        # (f16 scores fold "corrected" on the one-FMA fold's row constant too: f16_fold_asm adds the correction)
+        # (f16 scores fold "corrected" on the one-FMA fold's row constant too: f16_fold_asm adds the correction,
+        # on the reversed line u = 1 - t)
+        ("F16_U", c.qk_acc == "f16" and f16_reversed(c.lean_fold)),
         ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"),
         ("LEAN_FMA", lean and (c.lean_fold in ONE_FMA_FOLDS or c.qk_acc == "f16")),
         ("LEAN_CENTER", fold_center(c.lean_fold) if lean else 0.0), ("LEAN_MAGIC", MAGIC),
+        # the row maximum on the one-FMA folds' 1/8 grid (b exact; measured better for the linear folds); the
+        # corrected fold on f16 scores takes it as it is, so that the maximum's own code is exact (ACCURACY.md)
+        ("LEAN_GRID", lean and c.lean_fold in ONE_FMA_FOLDS),
         ("LEAN_SAT", lean and c.lean_clamp == "sat"), ("LEAN_SAT_SCALE", SAT_SCALE),
         # PTX from generator/lean_asm.py for validated enum values only (never text from a config)
         ("LEAN_ASM", lean_tail_asm(c.lean_fold, c.lean_clamp, c.lean_pack) if lean else ""),

@@ -251,7 +251,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         m_new = gl.maximum(m_i, row_max * qk_scale)
     else:  # (F16_S: f16 scores, and qk_scale per row, _q_headroom's 2^e)
         m_new = gl.maximum(m_i, gl.max(s, axis=1).to(gl.float32) * qk_scale)
-    if LEAN and LEAN_FMA:  # b = magic + 56 - (8 ref + LEAN_CENTER) must be exact in fp32: ref on its grid
+    if LEAN and LEAN_GRID:  # b = magic + 56 - (8 ref + LEAN_CENTER) must be exact in fp32: ref on its grid
         if LEAN_CENTER != 0.0:  # grid index n: ref = (n - LEAN_CENTER) / 8 - P_OFFSET, so 8 ref + LEAN_CENTER = n - 8 P
             grid_n = gl.ceil(m_new * 8.0 + LEAN_CENTER)
             m_new = grid_n * 0.125 - LEAN_CENTER * 0.125
@@ -322,6 +322,9 @@ def _f16_fold(s, a_row, b_row):
     (HFMA2.SAT, a and b per row rounded to f16), then y = 128 t + 1024, whose low byte is the e4m3 code
     (f16 integers are exact on [1024, 2048)). a's and b's f16 roundings change a row's codes all alike (a
     scale and a shift common to the row, which the normalisation cancels); docs/BACKENDS.md."""
+    if F16_U:  # the reversed line u = 1 - t = s (-a) + (1 - b) (f16_fold_asm)
+        a_row = -a_row
+        b_row = 1.0 - b_row
     a, _ = gl.broadcast(a_row.to(gl.float16)[:, None], s)
     b, _ = gl.broadcast(b_row.to(gl.float16)[:, None], s)
     return gl.inline_asm_elementwise(F16_FOLD_ASM, "=r,r,r,r", [s, a, b], dtype=gl.float16, is_pure=True, pack=2)

@@ -210,34 +210,44 @@ def _f16x2_hex(value: float) -> str:
 def f16_fold_asm(fold: str = "fma") -> str:
     """PTX for two f16 scores ($1, packed) with the row's a ($2) and b ($3) (f16 pairs): t = sat(s a + b),
     the fold of clamp "sat" in f16 (HFMA2.SAT), then y = SAT_SCALE t + 1024 (HFMA2), the code in each
-    half's low byte. fold "corrected": t = sat(t0 - (c / 16) frac (1 - frac)), t0 = s a + b, frac the position
-    of the code 128 t within its octave (16 t mod 1), the second-order mantissa correction of the float32
-    "corrected" fold (c = LEAN_CORRECTION) in five more f16x2 operations: k + 1/2 = round(16 t + 1023.5) -
-    1023.5 (the f16 integers of [1024, 2048) round it), f = 16 t - k - 1/2 in [-1/2, 1/2], frac (1 - frac) =
-    1/4 - f^2. Codes equal the correctly rounded e4m3 of 2^x for ~97% of x in the normal range."""
+    half's low byte.
+
+    fold "corrected" folds the reversed line u = 1 - t instead (a and b of `f16_reversed`: u = sat(s a + b)),
+    so that the top codes, the largest probabilities, sit where f16 is finest (u near 0: 1/256 code at the
+    row maximum's code against t's 1/16), then adds the second-order mantissa correction of the float32
+    "corrected" fold (c = LEAN_CORRECTION), u += (c / 16) frac (1 - frac), frac the position of the code
+    within its octave (16 u mod 1; frac (1 - frac) is the same for t and u), in five f16x2 operations:
+    k + 1/2 = round(16 u + 1023.5) - 1023.5 (the f16 integers of [1024, 2048) round it), f = 16 u - k - 1/2
+    in [-1/2, 1/2], frac (1 - frac) = 1/4 - f^2; y = 1152 - 128 u. Masked and far scores saturate to u = 1,
+    where the correction is 0 (f = -1/2): code 0. Codes equal the correctly rounded e4m3 of 2^x for ~97%
+    of x in the normal range."""
     if fold in ONE_FMA_FOLDS:
-        lines = ["fma.rn.sat.f16x2 t, $1, $2, $3;"]
+        lines = ["fma.rn.sat.f16x2 t, $1, $2, $3;",
+                 f"mov.b32 c, {_f16x2_hex(SAT_SCALE)};",
+                 f"mov.b32 m, {_f16x2_hex(F16_BASE)};"]
     elif fold == "corrected":
-        # the correction is taken on the unsaturated t and saturated after it, so that a score far below the
-        # row (or masked: -inf, then NaN in the correction) still gives 0, never a t below 0 (whose y < 1024
-        # has 0xFF, an e4m3 NaN, in its low byte)
-        lines = ["fma.rn.f16x2 t, $1, $2, $3;",
+        lines = ["fma.rn.sat.f16x2 t, $1, $2, $3;",    # u
                  f"mov.b32 c, {_f16x2_hex(16.0)};",
                  f"mov.b32 m, {_f16x2_hex(1023.5)};",
-                 "fma.rn.f16x2 r, t, c, m;",          # 16 t + 1023.5, rounded to an integer (k + 1024)
+                 "fma.rn.f16x2 r, t, c, m;",          # 16 u + 1023.5, rounded to an integer (k + 1024)
                  "sub.f16x2 r, m, r;",                # -(k + 1/2), exact
-                 "fma.rn.f16x2 f, t, c, r;",          # f = 16 t - k - 1/2
+                 "fma.rn.f16x2 f, t, c, r;",          # f = 16 u - k - 1/2
                  "neg.f16x2 r, f;",
                  f"mov.b32 m, {_f16x2_hex(0.25)};",
                  "fma.rn.f16x2 r, r, f, m;",          # 1/4 - f^2 = frac (1 - frac)
-                 f"mov.b32 c, {_f16x2_hex(-LEAN_CORRECTION / 16)};",
-                 "fma.rn.sat.f16x2 t, r, c, t;"]      # sat(t - (c / 16) frac (1 - frac))
+                 f"mov.b32 c, {_f16x2_hex(LEAN_CORRECTION / 16)};",
+                 "fma.rn.sat.f16x2 t, r, c, t;",      # sat(u + (c / 16) frac (1 - frac))
+                 f"mov.b32 c, {_f16x2_hex(-SAT_SCALE)};",
+                 f"mov.b32 m, {_f16x2_hex(F16_BASE + SAT_SCALE)};"]
     else:
         raise ValueError(f"f16 scores fold as {ONE_FMA_FOLDS} or 'corrected', not {fold!r}")
-    lines += [f"mov.b32 c, {_f16x2_hex(SAT_SCALE)};",
-              f"mov.b32 m, {_f16x2_hex(F16_BASE)};",
-              "fma.rn.f16x2 $0, t, c, m;"]
+    lines.append("fma.rn.f16x2 $0, t, c, m;")
     return "{\n.reg .b32 t, c, m, r, f;\n" + "\n".join(lines) + "\n}"
+
+
+def f16_reversed(fold: str) -> bool:
+    """Whether f16_fold_asm(fold) folds u = 1 - t: its a and b are the negated a and 1 - b of t's."""
+    return fold == "corrected"
 
 
 def f16_pack_asm() -> str:

@@ -159,6 +159,9 @@ def test_constants_are_the_config(cfg):
                  "F16_S": cfg.qk_acc == "f16", "Q_HEADROOM": 448.0 / 32768.0,
                  "F16_FOLD_ASM": f16_fold_asm(cfg.lean_fold) if cfg.qk_acc == "f16" else "",
                  "F16_PACK_ASM": f16_pack_asm() if cfg.qk_acc == "f16" else "",
+                 # the corrected fold on f16 scores folds u = 1 - t at the row's own maximum (no 1/8 grid)
+                 "F16_U": cfg.qk_acc == "f16" and cfg.lean_fold == "corrected",
+                 "LEAN_GRID": lean and cfg.lean_fold in ("fma", "centered"),
                  # timeline stamps off (tests/test_timeline.py traces)
                  "TRACE": False, "TRACE_STEPS": 0, "TRACE_EVENTS": len(EVENTS), "TRACE_ASM": "", "TRACE_AFTER_ASM": "",
                  **{f"EV_{name.upper()}": i for i, name in enumerate(EVENTS)}}

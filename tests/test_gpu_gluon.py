@@ -400,6 +400,8 @@ def test_f16_scores_match_float32_scores(name, sq, sk, causal):
     float64 and within 2% of the float32-score kernel."""
     cfg = F16_TWINS[name]
     bound, factor = LEAN_BOUNDS[cfg.lean_fold]
+    if cfg.lean_fold == "corrected":  # u = 1 - t at the row's own maximum: FA3's error (0.98-1.00x, session 29;
+        factor = 1.03                 # folding t at the 1/8-grid maximum was 1.08x)
     out = check(cfg.replace(qk_acc="f16"), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128,
                 bound=bound, fa3_factor=factor)
     args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
