@@ -260,7 +260,10 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
     m_use = _marked(m_use, kv_it, EV_MAX_DONE, (row0 // 64) % NUM_CONSUMERS)  # (TRACE only)
     alpha = gl.exp2(m_i - m_use)
-    if LEAN:
+    if LEAN and F16_S:  # (clamp "sat"; qk_scale per row)
+        p = _f16_fold(s, qk_scale, m_use)
+        l_new = l_i
+    elif LEAN:
         ref = m_use - P_OFFSET
         ones = gl.full(s.shape, 1.0, gl.float32, layout=qk_layout)
         if LEAN_FMA:   # y = 8 (s scale - ref) + magic + 56: the code is in y's low bits
@@ -277,13 +280,10 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
             else:
                 b_row = (LEAN_MAGIC + 56.0) - 8.0 * ref
             a_mul: gl.constexpr = 8.0 / LEAN_SAT_SCALE if LEAN_SAT else 8.0
-            if not F16_S:
-                a, b = gl.broadcast(ones * (qk_scale * a_mul), b_row[:, None])
+            a, b = gl.broadcast(ones * (qk_scale * a_mul), b_row[:, None])
         else:                    # x = s scale - ref; _p_operand finishes the fold
             a, b = gl.broadcast(ones * qk_scale, -ref[:, None])
-        if F16_S:
-            p = _f16_fold(s, qk_scale * a_mul, b_row)
-        elif LEAN_FMA and LEAN_SAT:  # clamp "sat": the FMA saturates (FFMA.SAT), LEAN_ASM adds the magic
+        if LEAN_FMA and LEAN_SAT:  # clamp "sat": the FMA saturates (FFMA.SAT), LEAN_ASM adds the magic
             p = gl.inline_asm_elementwise("fma.rn.sat.f32 $0, $1, $2, $3;", "=f,f,f,f", [s, a, b], dtype=gl.float32,
                                           is_pure=True, pack=1)
         else:
@@ -317,16 +317,35 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
 
 
 @gluon.jit
-def _f16_fold(s, a_row, b_row):
+def _f16_fold(s, qk_scale, m_use):
     """Lean P's fold on f16 scores (qk_acc="f16", clamp "sat"), two scores per instruction: t = sat(s a + b)
-    (HFMA2.SAT, a and b per row rounded to f16), then y = 128 t + 1024, whose low byte is the e4m3 code
-    (f16 integers are exact on [1024, 2048)). a's and b's f16 roundings change a row's codes all alike (a
-    scale and a shift common to the row, which the normalisation cancels); docs/BACKENDS.md."""
-    if F16_U:  # the reversed line u = 1 - t = s (-a) + (1 - b) (f16_fold_asm)
-        a_row = -a_row
-        b_row = 1.0 - b_row
-    a, _ = gl.broadcast(a_row.to(gl.float16)[:, None], s)
-    b, _ = gl.broadcast(b_row.to(gl.float16)[:, None], s)
+    (HFMA2.SAT, a and b per row in f16), then y = 128 t + 1024, whose low byte is the e4m3 code (f16 integers
+    are exact on [1024, 2048)): t = (8 (x + P) + 56 - center) / 128 for x = s qk_scale - m_use, a = qk_scale /
+    16, b = t_top - m_use / 16. a's f16 rounding scales the row's x by (1 + <2^-11): harmless along the row,
+    but at the maximum it moves t by up to |m_use| 2^-15, and b's own rounding by up to |b| 2^-11, both of
+    several codes on rows with logits of hundreds (0x7f, e4m3's NaN, at p_scale_log2 = 8: session 30). Their
+    bound, 2^-11 + |b| 2^-10, keeps the maximum's code at or below 125: b is lowered by it (one-FMA folds),
+    or (corrected) only by what of it passes code 125, so that a row's maximum keeps its exact code but on
+    rows with logits of hundreds. The shift, common to the row, is cancelled by the normalisation. (Holding
+    a16 / qk_scale per row to compensate a exactly cost 4%: ptxas then serialised the two rows' maxima;
+    cvt.rm would be an F2F each, a slower pipe than F2FP's one for both rows.) docs/BACKENDS.md."""
+    a_mul: gl.constexpr = 8.0 / LEAN_SAT_SCALE
+    F16_STEP: gl.constexpr = 0.00048828125  # 2^-11: half an f16 step of v is at most |v| 2^-11
+    t_top: gl.constexpr = (56.0 + 8.0 * P_OFFSET - LEAN_CENTER) / LEAN_SAT_SCALE
+    a16 = (qk_scale * a_mul).to(gl.float16)
+    if F16_U:  # the reversed line u = 1 - t = s (-a) + (1 - b) (f16_fold_asm): 1 - b, raised only where the
+        # bound would pass code 125, so that the maximum stays on its code (FA3's error; lowered always: 1.015x)
+        room: gl.constexpr = (125.0 - 56.0 - 8.0 * P_OFFSET) / LEAN_SAT_SCALE - F16_STEP
+        a16 = -a16
+        v = gl.fma(m_use, a_mul, 1.0 - t_top)
+        v = gl.maximum(v, gl.fma(gl.abs(v), 2.0 * F16_STEP, gl.fma(m_use, a_mul, 1.0 - t_top - room)))
+    else:      # (the one-FMA folds' own rounding outweighs the shift; the maximum above made ptxas
+        # serialise the two rows' maxima here, 4%)
+        v = gl.fma(m_use, -a_mul, t_top - F16_STEP)
+        v = gl.fma(gl.abs(v), -2.0 * F16_STEP, v)
+    b16 = v.to(gl.float16)  # (F2FP, both rows in one; cvt.rm/.rp is F2F, a slower pipe: 4% of the kernel)
+    a, _ = gl.broadcast(a16[:, None], s)
+    b, _ = gl.broadcast(b16[:, None], s)
     return gl.inline_asm_elementwise(F16_FOLD_ASM, "=r,r,r,r", [s, a, b], dtype=gl.float16, is_pure=True, pack=2)
 
 

@@ -408,7 +408,23 @@ def test_f16_scores_match_float32_scores(name, sq, sk, causal):
                            seqlen_k=sk, seed=0)
     twin = flash_attn_func(*args, causal=causal, config=cfg, **kw)
     print(f" f16 vs f32 scores: {rel_l2(out, twin):.3e}", end="")
-    assert rel_l2(out, twin) < 2e-2  # (1.3-1.6e-2 measured at 1000-4096 keys)
+    # (1.3-1.6e-2 measured at 1000-4096 keys, session 29; up to 2.0e-2 with b's margin, session 30, which
+    # moves a row's codes by up to a quarter code from the float32 kernel's: against float64, the same error)
+    assert rel_l2(out, twin) < 3e-2
+
+
+def f16_family_errors(cfg, family: str, seqlen: int, seed: int, smooth_k: bool = False) -> tuple[float, float]:
+    """cfg on f16 scores and its float32-score twin on `family` inputs quantised by quantize_fp8: their errors
+    against the quantised inputs' float64 attention (kernel error only); the f16 output must be finite."""
+    q, k, v = make_qkv(family, batch=1, seqlen=seqlen, heads=4, kv_heads=4, head_dim_qk=128, head_dim_v=128,
+                       seed=seed, device="cuda")
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, smooth_k=smooth_k)
+    args, kw = (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    ref = attention_reference(*args, causal=True, **kw)
+    out = flash_attn_func(*args, causal=True, config=cfg.replace(qk_acc="f16"), **kw)
+    twin = flash_attn_func(*args, causal=True, config=cfg, **kw)
+    assert torch.isfinite(out).all()
+    return rel_l2(out, ref), rel_l2(twin, ref)
 
 
 @pytest.mark.parametrize("family,smooth_k,factor", [("sink", False, 1.05), ("peaky", False, 1.05), ("rope", False, 1.05),
@@ -418,19 +434,25 @@ def test_f16_scores_on_activation_like_inputs(family, smooth_k, factor):
     outliers (a per-channel bias: logits of hundreds) cost f16 scores their 11-bit precision: 1.28x the error
     at the session-28 measurement, unless K is smoothed (quantize_fp8(smooth_k=True), the remedy for that
     family anyway), which takes the bias, and the large logits, out."""
-    cfg = F16_TWINS["256-codes-fma"]
-    q, k, v = make_qkv(family, batch=1, seqlen=2048, heads=4, kv_heads=4, head_dim_qk=128, head_dim_v=128, seed=1,
-                       device="cuda")
-    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, smooth_k=smooth_k)
-    args, kw = (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    ref = attention_reference(*args, causal=True, **kw)
-    out = flash_attn_func(*args, causal=True, config=cfg.replace(qk_acc="f16"), **kw)
-    twin = flash_attn_func(*args, causal=True, config=cfg, **kw)
-    assert torch.isfinite(out).all()
-    err, err32 = rel_l2(out, ref), rel_l2(twin, ref)
+    err, err32 = f16_family_errors(F16_TWINS["256-codes-fma"], family, 2048, 1, smooth_k)
     print(f"\n{family} smooth_k={smooth_k}: f16 scores {err:.4e}, float32 scores {err32:.4e} ({err / err32:.3f}x)",
           end="")
     assert err <= factor * err32
+
+
+@pytest.mark.parametrize("family", ["llm", "outliers"])
+@pytest.mark.parametrize("fold,p_offset", [("fma", 8), ("corrected", 8), ("corrected", 7)])
+def test_f16_scores_stay_finite_on_logits_of_thousands(family, fold, p_offset):
+    """Rows whose maxima reach ~1000 log2 units, where b's f16 step is several codes: the row maximum's code
+    is bounded below 0x7f, e4m3's NaN, even at p_scale_log2 = 8, 7 codes below it (b rounded to nearest gave
+    NaN outputs on these families at 16K, session 30; tests/test_lean_numerics.py). Against the quantised
+    inputs' float64 attention, f16 scores' 11 bits at logits of hundreds cost 1.5-2.1x the float32-score
+    twin's error here (session 30; smooth_k takes the bias out: test above)."""
+    cfg = F16_TWINS[f"256-codes-{fold}"].replace(p_scale_log2=p_offset)
+    err, err32 = f16_family_errors(cfg, family, 4096, 2)
+    print(f"\n{family} {fold} P={p_offset}: f16 scores {err:.4e}, float32 scores {err32:.4e} ({err / err32:.3f}x)",
+          end="")
+    assert err <= 2.5 * err32
 
 
 #: P through a shared-memory tile (p_carry="smem", not searched: measured 1-19% slower, docs/PERF.md
