@@ -465,9 +465,9 @@ def test_loose_seeds_only_when_asked():
     assert space.feasible(coded) is None
     strict, loose = space.seeds(128, 128), space.seeds(128, 128, loose=True)
     assert not any(c.softmax == "lean" for c in strict)
-    # and the same on f16 scores (session 28)
+    # and the same on f16 scores (session 28), probabilities at 2^8 (session 31)
     f16 = gluon_lean_f16_config("fp8", 128, 128)
-    assert f16 == coded.replace(qk_acc="f16") and space.feasible(f16) is None
+    assert f16 == coded.replace(qk_acc="f16", p_scale_log2=8) and space.feasible(f16) is None
     assert loose[:-3] == strict and loose[-3:] == [lean, coded, f16]
     assert get_space("bf16").seeds(128, 128, loose=True) == get_space("bf16").seeds(128, 128)
 
