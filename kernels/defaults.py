@@ -112,7 +112,8 @@ def gluon_lean_smem2_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Ke
 def gluon_lean_f16_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """`gluon_lean_smem2_config` on f16 scores (qk_acc="f16": the row maximum, the fold and the pack on
     pairs of scores, Q's rows scaled into f16's range in the kernel): 1.13-1.20x the float32-score kernel
-    and 1.22-1.36x FA3-fp8 at hd128 8K-32K, at the same error on Gaussian inputs (docs/PERF.md, session 28).
+    and 1.22-1.36x FA3-fp8 at hd128 8K-32K, at the float32-score kernel's error on Gaussian inputs (1.07x
+    FA3's; docs/PERF.md, sessions 28, 31).
     Probabilities at 2^8, not 2^7: lean's lowest codes then sit an octave further from the row maximum, which
     takes its error on entry outliers from 1.05x FA3's to 1.02x at the same speed (session 31; safe since the
     row maximum's code is bounded, session 30). A seed of studies whose gate admits lean P's error."""
