@@ -62,18 +62,19 @@ CHOICES: dict[str, tuple] = {
     "o_through_p": (False, True),
     "l2_group_mib": (16, 8, 32, 64),
     "qk_acc": ("f32", "f16"),
+    "k_perm": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
                 "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                "qk_acc")
+                "qk_acc", "k_perm")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-               "qk_acc")
+               "qk_acc", "k_perm")
 #: Fields only the launch reads (the persistent grid's tile table), not the kernel's code: configs that
 #: differ only in them differ in the source's header line alone (the config, so each is its own
 #: database variant: variants are keyed by source hash), and Triton compiles the kernel function once.
@@ -142,6 +143,11 @@ class KernelConfig:
     q_stages:     Gluon: Q tiles in shared memory (2 lets the producer load the next tile's Q early).
     v_permute:    Gluon: V^T's keys are permuted within 32-key chunks so that the QK^T accumulator
                   registers are already the P operand of the PV wgmma (no shuffles).
+    k_perm:       Gluon, with v_permute: the same relabelling of keys made on K instead of V^T: a 5-D TMA
+                  box puts key 16h + 4q + 2s + b into K tile row 16h + 8s + 2q + b, so that V^T is read in
+                  key order and a V quantised keys-fastest (quantize_fp8(..., v_layout="k_major")) is read
+                  as it is, with no copy. Not searched: kernels.launch.for_v_layout picks the twin for
+                  such a V (needs Sk % 16 == 0). Same arithmetic, other order of the row sums' adds.
     persistent:   Gluon: grid = min(SMs, tiles), each program loops over tiles; else one per tile.
     producer_regs: Gluon: registers per thread of the TMA producer (setmaxnreg; one warp, a warpgroup
                   with v_layout="natural"); the consumer warpgroups share the rest of the register
@@ -256,6 +262,7 @@ class KernelConfig:
     o_through_p: bool = False
     l2_group_mib: int = 16
     qk_acc: str = "f32"
+    k_perm: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -377,6 +384,9 @@ class KernelConfig:
         if self.block_n == 192 and (self.v_layout == "natural" or self.softmax == "lean"):
             raise ConfigError("block_n=192 (128 + 64 key parts) is built for the exact softmax with the V^T copy: "
                               "it needs softmax='exact' and v_layout='transposed'")
+        if self.k_perm and not self.v_permute:
+            raise ConfigError("k_perm=True makes v_permute's relabelling of keys on K instead of V^T: it needs "
+                              "v_permute=True")
         if self.v_layout == "natural" and self.v_permute:
             raise ConfigError("v_layout='natural' with backend='gluon' writes V^T in key order: it needs "
                               "v_permute=False (and so softmax='exact')")

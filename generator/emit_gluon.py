@@ -61,9 +61,9 @@ def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
     w, dv = qk_part_width(config), config.head_dim_v
     oa, oc = gluon_o_parts(config)
     bn, bn_b = key_parts(config)
-    blocks = {"desc_q": ("fp8", [q_box_rows(config), w]), "desc_k": ("fp8", [bn, w])}
+    blocks = {"desc_q": ("fp8", [q_box_rows(config), w]), "desc_k": ("fp8", k_box(config, bn, w))}
     if bn_b:  # the second key part's K rows
-        blocks["desc_kb"] = ("fp8", [bn_b, w])
+        blocks["desc_kb"] = ("fp8", k_box(config, bn_b, w))
     blocks["desc_v"] = ("fp8", [bn, oa] if config.v_layout == "natural" else [oa, bn])
     if bn_b:  # the second key part's V^T columns
         blocks["desc_vb"] = ("fp8", [oa, bn_b])
@@ -75,6 +75,13 @@ def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
     if oc:  # o_split: O's columns [oa, oa + oc)
         blocks["desc_oc"] = ("bf16", [1, 64, oc])
     return blocks
+
+
+def k_box(config: KernelConfig, keys: int, width: int) -> list[int]:
+    """The TMA block of `keys` K rows of `width` columns. k_perm: five dimensions (16-key groups, s, q,
+    b, columns) over K's rows at strides (16, 2, 4, 1) rows (kernels/gluon_launch.k_view), so that tile
+    row 16h + 8s + 2q + b holds key 16h + 4q + 2s + b: what v_permute relabels, made on K."""
+    return [keys // 16, 2, 4, 2, width] if config.k_perm else [keys, width]
 
 
 def key_parts(config: KernelConfig) -> tuple[int, int]:
@@ -177,7 +184,7 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", consumers),
         ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"),
-        ("BALANCED", c.q_order == "balanced"), ("V_PERM", bool(c.v_permute)),
+        ("BALANCED", c.q_order == "balanced"), ("V_PERM", bool(c.v_permute)), ("K_PERM", bool(c.k_perm)),
         ("V_NATURAL", c.v_layout == "natural"), ("NAMED_TURNS", c.turn_barrier == "named"),
         ("PV_DEFER", bool(c.pv_defer)),
         ("BN_A", key_parts(c)[0]), ("BN_B", key_parts(c)[1]), ("SPLIT", bool(key_parts(c)[1])),
@@ -313,10 +320,13 @@ def _p_lines(c: KernelConfig) -> list[str]:
 
 
 def _k_lines(c: KernelConfig) -> list[str]:
-    """The K ring (with 192-key blocks a 128-row and a 64-row ring, one per key part)."""
-    lines = ["    k_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BN_A, QK_W], desc_k.layout)"]
-    if key_parts(c)[1]:
-        lines.append("    kb_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, BN_B, QK_W], desc_kb.layout)")
+    """The K ring (with 192-key blocks a 128-row and a 64-row ring, one per key part). k_perm: the tiles
+    keep the 2-D layout wgmma reads (the same swizzle as the 5-D box that fills them: its rows are QK_W
+    wide), not the descriptor's."""
+    lines = []
+    for name, keys, desc in (("k", "BN_A", "desc_k"), ("kb", "BN_B", "desc_kb"))[:1 + bool(key_parts(c)[1])]:
+        layout = f"gl.NVMMASharedLayout.get_default_for([{keys}, QK_W], dtype)" if c.k_perm else f"{desc}.layout"
+        lines.append(f"    {name}_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, {keys}, QK_W], {layout})")
     return lines
 
 

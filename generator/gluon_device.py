@@ -159,11 +159,9 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
                 mbarrier.expect(k_ready.index(s), QK_PARTS * k_desc.block_type.nbytes)
             for p in gl.static_range(QK_PARTS):
                 col = hk * HEAD_QK + p * (HEAD_QK // QK_PARTS)
-                tma.async_copy_global_to_shared(k_desc, [k_row + n0, col], k_ready.index(s),
-                                                k_bufs.index(s * QK_PARTS + p))
+                _k_load(k_desc, k_row + n0, col, k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
                 if SPLIT:
-                    tma.async_copy_global_to_shared(kb_desc, [k_row + n0 + BN_A, col], k_ready.index(s),
-                                                    kb_bufs.index(s * QK_PARTS + p))
+                    _k_load(kb_desc, k_row + n0 + BN_A, col, k_ready.index(s), kb_bufs.index(s * QK_PARTS + p))
             if V_NATURAL:  # V(j) into raw slot j % 2 (its last reader, V^T(j-2), is written), then V^T(j-1)
                 raw_slot = kv_it % 2
                 mbarrier.expect(v_raw_ready.index(raw_slot), v_desc.block_type.nbytes)
@@ -184,6 +182,18 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             elif K_AHEAD:
                 _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, 0, STAGES, vc_desc,
                         vc_bufs)
+
+
+@gluon.jit
+def _k_load(k_desc, row, col, bar, buf):
+    """TMA load of K rows row.. (columns col..) into the K tile buf. K_PERM: as the 5-D box of
+    emit_gluon.k_box (row a multiple of 16: Sk % 16 == 0), which fills the 2-D tile with its rows
+    relabelled as V_PERM wants (_key_of_column)."""
+    if K_PERM:
+        tma.async_copy_global_to_shared(k_desc, [row // 16, 0, 0, 0, col], bar,
+                                        buf._reinterpret(buf.dtype, k_desc.block_type.shape, k_desc.layout))
+    else:
+        tma.async_copy_global_to_shared(k_desc, [row, col], bar, buf)
 
 
 @gluon.jit
@@ -413,9 +423,19 @@ def _lane_sums(p):
 
 
 @gluon.jit
+def _key_of_column(c):
+    """The key (from the block's first) in score column c: c, or under K_PERM (the relabelling made on K's
+    tile rows, _k_load) key 16h + 4q + 2s + b in column 16h + 8s + 2q + b."""
+    if K_PERM:
+        return (c & -16) | (((c >> 1) & 3) << 2) | (((c >> 3) & 1) << 1) | (c & 1)
+    else:
+        return c
+
+
+@gluon.jit
 def _masked(s, n0, row0, Sk, off, CAUSAL: gl.constexpr, layout: gl.constexpr):
     """s (64 rows x its keys from n0) with keys past Sk, and past each row's diagonal if CAUSAL, at -inf."""
-    cols = n0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, layout))
+    cols = n0 + _key_of_column(gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, layout)))
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
     if CAUSAL and P_SMEM:
         # a row before the queries' end sees no key at or past Sk (row + off < Sq + off = Sk), so the causal

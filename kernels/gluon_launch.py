@@ -118,7 +118,8 @@ def tile_table(key: tuple, device: torch.device) -> torch.Tensor:
 def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> list:
     """desc_q, desc_k, desc_v, desc_o. q, k: (B, S, H, D) with (batch*seqlen, heads*dim) rows
     (TMA-ready); v: with v_layout="natural" V itself, TMA-ready like k, else the (B, Hkv, D, Skv) V^T
-    of `kernels.transpose.transpose_v` (permuted and padded to 32 keys when config.v_permute); out:
+    of `kernels.transpose.transpose_v` (permuted and padded to 32 keys when config.v_permute and not
+    config.k_perm, whose K view (k_view) relabels the keys instead); out:
     contiguous (B, Sq, H, D) bf16; D = the config's head dim."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -129,7 +130,7 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch
         v_view = (v, [b * sk, hk * dv], [v.stride(1), 1])
     else:
         dv, skv = v.shape[2], v.shape[3]
-        if config.v_permute and skv % 32:
+        if config.v_permute and not config.k_perm and skv % 32:
             raise ValueError(f"v: V^T has {skv} keys; v_permute needs the 32-padded copy of "
                              f"transpose_v(v, permute=True)")
         if v.stride(3) != 1 or v.stride(1) != dv * v.stride(2) or v.stride(0) != hk * v.stride(1):
@@ -142,11 +143,24 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch
     else:
         o_view = (out, [b, sq, h * dv], [sq * h * dv, h * dv, 1])
     views = {"desc_q": (q, [b * sq, h * d], [q.stride(1), 1]),
-             "desc_k": (k, [b * sk, hk * d], [k.stride(1), 1]),
+             "desc_k": k_view(k) if config.k_perm else (k, [b * sk, hk * d], [k.stride(1), 1]),
              "desc_v": v_view,
              "desc_o": o_view}
     return [TensorDescriptor(*views[DESCRIPTOR_TENSOR[name][1]], block, descriptor_layout(dtype, block))
             for name, (dtype, block) in blocks.items()]
+
+
+def k_view(k: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """K's rows as the 5-D view of k_perm's box (emit_gluon.k_box): (16-key group, s, q, b, column) at
+    row strides (16, 2, 4, 1), so that a box read in that order puts key 16h + 4q + 2s + b into tile row
+    16h + 8s + 2q + b. Needs Sk % 16 == 0 (a group never spans two batch entries, and the view ends
+    where K does: a box past it is zero-filled like any other)."""
+    b, sk, hk, d = k.shape
+    if sk % 16:
+        raise ValueError(f"k: {sk} keys; k_perm reads K in 16-key groups and needs a multiple of 16 "
+                         f"(kernels.launch.for_v_layout keeps k_perm off for such a K)")
+    rs = k.stride(1)
+    return k, [b * sk // 16, 2, 4, 2, hk * d], [16 * rs, 2 * rs, 4 * rs, rs, 1]
 
 
 #: descriptor -> (index of its tensor in (q, k, v, out), the view it is built on): a 192-key

@@ -52,10 +52,26 @@ def for_v_layout(config: KernelConfig, v: torch.Tensor) -> KernelConfig:
     v_layout="k_major")) would first copy V back to (keys, dim) rows; its transposed twin, the same
     schedule reading the V^T tile from memory, reads those bytes as they are, with no copy (Gluon:
     bitwise equal to the natural kernel, tests/test_gpu_gluon.py; a natural Gluon config never
-    permutes keys, so its twin needs no permuted copy). Any other pair is returned unchanged."""
-    if config.dtype == "fp8" and config.v_layout == "natural" and k_major_view(v) is not None:
+    permutes keys, so its twin needs no permuted copy). A Gluon config that relabels keys
+    (v_permute) would copy a K-major V into its permuted V^T; its k_perm twin makes the relabelling on
+    K's tile rows instead (a 5-D TMA box) and reads that V as it is, where Sk % 16 == 0; elsewhere a
+    k_perm config runs without it. Any other pair is returned unchanged."""
+    if config.dtype != "fp8":
+        return config
+    if config.v_layout == "natural" and k_major_view(v) is not None:
         return config.replace(v_layout="transposed")
+    if config.k_perm and v.shape[1] % 16:
+        return config.replace(k_perm=False)
+    if config.backend == "gluon" and config.v_permute and not config.k_perm and v.shape[1] % 16 == 0 \
+            and k_major_view(v) is not None:
+        return config.replace(k_perm=True)
     return config
+
+
+def v_keys_permuted(config: KernelConfig) -> bool:
+    """Whether the kernel reads V^T with its keys permuted within 32-key chunks (transpose_v(v, True)):
+    a Gluon v_permute kernel that does not relabel keys on K instead (k_perm)."""
+    return bool(config.v_permute) and not config.k_perm
 
 
 # ---- launch fast path (kernels/fastlaunch.py) ---------------------------------------------------
@@ -152,7 +168,7 @@ def bind(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return None
     if gluon and not out.is_contiguous():
         return None
-    transpose = bind_transpose(v, gluon and config.v_permute) if transposed else None
+    transpose = bind_transpose(v, gluon and v_keys_permuted(config)) if transposed else None
     if transpose is k_major_view:  # a descriptor needs only the base pointer: V's own, no view per call
         transpose = None
     if not tma:  # pointers: q, k, v, 9 strides, out, descales, tail
@@ -185,7 +201,7 @@ def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if config.backend == "gluon":
         if sms is None:
             sms = gluon_launch.sm_count(q.device.index) if q.device.type == "cuda" else gluon_launch.DEFAULT_SMS
-        v = _tma_ready(v) if config.v_layout == "natural" else transpose_v(v, config.v_permute)
+        v = _tma_ready(v) if config.v_layout == "natural" else transpose_v(v, v_keys_permuted(config))
         return gluon_launch.arguments(config, _tma_ready(q), _tma_ready(k), v, out,
                                       float(softmax_scale) * LOG2E, causal, q_descale, k_descale, v_descale, sms)
     # no descales: None specialises the kernel to skip them (no tensor to allocate, so a first

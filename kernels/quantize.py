@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .fastlaunch import Bound, run
+from .transpose import padded_keys, transpose_v
 
 E4M3_MAX = 448.0
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
@@ -101,9 +102,12 @@ def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
     return codes[0], descales[0]
 
 
-def quantize_tensors(items, kv_heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def quantize_tensors(items, kv_heads: int, k_major_last: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(codes, descales) of each (x, rotate, mean) in `items` (at most three tensors of one batch size
-    and kv head count), as `quantize_heads`.
+    and kv head count), as `quantize_heads`. `k_major_last`: the last tensor's codes are written
+    keys-fastest, a (B, S, H, D) view of a (B, H, D, Sp) buffer (Sp: S padded to 16 bytes, what
+    transpose_v would make): the codes pass stores them there itself (transposed through shared
+    memory), so the FP8 kernels' V^T costs no pass of its own.
 
     On a GPU, tensors that take the same compiled passes (head dim, dtype, options, last stride) are
     one launch per pass: each program finds its tensor from its index (quantize_fp8's plain Q, K and
@@ -112,24 +116,33 @@ def quantize_tensors(items, kv_heads: int) -> tuple[list[torch.Tensor], list[tor
     four allocations and the launches (host time: docs/PERF.md, session 25)."""
     if items[0][0].device.type != "cuda":
         out = [quantize_heads_reference(x, kv_heads, rotate, mean) for x, rotate, mean in items]
-        return [c for c, _ in out], [d for _, d in out]
+        codes = [c for c, _ in out]
+        if k_major_last:
+            codes[-1] = transpose_v(codes[-1]).permute(0, 3, 1, 2)
+        return codes, [d for _, d in out]
     if len(items) > MAX_SEGMENTS:
         raise ValueError(f"items: at most {MAX_SEGMENTS} tensors a call, got {len(items)}")
     xs = [x if x.dtype in KERNEL_DTYPES else x.float() for x, _, _ in items]
     means = [None if m is None else m.contiguous() for _, _, m in items]
-    key = (kv_heads, xs[0].device.index, *((x.shape, x.stride(), x.dtype, bool(r), m is not None,
+    key = (kv_heads, xs[0].device.index, bool(k_major_last), *((x.shape, x.stride(), x.dtype, bool(r), m is not None,
                                             x.data_ptr() % 16 == 0, m is None or m.data_ptr() % 16 == 0)
                                            for x, (_, r, _), m in zip(xs, items, means)))
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= PLAN_LIMIT:
             _plans.clear()
-        plan = _plans[key] = _Plan(xs, [bool(r) for _, r, _ in items], [m is not None for m in means], kv_heads)
+        plan = _plans[key] = _Plan(xs, [bool(r) for _, r, _ in items], [m is not None for m in means], kv_heads,
+                                   len(xs) - 1 if k_major_last else -1)
     b = xs[0].shape[0]
     amax = torch.zeros(len(xs) * b * kv_heads, dtype=torch.float32, device=xs[0].device)
     descales = torch.empty(len(xs), b, kv_heads, dtype=torch.float32, device=xs[0].device)
     codes = [torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) for x in xs]
+    if k_major_last:  # the (B, H, D, Sp) buffer the codes pass writes; its keys-fastest (B, S, H, D) view out
+        b_, s, h, d = xs[-1].shape
+        codes[-1] = torch.empty(b_, h, d, padded_keys(s, False), dtype=torch.float8_e4m3fn, device=xs[-1].device)
     plan(xs, means, amax, descales, codes)
+    if k_major_last:
+        codes[-1] = codes[-1][..., :xs[-1].shape[1]].permute(0, 3, 1, 2)
     return codes, list(descales.unbind(0))
 
 
@@ -147,11 +160,13 @@ class _Plan:
 
     __slots__ = ("groups",)
 
-    def __init__(self, xs: list, rotates: list, centres: list, kv_heads: int):
+    def __init__(self, xs: list, rotates: list, centres: list, kv_heads: int, k_major: int = -1):
         by_kind: dict[tuple, list[int]] = {}
         for i, (x, r, c) in enumerate(zip(xs, rotates, centres)):
             by_kind.setdefault((x.shape[3], x.dtype, x.stride(3), r, i if c else -1), []).append(i)
-        self.groups = [_Group(xs, members, kv_heads, r, c >= 0) for (_, _, _, r, c), members in by_kind.items()]
+        # (items keep their order in a group, so the K-major tensor, the last item, is its group's last)
+        self.groups = [_Group(xs, members, kv_heads, r, c >= 0, members[-1] == k_major)
+                       for (_, _, _, r, c), members in by_kind.items()]
 
     def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list) -> None:
         for group in self.groups:
@@ -165,7 +180,8 @@ class _Group:
 
     __slots__ = ("members", "grid", "tail", "consts", "options", "head", "amax_pass", "codes_pass")
 
-    def __init__(self, xs: list, members: list[int], kv_heads: int, rotate: bool, centre: bool):
+    def __init__(self, xs: list, members: list[int], kv_heads: int, rotate: bool, centre: bool,
+                 last_k_major: bool = False):
         x0 = xs[members[0]]
         b, d = x0.shape[0], x0.shape[3]
         block_s, dp, bn, warps = _tiles(d, rotate)
@@ -180,11 +196,12 @@ class _Group:
         self.grid = (starts[-1],)
         self.tail = (starts[1], starts[min(2, len(members))],            # P1, P2: where segments 1, 2 start
                      *(i * b * kv_heads for i in self.members),              # F0, F1, F2: their first scales
-                     *(f[k] for k in range(6) for f in fields), x0.stride(3), d, rotation_block(d) ** -0.5)
+                     *(f[k] for k in range(6) for f in fields), x0.stride(3), d, rotation_block(d) ** -0.5,
+                     padded_keys(xs[members[-1]].shape[1], False))  # SKP: the K-major buffer's key stride
         self.consts = dict(NSEG=len(members), DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate,
-                           TERMS=3 if centre else _TERMS[x0.dtype])
+                           TERMS=3 if centre else _TERMS[x0.dtype], LAST_K_MAJOR=bool(last_k_major))
         self.options = dict(num_warps=warps, num_stages=1)
-        self.head = (d, str(x0.dtype), centre, rotate)
+        self.head = (d, str(x0.dtype), centre, rotate, bool(last_k_major))
         self.amax_pass = self.codes_pass = None
 
     def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list) -> None:
@@ -298,9 +315,9 @@ _SEGMENT_ARGS = ["P1", "P2", "F0", "F1", "F2"]
 
 @triton.jit(do_not_specialize=_SEGMENT_ARGS)
 def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2,
-                 SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt,
+                 SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
                  NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
-                 CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr):
+                 CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr):
     x, seg, b, h, kv, s0, S, H, GROUP = _program_rows(
         X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
         SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER)
@@ -315,9 +332,11 @@ def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, P1, P2, F0, F1, F2, S0, S1, S2, H0, 
 
 @triton.jit(do_not_specialize=_SEGMENT_ARGS)
 def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, F0, F1, F2, S0, S1, S2,
-                  H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt,
+                  H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
                   NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
-                  CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr):
+                  CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr):
+    """The codes of a block of rows. LAST_K_MAJOR: the last segment's go keys-fastest into its (B, H, D,
+    SKP) buffer (V for the FP8 kernels' V^T, written by this pass instead of a copy after it)."""
     x, seg, b, h, kv, s0, S, H, GROUP = _program_rows(
         X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
         SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER)
@@ -325,10 +344,18 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, 
     if (s0 == 0) & (h % GROUP == 0):
         tl.store(DESCALE + kv, descale)
     rows = s0 + tl.arange(0, BLOCK_S)
-    dst = _pick(seg, OUT0, OUT1, OUT2, NSEG) + ((b.to(tl.int64) * S + s0) * H + h) * D \
-        + tl.arange(0, BLOCK_S)[:, None] * (H * D)
+    out = _pick(seg, OUT0, OUT1, OUT2, NSEG)
+    dst = out + ((b.to(tl.int64) * S + s0) * H + h) * D + tl.arange(0, BLOCK_S)[:, None] * (H * D)
+    k_major = False
+    if LAST_K_MAJOR:
+        k_major = seg == NSEG - 1
     for c0 in range(0, DP, BN):
         y = tl.clamp(tl.math.div_rn(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS), descale),
                      -_E4M3_MAX, _E4M3_MAX)
         cols = c0 + tl.arange(0, BN)
-        tl.store(dst + cols[None, :], y.to(tl.float8e4nv), mask=(rows < S)[:, None] & (cols < D)[None, :])
+        ok = (rows < S)[:, None] & (cols < D)[None, :]
+        if k_major:
+            tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[None, :]) * SKP + rows[:, None], y.to(tl.float8e4nv),
+                     mask=ok)
+        else:
+            tl.store(dst + cols[None, :], y.to(tl.float8e4nv), mask=ok)

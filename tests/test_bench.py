@@ -168,6 +168,9 @@ def test_native_quantisation_and_input_families():
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(plain[0], ref_args[:3]))
     smooth = x.args("fp8", (("smooth_k", True),))
     assert not torch.equal(smooth[0][1].view(torch.uint8), plain[0][1].view(torch.uint8))
+    k_major = x.args("fp8", (("k_major_v", True),))  # the same codes, V stored keys-fastest
+    assert k_major[0][2].stride(1) == 1 and plain[0][2].stride(3) == 1
+    assert torch.equal(k_major[0][2].contiguous().view(torch.uint8), plain[0][2].view(torch.uint8))
     assert torch.equal(x.reference("fp8"), attention_reference(*x.raw, causal=True))
     assert torch.equal(x.reference("bf16"), x.reference("fp8"))
     gauss = bench.Inputs.random(shape, seed=1, device="cpu")

@@ -122,9 +122,14 @@ HALF_CASES = [gluon_lanes_config("fp8", 128, 128),
 F16_CASES = [gluon_lean_f16_config("fp8", 128, 128), gluon_lean_f16_config("fp8", 64, 64),
              gluon_lean_f16_config("fp8", 96, 96),
              gluon_lean_f16_config("fp8", 128, 128).replace(lean_fold="corrected")]
+#: the key relabelling made on K's tile rows (k_perm: a 5-D TMA box, so V^T is read in key order): the 256-key
+#: two-tile kernel, lean P on f16 scores, 192-key blocks (two K boxes), 192/128 (64-column K parts)
+K_PERM_CASES = [gluon_smem2_config("fp8", 128, 128).replace(k_perm=True),
+                gluon_lean_f16_config("fp8", 128, 128).replace(k_perm=True),
+                GLUON.replace(block_n=192, num_stages=2, k_perm=True), MLA.replace(p_carry="smem2", k_perm=True)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + F16_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
          + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES + CHUNKED_CASES
-         + HALF_CASES)
+         + HALF_CASES + K_PERM_CASES)
 
 
 def test_hd96_q_and_k_in_32_column_parts_and_o_padded_or_split(compiled):
@@ -779,6 +784,21 @@ def test_natural_v_is_transposed_by_the_producer(compiled):
     assert "transposes V" in gluon_infeasibility(one) and compiled(one).spill_bytes > 0
     wide = HD256.replace(block_m=64, ping_pong=False, v_permute=False, v_layout="natural", overlap=False)
     assert "transposes V" in gluon_infeasibility(wide) and compiled(wide).spill_bytes > 0
+
+
+@pytest.mark.parametrize("cfg", K_PERM_CASES, ids=lambda c: c.to_json()[-60:])
+def test_k_perm_loads_k_in_5d_boxes_and_leaves_the_step_alone(cfg, compiled):
+    """k_perm: every K copy is a 5-D TMA box (Q's stay 2-D), the twin's 2-D K copies are gone, and the
+    consumers' code is the twin's but for the masked steps' key indices: as many QGMMAs, the same registers,
+    no spills, nothing serialised."""
+    art, twin = compiled(cfg), compiled(cfg.replace(k_perm=False))
+    copy = r"cp\.async\.bulk\.tensor\.{}d\.shared::cluster\.global"
+    k_copies = len(re.findall(copy.format(5), art.ptx))  # (per K part and box; Triton may repeat a site)
+    assert k_copies >= (2 if cfg.block_n == 192 else 1) * (cfg.head_dim_qk // emit_gluon.qk_part_width(cfg))
+    assert len(re.findall(copy.format(2), twin.ptx)) == len(re.findall(copy.format(2), art.ptx)) + k_copies
+    assert "UTMALDG.5D" in art.sass and "UTMALDG.5D" not in twin.sass
+    assert art.count("QGMMA") == twin.count("QGMMA") and art.registers == twin.registers
+    assert art.spill_bytes == 0 and art.serialised_wgmma is None
 
 
 def test_192_key_blocks_come_in_two_parts(compiled):

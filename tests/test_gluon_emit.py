@@ -126,7 +126,7 @@ def test_constants_are_the_config(cfg):
                  "STAGES": cfg.num_stages,
                  "Q_STAGES": cfg.q_stages, "NUM_CONSUMERS": cfg.block_m // 64, "OVERLAP": cfg.overlap,
                  "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first",
-                 "BALANCED": cfg.q_order == "balanced", "V_PERM": cfg.v_permute,
+                 "BALANCED": cfg.q_order == "balanced", "V_PERM": cfg.v_permute, "K_PERM": cfg.k_perm,
                  "V_NATURAL": cfg.v_layout == "natural", "NAMED_TURNS": cfg.turn_barrier == "named",
                  "BN_A": parts[0], "BN_B": parts[1], "SPLIT": parts[1] > 0, **fence_constants(cfg),
                  "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,

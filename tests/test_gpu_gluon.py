@@ -641,17 +641,22 @@ def test_cuda_graph_capture():
     assert torch.equal(static, eager)
 
 
-def test_dispatcher_runs_a_gluon_winner(tmp_path, monkeypatch):
-    """A database whose fastest entry for the shape is a Gluon kernel: flash_attn_func runs it (no
-    code chooses backends; the faster stored entry wins)."""
-    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=8,
-                                kv_heads=8, seqlen=2048)
-    triton = default_config("fp8", 128, 128)
+def dispatch_from(tmp_path, monkeypatch, entries, batch: int, seqlen: int) -> None:
+    """Make the dispatcher read only a fresh database holding `entries` ((config, median ms), hd128 FP8
+    causal, 8 heads) for that batch and sequence length."""
+    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=batch, heads=8,
+                                kv_heads=8, seqlen=seqlen)
     with open_store(tmp_path / "t.db") as store:
-        for cfg, ms in ((triton, 0.2), (GLUON, 0.1)):
+        for cfg, ms in entries:
             store.record_trial(current_fingerprint(), key, cfg, TrialResult(status="ok", median_ms=ms, tflops=1.0 / ms),
                                source_hash=emit(cfg).source_hash, study="gpu-test")
     monkeypatch.setattr(dispatch, "_dispatcher", dispatch.Dispatcher([str(tmp_path / "t.db")]))
+
+
+def test_dispatcher_runs_a_gluon_winner(tmp_path, monkeypatch):
+    """A database whose fastest entry for the shape is a Gluon kernel: flash_attn_func runs it (no
+    code chooses backends; the faster stored entry wins)."""
+    dispatch_from(tmp_path, monkeypatch, ((default_config("fp8", 128, 128), 0.2), (GLUON, 0.1)), 2, 2048)
     args, kw = make_inputs("fp8", 128, 128, batch=2, heads=8, kv_heads=8, seqlen=2000, seed=9)
     choice = explain(*args, **kw)
     assert choice.source == "exact" and choice.config == GLUON
@@ -663,12 +668,7 @@ def test_dispatcher_natural_winner_with_k_major_v(tmp_path, monkeypatch):
     twin, which reads V as stored: explain says so, no V copy is made, and the output is bitwise
     the natural kernel's on V as given."""
     natural = CONFIGS["natural"]
-    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=1, heads=8,
-                                kv_heads=8, seqlen=512)
-    with open_store(tmp_path / "n.db") as store:
-        store.record_trial(current_fingerprint(), key, natural, TrialResult(status="ok", median_ms=0.01, tflops=30.0),
-                           source_hash=emit(natural).source_hash, study="gpu-test")
-    monkeypatch.setattr(dispatch, "_dispatcher", dispatch.Dispatcher([str(tmp_path / "n.db")]))
+    dispatch_from(tmp_path, monkeypatch, ((natural, 0.01),), 1, 512)
     args, kw = make_inputs("fp8", 128, 128, batch=1, heads=8, kv_heads=8, seqlen=500, seed=10)
     km_args, km_kw = make_inputs("fp8", 128, 128, batch=1, heads=8, kv_heads=8, seqlen=500, seed=10,
                                  v_layout="k_major")
@@ -681,3 +681,70 @@ def test_dispatcher_natural_winner_with_k_major_v(tmp_path, monkeypatch):
     plans = list(api._plans.values())
     assert len(plans) == 1 and plans[0].launch.transpose is None  # V's own bytes: no copy per call
     assert torch.equal(flash_attn_func(*km_args, **km_kw), expected)  # and through the plan
+
+
+#: key-relabelling kernels whose relabelling can move to K (k_perm): the dispatcher's 16K exact pick (256
+#: keys, two P tiles, ping-pong, producer 56), the same with a halved first block, the seed (float32 carry,
+#: 128 keys), 192-key blocks (two K boxes), lean P on f16 scores, and hd64 / 192-128 / 256
+K_PERM = {"256-pick": gluon_smem2_config("fp8", 128, 128).replace(half_block=False, ping_pong=True, producer_regs=56,
+                                                                   skip_rescale=True, p_scale_log2=7, lane_sums=False),
+          "smem2-half": gluon_smem2_config("fp8", 128, 128), "seed": GLUON,
+          "split": CONFIGS["split-mma-skip"],
+          "lean-f16": gluon_lean_smem2_config("fp8", 128, 128).replace(qk_acc="f16", p_scale_log2=8),
+          "hd64": PACKED["64-three"], "192/128": PACKED["192/128"], "hd256": gluon_defer_config("fp8", 256, 256)}
+#: (seqlen_q, seqlen_k, causal) with Sk a multiple of 16: one group, ragged causal, non-causal with more keys, 4K
+K_PERM_SHAPES = [(16, 16, True), (1008, 1008, True), (304, 1104, False), (4096, 4096, True)]
+
+
+@pytest.mark.parametrize("name", K_PERM)
+@pytest.mark.parametrize("sq,sk,causal", K_PERM_SHAPES)
+def test_k_perm_reads_k_major_v_as_stored(name, sq, sk, causal, monkeypatch):
+    """k_perm: the keys relabelled on K's tile rows (a 5-D TMA box) instead of on the V^T copy, so a K-major V
+    is read as stored. Checked against float64 (and FA3's error) like its twin, which it matches within the
+    order of the row sums' and the PV products' adds; no V^T copy is made."""
+    from zyfa_tune.kernels import transpose
+
+    cfg = K_PERM[name]
+    lean = cfg.softmax == "lean"
+    bound, factor = LEAN_BOUNDS["fma"] if lean else (FP8_BOUND, 1.1)
+    d, dv = cfg.head_dim_qk, cfg.head_dim_v
+    args, kw = make_inputs("fp8", d, dv, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=11,
+                           v_layout="k_major")
+    ref = attention_reference(*args, causal=causal, **kw)
+    twin = flash_attn_func(*args, causal=causal, config=cfg, **kw)  # forced: the permuted V^T copy
+    copies = []
+    real_launch = transpose._launch
+    monkeypatch.setattr(transpose, "_launch", lambda *a: copies.append(a) or real_launch(*a))
+    api._plans.clear()
+    for _ in range(2):  # the checked path, then the plan's fast path
+        out = flash_attn_func(*args, causal=causal, config=cfg.replace(k_perm=True), **kw)
+        assert torch.isfinite(out).all()
+        err = rel_l2(out, ref)
+        assert err < bound, f"rel L2 {err:.3e}"
+        assert rel_l2(out, twin) < (2e-2 if lean else 5e-3), rel_l2(out, twin)
+    assert not copies, "a V^T copy was made for a K-major V"
+    plans = list(api._plans.values())
+    assert len(plans) == 1 and plans[0].launch.transpose is None  # V's own bytes on the fast path too
+    theirs = fa3_error(*make_inputs("fp8", d, dv, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=11),
+                       ref, causal) if min(sq, sk) >= 128 and (d, dv) == (128, 128) else None
+    print(f" k_perm {err:.4e} twin {rel_l2(twin, ref):.4e}" + (f" FA3 {theirs:.4e}" if theirs else ""), end="")
+    if theirs is not None:
+        assert err <= factor * theirs
+
+
+def test_dispatcher_picks_the_k_perm_twin_for_k_major_v(tmp_path, monkeypatch):
+    """A key-relabelling winner given a K-major V runs its k_perm twin where Sk % 16 == 0 (explain says so)
+    and itself elsewhere; with V as given it runs itself."""
+    win = K_PERM["256-pick"]
+    dispatch_from(tmp_path, monkeypatch, ((win, 0.05),), 1, 2048)
+    for sk, twin in ((2048, True), (2040, False)):
+        args, kw = make_inputs("fp8", 128, 128, batch=1, heads=8, kv_heads=8, seqlen=sk, seed=12)
+        km_args, km_kw = make_inputs("fp8", 128, 128, batch=1, heads=8, kv_heads=8, seqlen=sk, seed=12,
+                                     v_layout="k_major")
+        assert explain(*args, **kw).config == win
+        choice = explain(*km_args, **km_kw)
+        assert choice.config == (win.replace(k_perm=True) if twin else win), choice
+        out = flash_attn_func(*km_args, **km_kw)
+        ref = attention_reference(*km_args, **km_kw)
+        assert rel_l2(out, ref) < FP8_BOUND
+        assert rel_l2(out, flash_attn_func(*args, **kw)) < 5e-3

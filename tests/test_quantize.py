@@ -17,7 +17,8 @@ FP8 = torch.float8_e4m3fn
 _DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, segments: int = 3):
+def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, segments: int = 3,
+             k_major: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -30,28 +31,31 @@ def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, s
     if kernel is _codes_kernel:
         sig.update({f"OUT{i}": "*fp8e4nv" for i in range(3)}, DESCALE="*fp32")
     constexprs = dict(stride_d=1, NSEG=segments, DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate,
-                      TERMS=terms)
+                      TERMS=terms, LAST_K_MAJOR=k_major)
     sig.update({name: "constexpr" for name in constexprs})
     # pointers, strides and sizes that are multiples of 16, as a launch on contiguous inputs specialises them
     div16 = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if sig[name].startswith("*") or re.fullmatch(r"S[BSH]?\d|D", name)}
+             if sig[name].startswith("*") or re.fullmatch(r"S[BSH]?\d|D|SKP", name)}
     return triton.compile(ASTSource(kernel, sig, constexprs, div16), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": 1})
 
 
-@pytest.mark.parametrize("dim,dtype,centre,rotate", [
-    (128, torch.bfloat16, False, False), (128, torch.bfloat16, False, True), (128, torch.float32, True, True),
-    (96, torch.float16, False, True), (64, torch.float32, False, True), (256, torch.bfloat16, True, True),
-    (192, torch.bfloat16, False, False), (64, torch.float16, True, False)])
-def test_kernels_compile_without_spills(dim, dtype, centre, rotate):
+@pytest.mark.parametrize("dim,dtype,centre,rotate,k_major", [
+    (128, torch.bfloat16, False, False, False), (128, torch.bfloat16, False, True, False),
+    (128, torch.float32, True, True, False), (96, torch.float16, False, True, False),
+    (64, torch.float32, False, True, False), (256, torch.bfloat16, True, True, False),
+    (192, torch.bfloat16, False, False, False), (64, torch.float16, True, False, False),
+    (128, torch.bfloat16, False, False, True), (64, torch.float16, False, False, True)])
+def test_kernels_compile_without_spills(dim, dtype, centre, rotate, k_major):
     """Both passes, for the head dims and input dtypes the API takes (a centred tensor alone in its
-    launch, others as three segments, Q, K and V): no local memory, the rotation (only it) on the
-    tensor cores, and 16-byte loads of the rows and stores of the codes whichever segment a program
-    takes."""
+    launch, others as three segments, Q, K and V; V's codes also written keys-fastest, k_major): no
+    local memory, the rotation (only it) on the tensor cores, and 16-byte loads of the rows and stores
+    of the codes whichever segment a program takes (keys-fastest: the transposed tile's 16-key runs)."""
     from zyfa_tune.generator.build import _disassemble
 
     for kernel in (_amax_kernel, _codes_kernel):
-        sass, usage = _disassemble(_compile(kernel, dim, dtype, centre, rotate, 1 if centre else 3).asm["cubin"])
+        sass, usage = _disassemble(_compile(kernel, dim, dtype, centre, rotate, 1 if centre else 3,
+                                            k_major).asm["cubin"])
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (kernel.__name__, usage)
         assert bool(re.search(r"\bHGMMA\b", sass)) == rotate, kernel.__name__  # the rotation: wgmma
         assert "LDG.E.128" in sass and not re.search(r"LDG\.E\.(U16|64)\b", sass), kernel.__name__
@@ -190,7 +194,8 @@ def test_quantize_fp8_on_the_gpu_is_the_cpu_arithmetic():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 700, h, 128, generator=g).to(torch.bfloat16) for h in (8, 2, 2))
     for opts in ({}, dict(hadamard=True), dict(smooth_k=True), dict(hadamard=True, smooth_k=True),
-                 dict(v_layout="k_major")):
+                 dict(v_layout="k_major"), dict(v_layout="k_major", hadamard=True),
+                 dict(v_layout="k_major", smooth_k=True)):
         cpu = quantize_fp8(q, k, v, **opts)
         gpu = quantize_fp8(q.cuda(), k.cuda(), v.cuda(), **opts)
         exact = not opts.get("hadamard") and not opts.get("smooth_k")

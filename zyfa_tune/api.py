@@ -204,5 +204,8 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     runs = for_v_layout(choice.config, p.v)
     if runs == choice.config:
         return choice
-    return replace(choice, config=runs, detail=f"{choice.detail}; V is K-major: the natural-V config's "
-                                               f"transposed twin reads it without a copy".lstrip("; "))
+    why = ("V is K-major: the natural-V config's transposed twin reads it without a copy"
+           if runs.v_layout != choice.config.v_layout else
+           "V is K-major: the k_perm twin relabels keys on K and reads it without a copy" if runs.k_perm else
+           f"{p.k.shape[1]} keys are not a multiple of 16: k_perm off (V^T copied with its keys permuted)")
+    return replace(choice, config=runs, detail=f"{choice.detail}; {why}".lstrip("; "))

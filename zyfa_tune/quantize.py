@@ -26,8 +26,10 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     the smoothed K. Hadamard rotation does not help that family (it spreads Q's constant outlier
     channels into every channel); it helps outliers in random entries.
     `v_layout="k_major"` writes v8 keys-fastest: still a (batch, seqlen, kv_heads, dim) tensor, but
-    a view of a (batch, kv_heads, dim, seqlen) buffer (rows padded to 16 bytes). FP8 kernels read
-    V that way (the P@V wgmma wants V K-major); given it, `flash_attn_func` skips its V^T copy.
+    a view of a (batch, kv_heads, dim, seqlen) buffer (rows padded to 16 bytes), written so by the
+    quantisation pass itself (no extra pass). FP8 kernels read V that way (the P@V wgmma wants V
+    K-major); given it, `flash_attn_func` skips its V^T copy (key-relabelling Gluon kernels then
+    relabel the keys on K: k_perm, where the key count is a multiple of 16).
     """
     if v_layout not in ("natural", "k_major"):
         raise ValueError(f"v_layout: expected 'natural' or 'k_major', got {v_layout!r}")
@@ -55,9 +57,6 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     mean = None
     if smooth_k:  # (batch, kv_heads, dim), float32 like the rest of the arithmetic
         mean = (k if k.dtype in KERNEL_DTYPES else k.float()).mean(dim=1, dtype=torch.float32).contiguous()
-    (q8, k8, v8), (qd, kd, vd) = quantize_tensors(((q, hadamard, None), (k, hadamard, mean), (v, False, None)), hk)
-    if v_layout == "k_major":  # the kernels' V^T buffer, seen as (batch, seqlen, kv_heads, dim)
-        from zyfa_tune.kernels.transpose import transpose_v
-
-        v8 = transpose_v(v8).permute(0, 3, 1, 2)
+    (q8, k8, v8), (qd, kd, vd) = quantize_tensors(((q, hadamard, None), (k, hadamard, mean), (v, False, None)), hk,
+                                                  k_major_last=v_layout == "k_major")
     return q8, k8, v8, qd, kd, vd
