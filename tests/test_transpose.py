@@ -85,8 +85,9 @@ def test_natural_config_given_k_major_v_runs_its_transposed_twin():
     natural = gluon_natural_config("fp8", 128, 128)
     assert for_v_layout(natural, v_km) == natural.replace(v_layout="transposed")
     assert for_v_layout(natural, v_rows) is natural                        # V as given: the natural kernel
-    permuted = default_config("fp8", 128, 128, "gluon")                   # reads a key-permuted copy anyway
-    assert for_v_layout(permuted, v_km) is permuted
+    permuted = default_config("fp8", 128, 128, "gluon")                   # relabels keys: on K, given this V
+    assert for_v_layout(permuted, v_km) == permuted.replace(k_perm=True)  # (tests/test_k_perm.py)
+    assert for_v_layout(permuted, v_rows) is permuted
     triton = default_config("fp8", 128, 128).replace(v_layout="natural")
     assert for_v_layout(triton, v_km) == triton.replace(v_layout="transposed")
     bf16 = default_config("bf16", 128, 128)
