@@ -532,7 +532,8 @@ def main(argv: list[str] | None = None) -> int:
                         "rope, peaky, flat, llm; 'all' for every one): issue 5's variant x family table in one run")
     p.add_argument("--quant", choices=["per-tensor", "native"], default="per-tensor",
                    help="FP8 inputs: one shared per-tensor quantisation (kernel error only), or each system's "
-                        "own with errors against the unquantised inputs (then --ours NAME:smooth_k=true works)")
+                        "own with errors against the unquantised inputs (then --ours NAME:smooth_k=true, hadamard=true "
+                        "or k_major_v=true: V quantised keys-fastest, read without the V^T copy, work)")
     p.add_argument("--warm", type=float, default=3.0, help="seconds of GEMMs to reach sustained clocks first")
     p.add_argument("--energy-s", type=float, default=0.0, metavar="SECONDS",
                    help="TFLOP/J: after its timing, run each system back to back this long (>= 1 s; NVML's energy "
