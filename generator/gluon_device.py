@@ -721,6 +721,7 @@ def _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, t
     _mark(kv_it, EV_READY, CID)
     s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS, HALF)
     sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS) if SPLIT else s_tok
+    _mark(kv_it, EV_QK_ISSUED, CID)
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
     _mark(kv_it, EV_ISSUED, CID)
     s, sb = _qk_result(s_tok, sb_tok, False)
@@ -822,6 +823,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         _mark(kv_it, EV_READY, CID)
         s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
         sb_tok = s_tok
+        _mark(kv_it, EV_QK_ISSUED, CID)
         if not F16_S:
             p8, acc, l_i, accc = _prev_p_ready(p_smem, kv_it, CID, acc, l_i, alpha, row_o, accc, row_oc)
         mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
@@ -841,11 +843,13 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
             o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
                                              onesb_smem, accc, vc_bufs.index(pst))
             s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
+            _mark(kv_it, EV_QK_ISSUED, CID)
             acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, gl.SliceLayout(1, qk_layout), oc_tok, accc, QK_PARTS)
             sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS)
         else:
             s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
             sb_tok = _qk_issue(q_bufs, qb, kb_bufs, st * QK_PARTS, sb_zero, CID, QK_PARTS) if SPLIT else s_tok
+            _mark(kv_it, EV_QK_ISSUED, CID)
             o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8b, vb_bufs.index(pst),
                                              onesb_smem, accc, vc_bufs.index(pst))
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 #: "pv_issued": PV(j-1) is issued with QK^T(j), at "issued").
 EVENTS = ("start",         # the step begins
           "ready",         # its K (and V) block has landed and, with ping-pong, it is this warpgroup's turn
-          "issued",        # QK^T(j) issued (overlapped step: with PV(j-1))
+          "qk_issued",     # QK^T(j)'s wgmmas issued (the overlapped step's P(j-1) publication and PV(j-1)
+                           # issue follow; with f16 scores the publication comes before "ready")
+          "issued",        # the step's wgmmas issued and the turn passed (overlapped step: with PV(j-1))
           "qk_done",       # QK^T(j) finished (its wgmma wait returned)
           "max_done",      # the row maxima of the block are known
           "softmax_done",  # probabilities and row sums done

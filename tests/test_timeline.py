@@ -70,7 +70,7 @@ def _raw(steps: int, deltas: list[int], start: int = 1000, period: int = 500) ->
 
 
 def test_phases_are_the_medians_between_consecutive_events():
-    deltas = [10, 20, 30, 40, 50, 60, 70]
+    deltas = [10, 20, 30, 40, 50, 60, 70, 80]
     tl = from_stamps(WIDE, _raw(20, deltas).astype(np.uint32).view(np.int32))
     assert tl.events() == list(range(len(EVENTS)))
     phases = tl.phases(1)
@@ -84,20 +84,20 @@ def test_phases_are_the_medians_between_consecutive_events():
 
 
 def test_unrecorded_events_and_steps_are_skipped():
-    raw = _raw(10, [5] * 7)
+    raw = _raw(10, [5] * 8)
     raw[:, :, EVENT_INDEX["pv_issued"]] = 0   # the overlapped step has no pv_issued
     raw[:, 6:, :] = 0                         # steps past the end of the kernel
     tl = from_stamps(WIDE, raw.astype(np.int32))
     assert EVENT_INDEX["pv_issued"] not in tl.events()
     phases = tl.phases(0)
-    assert [(p.start, p.end) for p in phases][5] == ("softmax_done", "pv_done")
-    assert phases[5].median == 10 and all(p.steps in (6, 5) for p in phases)
+    assert [(p.start, p.end) for p in phases][6] == ("softmax_done", "pv_done")
+    assert phases[6].median == 10 and all(p.steps in (6, 5) for p in phases)
 
 
 def test_the_32_bit_clock_is_unwrapped():
-    raw = _raw(8, [100] * 7, start=2**32 - 2001)  # (a clock reading of exactly 0 reads as "not recorded")
+    raw = _raw(8, [100] * 8, start=2**32 - 2001)  # (a clock reading of exactly 0 reads as "not recorded")
     tl = from_stamps(WIDE, (raw % 2**32).astype(np.uint32).view(np.int32))
-    assert tl.period(0) == 500 and [p.median for p in tl.phases(0)[:-1]] == [100] * 7
+    assert tl.period(0) == 500 and [p.median for p in tl.phases(0)[:-1]] == [100] * 8
     assert tl.clocks.min() == 0
 
 
