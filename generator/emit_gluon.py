@@ -323,8 +323,9 @@ def _k_lines(c: KernelConfig) -> list[str]:
     """The K ring (with 192-key blocks a 128-row and a 64-row ring, one per key part). k_perm: the tiles
     keep the 2-D layout wgmma reads (the same swizzle as the 5-D box that fills them: its rows are QK_W
     wide), not the descriptor's."""
+    rings = [("k", "BN_A", "desc_k")] + ([("kb", "BN_B", "desc_kb")] if key_parts(c)[1] else [])
     lines = []
-    for name, keys, desc in (("k", "BN_A", "desc_k"), ("kb", "BN_B", "desc_kb"))[:1 + bool(key_parts(c)[1])]:
+    for name, keys, desc in rings:
         layout = f"gl.NVMMASharedLayout.get_default_for([{keys}, QK_W], dtype)" if c.k_perm else f"{desc}.layout"
         lines.append(f"    {name}_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, {keys}, QK_W], {layout})")
     return lines

@@ -130,7 +130,7 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch
         v_view = (v, [b * sk, hk * dv], [v.stride(1), 1])
     else:
         dv, skv = v.shape[2], v.shape[3]
-        if config.v_permute and not config.k_perm and skv % 32:
+        if v_keys_permuted(config) and skv % 32:
             raise ValueError(f"v: V^T has {skv} keys; v_permute needs the 32-padded copy of "
                              f"transpose_v(v, permute=True)")
         if v.stride(3) != 1 or v.stride(1) != dv * v.stride(2) or v.stride(0) != hk * v.stride(1):
@@ -148,6 +148,12 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch
              "desc_o": o_view}
     return [TensorDescriptor(*views[DESCRIPTOR_TENSOR[name][1]], block, descriptor_layout(dtype, block))
             for name, (dtype, block) in blocks.items()]
+
+
+def v_keys_permuted(config: KernelConfig) -> bool:
+    """Whether the kernel reads V^T with its keys permuted within 32-key chunks (transpose_v(v, True)):
+    a v_permute kernel that does not relabel keys on K instead (k_perm)."""
+    return bool(config.v_permute) and not config.k_perm
 
 
 def k_view(k: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:

@@ -68,12 +68,6 @@ def for_v_layout(config: KernelConfig, v: torch.Tensor) -> KernelConfig:
     return config
 
 
-def v_keys_permuted(config: KernelConfig) -> bool:
-    """Whether the kernel reads V^T with its keys permuted within 32-key chunks (transpose_v(v, True)):
-    a Gluon v_permute kernel that does not relabel keys on K instead (k_perm)."""
-    return bool(config.v_permute) and not config.k_perm
-
-
 # ---- launch fast path (kernels/fastlaunch.py) ---------------------------------------------------
 
 def compiled_kernels(config: KernelConfig) -> list:
@@ -168,7 +162,7 @@ def bind(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return None
     if gluon and not out.is_contiguous():
         return None
-    transpose = bind_transpose(v, gluon and v_keys_permuted(config)) if transposed else None
+    transpose = bind_transpose(v, gluon and gluon_launch.v_keys_permuted(config)) if transposed else None
     if transpose is k_major_view:  # a descriptor needs only the base pointer: V's own, no view per call
         transpose = None
     if not tma:  # pointers: q, k, v, 9 strides, out, descales, tail
@@ -201,7 +195,8 @@ def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if config.backend == "gluon":
         if sms is None:
             sms = gluon_launch.sm_count(q.device.index) if q.device.type == "cuda" else gluon_launch.DEFAULT_SMS
-        v = _tma_ready(v) if config.v_layout == "natural" else transpose_v(v, v_keys_permuted(config))
+        permuted = gluon_launch.v_keys_permuted(config)
+        v = _tma_ready(v) if config.v_layout == "natural" else transpose_v(v, permuted)
         return gluon_launch.arguments(config, _tma_ready(q), _tma_ready(k), v, out,
                                       float(softmax_scale) * LOG2E, causal, q_descale, k_descale, v_descale, sms)
     # no descales: None specialises the kernel to skip them (no tensor to allocate, so a first

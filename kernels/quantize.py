@@ -136,14 +136,19 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False) -> tuple[
     b = xs[0].shape[0]
     amax = torch.zeros(len(xs) * b * kv_heads, dtype=torch.float32, device=xs[0].device)
     descales = torch.empty(len(xs), b, kv_heads, dtype=torch.float32, device=xs[0].device)
-    codes = [torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) for x in xs]
-    if k_major_last:  # the (B, H, D, Sp) buffer the codes pass writes; its keys-fastest (B, S, H, D) view out
-        b_, s, h, d = xs[-1].shape
-        codes[-1] = torch.empty(b_, h, d, padded_keys(s, False), dtype=torch.float8_e4m3fn, device=xs[-1].device)
+    codes = [_codes_buffer(x, k_major_last and i == len(xs) - 1) for i, x in enumerate(xs)]
     plan(xs, means, amax, descales, codes)
-    if k_major_last:
-        codes[-1] = codes[-1][..., :xs[-1].shape[1]].permute(0, 3, 1, 2)
     return codes, list(descales.unbind(0))
+
+
+def _codes_buffer(x: torch.Tensor, k_major: bool) -> torch.Tensor:
+    """The e4m3 codes of x (B, S, H, D): contiguous, or k_major the keys-fastest (B, S, H, D) view of a
+    (B, H, D, Sp) buffer, whose base the codes pass writes (LAST_K_MAJOR)."""
+    if not k_major:
+        return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    b, s, h, d = x.shape
+    return torch.empty(b, h, d, padded_keys(s, False), dtype=torch.float8_e4m3fn,
+                       device=x.device)[..., :s].permute(0, 3, 1, 2)
 
 
 #: tensors one launch can take (Q, K and V)

@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zyfa_tune.generator import ConfigError
-from zyfa_tune.generator import emit
+from zyfa_tune.generator import ConfigError, emit
 from zyfa_tune.generator.emit_gluon import descriptor_blocks
 from zyfa_tune.kernels.defaults import default_config, gluon_lean_f16_config, gluon_smem2_config
-from zyfa_tune.kernels.gluon_launch import k_view
-from zyfa_tune.kernels.launch import for_v_layout, v_keys_permuted
+from zyfa_tune.kernels.gluon_launch import k_view, v_keys_permuted
+from zyfa_tune.kernels.launch import for_v_layout
 from zyfa_tune.kernels.transpose import key_permutation
 from zyfa_tune.quantize import quantize_fp8
 

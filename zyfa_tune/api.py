@@ -204,8 +204,10 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     runs = for_v_layout(choice.config, p.v)
     if runs == choice.config:
         return choice
-    why = ("V is K-major: the natural-V config's transposed twin reads it without a copy"
-           if runs.v_layout != choice.config.v_layout else
-           "V is K-major: the k_perm twin relabels keys on K and reads it without a copy" if runs.k_perm else
-           f"{p.k.shape[1]} keys are not a multiple of 16: k_perm off (V^T copied with its keys permuted)")
+    if runs.v_layout != choice.config.v_layout:
+        why = "V is K-major: the natural-V config's transposed twin reads it without a copy"
+    elif runs.k_perm:
+        why = "V is K-major: the k_perm twin relabels keys on K and reads it without a copy"
+    else:
+        why = f"{p.k.shape[1]} keys are not a multiple of 16: k_perm off (V^T copied with its keys permuted)"
     return replace(choice, config=runs, detail=f"{choice.detail}; {why}".lstrip("; "))
