@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from .emitted import KERNEL_NAME, EmittedKernel
+from .emitted import EmittedKernel
+from .ptx_pass import install as _install_ptx_pass
 
 log = logging.getLogger("zyfa_tune.generator.build")
 _lock = threading.Lock()
@@ -97,7 +98,10 @@ def load_module(kernel: EmittedKernel) -> ModuleType:
 
 
 def jit_function(kernel: EmittedKernel):
-    return getattr(load_module(kernel), KERNEL_NAME)
+    """The kernel's JIT function; every compile goes through it, so it also hooks generator/ptx_pass.py into
+    Triton's ptx stage (for the kernels whose name asks for the pass)."""
+    _install_ptx_pass()
+    return getattr(load_module(kernel), kernel.kernel_name)
 
 
 # ---- ahead-of-time compilation (no GPU needed) ------------------------------------------------

@@ -63,18 +63,19 @@ CHOICES: dict[str, tuple] = {
     "l2_group_mib": (16, 8, 32, 64),
     "qk_acc": ("f32", "f16"),
     "k_perm": (False, True),
+    "qk_async": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
                 "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                "qk_acc", "k_perm")
+                "qk_acc", "k_perm", "qk_async")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-               "qk_acc", "k_perm")
+               "qk_acc", "k_perm", "qk_async")
 #: Fields only the launch reads (the persistent grid's tile table), not the kernel's code: configs that
 #: differ only in them differ in the source's header line alone (the config, so each is its own
 #: database variant: variants are keyed by source hash), and Triton compiles the kernel function once.
@@ -221,6 +222,10 @@ class KernelConfig:
                   softmax's; a score carries f16's 11-bit precision (0.03% of |x|, x in log2 units). With
                   lean_fold="corrected" the fold's second-order correction runs on f16 pairs too (five more
                   operations; ~97% of codes correctly rounded; not yet timed on the GPU).
+    qk_async:     Gluon, qk_acc="f16": QK^T(j)'s wait moved behind PV(j-1)'s issue by a pass over Triton's PTX
+                  (generator/ptx_pass.py; Triton splits an f16 accumulator before the wait, so the emitted
+                  step waits for QK^T(j) before issuing PV(j-1), where ncu finds a quarter of the lean f16
+                  step's samples, docs/PERF.md session 34). The same arithmetic; not searched until timed.
     """
 
     dtype: str = "fp8"
@@ -263,6 +268,7 @@ class KernelConfig:
     l2_group_mib: int = 16
     qk_acc: str = "f32"
     k_perm: bool = False
+    qk_async: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -384,6 +390,9 @@ class KernelConfig:
         if self.block_n == 192 and (self.v_layout == "natural" or self.softmax == "lean"):
             raise ConfigError("block_n=192 (128 + 64 key parts) is built for the exact softmax with the V^T copy: "
                               "it needs softmax='exact' and v_layout='transposed'")
+        if self.qk_async and self.qk_acc != "f16":
+            raise ConfigError("qk_async=True moves the f16-score kernels' QK^T wait behind PV(j-1)'s issue (the "
+                              "float32-score kernels issue them so already): it needs qk_acc='f16'")
         if self.k_perm and not self.v_permute:
             raise ConfigError("k_perm=True makes v_permute's relabelling of keys on K instead of V^T: it needs "
                               "v_permute=True")
@@ -457,6 +466,7 @@ class KernelConfig:
             softmax += " codeSums" if self.rowsum == "rounded" and self.softmax == "lean" else ""
             softmax += " skip-rescale" if self.skip_rescale else ""
             softmax += " f16S" if self.qk_acc == "f16" else ""
+            softmax += " qkAsync" if self.qk_async else ""
             group = f" L2group{self.l2_group_mib}MiB" if self.l2_group_mib != _DEFAULTS["l2_group_mib"] else ""
             return (f"gluon {softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
                     f"{'+'.join(on) or 'plain'}{group}")

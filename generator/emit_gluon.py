@@ -29,7 +29,7 @@ import functools
 from pathlib import Path
 
 from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_chunks, o_in_p_tile, p_tiles
-from .emitted import KERNEL_NAME, EmittedKernel, emitted
+from .emitted import EmittedKernel, emitted, kernel_name_of
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
 from .lean_asm import (CODE_SUM_CONSTRAINTS, E4M3_MAX, F16_SCORE_BOUND, MAGIC, ONE_FMA_FOLDS, SAT_SCALE, code_sum_asm,
@@ -52,7 +52,8 @@ def emit(config: KernelConfig, *, trace: TraceBuffer | None = None) -> EmittedKe
         raise ValueError(f"emit_gluon.emit: config has backend={config.backend!r}")
     if trace is not None and not isinstance(trace, TraceBuffer):
         raise TypeError(f"emit(trace=...) takes a TraceBuffer, got {type(trace).__name__}")
-    return emitted(config, _header(config) + _device_code() + _constants(config, trace) + _entry(config))
+    return emitted(config, _header(config) + _device_code() + _constants(config, trace) + _entry(config),
+                   kernel_name_of(config))
 
 
 def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
@@ -242,7 +243,7 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
     lines += ["# host side: read by kernels/launch.py",
               f"NUM_WARPS = {NUM_WARPS}",
               f"PERSISTENT = {bool(c.persistent)!r}",
-              f"KERNEL_NAME = {KERNEL_NAME!r}", ""]
+              f"KERNEL_NAME = {kernel_name_of(c)!r}", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -376,7 +377,7 @@ def _entry(c: KernelConfig) -> str:
     return "\n".join([
         "",
         f"@gluon.jit(do_not_specialize={UNSPECIALISED!r})",
-        f"def {KERNEL_NAME}({', '.join(descriptor_blocks(c))},",
+        f"def {kernel_name_of(c)}({', '.join(descriptor_blocks(c))},",
         f"                  {', '.join(SCALAR_PARAMS[:7])},",
         f"                  {', '.join(SCALAR_PARAMS[7:] + tile_params(c))}, CAUSAL: gl.constexpr):",
         "    dtype: gl.constexpr = gl.float8e4nv",

@@ -127,9 +127,11 @@ F16_CASES = [gluon_lean_f16_config("fp8", 128, 128), gluon_lean_f16_config("fp8"
 K_PERM_CASES = [gluon_smem2_config("fp8", 128, 128).replace(k_perm=True),
                 gluon_lean_f16_config("fp8", 128, 128).replace(k_perm=True),
                 GLUON.replace(block_n=192, num_stages=2, k_perm=True), MLA.replace(p_carry="smem2", k_perm=True)]
+#: f16 scores with QK^T's wait moved behind PV(j-1)'s issue by generator/ptx_pass.py (qk_async): the F16_CASES
+QK_ASYNC_CASES = [cfg.replace(qk_async=True) for cfg in F16_CASES]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + F16_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
          + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES + CHUNKED_CASES
-         + HALF_CASES + K_PERM_CASES)
+         + HALF_CASES + K_PERM_CASES + QK_ASYNC_CASES)
 
 
 def test_hd96_q_and_k_in_32_column_parts_and_o_padded_or_split(compiled):
@@ -799,6 +801,29 @@ def test_k_perm_loads_k_in_5d_boxes_and_leaves_the_step_alone(cfg, compiled):
     assert "UTMALDG.5D" in art.sass and "UTMALDG.5D" not in twin.sass
     assert art.count("QGMMA") == twin.count("QGMMA") and art.registers == twin.registers
     assert art.spill_bytes == 0 and art.serialised_wgmma is None
+
+
+def _issue_order(art: CompiledArtifacts) -> str:
+    """The step loop's wgmmas and waits in order: 'h' an f16-accumulator QGMMA (QK^T), 'f' a float32 one (PV), 'w'
+    a wait. The step loop: the shortest loop holding both kinds."""
+    loop = min((b for b in sass_loops(art.sass) if any("QGMMA" in x and ".F16." in x for x in b)
+                and any("QGMMA" in x and ".F32." in x for x in b)), key=len)
+    return "".join("h" if "QGMMA" in x and ".F16." in x else "f" if "QGMMA" in x else "w"
+                   for x in loop if "QGMMA" in x or "WARPGROUP.DEPBAR" in x)
+
+
+@pytest.mark.parametrize("cfg", QK_ASYNC_CASES, ids=lambda c: f"hd{c.head_dim_qk}-{c.lean_fold}")
+def test_qk_async_issues_pv_behind_the_f16_qk_without_waiting(cfg, compiled):
+    """qk_async: in the step loop the f16 QK^T(j) QGMMAs are followed by PV(j-1)'s with no wait between (the
+    twin waits for QK^T first), then one wait for QK^T and, at the end, one for PV: the float32-score kernels'
+    order. The same QGMMAs and instructions otherwise (the split only moves), no spill, nothing serialised."""
+    art, twin = compiled(cfg), compiled(cfg.replace(qk_async=False))
+    order, twin_order = _issue_order(art), _issue_order(twin)
+    qk, pv = twin_order.count("h"), twin_order.count("f")
+    assert twin_order == "h" * qk + "w" + "f" * pv + "w" * (len(twin_order) - qk - pv - 1), twin_order
+    assert order == "h" * qk + "f" * pv + "w" * (len(order) - qk - pv) and order.count("w") >= 1, order
+    assert twin.ptx.count("wgmma.wait_group.sync.aligned 0") - art.ptx.count("wgmma.wait_group.sync.aligned 0") >= 2
+    assert art.count("QGMMA") == twin.count("QGMMA") and art.spill_bytes == 0 and art.serialised_wgmma is None
 
 
 def test_192_key_blocks_come_in_two_parts(compiled):

@@ -413,6 +413,19 @@ def test_f16_scores_match_float32_scores(name, sq, sk, causal):
     assert rel_l2(out, twin) < 3e-2
 
 
+@pytest.mark.parametrize("name", F16_TWINS)
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
+def test_qk_async_is_bitwise_its_synchronous_twin(name, sq, sk, causal):
+    """qk_async (generator/ptx_pass.py) only moves QK^T's wait behind PV(j-1)'s issue: the same instructions
+    on the same values, so the same output bits as the f16-score kernel that waits first."""
+    cfg = F16_TWINS[name].replace(qk_acc="f16")
+    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
+                           seqlen_k=sk, seed=3)
+    out = flash_attn_func(*args, causal=causal, config=cfg.replace(qk_async=True), **kw)
+    twin = flash_attn_func(*args, causal=causal, config=cfg, **kw)
+    assert torch.isfinite(out).all() and torch.equal(out, twin)
+
+
 def f16_family_errors(cfg, family: str, seqlen: int, seed: int, smooth_k: bool = False) -> tuple[float, float]:
     """cfg on f16 scores and its float32-score twin on `family` inputs quantised by quantize_fp8: their errors
     against the quantised inputs' float64 attention (kernel error only); the f16 output must be finite."""
