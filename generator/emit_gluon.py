@@ -204,6 +204,9 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         # qk_acc="f16": f16 scores, lean P folded two per instruction, Q's rows scaled by _q_headroom so that
         # E4M3_MAX * sum|q| * Q_HEADROOM <= 1 (generator/lean_asm.py)
         ("F16_S", c.qk_acc == "f16"), ("Q_HEADROOM", E4M3_MAX / F16_SCORE_BOUND),
+        # qk_async: generator/ptx_pass.py drops the f16 QK^T's wait, so P(j-1)'s publication and O's rescale go
+        # after QK^T(j)'s issue as in the float32-score step (without the pass they would wait for QK^T)
+        ("QK_ASYNC", bool(c.qk_async)),
         ("F16_FOLD_ASM", f16_fold_asm(c.lean_fold) if c.qk_acc == "f16" else ""),
         ("F16_PACK_ASM", f16_pack_asm() if c.qk_acc == "f16" else ""),
         # (f16 scores fold "corrected" on the one-FMA fold's row constant too: f16_fold_asm adds the correction,

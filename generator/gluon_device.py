@@ -816,7 +816,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     if P_DOUBLE:
         # QK^T(j) first; P(j-1)'s tile is published (proxy fence, warpgroup barrier) and O rescaled while
         # it runs, then PV(j-1) issued behind it
-        if F16_S:  # QK^T(j) is synchronous (_qk_issue): publish and rescale first, PV(j-1) issued right behind it
+        if F16_S and not QK_ASYNC:  # QK^T(j) is synchronous (_qk_issue): publish and rescale first, PV(j-1)
+            # issued right behind it (QK_ASYNC: ptx_pass drops that wait, so they go under QK^T as below)
             p8, acc, l_i, accc = _prev_p_ready(p_smem, kv_it, CID, acc, l_i, alpha, row_o, accc, row_oc)
         mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
         _turn_wait(turn_bars, turn_it, CID, PINGPONG)
@@ -824,7 +825,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
         sb_tok = s_tok
         _mark(kv_it, EV_QK_ISSUED, CID)
-        if not F16_S:
+        if QK_ASYNC or not F16_S:
             p8, acc, l_i, accc = _prev_p_ready(p_smem, kv_it, CID, acc, l_i, alpha, row_o, accc, row_oc)
         mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
         o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, ones_smem, l_zero, p8, vb_bufs.index(pst),
