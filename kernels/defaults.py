@@ -120,6 +120,14 @@ def gluon_lean_f16_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Kern
     return gluon_lean_smem2_config(dtype, head_dim_qk, head_dim_v).replace(qk_acc="f16", p_scale_log2=8)
 
 
+def gluon_lean_f16_async_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
+    """`gluon_lean_f16_config` with QK^T's wait behind PV(j-1)'s issue (qk_async, generator/ptx_pass.py) and a
+    24-register producer: 1.03-1.04x the synchronous seed at hd128 8K-32K (1.31x / 1.35x / 1.44x FA3-fp8, its
+    error unchanged; docs/PERF.md, session 35). The two go together: with the synchronous wait a 24-register
+    producer runs 0.88x, with qk_async 56 registers gain nothing. A seed of studies whose gate admits lean P."""
+    return gluon_lean_f16_config(dtype, head_dim_qk, head_dim_v).replace(qk_async=True, producer_regs=24)
+
+
 def gluon_packed_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """The Gluon default schedule carrying P packed as e4m3 from one step to the next
     (p_carry="e4m3", a quarter of the float32 carry's registers): at 128-key blocks with overlap and

@@ -12,7 +12,8 @@ from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_
                                         o_through_p_conflict, packed_p_conflict, pv_defer_conflict,
                                         qk_acc_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
-                                       gluon_lean_f16_config, gluon_lean_smem2_config, gluon_natural_config,
+                                       gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_smem2_config,
+                                       gluon_natural_config,
                                        gluon_packed_config, gluon_smem2_chunked_config, gluon_smem2_config,
                                        gluon_smem2_narrow_config, gluon_three_config, gluon_wide_config)
 
@@ -76,6 +77,8 @@ PARAMS = (backend_param(),
           decode=lambda v, f: v and not o_through_p_conflict(f)),
     Param("qk_acc", ("f32", "f16"), only_if=("backend", "gluon"),  # lean P on f16 scores (two per instruction)
           decode=lambda v, f: "f32" if qk_acc_conflict(f) else v),
+    Param("qk_async", (False, True), only_if=("backend", "gluon"),  # f16 QK^T's wait behind PV(j-1)'s issue
+          decode=lambda v, f: v and f["qk_acc"] == "f16"),
 )
 
 
@@ -94,7 +97,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     heads, session 22; the same compiled kernel), and a lean winner with the row-sum MMA summing its decoded
     codes instead (per lane where that applies; 5-9% faster than with the MMA at hd128, session 23), and a
     winner whose scores can accumulate in f16 with them so (qk_acc="f16": lean P 1.13-1.20x its float32
-    scores at hd128 8K-32K, session 28). A short study would rarely sample these neighbours of the best kernel
+    scores at hd128 8K-32K, session 28), and an f16-score winner with its QK^T wait moved behind PV(j-1)'s
+    issue (qk_async: +9% on the lean f16 kernel without ping-pong, +0.5% with it, session 35). A short study would rarely sample these neighbours of the best kernel
     it already has."""
     if config.backend != "gluon":
         return []
@@ -121,6 +125,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
         twins.append(config.replace(l2_group_mib=32))
     if config.qk_acc == "f32" and not qk_acc_conflict(vars(config)):
         twins.append(config.replace(qk_acc="f16"))  # scores in f16 (session 28)
+    if config.qk_acc == "f16" and not config.qk_async:
+        twins.append(config.replace(qk_async=True))  # PV(j-1) issued behind QK^T(j) (session 35)
     return twins
 
 
@@ -131,10 +137,12 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
 #: with P through two shared-memory tiles at 256 and at 128 keys (the latter where the former does not
 #: fit: 192/128; at hd256 in a 2-stage ring with the output through the P tiles). A study whose gate
 #: admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also gets the lean Gluon default, the
-#: lean two-tile kernel that sums its decoded codes per lane, and the same on f16 scores.
+#: lean two-tile kernel that sums its decoded codes per lane, and the same on f16 scores, synchronous and with
+#: QK^T's wait behind PV(j-1)'s issue (qk_async) at a 24-register producer.
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                     extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
                                  gluon_natural_config, gluon_three_config, gluon_packed_config, gluon_lanes_config,
                                  gluon_smem2_config, gluon_smem2_narrow_config, gluon_smem2_chunked_config),
                     winner_twins=field_twins,
-                    loose_seeds=(gluon_lean_config, gluon_lean_smem2_config, gluon_lean_f16_config))
+                    loose_seeds=(gluon_lean_config, gluon_lean_smem2_config, gluon_lean_f16_config,
+                                 gluon_lean_f16_async_config))

@@ -21,8 +21,8 @@ from gluon_cases import GLUON, SPACE, neighbours, sampled
 
 from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon, o_in_p_tile
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
-from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_lean_f16_config,
-                                       gluon_lean_smem2_config, gluon_smem2_chunked_config,
+from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_lean_f16_async_config,
+                                       gluon_lean_f16_config, gluon_lean_smem2_config, gluon_smem2_chunked_config,
                                        gluon_smem2_config, gluon_smem2_narrow_config, gluon_three_config,
                                        gluon_wide_config)
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
@@ -127,8 +127,10 @@ F16_CASES = [gluon_lean_f16_config("fp8", 128, 128), gluon_lean_f16_config("fp8"
 K_PERM_CASES = [gluon_smem2_config("fp8", 128, 128).replace(k_perm=True),
                 gluon_lean_f16_config("fp8", 128, 128).replace(k_perm=True),
                 GLUON.replace(block_n=192, num_stages=2, k_perm=True), MLA.replace(p_carry="smem2", k_perm=True)]
-#: f16 scores with QK^T's wait moved behind PV(j-1)'s issue by generator/ptx_pass.py (qk_async): the F16_CASES
-QK_ASYNC_CASES = [cfg.replace(qk_async=True) for cfg in F16_CASES]
+#: f16 scores with QK^T's wait moved behind PV(j-1)'s issue by generator/ptx_pass.py (qk_async): the F16_CASES,
+#: and the qk_async seed (a 24-register producer, session 35) with and without keys relabelled on K
+QK_ASYNC_CASES = [cfg.replace(qk_async=True) for cfg in F16_CASES] + [
+    gluon_lean_f16_async_config("fp8", 128, 128), gluon_lean_f16_async_config("fp8", 128, 128).replace(k_perm=True)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + F16_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
          + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES + CHUNKED_CASES
          + HALF_CASES + K_PERM_CASES + QK_ASYNC_CASES)
@@ -812,7 +814,8 @@ def _issue_order(art: CompiledArtifacts) -> str:
                    for x in loop if "QGMMA" in x or "WARPGROUP.DEPBAR" in x)
 
 
-@pytest.mark.parametrize("cfg", QK_ASYNC_CASES, ids=lambda c: f"hd{c.head_dim_qk}-{c.lean_fold}")
+@pytest.mark.parametrize("cfg", QK_ASYNC_CASES,
+                         ids=lambda c: f"hd{c.head_dim_qk}-{c.lean_fold}-p{c.producer_regs}{'-kperm' * c.k_perm}")
 def test_qk_async_issues_pv_behind_the_f16_qk_without_waiting(cfg, compiled):
     """qk_async: in the step loop the f16 QK^T(j) QGMMAs are followed by PV(j-1)'s with no wait between (the
     twin waits for QK^T first), then one wait for QK^T and, at the end, one for PV: the float32-score kernels'

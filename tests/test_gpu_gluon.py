@@ -389,7 +389,9 @@ def test_lean_sat_clamp_matches_imax(name, sq, sk, causal):
 F16_TWINS = {"256-codes-fma": gluon_lean_smem2_config("fp8", 128, 128),
              "256-codes-centered": gluon_lean_smem2_config("fp8", 128, 128).replace(lean_fold="centered"),
              "256-codes-corrected": gluon_lean_smem2_config("fp8", 128, 128).replace(lean_fold="corrected"),
-             "hd64": gluon_lean_smem2_config("fp8", 64, 64), "hd96": gluon_lean_smem2_config("fp8", 96, 96)}
+             "hd64": gluon_lean_smem2_config("fp8", 64, 64), "hd96": gluon_lean_smem2_config("fp8", 96, 96),
+             # the qk_async seed's register split (a 24-register producer, session 35)
+             "256-codes-fma-p24": gluon_lean_smem2_config("fp8", 128, 128).replace(producer_regs=24)}
 
 
 @pytest.mark.parametrize("name", F16_TWINS)

@@ -34,7 +34,7 @@ FAMILY_FIELDS = {
                    "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
                    "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer", "p_carry",
                    "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                   "qk_acc"},  # exp2_poly: slower
+                   "qk_acc", "qk_async"},  # exp2_poly: slower
     "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
                     "q_order", "loads", "v_layout"},
 }
@@ -361,6 +361,32 @@ def test_a_lean_two_tile_winner_has_its_f16_score_twin():
     get_space("fp8").as_optuna_params(coded.replace(qk_acc="f16"))  # a point of the space
 
 
+def test_an_f16_score_winner_has_its_qk_async_twin_and_f32_scores_never_sample_it():
+    """qk_async (session 35): an f16-score winner gets its twin with QK^T's wait behind PV(j-1)'s issue, which is
+    a point of the space; a float32-score config never decodes to qk_async=True (no such kernel), whatever the
+    sampler suggests."""
+    from zyfa_tune.kernels.defaults import gluon_lean_f16_config
+    from zyfa_tune.search_spaces.fp8_causal import field_twins
+
+    f16 = gluon_lean_f16_config("fp8", 128, 128)
+    assert f16.qk_acc == "f16" and not f16.qk_async
+    assert f16.replace(qk_async=True) in field_twins(f16)
+    assert not any(t.qk_async for t in field_twins(f16.replace(qk_acc="f32")))
+    assert not any(t == f16.replace(qk_async=False) for t in field_twins(f16.replace(qk_async=True)))
+    space = get_space("fp8")
+    options = space.as_optuna_params(f16.replace(qk_async=True))
+    assert options["qk_async"] is True
+    assert space._from_options(options, 128, 128) == f16.replace(qk_async=True)
+    assert space._from_options({**options, "qk_acc": "f32"}, 128, 128).qk_async is False
+    s, asked = study(3), 0
+    for _ in range(200):
+        _, cfg = ask_config(space, s, 128, 128)
+        if cfg is not None:
+            asked += 1
+            assert not cfg.qk_async or cfg.qk_acc == "f16"
+    assert asked > 20
+
+
 def test_a_lean_winner_with_the_row_sum_mma_has_its_code_sum_twin():
     """Lean P with its codes carried packed and summed by the row-sum MMA: its twin sums the decoded codes
     (rowsum="rounded"), per lane where that applies; not with P carried as float32 (no packed codes)."""
@@ -454,7 +480,7 @@ def test_loose_seeds_only_when_asked():
     Pareto front admits it (`seeds(..., loose=True)`), last; a default-gate study never sees it."""
     from zyfa_tune.kernels.defaults import gluon_lean_config
 
-    from zyfa_tune.kernels.defaults import gluon_lean_f16_config, gluon_lean_smem2_config
+    from zyfa_tune.kernels.defaults import gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_smem2_config
 
     space = get_space("fp8")
     lean = gluon_lean_config("fp8", 128, 128)
@@ -468,7 +494,10 @@ def test_loose_seeds_only_when_asked():
     # and the same on f16 scores (session 28), probabilities at 2^8 (session 31)
     f16 = gluon_lean_f16_config("fp8", 128, 128)
     assert f16 == coded.replace(qk_acc="f16", p_scale_log2=8) and space.feasible(f16) is None
-    assert loose[:-3] == strict and loose[-3:] == [lean, coded, f16]
+    # and that with QK^T's wait behind PV(j-1)'s issue at a 24-register producer (session 35)
+    f16_async = gluon_lean_f16_async_config("fp8", 128, 128)
+    assert f16_async == f16.replace(qk_async=True, producer_regs=24) and space.feasible(f16_async) is None
+    assert loose[:-4] == strict and loose[-4:] == [lean, coded, f16, f16_async]
     assert get_space("bf16").seeds(128, 128, loose=True) == get_space("bf16").seeds(128, 128)
 
 
