@@ -391,9 +391,8 @@ class KernelConfig:
         if self.block_n == 192 and (self.v_layout == "natural" or self.softmax == "lean"):
             raise ConfigError("block_n=192 (128 + 64 key parts) is built for the exact softmax with the V^T copy: "
                               "it needs softmax='exact' and v_layout='transposed'")
-        if self.qk_async and self.qk_acc != "f16":
-            raise ConfigError("qk_async=True moves the f16-score kernels' QK^T wait behind PV(j-1)'s issue (the "
-                              "float32-score kernels issue them so already): it needs qk_acc='f16'")
+        if self.qk_async and (why := qk_async_conflict(vars(self))):
+            raise ConfigError(why)
         if self.k_perm and not self.v_permute:
             raise ConfigError("k_perm=True makes v_permute's relabelling of keys on K instead of V^T: it needs "
                               "v_permute=True")
@@ -521,6 +520,15 @@ def qk_acc_conflict(f: Mapping[str, Any]) -> str | None:
         return f"qk_acc='f16' is built on the two-P-tile step: it needs p_carry='smem2', not {f['p_carry']!r}"
     if f["half_block"]:
         return "qk_acc='f16' with half_block=True: " + _F16_HALF_BLOCK
+    return None
+
+
+def qk_async_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why a config with these fields cannot move QK^T's wait behind PV(j-1)'s issue (qk_async=True), or None.
+    One rule for validation and for the search space (which decodes a suggested True to False)."""
+    if f["qk_acc"] != "f16":
+        return ("qk_async=True moves the f16-score kernels' QK^T wait behind PV(j-1)'s issue (the float32-score "
+                "kernels issue them so already): it needs qk_acc='f16'")
     return None
 
 

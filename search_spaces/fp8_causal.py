@@ -10,12 +10,12 @@ from functools import partial
 
 from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, o_split_conflict,
                                         o_through_p_conflict, packed_p_conflict, pv_defer_conflict,
-                                        qk_acc_conflict)
+                                        qk_acc_conflict, qk_async_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
                                        gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_smem2_config,
-                                       gluon_natural_config,
-                                       gluon_packed_config, gluon_smem2_chunked_config, gluon_smem2_config,
-                                       gluon_smem2_narrow_config, gluon_three_config, gluon_wide_config)
+                                       gluon_natural_config, gluon_packed_config, gluon_smem2_chunked_config,
+                                       gluon_smem2_config, gluon_smem2_narrow_config, gluon_three_config,
+                                       gluon_wide_config)
 
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
                    rowsum_param, scale_per_tile, triton_only)
@@ -78,7 +78,7 @@ PARAMS = (backend_param(),
     Param("qk_acc", ("f32", "f16"), only_if=("backend", "gluon"),  # lean P on f16 scores (two per instruction)
           decode=lambda v, f: "f32" if qk_acc_conflict(f) else v),
     Param("qk_async", (False, True), only_if=("backend", "gluon"),  # f16 QK^T's wait behind PV(j-1)'s issue
-          decode=lambda v, f: v and f["qk_acc"] == "f16"),
+          decode=lambda v, f: v and not qk_async_conflict(f)),
 )
 
 
@@ -98,8 +98,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     codes instead (per lane where that applies; 5-9% faster than with the MMA at hd128, session 23), and a
     winner whose scores can accumulate in f16 with them so (qk_acc="f16": lean P 1.13-1.20x its float32
     scores at hd128 8K-32K, session 28), and an f16-score winner with its QK^T wait moved behind PV(j-1)'s
-    issue (qk_async: +9% on the lean f16 kernel without ping-pong, +0.5% with it, session 35). A short study would rarely sample these neighbours of the best kernel
-    it already has."""
+    issue (qk_async: +9% on the lean f16 kernel without ping-pong, +0.5% with it, session 35). A short study
+    would rarely sample these neighbours of the best kernel it already has."""
     if config.backend != "gluon":
         return []
     twins = []
@@ -125,7 +125,7 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
         twins.append(config.replace(l2_group_mib=32))
     if config.qk_acc == "f32" and not qk_acc_conflict(vars(config)):
         twins.append(config.replace(qk_acc="f16"))  # scores in f16 (session 28)
-    if config.qk_acc == "f16" and not config.qk_async:
+    if not config.qk_async and not qk_async_conflict(vars(config)):
         twins.append(config.replace(qk_async=True))  # PV(j-1) issued behind QK^T(j) (session 35)
     return twins
 
