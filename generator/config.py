@@ -64,18 +64,19 @@ CHOICES: dict[str, tuple] = {
     "qk_acc": ("f32", "f16"),
     "k_perm": (False, True),
     "qk_async": (False, True),
+    "lean_mufu": (0, 1, 2, 3, 4),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
                 "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                "qk_acc", "k_perm", "qk_async")
+                "qk_acc", "k_perm", "qk_async", "lean_mufu")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-               "qk_acc", "k_perm", "qk_async")
+               "qk_acc", "k_perm", "qk_async", "lean_mufu")
 #: Fields only the launch reads (the persistent grid's tile table), not the kernel's code: configs that
 #: differ only in them differ in the source's header line alone (the config, so each is its own
 #: database variant: variants are keyed by source hash), and Triton compiles the kernel function once.
@@ -227,6 +228,11 @@ class KernelConfig:
                   step waits for QK^T(j) before issuing PV(j-1), where ncu finds a quarter of the lean f16
                   step's samples, docs/PERF.md session 34). The same arithmetic; with a 24-register producer
                   +3-4% on lean f16 at hd128 (session 35); searched.
+    lean_mufu:    Gluon, qk_acc="f16" with lean_fold="corrected": of every four f16 score pairs, how many take
+                  2^x from the MUFU (ex2.approx.f16x2, then the hardware's round-to-nearest e4m3 conversion)
+                  instead of the corrected fold. The corrected fold's seven f16x2 operations per pair are issue
+                  slots, the MUFU's are its own pipe: a share of each runs the two side by side. Both round
+                  (nearly) as FA3 does, so the error is the corrected fold's (generator/lean_asm.f16_mufu_asm).
     """
 
     dtype: str = "fp8"
@@ -270,6 +276,7 @@ class KernelConfig:
     qk_acc: str = "f32"
     k_perm: bool = False
     qk_async: bool = False
+    lean_mufu: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -393,6 +400,8 @@ class KernelConfig:
                               "it needs softmax='exact' and v_layout='transposed'")
         if self.qk_async and (why := qk_async_conflict(vars(self))):
             raise ConfigError(why)
+        if self.lean_mufu and (why := lean_mufu_conflict(vars(self))):
+            raise ConfigError(why)
         if self.k_perm and not self.v_permute:
             raise ConfigError("k_perm=True makes v_permute's relabelling of keys on K instead of V^T: it needs "
                               "v_permute=True")
@@ -467,6 +476,7 @@ class KernelConfig:
             softmax += " skip-rescale" if self.skip_rescale else ""
             softmax += " f16S" if self.qk_acc == "f16" else ""
             softmax += " qkAsync" if self.qk_async else ""
+            softmax += f" mufu{self.lean_mufu}/4" if self.lean_mufu else ""
             group = f" L2group{self.l2_group_mib}MiB" if self.l2_group_mib != _DEFAULTS["l2_group_mib"] else ""
             return (f"gluon {softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
                     f"{'+'.join(on) or 'plain'}{group}")
@@ -529,6 +539,16 @@ def qk_async_conflict(f: Mapping[str, Any]) -> str | None:
     if f["qk_acc"] != "f16":
         return ("qk_async=True moves the f16-score kernels' QK^T wait behind PV(j-1)'s issue (the float32-score "
                 "kernels issue them so already): it needs qk_acc='f16'")
+    return None
+
+
+def lean_mufu_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why a config with these fields cannot take a share of lean P's 2^x from the MUFU (lean_mufu > 0), or None.
+    One rule for validation and for the search space (which decodes a suggested share to 0)."""
+    if f["qk_acc"] != "f16" or f["softmax"] != "lean" or f["lean_fold"] != "corrected":
+        return (f"lean_mufu={f['lean_mufu']}: a share of the corrected f16 fold's pairs from the MUFU; it needs "
+                f"softmax='lean', qk_acc='f16' and lean_fold='corrected' (the pairs must round as the fold does), "
+                f"not softmax={f['softmax']!r}, qk_acc={f['qk_acc']!r}, lean_fold={f['lean_fold']!r}")
     return None
 
 

@@ -224,25 +224,76 @@ def f16_fold_asm(fold: str = "fma") -> str:
     if fold in ONE_FMA_FOLDS:
         lines = ["fma.rn.sat.f16x2 t, $1, $2, $3;",
                  f"mov.b32 c, {_f16x2_hex(SAT_SCALE)};",
-                 f"mov.b32 m, {_f16x2_hex(F16_BASE)};"]
+                 f"mov.b32 m, {_f16x2_hex(F16_BASE)};",
+                 "fma.rn.f16x2 $0, t, c, m;"]
     elif fold == "corrected":
-        lines = ["fma.rn.sat.f16x2 t, $1, $2, $3;",    # u
-                 f"mov.b32 c, {_f16x2_hex(16.0)};",
-                 f"mov.b32 m, {_f16x2_hex(1023.5)};",
-                 "fma.rn.f16x2 r, t, c, m;",          # 16 u + 1023.5, rounded to an integer (k + 1024)
-                 "sub.f16x2 r, m, r;",                # -(k + 1/2), exact
-                 "fma.rn.f16x2 f, t, c, r;",          # f = 16 u - k - 1/2
-                 "neg.f16x2 r, f;",
-                 f"mov.b32 m, {_f16x2_hex(0.25)};",
-                 "fma.rn.f16x2 r, r, f, m;",          # 1/4 - f^2 = frac (1 - frac)
-                 f"mov.b32 c, {_f16x2_hex(LEAN_CORRECTION / 16)};",
-                 "fma.rn.sat.f16x2 t, r, c, t;",      # sat(u + (c / 16) frac (1 - frac))
-                 f"mov.b32 c, {_f16x2_hex(-SAT_SCALE)};",
-                 f"mov.b32 m, {_f16x2_hex(F16_BASE + SAT_SCALE)};"]
+        lines = _f16_corrected_lines("$0", "$1", "$2", "$3")
     else:
         raise ValueError(f"f16 scores fold as {ONE_FMA_FOLDS} or 'corrected', not {fold!r}")
-    lines.append("fma.rn.f16x2 $0, t, c, m;")
     return "{\n.reg .b32 t, c, m, r, f;\n" + "\n".join(lines) + "\n}"
+
+
+def _f16_corrected_lines(out: str, s: str, a: str, b: str) -> list[str]:
+    """The corrected fold of one f16 pair (f16_fold_asm), from operands s, a, b into out; scratch t, c, m, r, f."""
+    return [f"fma.rn.sat.f16x2 t, {s}, {a}, {b};",     # u
+            f"mov.b32 c, {_f16x2_hex(16.0)};",
+            f"mov.b32 m, {_f16x2_hex(1023.5)};",
+            "fma.rn.f16x2 r, t, c, m;",          # 16 u + 1023.5, rounded to an integer (k + 1024)
+            "sub.f16x2 r, m, r;",                # -(k + 1/2), exact
+            "fma.rn.f16x2 f, t, c, r;",          # f = 16 u - k - 1/2
+            "neg.f16x2 r, f;",
+            f"mov.b32 m, {_f16x2_hex(0.25)};",
+            "fma.rn.f16x2 r, r, f, m;",          # 1/4 - f^2 = frac (1 - frac)
+            f"mov.b32 c, {_f16x2_hex(LEAN_CORRECTION / 16)};",
+            "fma.rn.sat.f16x2 t, r, c, t;",      # sat(u + (c / 16) frac (1 - frac))
+            f"mov.b32 c, {_f16x2_hex(-SAT_SCALE)};",
+            f"mov.b32 m, {_f16x2_hex(F16_BASE + SAT_SCALE)};",
+            f"fma.rn.f16x2 {out}, t, c, m;"]
+
+
+#: P's exponent at u = 0 on the corrected fold's reversed line: x + P = 9 - 16 u (t = (8 (x + P) + 56) / 128)
+F16_U_TOP = 9.0
+#: how many f16 score pairs one `f16_mufu_asm` takes (eight scores: pack=8, four 32-bit registers)
+MUFU_GROUP = 4
+
+
+def f16_mufu_asm(mufu: int) -> str:
+    """PTX for eight f16 scores ($4..$7, four pairs) -> four registers of `f16_fold_asm` results ($0..$3, the
+    code in each half's low byte): the first MUFU_GROUP - mufu pairs by the corrected fold (a $8..$11, b
+    $12..$15: its reversed line u = sat(s a + b)), the last mufu pairs by the MUFU: e = x + P = s a2 + b2
+    ($16..$19, $20..$23: a2 = -16 a, b2 = 9 - 16 b, the same line unsaturated, so that a masked score's -inf
+    gives 2^-inf = 0), 2^e by ex2.approx.f16x2, rounded to e4m3 by the conversion (cvt.rn.satfinite; P <= 2^8
+    by the row maximum, so it never saturates), the two codes moved to their halves' low bytes. The fold's
+    issue slots and the MUFU pipe then work side by side (lean_mufu, generator/config.py)."""
+    if not 0 <= mufu <= MUFU_GROUP:
+        raise ValueError(f"mufu must be 0..{MUFU_GROUP}, not {mufu!r}")
+    lines: list[str] = []
+    for i in range(MUFU_GROUP):
+        out, s = f"${i}", f"${4 + i}"
+        if i < MUFU_GROUP - mufu:
+            lines += _f16_corrected_lines(out, s, f"${8 + i}", f"${12 + i}")
+        else:
+            lines += [f"fma.rn.f16x2 e, {s}, ${16 + i}, ${20 + i};",
+                      "ex2.approx.f16x2 e, e;",
+                      "cvt.rn.satfinite.e4m3x2.f16x2 h, e;"]
+            if mufu_codes_low(mufu):  # the pack takes the two codes as they are (f16_pack_asm)
+                lines.append(f"cvt.u32.u16 {out}, h;")
+            else:                     # bytes 0, 2 <- the codes of keys 0, 1 (the fold's format); bytes 1, 3 <- 0
+                lines += ["cvt.u32.u16 w, h;", f"prmt.b32 {out}, w, 0, 0x4140;"]
+    return "{\n.reg .b32 t, c, m, r, f, e, w;\n.reg .b16 h;\n" + "\n".join(lines) + "\n}"
+
+
+def mufu_codes_low(mufu: int) -> bool:
+    """Whether f16_mufu_asm(mufu) leaves its MUFU pairs' two codes in the low 16 bits, for the pack to take as
+    they are: at mufu = 2 its MUFU pairs are the last two of each four, which in the accumulator's register
+    order (key + 1, row + 8, key + 8, ...) are the odd 8-key chunks of both rows, so that each pack of four
+    keys (the relabelled {16h + 4q + 2s + b}, gluon_device._carried) gets its second pair (s = 1) from the MUFU
+    and its first from the fold. At 1 or 3 the rows differ, and the MUFU pairs take the fold's format."""
+    return 2 * mufu == MUFU_GROUP
+
+
+#: Inline-asm constraints of `f16_mufu_asm`: four registers out, five operands of four registers in.
+F16_MUFU_CONSTRAINTS = ",".join(["=r"] * MUFU_GROUP + ["r"] * (5 * MUFU_GROUP))
 
 
 def f16_reversed(fold: str) -> bool:
@@ -250,11 +301,12 @@ def f16_reversed(fold: str) -> bool:
     return fold == "corrected"
 
 
-def f16_pack_asm() -> str:
+def f16_pack_asm(codes_low: bool = False) -> str:
     """PTX for four `f16_fold_asm` results ($1..$4, keys 4a .. 4a + 3, as 16-bit registers; consecutive
     pairs share a 32-bit register in the accumulator) -> one register of four e4m3 codes: their low
-    bytes, one PRMT."""
+    bytes, one PRMT. codes_low: the second pair is a MUFU pair of f16_mufu_asm whose two codes are $3's
+    bytes (mufu_codes_low)."""
     return ("{\n.reg .b32 a, b;\n"
             "mov.b32 a, {$1, $2};\n"
             "mov.b32 b, {$3, $4};\n"
-            "prmt.b32 $0, a, b, 0x6420;\n}")
+            f"prmt.b32 $0, a, b, {'0x5420' if codes_low else '0x6420'};\n}}")

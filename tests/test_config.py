@@ -37,6 +37,9 @@ def valid_with(field: str, value) -> KernelConfig:
         changes["q_order"] = "balanced"
     if (field == "qk_acc" and value == "f16") or (field == "qk_async" and value):
         changes.update(softmax="lean", rowsum="rounded", p_carry="smem2", lean_clamp="sat", qk_acc="f16")
+    if field == "lean_mufu" and value:
+        changes.update(softmax="lean", rowsum="rounded", p_carry="smem2", lean_clamp="sat", qk_acc="f16",
+                       lean_fold="corrected")
     if field in GLUON_FIELDS or (field, value) in (("backend", "gluon"), ("block_m", 192), ("block_n", 192),
                                                    ("q_order", "balanced")):
         return GLUON.replace(**changes)

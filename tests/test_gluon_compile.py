@@ -131,9 +131,13 @@ K_PERM_CASES = [gluon_smem2_config("fp8", 128, 128).replace(k_perm=True),
 #: and the qk_async seed (a 24-register producer, session 35) with and without keys relabelled on K
 QK_ASYNC_CASES = [cfg.replace(qk_async=True) for cfg in F16_CASES] + [
     gluon_lean_f16_async_config("fp8", 128, 128), gluon_lean_f16_async_config("fp8", 128, 128).replace(k_perm=True)]
+#: a share of the corrected f16 fold's pairs from the MUFU (lean_mufu: 1, 2, 3 of every four), at the qk_async
+#: seed's 24-register producer
+MUFU_CASES = [gluon_lean_f16_async_config("fp8", 128, 128).replace(lean_fold="corrected", lean_mufu=k)
+              for k in (1, 2, 3)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + F16_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
          + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES + CHUNKED_CASES
-         + HALF_CASES + K_PERM_CASES + QK_ASYNC_CASES)
+         + HALF_CASES + K_PERM_CASES + QK_ASYNC_CASES + MUFU_CASES)
 
 
 def test_hd96_q_and_k_in_32_column_parts_and_o_padded_or_split(compiled):
@@ -257,6 +261,23 @@ def test_f16_scores_halve_the_softmax_and_keep_the_wgmmas_overlapped(compiled):
     print(f"\n  step loop: {len(loop)} instructions (float32 scores: {len(ref_loop)})", end="")
     assert len(loop) < 0.8 * len(ref_loop)
     assert sum("PRMT" in x for x in loop) <= sum("PRMT" in x for x in ref_loop) // 2
+
+
+@pytest.mark.parametrize("cfg", MUFU_CASES, ids=lambda c: f"mufu{c.lean_mufu}")
+def test_lean_mufu_moves_a_share_of_the_pairs_to_the_mufu(cfg, compiled):
+    """lean_mufu=k: per 256-key step a thread has 64 f16 pairs; 16 k of them take two MUFU.EX2 each (the f16x2
+    exponential is two on sm_90a) and one conversion to e4m3 (F2FP) instead of the corrected fold's seven f16x2
+    operations, so the step has 32 k exponentials more than the fold alone (its 2: the rows' alpha) and
+    5 x 16 k fewer HFMA2 (six of the fold, one of the line e)."""
+    corrected = cfg.replace(lean_mufu=0)
+    art, ref = compiled(cfg), compiled(corrected)
+    check_usable(art, cfg)
+    loop, ref_loop = _step_loop(art.sass), _step_loop(ref.sass)
+    count = lambda body, op: sum(x.split()[0] == op or x.split()[0].startswith(op + ".") for x in body)
+    k = cfg.lean_mufu
+    assert count(loop, "MUFU") - count(ref_loop, "MUFU") == 32 * k
+    assert count(ref_loop, "HFMA2") - count(loop, "HFMA2") == 5 * 16 * k  # (the MUFU pairs keep one: e = s a2 + b2)
+    assert 16 * k <= count(loop, "F2FP") - count(ref_loop, "F2FP") <= 16 * k + 2  # (+ the rows' a2, b2 to f16)
 
 
 def _step_loop(sass: str) -> list[str]:

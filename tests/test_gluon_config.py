@@ -53,7 +53,8 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
         {"q_order": "heavy_first"} if field == "persistent" else \
         {"head_dim_qk": 96, "head_dim_v": 96} if field == "o_split" else \
         {"overlap": False} if field == "half_block" else {"p_carry": "smem2"} if field == "o_through_p" else \
-        F16_NEEDS if field == "qk_acc" else dict(F16_NEEDS, qk_acc="f16") if field == "qk_async" else {}
+        F16_NEEDS if field == "qk_acc" else dict(F16_NEEDS, qk_acc="f16") if field == "qk_async" else \
+        dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected") if field == "lean_mufu" else {}
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 
@@ -106,6 +107,9 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(overlap=False, block_n=192, half_block=True), r"^half_block=True halves a first block"),
     (dict(overlap=False, block_n=64, half_block=True), r"^half_block=True halves a first block"),
     (dict(p_carry="smem", block_n=64, half_block=True), r"^half_block=True halves a first block"),
+    (dict(lean_mufu=2), r"^lean_mufu=2: a share of the corrected f16 fold's pairs from the MUFU; it needs "
+                        r"softmax='lean', qk_acc='f16' and lean_fold='corrected' .* not softmax='exact'"),
+    (dict(F16_NEEDS, qk_acc="f16", lean_mufu=1), r"^lean_mufu=1: .* not softmax='lean', qk_acc='f16', lean_fold='fma'"),
     (dict(o_through_p=True), r"^o_through_p=True stores O through the warpgroup's two P tiles: it needs "
                              r"p_carry='smem2'"),
     (dict(p_carry="smem", o_through_p=True), r"^o_through_p=True stores O through .* p_carry='smem2'"),

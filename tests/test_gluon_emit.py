@@ -13,7 +13,7 @@ from gluon_cases import GLUON, neighbours, sampled
 from zyfa_tune.generator import KernelConfig, emit, emit_gluon, emit_triton, gluon_device, gluon_registers
 from zyfa_tune.generator.emitted import KERNEL_NAME
 from zyfa_tune.generator.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
-from zyfa_tune.generator.lean_asm import MAGIC, code_sum_asm, f16_fold_asm, f16_pack_asm, lean_tail_asm
+from zyfa_tune.generator.lean_asm import MAGIC, code_sum_asm, f16_fold_asm, f16_mufu_asm, f16_pack_asm, lean_tail_asm
 from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
 from zyfa_tune.generator.timeline import EVENTS
 from zyfa_tune.kernels.defaults import (default_config, gluon_lean_f16_config, gluon_smem2_chunked_config,
@@ -26,7 +26,9 @@ VARIANTS = neighbours() + sampled(20) + [GLUON.replace(p_carry="smem"),
                                          GLUON.replace(p_carry="smem2"), gluon_smem2_config("fp8", 128, 128),
                                          gluon_smem2_chunked_config("fp8", 256, 256),
                                          gluon_smem2_chunked_config("fp8", 192, 128),
-                                         gluon_lean_f16_config("fp8", 128, 128)]
+                                         gluon_lean_f16_config("fp8", 128, 128),
+                                         *(gluon_lean_f16_config("fp8", 128, 128).replace(lean_fold="corrected",
+                                                                                          lean_mufu=k) for k in (1, 2))]
 
 
 def constants(source: str) -> dict:
@@ -158,7 +160,10 @@ def test_constants_are_the_config(cfg):
                  # qk_acc="f16": Q rows rescaled so that 448 sum|q| stays within 2^15
                  "F16_S": cfg.qk_acc == "f16", "Q_HEADROOM": 448.0 / 32768.0, "QK_ASYNC": cfg.qk_async,
                  "F16_FOLD_ASM": f16_fold_asm(cfg.lean_fold) if cfg.qk_acc == "f16" else "",
-                 "F16_PACK_ASM": f16_pack_asm() if cfg.qk_acc == "f16" else "",
+                 "F16_PACK_ASM": f16_pack_asm(cfg.lean_mufu == 2) if cfg.qk_acc == "f16" else "",
+                 # lean_mufu: k of every four f16 pairs by the MUFU (at 2 their codes go to the pack as they are)
+                 "LEAN_MUFU": cfg.lean_mufu, "F16_MUFU_ASM": f16_mufu_asm(cfg.lean_mufu) if cfg.lean_mufu else "",
+                 "F16_MUFU_CONSTRAINTS": ",".join(["=r"] * 4 + ["r"] * 20), "F16_U_TOP": 9.0,
                  # the corrected fold on f16 scores folds u = 1 - t at the row's own maximum (no 1/8 grid)
                  "F16_U": cfg.qk_acc == "f16" and cfg.lean_fold == "corrected",
                  "LEAN_GRID": lean and cfg.lean_fold in ("fma", "centered"),
@@ -190,7 +195,8 @@ def test_only_validated_values_become_text(cfg):
     lean = cfg.softmax == "lean"
     expected |= {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
     expected |= {code_sum_asm() if lean and cfg.rowsum == "rounded" else ""}  # code sums: no config text
-    expected |= {f16_fold_asm(cfg.lean_fold), f16_pack_asm()} if cfg.qk_acc == "f16" else set()  # fixed PTX
+    expected |= {f16_fold_asm(cfg.lean_fold), f16_pack_asm(cfg.lean_mufu == 2)} if cfg.qk_acc == "f16" else set()
+    expected |= {f16_mufu_asm(cfg.lean_mufu)} if cfg.lean_mufu else set()  # fixed PTX, from an int of 1..4
     expected |= {exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else ""}
     if emit_gluon.rescale_in_place(cfg):  # skip_rescale, or a 256-key pv_defer block (always, in place)
         expected |= {rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale), rescale_constraints(cfg.head_dim_v // 2)}

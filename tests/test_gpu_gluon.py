@@ -12,9 +12,9 @@ from zyfa_tune import api, explain, flash_attn_func
 from zyfa_tune.db import ProblemKey, TrialResult, current_fingerprint, open_store
 from zyfa_tune.generator import emit
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lean_smem2_config,
-                                       gluon_smem2_chunked_config,
-                                       gluon_smem2_config, gluon_smem2_narrow_config, gluon_wide_config)
+from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lean_f16_async_config,
+                                       gluon_lean_smem2_config, gluon_smem2_chunked_config, gluon_smem2_config,
+                                       gluon_smem2_narrow_config, gluon_wide_config)
 from zyfa_tune.kernels.reference import attention_reference, rel_l2
 from zyfa_tune.kernels.inputs import make_qkv
 from zyfa_tune.kernels.verify import make_inputs
@@ -468,6 +468,43 @@ def test_f16_scores_stay_finite_on_logits_of_thousands(family, fold, p_offset):
     print(f"\n{family} {fold} P={p_offset}: f16 scores {err:.4e}, float32 scores {err32:.4e} ({err / err32:.3f}x)",
           end="")
     assert err <= 2.5 * err32
+
+
+#: lean_mufu: 1-3 of every four pairs of the corrected f16 fold from the MUFU, at the qk_async seed's schedule
+MUFU_BASE = gluon_lean_f16_async_config("fp8", 128, 128).replace(lean_fold="corrected")
+
+
+@pytest.mark.parametrize("mufu", [1, 2, 3])
+@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
+def test_lean_mufu_rounds_as_the_corrected_fold(mufu, sq, sk, causal):
+    """The MUFU's pairs round to nearest as the fold's nearly do (tests/test_lean_numerics.py: the codes differ
+    by one, near rounding boundaries, for a few percent of scores): FA3's error against float64 as the
+    corrected fold (1.03x), within 1% of the fold alone; masked keys (S=17, the diagonal blocks) give 0."""
+    cfg = MUFU_BASE.replace(lean_mufu=mufu)
+    out = check(cfg, 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128, fa3_factor=1.03)
+    args, kw = make_inputs("fp8", 128, 128, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=0)
+    twin = flash_attn_func(*args, causal=causal, config=MUFU_BASE, **kw)
+    print(f" vs the fold alone: {rel_l2(out, twin):.3e}", end="")
+    assert rel_l2(out, twin) < 1e-2
+
+
+@pytest.mark.parametrize("family", ["llm", "outliers", "sink"])
+def test_lean_mufu_on_activation_like_inputs(family):
+    """Rows with logits of hundreds to thousands (llm, outliers) and a sink: finite, and the error of the fold
+    alone within 5% (both paths read one line, e = 9 - 16 u: b2 = 9 - 16 b is exact in f16 but where the sum
+    carries into a new binade, then it is rounded by at most b's own f16 step)."""
+    cfg = MUFU_BASE.replace(lean_mufu=2)
+    q, k, v = make_qkv(family, batch=1, seqlen=4096, heads=4, kv_heads=4, head_dim_qk=128, head_dim_v=128,
+                       seed=2, device="cuda")
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
+    args, kw = (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    ref = attention_reference(*args, causal=True, **kw)
+    out = flash_attn_func(*args, causal=True, config=cfg, **kw)
+    fold = flash_attn_func(*args, causal=True, config=MUFU_BASE, **kw)
+    assert torch.isfinite(out).all()
+    err, err_fold = rel_l2(out, ref), rel_l2(fold, ref)
+    print(f"\n{family} mufu2: {err:.4e}, the fold alone {err_fold:.4e} ({err / err_fold:.3f}x)", end="")
+    assert err <= 1.05 * err_fold
 
 
 #: P through a shared-memory tile (p_carry="smem", not searched: measured 1-19% slower, docs/PERF.md

@@ -28,9 +28,9 @@ import pytest
 import torch
 
 from zyfa_tune.generator import CHOICES
-from zyfa_tune.generator.lean_asm import (E4M3_ONE_CODE, LEAN_CENTER, LEAN_CORRECTION, MAGIC, MAGIC_BITS, ONE_FMA_FOLDS,
-                                          SAT_SCALE, f16_fold_asm, f16_pack_asm, f16_reversed, fold_center, lean_p_asm,
-                                          lean_tail_asm)
+from zyfa_tune.generator.lean_asm import (E4M3_ONE_CODE, LEAN_CENTER, LEAN_CORRECTION, MAGIC, MAGIC_BITS, MUFU_GROUP,
+                                          ONE_FMA_FOLDS, SAT_SCALE, f16_fold_asm, f16_mufu_asm, f16_pack_asm, f16_reversed,
+                                          fold_center, lean_p_asm, lean_tail_asm, mufu_codes_low)
 
 LOG2E = 1.4426950408889634
 
@@ -310,7 +310,8 @@ def run_lean_asm(text: str, inputs: list[float]) -> int:
 
 
 def _execute(text: str, regs: dict[str, int]) -> int:
-    """Run an inline-asm block ({, .reg lines, instructions, }) on 32-bit (or 16-bit) register values; $0."""
+    """Run an inline-asm block ({, .reg lines, instructions, }) on 32-bit (or 16-bit) register values; $0
+    (every register written stays in regs)."""
     body = text.strip().splitlines()
     assert body[0] == "{" and body[-1] == "}"
     while body[1].startswith(".reg "):
@@ -343,6 +344,18 @@ def _execute(text: str, regs: dict[str, int]) -> int:
             for half in (0, 16):
                 a_, *b_ = (f16_from_bits((v >> half) & 0xFFFF) for v in srcs)
                 val |= f16_bits(f16(a_ - b_[0]) if op == "sub.f16x2" else -a_) << half
+        elif op == "ex2.approx.f16x2":  # per half: 2^x rounded to f16 (the MUFU's own error, ~2^-9.9, not modelled)
+            val = 0
+            for half in (0, 16):
+                x_ = f16_from_bits((srcs[0] >> half) & 0xFFFF)
+                val |= f16_bits(f16(2.0 ** x_) if x_ < 16 else math.inf) << half
+        elif op == "cvt.rn.satfinite.e4m3x2.f16x2":  # per half: nearest e4m3, finite (+-448) past its range
+            val = 0
+            for half in (0, 8):
+                x_ = min(max(f16_from_bits((srcs[0] >> (2 * half)) & 0xFFFF), -448.0), 448.0)
+                val |= int(torch.tensor(x_, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)) << half
+        elif op == "cvt.u32.u16":
+            val = srcs[0] & 0xFFFF
         elif op == "add.rm.f32":
             val = bits(round_down_f32(sum(Fraction(from_bits(v)) for v in srcs)))
         elif op == "sub.f32":
@@ -764,3 +777,66 @@ def test_f16_pack_takes_each_low_byte_in_key_order():
     word = run_f16_asm(f16_pack_asm(), ys)
     assert [(word >> (8 * k)) & 0xFF for k in range(4)] == [3, 77, 112, 0]
     assert f16_pack_asm().count("prmt") == 1 and "fma.rn.sat.f16x2" in f16_fold_asm()
+
+
+# ---- a share of the corrected f16 fold's pairs from the MUFU (lean_mufu) --------------------------------
+
+def f16_mufu_codes(s: list[float], scale: float, n: float, mufu: int, p_offset: int = 7) -> list[int]:
+    """The kernel's codes of f16 scores s of a row (a multiple of 8) with lean_mufu=mufu: f16_mufu_asm on each
+    eight (a and b of the corrected fold's row, f16_row; a2 = -16 a and b2 = 9 - 16 b as
+    gluon_device._f16_fold makes them), f16_pack_asm on each four."""
+    a, b, _ = f16_row(scale, n, p_offset, "corrected")
+    a2, b2 = f16(-16.0 * a), f16(fma_f32(b, -16.0, 9.0))
+    pair = lambda x, y: f16_bits(x) | (f16_bits(y) << 16)
+    text, codes = f16_mufu_asm(mufu), []
+    for i in range(0, len(s), 2 * MUFU_GROUP):
+        regs = {f"${4 + k}": pair(s[i + 2 * k], s[i + 2 * k + 1]) for k in range(MUFU_GROUP)}
+        for k in range(MUFU_GROUP):
+            regs.update({f"${8 + k}": pair(a, a), f"${12 + k}": pair(b, b), f"${16 + k}": pair(a2, a2),
+                         f"${20 + k}": pair(b2, b2)})
+        _execute(text, regs)
+        ys, group = [regs[f"${k}"] for k in range(MUFU_GROUP)], [0] * (2 * MUFU_GROUP)
+        for r in (0, 1):  # the kernel packs register r (an even 8-key chunk) with r + 2 (the odd one, same row)
+            y0, y1 = ys[r], ys[r + 2]
+            word = run_f16_asm(f16_pack_asm(mufu_codes_low(mufu)), [y0 & 0xFFFF, y0 >> 16, y1 & 0xFFFF, y1 >> 16])
+            group[2 * r: 2 * r + 2] = [word & 0xFF, (word >> 8) & 0xFF]
+            group[2 * r + 4: 2 * r + 6] = [(word >> 16) & 0xFF, word >> 24]
+        codes += group
+    return codes
+
+
+def test_f16_mufu_asm_shape():
+    """Each of the four pairs either folds (seven f16x2 operations) or takes the MUFU (one FMA, ex2, one
+    conversion, the codes moved to the halves' low bytes); the constraints name 4 outputs and 5 x 4 inputs."""
+    for mufu in range(MUFU_GROUP + 1):
+        text = f16_mufu_asm(mufu)
+        assert text.count("ex2.approx.f16x2") == mufu and text.count("cvt.rn.satfinite.e4m3x2.f16x2") == mufu
+        assert text.count("fma.rn.sat.f16x2 t, $") == MUFU_GROUP - mufu
+    with pytest.raises(ValueError):
+        f16_mufu_asm(MUFU_GROUP + 1)
+
+
+@pytest.mark.parametrize("mufu", range(1, MUFU_GROUP + 1))
+def test_f16_mufu_pairs_round_as_correctly_as_the_corrected_fold(mufu):
+    """lean_mufu: the MUFU's pairs give the correctly rounded e4m3 of 2^(x + P) (x moved by the row's shift, as
+    the fold's pairs: both read the same line, u = s a + b, e = 9 - 16 u), for >= 99% of x in the normal range
+    (the rest one code off, where e's f16 rounding crosses a rounding boundary); the fold's pairs are what
+    they are without the MUFU (the same codes as f16_codes), at their ~95.5%; masked scores (-inf) give code 0
+    on either path, and so does a score 2^-inf, where the fold saturates."""
+    p_offset, scale = 7, 0.125
+    xs = [i / 256 + 1 / 512 for i in range(-13 * 256, 0)]
+    for m in (12.0, 12.3, 3.7, -5.2, 40.1):
+        s = [f16((x + m) / scale) for x in xs]
+        got = f16_mufu_codes(s, scale, 8 * m, mufu, p_offset)
+        folded = f16_codes(s, scale, 8 * m, p_offset, "corrected")
+        shift = f16_row(scale, 8 * m, p_offset, "corrected")[2]
+        want = [int(torch.tensor(2.0 ** (si * scale - m + p_offset + shift / 8), dtype=torch.float64)
+                    .to(torch.float8_e4m3fn).view(torch.uint8)) for si in s]
+        on_mufu = [i for i in range(len(s)) if i % 8 >= 2 * (MUFU_GROUP - mufu)]
+        normal = [i for i in on_mufu if xs[i] + p_offset >= -6]
+        assert all(got[i] == folded[i] for i in range(len(s)) if i not in set(on_mufu))
+        assert max(abs(got[i] - want[i]) for i in on_mufu) <= 1
+        share = sum(got[i] == want[i] for i in normal) / len(normal)
+        assert share >= 0.96 and share > sum(folded[i] == want[i] for i in normal) / len(normal), (m, share)
+    masked = [-math.inf] * 8
+    assert f16_mufu_codes(masked, scale, 80.0, mufu) == [0] * 8
