@@ -233,6 +233,7 @@ class KernelConfig:
                   instead of the corrected fold. The corrected fold's seven f16x2 operations per pair are issue
                   slots, the MUFU's are its own pipe: a share of each runs the two side by side. Both round
                   (nearly) as FA3 does, so the error is the corrected fold's (generator/lean_asm.f16_mufu_asm).
+                  Measured 0.97-0.99x the exact kernel at every share (docs/PERF.md, session 36): not searched.
     """
 
     dtype: str = "fp8"

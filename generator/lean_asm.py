@@ -253,6 +253,8 @@ def _f16_corrected_lines(out: str, s: str, a: str, b: str) -> list[str]:
 
 #: P's exponent at u = 0 on the corrected fold's reversed line: x + P = 9 - 16 u (t = (8 (x + P) + 56) / 128)
 F16_U_TOP = 9.0
+#: f16's exponent bias (15) less e4m3's (7): the f16 of 2^(x + P - 8) holds e4m3's code of 2^(x + P) in its bits 7..14
+F16_E4M3_REBIAS = 8
 #: how many f16 score pairs one `f16_mufu_asm` takes (eight scores: pack=8, four 32-bit registers)
 MUFU_GROUP = 4
 
@@ -260,11 +262,16 @@ MUFU_GROUP = 4
 def f16_mufu_asm(mufu: int) -> str:
     """PTX for eight f16 scores ($4..$7, four pairs) -> four registers of `f16_fold_asm` results ($0..$3, the
     code in each half's low byte): the first MUFU_GROUP - mufu pairs by the corrected fold (a $8..$11, b
-    $12..$15: its reversed line u = sat(s a + b)), the last mufu pairs by the MUFU: e = x + P = s a2 + b2
-    ($16..$19, $20..$23: a2 = -16 a, b2 = 9 - 16 b, the same line unsaturated, so that a masked score's -inf
-    gives 2^-inf = 0), 2^e by ex2.approx.f16x2, rounded to e4m3 by the conversion (cvt.rn.satfinite; P <= 2^8
-    by the row maximum, so it never saturates), the two codes moved to their halves' low bytes. The fold's
-    issue slots and the MUFU pipe then work side by side (lean_mufu, generator/config.py)."""
+    $12..$15: its reversed line u = sat(s a + b)), the last mufu pairs by the MUFU: e = x + P - 8 = s a2 + b2
+    ($16..$19, $20..$23: a2 = -16 a, b2 = 9 - 8 - 16 b, the same line unsaturated, so that a masked score's
+    -inf gives 2^-inf = 0), 2^e by ex2.approx.f16x2, and the code by integer arithmetic on the f16 bits rather
+    than the conversion (F2FP, a slow pipe: 2.7x its ncu samples for 25% more of them, docs/PERF.md session
+    36): f16 and e4m3 differ by 7 mantissa bits and 8 in exponent bias, so the f16 of 2^(x + P - 8) is e4m3's
+    code of 2^(x + P) in bits 7..14 (subnormals too: f16's and e4m3's line up), rounded by adding 2^6 (to
+    nearest, ties away from zero: one f16 value in 128 is a tie, moved by half a code) and shifting right by 7,
+    both halves at once (positive: no carry across). P <= 2^8 by the row maximum, so bit 14 (f16's top
+    exponent bit) is 0 and the code stays below e4m3's NaN. Bytes 1 and 3 are left-over bits the pack does not
+    read. The fold's issue slots and the MUFU pipe then work side by side (lean_mufu, generator/config.py)."""
     if not 0 <= mufu <= MUFU_GROUP:
         raise ValueError(f"mufu must be 0..{MUFU_GROUP}, not {mufu!r}")
     lines: list[str] = []
@@ -275,21 +282,9 @@ def f16_mufu_asm(mufu: int) -> str:
         else:
             lines += [f"fma.rn.f16x2 e, {s}, ${16 + i}, ${20 + i};",
                       "ex2.approx.f16x2 e, e;",
-                      "cvt.rn.satfinite.e4m3x2.f16x2 h, e;"]
-            if mufu_codes_low(mufu):  # the pack takes the two codes as they are (f16_pack_asm)
-                lines.append(f"cvt.u32.u16 {out}, h;")
-            else:                     # bytes 0, 2 <- the codes of keys 0, 1 (the fold's format); bytes 1, 3 <- 0
-                lines += ["cvt.u32.u16 w, h;", f"prmt.b32 {out}, w, 0, 0x4140;"]
-    return "{\n.reg .b32 t, c, m, r, f, e, w;\n.reg .b16 h;\n" + "\n".join(lines) + "\n}"
-
-
-def mufu_codes_low(mufu: int) -> bool:
-    """Whether f16_mufu_asm(mufu) leaves its MUFU pairs' two codes in the low 16 bits, for the pack to take as
-    they are: at mufu = 2 its MUFU pairs are the last two of each four, which in the accumulator's register
-    order (key + 1, row + 8, key + 8, ...) are the odd 8-key chunks of both rows, so that each pack of four
-    keys (the relabelled {16h + 4q + 2s + b}, gluon_device._carried) gets its second pair (s = 1) from the MUFU
-    and its first from the fold. At 1 or 3 the rows differ, and the MUFU pairs take the fold's format."""
-    return 2 * mufu == MUFU_GROUP
+                      "add.u32 e, e, 0x00400040;",   # + half a code in each half
+                      f"shr.b32 {out}, e, 7;"]       # bytes 0, 2 <- the codes of keys 0, 1
+    return "{\n.reg .b32 t, c, m, r, f, e;\n" + "\n".join(lines) + "\n}"
 
 
 #: Inline-asm constraints of `f16_mufu_asm`: four registers out, five operands of four registers in.
@@ -301,12 +296,11 @@ def f16_reversed(fold: str) -> bool:
     return fold == "corrected"
 
 
-def f16_pack_asm(codes_low: bool = False) -> str:
+def f16_pack_asm() -> str:
     """PTX for four `f16_fold_asm` results ($1..$4, keys 4a .. 4a + 3, as 16-bit registers; consecutive
     pairs share a 32-bit register in the accumulator) -> one register of four e4m3 codes: their low
-    bytes, one PRMT. codes_low: the second pair is a MUFU pair of f16_mufu_asm whose two codes are $3's
-    bytes (mufu_codes_low)."""
+    bytes, one PRMT."""
     return ("{\n.reg .b32 a, b;\n"
             "mov.b32 a, {$1, $2};\n"
             "mov.b32 b, {$3, $4};\n"
-            f"prmt.b32 $0, a, b, {'0x5420' if codes_low else '0x6420'};\n}}")
+            "prmt.b32 $0, a, b, 0x6420;\n}")

@@ -160,10 +160,10 @@ def test_constants_are_the_config(cfg):
                  # qk_acc="f16": Q rows rescaled so that 448 sum|q| stays within 2^15
                  "F16_S": cfg.qk_acc == "f16", "Q_HEADROOM": 448.0 / 32768.0, "QK_ASYNC": cfg.qk_async,
                  "F16_FOLD_ASM": f16_fold_asm(cfg.lean_fold) if cfg.qk_acc == "f16" else "",
-                 "F16_PACK_ASM": f16_pack_asm(cfg.lean_mufu == 2) if cfg.qk_acc == "f16" else "",
-                 # lean_mufu: k of every four f16 pairs by the MUFU (at 2 their codes go to the pack as they are)
+                 "F16_PACK_ASM": f16_pack_asm() if cfg.qk_acc == "f16" else "",
+                 # lean_mufu: k of every four f16 pairs by the MUFU (the line e = x + P - 8 = 1 - 16 u)
                  "LEAN_MUFU": cfg.lean_mufu, "F16_MUFU_ASM": f16_mufu_asm(cfg.lean_mufu) if cfg.lean_mufu else "",
-                 "F16_MUFU_CONSTRAINTS": ",".join(["=r"] * 4 + ["r"] * 20), "F16_U_TOP": 9.0,
+                 "F16_MUFU_CONSTRAINTS": ",".join(["=r"] * 4 + ["r"] * 20), "F16_U_TOP": 1.0,
                  # the corrected fold on f16 scores folds u = 1 - t at the row's own maximum (no 1/8 grid)
                  "F16_U": cfg.qk_acc == "f16" and cfg.lean_fold == "corrected",
                  "LEAN_GRID": lean and cfg.lean_fold in ("fma", "centered"),
@@ -195,7 +195,7 @@ def test_only_validated_values_become_text(cfg):
     lean = cfg.softmax == "lean"
     expected |= {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
     expected |= {code_sum_asm() if lean and cfg.rowsum == "rounded" else ""}  # code sums: no config text
-    expected |= {f16_fold_asm(cfg.lean_fold), f16_pack_asm(cfg.lean_mufu == 2)} if cfg.qk_acc == "f16" else set()
+    expected |= {f16_fold_asm(cfg.lean_fold), f16_pack_asm()} if cfg.qk_acc == "f16" else set()
     expected |= {f16_mufu_asm(cfg.lean_mufu)} if cfg.lean_mufu else set()  # fixed PTX, from an int of 1..4
     expected |= {exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else ""}
     if emit_gluon.rescale_in_place(cfg):  # skip_rescale, or a 256-key pv_defer block (always, in place)

@@ -29,8 +29,8 @@ import torch
 
 from zyfa_tune.generator import CHOICES
 from zyfa_tune.generator.lean_asm import (E4M3_ONE_CODE, LEAN_CENTER, LEAN_CORRECTION, MAGIC, MAGIC_BITS, MUFU_GROUP,
-                                          ONE_FMA_FOLDS, SAT_SCALE, f16_fold_asm, f16_mufu_asm, f16_pack_asm, f16_reversed,
-                                          fold_center, lean_p_asm, lean_tail_asm, mufu_codes_low)
+                                          ONE_FMA_FOLDS, SAT_SCALE, f16_fold_asm, f16_mufu_asm, f16_pack_asm,
+                                          f16_reversed, fold_center, lean_p_asm, lean_tail_asm)
 
 LOG2E = 1.4426950408889634
 
@@ -349,13 +349,10 @@ def _execute(text: str, regs: dict[str, int]) -> int:
             for half in (0, 16):
                 x_ = f16_from_bits((srcs[0] >> half) & 0xFFFF)
                 val |= f16_bits(f16(2.0 ** x_) if x_ < 16 else math.inf) << half
-        elif op == "cvt.rn.satfinite.e4m3x2.f16x2":  # per half: nearest e4m3, finite (+-448) past its range
-            val = 0
-            for half in (0, 8):
-                x_ = min(max(f16_from_bits((srcs[0] >> (2 * half)) & 0xFFFF), -448.0), 448.0)
-                val |= int(torch.tensor(x_, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8)) << half
-        elif op == "cvt.u32.u16":
-            val = srcs[0] & 0xFFFF
+        elif op == "add.u32":
+            val = srcs[0] + srcs[1]
+        elif op == "shr.b32":
+            val = srcs[0] >> srcs[1]
         elif op == "add.rm.f32":
             val = bits(round_down_f32(sum(Fraction(from_bits(v)) for v in srcs)))
         elif op == "sub.f32":
@@ -783,10 +780,10 @@ def test_f16_pack_takes_each_low_byte_in_key_order():
 
 def f16_mufu_codes(s: list[float], scale: float, n: float, mufu: int, p_offset: int = 7) -> list[int]:
     """The kernel's codes of f16 scores s of a row (a multiple of 8) with lean_mufu=mufu: f16_mufu_asm on each
-    eight (a and b of the corrected fold's row, f16_row; a2 = -16 a and b2 = 9 - 16 b as
-    gluon_device._f16_fold makes them), f16_pack_asm on each four."""
+    eight (a and b of the corrected fold's row, f16_row; a2 = -16 a and b2 = 9 - 8 - 16 b as
+    gluon_device._f16_fold makes them), f16_pack_asm on each four as the kernel pairs them."""
     a, b, _ = f16_row(scale, n, p_offset, "corrected")
-    a2, b2 = f16(-16.0 * a), f16(fma_f32(b, -16.0, 9.0))
+    a2, b2 = f16(-16.0 * a), f16(fma_f32(b, -16.0, 1.0))
     pair = lambda x, y: f16_bits(x) | (f16_bits(y) << 16)
     text, codes = f16_mufu_asm(mufu), []
     for i in range(0, len(s), 2 * MUFU_GROUP):
@@ -798,7 +795,7 @@ def f16_mufu_codes(s: list[float], scale: float, n: float, mufu: int, p_offset: 
         ys, group = [regs[f"${k}"] for k in range(MUFU_GROUP)], [0] * (2 * MUFU_GROUP)
         for r in (0, 1):  # the kernel packs register r (an even 8-key chunk) with r + 2 (the odd one, same row)
             y0, y1 = ys[r], ys[r + 2]
-            word = run_f16_asm(f16_pack_asm(mufu_codes_low(mufu)), [y0 & 0xFFFF, y0 >> 16, y1 & 0xFFFF, y1 >> 16])
+            word = run_f16_asm(f16_pack_asm(), [y0 & 0xFFFF, y0 >> 16, y1 & 0xFFFF, y1 >> 16])
             group[2 * r: 2 * r + 2] = [word & 0xFF, (word >> 8) & 0xFF]
             group[2 * r + 4: 2 * r + 6] = [(word >> 16) & 0xFF, word >> 24]
         codes += group
@@ -806,11 +803,11 @@ def f16_mufu_codes(s: list[float], scale: float, n: float, mufu: int, p_offset: 
 
 
 def test_f16_mufu_asm_shape():
-    """Each of the four pairs either folds (seven f16x2 operations) or takes the MUFU (one FMA, ex2, one
-    conversion, the codes moved to the halves' low bytes); the constraints name 4 outputs and 5 x 4 inputs."""
+    """Each of the four pairs either folds (seven f16x2 operations) or takes the MUFU (one FMA, ex2, an integer
+    add and a shift: no conversion); the constraints name 4 outputs and 5 x 4 inputs."""
     for mufu in range(MUFU_GROUP + 1):
         text = f16_mufu_asm(mufu)
-        assert text.count("ex2.approx.f16x2") == mufu and text.count("cvt.rn.satfinite.e4m3x2.f16x2") == mufu
+        assert text.count("ex2.approx.f16x2") == mufu and text.count("shr.b32") == mufu and "cvt" not in text
         assert text.count("fma.rn.sat.f16x2 t, $") == MUFU_GROUP - mufu
     with pytest.raises(ValueError):
         f16_mufu_asm(MUFU_GROUP + 1)
