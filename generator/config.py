@@ -229,8 +229,8 @@ class KernelConfig:
                   step's samples, docs/PERF.md session 34). The same arithmetic; with a 24-register producer
                   +3-4% on lean f16 at hd128 (session 35); searched.
     lean_mufu:    Gluon, qk_acc="f16" with lean_fold="corrected": of every four f16 score pairs, how many take
-                  2^x from the MUFU (ex2.approx.f16x2, then the hardware's round-to-nearest e4m3 conversion)
-                  instead of the corrected fold. The corrected fold's seven f16x2 operations per pair are issue
+                  2^x from the MUFU (ex2.approx.f16x2, the e4m3 code read off the f16 bits) instead of
+                  the corrected fold. The corrected fold's seven f16x2 operations per pair are issue
                   slots, the MUFU's are its own pipe: a share of each runs the two side by side. Both round
                   (nearly) as FA3 does, so the error is the corrected fold's (generator/lean_asm.f16_mufu_asm).
                   Measured 0.97-0.99x the exact kernel at every share (docs/PERF.md, session 36): not searched.

@@ -358,7 +358,7 @@ def _f16_fold(s, qk_scale, m_use):
     b, _ = gl.broadcast(b16[:, None], s)
     if LEAN_MUFU:  # a share of the pairs by the MUFU, the same line unsaturated: x + P - 8 = 1 - 16 u (f16_mufu_asm)
         a2, _ = gl.broadcast((a16.to(gl.float32) * -16.0).to(gl.float16)[:, None], s)
-        b2, _ = gl.broadcast(gl.fma(b16.to(gl.float32), -16.0, F16_U_TOP).to(gl.float16)[:, None], s)
+        b2, _ = gl.broadcast(gl.fma(b16.to(gl.float32), -16.0, F16_MUFU_TOP).to(gl.float16)[:, None], s)
         return gl.inline_asm_elementwise(F16_MUFU_ASM, F16_MUFU_CONSTRAINTS, [s, a, b, a2, b2], dtype=gl.float16,
                                          is_pure=True, pack=8)
     return gl.inline_asm_elementwise(F16_FOLD_ASM, "=r,r,r,r", [s, a, b], dtype=gl.float16, is_pure=True, pack=2)

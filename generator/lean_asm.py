@@ -255,6 +255,8 @@ def _f16_corrected_lines(out: str, s: str, a: str, b: str) -> list[str]:
 F16_U_TOP = 9.0
 #: f16's exponent bias (15) less e4m3's (7): the f16 of 2^(x + P - 8) holds e4m3's code of 2^(x + P) in its bits 7..14
 F16_E4M3_REBIAS = 8
+#: f16_mufu_asm's line: e = x + P - F16_E4M3_REBIAS = F16_MUFU_TOP - 16 u, so b2 = F16_MUFU_TOP - 16 b
+F16_MUFU_TOP = F16_U_TOP - F16_E4M3_REBIAS
 #: how many f16 score pairs one `f16_mufu_asm` takes (eight scores: pack=8, four 32-bit registers)
 MUFU_GROUP = 4
 

@@ -163,7 +163,7 @@ def test_constants_are_the_config(cfg):
                  "F16_PACK_ASM": f16_pack_asm() if cfg.qk_acc == "f16" else "",
                  # lean_mufu: k of every four f16 pairs by the MUFU (the line e = x + P - 8 = 1 - 16 u)
                  "LEAN_MUFU": cfg.lean_mufu, "F16_MUFU_ASM": f16_mufu_asm(cfg.lean_mufu) if cfg.lean_mufu else "",
-                 "F16_MUFU_CONSTRAINTS": ",".join(["=r"] * 4 + ["r"] * 20), "F16_U_TOP": 1.0,
+                 "F16_MUFU_CONSTRAINTS": ",".join(["=r"] * 4 + ["r"] * 20), "F16_MUFU_TOP": 1.0,
                  # the corrected fold on f16 scores folds u = 1 - t at the row's own maximum (no 1/8 grid)
                  "F16_U": cfg.qk_acc == "f16" and cfg.lean_fold == "corrected",
                  "LEAN_GRID": lean and cfg.lean_fold in ("fma", "centered"),

@@ -428,18 +428,22 @@ def test_qk_async_is_bitwise_its_synchronous_twin(name, sq, sk, causal):
     assert torch.isfinite(out).all() and torch.equal(out, twin)
 
 
-def f16_family_errors(cfg, family: str, seqlen: int, seed: int, smooth_k: bool = False) -> tuple[float, float]:
-    """cfg on f16 scores and its float32-score twin on `family` inputs quantised by quantize_fp8: their errors
-    against the quantised inputs' float64 attention (kernel error only); the f16 output must be finite."""
+def family_errors(cfg, twin, family: str, seqlen: int, seed: int, smooth_k: bool = False) -> tuple[float, float]:
+    """cfg and twin on `family` inputs quantised by quantize_fp8: their errors against the quantised inputs'
+    float64 attention (kernel error only); cfg's output must be finite."""
     q, k, v = make_qkv(family, batch=1, seqlen=seqlen, heads=4, kv_heads=4, head_dim_qk=128, head_dim_v=128,
                        seed=seed, device="cuda")
     q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, smooth_k=smooth_k)
     args, kw = (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
     ref = attention_reference(*args, causal=True, **kw)
-    out = flash_attn_func(*args, causal=True, config=cfg.replace(qk_acc="f16"), **kw)
-    twin = flash_attn_func(*args, causal=True, config=cfg, **kw)
+    out = flash_attn_func(*args, causal=True, config=cfg, **kw)
     assert torch.isfinite(out).all()
-    return rel_l2(out, ref), rel_l2(twin, ref)
+    return rel_l2(out, ref), rel_l2(flash_attn_func(*args, causal=True, config=twin, **kw), ref)
+
+
+def f16_family_errors(cfg, family: str, seqlen: int, seed: int, smooth_k: bool = False) -> tuple[float, float]:
+    """family_errors of cfg on f16 scores against cfg itself (its float32-score twin)."""
+    return family_errors(cfg.replace(qk_acc="f16"), cfg, family, seqlen, seed, smooth_k)
 
 
 @pytest.mark.parametrize("family,smooth_k,factor", [("sink", False, 1.05), ("peaky", False, 1.05), ("rope", False, 1.05),
@@ -492,18 +496,9 @@ def test_lean_mufu_rounds_as_the_corrected_fold(mufu, sq, sk, causal):
 @pytest.mark.parametrize("family", ["llm", "outliers", "sink"])
 def test_lean_mufu_on_activation_like_inputs(family):
     """Rows with logits of hundreds to thousands (llm, outliers) and a sink: finite, and the error of the fold
-    alone within 5% (both paths read one line, e = 9 - 16 u: b2 = 9 - 16 b is exact in f16 but where the sum
+    alone within 5% (both paths read one line, e = 1 - 16 u: b2 = 1 - 16 b is exact in f16 but where the sum
     carries into a new binade, then it is rounded by at most b's own f16 step)."""
-    cfg = MUFU_BASE.replace(lean_mufu=2)
-    q, k, v = make_qkv(family, batch=1, seqlen=4096, heads=4, kv_heads=4, head_dim_qk=128, head_dim_v=128,
-                       seed=2, device="cuda")
-    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
-    args, kw = (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
-    ref = attention_reference(*args, causal=True, **kw)
-    out = flash_attn_func(*args, causal=True, config=cfg, **kw)
-    fold = flash_attn_func(*args, causal=True, config=MUFU_BASE, **kw)
-    assert torch.isfinite(out).all()
-    err, err_fold = rel_l2(out, ref), rel_l2(fold, ref)
+    err, err_fold = family_errors(MUFU_BASE.replace(lean_mufu=2), MUFU_BASE, family, 4096, 2)
     print(f"\n{family} mufu2: {err:.4e}, the fold alone {err_fold:.4e} ({err / err_fold:.3f}x)", end="")
     assert err <= 1.05 * err_fold
 
