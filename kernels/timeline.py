@@ -3,7 +3,8 @@
 `record` launches the traced twin of a config (generator/timeline.py: the same kernel with the SM
 clock stored at each step's EVENTS, for CTA 0) on the caller's inputs and returns the stamps;
 `phases` reduces them to the median cycles between consecutive events of a step, per consumer
-warpgroup, and `sample` lines both warpgroups up on one clock. The stamps cost a few percent and
+warpgroup, `interleave` says how far apart the warpgroups' steps run (ping-pong or lockstep), and
+`sample` lines both warpgroups up on one clock. The stamps cost a few percent and
 keep ptxas from moving some code across them: a timeline says which phase dominates and how the
 warpgroups interleave, the benchmark says how fast the kernel is.
 """
@@ -18,7 +19,7 @@ import torch
 from zyfa_tune.generator.build import jit_function
 from zyfa_tune.generator.config import KernelConfig
 from zyfa_tune.generator.emit_gluon import emit
-from zyfa_tune.generator.timeline import EVENTS, TraceBuffer
+from zyfa_tune.generator.timeline import EVENT_INDEX, EVENTS, TraceBuffer
 
 from . import fastlaunch
 from .launch import prepare
@@ -37,6 +38,20 @@ class Phase:
     median: float
     p10: float
     p90: float
+    steps: int
+
+
+@dataclass(frozen=True)
+class Interleave:
+    """How a consumer warpgroup's steps sit against warpgroup 0's on one clock: its step starts `offset`
+    cycles after warpgroup 0's same step (median; `offset_share` of warpgroup 0's period: a two-consumer
+    ping-pong aims at half), and its softmax (QK^T done to softmax done) runs beside warpgroup 0's for
+    `softmax_overlap` of the latter (median over steps; near 1: the two softmaxes in lockstep, contending
+    for the MUFU and the issue slots; 0: strictly one after the other)."""
+    warpgroup: int
+    offset: float
+    offset_share: float
+    softmax_overlap: float
     steps: int
 
 
@@ -67,6 +82,27 @@ class Timeline:
         first = self.clocks[warpgroup, :, self.events()[0]]
         ok = (first[:-1] >= 0) & (first[1:] >= 0)
         return float(np.median(np.diff(first)[ok])) if ok.any() else float("nan")
+
+    def interleave(self, warpgroup: int) -> Interleave:
+        """Warpgroup `warpgroup` (>= 1) against warpgroup 0, over the steps both recorded whole."""
+        if not 1 <= warpgroup < self.clocks.shape[0]:
+            raise ValueError(f"interleave: warpgroup must be in [1, {self.clocks.shape[0] - 1}], got {warpgroup}")
+        start, done, end = (EVENT_INDEX[e] for e in ("start", "qk_done", "softmax_done"))
+        a, b = self.clocks[0], self.clocks[warpgroup]
+        n = a.shape[0]
+        offsets, overlaps = [], []
+        for s in range(n):
+            if min(a[s, start], b[s, start], a[s, done], a[s, end]) < 0 or a[s, end] <= a[s, done]:
+                continue
+            offsets.append(b[s, start] - a[s, start])
+            lo, hi = a[s, done], a[s, end]
+            beside = sum(max(0, min(hi, b[t, end]) - max(lo, b[t, done]))  # its softmaxes of steps s-1..s+1
+                         for t in range(max(0, s - 1), min(n, s + 2)) if min(b[t, done], b[t, end]) >= 0)
+            overlaps.append(beside / (hi - lo))
+        if not offsets:
+            raise ValueError(f"interleave: no step recorded whole by warpgroups 0 and {warpgroup}")
+        offset = float(np.median(offsets))
+        return Interleave(warpgroup, offset, offset / self.period(0), float(np.median(overlaps)), len(offsets))
 
     def sample(self, step: int, count: int = 4) -> list[tuple[int, int, dict[str, int]]]:
         """(warpgroup, step, {event: cycles since warpgroup 0's first event of `step`}) for `count`

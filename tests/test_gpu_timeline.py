@@ -37,3 +37,6 @@ def test_traced_launch_is_the_kernel_and_its_steps_are_ordered(name):
         assert ordered.mean() > 0.95, f"warpgroup {w}: events out of order in {(~ordered).sum()} steps"
         assert 0 < tl.period(w) < 1e6
         assert all(p.median >= 0 for p in tl.phases(w))
+    for w in range(1, cfg.block_m // 64):
+        il = tl.interleave(w)
+        assert il.steps >= 8 and 0.0 <= il.softmax_overlap <= 1.0 and -tl.period(0) < il.offset < tl.period(0), il

@@ -60,12 +60,12 @@ def test_stamps_compile_to_clock_reads_only_when_traced(cfg):
     assert traced.count("MUFU.EX2") == plain.count("MUFU.EX2")
 
 
-def _raw(steps: int, deltas: list[int], start: int = 1000, period: int = 500) -> np.ndarray:
-    """Stamps of two warpgroups: event e of step s at start + s * period + sum(deltas[:e])."""
+def _raw(steps: int, deltas: list[int], start: int = 1000, period: int = 500, lag: int = 37) -> np.ndarray:
+    """Stamps of two warpgroups: event e of step s at start + lag * w + s * period + sum(deltas[:e])."""
     raw = np.zeros((2, steps, len(EVENTS)), dtype=np.int64)
     for w in range(2):
         for s in range(steps):
-            raw[w, s] = start + 37 * w + s * period + np.concatenate([[0], np.cumsum(deltas)])
+            raw[w, s] = start + lag * w + s * period + np.concatenate([[0], np.cumsum(deltas)])
     return raw
 
 
@@ -81,6 +81,31 @@ def test_phases_are_the_medians_between_consecutive_events():
     assert [w for w, _, _ in first] == [0, 1] and first[0][2]["start"] == 0 and first[1][2]["start"] == 37
     with pytest.raises(ValueError, match="step 20"):
         tl.sample(20)
+
+
+@pytest.mark.parametrize("lag,overlap", [
+    (37, 73 / 110),    # softmaxes [100, 210] and [137, 247]: 73 of warpgroup 0's 110 cycles side by side
+    (0, 1.0),          # lockstep
+    (250, 0.0),        # half a period apart: one softmax after the other
+    (450, 60 / 110)])  # warpgroup 1's softmax of the step before, [50, 160] on step s's clock, overlaps it
+def test_interleave_measures_the_offset_and_the_softmaxes_side_by_side(lag, overlap):
+    deltas = [10, 20, 30, 40, 50, 60, 70, 80]  # qk_done at 100, softmax_done at 210 in a 500-cycle step
+    tl = from_stamps(WIDE, _raw(20, deltas, lag=lag).astype(np.int32))
+    il = tl.interleave(1)
+    assert (il.warpgroup, il.offset, il.steps) == (1, lag, 20)
+    assert il.offset_share == pytest.approx(lag / 500)
+    assert il.softmax_overlap == pytest.approx(overlap)
+
+
+def test_interleave_needs_a_second_warpgroup_and_whole_steps():
+    tl = from_stamps(WIDE, _raw(6, [5] * 8).astype(np.int32))
+    for bad in (0, 2):
+        with pytest.raises(ValueError, match="warpgroup must be in"):
+            tl.interleave(bad)
+    raw = _raw(6, [5] * 8)
+    raw[0, :, EVENT_INDEX["softmax_done"]] = 0  # warpgroup 0 never recorded a softmax's end
+    with pytest.raises(ValueError, match="no step recorded whole"):
+        from_stamps(WIDE, raw.astype(np.int32)).interleave(1)
 
 
 def test_unrecorded_events_and_steps_are_skipped():

@@ -105,6 +105,11 @@ def cmd_timeline(args: argparse.Namespace) -> int:
         for ph in tl.phases(w):
             table.add_row(ph.start, ph.end, f"{ph.median:.0f}", f"{ph.p10:.0f}", f"{ph.p90:.0f}", str(ph.steps))
         console.print(table)
+    for w in range(1, tl.clocks.shape[0]):
+        il = tl.interleave(w)
+        console.print(f"warpgroup {w}: a step starts {il.offset:.0f} cycles after warpgroup 0's ({il.offset_share:.0%} "
+                      f"of its period; ping-pong's aim with two consumers: 50%), its softmax beside warpgroup 0's "
+                      f"for {il.softmax_overlap:.0%} of that softmax ({il.steps} steps)")
     if args.sample is not None:
         for w, step, events in tl.sample(args.sample):
             console.print(f"warpgroup {w} step {step}: " + "  ".join(f"{e}={c}" for e, c in events.items()))
