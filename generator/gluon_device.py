@@ -299,6 +299,22 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         else:
             p = gl.fma(s, a, b)  # one rounding: under LEAN_FMA, y's low bits are exactly round(8x) + 56
         l_new = l_i
+    elif DEFER_EXP:  # the first 32 keys' exponentials wait for the next step (_deferred_p); P's words with zeros there
+        x = s * qk_scale - (m_use - P_OFFSET)[:, None]
+        x_lo, x_hi = _column_halves(x)
+        x_lo0, x_lo1 = _column_halves(x_lo)
+        x_def, x_lo01 = _column_halves(x_lo0)
+        p_hi = _exp2(x_hi)
+        p_lo1 = _exp2(x_lo1)
+        p_lo01 = _exp2(x_lo01)
+        lanes: gl.constexpr = l_i.type.layout  # (LANE_SUMS: per-lane sums, no shuffles)
+        r = gl.convert_layout(_lane_sums(p_hi), lanes) + gl.convert_layout(_lane_sums(p_lo1), lanes) + \
+            gl.convert_layout(_lane_sums(p_lo01), lanes)
+        l_new = _lane_update(l_i, alpha, r)
+        w01 = _carried(p_lo01, p_layout)
+        w0 = _columns_joined(_columns_joined(gl.zeros_like(w01), w01), _carried(p_lo1, p_layout))
+        p8 = _columns_joined(w0, _carried(p_hi, p_layout))
+        p8b = x_def
     else:
         p = _exp2(s * qk_scale - (m_use - P_OFFSET)[:, None])
         if SPLIT:
@@ -312,7 +328,9 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
             l_new = _lane_update(l_i, alpha, _lane_sums(p))
         else:
             l_new = l_i * alpha + gl.sum(p, axis=1)
-    if V_PERM:
+    if DEFER_EXP:
+        pass  # (p8, p8b: P's words and the deferred x, above)
+    elif V_PERM:
         p8 = _carried(p, p_layout, LEAN)
         p8b = _carried(pb, p_layout) if SPLIT else p8
     else:
@@ -830,6 +848,9 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
         sb_tok = s_tok
         _mark(kv_it, EV_QK_ISSUED, CID)
+        if DEFER_EXP:  # block j-1's first eighth, while QK^T(j) runs; x waits in this step's P tile
+            l_i = _deferred_p(_p_tile(p_smem, kv_it, CID), _p_tile(p_smem, kv_it - 1, CID), l_i, p_layout,
+                              _deferred_like(qk_layout))
         if QK_ASYNC or not F16_S:
             p8, acc, l_i, accc = _prev_p_ready(p_smem, kv_it, CID, acc, l_i, alpha, row_o, accc, row_oc)
         mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
@@ -897,6 +918,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     if P_SMEM:  # the P tile is free: P(j) goes there for the next step's PV; V(j-1) is released
         if not P_DOUBLE:
             _p_stage(pP, p_smem)
+        if DEFER_EXP:  # the other tile's PV(j-1) is done: block j's deferred x waits there
+            _park(pPb, _p_tile(p_smem, kv_it - 1, CID))
         mbarrier.arrive(v_empty.index(pst), count=1)
         pP = alpha
         pPb = alpha
@@ -933,9 +956,56 @@ def _first_softmax(s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_
             _p_stage_lower(pP, tile)
         else:
             _p_stage(pP, tile)
+        if DEFER_EXP:
+            _park(pPb, _p_tile(p_smem, kv_it - 1, CID))
         pP = alpha
         pPb = alpha
     return pP, m_i, l_i, alpha, pPb
+
+
+@gluon.jit
+def _columns_joined(a, b):
+    """_column_halves undone: (64, W) a and b side by side as (64, 2W)."""
+    return gl.join(a, gl.convert_layout(b, a.type.layout)).permute((0, 2, 1)).reshape([64, 2 * a.shape[1]])
+
+
+@gluon.jit
+def _deferred_like(qk_layout: gl.constexpr):
+    """DEFER_EXP: a (64, BLOCK_N / 8) tensor in the layout of a block's first eighth of keys as _softmax splits
+    it off (_deferred_p reads its layout; the zeros themselves are dead code)."""
+    x = gl.zeros([64, BLOCK_N], gl.float32, layout=qk_layout)
+    x, _ = _column_halves(x)
+    x, _ = _column_halves(x)
+    x, _ = _column_halves(x)
+    return x
+
+
+@gluon.jit
+def _park_view(tile):
+    """DEFER_EXP: the first 64 x BLOCK_N / 8 words of a P tile as a plain shared array, word pairs swizzled over 16
+    rows. Each thread reads back what it wrote, so any layout will do; with the P tile's own (NVMMA) layout the
+    consumer kept more addresses live and spilled 8-48 bytes, with this one none, and a warp's pairs of two
+    columns of eight rows fall in distinct banks."""
+    return tile._reinterpret(gl.int32, [64, BLOCK_N // 8], gl.SwizzledSharedLayout(2, 1, 16, order=[1, 0]))
+
+
+@gluon.jit
+def _park(x_def, tile):
+    """DEFER_EXP: the deferred x of a block into the first columns of a P tile no PV reads now (the other of
+    the warpgroup's two), as float32 words; each thread reads back its own (_deferred_p), so no barrier."""
+    _park_view(tile).store(x_def.to(gl.int32, bitcast=True))
+
+
+@gluon.jit
+def _deferred_p(x_tile, p_tile, l_i, p_layout: gl.constexpr, like):
+    """DEFER_EXP: the previous block's first eighth of keys: their x from x_tile (_park), exponentials, their
+    words into p_tile's first eighth (zeros until now), their sum into l. Returns l."""
+    x_layout: gl.constexpr = like.type.layout
+    x_def = _park_view(x_tile).load(x_layout).to(gl.float32, bitcast=True)
+    p_def = _exp2(x_def)
+    w = _carried(p_def, p_layout)
+    _p_words(p_tile, BLOCK_N // 4).slice(0, w.shape[1], dim=1).store(w)
+    return l_i + gl.convert_layout(_lane_sums(p_def), l_i.type.layout)
 
 
 @gluon.jit
@@ -1193,6 +1263,9 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                         kv_it += 1
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
+                if DEFER_EXP:
+                    l_i = _deferred_p(_p_tile(p_smem, kv_it, CID), _p_tile(p_smem, kv_it - 1, CID), l_i, p_layout,
+                                      _deferred_like(qk_layout))
                 p8, p8b, acc, l_i, accc = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout,
                                                        _p_tile(p_smem, kv_it - 1, CID) if P_DOUBLE else p_smem,
                                                        accc, row_oc)
