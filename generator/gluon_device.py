@@ -300,10 +300,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
             p = gl.fma(s, a, b)  # one rounding: under LEAN_FMA, y's low bits are exactly round(8x) + 56
         l_new = l_i
     elif DEFER_EXP:  # the first 32 keys' exponentials wait for the next step (_deferred_p); P's words with zeros there
-        x = s * qk_scale - (m_use - P_OFFSET)[:, None]
-        x_lo, x_hi = _column_halves(x)
-        x_lo0, x_lo1 = _column_halves(x_lo)
-        x_def, x_lo01 = _column_halves(x_lo0)
+        x_def, x_lo01, x_lo1, x_hi = _eighth_split(s * qk_scale - (m_use - P_OFFSET)[:, None])
         p_hi = _exp2(x_hi)
         p_lo1 = _exp2(x_lo1)
         p_lo01 = _exp2(x_lo01)
@@ -848,9 +845,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
         sb_tok = s_tok
         _mark(kv_it, EV_QK_ISSUED, CID)
-        if DEFER_EXP:  # block j-1's first eighth, while QK^T(j) runs; x waits in this step's P tile
-            l_i = _deferred_p(_p_tile(p_smem, kv_it, CID), _p_tile(p_smem, kv_it - 1, CID), l_i, p_layout,
-                              _deferred_like(qk_layout))
+        if DEFER_EXP:  # block j-1's first eighth, while QK^T(j) runs
+            l_i = _deferred_p(p_smem, kv_it, CID, l_i, p_layout, qk_layout)
         if QK_ASYNC or not F16_S:
             p8, acc, l_i, accc = _prev_p_ready(p_smem, kv_it, CID, acc, l_i, alpha, row_o, accc, row_oc)
         mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
@@ -919,7 +915,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         if not P_DOUBLE:
             _p_stage(pP, p_smem)
         if DEFER_EXP:  # the other tile's PV(j-1) is done: block j's deferred x waits there
-            _park(pPb, _p_tile(p_smem, kv_it - 1, CID))
+            _park(pPb, p_smem, kv_it, CID)
         mbarrier.arrive(v_empty.index(pst), count=1)
         pP = alpha
         pPb = alpha
@@ -957,7 +953,7 @@ def _first_softmax(s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_
         else:
             _p_stage(pP, tile)
         if DEFER_EXP:
-            _park(pPb, _p_tile(p_smem, kv_it - 1, CID))
+            _park(pPb, p_smem, kv_it, CID)
         pP = alpha
         pPb = alpha
     return pP, m_i, l_i, alpha, pPb
@@ -970,14 +966,13 @@ def _columns_joined(a, b):
 
 
 @gluon.jit
-def _deferred_like(qk_layout: gl.constexpr):
-    """DEFER_EXP: a (64, BLOCK_N / 8) tensor in the layout of a block's first eighth of keys as _softmax splits
-    it off (_deferred_p reads its layout; the zeros themselves are dead code)."""
-    x = gl.zeros([64, BLOCK_N], gl.float32, layout=qk_layout)
-    x, _ = _column_halves(x)
-    x, _ = _column_halves(x)
-    x, _ = _column_halves(x)
-    return x
+def _eighth_split(x):
+    """DEFER_EXP: a (64, BLOCK_N) block's columns as its first eighth, the next eighth, the next quarter and the
+    upper half (_column_halves thrice: each a share of a thread's registers)."""
+    lo, hi = _column_halves(x)
+    lo0, lo1 = _column_halves(lo)
+    first, second = _column_halves(lo0)
+    return first, second, lo1, hi
 
 
 @gluon.jit
@@ -990,21 +985,24 @@ def _park_view(tile):
 
 
 @gluon.jit
-def _park(x_def, tile):
-    """DEFER_EXP: the deferred x of a block into the first columns of a P tile no PV reads now (the other of
-    the warpgroup's two), as float32 words; each thread reads back its own (_deferred_p), so no barrier."""
-    _park_view(tile).store(x_def.to(gl.int32, bitcast=True))
+def _park(x_def, p_smem, it, CID: gl.constexpr):
+    """DEFER_EXP: block `it`'s deferred x, as float32 words, into the warpgroup's other P tile (it - 1: its PV
+    is done, and P(it + 1) goes there only after _deferred_p has read x back); each thread reads back its own,
+    so no barrier."""
+    _park_view(_p_tile(p_smem, it - 1, CID)).store(x_def.to(gl.int32, bitcast=True))
 
 
 @gluon.jit
-def _deferred_p(x_tile, p_tile, l_i, p_layout: gl.constexpr, like):
-    """DEFER_EXP: the previous block's first eighth of keys: their x from x_tile (_park), exponentials, their
-    words into p_tile's first eighth (zeros until now), their sum into l. Returns l."""
+def _deferred_p(p_smem, it, CID: gl.constexpr, l_i, p_layout: gl.constexpr, qk_layout: gl.constexpr):
+    """DEFER_EXP, before PV(it - 1): block it - 1's first eighth of keys: their x from where _park left them
+    (tile it - 2, the same as tile it), exponentials, their words into P(it - 1)'s tile (zeros there until
+    now), their sum into l. Returns l."""
+    like, _, _, _ = _eighth_split(gl.zeros([64, BLOCK_N], gl.float32, layout=qk_layout))  # (its layout only)
     x_layout: gl.constexpr = like.type.layout
-    x_def = _park_view(x_tile).load(x_layout).to(gl.float32, bitcast=True)
+    x_def = _park_view(_p_tile(p_smem, it, CID)).load(x_layout).to(gl.float32, bitcast=True)
     p_def = _exp2(x_def)
     w = _carried(p_def, p_layout)
-    _p_words(p_tile, BLOCK_N // 4).slice(0, w.shape[1], dim=1).store(w)
+    _p_words(_p_tile(p_smem, it - 1, CID), BLOCK_N // 4).slice(0, w.shape[1], dim=1).store(w)
     return l_i + gl.convert_layout(_lane_sums(p_def), l_i.type.layout)
 
 
@@ -1264,8 +1262,7 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
                 if DEFER_EXP:
-                    l_i = _deferred_p(_p_tile(p_smem, kv_it, CID), _p_tile(p_smem, kv_it - 1, CID), l_i, p_layout,
-                                      _deferred_like(qk_layout))
+                    l_i = _deferred_p(p_smem, kv_it, CID, l_i, p_layout, qk_layout)
                 p8, p8b, acc, l_i, accc = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout,
                                                        _p_tile(p_smem, kv_it - 1, CID) if P_DOUBLE else p_smem,
                                                        accc, row_oc)
