@@ -65,19 +65,18 @@ CHOICES: dict[str, tuple] = {
     "k_perm": (False, True),
     "qk_async": (False, True),
     "lean_mufu": (0, 1, 2, 3, 4),
-    "defer_exp": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
                 "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                "qk_acc", "k_perm", "qk_async", "lean_mufu", "defer_exp")
+                "qk_acc", "k_perm", "qk_async", "lean_mufu")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-               "qk_acc", "k_perm", "qk_async", "lean_mufu", "defer_exp")
+               "qk_acc", "k_perm", "qk_async", "lean_mufu")
 #: Fields only the launch reads (the persistent grid's tile table), not the kernel's code: configs that
 #: differ only in them differ in the source's header line alone (the config, so each is its own
 #: database variant: variants are keyed by source hash), and Triton compiles the kernel function once.
@@ -235,12 +234,6 @@ class KernelConfig:
                   slots, the MUFU's are its own pipe: a share of each runs the two side by side. Both round
                   (nearly) as FA3 does, so the error is the corrected fold's (generator/lean_asm.f16_mufu_asm).
                   Measured 0.97-0.99x the exact kernel at every share (docs/PERF.md, session 36): not searched.
-    defer_exp:    Gluon exact softmax, 256-key two-tile step: the exponentials of each block's first 32 keys wait
-                  for the next step, where the warpgroup runs them between QK^T(j+1)'s issue and PV(j)'s (their
-                  x parked meanwhile in its other P tile, which no PV reads then), a phase in which it now waits
-                  for the tensor cores with the MUFU idle (docs/PERF.md, session 37: in lockstep the exact step
-                  is the MUFU's 2200 cycles plus such phases). The same arithmetic (the row sums added in another
-                  order); built and checked on the CPU (no spill), not yet run on a GPU: not searched.
     """
 
     dtype: str = "fp8"
@@ -285,7 +278,6 @@ class KernelConfig:
     k_perm: bool = False
     qk_async: bool = False
     lean_mufu: int = 0
-    defer_exp: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -411,8 +403,6 @@ class KernelConfig:
             raise ConfigError(why)
         if self.lean_mufu and (why := lean_mufu_conflict(vars(self))):
             raise ConfigError(why)
-        if self.defer_exp and (why := defer_exp_conflict(vars(self))):
-            raise ConfigError(why)
         if self.k_perm and not self.v_permute:
             raise ConfigError("k_perm=True makes v_permute's relabelling of keys on K instead of V^T: it needs "
                               "v_permute=True")
@@ -488,7 +478,6 @@ class KernelConfig:
             softmax += " f16S" if self.qk_acc == "f16" else ""
             softmax += " qkAsync" if self.qk_async else ""
             softmax += f" mufu{self.lean_mufu}/4" if self.lean_mufu else ""
-            softmax += " deferExp" if self.defer_exp else ""
             group = f" L2group{self.l2_group_mib}MiB" if self.l2_group_mib != _DEFAULTS["l2_group_mib"] else ""
             return (f"gluon {softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
                     f"{'+'.join(on) or 'plain'}{group}")
@@ -561,20 +550,6 @@ def lean_mufu_conflict(f: Mapping[str, Any]) -> str | None:
         return (f"lean_mufu={f['lean_mufu']}: a share of the corrected f16 fold's pairs from the MUFU; it needs "
                 f"softmax='lean', qk_acc='f16' and lean_fold='corrected' (the pairs must round as the fold does), "
                 f"not softmax={f['softmax']!r}, qk_acc={f['qk_acc']!r}, lean_fold={f['lean_fold']!r}")
-    return None
-
-
-def defer_exp_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a config with these fields cannot defer each block's first 32 exponentials to the next step
-    (defer_exp=True), or None. Built on the exact softmax's 256-key two-tile step with per-lane row sums."""
-    if f["softmax"] != "exact" or f["rowsum"] != "fp32" or f["p_carry"] != "smem2" or f["block_n"] != 256 \
-            or not f["lane_sums"]:
-        return (f"defer_exp=True is built on the exact softmax's 256-key two-tile step with per-lane row sums: it "
-                f"needs softmax='exact', rowsum='fp32', p_carry='smem2', block_n=256 and lane_sums=True, not "
-                f"softmax={f['softmax']!r}, rowsum={f['rowsum']!r}, p_carry={f['p_carry']!r}, "
-                f"block_n={f['block_n']}, lane_sums={f['lane_sums']!r}")
-    if f["half_block"]:
-        return "defer_exp=True with half_block=True: the half block's softmax is not split; use one or the other"
     return None
 
 

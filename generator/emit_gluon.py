@@ -208,8 +208,6 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         # qk_async: generator/ptx_pass.py drops the f16 QK^T's wait, so P(j-1)'s publication and O's rescale go
         # after QK^T(j)'s issue as in the float32-score step (without the pass they would wait for QK^T)
         ("QK_ASYNC", bool(c.qk_async)),
-        # defer_exp: each block's first 32 exponentials in the next step, between QK^T's issue and PV's
-        ("DEFER_EXP", bool(c.defer_exp)),
         ("F16_FOLD_ASM", f16_fold_asm(c.lean_fold) if c.qk_acc == "f16" else ""),
         ("F16_PACK_ASM", f16_pack_asm() if c.qk_acc == "f16" else ""),
         # lean_mufu: that many of every four pairs of the corrected f16 fold take 2^x from the MUFU instead

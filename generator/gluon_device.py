@@ -299,19 +299,6 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         else:
             p = gl.fma(s, a, b)  # one rounding: under LEAN_FMA, y's low bits are exactly round(8x) + 56
         l_new = l_i
-    elif DEFER_EXP:  # the first 32 keys' exponentials wait for the next step (_deferred_p); P's words with zeros there
-        x_def, x_lo01, x_lo1, x_hi = _eighth_split(s * qk_scale - (m_use - P_OFFSET)[:, None])
-        p_hi = _exp2(x_hi)
-        p_lo1 = _exp2(x_lo1)
-        p_lo01 = _exp2(x_lo01)
-        lanes: gl.constexpr = l_i.type.layout  # (LANE_SUMS: per-lane sums, no shuffles)
-        r = gl.convert_layout(_lane_sums(p_hi), lanes) + gl.convert_layout(_lane_sums(p_lo1), lanes) + \
-            gl.convert_layout(_lane_sums(p_lo01), lanes)
-        l_new = _lane_update(l_i, alpha, r)
-        w01 = _carried(p_lo01, p_layout)
-        w0 = _columns_joined(_columns_joined(gl.zeros_like(w01), w01), _carried(p_lo1, p_layout))
-        p8 = _columns_joined(w0, _carried(p_hi, p_layout))
-        p8b = x_def
     else:
         p = _exp2(s * qk_scale - (m_use - P_OFFSET)[:, None])
         if SPLIT:
@@ -325,9 +312,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
             l_new = _lane_update(l_i, alpha, _lane_sums(p))
         else:
             l_new = l_i * alpha + gl.sum(p, axis=1)
-    if DEFER_EXP:
-        pass  # (p8, p8b: P's words and the deferred x, above)
-    elif V_PERM:
+    if V_PERM:
         p8 = _carried(p, p_layout, LEAN)
         p8b = _carried(pb, p_layout) if SPLIT else p8
     else:
@@ -845,8 +830,6 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, s_zero, CID, QK_PARTS)
         sb_tok = s_tok
         _mark(kv_it, EV_QK_ISSUED, CID)
-        if DEFER_EXP:  # block j-1's first eighth, while QK^T(j) runs
-            l_i = _deferred_p(p_smem, kv_it, CID, l_i, p_layout, qk_layout)
         if QK_ASYNC or not F16_S:
             p8, acc, l_i, accc = _prev_p_ready(p_smem, kv_it, CID, acc, l_i, alpha, row_o, accc, row_oc)
         mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
@@ -914,8 +897,6 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     if P_SMEM:  # the P tile is free: P(j) goes there for the next step's PV; V(j-1) is released
         if not P_DOUBLE:
             _p_stage(pP, p_smem)
-        if DEFER_EXP:  # the other tile's PV(j-1) is done: block j's deferred x waits there
-            _park(pPb, p_smem, kv_it, CID)
         mbarrier.arrive(v_empty.index(pst), count=1)
         pP = alpha
         pPb = alpha
@@ -952,58 +933,9 @@ def _first_softmax(s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_
             _p_stage_lower(pP, tile)
         else:
             _p_stage(pP, tile)
-        if DEFER_EXP:
-            _park(pPb, p_smem, kv_it, CID)
         pP = alpha
         pPb = alpha
     return pP, m_i, l_i, alpha, pPb
-
-
-@gluon.jit
-def _columns_joined(a, b):
-    """_column_halves undone: (64, W) a and b side by side as (64, 2W)."""
-    return gl.join(a, gl.convert_layout(b, a.type.layout)).permute((0, 2, 1)).reshape([64, 2 * a.shape[1]])
-
-
-@gluon.jit
-def _eighth_split(x):
-    """DEFER_EXP: a (64, BLOCK_N) block's columns as its first eighth, the next eighth, the next quarter and the
-    upper half (_column_halves thrice: each a share of a thread's registers)."""
-    lo, hi = _column_halves(x)
-    lo0, lo1 = _column_halves(lo)
-    first, second = _column_halves(lo0)
-    return first, second, lo1, hi
-
-
-@gluon.jit
-def _park_view(tile):
-    """DEFER_EXP: the first 64 x BLOCK_N / 8 words of a P tile as a plain shared array, word pairs swizzled over 16
-    rows. Each thread reads back what it wrote, so any layout will do; with the P tile's own (NVMMA) layout the
-    consumer kept more addresses live and spilled 8-48 bytes, with this one none, and a warp's pairs of two
-    columns of eight rows fall in distinct banks."""
-    return tile._reinterpret(gl.int32, [64, BLOCK_N // 8], gl.SwizzledSharedLayout(2, 1, 16, order=[1, 0]))
-
-
-@gluon.jit
-def _park(x_def, p_smem, it, CID: gl.constexpr):
-    """DEFER_EXP: block `it`'s deferred x, as float32 words, into the warpgroup's other P tile (it - 1: its PV
-    is done, and P(it + 1) goes there only after _deferred_p has read x back); each thread reads back its own,
-    so no barrier."""
-    _park_view(_p_tile(p_smem, it - 1, CID)).store(x_def.to(gl.int32, bitcast=True))
-
-
-@gluon.jit
-def _deferred_p(p_smem, it, CID: gl.constexpr, l_i, p_layout: gl.constexpr, qk_layout: gl.constexpr):
-    """DEFER_EXP, before PV(it - 1): block it - 1's first eighth of keys: their x from where _park left them
-    (tile it - 2, the same as tile it), exponentials, their words into P(it - 1)'s tile (zeros there until
-    now), their sum into l. Returns l."""
-    like, _, _, _ = _eighth_split(gl.zeros([64, BLOCK_N], gl.float32, layout=qk_layout))  # (its layout only)
-    x_layout: gl.constexpr = like.type.layout
-    x_def = _park_view(_p_tile(p_smem, it, CID)).load(x_layout).to(gl.float32, bitcast=True)
-    p_def = _exp2(x_def)
-    w = _carried(p_def, p_layout)
-    _p_words(_p_tile(p_smem, it - 1, CID), BLOCK_N // 4).slice(0, w.shape[1], dim=1).store(w)
-    return l_i + gl.convert_layout(_lane_sums(p_def), l_i.type.layout)
 
 
 @gluon.jit
@@ -1261,8 +1193,6 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                         kv_it += 1
                 # ---- PV of the last block
                 pst = (kv_it + STAGES - 1) % STAGES
-                if DEFER_EXP:
-                    l_i = _deferred_p(p_smem, kv_it, CID, l_i, p_layout, qk_layout)
                 p8, p8b, acc, l_i, accc = _pv_prologue(pP, pPb, acc, l_i, alpha, row_o, V_PERM, LEAN, p_layout,
                                                        _p_tile(p_smem, kv_it - 1, CID) if P_DOUBLE else p_smem,
                                                        accc, row_oc)

@@ -37,8 +37,6 @@ def valid_with(field: str, value) -> KernelConfig:
         changes["q_order"] = "balanced"
     if (field == "qk_acc" and value == "f16") or (field == "qk_async" and value):
         changes.update(softmax="lean", rowsum="rounded", p_carry="smem2", lean_clamp="sat", qk_acc="f16")
-    if field == "defer_exp" and value:
-        changes.update(block_n=256, p_carry="smem2", lane_sums=True)
     if field == "lean_mufu" and value:
         changes.update(softmax="lean", rowsum="rounded", p_carry="smem2", lean_clamp="sat", qk_acc="f16",
                        lean_fold="corrected")

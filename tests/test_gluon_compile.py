@@ -135,13 +135,9 @@ QK_ASYNC_CASES = [cfg.replace(qk_async=True) for cfg in F16_CASES] + [
 #: seed's 24-register producer
 MUFU_CASES = [gluon_lean_f16_async_config("fp8", 128, 128).replace(lean_fold="corrected", lean_mufu=k)
               for k in (1, 2, 3)]
-#: the exact two-tile step with each block's first 32 exponentials run in the next step between QK^T(j+1)'s
-#: issue and PV(j)'s (defer_exp, session 37), at the 24-register producer it needs, with keys relabelled on K or not
-DEFER_CASES = [gluon_smem2_config("fp8", 128, 128).replace(half_block=False, producer_regs=24, defer_exp=True, k_perm=kp)
-               for kp in (False, True)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + F16_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
          + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES + CHUNKED_CASES
-         + HALF_CASES + K_PERM_CASES + QK_ASYNC_CASES + MUFU_CASES + DEFER_CASES)
+         + HALF_CASES + K_PERM_CASES + QK_ASYNC_CASES + MUFU_CASES)
 
 
 def test_hd96_q_and_k_in_32_column_parts_and_o_padded_or_split(compiled):
@@ -852,26 +848,6 @@ def test_qk_async_issues_pv_behind_the_f16_qk_without_waiting(cfg, compiled):
     assert order == "h" * qk + "f" * pv + "w" * (len(order) - qk - pv) and order.count("w") >= 1, order
     assert twin.ptx.count("wgmma.wait_group.sync.aligned 0") - art.ptx.count("wgmma.wait_group.sync.aligned 0") >= 2
     assert art.count("QGMMA") == twin.count("QGMMA") and art.spill_bytes == 0 and art.serialised_wgmma is None
-
-
-@pytest.mark.parametrize("cfg", DEFER_CASES, ids=lambda c: "kperm" if c.k_perm else "plain")
-def test_defer_exp_runs_an_eighth_of_the_exponentials_between_qk_and_pv(cfg, compiled):
-    """defer_exp: in the step loop 16 MUFU.EX2 per thread (64 rows x 32 keys over 128 threads) sit between
-    QK^T(j)'s QGMMAs and PV(j-1)'s, where the twin has none, and the step's total is the twin's; the deferred x
-    goes through shared memory, not local memory: nothing spills, in the loop or anywhere."""
-    art, twin = compiled(cfg), compiled(cfg.replace(defer_exp=False))
-
-    def between(loop: list[str]) -> int:
-        qk = max(i for i, x in enumerate(loop) if "QGMMA.64x256x32" in x)
-        pv = min(i for i, x in enumerate(loop) if "QGMMA.64x128x32" in x)
-        assert qk < pv, "PV(j-1) issued before QK^T(j)"
-        return sum("MUFU.EX2" in x for x in loop[qk:pv])
-
-    loop, twin_loop = _step_loop(art.sass), _step_loop(twin.sass)
-    assert between(loop) == 16 and between(twin_loop) == 0
-    assert sum("MUFU.EX2" in x for x in loop) == sum("MUFU.EX2" in x for x in twin_loop) == 130
-    assert not any("STL" in x or "LDL" in x for x in loop)
-    check_usable(art, cfg)
 
 
 def test_192_key_blocks_come_in_two_parts(compiled):

@@ -54,8 +54,7 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
         {"head_dim_qk": 96, "head_dim_v": 96} if field == "o_split" else \
         {"overlap": False} if field == "half_block" else {"p_carry": "smem2"} if field == "o_through_p" else \
         F16_NEEDS if field == "qk_acc" else dict(F16_NEEDS, qk_acc="f16") if field == "qk_async" else \
-        dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected") if field == "lean_mufu" else \
-        dict(block_n=256, p_carry="smem2", lane_sums=True) if field == "defer_exp" else {}
+        dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected") if field == "lean_mufu" else {}
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 
@@ -78,10 +77,6 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
                                                            r"v_permute=True"),
     (dict(exp2_poly=3, softmax="lean", rowsum="mma"), r"^exp2_poly=3: the polynomial replaces exact-softmax"),
     (dict(exp2_poly_degree=2), r"^exp2_poly_degree=2: no polynomial with exp2_poly=0"),
-    (dict(defer_exp=True), r"^defer_exp=True is built on the exact softmax's 256-key two-tile step .* not "
-                           r"softmax='exact', rowsum='fp32', p_carry='f32', block_n=128, lane_sums=False"),
-    (dict(defer_exp=True, block_n=256, p_carry="smem2", lane_sums=True, softmax="lean", rowsum="rounded"),
-     r"^defer_exp=True is built on the exact softmax's .* not softmax='lean'"),
     (dict(rowsum="rounded"), r"^rowsum='rounded': the exact Gluon kernel sums"),
     (dict(block_m=64, ping_pong=False, producer_regs=40), r"^producer_regs=40: with one consumer warpgroup"),
     (dict(overlap=False, ex2_fence=True), r"^ex2_fence=True needs overlap=True"),

@@ -428,23 +428,6 @@ def test_qk_async_is_bitwise_its_synchronous_twin(name, sq, sk, causal):
     assert torch.isfinite(out).all() and torch.equal(out, twin)
 
 
-#: the exact two-tile kernel with each block's first 32 exponentials deferred to the next step (defer_exp)
-DEFER = gluon_smem2_config("fp8", 128, 128).replace(half_block=False, producer_regs=24, defer_exp=True)
-
-
-@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
-def test_defer_exp_matches_its_twin(sq, sk, causal):
-    """defer_exp makes the same probabilities (the deferred x is parked bit for bit in shared memory) and adds
-    the same row sums in another order: its output is its twin's up to float32 summation order (a lost or
-    misplaced 32-key chunk would be off by percents)."""
-    args, kw = make_inputs("fp8", 128, 128, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=5)
-    out = flash_attn_func(*args, causal=causal, config=DEFER, **kw)
-    twin = flash_attn_func(*args, causal=causal, config=DEFER.replace(defer_exp=False), **kw)
-    assert torch.isfinite(out).all()
-    print(f" defer_exp vs twin: {rel_l2(out, twin):.2e}", end="")
-    assert rel_l2(out, twin) < 1e-3
-
-
 def family_errors(cfg, twin, family: str, seqlen: int, seed: int, smooth_k: bool = False) -> tuple[float, float]:
     """cfg and twin on `family` inputs quantised by quantize_fp8: their errors against the quantised inputs'
     float64 attention (kernel error only); cfg's output must be finite."""

@@ -34,7 +34,7 @@ FAMILY_FIELDS = {
                    "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
                    "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer", "p_carry",
                    "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                   "qk_acc", "qk_async"},  # exp2_poly, lean_mufu: slower; defer_exp: not yet timed
+                   "qk_acc", "qk_async"},  # exp2_poly, lean_mufu: slower
     "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
                     "q_order", "loads", "v_layout"},
 }
