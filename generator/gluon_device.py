@@ -962,18 +962,9 @@ def _pf_step4(kv_it, turn_it, s0, s1, s2, s3, acc, alpha, m_i, l_i, accc, q_bufs
     """_pf_step in four 64-key parts (qk_prefetch=4): QK^T(j+1)'s part k issued once S(j)'s part k is spent,
     so only the last part's product waits at the step's end."""
     Q: gl.constexpr = BLOCK_N // 4
-    _mark(kv_it, EV_START, CID)
-    pst = (kv_it + STAGES - 1) % STAGES
-    mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
-    _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-    _mark(kv_it, EV_READY, CID)
-    p8, acc, l_i, accc = _prev_p_ready(p_smem, kv_it, CID, acc, l_i, alpha, row_o, accc, row_oc)
-    _mark(kv_it, EV_QK_ISSUED, CID)
-    o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, None, None, p8, v_bufs.index(pst), None, accc,
-                                     vc_bufs.index(pst))
-    _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-    _mark(kv_it, EV_ISSUED, CID)
-    _mark(kv_it, EV_QK_DONE, CID)
+    pst, o_tok, acc, l_i, accc = _pf_pv_issue(kv_it, turn_it, acc, alpha, l_i, accc, v_bufs, vc_bufs, v_ready,
+                                               turn_bars, p_smem, CID, NUM_CONSUMERS, PINGPONG, STAGES, row_o,
+                                               row_oc)
     row_h: gl.constexpr = gl.SliceLayout(1, s0.type.layout)
     row_max = gl.maximum(gl.maximum(gl.max(s0, axis=1), gl.max(s1, axis=1)),
                          gl.maximum(gl.max(s2, axis=1), gl.max(s3, axis=1)))
@@ -1012,17 +1003,11 @@ def _pf_step4(kv_it, turn_it, s0, s1, s2, s3, acc, alpha, m_i, l_i, accc, q_bufs
 
 
 @gluon.jit
-def _pf_step(kv_it, turn_it, s, sb, acc, alpha, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs, vc_bufs, sh_zero,
-             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, p_smem,
-             CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr,
-             QK_PARTS: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, row_oc: gl.constexpr,
-             PREFETCH: gl.constexpr):
-    """QK_PREFETCH: an unmasked overlapped step j whose scores S(j) (two 128-key halves s, sb) are here
-    already. P(j-1)'s tile published, O rescaled, PV(j-1) issued in the turn; softmax(j) under it, and with
-    PREFETCH QK^T(j+1)'s first half issued once s is spent (its registers free), the second once sb is:
-    the tensor cores get the next scores while this softmax runs, and step j+1 starts at its row maximum.
-    Everything is waited for before the loop's back-edge (nothing in flight across it: C7514). Returns
-    (alpha as P's stand-in, acc, alpha, m, l, accc, S(j+1) halves, or s, sb again without PREFETCH)."""
+def _pf_pv_issue(kv_it, turn_it, acc, alpha, l_i, accc, v_bufs, vc_bufs, v_ready, turn_bars, p_smem,
+                 CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr,
+                 row_o: gl.constexpr, row_oc: gl.constexpr):
+    """A prefetching step's start (QK_PREFETCH): P(j-1)'s tile published, O rescaled, PV(j-1) issued in the
+    turn. Returns (V(j-1)'s stage, PV's token, acc, l, accc)."""
     _mark(kv_it, EV_START, CID)
     pst = (kv_it + STAGES - 1) % STAGES
     mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
@@ -1035,6 +1020,24 @@ def _pf_step(kv_it, turn_it, s, sb, acc, alpha, m_i, l_i, accc, q_bufs, qb, k_bu
     _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
     _mark(kv_it, EV_ISSUED, CID)
     _mark(kv_it, EV_QK_DONE, CID)
+    return pst, o_tok, acc, l_i, accc
+
+
+@gluon.jit
+def _pf_step(kv_it, turn_it, s, sb, acc, alpha, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs, vc_bufs, sh_zero,
+             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, p_smem,
+             CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr,
+             QK_PARTS: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, row_oc: gl.constexpr,
+             PREFETCH: gl.constexpr):
+    """QK_PREFETCH: an unmasked overlapped step j whose scores S(j) (two 128-key halves s, sb) are here
+    already. P(j-1)'s tile published, O rescaled, PV(j-1) issued in the turn; softmax(j) under it, and with
+    PREFETCH QK^T(j+1)'s first half issued once s is spent (its registers free), the second once sb is:
+    the tensor cores get the next scores while this softmax runs, and step j+1 starts at its row maximum.
+    Everything is waited for before the loop's back-edge (nothing in flight across it: C7514). Returns
+    (alpha as P's stand-in, acc, alpha, m, l, accc, S(j+1) halves, or s, sb again without PREFETCH)."""
+    pst, o_tok, acc, l_i, accc = _pf_pv_issue(kv_it, turn_it, acc, alpha, l_i, accc, v_bufs, vc_bufs, v_ready,
+                                               turn_bars, p_smem, CID, NUM_CONSUMERS, PINGPONG, STAGES, row_o,
+                                               row_oc)
     row_h: gl.constexpr = gl.SliceLayout(1, s.type.layout)
     row_max = gl.convert_layout(gl.maximum(gl.max(s, axis=1), gl.max(sb, axis=1)), m_i.type.layout)
     m_new = gl.maximum(m_i, row_max * qk_scale)
