@@ -905,37 +905,28 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
 
 
 @gluon.jit
-def _qk_halves_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, sh_zero, kv_it, turn_it, CID: gl.constexpr,
-                      NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr,
-                      QK_PARTS: gl.constexpr):
-    """QK_PREFETCH: S = Q K^T of the K block in stage kv_it % STAGES as two 128-key halves, issued in this
-    warpgroup's turn and waited for; that K stage is released. Returns (S of keys 0..127, of keys 128..255)."""
+def _qk_parts_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, part_zero, kv_it, turn_it, CID: gl.constexpr,
+                     NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr,
+                     QK_PARTS: gl.constexpr):
+    """QK_PREFETCH: S = Q K^T of the K block in stage kv_it % STAGES in QK_PREFETCH key parts (2 or 4),
+    issued in this warpgroup's turn and waited for; that K stage is released. Returns four parts (two:
+    the second repeated)."""
+    W: gl.constexpr = BLOCK_N // QK_PREFETCH
     st = kv_it % STAGES
     mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
     _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-    s_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, sh_zero, CID, QK_PARTS, BLOCK_N // 2, 0)
-    sb_tok = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, sh_zero, CID, QK_PARTS, BLOCK_N // 2, BLOCK_N // 2)
-    _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-    s, sb = warpgroup_mma_wait(0, deps=(s_tok, sb_tok))
-    mbarrier.arrive(k_empty.index(st), count=1)
-    return s, sb
-
-
-@gluon.jit
-def _qk_quarters_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, sq_zero, kv_it, turn_it, CID: gl.constexpr,
-                        NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr,
-                        QK_PARTS: gl.constexpr):
-    """_qk_halves_waited in four 64-key parts (qk_prefetch=4)."""
-    Q: gl.constexpr = BLOCK_N // 4
-    st = kv_it % STAGES
-    mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
-    _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-    t0 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, sq_zero, CID, QK_PARTS, Q, 0)
-    t1 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, sq_zero, CID, QK_PARTS, Q, Q)
-    t2 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, sq_zero, CID, QK_PARTS, Q, 2 * Q)
-    t3 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, sq_zero, CID, QK_PARTS, Q, 3 * Q)
-    _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-    s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
+    t0 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, part_zero, CID, QK_PARTS, W, 0)
+    t1 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, part_zero, CID, QK_PARTS, W, W)
+    if QK_PREFETCH == 4:
+        t2 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, part_zero, CID, QK_PARTS, W, 2 * W)
+        t3 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, part_zero, CID, QK_PARTS, W, 3 * W)
+        _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
+        s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
+    else:
+        _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
+        s0, s1 = warpgroup_mma_wait(0, deps=(t0, t1))
+        s2 = s1
+        s3 = s1
     mbarrier.arrive(k_empty.index(st), count=1)
     return s0, s1, s2, s3
 
@@ -1046,23 +1037,17 @@ def _pf_step(kv_it, turn_it, s, sb, acc, alpha, m_i, l_i, accc, q_bufs, qb, k_bu
     alpha = gl.exp2(m_i - m_use)
     ref = gl.convert_layout(m_use - P_OFFSET, row_h)[:, None]
     tile = _p_words(_p_tile(p_smem, kv_it, CID), BLOCK_N // 4)
-    p = _exp2(s * qk_scale - ref)
-    if LANE_SUMS:
-        r = _lane_sums(p)
-    else:
-        r = gl.sum(p, axis=1)
-    tile.slice(0, BLOCK_N // 8, dim=1).store(_carried(p, p_layout))
+    r = _pf_part(s, qk_scale, ref, tile, 0, p_layout)
     if PREFETCH:
         nst = (kv_it + 1) % STAGES
         mbarrier.wait(k_ready.index(nst), ((kv_it + 1) // STAGES) & 1)
         sn_tok = _qk_issue(q_bufs, qb, k_bufs, nst * QK_PARTS, sh_zero, CID, QK_PARTS, BLOCK_N // 2, 0)
-    pb = _exp2(sb * qk_scale - ref)
+    r += _pf_part(sb, qk_scale, ref, tile, 1, p_layout)
     if LANE_SUMS:
-        l_i = _lane_update(l_i, alpha, r + _lane_sums(pb))
+        l_i = _lane_update(l_i, alpha, r)
     else:
-        l_i = l_i * alpha + gl.convert_layout(r + gl.sum(pb, axis=1), l_i.type.layout)
+        l_i = l_i * alpha + gl.convert_layout(r, l_i.type.layout)
     l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
-    tile.slice(BLOCK_N // 8, BLOCK_N // 8, dim=1).store(_carried(pb, p_layout))
     if PREFETCH:
         snb_tok = _qk_issue(q_bufs, qb, k_bufs, nst * QK_PARTS, sh_zero, CID, QK_PARTS, BLOCK_N // 2, BLOCK_N // 2)
         acc, s, sb = warpgroup_mma_wait(0, deps=(o_tok, sn_tok, snb_tok))
@@ -1371,8 +1356,8 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 if QK_PREFETCH == 2:  # unmasked blocks: the first one's QK^T waited here, each step prefetches the next's
                     lo = gl.maximum(n_masked, 1)
                     if n_blocks > lo:
-                        sp, sbp = _qk_halves_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, sh_zero, kv_it,
-                                                  turn_it, CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS)
+                        sp, sbp, _, _ = _qk_parts_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, sh_zero,
+                                                         kv_it, turn_it, CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS)
                         turn_it += 1
                         for j in range(lo, n_blocks - 1):
                             pP, acc, alpha, m_i, l_i, accc, sp, sbp = _pf_step(
@@ -1390,9 +1375,9 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 if QK_PREFETCH == 4:
                     lo = gl.maximum(n_masked, 1)
                     if n_blocks > lo:
-                        s0, s1, s2, s3 = _qk_quarters_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, sq_zero,
-                                                             kv_it, turn_it, CID, NUM_CONSUMERS, PINGPONG, STAGES,
-                                                             QK_PARTS)
+                        s0, s1, s2, s3 = _qk_parts_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, sq_zero,
+                                                          kv_it, turn_it, CID, NUM_CONSUMERS, PINGPONG, STAGES,
+                                                          QK_PARTS)
                         turn_it += 1
                         for j in range(lo, n_blocks - 1):
                             pP, acc, alpha, m_i, l_i, accc, s0, s1, s2, s3 = _pf_step4(
