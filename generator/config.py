@@ -65,19 +65,18 @@ CHOICES: dict[str, tuple] = {
     "k_perm": (False, True),
     "qk_async": (False, True),
     "lean_mufu": (0, 1, 2, 3, 4),
-    "qk_prefetch": (0, 2, 4),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
                 "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                "qk_acc", "k_perm", "qk_async", "lean_mufu", "qk_prefetch")
+                "qk_acc", "k_perm", "qk_async", "lean_mufu")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-               "qk_acc", "k_perm", "qk_async", "lean_mufu", "qk_prefetch")
+               "qk_acc", "k_perm", "qk_async", "lean_mufu")
 #: Fields only the launch reads (the persistent grid's tile table), not the kernel's code: configs that
 #: differ only in them differ in the source's header line alone (the config, so each is its own
 #: database variant: variants are keyed by source hash), and Triton compiles the kernel function once.
@@ -235,10 +234,6 @@ class KernelConfig:
                   slots, the MUFU's are its own pipe: a share of each runs the two side by side. Both round
                   (nearly) as FA3 does, so the error is the corrected fold's (generator/lean_asm.f16_mufu_asm).
                   Measured 0.97-0.99x the exact kernel at every share (docs/PERF.md, session 36): not searched.
-    qk_prefetch:  Gluon, exact float32-score 256-key two-P-tile step (qk_prefetch_conflict): the unmasked
-                  blocks' scores in 2 (128-key) or 4 (64-key) parts, and QK^T(j+1)'s part k issued inside
-                  softmax(j) once S(j)'s part k is spent (its registers free), all waited for at the step's
-                  end; a step starts at its row maximum instead of waiting for QK^T. 0: off. Session 39.
     """
 
     dtype: str = "fp8"
@@ -283,7 +278,6 @@ class KernelConfig:
     k_perm: bool = False
     qk_async: bool = False
     lean_mufu: int = 0
-    qk_prefetch: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -409,8 +403,6 @@ class KernelConfig:
             raise ConfigError(why)
         if self.lean_mufu and (why := lean_mufu_conflict(vars(self))):
             raise ConfigError(why)
-        if self.qk_prefetch and (why := qk_prefetch_conflict(vars(self))):
-            raise ConfigError(why)
         if self.k_perm and not self.v_permute:
             raise ConfigError("k_perm=True makes v_permute's relabelling of keys on K instead of V^T: it needs "
                               "v_permute=True")
@@ -486,7 +478,6 @@ class KernelConfig:
             softmax += " f16S" if self.qk_acc == "f16" else ""
             softmax += " qkAsync" if self.qk_async else ""
             softmax += f" mufu{self.lean_mufu}/4" if self.lean_mufu else ""
-            softmax += f" qkPrefetch{self.qk_prefetch}" if self.qk_prefetch else ""
             group = f" L2group{self.l2_group_mib}MiB" if self.l2_group_mib != _DEFAULTS["l2_group_mib"] else ""
             return (f"gluon {softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
                     f"{'+'.join(on) or 'plain'}{group}")
@@ -549,21 +540,6 @@ def qk_async_conflict(f: Mapping[str, Any]) -> str | None:
     if f["qk_acc"] != "f16":
         return ("qk_async=True moves the f16-score kernels' QK^T wait behind PV(j-1)'s issue (the float32-score "
                 "kernels issue them so already): it needs qk_acc='f16'")
-    return None
-
-
-def qk_prefetch_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a config with these fields cannot issue QK^T(j+1) inside softmax(j) (qk_prefetch > 0), or None.
-    Built for the exact float32-score two-P-tile step at 256 keys (scores in qk_prefetch key parts)."""
-    if f.get("backend") != "gluon":
-        return None  # (a Triton config is refused any Gluon field, with its own message)
-    need = {"softmax": "exact", "qk_acc": "f32", "block_n": 256, "p_carry": "smem2",
-            "overlap": True, "half_block": False, "rowsum": "fp32", "pv_defer": False, "o_split": False,
-            "ex2_fence": False, "late_rescale": False, "exp2_poly": 0}
-    bad = [f"{k}={f.get(k)!r}" for k, v in need.items() if f.get(k, v) != v]
-    if bad:
-        return ("qk_prefetch issues QK^T(j+1) in key parts inside the exact float32-score softmax "
-                f"of the 256-key two-P-tile step: it needs {need}, not " + ", ".join(bad))
     return None
 
 

@@ -208,8 +208,6 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         # qk_async: generator/ptx_pass.py drops the f16 QK^T's wait, so P(j-1)'s publication and O's rescale go
         # after QK^T(j)'s issue as in the float32-score step (without the pass they would wait for QK^T)
         ("QK_ASYNC", bool(c.qk_async)),
-        # qk_prefetch: QK^T(j+1) in that many key parts, each issued inside softmax(j) once S(j)'s part is spent
-        ("QK_PREFETCH", int(c.qk_prefetch)),
         ("F16_FOLD_ASM", f16_fold_asm(c.lean_fold) if c.qk_acc == "f16" else ""),
         ("F16_PACK_ASM", f16_pack_asm() if c.qk_acc == "f16" else ""),
         # lean_mufu: that many of every four pairs of the corrected f16 fold take 2^x from the MUFU instead

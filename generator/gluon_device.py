@@ -698,18 +698,17 @@ def _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, STAGES: gl
 
 
 @gluon.jit
-def _qk_issue(q_bufs, qb, k_bufs, kb, s_zero, CID: gl.constexpr, QK_PARTS: gl.constexpr, HALF: gl.constexpr = 0,
-              OFF: gl.constexpr = 0):
+def _qk_issue(q_bufs, qb, k_bufs, kb, s_zero, CID: gl.constexpr, QK_PARTS: gl.constexpr, HALF: gl.constexpr = 0):
     """S = Q K^T as QK_PARTS chained async wgmmas over the column parts (slots qb.., kb..); returns
     the token of the last (each wgmma is its own commit group, so waiting for it waits for all).
-    HALF > 0: HALF keys (rows) of the K tile only, from row OFF.
+    HALF > 0: the first HALF keys (rows) of the K tile only.
     F16_S: the last wgmma is synchronous (done on return). Triton hands an f16 accumulator to the wait as
     16-bit halves, split before the wait: ptxas then serialises every wgmma of the kernel; a synchronous
     wgmma splits them after its own wait."""
-    s_tok = warpgroup_mma(_q_rows(q_bufs, qb, CID), _keys(k_bufs.index(kb), HALF, 0, OFF).permute((1, 0)), s_zero,
+    s_tok = warpgroup_mma(_q_rows(q_bufs, qb, CID), _keys(k_bufs.index(kb), HALF, 0).permute((1, 0)), s_zero,
                           use_acc=False, is_async=not (F16_S and QK_PARTS == 1))
     for p in gl.static_range(1, QK_PARTS):
-        s_tok = warpgroup_mma(_q_rows(q_bufs, qb + p, CID), _keys(k_bufs.index(kb + p), HALF, 0, OFF).permute((1, 0)),
+        s_tok = warpgroup_mma(_q_rows(q_bufs, qb + p, CID), _keys(k_bufs.index(kb + p), HALF, 0).permute((1, 0)),
                               s_tok, is_async=not (F16_S and p == QK_PARTS - 1))
     return s_tok
 
@@ -905,161 +904,6 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
 
 
 @gluon.jit
-def _qk_parts_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, part_zero, kv_it, turn_it, CID: gl.constexpr,
-                     NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr,
-                     QK_PARTS: gl.constexpr):
-    """QK_PREFETCH: S = Q K^T of the K block in stage kv_it % STAGES in QK_PREFETCH key parts (2 or 4),
-    issued in this warpgroup's turn and waited for; that K stage is released. Returns four parts (two:
-    the second repeated)."""
-    W: gl.constexpr = BLOCK_N // QK_PREFETCH
-    st = kv_it % STAGES
-    mbarrier.wait(k_ready.index(st), (kv_it // STAGES) & 1)
-    _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-    t0 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, part_zero, CID, QK_PARTS, W, 0)
-    t1 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, part_zero, CID, QK_PARTS, W, W)
-    if QK_PREFETCH == 4:
-        t2 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, part_zero, CID, QK_PARTS, W, 2 * W)
-        t3 = _qk_issue(q_bufs, qb, k_bufs, st * QK_PARTS, part_zero, CID, QK_PARTS, W, 3 * W)
-        _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-        s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=(t0, t1, t2, t3))
-    else:
-        _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-        s0, s1 = warpgroup_mma_wait(0, deps=(t0, t1))
-        s2 = s1
-        s3 = s1
-    mbarrier.arrive(k_empty.index(st), count=1)
-    return s0, s1, s2, s3
-
-
-@gluon.jit
-def _pf_part(s, qk_scale, ref, tile, K: gl.constexpr, p_layout: gl.constexpr):
-    """One key part of a prefetching step's softmax: its probabilities' codes into words [K w, (K + 1) w) of
-    the P tile (w its keys / 4); returns their row sums (per lane under LANE_SUMS)."""
-    p = _exp2(s * qk_scale - ref)
-    W: gl.constexpr = s.shape[1] // 4
-    tile.slice(K * W, W, dim=1).store(_carried(p, p_layout))
-    if LANE_SUMS:
-        return _lane_sums(p)
-    else:
-        return gl.sum(p, axis=1)
-
-
-@gluon.jit
-def _pf_step4(kv_it, turn_it, s0, s1, s2, s3, acc, alpha, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs, vc_bufs,
-              sq_zero, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, p_smem,
-              CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr,
-              QK_PARTS: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, row_oc: gl.constexpr,
-              PREFETCH: gl.constexpr):
-    """_pf_step in four 64-key parts (qk_prefetch=4): QK^T(j+1)'s part k issued once S(j)'s part k is spent,
-    so only the last part's product waits at the step's end."""
-    Q: gl.constexpr = BLOCK_N // 4
-    pst, o_tok, acc, l_i, accc = _pf_pv_issue(kv_it, turn_it, acc, alpha, l_i, accc, v_bufs, vc_bufs, v_ready,
-                                               turn_bars, p_smem, CID, NUM_CONSUMERS, PINGPONG, STAGES, row_o,
-                                               row_oc)
-    row_h: gl.constexpr = gl.SliceLayout(1, s0.type.layout)
-    row_max = gl.maximum(gl.maximum(gl.max(s0, axis=1), gl.max(s1, axis=1)),
-                         gl.maximum(gl.max(s2, axis=1), gl.max(s3, axis=1)))
-    m_new = gl.maximum(m_i, gl.convert_layout(row_max, m_i.type.layout) * qk_scale)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    m_use = _marked(m_use, kv_it, EV_MAX_DONE, CID)
-    alpha = gl.exp2(m_i - m_use)
-    ref = gl.convert_layout(m_use - P_OFFSET, row_h)[:, None]
-    tile = _p_words(_p_tile(p_smem, kv_it, CID), BLOCK_N // 4)
-    nst = (kv_it + 1) % STAGES
-    r = _pf_part(s0, qk_scale, ref, tile, 0, p_layout)
-    if PREFETCH:
-        mbarrier.wait(k_ready.index(nst), ((kv_it + 1) // STAGES) & 1)
-        t0 = _qk_issue(q_bufs, qb, k_bufs, nst * QK_PARTS, sq_zero, CID, QK_PARTS, Q, 0)
-    r += _pf_part(s1, qk_scale, ref, tile, 1, p_layout)
-    if PREFETCH:
-        t1 = _qk_issue(q_bufs, qb, k_bufs, nst * QK_PARTS, sq_zero, CID, QK_PARTS, Q, Q)
-    r += _pf_part(s2, qk_scale, ref, tile, 2, p_layout)
-    if PREFETCH:
-        t2 = _qk_issue(q_bufs, qb, k_bufs, nst * QK_PARTS, sq_zero, CID, QK_PARTS, Q, 2 * Q)
-    r += _pf_part(s3, qk_scale, ref, tile, 3, p_layout)
-    if LANE_SUMS:
-        l_i = _lane_update(l_i, alpha, r)
-    else:
-        l_i = l_i * alpha + gl.convert_layout(r, l_i.type.layout)
-    l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
-    if PREFETCH:
-        t3 = _qk_issue(q_bufs, qb, k_bufs, nst * QK_PARTS, sq_zero, CID, QK_PARTS, Q, 3 * Q)
-        acc, s0, s1, s2, s3 = warpgroup_mma_wait(0, deps=(o_tok, t0, t1, t2, t3))
-        mbarrier.arrive(k_empty.index(nst), count=1)
-    else:
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
-    _mark(kv_it, EV_PV_DONE, CID)
-    mbarrier.arrive(v_empty.index(pst), count=1)
-    return alpha, acc, alpha, m_new, l_i, accc, s0, s1, s2, s3
-
-
-@gluon.jit
-def _pf_pv_issue(kv_it, turn_it, acc, alpha, l_i, accc, v_bufs, vc_bufs, v_ready, turn_bars, p_smem,
-                 CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr,
-                 row_o: gl.constexpr, row_oc: gl.constexpr):
-    """A prefetching step's start (QK_PREFETCH): P(j-1)'s tile published, O rescaled, PV(j-1) issued in the
-    turn. Returns (V(j-1)'s stage, PV's token, acc, l, accc)."""
-    _mark(kv_it, EV_START, CID)
-    pst = (kv_it + STAGES - 1) % STAGES
-    mbarrier.wait(v_ready.index(pst), ((kv_it - 1) // STAGES) & 1)
-    _turn_wait(turn_bars, turn_it, CID, PINGPONG)
-    _mark(kv_it, EV_READY, CID)
-    p8, acc, l_i, accc = _prev_p_ready(p_smem, kv_it, CID, acc, l_i, alpha, row_o, accc, row_oc)
-    _mark(kv_it, EV_QK_ISSUED, CID)
-    o_tok, r_tok, oc_tok = _pv_issue(p8, v_bufs.index(pst), acc, None, None, p8, v_bufs.index(pst), None, accc,
-                                     vc_bufs.index(pst))
-    _turn_pass(turn_bars, CID, NUM_CONSUMERS, PINGPONG)
-    _mark(kv_it, EV_ISSUED, CID)
-    _mark(kv_it, EV_QK_DONE, CID)
-    return pst, o_tok, acc, l_i, accc
-
-
-@gluon.jit
-def _pf_step(kv_it, turn_it, s, sb, acc, alpha, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs, vc_bufs, sh_zero,
-             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, p_smem,
-             CID: gl.constexpr, NUM_CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr,
-             QK_PARTS: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, row_oc: gl.constexpr,
-             PREFETCH: gl.constexpr):
-    """QK_PREFETCH: an unmasked overlapped step j whose scores S(j) (two 128-key halves s, sb) are here
-    already. P(j-1)'s tile published, O rescaled, PV(j-1) issued in the turn; softmax(j) under it, and with
-    PREFETCH QK^T(j+1)'s first half issued once s is spent (its registers free), the second once sb is:
-    the tensor cores get the next scores while this softmax runs, and step j+1 starts at its row maximum.
-    Everything is waited for before the loop's back-edge (nothing in flight across it: C7514). Returns
-    (alpha as P's stand-in, acc, alpha, m, l, accc, S(j+1) halves, or s, sb again without PREFETCH)."""
-    pst, o_tok, acc, l_i, accc = _pf_pv_issue(kv_it, turn_it, acc, alpha, l_i, accc, v_bufs, vc_bufs, v_ready,
-                                               turn_bars, p_smem, CID, NUM_CONSUMERS, PINGPONG, STAGES, row_o,
-                                               row_oc)
-    row_h: gl.constexpr = gl.SliceLayout(1, s.type.layout)
-    row_max = gl.convert_layout(gl.maximum(gl.max(s, axis=1), gl.max(sb, axis=1)), m_i.type.layout)
-    m_new = gl.maximum(m_i, row_max * qk_scale)
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    m_use = _marked(m_use, kv_it, EV_MAX_DONE, CID)
-    alpha = gl.exp2(m_i - m_use)
-    ref = gl.convert_layout(m_use - P_OFFSET, row_h)[:, None]
-    tile = _p_words(_p_tile(p_smem, kv_it, CID), BLOCK_N // 4)
-    r = _pf_part(s, qk_scale, ref, tile, 0, p_layout)
-    if PREFETCH:
-        nst = (kv_it + 1) % STAGES
-        mbarrier.wait(k_ready.index(nst), ((kv_it + 1) // STAGES) & 1)
-        sn_tok = _qk_issue(q_bufs, qb, k_bufs, nst * QK_PARTS, sh_zero, CID, QK_PARTS, BLOCK_N // 2, 0)
-    r += _pf_part(sb, qk_scale, ref, tile, 1, p_layout)
-    if LANE_SUMS:
-        l_i = _lane_update(l_i, alpha, r)
-    else:
-        l_i = l_i * alpha + gl.convert_layout(r, l_i.type.layout)
-    l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
-    if PREFETCH:
-        snb_tok = _qk_issue(q_bufs, qb, k_bufs, nst * QK_PARTS, sh_zero, CID, QK_PARTS, BLOCK_N // 2, BLOCK_N // 2)
-        acc, s, sb = warpgroup_mma_wait(0, deps=(o_tok, sn_tok, snb_tok))
-        mbarrier.arrive(k_empty.index(nst), count=1)
-    else:
-        acc = warpgroup_mma_wait(0, deps=(o_tok,))
-    _mark(kv_it, EV_PV_DONE, CID)
-    mbarrier.arrive(v_empty.index(pst), count=1)
-    return alpha, acc, alpha, m_new, l_i, accc, s, sb
-
-
-@gluon.jit
 def _first_softmax(s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_smem, CID: gl.constexpr,
                    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
                    row_s: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr, LEAN: gl.constexpr,
@@ -1197,10 +1041,10 @@ def _half_sums(l_i, s_zero):
 
 
 @gluon.jit
-def _keys(smem, HALF: gl.constexpr, DIM: gl.constexpr, OFF: gl.constexpr = 0):
-    """A K (DIM 0) or V^T / ones (DIM 1) tile, or with HALF > 0 its HALF keys from key OFF."""
+def _keys(smem, HALF: gl.constexpr, DIM: gl.constexpr):
+    """A K (DIM 0) or V^T / ones (DIM 1) tile, or with HALF > 0 its first HALF keys."""
     if HALF > 0:
-        return smem.slice(OFF, HALF, dim=DIM)
+        return smem.slice(0, HALF, dim=DIM)
     else:
         return smem
 
@@ -1238,8 +1082,6 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
     # HALF_BLOCK: the scores of a step on half a block
     qkh_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BN_A // 2, 32])
-    qkq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BN_A // 4, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, O_W, 32])
     # O_SPLIT: O's second part (else an unused stand-in O_C columns wide)
@@ -1306,10 +1148,6 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
         accc = gl.zeros([64, O_C], gl.float32, layout=oc_layout)
         s_zero = gl.zeros([64, BN_A], gl.float16 if F16_S else gl.float32, layout=qk_layout)
         sb_zero = gl.zeros([64, BN_B], gl.float32, layout=qkb_layout) if SPLIT else s_zero
-        # QK_PREFETCH: a 128-key half of the scores
-        sh_zero = gl.zeros([64, BN_A // 2], gl.float32, layout=qkh_layout) if QK_PREFETCH == 2 else s_zero
-        # (qk_prefetch=4: a 64-key quarter)
-        sq_zero = gl.zeros([64, BN_A // 4], gl.float32, layout=qkq_layout) if QK_PREFETCH == 4 else s_zero
 
         # rows past the queries' end (a partial last query block, e.g. 4096 = 21 x 192 + 64): no work but
         # passing the tile's K/V stages on; with ping-pong the turns need every consumer's wgmmas
@@ -1340,7 +1178,7 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 turn_it += 1
                 kv_it += 1
                 # ---- masked blocks (phase 0), then unmasked blocks (phase 1): two loops, MASK constant in each
-                for phase in gl.static_range(1 if QK_PREFETCH else 2):
+                for phase in gl.static_range(2):
                     lo = 1 if phase == 0 else gl.maximum(n_masked, 1)
                     hi = n_masked if phase == 0 else n_blocks
                     for j in range(lo, hi):
@@ -1351,45 +1189,6 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                             qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
                             QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc, vc_bufs,
                             row_oc)
-                        turn_it += 1
-                        kv_it += 1
-                if QK_PREFETCH == 2:  # unmasked blocks: the first one's QK^T waited here, each step prefetches the next's
-                    lo = gl.maximum(n_masked, 1)
-                    if n_blocks > lo:
-                        sp, sbp, _, _ = _qk_parts_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, sh_zero,
-                                                         kv_it, turn_it, CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS)
-                        turn_it += 1
-                        for j in range(lo, n_blocks - 1):
-                            pP, acc, alpha, m_i, l_i, accc, sp, sbp = _pf_step(
-                                kv_it, turn_it, sp, sbp, acc, alpha, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs, vc_bufs,
-                                sh_zero, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, p_smem, CID,
-                                NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, p_layout, row_o, row_oc, True)
-                            turn_it += 1
-                            kv_it += 1
-                        pP, acc, alpha, m_i, l_i, accc, sp, sbp = _pf_step(
-                            kv_it, turn_it, sp, sbp, acc, alpha, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs, vc_bufs,
-                            sh_zero, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, p_smem, CID,
-                            NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, p_layout, row_o, row_oc, False)
-                        turn_it += 1
-                        kv_it += 1
-                if QK_PREFETCH == 4:
-                    lo = gl.maximum(n_masked, 1)
-                    if n_blocks > lo:
-                        s0, s1, s2, s3 = _qk_parts_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, sq_zero,
-                                                          kv_it, turn_it, CID, NUM_CONSUMERS, PINGPONG, STAGES,
-                                                          QK_PARTS)
-                        turn_it += 1
-                        for j in range(lo, n_blocks - 1):
-                            pP, acc, alpha, m_i, l_i, accc, s0, s1, s2, s3 = _pf_step4(
-                                kv_it, turn_it, s0, s1, s2, s3, acc, alpha, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs,
-                                vc_bufs, sq_zero, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, p_smem, CID,
-                                NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, p_layout, row_o, row_oc, True)
-                            turn_it += 1
-                            kv_it += 1
-                        pP, acc, alpha, m_i, l_i, accc, s0, s1, s2, s3 = _pf_step4(
-                            kv_it, turn_it, s0, s1, s2, s3, acc, alpha, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs,
-                            vc_bufs, sq_zero, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, p_smem, CID,
-                            NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, p_layout, row_o, row_oc, False)
                         turn_it += 1
                         kv_it += 1
                 # ---- PV of the last block

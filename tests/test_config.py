@@ -40,8 +40,6 @@ def valid_with(field: str, value) -> KernelConfig:
     if field == "lean_mufu" and value:
         changes.update(softmax="lean", rowsum="rounded", p_carry="smem2", lean_clamp="sat", qk_acc="f16",
                        lean_fold="corrected")
-    if field == "qk_prefetch" and value:
-        changes.update(block_n=256, p_carry="smem2")
     if field in GLUON_FIELDS or (field, value) in (("backend", "gluon"), ("block_m", 192), ("block_n", 192),
                                                    ("q_order", "balanced")):
         return GLUON.replace(**changes)

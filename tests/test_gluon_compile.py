@@ -952,22 +952,3 @@ def test_packed_p_carry_rounds_once_and_moves_no_bytes(cfg, compiled):
     assert art.count("F2FP") == twin.count("F2FP") and art.count("MUFU.EX2") == twin.count("MUFU.EX2")
     copies = len(re.findall(r"LOP3\.LUT R\d+, R(\d+), R\1, R\1, 0xf0", art.sass))
     assert copies == twin.count("PRMT")  # one register copy where the twin had one byte move
-
-
-@pytest.mark.parametrize("parts", (2, 4))
-def test_qk_prefetch_issues_the_next_scores_among_the_exponentials(parts, compiled):
-    """qk_prefetch: the unmasked step loop issues PV(j-1)'s eight k-steps and QK^T(j+1) in `parts` key parts
-    (four k-steps each at head dim 128); every part but the last is issued before the step's last exponential,
-    the one wait comes after all 130 of them (nothing waits for the scores at the step's start), and nothing
-    is serialised. (The 64-key parts spill a word in the step loop; the halves do not.)"""
-    twin = gluon_smem2_config("fp8", 128, 128).replace(half_block=False, lane_sums=False, ping_pong=True,
-                                                       k_perm=True, q_order="balanced")
-    art = compiled(twin.replace(qk_prefetch=parts))
-    loop = next(body for body in sass_loops(art.sass) if sum("QGMMA" in x for x in body) == 8 + 4 * parts)
-    qgmma = [i for i, x in enumerate(loop) if "QGMMA" in x]
-    mufu = [i for i, x in enumerate(loop) if "MUFU.EX2" in x]
-    waits = [i for i, x in enumerate(loop) if "WARPGROUP.DEPBAR" in x]
-    assert len(mufu) == 130 and len(waits) == 1 and waits[0] > mufu[-1]
-    assert sum(mufu[0] < i < mufu[-1] for i in qgmma) >= 4 * (parts - 1)
-    assert art.serialised_wgmma is None
-    assert parts == 4 or not any("STL" in x or "LDL" in x for x in loop)

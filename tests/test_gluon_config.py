@@ -54,8 +54,7 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
         {"head_dim_qk": 96, "head_dim_v": 96} if field == "o_split" else \
         {"overlap": False} if field == "half_block" else {"p_carry": "smem2"} if field == "o_through_p" else \
         F16_NEEDS if field == "qk_acc" else dict(F16_NEEDS, qk_acc="f16") if field == "qk_async" else \
-        dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected") if field == "lean_mufu" else \
-        {"block_n": 256, "p_carry": "smem2"} if field == "qk_prefetch" else {}
+        dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected") if field == "lean_mufu" else {}
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 

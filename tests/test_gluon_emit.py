@@ -158,7 +158,7 @@ def test_constants_are_the_config(cfg):
                  "O_CHUNKS": ow // (cfg.block_n // 2) if cfg.o_through_p else 1,
                  "LANE_SUMS": cfg.lane_sums, "LATE_RESCALE": cfg.late_rescale and cfg.overlap, "HALF_BLOCK": cfg.half_block,
                  # qk_acc="f16": Q rows rescaled so that 448 sum|q| stays within 2^15
-                 "F16_S": cfg.qk_acc == "f16", "Q_HEADROOM": 448.0 / 32768.0, "QK_ASYNC": cfg.qk_async, "QK_PREFETCH": cfg.qk_prefetch,
+                 "F16_S": cfg.qk_acc == "f16", "Q_HEADROOM": 448.0 / 32768.0, "QK_ASYNC": cfg.qk_async,
                  "F16_FOLD_ASM": f16_fold_asm(cfg.lean_fold) if cfg.qk_acc == "f16" else "",
                  "F16_PACK_ASM": f16_pack_asm() if cfg.qk_acc == "f16" else "",
                  # lean_mufu: k of every four f16 pairs by the MUFU (the line e = x + P - 8 = 1 - 16 u)

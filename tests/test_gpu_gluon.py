@@ -574,27 +574,6 @@ def test_lane_sums_within_rounding_of_the_row_sums(name, sq, sk, causal):
     assert rel_l2(lanes, per_step) < 1e-3
 
 
-#: the exact 256-key two-P-tile step with QK^T(j+1) issued inside softmax(j) (qk_prefetch): per-step and per-lane
-#: sums, ping-pong turns or not, keys relabelled on K (the seed's k_perm, V as given: flash_attn_func's copy)
-PREFETCH = {"smem2": gluon_smem2_config("fp8", 128, 128).replace(lane_sums=False, half_block=False),
-            "smem2-lanes-pp": gluon_smem2_config("fp8", 128, 128).replace(half_block=False, ping_pong=True),
-            "smem2-kperm-pp": gluon_smem2_config("fp8", 128, 128).replace(half_block=False, ping_pong=True,
-                                                                          lane_sums=False, k_perm=True,
-                                                                          q_order="balanced")}
-
-
-@pytest.mark.parametrize("parts", (2, 4))
-@pytest.mark.parametrize("name", PREFETCH)
-@pytest.mark.parametrize("sq,sk,causal", TWIN_SHAPES)
-def test_qk_prefetch_within_rounding_of_its_twin(name, sq, sk, causal, parts):
-    """qk_prefetch computes the unmasked blocks' scores in 128- or 64-key parts, issued a step early:
-    the same products and exponentials, the row sums added per part (another order), so within a few
-    float32 roundings of the twin's output and within FA3's error against float64."""
-    cfg = PREFETCH[name]
-    pf, twin = variant_and_twin(cfg.replace(qk_prefetch=parts), cfg, sq, sk, causal)
-    assert rel_l2(pf, twin) < 1e-3
-
-
 #: schedules whose first block may run as half a block (half_block). Plain: 256-key blocks with per-lane and
 #: per-step row sums, the row-sum MMA, ping-pong turns, head dim 96's o_split; 128-key blocks with natural V
 #: (256 keys do not fit beside its raw V slots) and under one consumer. Overlapped with P in shared memory:
