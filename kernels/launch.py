@@ -43,7 +43,7 @@ def launch(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     Descales are all None or all contiguous float32 (batch, kv_heads) tensors.
     """
     grid, args, options = prepare(config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale)
-    _run(config, grid, args, options, q.device.index)
+    run_prepared(config, grid, args, options, q.device.index)
     return out
 
 
@@ -80,8 +80,8 @@ def forget(config: KernelConfig) -> None:
     fastlaunch.forget(config)
 
 
-def _run(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int):
-    """Launch through the fast path; returns the CompiledKernel that ran."""
+def run_prepared(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int):
+    """Launch `prepare`'s (grid, args, options) through the fast path; returns the CompiledKernel that ran."""
     causal = options["CAUSAL"]
     return fastlaunch.run((config, causal), kernel(config), grid, args, {"CAUSAL": causal},
                           {k: v for k, v in options.items() if k != "CAUSAL"}, device)
@@ -151,7 +151,7 @@ def bind(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     this layout needs a hidden copy (unaligned or padded rows for TMA) and so no fast path."""
     grid, args, options = prepare(config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale)
     device = q.device.index
-    compiled = _run(config, grid, args, options, device)
+    compiled = run_prepared(config, grid, args, options, device)
     tensors = (q, k, v, q_descale, k_descale, v_descale)
     if any(t is not None and t.data_ptr() % 16 for t in tensors):
         return None

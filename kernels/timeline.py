@@ -4,8 +4,10 @@
 clock stored at each step's EVENTS, for CTA 0) on the caller's inputs and returns the stamps;
 `phases` reduces them to the median cycles between consecutive events of a step, per consumer
 warpgroup, `interleave` says how far apart the warpgroups' steps run (ping-pong or lockstep), and
-`sample` lines both warpgroups up on one clock. The stamps cost a few percent and
-keep ptxas from moving some code across them: a timeline says which phase dominates and how the
+`sample` lines both warpgroups up on one clock. The stamps keep ptxas from moving some code
+across them, at a cost that depends on the schedule (a few percent for most kernels, ~17% for the
+exact 256-key seed in session 40), so `record` also times the traced launch against the same kernel
+without stamps and the timeline carries both: a timeline says which phase dominates and how the
 warpgroups interleave, the benchmark says how fast the kernel is.
 """
 
@@ -22,7 +24,8 @@ from zyfa_tune.generator.emit_gluon import emit
 from zyfa_tune.generator.timeline import EVENT_INDEX, EVENTS, TraceBuffer
 
 from . import fastlaunch
-from .launch import prepare
+from .launch import prepare, run_prepared
+from .timing import time_cuda
 
 #: Steps per consumer warpgroup a default recording keeps (CTA 0 of B=2 S=8K H=32 at 128-key
 #: blocks runs about 1000).
@@ -58,9 +61,19 @@ class Interleave:
 @dataclass(frozen=True)
 class Timeline:
     """clocks[warpgroup, step, event]: SM clock (cycles, unwrapped, from the first stamp), -1 where
-    not recorded."""
+    not recorded. traced_ms / plain_ms: median device time of the traced launch and of the same kernel
+    without stamps on the same inputs (None when not timed)."""
     config: KernelConfig
     clocks: np.ndarray
+    traced_ms: float | None = None
+    plain_ms: float | None = None
+
+    def stamp_cost(self) -> float | None:
+        """How much longer the traced launch ran than the kernel without stamps (0.17: 17%), None
+        when not timed. Where it is large the phases describe a differently scheduled kernel."""
+        if self.traced_ms is None or self.plain_ms is None:
+            return None
+        return self.traced_ms / self.plain_ms - 1.0
 
     def events(self) -> list[int]:
         """The events this kernel's steps record (the overlapped step has no pv_issued)."""
@@ -123,7 +136,8 @@ def _phase(start: str, end: str, cycles: np.ndarray) -> Phase:
                  float(np.percentile(cycles, 90)), int(cycles.size))
 
 
-def from_stamps(config: KernelConfig, raw: np.ndarray) -> Timeline:
+def from_stamps(config: KernelConfig, raw: np.ndarray, *, traced_ms: float | None = None,
+                plain_ms: float | None = None) -> Timeline:
     """Raw int32 stamps (warpgroup, step, event), 0 = not recorded, as a Timeline: the 32-bit SM
     clock read unsigned and unwrapped (it wraps every ~2 s at 1.98 GHz, so once at most per launch)."""
     t = raw.astype(np.int64) & 0xFFFFFFFF
@@ -132,21 +146,26 @@ def from_stamps(config: KernelConfig, raw: np.ndarray) -> Timeline:
         raise RuntimeError("timeline: no stamps were recorded (was CTA 0 given any tile?)")
     if t[seen].max() - t[seen].min() > 2**31:
         t = np.where(seen & (t < 2**31), t + 2**32, t)
-    return Timeline(config, np.where(seen, t - t[seen].min(), -1))
+    return Timeline(config, np.where(seen, t - t[seen].min(), -1), traced_ms, plain_ms)
 
 
 def record(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
            softmax_scale: float | None = None, q_descale: torch.Tensor | None = None,
            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
-           steps: int = DEFAULT_STEPS, warmup: int = 3, out: torch.Tensor | None = None) -> Timeline:
+           steps: int = DEFAULT_STEPS, warmup: int = 3, timed_reps: int = 20,
+           out: torch.Tensor | None = None) -> Timeline:
     """Launch `config`'s traced twin on (q, k, v) (the layout `flash_attn_func` takes; FP8 inputs with
     their descales) `warmup` times, then once more into a cleared buffer; returns that launch's
-    timeline. The attention output goes to `out` if given (bf16, q's shape with V's head dim).
+    timeline. With timed_reps > 0 the traced launch and the same kernel without stamps are first timed
+    on these inputs (kernels/timing.time_cuda, medians of timed_reps): what the stamps cost.
+    The attention output goes to `out` if given (bf16, q's shape with V's head dim).
     Compiles the twin on first use (its source holds the buffer's address)."""
     if config.backend != "gluon":
         raise ValueError(f"timeline: only Gluon kernels are instrumented, not backend={config.backend!r}")
     if q.device.type != "cuda":
         raise ValueError("timeline: the inputs must be on a CUDA device")
+    if timed_reps < 0:
+        raise ValueError(f"timeline: timed_reps must be >= 0, got {timed_reps}")
     consumers = config.block_m // 64
     if out is None:
         out = torch.empty(*q.shape[:3], v.shape[3], device=q.device, dtype=torch.bfloat16)
@@ -156,15 +175,29 @@ def record(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     head = (traced.source_hash, "timeline")
     grid, args, options = prepare(config, q, k, v, out, scale, causal, q_descale, k_descale, v_descale)
-    options = dict(options)
-    constexprs = {"CAUSAL": options.pop("CAUSAL")}
+    traced_options = dict(options)
+    constexprs = {"CAUSAL": traced_options.pop("CAUSAL")}
+    device = q.device.index
+
+    def traced_launch():
+        fastlaunch.run(head, fn, grid, args, constexprs, traced_options, device)
+
+    def plain_launch():
+        run_prepared(config, grid, args, options, device)
+
+    traced_ms = plain_ms = None
     try:
-        for i in range(warmup + 1):
-            if i == warmup:
-                torch.cuda.synchronize(q.device)
-                buf.zero_()
-            fastlaunch.run(head, fn, grid, args, constexprs, options, q.device.index)
+        if timed_reps:
+            traced_ms = time_cuda([traced_launch], warmup=warmup, reps=timed_reps, device=device).median_ms
+            plain_ms = time_cuda([plain_launch], warmup=warmup, reps=timed_reps, device=device).median_ms
+        else:
+            for _ in range(warmup):
+                traced_launch()
+        torch.cuda.synchronize(q.device)
+        buf.zero_()
+        traced_launch()
         torch.cuda.synchronize(q.device)
     finally:
         fastlaunch.forget(traced.source_hash)
-    return from_stamps(config, buf.view(consumers, steps, len(EVENTS)).cpu().numpy())
+    return from_stamps(config, buf.view(consumers, steps, len(EVENTS)).cpu().numpy(), traced_ms=traced_ms,
+                       plain_ms=plain_ms)

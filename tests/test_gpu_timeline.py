@@ -24,8 +24,10 @@ def test_traced_launch_is_the_kernel_and_its_steps_are_ordered(name):
     (q, k, v), kw = make_inputs("fp8", 128, 128, batch=1, heads=8, kv_heads=8, seqlen=2048, seed=3)
     ref = flash_attn_func(q, k, v, causal=True, config=cfg, **kw)
     out = torch.empty_like(ref)
-    tl = timeline.record(cfg, q, k, v, causal=True, steps=512, out=out, **kw)
+    tl = timeline.record(cfg, q, k, v, causal=True, steps=512, timed_reps=5, out=out, **kw)
     assert torch.equal(out, ref), "the stamps changed the result"
+    assert tl.traced_ms > 0 and tl.plain_ms > 0, (tl.traced_ms, tl.plain_ms)  # both launches were timed
+    print(f" traced {tl.traced_ms:.4f} ms plain {tl.plain_ms:.4f} ms: stamps {tl.stamp_cost():+.1%}", end="")
     ev = tl.events()
     expected = [e for e in range(len(EVENTS)) if not (cfg.overlap and EVENTS[e] == "pv_issued")]
     assert ev == expected, [EVENTS[e] for e in ev]

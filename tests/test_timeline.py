@@ -126,6 +126,13 @@ def test_the_32_bit_clock_is_unwrapped():
     assert tl.clocks.min() == 0
 
 
+def test_stamp_cost_is_the_traced_launch_over_the_plain_one():
+    raw = _raw(6, [5] * 8).astype(np.int32)
+    assert from_stamps(WIDE, raw).stamp_cost() is None  # not timed
+    assert from_stamps(WIDE, raw, traced_ms=2.34, plain_ms=2.0).stamp_cost() == pytest.approx(0.17)
+    assert from_stamps(WIDE, raw, traced_ms=2.0, plain_ms=None).stamp_cost() is None
+
+
 def test_no_stamps_is_an_error():
     with pytest.raises(RuntimeError, match="no stamps"):
         from_stamps(WIDE, np.zeros((2, 4, len(EVENTS)), dtype=np.int32))

@@ -96,8 +96,13 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     cfg = _config(args)
     (q, k, v), kw = make_inputs(cfg.dtype, cfg.head_dim_qk, cfg.head_dim_v, batch=args.batch, heads=args.heads,
                                 kv_heads=args.heads, seqlen=args.seqlen, seed=args.seed)
-    tl = timeline.record(cfg, q, k, v, causal=not args.non_causal, steps=args.steps, **kw)
+    tl = timeline.record(cfg, q, k, v, causal=not args.non_causal, steps=args.steps, timed_reps=args.timed_reps,
+                         **kw)
     console.print(f"{cfg.summary()}  B={args.batch} S={args.seqlen} H={args.heads}: CTA 0, cycles per step phase")
+    if tl.stamp_cost() is not None:
+        console.print(f"traced launch {tl.traced_ms:.4f} ms, the same kernel without stamps {tl.plain_ms:.4f} ms: "
+                      f"the stamps cost {tl.stamp_cost():+.1%} (medians of {args.timed_reps}; compare variants' "
+                      f"speed with `zyfa-tune bench`, not their periods here)")
     for w in range(tl.clocks.shape[0]):
         table = Table(title=f"consumer warpgroup {w}: step period median {tl.period(w):.0f} cycles")
         for col in ("from", "to", "median", "p10", "p90", "steps"):
@@ -116,7 +121,8 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"config": cfg.to_dict(), "shape": [args.batch, args.seqlen, args.heads],
-                       "events": list(timeline.EVENTS), "clocks": tl.clocks.tolist()}, fh)
+                       "events": list(timeline.EVENTS), "clocks": tl.clocks.tolist(),
+                       "traced_ms": tl.traced_ms, "plain_ms": tl.plain_ms}, fh)
         console.print(f"stamps: {args.json}")
     return 0
 
@@ -473,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4096, help="steps per warpgroup with room in the buffer")
     p.add_argument("--sample", type=int, default=None, metavar="STEP",
                    help="also print both warpgroups' events for 4 steps from STEP on one clock")
+    p.add_argument("--timed-reps", type=int, default=20, metavar="N",
+                   help="time the traced launch and the kernel without stamps, N launches each (0: skip)")
     p.add_argument("--json", default=None, metavar="OUT.json", help="save the raw stamps")
     p.set_defaults(fn=cmd_timeline)
 
