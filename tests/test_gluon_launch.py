@@ -228,7 +228,7 @@ class Recorder:
 @pytest.fixture
 def recorded(monkeypatch):
     rec = Recorder()
-    monkeypatch.setattr(launch, "_run", lambda *a, **k: rec)
+    monkeypatch.setattr(launch, "run_prepared", lambda *a, **k: rec)
     monkeypatch.setattr(fastlaunch, "_stream_getter", lambda: (lambda device: "stream"))
     monkeypatch.setattr(launch, "bind_transpose", lambda v, permute: lambda x: transpose_v(x, permute))
     return rec
@@ -329,7 +329,7 @@ def test_raw_launch_passes_what_triton_would(config, monkeypatch):
     _, args, options = launch.prepare(config, q, k, v, out, 0.1, True, *ds)
     n_desc = sum(hasattr(a, "block_shape") for a in args)
     kern = LauncherKernel(len(args) + 1, n_desc)
-    monkeypatch.setattr(launch, "_run", lambda *a, **kw: kern)
+    monkeypatch.setattr(launch, "run_prepared", lambda *a, **kw: kern)
     bound = launch.bind(config, q, k, v, out, 0.1, True, *ds)
     assert bound.raw is not None and len(bound.tma) == n_desc
     q2, k2, v2, out2, ds2 = tensors(seed=2)
@@ -369,7 +369,7 @@ def test_raw_launch_encodes_once_per_pointer(monkeypatch):
     v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # K-major: read in place, no copy
     _, args, _ = launch.prepare(config, q, k, v, out, 0.1, True, *ds)
     kern = LauncherKernel(len(args) + 1, 4)
-    monkeypatch.setattr(launch, "_run", lambda *a, **kw: kern)
+    monkeypatch.setattr(launch, "run_prepared", lambda *a, **kw: kern)
     bound = launch.bind(config, q, k, v, out, 0.1, True, *ds)
     assert bound.transpose is None  # the descriptor of a K-major V is built on V's own pointer
     for _ in range(3):
