@@ -4,11 +4,10 @@
 clock stored at each step's EVENTS, for CTA 0) on the caller's inputs and returns the stamps;
 `phases` reduces them to the median cycles between consecutive events of a step, per consumer
 warpgroup, `interleave` says how far apart the warpgroups' steps run (ping-pong or lockstep), and
-`sample` lines both warpgroups up on one clock. The stamps keep ptxas from moving some code
-across them, at a cost that depends on the schedule (a few percent for most kernels, ~17% for the
-exact 256-key seed in session 40), so `record` also times the traced launch against the same kernel
-without stamps and the timeline carries both: a timeline says which phase dominates and how the
-warpgroups interleave, the benchmark says how fast the kernel is.
+`sample` lines both warpgroups up on one clock. What the stamps cost depends on the schedule
+(generator/timeline.py), so `record` also times the traced launch against the same kernel without
+stamps (`Timeline.stamp_cost`): a timeline says which phase dominates and how the warpgroups
+interleave, the benchmark says how fast the kernel is.
 """
 
 from __future__ import annotations
