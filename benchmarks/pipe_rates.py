@@ -6,7 +6,16 @@ Each kernel runs a loop of one inline-PTX body over four independent chains per 
 SM on every SM; a body's time per warp iteration per sub-partition, divided by its instruction count,
 is the rate. The SM clock is read from NVML, so run it on an idle GPU.
 
-    python3 benchmarks/pipe_rates.py            # GPU
+`--per-smsp N` asks what N warps on a sub-partition get, which is what the softmax of one or two consumer
+warpgroups sees (one program of 4N warps per SM, 32 chains per thread so that latency does not bound it):
+the rate per sub-partition and the interval between one warp's own instructions (32 chains per sub-partition). `--beside NAME` puts one
+warp running NAME next to each timed warp (two programs of 4 warps per SM): how much a neighbour busy on
+other pipes slows it, i.e. whether one consumer's exponentials run at the MUFU's rate while the other
+consumer computes its row maximum.
+
+    python3 benchmarks/pipe_rates.py                                   # GPU: every body, saturated
+    python3 benchmarks/pipe_rates.py --bodies ex2,ex2.f16x2 --per-smsp 1
+    python3 benchmarks/pipe_rates.py --bodies ex2 --per-smsp 1 --beside fmnmx+ffma
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ def _each(line: str) -> str:
 #: kind); a rate is the body's time per instruction of that kind, its other instructions included
 BODIES = {
     "ex2": (_EX2, 4, "MUFU.EX2"),
+    # the packed f16 exponential (two MUFU.EX2.F16 per instruction on sm_90a): per PTX instruction, i.e.
+    # per two exponentials
+    "ex2.f16x2": (_each("ex2.approx.f16x2 {o}, {i};"), 4, "MUFU.EX2.F16"),
     "ffma": ("fma.rn.f32 $0, $4, 0f3F000000, 0fBE000000;\nfma.rn.f32 $1, $5, 0f3F000000, 0fBE000000;\n"
              "fma.rn.f32 $2, $6, 0f3F000000, 0fBE000000;\nfma.rn.f32 $3, $7, 0f3F000000, 0fBE000000;", 4, "FFMA"),
     "fmnmx": ("max.f32 $0, $4, 0f3F000000;\nmax.f32 $1, $5, 0f3F000000;\n"
@@ -55,6 +67,13 @@ BODIES = {
     # ex2's four exponentials and cvt's four conversions in one body: if the conversion used the MUFU
     # pipe, this would take ex2 + cvt; it takes ex2 alone
     "ex2+cvt": (_CVT_REGS + _EX2 + _CVT + "xor.b32 $0, $0, w0;\nxor.b32 $1, $1, w1; }", 4, "MUFU.EX2"),
+    # the exact softmax's work per score: the FMA into x, the exponential, an FADD (the row sum's) and half
+    # an e4m3x2 conversion (its codes kept live in one bit); each chain stays in [-1, 0)
+    "softmax": ("{ .reg .b32 t0, t1, t2, t3, w0, w1; .reg .b16 h0, h1, h2, h3;\n"
+                + _each("fma.rn.f32 t{k}, {i}, 0f3F000000, 0fBF800000;\nex2.approx.ftz.f32 t{k}, t{k};")
+                + "cvt.rn.satfinite.e4m3x2.f32 h0, t1, t0;\ncvt.rn.satfinite.e4m3x2.f32 h1, t3, t2;\n"
+                + "mov.b32 w0, {h0, h1};\nand.b32 w0, w0, 1;\n"
+                + _each("add.f32 {o}, t{k}, 0fBF000000;") + "xor.b32 $0, $0, w0; }", 4, "MUFU.EX2"),
     # lean P's instructions (session 26): its clamp as a saturating FMA or an integer max, the code
     # sums' e4m3 -> f16x2 unpack and f16x2 add, and bf16x2 packing / max (a halved row-maximum tree)
     "ffma.sat": (_each("fma.rn.sat.f32 {o}, {i}, 0f3F000000, 0f3E000000;"), 4, "FFMA.SAT"),
@@ -81,74 +100,166 @@ BODIES = {
 }
 ITERS = 2048
 WARPS = 8  # per program; 4 programs per SM
+#: chains per thread of a lone warp, in groups of four (one body per group); N warps per sub-partition
+#: take FEW_WARP_GROUPS / N groups each, so a sub-partition always has 32 chains to hide latency with
+FEW_WARP_GROUPS = 8
 
 
 @triton.jit
-def _loop(x_ptr, out_ptr, ITERS: tl.constexpr, BODY: tl.constexpr):
-    offs = tl.program_id(0) * 256 + tl.arange(0, 256)
+def _loop(x_ptr, out_ptr, cycles_ptr, sm_ptr, ITERS: tl.constexpr, BODY: tl.constexpr, ELEMS: tl.constexpr,
+          OTHER: tl.constexpr, OTHER_ITERS: tl.constexpr):
+    """ITERS rounds of BODY over each thread's ELEMS / 32 / num_warps groups of four chains; with OTHER,
+    odd programs run OTHER_ITERS rounds of it instead (a neighbour, where the block scheduler puts one on
+    the same SM). Writes each thread's %clock64 span of its loop to cycles_ptr and its SM's id to sm_ptr."""
+    offs = tl.program_id(0) * ELEMS + tl.arange(0, ELEMS)
     a = tl.load(x_ptr + offs)
     b = a + 0.25
     c = a + 0.5
     d = a + 0.75
-    for _ in range(ITERS):
-        a, b, c, d = tl.inline_asm_elementwise(BODY, "=r,=r,=r,=r,r,r,r,r", [a, b, c, d],
-                                               dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-                                               is_pure=True, pack=1)
+    t0 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [offs], dtype=tl.int64, is_pure=False, pack=1)
+    if OTHER != "" and tl.program_id(0) % 2 == 1:
+        for _ in range(OTHER_ITERS):
+            a, b, c, d = tl.inline_asm_elementwise(OTHER, "=r,=r,=r,=r,r,r,r,r", [a, b, c, d],
+                                                   dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                                   is_pure=True, pack=1)
+    else:
+        for _ in range(ITERS):
+            a, b, c, d = tl.inline_asm_elementwise(BODY, "=r,=r,=r,=r,r,r,r,r", [a, b, c, d],
+                                                   dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                                   is_pure=True, pack=1)
+    t1 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [offs], dtype=tl.int64, is_pure=False, pack=1)
     tl.store(out_ptr + offs, a + b + c + d)
+    tl.store(cycles_ptr + offs, t1 - t0)
+    tl.store(sm_ptr + offs, tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [offs], dtype=tl.int32,
+                                                      is_pure=False, pack=1))
 
 
-def compile_sm90(name: str):
-    """The loop kernel of BODIES[name] compiled for sm_90a without a GPU (CompiledArtifacts: the CPU
-    test reads its SASS)."""
+def _layout(per_smsp: int | None, beside: str | None) -> tuple[int, int, int]:
+    """(programs per SM, warps per program, elements per program) of a run: the saturated default (4
+    programs of WARPS warps, one group of chains a thread), N warps per sub-partition (one program of
+    4N warps, 32 chains per sub-partition), or a timed program and a neighbour of 4 warps each."""
+    if beside is not None:
+        return 2, 4, 4 * 32 * FEW_WARP_GROUPS
+    if per_smsp is not None:
+        return 1, 4 * per_smsp, 4 * 32 * FEW_WARP_GROUPS
+    return 4, WARPS, WARPS * 32
+
+
+def _check(per_smsp: int | None, beside: str | None) -> None:
+    if per_smsp is not None and per_smsp not in (1, 2, 4, 8):
+        raise ValueError(f"per_smsp={per_smsp}: 1, 2, 4 or 8 warps per sub-partition (a program's warps are a "
+                         "power of two, at most 32)")
+    if beside is not None and beside not in BODIES:
+        raise ValueError(f"beside={beside!r}: not a body; one of {', '.join(BODIES)}")
+    if beside is not None and per_smsp not in (None, 1):
+        raise ValueError("beside: one timed warp and one neighbour per sub-partition (per_smsp 1)")
+
+
+def _has_neighbour(p: int, sm: list[int]) -> bool:
+    """Whether timed program p (even) shares its SM with exactly one other program, a neighbour (odd)."""
+    on_it = [q for q in range(len(sm)) if sm[q] == sm[p]]
+    return len(on_it) == 2 and sum(q % 2 for q in on_it) == 1
+
+
+def compile_sm90(name: str, per_smsp: int | None = None, beside: str | None = None):
+    """The loop kernel of BODIES[name] (with its neighbour's branch where `beside`) compiled for sm_90a
+    without a GPU (CompiledArtifacts: the CPU test reads its SASS)."""
     from triton.backends.compiler import GPUTarget
 
     from zyfa_tune.generator.build import artifacts
 
-    src = triton.compiler.ASTSource(fn=_loop, signature={"x_ptr": "*fp32", "out_ptr": "*fp32", "ITERS": "constexpr",
-                                                         "BODY": "constexpr"},
-                                    constexprs={"ITERS": ITERS, "BODY": BODIES[name][0]})
-    return artifacts(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS}))
+    _check(per_smsp, beside)
+    _, warps, elems = _layout(per_smsp, beside)
+    src = triton.compiler.ASTSource(
+        fn=_loop, signature={"x_ptr": "*fp32", "out_ptr": "*fp32", "cycles_ptr": "*i64", "sm_ptr": "*i32",
+                             "ITERS": "constexpr",
+                             "BODY": "constexpr", "ELEMS": "constexpr", "OTHER": "constexpr",
+                             "OTHER_ITERS": "constexpr"},
+        constexprs={"ITERS": ITERS, "BODY": BODIES[name][0], "ELEMS": elems,
+                    "OTHER": BODIES[beside][0] if beside else "", "OTHER_ITERS": 4 * ITERS})
+    return artifacts(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}))
 
 
-def measure(name: str, reps: int = 5) -> tuple[float, float]:
-    """(cycles per warp instruction per sub-partition, instructions per clock per SM) of BODIES[name]."""
+def measure(name: str, reps: int = 5, per_smsp: int | None = None, beside: str | None = None) -> tuple[float, float]:
+    """(cycles per warp instruction per sub-partition, cycles between one warp's own instructions) of
+    BODIES[name]: saturated (32 warps per SM, timed by events at NVML's clock), or with per_smsp / beside
+    (timed by each thread's %clock64, median over the timed programs). The neighbour runs 4x the timed
+    loop's rounds, so it is busy for all of it."""
     import torch
 
     from zyfa_tune.kernels.timing import gpu_state
 
+    _check(per_smsp, beside)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    programs = sms * 4
-    x = torch.rand(programs * 256, device="cuda") - 1.0
+    per_sm, warps, elems = _layout(per_smsp, beside)
+    programs = sms * per_sm
+    x = torch.rand(programs * elems, device="cuda") - 1.0
     out = torch.empty_like(x)
+    cycles = torch.empty(programs * elems, device="cuda", dtype=torch.int64)
+    sm_of = torch.empty(programs * elems, device="cuda", dtype=torch.int32)
     body, count, _ = BODIES[name]
-    _loop[(programs,)](x, out, ITERS=ITERS, BODY=body, num_warps=WARPS)
+    other = BODIES[beside][0] if beside else ""
+
+    def launch():
+        _loop[(programs,)](x, out, cycles, sm_of, ITERS=ITERS, BODY=body, ELEMS=elems, OTHER=other, OTHER_ITERS=4 * ITERS,
+                           num_warps=warps)
+
+    launch()
     torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
+    groups = elems // (warps * 32)  # bodies per thread per round
+    if per_smsp is None and beside is None:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(reps):
+            launch()
+        e1.record()
+        torch.cuda.synchronize()
+        seconds = e0.elapsed_time(e1) / reps / 1e3
+        clock_hz = (gpu_state().get("sm_clock_mhz") or 1980) * 1e6
+        warp_iterations_per_smsp = programs * warps * ITERS * groups / (sms * 4)
+        per_smsp_cycles = seconds * clock_hz / warp_iterations_per_smsp / count
+        return per_smsp_cycles, per_smsp_cycles * warps * per_sm / 4
+    spans = []
     for _ in range(reps):
-        _loop[(programs,)](x, out, ITERS=ITERS, BODY=body, num_warps=WARPS)
-    e1.record()
-    torch.cuda.synchronize()
-    seconds = e0.elapsed_time(e1) / reps / 1e3
-    clock_hz = (gpu_state().get("sm_clock_mhz") or 1980) * 1e6
-    warp_iterations_per_smsp = programs * WARPS * ITERS / (sms * 4)
-    cycles = seconds * clock_hz / warp_iterations_per_smsp / count
-    return cycles, 4 * 32 / cycles
+        launch()
+        torch.cuda.synchronize()
+        span = cycles.view(programs, elems)[:, 0].tolist()
+        sm = sm_of.view(programs, elems)[:, 0].tolist()
+        timed = [p for p in range(0, programs, per_sm) if beside is None or _has_neighbour(p, sm)]
+        if not timed:
+            raise RuntimeError("beside: the block scheduler put no timed program on an SM with a neighbour")
+        spans.append(sorted(span[p] for p in timed)[len(timed) // 2])
+    own = sorted(spans)[len(spans) // 2] / (ITERS * groups * count)
+    timed_warps_per_smsp = warps // 4
+    return own / timed_warps_per_smsp, own
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bodies", default=",".join(BODIES), help="comma list of " + ", ".join(BODIES))
+    ap.add_argument("--per-smsp", type=int, choices=(1, 2, 4, 8),
+                    help="warps per sub-partition (default: 8, timed by events)")
+    ap.add_argument("--beside", choices=list(BODIES), help="a neighbour warp running this body (per-smsp 1)")
     args = ap.parse_args(argv)
+    names = args.bodies.split(",")
+    for name in names:
+        if name not in BODIES:
+            ap.error(f"--bodies: {name!r} is not a body; one of {', '.join(BODIES)}")
+    per_smsp = 1 if args.beside and args.per_smsp is None else args.per_smsp
+    try:
+        _check(per_smsp, args.beside)
+    except ValueError as e:
+        ap.error(str(e))
     import torch
 
     if not torch.cuda.is_available():
         print("pipe_rates: needs a CUDA GPU", file=sys.stderr)
         return 2
-    for name in args.bodies.split(","):
-        cycles, per_clock = measure(name)
-        print(f"{name:8s} {BODIES[name][2]:9s} {cycles:5.2f} cycles per warp instruction per SMSP "
-              f"({per_clock:6.1f} per clock per SM)")
+    where = (f"{per_smsp or 8} warp(s) per SMSP" + (f", each beside one running {args.beside}" if args.beside else ""))
+    for name in names:
+        cycles, own = measure(name, per_smsp=per_smsp, beside=args.beside)
+        print(f"{name:12s} {BODIES[name][2]:14s} {cycles:5.2f} cycles per warp instruction per SMSP "
+              f"({4 * 32 / cycles:6.1f} per clock per SM); one warp's own every {own:5.2f} cycles; {where}")
     return 0
 
 

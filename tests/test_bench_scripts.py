@@ -177,8 +177,35 @@ def test_pipe_rate_bodies_compile_to_the_instructions_they_time(name):
     if "+" in name and name != "ex2+cvt":  # the second kind as often as the first
         second = {"unpack+fmnmx": "FMNMX", "fmnmx+ffma": "FFMA", "fmnmx+prmt": "PRMT", "fmnmx+imnmx3": "VIMNMX3"}[name]
         assert art.count(second) == n
-    if name != "ex2" and name != "ex2+cvt":
+    if name == "softmax":  # per exponential: one FMA, one FADD, half a conversion
+        assert art.count("FFMA") >= n and art.count("F2FP") == n // 2
+    if name not in ("ex2", "ex2+cvt", "ex2.f16x2", "softmax"):
         assert art.count("MUFU") == 0
+
+
+@pytest.mark.parametrize("per_smsp,beside", [(1, None), (2, None), (8, None), (None, "fmnmx+ffma"), (1, "fmnmx")])
+def test_pipe_rates_few_warp_and_neighbour_kernels(per_smsp, beside):
+    """The few-warp kernels hold 32 chains per sub-partition (a lone warp the timed body eight times a
+    round); the neighbour kernel holds both bodies, each in its own loop."""
+    pr = script("pipe_rates")
+    art = pr.compile_sm90("softmax", per_smsp, beside)
+    assert art.spill_bytes == 0
+    groups = pr.FEW_WARP_GROUPS // (per_smsp or 1)
+    assert art.count("MUFU.EX2") % (4 * groups) == 0 and art.count("MUFU.EX2") > 0
+    if beside:
+        assert art.count("FMNMX") >= 4 * pr.FEW_WARP_GROUPS
+
+
+def test_pipe_rates_rejects_what_it_cannot_lay_out():
+    pr = script("pipe_rates")
+    with pytest.raises(ValueError, match="per_smsp=3"):
+        pr.compile_sm90("ex2", per_smsp=3)
+    with pytest.raises(ValueError, match="not a body"):
+        pr.compile_sm90("ex2", beside="exp")
+    with pytest.raises(ValueError, match="per_smsp 1"):
+        pr.compile_sm90("ex2", per_smsp=2, beside="ffma")
+    with pytest.raises(SystemExit):
+        pr.main(["--bodies", "ex2,nope"])
 
 
 # ---- ncu_stalls.py ----------------------------------------------------------------------------
