@@ -7,11 +7,11 @@ SM on every SM; a body's time per warp iteration per sub-partition, divided by i
 is the rate. The SM clock is read from NVML, so run it on an idle GPU.
 
 `--per-smsp N` asks what N warps on a sub-partition get, which is what the softmax of one or two consumer
-warpgroups sees (one program of 4N warps per SM, 32 chains per thread so that latency does not bound it):
-the rate per sub-partition and the interval between one warp's own instructions (32 chains per sub-partition). `--beside NAME` puts one
-warp running NAME next to each timed warp (two programs of 4 warps per SM): how much a neighbour busy on
-other pipes slows it, i.e. whether one consumer's exponentials run at the MUFU's rate while the other
-consumer computes its row maximum.
+warpgroups sees (one program of 4N warps per SM, 32 chains per sub-partition so that latency does not
+bound it): the rate per sub-partition and the interval between one warp's own instructions. `--beside
+NAME` puts one warp running NAME next to each timed warp (two programs of 4 warps per SM): how much a
+neighbour busy on other pipes slows it, i.e. whether one consumer's exponentials run at the MUFU's rate
+while the other consumer computes its row maximum.
 
     python3 benchmarks/pipe_rates.py                                   # GPU: every body, saturated
     python3 benchmarks/pipe_rates.py --bodies ex2,ex2.f16x2 --per-smsp 1
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import defaultdict
 
 import triton
 import triton.language as tl
@@ -155,10 +156,13 @@ def _check(per_smsp: int | None, beside: str | None) -> None:
         raise ValueError("beside: one timed warp and one neighbour per sub-partition (per_smsp 1)")
 
 
-def _has_neighbour(p: int, sm: list[int]) -> bool:
-    """Whether timed program p (even) shares its SM with exactly one other program, a neighbour (odd)."""
-    on_it = [q for q in range(len(sm)) if sm[q] == sm[p]]
-    return len(on_it) == 2 and sum(q % 2 for q in on_it) == 1
+def _paired(sm: list[int]) -> list[int]:
+    """The timed programs (even) that shared their SM (sm[p]: program p's) with exactly one other
+    program, a neighbour (odd): the block scheduler decides where programs run."""
+    on = defaultdict(list)
+    for p, s in enumerate(sm):
+        on[s].append(p)
+    return sorted(min(ps) for ps in on.values() if len(ps) == 2 and sum(p % 2 for p in ps) == 1)
 
 
 def compile_sm90(name: str, per_smsp: int | None = None, beside: str | None = None):
@@ -201,8 +205,8 @@ def measure(name: str, reps: int = 5, per_smsp: int | None = None, beside: str |
     other = BODIES[beside][0] if beside else ""
 
     def launch():
-        _loop[(programs,)](x, out, cycles, sm_of, ITERS=ITERS, BODY=body, ELEMS=elems, OTHER=other, OTHER_ITERS=4 * ITERS,
-                           num_warps=warps)
+        _loop[(programs,)](x, out, cycles, sm_of, ITERS=ITERS, BODY=body, ELEMS=elems, OTHER=other,
+                           OTHER_ITERS=4 * ITERS, num_warps=warps)
 
     launch()
     torch.cuda.synchronize()
@@ -225,7 +229,7 @@ def measure(name: str, reps: int = 5, per_smsp: int | None = None, beside: str |
         torch.cuda.synchronize()
         span = cycles.view(programs, elems)[:, 0].tolist()
         sm = sm_of.view(programs, elems)[:, 0].tolist()
-        timed = [p for p in range(0, programs, per_sm) if beside is None or _has_neighbour(p, sm)]
+        timed = list(range(programs)) if beside is None else _paired(sm)
         if not timed:
             raise RuntimeError("beside: the block scheduler put no timed program on an SM with a neighbour")
         spans.append(sorted(span[p] for p in timed)[len(timed) // 2])

@@ -196,6 +196,13 @@ def test_pipe_rates_few_warp_and_neighbour_kernels(per_smsp, beside):
         assert art.count("FMNMX") >= 4 * pr.FEW_WARP_GROUPS
 
 
+def test_pipe_rates_times_only_programs_that_had_a_neighbour():
+    pr = script("pipe_rates")
+    # programs 0/1 on SM 5 (a pair), 2/4 on SM 7 (two timed: no neighbour), 3 alone on SM 9, 6/7 on SM 2
+    assert pr._paired([5, 5, 7, 9, 7, 8, 2, 2]) == [0, 6]
+    assert pr._paired([1, 1, 1]) == []  # three on one SM: not a pair
+
+
 def test_pipe_rates_rejects_what_it_cannot_lay_out():
     pr = script("pipe_rates")
     with pytest.raises(ValueError, match="per_smsp=3"):
