@@ -11,7 +11,11 @@ warpgroups sees (one program of 4N warps per SM, 32 chains per sub-partition so 
 bound it): the rate per sub-partition and the interval between one warp's own instructions. `--beside
 NAME` puts one warp running NAME next to each timed warp (two programs of 4 warps per SM): how much a
 neighbour busy on other pipes slows it, i.e. whether one consumer's exponentials run at the MUFU's rate
-while the other consumer computes its row maximum.
+while the other consumer computes its row maximum. Only SMs where the block scheduler put one timed
+program and one neighbour, the neighbour running all through the timed loop, are counted (a third to a
+quarter of them on the H100). The timed program is the older one, and the warp scheduler may favour it:
+a neighbour on the same pipe does not halve it (ex2 beside ex2 8.06 cycles on the H100, docs/PERF.md
+session 42), so read the figures as what a neighbour's issue costs, not as a fair share.
 
     python3 benchmarks/pipe_rates.py                                   # GPU: every body, saturated
     python3 benchmarks/pipe_rates.py --bodies ex2,ex2.f16x2 --per-smsp 1
@@ -54,7 +58,7 @@ def _each(line: str) -> str:
 BODIES = {
     "ex2": (_EX2, 4, "MUFU.EX2"),
     # the packed f16 exponential (two MUFU.EX2.F16 per instruction on sm_90a): per PTX instruction, i.e.
-    # per two exponentials
+    # per two exponentials (16.0 cycles on the H100: two f32 exponentials' worth, session 42)
     "ex2.f16x2": (_each("ex2.approx.f16x2 {o}, {i};"), 4, "MUFU.EX2.F16"),
     "ffma": ("fma.rn.f32 $0, $4, 0f3F000000, 0fBE000000;\nfma.rn.f32 $1, $5, 0f3F000000, 0fBE000000;\n"
              "fma.rn.f32 $2, $6, 0f3F000000, 0fBE000000;\nfma.rn.f32 $3, $7, 0f3F000000, 0fBE000000;", 4, "FFMA"),
@@ -104,21 +108,24 @@ WARPS = 8  # per program; 4 programs per SM
 #: chains per thread of a lone warp, in groups of four (one body per group); N warps per sub-partition
 #: take FEW_WARP_GROUPS / N groups each, so a sub-partition always has 32 chains to hide latency with
 FEW_WARP_GROUPS = 8
+#: the neighbour's rounds: enough that a one-instruction FMNMX body outlasts the slowest timed body (at 4x
+#: ITERS most fmnmx neighbours ended first on the H100)
+NEIGHBOUR_ITERS = 16 * ITERS
 
 
 @triton.jit
 def _loop(x_ptr, out_ptr, cycles_ptr, sm_ptr, ITERS: tl.constexpr, BODY: tl.constexpr, ELEMS: tl.constexpr,
           OTHER: tl.constexpr, OTHER_ITERS: tl.constexpr):
     """ITERS rounds of BODY over each thread's ELEMS / 32 / num_warps groups of four chains; with OTHER,
-    odd programs run OTHER_ITERS rounds of it instead (a neighbour, where the block scheduler puts one on
-    the same SM). Writes each thread's %clock64 span of its loop to cycles_ptr and its SM's id to sm_ptr."""
+    the grid's second half runs OTHER_ITERS rounds of it instead (a neighbour, where the block scheduler
+    puts one on the same SM: it fills every SM once before it doubles up, so program p and p + SMs). Writes each thread's %clock64 span of its loop to cycles_ptr and its SM's id to sm_ptr."""
     offs = tl.program_id(0) * ELEMS + tl.arange(0, ELEMS)
     a = tl.load(x_ptr + offs)
     b = a + 0.25
     c = a + 0.5
     d = a + 0.75
     t0 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [offs], dtype=tl.int64, is_pure=False, pack=1)
-    if OTHER != "" and tl.program_id(0) % 2 == 1:
+    if OTHER != "" and tl.program_id(0) >= tl.num_programs(0) // 2:
         for _ in range(OTHER_ITERS):
             a, b, c, d = tl.inline_asm_elementwise(OTHER, "=r,=r,=r,=r,r,r,r,r", [a, b, c, d],
                                                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
@@ -130,7 +137,8 @@ def _loop(x_ptr, out_ptr, cycles_ptr, sm_ptr, ITERS: tl.constexpr, BODY: tl.cons
                                                    is_pure=True, pack=1)
     t1 = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [offs], dtype=tl.int64, is_pure=False, pack=1)
     tl.store(out_ptr + offs, a + b + c + d)
-    tl.store(cycles_ptr + offs, t1 - t0)
+    tl.store(cycles_ptr + 2 * offs, t0)
+    tl.store(cycles_ptr + 2 * offs + 1, t1)
     tl.store(sm_ptr + offs, tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [offs], dtype=tl.int32,
                                                       is_pure=False, pack=1))
 
@@ -156,13 +164,17 @@ def _check(per_smsp: int | None, beside: str | None) -> None:
         raise ValueError("beside: one timed warp and one neighbour per sub-partition (per_smsp 1)")
 
 
-def _paired(sm: list[int]) -> list[int]:
-    """The timed programs (even) that shared their SM (sm[p]: program p's) with exactly one other
-    program, a neighbour (odd): the block scheduler decides where programs run."""
+def _paired(sm: list[int], start: list[int], end: list[int]) -> list[int]:
+    """The timed programs (the grid's first half) that shared their SM (sm[p]: program p's) with exactly
+    one other program, a neighbour (second half), running from before the timed loop's start to after its
+    end (start / end: %clock64, one clock per SM): the block scheduler decides where and when programs
+    run."""
+    half = len(sm) // 2
     on = defaultdict(list)
     for p, s in enumerate(sm):
         on[s].append(p)
-    return sorted(min(ps) for ps in on.values() if len(ps) == 2 and sum(p % 2 for p in ps) == 1)
+    return sorted(t for t, n in (sorted(ps) for ps in on.values() if len(ps) == 2)
+                  if t < half <= n and start[n] <= start[t] and end[n] >= end[t])
 
 
 def compile_sm90(name: str, per_smsp: int | None = None, beside: str | None = None):
@@ -180,15 +192,17 @@ def compile_sm90(name: str, per_smsp: int | None = None, beside: str | None = No
                              "BODY": "constexpr", "ELEMS": "constexpr", "OTHER": "constexpr",
                              "OTHER_ITERS": "constexpr"},
         constexprs={"ITERS": ITERS, "BODY": BODIES[name][0], "ELEMS": elems,
-                    "OTHER": BODIES[beside][0] if beside else "", "OTHER_ITERS": 4 * ITERS})
+                    "OTHER": BODIES[beside][0] if beside else "", "OTHER_ITERS": NEIGHBOUR_ITERS})
     return artifacts(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}))
 
 
-def measure(name: str, reps: int = 5, per_smsp: int | None = None, beside: str | None = None) -> tuple[float, float]:
-    """(cycles per warp instruction per sub-partition, cycles between one warp's own instructions) of
-    BODIES[name]: saturated (32 warps per SM, timed by events at NVML's clock), or with per_smsp / beside
-    (timed by each thread's %clock64, median over the timed programs). The neighbour runs 4x the timed
-    loop's rounds, so it is busy for all of it."""
+def measure(name: str, reps: int = 5, per_smsp: int | None = None,
+            beside: str | None = None) -> tuple[float, float, int]:
+    """(cycles per warp instruction per sub-partition, cycles between one warp's own instructions, timed
+    programs counted) of BODIES[name]: saturated (32 warps per SM, timed by events at NVML's clock), or with
+    per_smsp / beside (timed by each thread's %clock64, median over the timed programs; beside, only those
+    whose neighbour ran all through their loop, the fewest of any rep). The neighbour runs NEIGHBOUR_ITERS
+    rounds, so that it can."""
     import torch
 
     from zyfa_tune.kernels.timing import gpu_state
@@ -199,14 +213,14 @@ def measure(name: str, reps: int = 5, per_smsp: int | None = None, beside: str |
     programs = sms * per_sm
     x = torch.rand(programs * elems, device="cuda") - 1.0
     out = torch.empty_like(x)
-    cycles = torch.empty(programs * elems, device="cuda", dtype=torch.int64)
+    cycles = torch.empty(programs * elems * 2, device="cuda", dtype=torch.int64)
     sm_of = torch.empty(programs * elems, device="cuda", dtype=torch.int32)
     body, count, _ = BODIES[name]
     other = BODIES[beside][0] if beside else ""
 
     def launch():
         _loop[(programs,)](x, out, cycles, sm_of, ITERS=ITERS, BODY=body, ELEMS=elems, OTHER=other,
-                           OTHER_ITERS=4 * ITERS, num_warps=warps)
+                           OTHER_ITERS=NEIGHBOUR_ITERS, num_warps=warps)
 
     launch()
     torch.cuda.synchronize()
@@ -222,20 +236,22 @@ def measure(name: str, reps: int = 5, per_smsp: int | None = None, beside: str |
         clock_hz = (gpu_state().get("sm_clock_mhz") or 1980) * 1e6
         warp_iterations_per_smsp = programs * warps * ITERS * groups / (sms * 4)
         per_smsp_cycles = seconds * clock_hz / warp_iterations_per_smsp / count
-        return per_smsp_cycles, per_smsp_cycles * warps * per_sm / 4
-    spans = []
+        return per_smsp_cycles, per_smsp_cycles * warps * per_sm / 4, programs
+    spans, counted = [], []
     for _ in range(reps):
         launch()
         torch.cuda.synchronize()
-        span = cycles.view(programs, elems)[:, 0].tolist()
+        start, end = cycles.view(programs, elems, 2)[:, 0].T.tolist()
+        span = [e - s for s, e in zip(start, end)]
         sm = sm_of.view(programs, elems)[:, 0].tolist()
-        timed = list(range(programs)) if beside is None else _paired(sm)
+        timed = list(range(programs)) if beside is None else _paired(sm, start, end)
         if not timed:
-            raise RuntimeError("beside: the block scheduler put no timed program on an SM with a neighbour")
+            raise RuntimeError("beside: the block scheduler ran no timed program on an SM beside a running neighbour")
         spans.append(sorted(span[p] for p in timed)[len(timed) // 2])
+        counted.append(len(timed))
     own = sorted(spans)[len(spans) // 2] / (ITERS * groups * count)
     timed_warps_per_smsp = warps // 4
-    return own / timed_warps_per_smsp, own
+    return own / timed_warps_per_smsp, own, min(counted)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,9 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     where = (f"{per_smsp or 8} warp(s) per SMSP" + (f", each beside one running {args.beside}" if args.beside else ""))
     for name in names:
-        cycles, own = measure(name, per_smsp=per_smsp, beside=args.beside)
+        cycles, own, timed = measure(name, per_smsp=per_smsp, beside=args.beside)
         print(f"{name:12s} {BODIES[name][2]:14s} {cycles:5.2f} cycles per warp instruction per SMSP "
-              f"({4 * 32 / cycles:6.1f} per clock per SM); one warp's own every {own:5.2f} cycles; {where}")
+              f"({4 * 32 / cycles:6.1f} per clock per SM); one warp's own every {own:5.2f} cycles; {where}"
+              + (f" ({timed} SMs with a pair, at least)" if args.beside else ""))
     return 0
 
 

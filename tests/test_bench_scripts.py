@@ -198,9 +198,15 @@ def test_pipe_rates_few_warp_and_neighbour_kernels(per_smsp, beside):
 
 def test_pipe_rates_times_only_programs_that_had_a_neighbour():
     pr = script("pipe_rates")
-    # programs 0/1 on SM 5 (a pair), 2/4 on SM 7 (two timed: no neighbour), 3 alone on SM 9, 6/7 on SM 2
-    assert pr._paired([5, 5, 7, 9, 7, 8, 2, 2]) == [0, 6]
-    assert pr._paired([1, 1, 1]) == []  # three on one SM: not a pair
+    # timed 0-3, neighbours 4-7: 0/4 on SM 5 (a pair), 1/2 on SM 7 (two timed: no neighbour), 3 alone
+    # on SM 9, 5/6 on SM 8 (two neighbours), 7 alone on SM 2; every neighbour runs around the timed loops
+    always = ([10] * 8, [90] * 8)
+    assert pr._paired([5, 7, 7, 9, 5, 8, 8, 2], *always) == [0]
+    assert pr._paired([3, 4, 3, 4], [10] * 4, [90] * 4) == [0, 1]  # the scheduler's order: p, p + SMs
+    assert pr._paired([1, 1, 1, 2], [10] * 4, [90] * 4) == []  # three on one SM: not a pair
+    # a neighbour that started after its timed program, or ended before it, was not beside all of it
+    assert pr._paired([3, 4, 3, 4], [10, 10, 20, 5], [90, 90, 95, 80]) == []
+    assert pr._paired([3, 4, 3, 4], [10, 10, 5, 5], [90, 90, 95, 95]) == [0, 1]
 
 
 def test_pipe_rates_rejects_what_it_cannot_lay_out():
