@@ -204,9 +204,10 @@ def test_pipe_rates_times_only_programs_that_had_a_neighbour():
     assert pr._paired([5, 7, 7, 9, 5, 8, 8, 2], *always) == [0]
     assert pr._paired([3, 4, 3, 4], [10] * 4, [90] * 4) == [0, 1]  # the scheduler's order: p, p + SMs
     assert pr._paired([1, 1, 1, 2], [10] * 4, [90] * 4) == []  # three on one SM: not a pair
-    # a neighbour that started after its timed program, or ended before it, was not beside all of it
-    assert pr._paired([3, 4, 3, 4], [10, 10, 20, 5], [90, 90, 95, 80]) == []
-    assert pr._paired([3, 4, 3, 4], [10, 10, 5, 5], [90, 90, 95, 95]) == [0, 1]
+    # a neighbour must run beside 95% of its timed program's loop: 0's started 2 of 80 late (97.5%),
+    # 1's ended 10 early (87.5%)
+    assert pr._paired([3, 4, 3, 4], [10, 10, 12, 5], [90, 90, 95, 80]) == [0]
+    assert pr._paired([3, 4, 3, 4], [10, 10, 30, 5], [90, 90, 95, 95]) == [1]
 
 
 def test_pipe_rates_rejects_what_it_cannot_lay_out():
