@@ -12,10 +12,11 @@ bound it): the rate per sub-partition and the interval between one warp's own in
 NAME` puts one warp running NAME next to each timed warp (two programs of 4 warps per SM): how much a
 neighbour busy on other pipes slows it, i.e. whether one consumer's exponentials run at the MUFU's rate
 while the other consumer computes its row maximum. Only SMs where the block scheduler put one timed
-program and one neighbour, the neighbour running beside at least 95% of the timed loop, are counted. The timed program is the older one, and the warp scheduler is not fair
-across programs: a neighbour on the same pipe does not halve it (ex2 beside ex2 8.06 cycles on the H100),
-and one that issues every cycle starves it (beside fmnmx+ffma 52.3; docs/PERF.md session 42). Read the
-figures as what a neighbour's issue costs, not as a fair share.
+program and one neighbour, the neighbour running beside at least 95% of the timed loop, are counted.
+The timed program is the older one, and the warp scheduler is not fair across programs: a neighbour on
+the same pipe does not halve it (ex2 beside ex2 8.06 cycles on the H100), and one that issues every
+cycle starves it (beside fmnmx+ffma 52.3; docs/PERF.md session 42). Read the figures as what a
+neighbour's issue costs, not as a fair share.
 
     python3 benchmarks/pipe_rates.py                                   # GPU: every body, saturated
     python3 benchmarks/pipe_rates.py --bodies ex2,ex2.f16x2 --per-smsp 1
@@ -118,7 +119,8 @@ def _loop(x_ptr, out_ptr, cycles_ptr, sm_ptr, ITERS: tl.constexpr, BODY: tl.cons
           OTHER: tl.constexpr, OTHER_ITERS: tl.constexpr):
     """ITERS rounds of BODY over each thread's ELEMS / 32 / num_warps groups of four chains; with OTHER,
     the grid's second half runs OTHER_ITERS rounds of it instead (a neighbour, where the block scheduler
-    puts one on the same SM: it fills every SM once before it doubles up, so program p and p + SMs). Writes each thread's %clock64 span of its loop to cycles_ptr and its SM's id to sm_ptr."""
+    puts one on a timed program's SM). Writes each thread's %clock64 at its loop's start and end to
+    cycles_ptr (one clock per SM: comparable between programs on one SM) and its SM's id to sm_ptr."""
     offs = tl.program_id(0) * ELEMS + tl.arange(0, ELEMS)
     a = tl.load(x_ptr + offs)
     b = a + 0.25
@@ -152,6 +154,12 @@ def _layout(per_smsp: int | None, beside: str | None) -> tuple[int, int, int]:
     if per_smsp is not None:
         return 1, 4 * per_smsp, 4 * 32 * FEW_WARP_GROUPS
     return 4, WARPS, WARPS * 32
+
+
+def _constexprs(name: str, per_smsp: int | None, beside: str | None) -> dict:
+    """_loop's compile-time arguments for a run (ELEMS from _layout; OTHER empty without a neighbour)."""
+    return {"ITERS": ITERS, "BODY": BODIES[name][0], "ELEMS": _layout(per_smsp, beside)[2],
+            "OTHER": BODIES[beside][0] if beside else "", "OTHER_ITERS": NEIGHBOUR_ITERS}
 
 
 def _check(per_smsp: int | None, beside: str | None) -> None:
@@ -188,14 +196,11 @@ def compile_sm90(name: str, per_smsp: int | None = None, beside: str | None = No
     from zyfa_tune.generator.build import artifacts
 
     _check(per_smsp, beside)
-    _, warps, elems = _layout(per_smsp, beside)
-    src = triton.compiler.ASTSource(
-        fn=_loop, signature={"x_ptr": "*fp32", "out_ptr": "*fp32", "cycles_ptr": "*i64", "sm_ptr": "*i32",
-                             "ITERS": "constexpr",
-                             "BODY": "constexpr", "ELEMS": "constexpr", "OTHER": "constexpr",
-                             "OTHER_ITERS": "constexpr"},
-        constexprs={"ITERS": ITERS, "BODY": BODIES[name][0], "ELEMS": elems,
-                    "OTHER": BODIES[beside][0] if beside else "", "OTHER_ITERS": NEIGHBOUR_ITERS})
+    constexprs = _constexprs(name, per_smsp, beside)
+    signature = {"x_ptr": "*fp32", "out_ptr": "*fp32", "cycles_ptr": "*i64", "sm_ptr": "*i32",
+                 **dict.fromkeys(constexprs, "constexpr")}
+    src = triton.compiler.ASTSource(fn=_loop, signature=signature, constexprs=constexprs)
+    warps = _layout(per_smsp, beside)[1]
     return artifacts(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}))
 
 
@@ -218,12 +223,11 @@ def measure(name: str, reps: int = 5, per_smsp: int | None = None,
     out = torch.empty_like(x)
     cycles = torch.empty(programs * elems * 2, device="cuda", dtype=torch.int64)
     sm_of = torch.empty(programs * elems, device="cuda", dtype=torch.int32)
-    body, count, _ = BODIES[name]
-    other = BODIES[beside][0] if beside else ""
+    count = BODIES[name][1]
+    constexprs = _constexprs(name, per_smsp, beside)
 
     def launch():
-        _loop[(programs,)](x, out, cycles, sm_of, ITERS=ITERS, BODY=body, ELEMS=elems, OTHER=other,
-                           OTHER_ITERS=NEIGHBOUR_ITERS, num_warps=warps)
+        _loop[(programs,)](x, out, cycles, sm_of, **constexprs, num_warps=warps)
 
     launch()
     torch.cuda.synchronize()
