@@ -19,15 +19,10 @@ import torch
 
 from zyfa_tune.kernels.inputs import FAMILY_NAMES, make_qkv
 from zyfa_tune.kernels.reference import attention_reference, rel_l2
-from zyfa_tune.quantize import quantize_fp8
+from zyfa_tune.quantize import dequantize_fp8, quantize_fp8
 
 OPTIONS = {"plain": {}, "hadamard": dict(hadamard=True), "smooth_k": dict(smooth_k=True),
            "smooth_k+hadamard": dict(smooth_k=True, hadamard=True)}
-
-
-def dequant(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    b, _, h, _ = x8.shape
-    return x8.double() * descale.double().repeat_interleave(h // descale.shape[1], dim=1).view(b, 1, h, 1)
 
 
 def main(argv=None) -> int:
@@ -47,7 +42,7 @@ def main(argv=None) -> int:
             ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
             for name, kw in OPTIONS.items():
                 q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, **kw)
-                out = attention_reference(dequant(q8, qd), dequant(k8, kd), dequant(v8, vd), causal=True)
+                out = attention_reference(dequantize_fp8(q8, qd), dequantize_fp8(k8, kd), dequantize_fp8(v8, vd), causal=True)
                 errs[name].append(rel_l2(out, ref))
         rows.append(dict(family=fam, **{o: e for o, e in errs.items()}))
         print(f"{fam:15s} " + "  ".join(f"{o} {'/'.join(f'{x:.3f}' for x in e)}" for o, e in errs.items()))

@@ -111,7 +111,10 @@ class KernelConfig:
     p_scale_log2: probabilities are scaled by 2^p_scale_log2 before rounding, to use more of the
                   e4m3 range; the factor cancels in the normalisation.
     scale_block:  keys sharing one extra power-of-2 exponent taken from their own maximum
-                  (0 = none). The Triton backend supports one exponent per key tile (= block_n).
+                  (0 = none). The Triton backend supports one exponent per key tile (= block_n):
+                  smaller blocks would need a PV product and an O rescale per block, and buy
+                  nothing once p_scale_log2 >= 6 (float64 emulation, benchmarks/p_scale_error.py:
+                  16-key blocks change the error by <= 0.3% on every input family; docs/ACCURACY.md).
     rowsum:       "fp32" = sum of unrounded probabilities; "rounded" = sum of the probabilities as
                   rounded to the P@V dtype (numerator and denominator agree); "mma" = the same sum
                   from an extra MMA of P against a ones tile. Gluon: "fp32" or "mma" under exact
@@ -320,7 +323,8 @@ class KernelConfig:
         if self.scale_block not in (0, self.block_n):
             raise ConfigError(
                 f"scale_block={self.scale_block}: the Triton backend takes one exponent per key "
-                f"tile, so scale_block must be 0 or block_n={self.block_n}")
+                f"tile, so scale_block must be 0 or block_n={self.block_n} (smaller blocks buy nothing "
+                f"at p_scale_log2 >= 6: docs/ACCURACY.md)")
 
     def _check_gluon(self) -> None:
         if self.dtype != "fp8":

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import zyfa_tune.api as api
-from zyfa_tune import flash_attn_func, hadamard_matrix, quantize_fp8
+from zyfa_tune import dequantize_fp8, flash_attn_func, hadamard_matrix, quantize_fp8
 from zyfa_tune.generator import KernelConfig
 from zyfa_tune.kernels.reference import rel_l2
 
@@ -217,12 +217,6 @@ def test_config_checks(cpu_ok):
 
 # ---- quantize_fp8 ----------------------------------------------------------------------------
 
-def dequant(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    b, _, h, _ = x8.shape
-    group = h // descale.shape[1]
-    return x8.double() * descale.double().repeat_interleave(group, dim=1).view(b, 1, h, 1)
-
-
 def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """(b, h, sq, sk) float64 QK^T with the GQA head mapping."""
     group = q.shape[2] // k.shape[2]
@@ -254,7 +248,7 @@ def test_quantize_round_trip(inputs, src_dtype):
     q, k, v = (x.to(src_dtype) for x in inputs)
     q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
     for x8, d, x in ((q8, qd, q), (k8, kd, k), (v8, vd, v)):
-        deq, ref = dequant(x8, d), x.double()
+        deq, ref = dequantize_fp8(x8, d), x.double()
         assert rel_l2(deq, ref) < 0.07
         # elementwise: half an e4m3 ulp (2^-4 relative), or half the smallest subnormal (2^-10)
         scaled = ref / d.double().repeat_interleave(x.shape[2] // d.shape[1], dim=1).view(2, 1, -1, 1)
@@ -264,6 +258,14 @@ def test_quantize_round_trip(inputs, src_dtype):
         group = x.shape[2] // d.shape[1]
         amax8 = x8.double().abs().view(2, x.shape[1], d.shape[1], group, -1).amax(dim=(1, 3, 4))
         assert torch.all(amax8 == 448.0)
+
+
+def test_dequantize_rejects_a_descale_of_another_shape(inputs):
+    q8, _, _, qd, _, _ = quantize_fp8(*inputs)
+    with pytest.raises(ValueError, match=r"^descale: expected \(batch=2, kv_heads dividing heads=4\), got \(2,\)"):
+        dequantize_fp8(q8, qd[:, 0])
+    with pytest.raises(ValueError, match=r"^descale: expected .* got \(2, 3\)"):
+        dequantize_fp8(q8, torch.ones(2, 3))
 
 
 def test_quantize_descale_is_per_kv_head_group(inputs):
@@ -297,14 +299,14 @@ def test_quantize_hadamard_preserves_qk(inputs, outlier):
     exact = scores(q, k)
     q8, k8, _, qd, kd, _ = quantize_fp8(q, k, v, hadamard=True)
     rot = hadamard_matrix(128, dtype=torch.float64)
-    deq_q, deq_k = dequant(q8, qd), dequant(k8, kd)
+    deq_q, deq_k = dequantize_fp8(q8, qd), dequantize_fp8(k8, kd)
     # the stored values are the rotated inputs ...
     assert rel_l2(deq_q, q.double() @ rot) < 0.07
     assert rel_l2(deq_q, q.double()) > 0.5
     # ... whose QK^T is the original QK^T
     err_had = rel_l2(scores(deq_q, deq_k), exact)
     q8p, k8p, _, qdp, kdp, _ = quantize_fp8(q, k, v, hadamard=False)
-    err_plain = rel_l2(scores(dequant(q8p, qdp), dequant(k8p, kdp)), exact)
+    err_plain = rel_l2(scores(dequantize_fp8(q8p, qdp), dequantize_fp8(k8p, kdp)), exact)
     print(f"\nQK^T rel. L2 after fp8 (outlier={outlier}): hadamard {err_had:.4f}, plain {err_plain:.4f}")
     assert err_had < 0.05 and err_plain < 0.1
     if outlier:  # the rotation helps
@@ -415,7 +417,7 @@ def test_smooth_k_is_exact_and_helps_channel_outliers():
 
     def quant_error(**kw):
         q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, **kw)
-        return rel_l2(attention_reference(dequant(q8, qd), dequant(k8, kd), dequant(v8, vd), causal=True), ref)
+        return rel_l2(attention_reference(dequantize_fp8(q8, qd), dequantize_fp8(k8, kd), dequantize_fp8(v8, vd), causal=True), ref)
 
     plain, smooth = quant_error(), quant_error(smooth_k=True)
     assert smooth < plain / 4, (plain, smooth)

@@ -8,7 +8,7 @@ import torch
 
 from zyfa_tune.kernels.quantize import E4M3_MAX, KERNEL_DTYPES, hadamard_matrix, quantize_tensors
 
-__all__ = ["E4M3_MAX", "hadamard_matrix", "quantize_fp8"]
+__all__ = ["E4M3_MAX", "dequantize_fp8", "hadamard_matrix", "quantize_fp8"]
 
 
 def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bool = False,
@@ -60,3 +60,14 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     (q8, k8, v8), (qd, kd, vd) = quantize_tensors(((q, hadamard, None), (k, hadamard, mean), (v, False, None)), hk,
                                                   k_major_last=v_layout == "k_major")
     return q8, k8, v8, qd, kd, vd
+
+
+def dequantize_fp8(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """float64 values of one of `quantize_fp8`'s outputs: the codes times their (batch, kv head)
+    descale, the q heads of a GQA group sharing their kv head's. A Hadamard-rotated or smoothed
+    input comes back rotated or smoothed (attention on them is unchanged)."""
+    b, _, h, _ = x8.shape
+    if descale.dim() != 2 or descale.shape[0] != b or h % descale.shape[1]:
+        raise ValueError(f"descale: expected (batch={b}, kv_heads dividing heads={h}), got {tuple(descale.shape)}")
+    group = h // descale.shape[1]
+    return x8.double() * descale.double().repeat_interleave(group, dim=1).view(b, 1, h, 1)
