@@ -45,9 +45,11 @@ def arg_class(a) -> object:
 
 def run(head: tuple, fn, grid: tuple, args: tuple, constexprs: dict, options: dict, device: int):
     """Launch `fn` on `grid`; returns the CompiledKernel that ran. `head` names what else the
-    compiled code depends on (the config, the constexprs); `constexprs` are the function's trailing
-    constexpr parameters in order, `options` the launch options (num_warps, ...)."""
-    key = (head, device, tuple(arg_class(a) for a in args))
+    compiled code depends on (the config, the function); `constexprs` are the function's trailing
+    constexpr parameters in order, `options` the launch options (num_warps, ...). Both are part of
+    the key: a kernel compiled for one constexpr value is never launched for another (the quantiser
+    once reused a one-tensor pass for three tensors this way)."""
+    key = (head, device, tuple(constexprs.items()), tuple(options.items()), tuple(arg_class(a) for a in args))
     compiled = _compiled.get(key)
     if compiled is None:  # first launch of this specialisation: Triton's own path (compiles)
         compiled = fn[grid](*args, **constexprs, **options)

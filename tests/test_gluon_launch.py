@@ -422,3 +422,27 @@ def test_output_box_is_one_chunk_with_the_output_through_p_tiles(through_p):
     a = dict(zip(emit_gluon.descriptor_blocks(cfg), args))
     assert list(a["desc_o"].block_shape) == [1, 64, 64 if through_p else 256]
     assert a["desc_o"].base is out and a["desc_o"].shape == [b, sq, h * 256]
+
+
+def test_fast_path_compiles_again_for_other_constexprs_or_options(monkeypatch):
+    """`fastlaunch.run` keys a compiled kernel by its constexprs and launch options too: the same
+    head and arguments with NSEG=1 then NSEG=3 (the quantiser's one- and three-tensor passes) are
+    two compilations, and a repeat of either launches the kernel compiled for it."""
+    compiled, launched = [], []
+
+    class Fn:
+        def __getitem__(self, grid):
+            def compile_and_launch(*args, **kw):
+                compiled.append(kw)
+                return f"kernel{len(compiled)}"
+            return compile_and_launch
+
+    monkeypatch.setattr(fastlaunch, "_compiled", {})
+    monkeypatch.setattr(fastlaunch, "launch_compiled", lambda c, grid, device, full: launched.append((c, full)))
+    x = torch.zeros(16)
+    run = lambda nseg, warps=4: fastlaunch.run(("quantize_amax", 128), Fn(), (1,), (x, 7), {"NSEG": nseg},
+                                               {"num_warps": warps}, 0)
+    assert [run(1), run(3), run(3, warps=8)] == ["kernel1", "kernel2", "kernel3"]
+    assert [kw["NSEG"] for kw in compiled] == [1, 3, 3]
+    assert run(1) == "kernel1" and run(3) == "kernel2"
+    assert [(c, full[-1]) for c, full in launched] == [("kernel1", 1), ("kernel2", 3)]

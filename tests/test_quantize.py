@@ -207,6 +207,29 @@ def test_quantize_fp8_on_the_gpu_is_the_cpu_arithmetic():
 
 
 @pytest.mark.gpu
+def test_a_pass_compiled_for_one_tensor_is_not_launched_for_three(monkeypatch):
+    """192/128 inputs quantise Q and K in one two-tensor pass and V (head dim 128) in a one-tensor
+    pass; 128/128 inputs afterwards take a three-tensor pass of the same head dim. With nothing
+    compiled before, the second call must compile its own (once it launched the one-tensor pass: K
+    and V were left unwritten and the attention after it NaN)."""
+    from zyfa_tune.kernels import fastlaunch
+    from zyfa_tune.kernels import quantize as kq
+
+    monkeypatch.setattr(fastlaunch, "_compiled", {})
+    monkeypatch.setattr(kq, "_plans", {})
+    g = torch.Generator().manual_seed(4)
+    # shapes whose scalar arguments specialise alike (multiples of 16 where it counts): the pass
+    # compiled for V of the first call would be taken for the second's three tensors
+    for (dqk, dv), b, s in (((192, 128), 1, 4096), ((128, 128), 2, 2048)):
+        q, k, v = (torch.randn(b, s, 8, d, generator=g).to(torch.bfloat16) for d in (dqk, dqk, dv))
+        for c, t in zip(quantize_fp8(q, k, v), quantize_fp8(q.cuda(), k.cuda(), v.cuda())):
+            if c.dtype == torch.float8_e4m3fn:
+                _codes_close(t.cpu().contiguous(), c.contiguous(), exact=True)
+            else:
+                torch.testing.assert_close(t.cpu(), c, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
 def test_planned_launches_quantize_new_inputs():
     """A second call with the same layout runs the plan kept from the first (direct launches of the
     compiled passes, shared amax and descale buffers): fresh inputs give the CPU path's codes and
