@@ -22,17 +22,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = h // hk
     scale = dqk ** -0.5 if softmax_scale is None else float(softmax_scale)
-
-    def load(x: torch.Tensor, descale: torch.Tensor | None) -> torch.Tensor:
-        x = x.to(torch.float64)
-        if descale is not None:
-            x = x * descale.to(torch.float64).view(b, 1, hk, 1)
-        return x
-
-    qf = q.to(torch.float64)
-    if q_descale is not None:  # (b, kv_heads): the heads of one group share a descale
-        qf = qf * q_descale.to(torch.float64).repeat_interleave(group, dim=1).view(b, 1, h, 1)
-    kf, vf = load(k, k_descale), load(v, v_descale)
+    qf, kf, vf = dequantize(q, q_descale), dequantize(k, k_descale), dequantize(v, v_descale)
     out = torch.zeros(b, sq, h, dv, dtype=torch.float64, device=q.device)
     key_idx = torch.arange(sk, device=q.device)
     for hi in range(h):
@@ -46,6 +36,16 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
             out[:, r0:r1, hi] = torch.einsum("bqk,bkd->bqd", p, vh)
     return out
+
+
+def dequantize(x: torch.Tensor, descale: torch.Tensor | None) -> torch.Tensor:
+    """x (batch, seqlen, heads, dim) in float64 times its (batch, kv_heads) descale, the heads of a GQA
+    group sharing their kv head's (x as it is where descale is None)."""
+    xf = x.to(torch.float64)
+    if descale is None:
+        return xf
+    b, _, h, _ = x.shape
+    return xf * descale.to(torch.float64).repeat_interleave(h // descale.shape[1], dim=1).view(b, 1, h, 1)
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from zyfa_tune.kernels.quantize import E4M3_MAX, KERNEL_DTYPES, hadamard_matrix, quantize_tensors
+from zyfa_tune.kernels.reference import dequantize
 
 __all__ = ["E4M3_MAX", "dequantize_fp8", "hadamard_matrix", "quantize_fp8"]
 
@@ -69,5 +70,4 @@ def dequantize_fp8(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     b, _, h, _ = x8.shape
     if descale.dim() != 2 or descale.shape[0] != b or h % descale.shape[1]:
         raise ValueError(f"descale: expected (batch={b}, kv_heads dividing heads={h}), got {tuple(descale.shape)}")
-    group = h // descale.shape[1]
-    return x8.double() * descale.double().repeat_interleave(group, dim=1).view(b, 1, h, 1)
+    return dequantize(x8, descale)
