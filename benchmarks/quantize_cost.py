@@ -27,15 +27,15 @@ from zyfa_tune.kernels.timing import attention_flops, gpu_state, host_us, time_c
 from zyfa_tune.quantize import quantize_fp8
 
 OPTIONS = {"plain": {}, "hadamard": dict(hadamard=True), "smooth_k": dict(smooth_k=True),
-           "smooth_k+hadamard": dict(smooth_k=True, hadamard=True)}
+           "smooth_k+hadamard": dict(smooth_k=True, hadamard=True), "balanced_v": dict(v_rounding="balanced")}
 
 
-def _torch_path(q, k, v, hadamard: bool, smooth_k: bool) -> None:
+def _torch_path(q, k, v, hadamard: bool, smooth_k: bool, balance: bool) -> None:
     hk = k.shape[2]
     mean = k.float().mean(dim=1) if smooth_k else None
     quantize_heads_reference(q, hk, rotate=hadamard)
     quantize_heads_reference(k, hk, rotate=hadamard, mean=mean)
-    quantize_heads_reference(v, hk)
+    quantize_heads_reference(v, hk, balance=balance)
 
 
 def main(argv=None) -> int:
@@ -63,7 +63,8 @@ def main(argv=None) -> int:
             row[f"kernels {name}"] = time_cuda([call], warmup=3, reps=args.reps).median_ms
             row[f"host us {name}"] = host_us({name: call}, calls=50, rounds=7)[name]
             row[f"torch {name}"] = time_cuda([lambda o=opts: _torch_path(q, k, v, o.get("hadamard", False),
-                                                                        o.get("smooth_k", False))],
+                                                                        o.get("smooth_k", False),
+                                                                        o.get("v_rounding") == "balanced")],
                                              warmup=2, reps=max(5, args.reps // 4)).median_ms
         q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
         kw = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd)

@@ -78,11 +78,68 @@ def hadamard_matrix(dim: int, device: torch.device | str = "cpu", dtype: torch.d
     return h.to(device=device, dtype=dtype)
 
 
+#: balanced rounding (V): keys per block whose rounding errors are made to cancel, per channel
+BALANCE_KEYS = 16
+#: at most this many codes of a block's channel move to their other neighbour
+BALANCE_STEPS = 4
+#: a key whose largest |value| times this is below its block's largest keeps its nearest codes
+BALANCE_SKIP = 4.0
+#: errors are summed as int32 in units of 2^-22 (|error| <= 16, half e4m3's step at 448: a block's sum
+#: stays under 2^31), exactly, so that the GPU and the CPU agree bitwise
+BALANCE_FIXED = 2.0 ** 22
+
+
+def balanced_codes(y: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes of y (B, S, H, D) float32 in [-448, 448] whose rounding errors cancel along the keys.
+
+    Round to nearest leaves each channel's error summed over n keys growing as sqrt(n) ulps, and P's
+    rows weight V's keys with a common positive mean: that sum is what the mean of P multiplies (on
+    Gaussian scores 1/e of V's error in O, nearly all of it on flat rows). Here, per block of
+    BALANCE_KEYS keys and channel, up to BALANCE_STEPS codes move to their other e4m3 neighbour while
+    that shrinks the block's error sum, cheapest first (the one costing least squared error per unit
+    of the sum: |d| - 2|e|). A key far smaller than its block (an attention sink's small value: one
+    key weighted like thousands, where only its own error matters) is left at nearest. Errors are
+    integers in units of 2^-22, so the result does not depend on summation order: a GPU gives the
+    CPU's codes."""
+    b, s, h, d = y.shape
+    n = -(-s // BALANCE_KEYS) * BALANCE_KEYS
+    yb = torch.zeros(b, n, h, d, dtype=torch.float32, device=y.device)
+    yb[:, :s] = y
+    yb = yb.view(b, n // BALANCE_KEYS, BALANCE_KEYS, h, d)
+    q = yb.to(torch.float8_e4m3fn)
+    qf = q.float()
+    mag = (q.view(torch.uint8) & 0x7F).to(torch.int16)
+    step = torch.where(yb.abs() > qf.abs(), 1, torch.where(yb.abs() < qf.abs(), -1, 0))
+    sign = torch.where(yb < 0, 0x80, 0).to(torch.int16)
+    alt = ((mag + step) | sign).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    err = ((yb - qf) * BALANCE_FIXED).to(torch.int32)
+    dlt = ((qf - alt) * BALANCE_FIXED).to(torch.int32)   # the error's change if the code moves
+    pos = torch.arange(BALANCE_KEYS, dtype=torch.int32, device=y.device).view(1, 1, BALANCE_KEYS, 1, 1)
+    # the cost (>= 0: |err| <= |dlt| / 2, < 2^27) and the key's position in one int32, unique in a block:
+    # the least is the cheapest move, the first key on a tie
+    rank = (dlt.abs() - 2 * err.abs()) * BALANCE_KEYS + pos
+    row = yb.abs().amax(dim=4, keepdim=True)
+    free = (row * BALANCE_SKIP >= row.amax(dim=2, keepdim=True)) & (dlt != 0)
+    none = torch.iinfo(torch.int32).max
+    for _ in range(BALANCE_STEPS):
+        total = err.sum(dim=2, keepdim=True, dtype=torch.int32)
+        ok = free & ((dlt > 0) == (total < 0)) & (dlt.abs() < 2 * total.abs())
+        key = torch.where(ok, rank, none)
+        least = key.amin(dim=2, keepdim=True)
+        move = (key == least) & (least != none)
+        qf = torch.where(move, alt, qf)
+        err = torch.where(move, err + dlt, err)
+        free &= ~move
+    return qf.view(b, n, h, d)[:, :s].to(torch.float8_e4m3fn)
+
+
 def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = False,
-                             mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             mean: torch.Tensor | None = None,
+                             balance: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, S, H, D) floating -> (e4m3 codes (B, S, H, D), float32 descales (B, kv_heads)), one scale
     per kv head shared by its GQA group, in torch ops. `mean` (B, kv_heads, D) float32 is subtracted
-    first (K smoothing), then the rows are rotated by `hadamard_matrix(D)` if `rotate`."""
+    first (K smoothing), then the rows are rotated by `hadamard_matrix(D)` if `rotate`; `balance`
+    rounds as `balanced_codes` (V), else to nearest."""
     b, s, h, d = x.shape
     xf = x.float()
     if mean is not None:
@@ -91,8 +148,8 @@ def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = Fals
         xf = xf @ hadamard_matrix(d, device=x.device)
     xf = xf.reshape(b, s, kv_heads, h // kv_heads, d)
     descale = xf.abs().amax(dim=(1, 3, 4)).clamp_min(AMAX_FLOOR) * INV_E4M3_MAX  # (b, kv_heads)
-    codes = (xf / descale.view(b, 1, kv_heads, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX)
-    return codes.view(b, s, h, d).to(torch.float8_e4m3fn), descale.contiguous()
+    codes = (xf / descale.view(b, 1, kv_heads, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).view(b, s, h, d)
+    return balanced_codes(codes) if balance else codes.to(torch.float8_e4m3fn), descale.contiguous()
 
 
 def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
@@ -102,18 +159,29 @@ def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
     return codes[0], descales[0]
 
 
-def quantize_tensors(items, kv_heads: int, k_major_last: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
+                     balance_last: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(codes, descales) of each (x, rotate, mean) in `items` (at most three tensors of one batch size
     and kv head count), as `quantize_heads`. `k_major_last`: the last tensor's codes are written
     keys-fastest, a (B, S, H, D) view of a (B, H, D, Sp) buffer (Sp: S padded to 16 bytes, what
     transpose_v would make): the codes pass stores them there itself (transposed through shared
-    memory), so the FP8 kernels' V^T costs no pass of its own.
+    memory), so the FP8 kernels' V^T costs no pass of its own. `balance_last`: the last tensor (V,
+    neither rotated nor centred) is rounded by `balanced_codes`, in torch ops on any device (a Triton
+    form of it gave codes on the GPU that were not the CPU's, session 44; this is an opt-in option, its
+    cost is docs/PERF.md's), and then transposed by `transpose_v` if `k_major_last`.
 
     On a GPU, tensors that take the same compiled passes (head dim, dtype, options, last stride) are
     one launch per pass: each program finds its tensor from its index (quantize_fp8's plain Q, K and
     V: two launches in all). The amaxes of all tensors are one zeroed buffer and their descales
     views of one more. What depends only on the layouts is kept in a plan per layout: a call costs
     four allocations and the launches (host time: docs/PERF.md, session 25)."""
+    if balance_last:
+        x, rotate, mean = items[-1]
+        if rotate or mean is not None:
+            raise ValueError("balance_last: the balanced tensor (V) cannot be rotated or centred")
+        codes, descales = quantize_tensors(items[:-1], kv_heads) if len(items) > 1 else ([], [])
+        v8, vd = quantize_heads_reference(x, kv_heads, balance=True)
+        return codes + [transpose_v(v8).permute(0, 3, 1, 2) if k_major_last else v8], descales + [vd]
     if items[0][0].device.type != "cuda":
         out = [quantize_heads_reference(x, kv_heads, rotate, mean) for x, rotate, mean in items]
         codes = [c for c, _ in out]

@@ -171,6 +171,10 @@ def test_native_quantisation_and_input_families():
     k_major = x.args("fp8", (("k_major_v", True),))  # the same codes, V stored keys-fastest
     assert k_major[0][2].stride(1) == 1 and plain[0][2].stride(3) == 1
     assert torch.equal(k_major[0][2].contiguous().view(torch.uint8), plain[0][2].view(torch.uint8))
+    balanced = x.args("fp8", (("balanced_v", True),))  # V rounded as quantize_fp8(v_rounding="balanced")
+    want = quantize_fp8(*x.raw, v_rounding="balanced")[2]
+    assert torch.equal(balanced[0][2].view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(balanced[0][0].view(torch.uint8), plain[0][0].view(torch.uint8))
     assert torch.equal(x.reference("fp8"), attention_reference(*x.raw, causal=True))
     assert torch.equal(x.reference("bf16"), x.reference("fp8"))
     gauss = bench.Inputs.random(shape, seed=1, device="cpu")
@@ -180,6 +184,8 @@ def test_native_quantisation_and_input_families():
 def test_quantisation_options_parse_and_need_native_mode():
     (smooth,) = bench.parse_ours("sk:smooth_k=true", ["fp8"])
     assert smooth.overrides is None and smooth.quant == (("smooth_k", True),)  # the dispatcher's kernel
+    (bal,) = bench.parse_ours("b:balanced_v=true,k_major_v=true", ["fp8"])
+    assert dict(bal.quant) == {"balanced_v": True, "k_major_v": True}
     (both,) = bench.parse_ours("dtype=fp8,num_stages=2,hadamard=true", ["fp8", "bf16"])
     assert dict(both.overrides) == {"num_stages": 2} and both.quant == (("hadamard", True),)
     with pytest.raises(ValueError, match="dtype=fp8"):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from zyfa_tune.kernels.quantize import (_TERMS, _amax_kernel, _codes_kernel, _pm1_matrix, _tiles, hadamard_matrix,
-                                        quantize_heads, quantize_heads_reference, rotation_block)
+                                        quantize_heads, quantize_heads_reference, quantize_tensors, rotation_block)
 from zyfa_tune.quantize import quantize_fp8
 
 FP8 = torch.float8_e4m3fn
@@ -176,6 +176,24 @@ def test_kernels_give_the_reference_codes(dtype, shape, kv_heads, rotate, centre
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape,kv_heads", [((2, 1000, 8, 128), 2), ((1, 17, 2, 96), 1), ((1, 4100, 4, 256), 4),
+                                            ((3, 257, 6, 64), 3)])
+def test_balanced_codes_on_the_gpu_are_the_cpu_codes(dtype, shape, kv_heads):
+    """V's balanced rounding (integer error sums): a GPU gives the CPU's codes bitwise, a sink-like
+    small key and a partial last block of keys included, and they are not the nearest codes."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g) * 3 + 0.5
+    x[:, 0] *= 0.05
+    x = x.to(dtype)
+    (got,), (got_d,) = quantize_tensors(((x.cuda(), False, None),), kv_heads, balance_last=True)
+    want, want_d = quantize_heads_reference(x, kv_heads, balance=True)
+    assert torch.equal(got_d.cpu(), want_d)
+    _codes_close(got.cpu(), want, exact=True)
+    assert not torch.equal(want.view(torch.uint8), quantize_heads_reference(x, kv_heads)[0].view(torch.uint8))
+
+
+@pytest.mark.gpu
 def test_more_heads_than_a_grid_dimension_holds():
     """batch x heads = 65600 > 65535 (a CUDA grid's y and z limit): the grid is one-dimensional."""
     x = torch.randn(4100, 3, 16, 64, device="cuda", dtype=torch.bfloat16)
@@ -195,7 +213,9 @@ def test_quantize_fp8_on_the_gpu_is_the_cpu_arithmetic():
     q, k, v = (torch.randn(2, 700, h, 128, generator=g).to(torch.bfloat16) for h in (8, 2, 2))
     for opts in ({}, dict(hadamard=True), dict(smooth_k=True), dict(hadamard=True, smooth_k=True),
                  dict(v_layout="k_major"), dict(v_layout="k_major", hadamard=True),
-                 dict(v_layout="k_major", smooth_k=True)):
+                 dict(v_layout="k_major", smooth_k=True), dict(v_rounding="balanced"),
+                 dict(v_rounding="balanced", v_layout="k_major"), dict(v_rounding="balanced", hadamard=True),
+                 dict(v_rounding="balanced", smooth_k=True, v_layout="k_major")):
         cpu = quantize_fp8(q, k, v, **opts)
         gpu = quantize_fp8(q.cuda(), k.cuda(), v.cuda(), **opts)
         exact = not opts.get("hadamard") and not opts.get("smooth_k")

@@ -162,7 +162,7 @@ def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
 # ---- inputs and systems ------------------------------------------------------------------------
 
 #: `--ours` keys that are `quantize_fp8` options, not config fields
-QUANT_OPTIONS = ("smooth_k", "hadamard", "k_major_v")
+QUANT_OPTIONS = ("smooth_k", "hadamard", "k_major_v", "balanced_v")
 #: how FP8 systems get their inputs: one shared per-tensor quantisation (kernel error only), or each
 #: system's own (FA3 and ours: `quantize_fp8` per (batch, kv head); cuDNN: per tensor), the error
 #: then taken against float64 attention on the unquantised inputs (issue 5's comparison)
@@ -211,8 +211,9 @@ class Inputs:
             if quant not in self._native:
                 from zyfa_tune.quantize import quantize_fp8
 
-                opts = dict(quant)  # k_major_v: V's codes written keys-fastest (v_layout="k_major")
+                opts = dict(quant)  # k_major_v: V's codes keys-fastest; balanced_v: v_rounding="balanced"
                 opts["v_layout"] = "k_major" if opts.pop("k_major_v", False) else "natural"
+                opts["v_rounding"] = "balanced" if opts.pop("balanced_v", False) else "nearest"
                 q8, k8, v8, qd, kd, vd = quantize_fp8(*self.raw, **opts)
                 self._native[quant] = ((q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd))
             return self._native[quant]

@@ -545,8 +545,9 @@ def main(argv: list[str] | None = None) -> int:
                         "rope, peaky, flat, llm; 'all' for every one): issue 5's variant x family table in one run")
     p.add_argument("--quant", choices=["per-tensor", "native"], default="per-tensor",
                    help="FP8 inputs: one shared per-tensor quantisation (kernel error only), or each system's "
-                        "own with errors against the unquantised inputs (then --ours NAME:smooth_k=true, hadamard=true "
-                        "or k_major_v=true: V quantised keys-fastest, read without the V^T copy, work)")
+                        "own with errors against the unquantised inputs (then --ours NAME:smooth_k=true, hadamard=true, "
+                        "k_major_v=true: V quantised keys-fastest, read without the V^T copy, or balanced_v=true: V's "
+                        "rounding errors cancelling along the keys, work)")
     p.add_argument("--warm", type=float, default=3.0, help="seconds of GEMMs to reach sustained clocks first")
     p.add_argument("--energy-s", type=float, default=0.0, metavar="SECONDS",
                    help="TFLOP/J: after its timing, run each system back to back this long (>= 1 s; NVML's energy "

@@ -9,11 +9,14 @@ import torch
 from zyfa_tune.kernels.quantize import E4M3_MAX, KERNEL_DTYPES, hadamard_matrix, quantize_tensors
 from zyfa_tune.kernels.reference import dequantize
 
-__all__ = ["E4M3_MAX", "dequantize_fp8", "hadamard_matrix", "quantize_fp8"]
+__all__ = ["E4M3_MAX", "V_ROUNDINGS", "dequantize_fp8", "hadamard_matrix", "quantize_fp8"]
+
+#: how `quantize_fp8` rounds V: to nearest (as FlashAttention-3's users do), or balanced along the keys
+V_ROUNDINGS = ("nearest", "balanced")
 
 
 def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bool = False,
-                 v_layout: str = "natural", smooth_k: bool = False):
+                 v_layout: str = "natural", smooth_k: bool = False, v_rounding: str = "nearest"):
     """Return (q8, k8, v8, q_descale, k_descale, v_descale) for `flash_attn_func`.
 
     Inputs are (batch, seqlen, heads, dim) floating tensors; descales are float32 (batch, kv_heads)
@@ -31,9 +34,18 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     quantisation pass itself (no extra pass). FP8 kernels read V that way (the P@V wgmma wants V
     K-major); given it, `flash_attn_func` skips its V^T copy (key-relabelling Gluon kernels then
     relabel the keys on K: k_perm, where the key count is a multiple of 16).
+    `v_rounding="balanced"` rounds V so that, per channel and block of 16 keys, the rounding errors
+    cancel (`kernels.quantize.balanced_codes`: a few codes a block go to their other e4m3 neighbour).
+    P's rows average V's keys with a positive mean weight, which round to nearest leaves adding up:
+    V's part of the error falls by about a third on Gaussian rows, most of it on flat rows
+    (docs/ACCURACY.md, session 44). The descales and the other tensors are unchanged and the attention
+    costs the same; the rounding itself is torch ops for now, ~50x the plain quantisation's time
+    (docs/PERF.md, session 44).
     """
     if v_layout not in ("natural", "k_major"):
         raise ValueError(f"v_layout: expected 'natural' or 'k_major', got {v_layout!r}")
+    if v_rounding not in V_ROUNDINGS:
+        raise ValueError(f"v_rounding: expected one of {V_ROUNDINGS}, got {v_rounding!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -59,7 +71,8 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     if smooth_k:  # (batch, kv_heads, dim), float32 like the rest of the arithmetic
         mean = (k if k.dtype in KERNEL_DTYPES else k.float()).mean(dim=1, dtype=torch.float32).contiguous()
     (q8, k8, v8), (qd, kd, vd) = quantize_tensors(((q, hadamard, None), (k, hadamard, mean), (v, False, None)), hk,
-                                                  k_major_last=v_layout == "k_major")
+                                                  k_major_last=v_layout == "k_major",
+                                                  balance_last=v_rounding == "balanced")
     return q8, k8, v8, qd, kd, vd
 
 

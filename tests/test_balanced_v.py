@@ -1,0 +1,94 @@
+"""V's balanced rounding (`quantize_fp8(..., v_rounding="balanced")`, kernels/quantize.balanced_codes), on the
+CPU: every code is one of the value's two e4m3 neighbours, each block's error sum only shrinks, small keys keep
+their nearest codes, and the attention error against float64 on the unquantised inputs falls where P's rows
+have a positive mean weight and does not rise on an attention sink. A GPU gives the same codes bitwise
+(tests/test_quantize.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zyfa_tune.kernels.inputs import make_qkv
+from zyfa_tune.kernels.quantize import BALANCE_KEYS, balanced_codes, quantize_heads_reference
+from zyfa_tune.kernels.reference import attention_reference, rel_l2
+from zyfa_tune.quantize import dequantize_fp8, quantize_fp8
+
+FP8 = torch.float8_e4m3fn
+
+
+def _scaled(shape, seed=0, scale=60.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).clamp(-448, 448)
+
+
+def _block_sums(y: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """float64 rounding-error sums per (batch, block of keys, head, channel)."""
+    b, s, h, d = y.shape
+    e = y.double() - codes.double()
+    n = -(-s // BALANCE_KEYS) * BALANCE_KEYS
+    e = torch.cat([e, e.new_zeros(b, n - s, h, d)], 1)
+    return e.view(b, n // BALANCE_KEYS, BALANCE_KEYS, h, d).sum(2)
+
+
+@pytest.mark.parametrize("s", [16, 37, 1000])
+def test_codes_are_neighbours_and_block_sums_shrink(s):
+    y = _scaled((2, s, 3, 64), seed=s)
+    near = y.to(FP8)
+    got = balanced_codes(y)
+    assert got.shape == y.shape and got.dtype == FP8
+    lo = torch.minimum(near.float(), got.float())
+    hi = torch.maximum(near.float(), got.float())
+    assert ((lo <= y) & (y <= hi) | (got.float() == near.float())).all()   # the other side of y, or unchanged
+    moved = got.view(torch.uint8) != near.view(torch.uint8)
+    assert 0.03 < moved.float().mean() < 0.3
+    step = (got.view(torch.uint8).to(torch.int16) - near.view(torch.uint8).to(torch.int16)).abs()
+    assert (step[moved] == 1).all()   # one e4m3 step (same sign: y is never rounded across zero here)
+    before, after = _block_sums(y, near).abs(), _block_sums(y, got).abs()
+    assert (after <= before + 1e-9).all()
+    assert after.mean() < 0.35 * before.mean()
+
+
+def test_a_small_key_keeps_its_nearest_codes():
+    """A key whose largest |value| is under a quarter of its block's (an attention sink's small value)
+    is not moved: one key weighted like thousands gains nothing from cancelling."""
+    y = _scaled((1, 64, 2, 128), seed=1)
+    y[:, 0] *= 0.1
+    y[:, 17] *= 0.2
+    got, near = balanced_codes(y).view(torch.uint8), y.to(FP8).view(torch.uint8)
+    assert torch.equal(got[:, 0], near[:, 0]) and torch.equal(got[:, 17], near[:, 17])
+    assert not torch.equal(got[:, 1:16], near[:, 1:16])
+
+
+def test_exact_values_and_zeros_stay():
+    y = torch.zeros(1, 32, 1, 16)
+    y[0, 5, 0, :] = torch.tensor([448.0, -448.0, 1.0, -0.5, 2 ** -9, 0.0] + [3.0] * 10)
+    assert torch.equal(balanced_codes(y).view(torch.uint8), y.to(FP8).view(torch.uint8))
+
+
+@pytest.mark.parametrize("family,most", [("gaussian", 0.98), ("flat", 0.9), ("rope", 0.99), ("sink", 1.005),
+                                         ("peaky", 1.005)])
+def test_attention_error_falls_or_stays(family, most):
+    """Input quantisation alone (float64 attention on the dequantised inputs against float64 on the raw
+    ones, B=1 S=1024 H=2 hd128): balanced V below nearest V by the family's margin, never above by more
+    than half a percent."""
+    q, k, v = make_qkv(family, batch=1, seqlen=1024, heads=2, kv_heads=2, head_dim_qk=128, head_dim_v=128, seed=0)
+    ref = attention_reference(q, k, v, causal=True)
+    errs = {}
+    for rounding in ("nearest", "balanced"):
+        out = quantize_fp8(q, k, v, v_rounding=rounding)
+        errs[rounding] = rel_l2(attention_reference(*(dequantize_fp8(x, d) for x, d in zip(out[:3], out[3:])),
+                                                    causal=True), ref)
+    assert errs["balanced"] <= most * errs["nearest"], errs
+
+
+def test_quantize_fp8_balances_only_v():
+    q, k, v = make_qkv("gaussian", batch=1, seqlen=300, heads=4, kv_heads=2, head_dim_qk=64, head_dim_v=64, seed=2)
+    a, b = quantize_fp8(q, k, v), quantize_fp8(q, k, v, v_rounding="balanced", v_layout="k_major")
+    for i in (0, 1, 3, 4, 5):
+        assert torch.equal(a[i].view(torch.uint8) if i < 3 else a[i], b[i].view(torch.uint8) if i < 3 else b[i])
+    want = quantize_heads_reference(v, 2, balance=True)[0]
+    assert torch.equal(b[2].contiguous().view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(a[2].view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ValueError, match="v_rounding: expected one of"):
+        quantize_fp8(q, k, v, v_rounding="stochastic")
