@@ -1,5 +1,6 @@
 """Per-(batch, kv head) FP8 quantisation of attention inputs: two Triton passes, optionally after
-K's token mean is removed and after a Hadamard rotation of the head dim.
+K's token mean is removed and after a Hadamard rotation of the head dim, and for V optionally with
+rounding errors that cancel along the keys (`balanced_codes`).
 
 Why a kernel: in torch ops each tensor went through float32 copies of itself (x.float(), |x|,
 x / descale, the clamp) and, rotated, a float32 matmul: on the H200 at hd128 and 16K tokens x 32
@@ -87,6 +88,10 @@ BALANCE_SKIP = 4.0
 #: errors are summed as int32 in units of 2^-22 (|error| <= 16, half e4m3's step at 448: a block's sum
 #: stays under 2^31), exactly, so that the GPU and the CPU agree bitwise
 BALANCE_FIXED = 2.0 ** 22
+_BALANCE_FIXED = tl.constexpr(BALANCE_FIXED)
+_BALANCE_SKIP = tl.constexpr(BALANCE_SKIP)
+_BALANCE_KEYS = tl.constexpr(BALANCE_KEYS)
+_BALANCE_STEPS = tl.constexpr(BALANCE_STEPS)
 
 
 def balanced_codes(y: torch.Tensor) -> torch.Tensor:
@@ -99,8 +104,8 @@ def balanced_codes(y: torch.Tensor) -> torch.Tensor:
     that shrinks the block's error sum, cheapest first (the one costing least squared error per unit
     of the sum: |d| - 2|e|). A key far smaller than its block (an attention sink's small value: one
     key weighted like thousands, where only its own error matters) is left at nearest. Errors are
-    integers in units of 2^-22, so the result does not depend on summation order: a GPU gives the
-    CPU's codes."""
+    integers in units of 2^-22, so the result does not depend on summation order: a GPU (`_codes_kernel`)
+    gives the CPU's codes."""
     b, s, h, d = y.shape
     n = -(-s // BALANCE_KEYS) * BALANCE_KEYS
     yb = torch.zeros(b, n, h, d, dtype=torch.float32, device=y.device)
@@ -153,9 +158,9 @@ def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = Fals
 
 
 def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
-                   mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   mean: torch.Tensor | None = None, balance: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_heads_reference`'s result; on a GPU by the two passes below."""
-    codes, descales = quantize_tensors(((x, rotate, mean),), kv_heads)
+    codes, descales = quantize_tensors(((x, rotate, mean),), kv_heads, balance_last=balance)
     return codes[0], descales[0]
 
 
@@ -166,24 +171,19 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
     keys-fastest, a (B, S, H, D) view of a (B, H, D, Sp) buffer (Sp: S padded to 16 bytes, what
     transpose_v would make): the codes pass stores them there itself (transposed through shared
     memory), so the FP8 kernels' V^T costs no pass of its own. `balance_last`: the last tensor (V,
-    neither rotated nor centred) is rounded by `balanced_codes`, in torch ops on any device (a Triton
-    form of it gave codes on the GPU that were not the CPU's, session 44; this is an opt-in option, its
-    cost is docs/PERF.md's), and then transposed by `transpose_v` if `k_major_last`.
+    neither rotated nor centred) is rounded as `balanced_codes`, alone in its launch (16-key programs).
 
     On a GPU, tensors that take the same compiled passes (head dim, dtype, options, last stride) are
     one launch per pass: each program finds its tensor from its index (quantize_fp8's plain Q, K and
     V: two launches in all). The amaxes of all tensors are one zeroed buffer and their descales
     views of one more. What depends only on the layouts is kept in a plan per layout: a call costs
     four allocations and the launches (host time: docs/PERF.md, session 25)."""
-    if balance_last:
-        x, rotate, mean = items[-1]
-        if rotate or mean is not None:
-            raise ValueError("balance_last: the balanced tensor (V) cannot be rotated or centred")
-        codes, descales = quantize_tensors(items[:-1], kv_heads) if len(items) > 1 else ([], [])
-        v8, vd = quantize_heads_reference(x, kv_heads, balance=True)
-        return codes + [transpose_v(v8).permute(0, 3, 1, 2) if k_major_last else v8], descales + [vd]
+    if balance_last and (items[-1][1] or items[-1][2] is not None):
+        raise ValueError("balance_last: the balanced tensor (V) cannot be rotated or centred")
+    last = len(items) - 1
     if items[0][0].device.type != "cuda":
-        out = [quantize_heads_reference(x, kv_heads, rotate, mean) for x, rotate, mean in items]
+        out = [quantize_heads_reference(x, kv_heads, rotate, mean, balance_last and i == last)
+               for i, (x, rotate, mean) in enumerate(items)]
         codes = [c for c, _ in out]
         if k_major_last:
             codes[-1] = transpose_v(codes[-1]).permute(0, 3, 1, 2)
@@ -192,7 +192,7 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
         raise ValueError(f"items: at most {MAX_SEGMENTS} tensors a call, got {len(items)}")
     xs = [x if x.dtype in KERNEL_DTYPES else x.float() for x, _, _ in items]
     means = [None if m is None else m.contiguous() for _, _, m in items]
-    key = (kv_heads, xs[0].device.index, bool(k_major_last), *((x.shape, x.stride(), x.dtype, bool(r), m is not None,
+    key = (kv_heads, xs[0].device.index, bool(k_major_last), bool(balance_last), *((x.shape, x.stride(), x.dtype, bool(r), m is not None,
                                             x.data_ptr() % 16 == 0, m is None or m.data_ptr() % 16 == 0)
                                            for x, (_, r, _), m in zip(xs, items, means)))
     plan = _plans.get(key)
@@ -200,7 +200,7 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
         if len(_plans) >= PLAN_LIMIT:
             _plans.clear()
         plan = _plans[key] = _Plan(xs, [bool(r) for _, r, _ in items], [m is not None for m in means], kv_heads,
-                                   len(xs) - 1 if k_major_last else -1)
+                                   last if k_major_last else -1, last if balance_last else -1)
     b = xs[0].shape[0]
     amax = torch.zeros(len(xs) * b * kv_heads, dtype=torch.float32, device=xs[0].device)
     descales = torch.empty(len(xs), b, kv_heads, dtype=torch.float32, device=xs[0].device)
@@ -233,12 +233,15 @@ class _Plan:
 
     __slots__ = ("groups",)
 
-    def __init__(self, xs: list, rotates: list, centres: list, kv_heads: int, k_major: int = -1):
+    def __init__(self, xs: list, rotates: list, centres: list, kv_heads: int, k_major: int = -1,
+                 balanced: int = -1):
         by_kind: dict[tuple, list[int]] = {}
         for i, (x, r, c) in enumerate(zip(xs, rotates, centres)):
-            by_kind.setdefault((x.shape[3], x.dtype, x.stride(3), r, i if c else -1), []).append(i)
+            alone = c or i == balanced   # a centred tensor's mean is one argument; a balanced one has its tiles
+            by_kind.setdefault((x.shape[3], x.dtype, x.stride(3), r, i if alone else -1), []).append(i)
         # (items keep their order in a group, so the K-major tensor, the last item, is its group's last)
-        self.groups = [_Group(xs, members, kv_heads, r, c >= 0, members[-1] == k_major)
+        self.groups = [_Group(xs, members, kv_heads, r, c >= 0 and centres[c], members[-1] == k_major,
+                              c >= 0 and c == balanced)
                        for (_, _, _, r, c), members in by_kind.items()]
 
     def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list) -> None:
@@ -254,10 +257,10 @@ class _Group:
     __slots__ = ("members", "grid", "tail", "consts", "options", "head", "amax_pass", "codes_pass")
 
     def __init__(self, xs: list, members: list[int], kv_heads: int, rotate: bool, centre: bool,
-                 last_k_major: bool = False):
+                 last_k_major: bool = False, balanced: bool = False):
         x0 = xs[members[0]]
         b, d = x0.shape[0], x0.shape[3]
-        block_s, dp, bn, warps = _tiles(d, rotate)
+        block_s, dp, bn, warps = _tiles(d, rotate, balanced, x0.element_size())
         starts, fields = [0], []   # per segment: S, H, GROUP, stride_b, stride_s, stride_h
         for i in members:
             x = xs[i]
@@ -272,9 +275,10 @@ class _Group:
                      *(f[k] for k in range(6) for f in fields), x0.stride(3), d, rotation_block(d) ** -0.5,
                      padded_keys(xs[members[-1]].shape[1], False))  # SKP: the K-major buffer's key stride
         self.consts = dict(NSEG=len(members), DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate,
-                           TERMS=3 if centre else _TERMS[x0.dtype], LAST_K_MAJOR=bool(last_k_major))
+                           TERMS=3 if centre else _TERMS[x0.dtype], LAST_K_MAJOR=bool(last_k_major),
+                           BALANCED=bool(balanced))
         self.options = dict(num_warps=warps, num_stages=1)
-        self.head = (d, str(x0.dtype), centre, rotate, bool(last_k_major))
+        self.head = (d, str(x0.dtype), centre, rotate, bool(last_k_major), bool(balanced))
         self.amax_pass = self.codes_pass = None
 
     def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list) -> None:
@@ -294,11 +298,16 @@ class _Group:
             self.codes_pass((*ins, *outs, *self.tail, *self.consts.values()))
 
 
-def _tiles(d: int, rotate: bool) -> tuple[int, int, int, int]:
-    """(rows per program, head dim padded to a power of two, columns per rotation step, warps)."""
+def _tiles(d: int, rotate: bool, balanced: bool = False, itemsize: int = 2) -> tuple[int, int, int, int]:
+    """(rows per program, head dim padded to a power of two, columns per rotation step, warps).
+    Balanced: one block of keys a program, 2 warps at hd128 for 16-bit inputs (1.16 ms for Q, K and V of 16K
+    x 32 heads on the H100 against 2.72 / 1.76 / 2.72 at 1 / 4 / 8 warps, docs/PERF.md session 44; 255
+    registers, so float32 inputs, `itemsize` 4, take twice the warps: at 2 they spill), in proportion elsewhere."""
     dp = triton.next_power_of_2(d)
     if rotate:
         return max(16, min(ROT_ROWS, ROT_TILE // dp)), dp, min(dp, ROT_N), ROT_WARPS
+    if balanced:
+        return BALANCE_KEYS, dp, dp, max(1, min(NUM_WARPS, BALANCE_KEYS * dp * itemsize // 2048))
     return max(16, min(32, TILE // dp)), dp, dp, NUM_WARPS
 
 
@@ -390,7 +399,8 @@ _SEGMENT_ARGS = ["P1", "P2", "F0", "F1", "F2"]
 def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2,
                  SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
                  NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
-                 CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr):
+                 CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr,
+                 BALANCED: tl.constexpr):
     x, seg, b, h, kv, s0, S, H, GROUP = _program_rows(
         X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
         SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER)
@@ -407,9 +417,12 @@ def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, P1, P2, F0, F1, F2, S0, S1, S2, H0, 
 def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, F0, F1, F2, S0, S1, S2,
                   H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
                   NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
-                  CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr):
+                  CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr,
+                  BALANCED: tl.constexpr):
     """The codes of a block of rows. LAST_K_MAJOR: the last segment's go keys-fastest into its (B, H, D,
-    SKP) buffer (V for the FP8 kernels' V^T, written by this pass instead of a copy after it)."""
+    SKP) buffer (V for the FP8 kernels' V^T, written by this pass instead of a copy after it).
+    BALANCED: rounded as `balanced_codes` (V, alone in its launch, never rotated: one block of keys
+    a program, BN = DP)."""
     x, seg, b, h, kv, s0, S, H, GROUP = _program_rows(
         X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
         SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER)
@@ -427,8 +440,46 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, 
                      -_E4M3_MAX, _E4M3_MAX)
         cols = c0 + tl.arange(0, BN)
         ok = (rows < S)[:, None] & (cols < D)[None, :]
-        if k_major:
-            tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[None, :]) * SKP + rows[:, None], y.to(tl.float8e4nv),
-                     mask=ok)
+        if BALANCED:
+            y8 = _balanced(y, BN)
         else:
-            tl.store(dst + cols[None, :], y.to(tl.float8e4nv), mask=ok)
+            y8 = y.to(tl.float8e4nv)
+        if k_major:
+            tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[None, :]) * SKP + rows[:, None], y8, mask=ok)
+        else:
+            tl.store(dst + cols[None, :], y8, mask=ok)
+
+
+@triton.jit
+def _balanced(y, BN: tl.constexpr):
+    """`balanced_codes` of one block of keys (BALANCE_KEYS rows x BN channels, rows past S and padded
+    columns zero), the same integer arithmetic, so the same codes. No 8-bit value is reinterpreted:
+    Triton 3.6 gave a wrong byte for one element in eight when e4m3 codes were bitcast to uint8 and
+    widened (session 44), so codes are read off the float32 bits and the result converted from y, or
+    from the other neighbour's (exactly representable) value."""
+    qf = y.to(tl.float8e4nv).to(tl.float32)
+    ay, aq = tl.abs(y), tl.abs(qf)
+    bits = aq.to(tl.int32, bitcast=True)
+    exp = bits >> 23                                                           # float32's biased exponent
+    mag = tl.where(exp >= 121, ((exp - 120) << 3) | ((bits >> 20) & 7), (aq * 512.0).to(tl.int32))  # e4m3 |code|
+    other = mag + tl.where(ay > aq, 1, tl.where(ay < aq, -1, 0))              # the other neighbour's |code|
+    e, m = other >> 3, other & 7
+    ulp = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)      # 2^(max(e, 1) - 10)
+    alt = tl.where(e == 0, m, m + 8).to(tl.float32) * ulp                     # its |value|, exactly
+    alt = alt * tl.where(y < 0, -1.0, 1.0)   # (a product: -0.0 where the neighbour is zero, as torch's code 0x80)
+    err = ((y - qf) * _BALANCE_FIXED).to(tl.int32)
+    dlt = ((qf - alt) * _BALANCE_FIXED).to(tl.int32)
+    rank = (tl.abs(dlt) - 2 * tl.abs(err)) * _BALANCE_KEYS + tl.arange(0, _BALANCE_KEYS)[:, None]
+    row = tl.max(ay, axis=1)
+    free = tl.where(((row * _BALANCE_SKIP) >= tl.max(row, axis=0))[:, None] & (dlt != 0), 1, 0)
+    out = y   # unmoved: y itself, converted as the plain path converts it (-0.0 included)
+    for _ in tl.static_range(_BALANCE_STEPS):
+        total = tl.sum(err, axis=0)[None, :]
+        key = tl.where((free != 0) & ((dlt > 0) == (total < 0)) & (tl.abs(dlt) < 2 * tl.abs(total)), rank,
+                       2147483647)
+        least = tl.min(key, axis=0)[None, :]
+        move = (key == least) & (least != 2147483647)
+        err = tl.where(move, err + dlt, err)
+        free = tl.where(move, 0, free)
+        out = tl.where(move, alt, out)
+    return out.to(tl.float8e4nv)

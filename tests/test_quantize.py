@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from zyfa_tune.kernels.quantize import (_TERMS, _amax_kernel, _codes_kernel, _pm1_matrix, _tiles, hadamard_matrix,
-                                        quantize_heads, quantize_heads_reference, quantize_tensors, rotation_block)
+from zyfa_tune.kernels.quantize import (_TERMS, BALANCE_KEYS, _amax_kernel, _codes_kernel, _pm1_matrix, _tiles, hadamard_matrix,
+                                        quantize_heads, quantize_heads_reference, rotation_block)
 from zyfa_tune.quantize import quantize_fp8
 
 FP8 = torch.float8_e4m3fn
@@ -18,12 +18,12 @@ _DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, segments: int = 3,
-             k_major: bool = False):
+             k_major: bool = False, balanced: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    block_s, dp, bn, warps = _tiles(dim, rotate)
+    block_s, dp, bn, warps = _tiles(dim, rotate, balanced, dtype.itemsize)
     terms = 3 if centre else _TERMS[dtype]
     sig = {name: "i32" for name in kernel.arg_names}
     sig.update({f"X{i}": "*" + _DT[dtype] for i in range(3)}, R="*bf16", MEAN="*fp32", inv_sqrt="fp32")
@@ -31,7 +31,7 @@ def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, s
     if kernel is _codes_kernel:
         sig.update({f"OUT{i}": "*fp8e4nv" for i in range(3)}, DESCALE="*fp32")
     constexprs = dict(stride_d=1, NSEG=segments, DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate,
-                      TERMS=terms, LAST_K_MAJOR=k_major)
+                      TERMS=terms, LAST_K_MAJOR=k_major, BALANCED=balanced)
     sig.update({name: "constexpr" for name in constexprs})
     # pointers, strides and sizes that are multiples of 16, as a launch on contiguous inputs specialises them
     div16 = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
@@ -40,22 +40,26 @@ def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, s
                           options={"num_warps": warps, "num_stages": 1})
 
 
-@pytest.mark.parametrize("dim,dtype,centre,rotate,k_major", [
-    (128, torch.bfloat16, False, False, False), (128, torch.bfloat16, False, True, False),
-    (128, torch.float32, True, True, False), (96, torch.float16, False, True, False),
-    (64, torch.float32, False, True, False), (256, torch.bfloat16, True, True, False),
-    (192, torch.bfloat16, False, False, False), (64, torch.float16, True, False, False),
-    (128, torch.bfloat16, False, False, True), (64, torch.float16, False, False, True)])
-def test_kernels_compile_without_spills(dim, dtype, centre, rotate, k_major):
-    """Both passes, for the head dims and input dtypes the API takes (a centred tensor alone in its
-    launch, others as three segments, Q, K and V; V's codes also written keys-fastest, k_major): no
-    local memory, the rotation (only it) on the tensor cores, and 16-byte loads of the rows and stores
-    of the codes whichever segment a program takes (keys-fastest: the transposed tile's 16-key runs)."""
+@pytest.mark.parametrize("dim,dtype,centre,rotate,k_major,balanced", [
+    (128, torch.bfloat16, False, False, False, False), (128, torch.bfloat16, False, True, False, False),
+    (128, torch.float32, True, True, False, False), (96, torch.float16, False, True, False, False),
+    (64, torch.float32, False, True, False, False), (256, torch.bfloat16, True, True, False, False),
+    (192, torch.bfloat16, False, False, False, False), (64, torch.float16, True, False, False, False),
+    (128, torch.bfloat16, False, False, True, False), (64, torch.float16, False, False, True, False),
+    (128, torch.bfloat16, False, False, False, True), (128, torch.float32, False, False, True, True),
+    (64, torch.float16, False, False, False, True), (256, torch.bfloat16, False, False, True, True),
+    (96, torch.bfloat16, False, False, False, True)])
+def test_kernels_compile_without_spills(dim, dtype, centre, rotate, k_major, balanced):
+    """Both passes, for the head dims and input dtypes the API takes (a centred or balanced tensor alone
+    in its launch, others as three segments, Q, K and V; V's codes also written keys-fastest, k_major,
+    or balanced along the keys): no local memory, the rotation (only it) on the tensor cores, and 16-byte
+    loads of the rows and stores of the codes whichever segment a program takes (keys-fastest: the
+    transposed tile's 16-key runs)."""
     from zyfa_tune.generator.build import _disassemble
 
     for kernel in (_amax_kernel, _codes_kernel):
-        sass, usage = _disassemble(_compile(kernel, dim, dtype, centre, rotate, 1 if centre else 3,
-                                            k_major).asm["cubin"])
+        sass, usage = _disassemble(_compile(kernel, dim, dtype, centre, rotate, 1 if centre or balanced else 3,
+                                            k_major, balanced).asm["cubin"])
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (kernel.__name__, usage)
         assert bool(re.search(r"\bHGMMA\b", sass)) == rotate, kernel.__name__  # the rotation: wgmma
         assert "LDG.E.128" in sass and not re.search(r"LDG\.E\.(U16|64)\b", sass), kernel.__name__
@@ -123,6 +127,9 @@ def test_plan_groups_tensors_by_their_passes():
     assert [(g.members, g.consts["CENTER"]) for g in smooth] == [((0, 2, 0), False), ((1, 1, 1), True)]
     both = _Plan([k, k, k], [False] * 3, [True] * 3, hk).groups
     assert [g.members for g in both] == [(0, 0, 0), (1, 1, 1), (2, 2, 2)]
+    balanced = _Plan([q, k, v], [False] * 3, [False] * 3, hk, k_major=2, balanced=2).groups
+    assert [(g.members, g.consts["BALANCED"], g.consts["LAST_K_MAJOR"], g.consts["BLOCK_S"]) for g in balanced] == [
+        ((0, 1, 0), False, False, rows), ((2, 2, 2), True, True, BALANCE_KEYS)]
     v128 = torch.empty(b, 300, 3, 128)
     q192, k192 = torch.empty(b, 100, 6, 192), torch.empty(b, 300, 3, 192)
     assert [g.members for g in _Plan([q192, k192, v128], [False] * 3, [False] * 3, hk).groups] == [(0, 1, 0), (2, 2, 2)]
@@ -180,13 +187,14 @@ def test_kernels_give_the_reference_codes(dtype, shape, kv_heads, rotate, centre
 @pytest.mark.parametrize("shape,kv_heads", [((2, 1000, 8, 128), 2), ((1, 17, 2, 96), 1), ((1, 4100, 4, 256), 4),
                                             ((3, 257, 6, 64), 3)])
 def test_balanced_codes_on_the_gpu_are_the_cpu_codes(dtype, shape, kv_heads):
-    """V's balanced rounding (integer error sums): a GPU gives the CPU's codes bitwise, a sink-like
-    small key and a partial last block of keys included, and they are not the nearest codes."""
+    """V's balanced rounding (integer error sums; the codes pass, one 16-key block a program): a GPU gives
+    the CPU's codes bitwise, a sink-like small key and a partial last block of keys included, and they
+    are not the nearest codes."""
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g) * 3 + 0.5
     x[:, 0] *= 0.05
     x = x.to(dtype)
-    (got,), (got_d,) = quantize_tensors(((x.cuda(), False, None),), kv_heads, balance_last=True)
+    got, got_d = quantize_heads(x.cuda(), kv_heads, balance=True)
     want, want_d = quantize_heads_reference(x, kv_heads, balance=True)
     assert torch.equal(got_d.cpu(), want_d)
     _codes_close(got.cpu(), want, exact=True)
