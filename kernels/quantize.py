@@ -300,9 +300,9 @@ class _Group:
 
 def _tiles(d: int, rotate: bool, balanced: bool = False, itemsize: int = 2) -> tuple[int, int, int, int]:
     """(rows per program, head dim padded to a power of two, columns per rotation step, warps).
-    Balanced: one block of keys a program, 2 warps at hd128 for 16-bit inputs (1.16 ms for Q, K and V of 16K
-    x 32 heads on the H100 against 2.72 / 1.76 / 2.72 at 1 / 4 / 8 warps, docs/PERF.md session 44; 255
-    registers, so float32 inputs, `itemsize` 4, take twice the warps: at 2 they spill), in proportion elsewhere."""
+    Balanced: one block of keys a program, 2 warps at hd128 for 16-bit inputs (1.055 ms for Q, K and V of 16K
+    x 32 heads on the H100 against 1.45 / 1.60 / 2.67 at 1 / 4 / 8 warps, docs/PERF.md session 44; float32
+    inputs, `itemsize` 4, take twice the warps: an earlier form spilled at 2), in proportion elsewhere."""
     dp = triton.next_power_of_2(d)
     if rotate:
         return max(16, min(ROT_ROWS, ROT_TILE // dp)), dp, min(dp, ROT_N), ROT_WARPS
@@ -456,7 +456,11 @@ def _balanced(y, BN: tl.constexpr):
     columns zero), the same integer arithmetic, so the same codes. No 8-bit value is reinterpreted:
     Triton 3.6 gave a wrong byte for one element in eight when e4m3 codes were bitcast to uint8 and
     widened (session 44), so codes are read off the float32 bits and the result converted from y, or
-    from the other neighbour's (exactly representable) value."""
+    from the other neighbour's (exactly representable) value. The loop carries three 32-bit values an
+    element (y, its error, the move's size: the move's rank, NONE or MOVED in one int32) so that a
+    program fits 2 warps' registers."""
+    NONE: tl.constexpr = 2147483647
+    MOVED: tl.constexpr = 2147483646
     qf = y.to(tl.float8e4nv).to(tl.float32)
     ay, aq = tl.abs(y), tl.abs(qf)
     bits = aq.to(tl.int32, bitcast=True)
@@ -466,20 +470,19 @@ def _balanced(y, BN: tl.constexpr):
     e, m = other >> 3, other & 7
     ulp = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)      # 2^(max(e, 1) - 10)
     alt = tl.where(e == 0, m, m + 8).to(tl.float32) * ulp                     # its |value|, exactly
-    alt = alt * tl.where(y < 0, -1.0, 1.0)   # (a product: -0.0 where the neighbour is zero, as torch's code 0x80)
     err = ((y - qf) * _BALANCE_FIXED).to(tl.int32)
-    dlt = ((qf - alt) * _BALANCE_FIXED).to(tl.int32)
-    rank = (tl.abs(dlt) - 2 * tl.abs(err)) * _BALANCE_KEYS + tl.arange(0, _BALANCE_KEYS)[:, None]
+    dlt = ((qf - tl.where(y < 0, -alt, alt)) * _BALANCE_FIXED).to(tl.int32)   # exact: a multiple of 2^13
     row = tl.max(ay, axis=1)
-    free = tl.where(((row * _BALANCE_SKIP) >= tl.max(row, axis=0))[:, None] & (dlt != 0), 1, 0)
-    out = y   # unmoved: y itself, converted as the plain path converts it (-0.0 included)
+    free = ((row * _BALANCE_SKIP) >= tl.max(row, axis=0))[:, None] & (dlt != 0)
+    rank = tl.where(free, (tl.abs(dlt) - 2 * tl.abs(err)) * _BALANCE_KEYS + tl.arange(0, _BALANCE_KEYS)[:, None],
+                    NONE)
     for _ in tl.static_range(_BALANCE_STEPS):
         total = tl.sum(err, axis=0)[None, :]
-        key = tl.where((free != 0) & ((dlt > 0) == (total < 0)) & (tl.abs(dlt) < 2 * tl.abs(total)), rank,
-                       2147483647)
+        key = tl.where((rank < MOVED) & ((dlt > 0) == (total < 0)) & (tl.abs(dlt) < 2 * tl.abs(total)), rank, NONE)
         least = tl.min(key, axis=0)[None, :]
-        move = (key == least) & (least != 2147483647)
+        move = (key == least) & (least != NONE)
         err = tl.where(move, err + dlt, err)
-        free = tl.where(move, 0, free)
-        out = tl.where(move, alt, out)
-    return out.to(tl.float8e4nv)
+        rank = tl.where(move, MOVED, rank)
+    moved = y.to(tl.float8e4nv).to(tl.float32) - dlt.to(tl.float32) * (1.0 / _BALANCE_FIXED)  # the neighbour
+    moved = tl.where(moved == 0.0, y * 0.0, moved)   # its zero signed as y (torch's code 0x80 for -0.0)
+    return tl.where(rank == MOVED, moved, y).to(tl.float8e4nv)
