@@ -237,12 +237,11 @@ class _Plan:
                  balanced: int = -1):
         by_kind: dict[tuple, list[int]] = {}
         for i, (x, r, c) in enumerate(zip(xs, rotates, centres)):
-            alone = c or i == balanced   # a centred tensor's mean is one argument; a balanced one has its tiles
-            by_kind.setdefault((x.shape[3], x.dtype, x.stride(3), r, i if alone else -1), []).append(i)
+            bal = i == balanced  # alone, as a centred tensor (its mean is one argument): its tiles are its own
+            by_kind.setdefault((x.shape[3], x.dtype, x.stride(3), r, c, bal, i if c or bal else -1), []).append(i)
         # (items keep their order in a group, so the K-major tensor, the last item, is its group's last)
-        self.groups = [_Group(xs, members, kv_heads, r, c >= 0 and centres[c], members[-1] == k_major,
-                              c >= 0 and c == balanced)
-                       for (_, _, _, r, c), members in by_kind.items()]
+        self.groups = [_Group(xs, members, kv_heads, r, c, members[-1] == k_major, bal)
+                       for (_, _, _, r, c, bal, _), members in by_kind.items()]
 
     def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list) -> None:
         for group in self.groups:
