@@ -65,18 +65,20 @@ CHOICES: dict[str, tuple] = {
     "k_perm": (False, True),
     "qk_async": (False, True),
     "lean_mufu": (0, 1, 2, 3, 4),
+    "lean_ref": ("grid", "max"),
+    "lean_floor": (False, True),
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
 GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
                 "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
                 "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                "qk_acc", "k_perm", "qk_async", "lean_mufu")
+                "qk_acc", "k_perm", "qk_async", "lean_mufu", "lean_ref", "lean_floor")
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
 LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-               "qk_acc", "k_perm", "qk_async", "lean_mufu")
+               "qk_acc", "k_perm", "qk_async", "lean_mufu", "lean_ref", "lean_floor")
 #: Fields only the launch reads (the persistent grid's tile table), not the kernel's code: configs that
 #: differ only in them differ in the source's header line alone (the config, so each is its own
 #: database variant: variants are keyed by source hash), and Triton compiles the kernel function once.
@@ -237,6 +239,19 @@ class KernelConfig:
                   slots, the MUFU's are its own pipe: a share of each runs the two side by side. Both round
                   (nearly) as FA3 does, so the error is the corrected fold's (generator/lean_asm.f16_mufu_asm).
                   Measured 0.97-0.99x the exact kernel at every share (docs/PERF.md, session 36): not searched.
+    lean_ref:     Gluon lean P on f16 scores with the linear fold (qk_acc="f16", lean_fold="fma"): where each row's
+                  fold line sits. "grid": the row's reference is its maximum rounded up to the fold's 1/8 grid
+                  (what the float32 folds' magic constant needs), so the maximum's code falls anywhere in its
+                  last code and the line's offset is random from row to row. "max": the reference is the row's
+                  maximum itself and the line is lowered by LEAN_MAX_CENTER (generator/lean_asm.py), so that the
+                  maximum keeps its exact code 2^P and every other score rounds about half a code down from
+                  the line, against its overestimate of 2^x (float64 emulation: gaussian 1.035x -> 1.00x FA3's
+                  error with balanced V; docs/ACCURACY.md, session 45). The same instructions in the step.
+    lean_floor:   Gluon lean P on f16 scores with the linear fold: scores 2^-6 to 2^-9 of 2^P (e4m3's subnormals)
+                  get codes from a second, shallower line (the maximum of the two; generator/lean_asm.py,
+                  LEAN_FLOOR_SLOPE) instead of 0, two more f16x2 operations a pair: the linear line stops at
+                  x + P = -7 where correct rounding goes on to -10, which costs long rows with a few large
+                  scores (entry_outliers, llm) 1-2% of error (docs/ACCURACY.md, sessions 30 and 45).
     """
 
     dtype: str = "fp8"
@@ -281,6 +296,8 @@ class KernelConfig:
     k_perm: bool = False
     qk_async: bool = False
     lean_mufu: int = 0
+    lean_ref: str = "grid"
+    lean_floor: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -407,6 +424,10 @@ class KernelConfig:
             raise ConfigError(why)
         if self.lean_mufu and (why := lean_mufu_conflict(vars(self))):
             raise ConfigError(why)
+        if self.lean_ref != "grid" and (why := lean_ref_conflict(vars(self))):
+            raise ConfigError(why)
+        if self.lean_floor and (why := lean_floor_conflict(vars(self))):
+            raise ConfigError(why)
         if self.k_perm and not self.v_permute:
             raise ConfigError("k_perm=True makes v_permute's relabelling of keys on K instead of V^T: it needs "
                               "v_permute=True")
@@ -482,6 +503,8 @@ class KernelConfig:
             softmax += " f16S" if self.qk_acc == "f16" else ""
             softmax += " qkAsync" if self.qk_async else ""
             softmax += f" mufu{self.lean_mufu}/4" if self.lean_mufu else ""
+            softmax += " refMax" if self.lean_ref == "max" else ""
+            softmax += " floor" if self.lean_floor else ""
             group = f" L2group{self.l2_group_mib}MiB" if self.l2_group_mib != _DEFAULTS["l2_group_mib"] else ""
             return (f"gluon {softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
                     f"{'+'.join(on) or 'plain'}{group}")
@@ -554,6 +577,27 @@ def lean_mufu_conflict(f: Mapping[str, Any]) -> str | None:
         return (f"lean_mufu={f['lean_mufu']}: a share of the corrected f16 fold's pairs from the MUFU; it needs "
                 f"softmax='lean', qk_acc='f16' and lean_fold='corrected' (the pairs must round as the fold does), "
                 f"not softmax={f['softmax']!r}, qk_acc={f['qk_acc']!r}, lean_fold={f['lean_fold']!r}")
+    return None
+
+
+def lean_ref_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why a config with these fields cannot put lean P's fold line on the row's own maximum (lean_ref="max"),
+    or None. One rule for validation and for the search space (which decodes a suggested "max" to "grid")."""
+    if f["qk_acc"] != "f16" or f["softmax"] != "lean" or f["lean_fold"] != "fma":
+        return (f"lean_ref={f['lean_ref']!r}: the linear f16 fold's line on the row's own maximum; it needs "
+                f"softmax='lean', qk_acc='f16' and lean_fold='fma' (the float32 folds' magic constant needs the "
+                f"grid; 'centered' and 'corrected' place their lines themselves), not softmax={f['softmax']!r}, "
+                f"qk_acc={f['qk_acc']!r}, lean_fold={f['lean_fold']!r}")
+    return None
+
+
+def lean_floor_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why a config with these fields cannot give lean P's smallest scores subnormal codes (lean_floor=True), or
+    None. One rule for validation and for the search space (which decodes a suggested True to False)."""
+    if f["qk_acc"] != "f16" or f["softmax"] != "lean" or f["lean_fold"] not in ("fma", "centered"):
+        return (f"lean_floor=True: a second line beside the linear f16 fold; it needs softmax='lean', qk_acc='f16' "
+                f"and lean_fold 'fma' or 'centered', not softmax={f['softmax']!r}, qk_acc={f['qk_acc']!r}, "
+                f"lean_fold={f['lean_fold']!r}")
     return None
 
 

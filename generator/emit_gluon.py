@@ -34,7 +34,8 @@ from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
 from .lean_asm import (CODE_SUM_CONSTRAINTS, E4M3_MAX, F16_MUFU_CONSTRAINTS, F16_MUFU_TOP, F16_SCORE_BOUND,
                        MAGIC, ONE_FMA_FOLDS, SAT_SCALE, code_sum_asm, f16_fold_asm, f16_mufu_asm,
-                       f16_pack_asm, f16_reversed, fold_center, lean_tail_asm)
+                       f16_pack_asm, f16_reversed, fold_center, lean_tail_asm, LEAN_FLOOR_AT,
+                       LEAN_FLOOR_SLOPE)
 from .rescale_asm import rescale_asm, rescale_constraints
 from .timeline import EVENTS, TraceBuffer, clock_asm
 
@@ -208,7 +209,9 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         # qk_async: generator/ptx_pass.py drops the f16 QK^T's wait, so P(j-1)'s publication and O's rescale go
         # after QK^T(j)'s issue as in the float32-score step (without the pass they would wait for QK^T)
         ("QK_ASYNC", bool(c.qk_async)),
-        ("F16_FOLD_ASM", f16_fold_asm(c.lean_fold) if c.qk_acc == "f16" else ""),
+        ("F16_FOLD_ASM", f16_fold_asm(c.lean_fold, c.lean_floor) if c.qk_acc == "f16" else ""),
+        # lean_floor: a second line for e4m3's subnormal codes (generator/lean_asm.py)
+        ("LEAN_FLOOR", bool(c.lean_floor)), ("LEAN_FLOOR_SLOPE", LEAN_FLOOR_SLOPE), ("LEAN_FLOOR_AT", LEAN_FLOOR_AT),
         ("F16_PACK_ASM", f16_pack_asm() if c.qk_acc == "f16" else ""),
         # lean_mufu: that many of every four pairs of the corrected f16 fold take 2^x from the MUFU instead
         ("LEAN_MUFU", int(c.lean_mufu)),
@@ -219,10 +222,10 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("F16_U", c.qk_acc == "f16" and f16_reversed(c.lean_fold)),
         ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"),
         ("LEAN_FMA", lean and (c.lean_fold in ONE_FMA_FOLDS or c.qk_acc == "f16")),
-        ("LEAN_CENTER", fold_center(c.lean_fold) if lean else 0.0), ("LEAN_MAGIC", MAGIC),
+        ("LEAN_CENTER", fold_center(c.lean_fold, c.lean_ref) if lean else 0.0), ("LEAN_MAGIC", MAGIC),
         # the row maximum on the one-FMA folds' 1/8 grid (b exact; measured better for the linear folds); the
         # corrected fold on f16 scores takes it as it is, so that the maximum's own code is exact (ACCURACY.md)
-        ("LEAN_GRID", lean and c.lean_fold in ONE_FMA_FOLDS),
+        ("LEAN_GRID", lean and c.lean_fold in ONE_FMA_FOLDS and c.lean_ref == "grid"),
         ("LEAN_SAT", lean and c.lean_clamp == "sat"), ("LEAN_SAT_SCALE", SAT_SCALE),
         # PTX from generator/lean_asm.py for validated enum values only (never text from a config)
         ("LEAN_ASM", lean_tail_asm(c.lean_fold, c.lean_clamp, c.lean_pack) if lean else ""),

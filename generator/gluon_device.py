@@ -361,6 +361,12 @@ def _f16_fold(s, qk_scale, m_use):
         b2, _ = gl.broadcast(gl.fma(b16.to(gl.float32), -16.0, F16_MUFU_TOP).to(gl.float16)[:, None], s)
         return gl.inline_asm_elementwise(F16_MUFU_ASM, F16_MUFU_CONSTRAINTS, [s, a, b, a2, b2], dtype=gl.float16,
                                          is_pure=True, pack=8)
+    if LEAN_FLOOR:  # the subnormal codes' line: t2 = (slope (x + P - at) + 8 - center) / 128, unsaturated
+        k2: gl.constexpr = (LEAN_FLOOR_SLOPE * (P_OFFSET - LEAN_FLOOR_AT) + 8.0 - LEAN_CENTER) / LEAN_SAT_SCALE
+        a2, _ = gl.broadcast((qk_scale * (LEAN_FLOOR_SLOPE / LEAN_SAT_SCALE)).to(gl.float16)[:, None], s)
+        b2, _ = gl.broadcast(gl.fma(m_use, -LEAN_FLOOR_SLOPE / LEAN_SAT_SCALE, k2).to(gl.float16)[:, None], s)
+        return gl.inline_asm_elementwise(F16_FOLD_ASM, "=r,r,r,r,r,r", [s, a, b, a2, b2], dtype=gl.float16,
+                                         is_pure=True, pack=2)
     return gl.inline_asm_elementwise(F16_FOLD_ASM, "=r,r,r,r", [s, a, b], dtype=gl.float16, is_pure=True, pack=2)
 
 

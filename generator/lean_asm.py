@@ -61,8 +61,18 @@ LEAN_CENTER = 0.4375
 ONE_FMA_FOLDS = ("fma", "centered")
 
 
-def fold_center(fold: str) -> float:
-    """The code offset a one-FMA fold subtracts (0 for "fma")."""
+#: code units the f16 "fma" fold lowers its line by when the row's reference is its maximum itself
+#: (lean_ref="max"). With the lowering _f16_fold adds against f16 rounding (1/16 code + |b|/8, b ~ 0.5 on
+#: ordinary rows) the line sits ~0.45 codes down: every score rounds about half a code down from the line,
+#: against its overestimate of 2^x, while the maximum (at 2^P - 0.45 codes) keeps its exact code. Past half a
+#: code the maximum drops a code and the error rises (float64 emulation, docs/ACCURACY.md session 45).
+LEAN_MAX_CENTER = 0.3125
+
+
+def fold_center(fold: str, ref: str = "grid") -> float:
+    """The code offset a one-FMA fold subtracts (0 for "fma" on the grid reference)."""
+    if ref == "max":
+        return LEAN_MAX_CENTER
     return LEAN_CENTER if fold == "centered" else 0.0
 
 
@@ -207,7 +217,16 @@ def _f16x2_hex(value: float) -> str:
     return f"0x{half}{half}"
 
 
-def f16_fold_asm(fold: str = "fma") -> str:
+#: lean_floor's second line: codes per octave below 2^-6, where e4m3's codes are subnormal (linear in the
+#: value: code m is m 2^-9). The fold's own line, 8 codes an octave, reaches code 0 at x + P = -7; this one
+#: meets it at code 8 (x + P = -6) and reaches 0 at -8.7 (correct rounding: at -10), 3 an octave keeping it
+#: within a code of round(2^(x + P + 9)) (float64 emulation, docs/ACCURACY.md session 45).
+LEAN_FLOOR_SLOPE = 3.0
+#: x + P where the two lines meet (code 8 - center, e4m3's smallest normal 2^-6)
+LEAN_FLOOR_AT = -6.0
+
+
+def f16_fold_asm(fold: str = "fma", floor: bool = False) -> str:
     """PTX for two f16 scores ($1, packed) with the row's a ($2) and b ($3) (f16 pairs): t = sat(s a + b),
     the fold of clamp "sat" in f16 (HFMA2.SAT), then y = SAT_SCALE t + 1024 (HFMA2), the code in each
     half's low byte.
@@ -220,10 +239,17 @@ def f16_fold_asm(fold: str = "fma") -> str:
     k + 1/2 = round(16 u + 1023.5) - 1023.5 (the f16 integers of [1024, 2048) round it), f = 16 u - k - 1/2
     in [-1/2, 1/2], frac (1 - frac) = 1/4 - f^2; y = 1152 - 128 u. Masked and far scores saturate to u = 1,
     where the correction is 0 (f = -1/2): code 0. Codes equal the correctly rounded e4m3 of 2^x for ~97%
-    of x in the normal range."""
+    of x in the normal range.
+
+    floor (one-FMA folds): t = max(t, s a2 + b2) ($4, $5: LEAN_FLOOR_SLOPE codes an octave, unsaturated: a masked
+    score's -inf gives -inf there), so that scores 2^-6 to 2^-9 of 2^P get e4m3's subnormal codes instead of 0
+    (two more f16x2 operations)."""
+    if floor and fold not in ONE_FMA_FOLDS:
+        raise ValueError(f"floor is a second line beside the one-FMA folds {ONE_FMA_FOLDS}, not {fold!r}'s")
     if fold in ONE_FMA_FOLDS:
-        lines = ["fma.rn.sat.f16x2 t, $1, $2, $3;",
-                 f"mov.b32 c, {_f16x2_hex(SAT_SCALE)};",
+        lines = ["fma.rn.sat.f16x2 t, $1, $2, $3;"]
+        lines += ["fma.rn.f16x2 r, $1, $4, $5;", "max.f16x2 t, t, r;"] if floor else []
+        lines += [f"mov.b32 c, {_f16x2_hex(SAT_SCALE)};",
                  f"mov.b32 m, {_f16x2_hex(F16_BASE)};",
                  "fma.rn.f16x2 $0, t, c, m;"]
     elif fold == "corrected":

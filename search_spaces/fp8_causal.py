@@ -8,9 +8,9 @@ field). `backend` comes first: the fields after it that only one backend reads a
 
 from functools import partial
 
-from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, o_split_conflict,
-                                        o_through_p_conflict, packed_p_conflict, pv_defer_conflict,
-                                        qk_acc_conflict, qk_async_conflict)
+from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, lean_floor_conflict,
+                                        lean_ref_conflict, o_split_conflict, o_through_p_conflict, packed_p_conflict,
+                                        pv_defer_conflict, qk_acc_conflict, qk_async_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
                                        gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_smem2_config,
                                        gluon_natural_config, gluon_packed_config, gluon_smem2_chunked_config,
@@ -79,6 +79,10 @@ PARAMS = (backend_param(),
           decode=lambda v, f: "f32" if qk_acc_conflict(f) else v),
     Param("qk_async", (False, True), only_if=("backend", "gluon"),  # f16 QK^T's wait behind PV(j-1)'s issue
           decode=lambda v, f: v and not qk_async_conflict(f)),
+    Param("lean_ref", ("grid", "max"), only_if=("backend", "gluon"),  # the f16 fold's line on the row's maximum
+          decode=lambda v, f: "grid" if v != "grid" and lean_ref_conflict(f) else v),
+    Param("lean_floor", (False, True), only_if=("backend", "gluon"),  # e4m3's subnormal codes by a second line
+          decode=lambda v, f: v and not lean_floor_conflict(f)),
 )
 
 
@@ -98,8 +102,10 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     codes instead (per lane where that applies; 5-9% faster than with the MMA at hd128, session 23), and a
     winner whose scores can accumulate in f16 with them so (qk_acc="f16": lean P 1.13-1.20x its float32
     scores at hd128 8K-32K, session 28), and an f16-score winner with its QK^T wait moved behind PV(j-1)'s
-    issue (qk_async: +9% on the lean f16 kernel without ping-pong, +0.5% with it, session 35). A short study
-    would rarely sample these neighbours of the best kernel it already has."""
+    issue (qk_async: +9% on the lean f16 kernel without ping-pong, +0.5% with it, session 35), and a linear-fold
+    f16 winner with its line on the row's own maximum (lean_ref="max": 0.97x its error vs unquantised inputs at
+    the same speed, session 45). A short study would rarely sample these neighbours of the best kernel it
+    already has."""
     if config.backend != "gluon":
         return []
     twins = []
@@ -127,6 +133,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
         twins.append(config.replace(qk_acc="f16"))  # scores in f16 (session 28)
     if not config.qk_async and not qk_async_conflict(vars(config)):
         twins.append(config.replace(qk_async=True))  # PV(j-1) issued behind QK^T(j) (session 35)
+    if config.lean_ref == "grid" and not lean_ref_conflict({**vars(config), "lean_ref": "max"}):
+        twins.append(config.replace(lean_ref="max"))  # the line on the row's maximum (session 45)
     return twins
 
 

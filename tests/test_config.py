@@ -35,7 +35,8 @@ def valid_with(field: str, value) -> KernelConfig:
         changes["p_carry"] = "smem2"
     if field == "l2_group_mib":
         changes["q_order"] = "balanced"
-    if (field == "qk_acc" and value == "f16") or (field == "qk_async" and value):
+    if ((field == "qk_acc" and value == "f16") or (field == "qk_async" and value) or (field == "lean_ref" and value != "grid")
+            or (field == "lean_floor" and value)):
         changes.update(softmax="lean", rowsum="rounded", p_carry="smem2", lean_clamp="sat", qk_acc="f16")
     if field == "lean_mufu" and value:
         changes.update(softmax="lean", rowsum="rounded", p_carry="smem2", lean_clamp="sat", qk_acc="f16",

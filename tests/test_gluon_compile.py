@@ -280,6 +280,24 @@ def test_lean_mufu_moves_a_share_of_the_pairs_to_the_mufu(cfg, compiled):
     assert count(loop, "F2FP") - count(ref_loop, "F2FP") <= 2  # (the rows' a2, b2 to f16)
 
 
+def test_lean_ref_max_drops_the_grid_and_the_floor_adds_two_operations_a_pair(compiled):
+    """lean_ref="max": the row maximum is no longer rounded up to the 1/8 grid (an FRND.CEIL per row), the
+    step otherwise the same instructions; lean_floor: per 256-key step a thread's 64 f16 pairs each get one more
+    HFMA2 (the second line) and one HMNMX2 (the larger of the two), no spills (docs/BACKENDS.md, session 45)."""
+    base = gluon_lean_f16_async_config("fp8", 128, 128)
+    at_max, floor = base.replace(lean_ref="max"), base.replace(lean_ref="max", lean_floor=True)
+    loops = {}
+    for name, cfg in (("grid", base), ("max", at_max), ("floor", floor)):
+        art = compiled(cfg)
+        check_usable(art, cfg)
+        loops[name] = _step_loop(art.sass)
+    count = lambda body, op: sum(x.split()[0] == op or x.split()[0].startswith(op + ".") for x in body)
+    assert count(loops["grid"], "FRND") > 0 and count(loops["max"], "FRND") == 0
+    assert abs(len(loops["max"]) - len(loops["grid"])) <= 16
+    assert count(loops["floor"], "HFMA2") - count(loops["max"], "HFMA2") == 64
+    assert count(loops["floor"], "HMNMX2") - count(loops["max"], "HMNMX2") == 64
+
+
 def _step_loop(sass: str) -> list[str]:
     """The instructions of the shortest loop that issues a whole step's wgmmas (QK^T's four k-steps and PV's
     eight at head dim 128, 256 keys): a consumer's steady step."""

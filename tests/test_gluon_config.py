@@ -54,7 +54,8 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
         {"head_dim_qk": 96, "head_dim_v": 96} if field == "o_split" else \
         {"overlap": False} if field == "half_block" else {"p_carry": "smem2"} if field == "o_through_p" else \
         F16_NEEDS if field == "qk_acc" else dict(F16_NEEDS, qk_acc="f16") if field == "qk_async" else \
-        dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected") if field == "lean_mufu" else {}
+        dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected") if field == "lean_mufu" else \
+        dict(F16_NEEDS, qk_acc="f16") if field in ("lean_ref", "lean_floor") else {}
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 
@@ -110,6 +111,13 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(lean_mufu=2), r"^lean_mufu=2: a share of the corrected f16 fold's pairs from the MUFU; it needs "
                         r"softmax='lean', qk_acc='f16' and lean_fold='corrected' .* not softmax='exact'"),
     (dict(F16_NEEDS, qk_acc="f16", lean_mufu=1), r"^lean_mufu=1: .* not softmax='lean', qk_acc='f16', lean_fold='fma'"),
+    (dict(lean_ref="max"), r"^lean_ref='max': the linear f16 fold's line on the row's own maximum; it needs "
+                           r"softmax='lean', qk_acc='f16' and lean_fold='fma' .* not softmax='exact'"),
+    (dict(F16_NEEDS, qk_acc="f16", lean_fold="centered", lean_ref="max"), r"^lean_ref='max': .* lean_fold='centered'"),
+    (dict(F16_NEEDS, lean_ref="max"), r"^lean_ref='max': .* qk_acc='f32'"),
+    (dict(lean_floor=True), r"^lean_floor=True: a second line beside the linear f16 fold; it needs softmax='lean', "
+                            r"qk_acc='f16' and lean_fold 'fma' or 'centered', not softmax='exact'"),
+    (dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected", lean_floor=True), r"^lean_floor=True: .* lean_fold='corrected'"),
     (dict(o_through_p=True), r"^o_through_p=True stores O through the warpgroup's two P tiles: it needs "
                              r"p_carry='smem2'"),
     (dict(p_carry="smem", o_through_p=True), r"^o_through_p=True stores O through .* p_carry='smem2'"),

@@ -28,7 +28,10 @@ VARIANTS = neighbours() + sampled(20) + [GLUON.replace(p_carry="smem"),
                                          gluon_smem2_chunked_config("fp8", 192, 128),
                                          gluon_lean_f16_config("fp8", 128, 128),
                                          *(gluon_lean_f16_config("fp8", 128, 128).replace(lean_fold="corrected",
-                                                                                          lean_mufu=k) for k in (1, 2))]
+                                                                                          lean_mufu=k) for k in (1, 2)),
+                                         gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max"),
+                                         gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max", lean_floor=True),
+                                         gluon_lean_f16_config("fp8", 128, 128).replace(lean_floor=True)]
 
 
 def constants(source: str) -> dict:
@@ -135,7 +138,9 @@ def test_constants_are_the_config(cfg):
                  "PRODUCER_REGS": producer_regs, "NUM_WARPS": 4, "PERSISTENT": cfg.persistent,
                  "KERNEL_NAME": KERNEL_NAME, "LEAN": lean,
                  "LEAN_FMA": lean and (cfg.lean_fold in ("fma", "centered") or cfg.qk_acc == "f16"),
-                 "LEAN_CENTER": 0.4375 if lean and cfg.lean_fold == "centered" else 0.0, "PV_DEFER": cfg.pv_defer,
+                 # lean_ref="max": the line on the row's maximum, lowered 5/16 code (with _f16_fold's margin ~0.45)
+                 "LEAN_CENTER": (0.3125 if cfg.lean_ref == "max" else 0.4375 if cfg.lean_fold == "centered" else 0.0)
+                                if lean else 0.0, "PV_DEFER": cfg.pv_defer,
                  "LEAN_MAGIC": MAGIC, "LEAN_SAT": lean and cfg.lean_clamp == "sat", "LEAN_SAT_SCALE": 128.0,
                  "LEAN_ASM": lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else "",
                  "ROWSUM_MMA": cfg.rowsum == "mma", "CODE_SUMS": lean and cfg.rowsum == "rounded",
@@ -159,14 +164,16 @@ def test_constants_are_the_config(cfg):
                  "LANE_SUMS": cfg.lane_sums, "LATE_RESCALE": cfg.late_rescale and cfg.overlap, "HALF_BLOCK": cfg.half_block,
                  # qk_acc="f16": Q rows rescaled so that 448 sum|q| stays within 2^15
                  "F16_S": cfg.qk_acc == "f16", "Q_HEADROOM": 448.0 / 32768.0, "QK_ASYNC": cfg.qk_async,
-                 "F16_FOLD_ASM": f16_fold_asm(cfg.lean_fold) if cfg.qk_acc == "f16" else "",
+                 "F16_FOLD_ASM": f16_fold_asm(cfg.lean_fold, cfg.lean_floor) if cfg.qk_acc == "f16" else "",
+                 # lean_floor: e4m3's subnormal codes from a second line, 3 codes an octave, meeting at 2^-6
+                 "LEAN_FLOOR": cfg.lean_floor, "LEAN_FLOOR_SLOPE": 3.0, "LEAN_FLOOR_AT": -6.0,
                  "F16_PACK_ASM": f16_pack_asm() if cfg.qk_acc == "f16" else "",
                  # lean_mufu: k of every four f16 pairs by the MUFU (the line e = x + P - 8 = 1 - 16 u)
                  "LEAN_MUFU": cfg.lean_mufu, "F16_MUFU_ASM": f16_mufu_asm(cfg.lean_mufu) if cfg.lean_mufu else "",
                  "F16_MUFU_CONSTRAINTS": ",".join(["=r"] * 4 + ["r"] * 20), "F16_MUFU_TOP": 1.0,
                  # the corrected fold on f16 scores folds u = 1 - t at the row's own maximum (no 1/8 grid)
                  "F16_U": cfg.qk_acc == "f16" and cfg.lean_fold == "corrected",
-                 "LEAN_GRID": lean and cfg.lean_fold in ("fma", "centered"),
+                 "LEAN_GRID": lean and cfg.lean_fold in ("fma", "centered") and cfg.lean_ref == "grid",
                  # timeline stamps off (tests/test_timeline.py traces)
                  "TRACE": False, "TRACE_STEPS": 0, "TRACE_EVENTS": len(EVENTS), "TRACE_ASM": "", "TRACE_AFTER_ASM": "",
                  **{f"EV_{name.upper()}": i for i, name in enumerate(EVENTS)}}
@@ -195,7 +202,7 @@ def test_only_validated_values_become_text(cfg):
     lean = cfg.softmax == "lean"
     expected |= {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
     expected |= {code_sum_asm() if lean and cfg.rowsum == "rounded" else ""}  # code sums: no config text
-    expected |= {f16_fold_asm(cfg.lean_fold), f16_pack_asm()} if cfg.qk_acc == "f16" else set()
+    expected |= {f16_fold_asm(cfg.lean_fold, cfg.lean_floor), f16_pack_asm()} if cfg.qk_acc == "f16" else set()
     expected |= {f16_mufu_asm(cfg.lean_mufu)} if cfg.lean_mufu else set()  # fixed PTX, from an int of 1..4
     expected |= {exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else ""}
     if emit_gluon.rescale_in_place(cfg):  # skip_rescale, or a 256-key pv_defer block (always, in place)

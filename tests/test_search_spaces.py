@@ -34,7 +34,7 @@ FAMILY_FIELDS = {
                    "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
                    "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer", "p_carry",
                    "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                   "qk_acc", "qk_async"},  # exp2_poly, lean_mufu: slower
+                   "qk_acc", "qk_async", "lean_ref", "lean_floor"},  # exp2_poly, lean_mufu: slower
     "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
                     "q_order", "loads", "v_layout"},
 }
@@ -384,6 +384,33 @@ def test_an_f16_score_winner_has_its_qk_async_twin_and_f32_scores_never_sample_i
         if cfg is not None:
             asked += 1
             assert not cfg.qk_async or cfg.qk_acc == "f16"
+    assert asked > 20
+
+
+def test_a_linear_f16_winner_has_its_max_reference_twin_and_others_never_sample_it():
+    """lean_ref="max" and lean_floor (session 45): a linear-fold f16 winner gets its twin with the line on the row's
+    own maximum, a point of the space; configs they do not apply to (exact, float32 scores, the corrected fold)
+    never decode to them, whatever the sampler suggests."""
+    from zyfa_tune.kernels.defaults import gluon_lean_f16_async_config
+    from zyfa_tune.search_spaces.fp8_causal import field_twins
+
+    f16 = gluon_lean_f16_async_config("fp8", 128, 128)
+    assert f16.lean_ref == "grid" and f16.replace(lean_ref="max") in field_twins(f16)
+    assert not any(t.lean_ref == "max" for t in field_twins(f16.replace(lean_fold="corrected")))
+    assert not any(t.lean_ref == "max" for t in field_twins(gluon_smem2_config("fp8", 128, 128)))
+    space = get_space("fp8")
+    both = f16.replace(lean_ref="max", lean_floor=True)
+    options = space.as_optuna_params(both)
+    assert options["lean_ref"] == "max" and options["lean_floor"] is True
+    assert space._from_options(options, 128, 128) == both
+    assert space._from_options({**options, "lean_fold": "corrected"}, 128, 128).lean_ref == "grid"
+    s, asked = study(5), 0
+    for _ in range(200):
+        _, cfg = ask_config(space, s, 128, 128)
+        if cfg is not None:
+            asked += 1
+            assert cfg.lean_ref == "grid" or (cfg.qk_acc == "f16" and cfg.lean_fold == "fma")
+            assert not cfg.lean_floor or cfg.qk_acc == "f16"
     assert asked > 20
 
 
