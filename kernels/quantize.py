@@ -259,7 +259,7 @@ class _Group:
                  last_k_major: bool = False, balanced: bool = False):
         x0 = xs[members[0]]
         b, d = x0.shape[0], x0.shape[3]
-        block_s, dp, bn, warps = _tiles(d, rotate, balanced, x0.element_size())
+        block_s, dp, bn, warps = _tiles(d, rotate, balanced)
         starts, fields = [0], []   # per segment: S, H, GROUP, stride_b, stride_s, stride_h
         for i in members:
             x = xs[i]
@@ -297,16 +297,14 @@ class _Group:
             self.codes_pass((*ins, *outs, *self.tail, *self.consts.values()))
 
 
-def _tiles(d: int, rotate: bool, balanced: bool = False, itemsize: int = 2) -> tuple[int, int, int, int]:
+def _tiles(d: int, rotate: bool, balanced: bool = False) -> tuple[int, int, int, int]:
     """(rows per program, head dim padded to a power of two, columns per rotation step, warps).
-    Balanced: one block of keys a program, 2 warps at hd128 for 16-bit inputs (1.055 ms for Q, K and V of 16K
-    x 32 heads on the H100 against 1.45 / 1.60 / 2.67 at 1 / 4 / 8 warps, docs/PERF.md session 44; float32
-    inputs, `itemsize` 4, take twice the warps: an earlier form spilled at 2), in proportion elsewhere."""
+    Balanced: one block of keys a program, each thread all its keys of one channel (DP / 32 warps)."""
     dp = triton.next_power_of_2(d)
     if rotate:
         return max(16, min(ROT_ROWS, ROT_TILE // dp)), dp, min(dp, ROT_N), ROT_WARPS
     if balanced:
-        return BALANCE_KEYS, dp, dp, max(1, min(NUM_WARPS, BALANCE_KEYS * dp * itemsize // 2048))
+        return BALANCE_KEYS, dp, dp, max(1, dp // 32)
     return max(16, min(32, TILE // dp)), dp, dp, NUM_WARPS
 
 
@@ -334,12 +332,15 @@ def _pick(seg, a0, a1, a2, NSEG: tl.constexpr):
 @triton.jit
 def _program_rows(X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2,
                   SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D,
-                  NSEG: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr, CENTER: tl.constexpr):
+                  NSEG: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr, CENTER: tl.constexpr,
+                  LOAD: tl.constexpr = True):
     """This program's tensor (segment: programs [0, P1) the first, [P1, P2) the second, then the
     third) and its rows there (a one-dimensional grid, row blocks of one head after another: no grid
     dimension limits batch x heads), the head dim padded to DP with zeros (as are rows past S);
     centred (float32) with CENTER, else in the input's dtype. Returns (rows, segment, batch, head,
-    index of the (batch, kv head) in the amax and descale buffers, first row, S, H, GROUP)."""
+    index of the (batch, kv head) in the amax and descale buffers, first row, S, H, GROUP, the block's
+    first row's address and the row stride). LOAD=False: the rows are not loaded (x is 0; BALANCED loads
+    its keys one by one)."""
     pid = tl.program_id(0)
     seg = 0
     if NSEG > 1:
@@ -362,11 +363,13 @@ def _program_rows(X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, 
     stride_s = _pick(seg, SS0, SS1, SS2, NSEG)
     src = _pick(seg, X0, X1, X2, NSEG) + b.to(tl.int64) * _pick(seg, SB0, SB1, SB2, NSEG) \
         + h.to(tl.int64) * _pick(seg, SH0, SH1, SH2, NSEG) + s0.to(tl.int64) * stride_s
-    x = tl.load(src + tl.arange(0, BLOCK_S)[:, None] * stride_s + cols[None, :] * stride_d, mask=ok, other=0.0)
+    x = 0.0
+    if LOAD:
+        x = tl.load(src + tl.arange(0, BLOCK_S)[:, None] * stride_s + cols[None, :] * stride_d, mask=ok, other=0.0)
     if CENTER:  # (a centred segment is alone in its launch: its kv index is its own)
         mean = tl.load(MEAN + (kv - F0) * D + cols, mask=cols < D, other=0.0)
         x = tl.where(ok, x.to(tl.float32) - mean[None, :], 0.0)
-    return x, seg, b, h, kv, s0, S, H, GROUP
+    return x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s
 
 
 @triton.jit
@@ -400,7 +403,7 @@ def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, P1, P2, F0, F1, F2, S0, S1, S2, H0, 
                  NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
                  CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr,
                  BALANCED: tl.constexpr):
-    x, seg, b, h, kv, s0, S, H, GROUP = _program_rows(
+    x, seg, b, h, kv, s0, S, H, GROUP, _, _ = _program_rows(
         X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
         SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER)
     if ROTATE:
@@ -422,9 +425,9 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, 
     SKP) buffer (V for the FP8 kernels' V^T, written by this pass instead of a copy after it).
     BALANCED: rounded as `balanced_codes` (V, alone in its launch, never rotated: one block of keys
     a program, BN = DP)."""
-    x, seg, b, h, kv, s0, S, H, GROUP = _program_rows(
+    x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s = _program_rows(
         X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
-        SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER)
+        SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER, not BALANCED)
     descale = tl.maximum(tl.load(AMAX + kv), _AMAX_FLOOR) * _INV_E4M3_MAX  # as the reference
     if (s0 == 0) & (h % GROUP == 0):
         tl.store(DESCALE + kv, descale)
@@ -434,15 +437,32 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, 
     k_major = False
     if LAST_K_MAJOR:
         k_major = seg == NSEG - 1
+    if BALANCED:  # keys one by one into registers, each thread all 16 keys of its channels (_balanced_keys)
+        cols = tl.arange(0, DP)
+        y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, descale, DP))
+        y8 = y8.to(tl.float8e4nv)
+        keys = tl.arange(0, _BALANCE_KEYS)
+        ok = (cols < D)[:, None] & (s0 + keys < S)[None, :]
+        if k_major:
+            tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[:, None]) * SKP + s0 + keys[None, :], y8, mask=ok)
+        else:
+            tl.store(out + ((b.to(tl.int64) * S + s0) * H + h) * D + keys[None, :] * (H * D) + cols[:, None], y8,
+                     mask=ok)
+    else:
+        _plain_codes(x, R, inv_sqrt, descale, dst, out, rows, S, D, b, h, H, SKP, k_major, DP, BN, ROTATE, TERMS,
+                     BLOCK_S)
+
+
+@triton.jit
+def _plain_codes(x, R, inv_sqrt, descale, dst, out, rows, S, D, b, h, H, SKP, k_major, DP: tl.constexpr,
+                 BN: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Each code the nearest e4m3 of its (rotated) value over the descale, BN columns at a time."""
     for c0 in range(0, DP, BN):
         y = tl.clamp(tl.math.div_rn(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS), descale),
                      -_E4M3_MAX, _E4M3_MAX)
         cols = c0 + tl.arange(0, BN)
         ok = (rows < S)[:, None] & (cols < D)[None, :]
-        if BALANCED:
-            y8 = _balanced(y, BN)
-        else:
-            y8 = y.to(tl.float8e4nv)
+        y8 = y.to(tl.float8e4nv)
         if k_major:
             tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[None, :]) * SKP + rows[:, None], y8, mask=ok)
         else:
@@ -450,14 +470,49 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, 
 
 
 @triton.jit
-def _balanced(y, BN: tl.constexpr):
-    """`balanced_codes` of one block of keys (BALANCE_KEYS rows x BN channels, rows past S and padded
-    columns zero), the same integer arithmetic, so the same codes. No 8-bit value is reinterpreted:
-    Triton 3.6 gave a wrong byte for one element in eight when e4m3 codes were bitcast to uint8 and
-    widened (session 44), so codes are read off the float32 bits and the result converted from y, or
-    from the other neighbour's (exactly representable) value. The loop carries three 32-bit values an
-    element (y, its error, the move's size: the move's rank, NONE or MOVED in one int32) so that a
-    program fits 2 warps' registers."""
+def _key_row(src, stride_s, coff, n, cmask, descale, k: tl.constexpr):
+    """Key k of the block (k < n, else 0) over the descale, clamped to e4m3's range: [DP] float32."""
+    x = tl.load(src + k * stride_s + coff, mask=cmask & (k < n), other=0.0)
+    return tl.clamp(tl.math.div_rn(x.to(tl.float32), descale), -_E4M3_MAX, _E4M3_MAX)
+
+
+@triton.jit
+def _keys2(src, stride_s, coff, n, cmask, descale, k: tl.constexpr, step: tl.constexpr):
+    return tl.join(_key_row(src, stride_s, coff, n, cmask, descale, k),
+                   _key_row(src, stride_s, coff, n, cmask, descale, k + step))
+
+
+@triton.jit
+def _keys4(src, stride_s, coff, n, cmask, descale, k: tl.constexpr, step: tl.constexpr):
+    return tl.join(_keys2(src, stride_s, coff, n, cmask, descale, k, 2 * step),
+                   _keys2(src, stride_s, coff, n, cmask, descale, k + step, 2 * step))
+
+
+@triton.jit
+def _keys8(src, stride_s, coff, n, cmask, descale, k: tl.constexpr, step: tl.constexpr):
+    return tl.join(_keys4(src, stride_s, coff, n, cmask, descale, k, 2 * step),
+                   _keys4(src, stride_s, coff, n, cmask, descale, k + step, 2 * step))
+
+
+@triton.jit
+def _load_keys(src, stride_s, coff, n, cmask, descale, DP: tl.constexpr):
+    """The block's 16 keys as (DP, 16) float32, each thread all 16 keys of its channels: tl.join puts its new
+    dimension inside each thread, and joining keys k and k + step at every level (odd keys last) makes the
+    row-major reshape the keys' order, so every reduction over the keys stays in registers and a K-major store
+    is one 16-byte run per channel."""
+    keys = tl.join(_keys8(src, stride_s, coff, n, cmask, descale, 0, 2),
+                   _keys8(src, stride_s, coff, n, cmask, descale, 1, 2))
+    return tl.reshape(keys, [DP, _BALANCE_KEYS])
+
+
+@triton.jit
+def _balanced_keys(y):
+    """`balanced_codes` of one block of keys, (channels, keys) as _load_keys lays it out (rows past S and padded
+    columns zero): the same integer arithmetic, so the same codes; returns each element's chosen neighbour as
+    float32 (its e4m3 conversion is exact). No 8-bit value is reinterpreted: Triton 3.6 gave a wrong byte for
+    one element in eight when e4m3 codes were bitcast to uint8 and widened (session 44), so codes are read off
+    the float32 bits and the result converted from y, or from the other neighbour's (exactly representable)
+    value."""
     NONE: tl.constexpr = 2147483647
     MOVED: tl.constexpr = 2147483646
     qf = y.to(tl.float8e4nv).to(tl.float32)
@@ -471,17 +526,17 @@ def _balanced(y, BN: tl.constexpr):
     alt = tl.where(e == 0, m, m + 8).to(tl.float32) * ulp                     # its |value|, exactly
     err = ((y - qf) * _BALANCE_FIXED).to(tl.int32)
     dlt = ((qf - tl.where(y < 0, -alt, alt)) * _BALANCE_FIXED).to(tl.int32)   # exact: a multiple of 2^13
-    row = tl.max(ay, axis=1)
-    free = ((row * _BALANCE_SKIP) >= tl.max(row, axis=0))[:, None] & (dlt != 0)
-    rank = tl.where(free, (tl.abs(dlt) - 2 * tl.abs(err)) * _BALANCE_KEYS + tl.arange(0, _BALANCE_KEYS)[:, None],
+    row = tl.max(ay, axis=0)                                                   # each key's largest |value|
+    free = ((row * _BALANCE_SKIP) >= tl.max(row, axis=0))[None, :] & (dlt != 0)
+    rank = tl.where(free, (tl.abs(dlt) - 2 * tl.abs(err)) * _BALANCE_KEYS + tl.arange(0, _BALANCE_KEYS)[None, :],
                     NONE)
     for _ in tl.static_range(_BALANCE_STEPS):
-        total = tl.sum(err, axis=0)[None, :]
+        total = tl.sum(err, axis=1)[:, None]
         key = tl.where((rank < MOVED) & ((dlt > 0) == (total < 0)) & (tl.abs(dlt) < 2 * tl.abs(total)), rank, NONE)
-        least = tl.min(key, axis=0)[None, :]
+        least = tl.min(key, axis=1)[:, None]
         move = (key == least) & (least != NONE)
         err = tl.where(move, err + dlt, err)
         rank = tl.where(move, MOVED, rank)
-    moved = y.to(tl.float8e4nv).to(tl.float32) - dlt.to(tl.float32) * (1.0 / _BALANCE_FIXED)  # the neighbour
-    moved = tl.where(moved == 0.0, y * 0.0, moved)   # its zero signed as y (torch's code 0x80 for -0.0)
-    return tl.where(rank == MOVED, moved, y).to(tl.float8e4nv)
+    moved = qf - dlt.to(tl.float32) * (1.0 / _BALANCE_FIXED)                 # the neighbour
+    moved = tl.where(moved == 0.0, qf * 0.0, moved)  # its zero signed as y (torch's code 0x80 for -0.0)
+    return tl.where(rank == MOVED, moved, qf)        # (qf: y's nearest, so y need not live through the steps)
