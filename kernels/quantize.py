@@ -438,9 +438,7 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, 
     descale = tl.maximum(tl.load(AMAX + kv), _AMAX_FLOOR) * _INV_E4M3_MAX  # as the reference
     if (s0 == 0) & (h % GROUP == 0):
         tl.store(DESCALE + kv, descale)
-    rows = s0 + tl.arange(0, BLOCK_S)
     out = _pick(seg, OUT0, OUT1, OUT2, NSEG)
-    dst = out + ((b.to(tl.int64) * S + s0) * H + h) * D + tl.arange(0, BLOCK_S)[:, None] * (H * D)
     k_major = False
     if LAST_K_MAJOR:
         k_major = seg == NSEG - 1
@@ -456,14 +454,15 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, 
             tl.store(out + ((b.to(tl.int64) * S + s0) * H + h) * D + keys[None, :] * (H * D) + cols[:, None], y8,
                      mask=ok)
     else:
-        _plain_codes(x, R, inv_sqrt, descale, dst, out, rows, S, D, b, h, H, SKP, k_major, DP, BN, ROTATE, TERMS,
-                     BLOCK_S)
+        _plain_codes(x, R, inv_sqrt, descale, out, s0, S, D, b, h, H, SKP, k_major, DP, BN, ROTATE, TERMS, BLOCK_S)
 
 
 @triton.jit
-def _plain_codes(x, R, inv_sqrt, descale, dst, out, rows, S, D, b, h, H, SKP, k_major, DP: tl.constexpr,
+def _plain_codes(x, R, inv_sqrt, descale, out, s0, S, D, b, h, H, SKP, k_major, DP: tl.constexpr,
                  BN: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, BLOCK_S: tl.constexpr):
     """Each code the nearest e4m3 of its (rotated) value over the descale, BN columns at a time."""
+    rows = s0 + tl.arange(0, BLOCK_S)
+    dst = out + ((b.to(tl.int64) * S + s0) * H + h) * D + tl.arange(0, BLOCK_S)[:, None] * (H * D)
     for c0 in range(0, DP, BN):
         y = tl.clamp(tl.math.div_rn(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS), descale),
                      -_E4M3_MAX, _E4M3_MAX)
