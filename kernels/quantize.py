@@ -12,13 +12,16 @@ Q, K and V that take the same passes share one launch of each (`quantize_tensors
 
 The numbers are the torch path's (`quantize_heads_reference`: the CPU path and the tests'
 reference): descale = max(amax, 1e-12) * float32(1 / 448), codes = e4m3 round-to-nearest-even of
-clamp(x / descale, -448, 448) with IEEE division, so without the rotation the two are bitwise
-equal. The rotation is a tensor-core product with the +-1 Sylvester matrix (block-diagonal where the
+clamp(x * scale, -448, 448) with scale = float32(1 / descale) (IEEE division, once a program: a division
+per element cost V's balanced pass about 8 instructions a code), so without the rotation the two are
+bitwise equal. The rotation is a tensor-core product with the +-1 Sylvester matrix (block-diagonal where the
 head dim is not a power of two, as `hadamard_matrix`), then one float32 multiply by 1/sqrt(block).
 Rows are split into bf16 parts that sum to them exactly (one for bf16, two for fp16, three for
 float32 and centred rows), so every product is exact and only the order of the float32 sums differs
-from torch's matmul: a code can differ where x / descale lies within a float32 rounding of a
-rounding boundary.
+from torch's matmul: a code can differ where x * scale lies within a float32 rounding of a
+rounding boundary. A balanced V (`balanced_codes`) also needs each key's largest |value|: pass 1
+writes it (KMAX, (B, H, S padded to 16) float32), so pass 2 reads 16 floats a block where it reduced
+over the head dim across threads.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def hadamard_matrix(dim: int, device: torch.device | str = "cpu", dtype: torch.d
 
 #: balanced rounding (V): keys per block whose rounding errors are made to cancel, per channel
 BALANCE_KEYS = 16
-#: at most this many codes of a block's channel move to their other neighbour
+#: candidate moves a block's channel examines: at most this many of its codes go to their other e4m3 neighbour
 BALANCE_STEPS = 4
 #: a key whose largest |value| times this is below the mean of its block's keys' largest keeps its nearest
 #: codes (an attention sink's small value). The mean, not the block's largest: beside a key with one outlier
@@ -91,13 +94,30 @@ BALANCE_SKIP = 4
 #: the block's mean does not depend on summation order
 BALANCE_ROW_FIXED = 2.0 ** 16
 #: errors are summed as int32 in units of 2^-22 (|error| <= 16, half e4m3's step at 448: a block's sum
-#: stays under 2^31), exactly, so that the GPU and the CPU agree bitwise
+#: stays under 2^30), exactly, so that the GPU and the CPU agree bitwise
 BALANCE_FIXED = 2.0 ** 22
+#: sort keys of a code that moved, and of one that cannot move (or was passed over): after either flip of the
+#: direction bit (31) above every candidate's (int32 below -2^24: bit 31 set, a cost under 32 in the rest)
+BALANCE_MOVED = 0x7FFFFFFF
+BALANCE_DEAD = 0x7FFFFFFE
+#: a step's winner is a candidate if its flipped key is below this
+BALANCE_VALID = -(1 << 24)
 _BALANCE_FIXED = tl.constexpr(BALANCE_FIXED)
 _BALANCE_SKIP = tl.constexpr(BALANCE_SKIP)
 _BALANCE_ROW_FIXED = tl.constexpr(BALANCE_ROW_FIXED)
 _BALANCE_KEYS = tl.constexpr(BALANCE_KEYS)
 _BALANCE_STEPS = tl.constexpr(BALANCE_STEPS)
+_BALANCE_VALID = tl.constexpr(BALANCE_VALID)
+_BALANCE_MOVED = tl.constexpr(BALANCE_MOVED)
+_BALANCE_DEAD = tl.constexpr(BALANCE_DEAD)
+
+
+def _e4m3_step(y: torch.Tensor) -> torch.Tensor:
+    """The spacing of the e4m3 codes that bracket each |y| (float32, <= 448): 2^(max(E, -6) - 3) for y's
+    binade 2^E, whichever of the two is y's nearest (below a power of two the step is the lower binade's).
+    `_balanced_keys` computes it the same way, from y's exponent bits."""
+    binade = (y.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return torch.clamp_min(binade * 0.125, 2.0 ** -9)
 
 
 def balanced_codes(y: torch.Tensor) -> torch.Tensor:
@@ -106,43 +126,48 @@ def balanced_codes(y: torch.Tensor) -> torch.Tensor:
     Round to nearest leaves each channel's error summed over n keys growing as sqrt(n) ulps, and P's
     rows weight V's keys with a common positive mean: that sum is what the mean of P multiplies (on
     Gaussian scores 1/e of V's error in O, nearly all of it on flat rows). Here, per block of
-    BALANCE_KEYS keys and channel, up to BALANCE_STEPS codes move to their other e4m3 neighbour while
-    that shrinks the block's error sum, cheapest first (the one costing least squared error per unit
-    of the sum: |d| - 2|e|). A key far smaller than its block's keys on average (an attention sink's small
-    value: one key weighted like thousands, where only its own error matters) is left at nearest. Errors are
-    integers in units of 2^-22, so the result does not depend on summation order: a GPU (`_codes_kernel`)
-    gives the CPU's codes."""
+    BALANCE_KEYS keys and channel, codes move to their other e4m3 neighbour, cheapest first (the one
+    costing least squared error per unit of the sum: |d| - 2|e|), while that shrinks the block's error sum:
+    each of BALANCE_STEPS steps takes the cheapest code that moves the sum towards zero and moves it if it
+    does not overshoot (|d| < 2 |sum|), else passes over it for good (the sum only shrinks). A key far smaller
+    than its block's keys on average (an attention sink's small value: one key weighted like thousands,
+    where only its own error matters) is left at nearest.
+
+    Each code's candidacy is one int32 sort key: its direction (the sign of its error, bit 31), its cost's
+    float32 bits (non-negative: they order as the cost; the low 8 dropped) and in those low bits log2 of its
+    step and its position in the block (unique: the first key wins a tie). A step is one xor (the direction
+    wanted), one minimum and one select per code, and the sum moves by the step read off the winner's key
+    (`_balanced_keys`, the GPU's, is this arithmetic). Errors are integers in units of 2^-22, so the result
+    does not depend on summation order: a GPU gives the CPU's codes."""
     b, s, h, d = y.shape
     n = -(-s // BALANCE_KEYS) * BALANCE_KEYS
     yb = torch.zeros(b, n, h, d, dtype=torch.float32, device=y.device)
     yb[:, :s] = y
     yb = yb.view(b, n // BALANCE_KEYS, BALANCE_KEYS, h, d)
-    q = yb.to(torch.float8_e4m3fn)
-    qf = q.float()
-    mag = (q.view(torch.uint8) & 0x7F).to(torch.int16)
-    step = torch.where(yb.abs() > qf.abs(), 1, torch.where(yb.abs() < qf.abs(), -1, 0))
-    sign = torch.where(yb < 0, 0x80, 0).to(torch.int16)
-    alt = ((mag + step) | sign).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    err = ((yb - qf) * BALANCE_FIXED).to(torch.int32)
-    dlt = ((qf - alt) * BALANCE_FIXED).to(torch.int32)   # the error's change if the code moves
+    qf = yb.to(torch.float8_e4m3fn).float()
+    ef = yb - qf                                         # the nearest code's error (exact)
+    step = _e4m3_step(yb)
+    alt = torch.copysign(qf + torch.copysign(step, ef), yb)   # the other neighbour (exact; a zero signed as y)
+    err = (ef * BALANCE_FIXED).to(torch.int32)
+    k = ((step.view(torch.int32) >> 23) & 0xFF) - 118    # step = 2^(k - 9), k in [0, 14]
+    cost = (step - 2 * ef.abs()).view(torch.int32)     # >= 0 (|ef| <= step / 2): its bits order as it does
     pos = torch.arange(BALANCE_KEYS, dtype=torch.int32, device=y.device).view(1, 1, BALANCE_KEYS, 1, 1)
-    # the cost (>= 0: |err| <= |dlt| / 2, < 2^27) and the key's position in one int32, unique in a block:
-    # the least is the cheapest move, the first key on a tie
-    rank = (dlt.abs() - 2 * err.abs()) * BALANCE_KEYS + pos
+    key = (ef.view(torch.int32) & -(1 << 31)) | (cost & -256) | (k << 4) | pos
     row = yb.abs().amax(dim=4, keepdim=True)
     row = (row * BALANCE_ROW_FIXED).to(torch.int32)
-    free = (row * (BALANCE_SKIP * BALANCE_KEYS) >= row.sum(dim=2, keepdim=True, dtype=torch.int32)) & (dlt != 0)
-    none = torch.iinfo(torch.int32).max
+    free = (row * (BALANCE_SKIP * BALANCE_KEYS) >= row.sum(dim=2, keepdim=True, dtype=torch.int32)) & (ef != 0)
+    key = torch.where(free, key, BALANCE_DEAD)
+    total = err.sum(dim=2, keepdim=True, dtype=torch.int32)
     for _ in range(BALANCE_STEPS):
-        total = err.sum(dim=2, keepdim=True, dtype=torch.int32)
-        ok = free & ((dlt > 0) == (total < 0)) & (dlt.abs() < 2 * total.abs())
-        key = torch.where(ok, rank, none)
-        least = key.amin(dim=2, keepdim=True)
-        move = (key == least) & (least != none)
-        qf = torch.where(move, alt, qf)
-        err = torch.where(move, err + dlt, err)
-        free &= ~move
-    return qf.view(b, n, h, d)[:, :s].to(torch.float8_e4m3fn)
+        x = key ^ (~total & -(1 << 31))   # the direction that shrinks the sum gets bit 31: int32 below the rest
+        least = x.amin(dim=2, keepdim=True)
+        valid = least < BALANCE_VALID
+        dk = torch.ones_like(least) << (((least >> 4) & 15) + 13)   # the winner's |d|
+        apply = valid & ((dk >> 1) < total.abs())
+        total = total + torch.where(apply, torch.where(total < 0, dk, -dk), 0)
+        key = torch.where((x == least) & valid, torch.where(apply, BALANCE_MOVED, BALANCE_DEAD), key)
+    out = torch.where(key == BALANCE_MOVED, alt, qf)
+    return out.view(b, n, h, d)[:, :s].to(torch.float8_e4m3fn)
 
 
 def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = False,
@@ -160,7 +185,8 @@ def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = Fals
         xf = xf @ hadamard_matrix(d, device=x.device)
     xf = xf.reshape(b, s, kv_heads, h // kv_heads, d)
     descale = xf.abs().amax(dim=(1, 3, 4)).clamp_min(AMAX_FLOOR) * INV_E4M3_MAX  # (b, kv_heads)
-    codes = (xf / descale.view(b, 1, kv_heads, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).view(b, s, h, d)
+    scale = 1.0 / descale
+    codes = (xf * scale.view(b, 1, kv_heads, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).view(b, s, h, d)
     return balanced_codes(codes) if balance else codes.to(torch.float8_e4m3fn), descale.contiguous()
 
 
@@ -212,7 +238,11 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
     amax = torch.zeros(len(xs) * b * kv_heads, dtype=torch.float32, device=xs[0].device)
     descales = torch.empty(len(xs), b, kv_heads, dtype=torch.float32, device=xs[0].device)
     codes = [_codes_buffer(x, k_major_last and i == len(xs) - 1) for i, x in enumerate(xs)]
-    plan(xs, means, amax, descales, codes)
+    kmax = amax
+    if balance_last:  # each key's largest |value|, pass 1 to pass 2 (every entry written by pass 1)
+        kmax = torch.empty(b * xs[-1].shape[2] * padded_keys(xs[-1].shape[1], False), dtype=torch.float32,
+                           device=xs[0].device)
+    plan(xs, means, amax, descales, codes, kmax)
     return codes, list(descales.unbind(0))
 
 
@@ -250,9 +280,10 @@ class _Plan:
         self.groups = [_Group(xs, members, kv_heads, r, c, members[-1] == k_major, bal)
                        for (_, _, _, r, c, bal, _), members in by_kind.items()]
 
-    def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list) -> None:
+    def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list,
+                 kmax: torch.Tensor) -> None:
         for group in self.groups:
-            group(xs, means, amax, descales, codes)
+            group(xs, means, amax, descales, codes, kmax)
 
 
 class _Group:
@@ -287,11 +318,12 @@ class _Group:
         self.head = (d, str(x0.dtype), centre, rotate, bool(last_k_major), bool(balanced))
         self.amax_pass = self.codes_pass = None
 
-    def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list) -> None:
+    def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list,
+                 kmax: torch.Tensor) -> None:
         x0 = xs[self.members[0]]
         r = _pm1_matrix(x0.shape[3], x0.device) if self.consts["ROTATE"] else x0
         m = means[self.members[0]] if self.consts["CENTER"] else x0
-        ins = (*(xs[i] for i in self.members), r, m, amax)
+        ins = (*(xs[i] for i in self.members), r, m, amax, kmax)
         outs = (descales, *(codes[i] for i in self.members))
         if self.amax_pass is None:   # first call: compile through Triton's path, then launch directly
             dev = x0.device.index
@@ -405,7 +437,7 @@ _SEGMENT_ARGS = ["P1", "P2", "F0", "F1", "F2"]
 
 
 @triton.jit(do_not_specialize=_SEGMENT_ARGS)
-def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2,
+def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, KMAX, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2,
                  SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
                  NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
                  CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr,
@@ -417,13 +449,17 @@ def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, P1, P2, F0, F1, F2, S0, S1, S2, H0, 
         m = 0.0
         for c0 in range(0, DP, BN):
             m = tl.maximum(m, tl.max(tl.abs(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS))))
+    elif BALANCED:  # each key's largest too, for pass 2 (rows past S: 0), at (b, h, key) of (B, H, SKP)
+        rows = tl.max(tl.abs(x.to(tl.float32)), axis=1)
+        tl.store(KMAX + (b.to(tl.int64) * H + h) * SKP + s0 + tl.arange(0, BLOCK_S), rows)
+        m = tl.max(rows)
     else:
         m = tl.max(tl.abs(x.to(tl.float32)))
     tl.atomic_max(AMAX + kv, m, sem="relaxed")  # m >= 0: the result does not depend on the order
 
 
 @triton.jit(do_not_specialize=_SEGMENT_ARGS)
-def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, F0, F1, F2, S0, S1, S2,
+def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, KMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, F0, F1, F2, S0, S1, S2,
                   H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
                   NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
                   CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr,
@@ -438,15 +474,19 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, 
     descale = tl.maximum(tl.load(AMAX + kv), _AMAX_FLOOR) * _INV_E4M3_MAX  # as the reference
     if (s0 == 0) & (h % GROUP == 0):
         tl.store(DESCALE + kv, descale)
+    scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), descale)
     out = _pick(seg, OUT0, OUT1, OUT2, NSEG)
     k_major = False
     if LAST_K_MAJOR:
         k_major = seg == NSEG - 1
     if BALANCED:  # keys one by one into registers, each thread all 16 keys of its channels (_balanced_keys)
         cols = tl.arange(0, DP)
-        y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, descale, DP))
-        y8 = y8.to(tl.float8e4nv)
         keys = tl.arange(0, _BALANCE_KEYS)
+        # each key's largest |value| as balanced_codes' (clamp(RN(|x| scale)) is monotone in |x|), 2^-16 units
+        row = tl.load(KMAX + (b.to(tl.int64) * H + h) * SKP + s0 + keys)
+        row = (tl.minimum(row * scale, _E4M3_MAX) * _BALANCE_ROW_FIXED).to(tl.int32)
+        y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, scale, DP), row)
+        y8 = y8.to(tl.float8e4nv)
         ok = (cols < D)[:, None] & (s0 + keys < S)[None, :]
         if k_major:
             tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[:, None]) * SKP + s0 + keys[None, :], y8, mask=ok)
@@ -454,18 +494,17 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, 
             tl.store(out + ((b.to(tl.int64) * S + s0) * H + h) * D + keys[None, :] * (H * D) + cols[:, None], y8,
                      mask=ok)
     else:
-        _plain_codes(x, R, inv_sqrt, descale, out, s0, S, D, b, h, H, SKP, k_major, DP, BN, ROTATE, TERMS, BLOCK_S)
+        _plain_codes(x, R, inv_sqrt, scale, out, s0, S, D, b, h, H, SKP, k_major, DP, BN, ROTATE, TERMS, BLOCK_S)
 
 
 @triton.jit
-def _plain_codes(x, R, inv_sqrt, descale, out, s0, S, D, b, h, H, SKP, k_major, DP: tl.constexpr,
+def _plain_codes(x, R, inv_sqrt, scale, out, s0, S, D, b, h, H, SKP, k_major, DP: tl.constexpr,
                  BN: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Each code the nearest e4m3 of its (rotated) value over the descale, BN columns at a time."""
+    """Each code the nearest e4m3 of its (rotated) value times the scale, BN columns at a time."""
     rows = s0 + tl.arange(0, BLOCK_S)
     dst = out + ((b.to(tl.int64) * S + s0) * H + h) * D + tl.arange(0, BLOCK_S)[:, None] * (H * D)
     for c0 in range(0, DP, BN):
-        y = tl.clamp(tl.math.div_rn(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS), descale),
-                     -_E4M3_MAX, _E4M3_MAX)
+        y = tl.clamp(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS) * scale, -_E4M3_MAX, _E4M3_MAX)
         cols = c0 + tl.arange(0, BN)
         ok = (rows < S)[:, None] & (cols < D)[None, :]
         y8 = y.to(tl.float8e4nv)
@@ -476,73 +515,70 @@ def _plain_codes(x, R, inv_sqrt, descale, out, s0, S, D, b, h, H, SKP, k_major, 
 
 
 @triton.jit
-def _key_row(src, stride_s, coff, n, cmask, descale, k: tl.constexpr):
-    """Key k of the block (k < n, else 0) over the descale, clamped to e4m3's range: [DP] float32."""
+def _key_row(src, stride_s, coff, n, cmask, scale, k: tl.constexpr):
+    """Key k of the block (k < n, else 0) times the scale, clamped to e4m3's range: [DP] float32."""
     x = tl.load(src + k * stride_s + coff, mask=cmask & (k < n), other=0.0)
-    return tl.clamp(tl.math.div_rn(x.to(tl.float32), descale), -_E4M3_MAX, _E4M3_MAX)
+    return tl.clamp(x.to(tl.float32) * scale, -_E4M3_MAX, _E4M3_MAX)
 
 
 @triton.jit
-def _keys2(src, stride_s, coff, n, cmask, descale, k: tl.constexpr, step: tl.constexpr):
-    return tl.join(_key_row(src, stride_s, coff, n, cmask, descale, k),
-                   _key_row(src, stride_s, coff, n, cmask, descale, k + step))
+def _keys2(src, stride_s, coff, n, cmask, scale, k: tl.constexpr, step: tl.constexpr):
+    return tl.join(_key_row(src, stride_s, coff, n, cmask, scale, k),
+                   _key_row(src, stride_s, coff, n, cmask, scale, k + step))
 
 
 @triton.jit
-def _keys4(src, stride_s, coff, n, cmask, descale, k: tl.constexpr, step: tl.constexpr):
-    return tl.join(_keys2(src, stride_s, coff, n, cmask, descale, k, 2 * step),
-                   _keys2(src, stride_s, coff, n, cmask, descale, k + step, 2 * step))
+def _keys4(src, stride_s, coff, n, cmask, scale, k: tl.constexpr, step: tl.constexpr):
+    return tl.join(_keys2(src, stride_s, coff, n, cmask, scale, k, 2 * step),
+                   _keys2(src, stride_s, coff, n, cmask, scale, k + step, 2 * step))
 
 
 @triton.jit
-def _keys8(src, stride_s, coff, n, cmask, descale, k: tl.constexpr, step: tl.constexpr):
-    return tl.join(_keys4(src, stride_s, coff, n, cmask, descale, k, 2 * step),
-                   _keys4(src, stride_s, coff, n, cmask, descale, k + step, 2 * step))
+def _keys8(src, stride_s, coff, n, cmask, scale, k: tl.constexpr, step: tl.constexpr):
+    return tl.join(_keys4(src, stride_s, coff, n, cmask, scale, k, 2 * step),
+                   _keys4(src, stride_s, coff, n, cmask, scale, k + step, 2 * step))
 
 
 @triton.jit
-def _load_keys(src, stride_s, coff, n, cmask, descale, DP: tl.constexpr):
+def _load_keys(src, stride_s, coff, n, cmask, scale, DP: tl.constexpr):
     """The block's 16 keys as (DP, 16) float32, each thread all 16 keys of its channels: tl.join puts its new
     dimension inside each thread, and joining keys k and k + step at every level (odd keys last) makes the
     row-major reshape the keys' order, so every reduction over the keys stays in registers and a K-major store
     is one 16-byte run per channel."""
-    keys = tl.join(_keys8(src, stride_s, coff, n, cmask, descale, 0, 2),
-                   _keys8(src, stride_s, coff, n, cmask, descale, 1, 2))
+    keys = tl.join(_keys8(src, stride_s, coff, n, cmask, scale, 0, 2),
+                   _keys8(src, stride_s, coff, n, cmask, scale, 1, 2))
     return tl.reshape(keys, [DP, _BALANCE_KEYS])
 
 
 @triton.jit
-def _balanced_keys(y):
+def _balanced_keys(y, row):
     """`balanced_codes` of one block of keys, (channels, keys) as _load_keys lays it out (rows past S and padded
-    columns zero): the same integer arithmetic, so the same codes; returns each element's chosen neighbour as
-    float32 (its e4m3 conversion is exact). No 8-bit value is reinterpreted: Triton 3.6 gave a wrong byte for
-    one element in eight when e4m3 codes were bitcast to uint8 and widened (session 44), so codes are read off
-    the float32 bits and the result converted from y, or from the other neighbour's (exactly representable)
-    value."""
-    NONE: tl.constexpr = 2147483647
-    MOVED: tl.constexpr = 2147483646
+    columns zero), `row` the keys' largest |values| in 2^-16 units ([keys] int32): the same arithmetic, so the
+    same codes; returns each element's chosen neighbour as float32 (its e4m3 conversion is exact). No code is
+    read as a byte (Triton 3.6 gave a wrong byte for one element in eight when e4m3 codes were bitcast to
+    uint8 and widened, session 44): the other neighbour is y's nearest plus the step, from y's exponent bits."""
+    SIGN: tl.constexpr = -2147483648
     qf = y.to(tl.float8e4nv).to(tl.float32)
-    ay, aq = tl.abs(y), tl.abs(qf)
-    bits = aq.to(tl.int32, bitcast=True)
-    exp = bits >> 23                                                           # float32's biased exponent
-    mag = tl.where(exp >= 121, ((exp - 120) << 3) | ((bits >> 20) & 7), (aq * 512.0).to(tl.int32))  # e4m3 |code|
-    other = mag + tl.where(ay > aq, 1, tl.where(ay < aq, -1, 0))              # the other neighbour's |code|
-    e, m = other >> 3, other & 7
-    ulp = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)      # 2^(max(e, 1) - 10)
-    alt = tl.where(e == 0, m, m + 8).to(tl.float32) * ulp                     # its |value|, exactly
-    err = ((y - qf) * _BALANCE_FIXED).to(tl.int32)
-    dlt = ((qf - tl.where(y < 0, -alt, alt)) * _BALANCE_FIXED).to(tl.int32)   # exact: a multiple of 2^13
-    row = (tl.max(ay, axis=0) * _BALANCE_ROW_FIXED).to(tl.int32)               # each key's largest |value|
-    free = ((row * (_BALANCE_SKIP * _BALANCE_KEYS)) >= tl.sum(row, axis=0))[None, :] & (dlt != 0)
-    rank = tl.where(free, (tl.abs(dlt) - 2 * tl.abs(err)) * _BALANCE_KEYS + tl.arange(0, _BALANCE_KEYS)[None, :],
-                    NONE)
+    ef = y - qf
+    binade = (y.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    step = tl.maximum(binade * 0.125, 0.001953125)                           # _e4m3_step
+    sbits = step.to(tl.int32, bitcast=True)
+    alt = (qf + (sbits | (ef.to(tl.int32, bitcast=True) & SIGN)).to(tl.float32, bitcast=True))   # + copysign
+    alt = (alt.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & SIGN)).to(tl.float32, bitcast=True)
+    err = (ef * _BALANCE_FIXED).to(tl.int32)
+    k = ((sbits >> 23) & 0xFF) - 118
+    cost = (step - 2.0 * tl.abs(ef)).to(tl.int32, bitcast=True)
+    key = (ef.to(tl.int32, bitcast=True) & SIGN) | (cost & -256) | (k << 4) | tl.arange(0, _BALANCE_KEYS)[None, :]
+    free = ((row * (_BALANCE_SKIP * _BALANCE_KEYS)) >= tl.sum(row, axis=0))[None, :] & (ef != 0)
+    key = tl.where(free, key, _BALANCE_DEAD)
+    total = tl.sum(err, axis=1)
     for _ in tl.static_range(_BALANCE_STEPS):
-        total = tl.sum(err, axis=1)[:, None]
-        key = tl.where((rank < MOVED) & ((dlt > 0) == (total < 0)) & (tl.abs(dlt) < 2 * tl.abs(total)), rank, NONE)
-        least = tl.min(key, axis=1)[:, None]
-        move = (key == least) & (least != NONE)
-        err = tl.where(move, err + dlt, err)
-        rank = tl.where(move, MOVED, rank)
-    moved = qf - dlt.to(tl.float32) * (1.0 / _BALANCE_FIXED)                 # the neighbour
-    moved = tl.where(moved == 0.0, qf * 0.0, moved)  # its zero signed as y (torch's code 0x80 for -0.0)
-    return tl.where(rank == MOVED, moved, qf)        # (qf: y's nearest, so y need not live through the steps)
+        x = key ^ (~total & SIGN)[:, None]
+        least = tl.min(x, axis=1)
+        valid = least < _BALANCE_VALID
+        dk = 1 << (((least >> 4) & 15) + 13)
+        apply = valid & ((dk >> 1) < tl.abs(total))
+        total += tl.where(apply, tl.where(total < 0, dk, -dk), 0)
+        mark = tl.where(apply, _BALANCE_MOVED, _BALANCE_DEAD)
+        key = tl.where((x == least[:, None]) & valid[:, None], mark[:, None], key)
+    return tl.where(key == _BALANCE_MOVED, alt, qf)

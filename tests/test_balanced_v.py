@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from zyfa_tune.kernels.inputs import make_qkv
-from zyfa_tune.kernels.quantize import BALANCE_KEYS, balanced_codes, quantize_heads_reference
+import struct
+
+from zyfa_tune.kernels.quantize import (BALANCE_FIXED, BALANCE_KEYS, BALANCE_ROW_FIXED, BALANCE_SKIP, BALANCE_STEPS,
+                                        balanced_codes, quantize_heads_reference)
 from zyfa_tune.kernels.reference import attention_reference, rel_l2
 from zyfa_tune.quantize import dequantize_fp8, quantize_fp8
 
@@ -47,6 +50,58 @@ def test_codes_are_neighbours_and_block_sums_shrink(s):
     before, after = _block_sums(y, near).abs(), _block_sums(y, got).abs()
     assert (after <= before + 1e-9).all()
     assert after.mean() < 0.35 * before.mean()
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def _greedy_block(ys: list[float], frees: list[bool]) -> list[float]:
+    """One block's channel as the docstring states it, in scalar Python: each step the cheapest code (cost
+    |d| - 2|e| as float32 bits less their low 8, then the first key) whose move turns the error sum towards
+    zero; it moves if |d| < 2|sum|, else it is passed over for good."""
+    f32 = lambda v: struct.unpack("<f", struct.pack("<f", v))[0]
+    near = [float(torch.tensor(y).to(FP8).float()) for y in ys]
+    out = list(near)
+    cands = []
+    for i, (y, q) in enumerate(zip(ys, near)):
+        e = f32(y - q)
+        if frees[i] and e != 0:
+            binade = 2.0 ** (struct.unpack("<I", struct.pack("<f", abs(y)))[0] >> 23 & 0xFF) / 2 ** 127
+            step = max(binade / 8, 2.0 ** -9)
+            cost = _f32_bits(f32(step - 2 * abs(e))) & ~0xFF
+            cands.append((cost, i, -1 if e < 0 else 1, step))
+    total = sum(int(f32(y - q) * BALANCE_FIXED) for y, q in zip(ys, near))
+    for _ in range(BALANCE_STEPS):
+        # the sum grows when an error below zero (a code above y) moves to the code below y: +step
+        want = 1 if total < 0 else -1
+        pool = sorted((c, i, sgn, step) for c, i, sgn, step in cands if -sgn == want)
+        if not pool:
+            break
+        c, i, sgn, step = pool[0]
+        cands = [x for x in cands if x[1] != i]
+        d = int(step * BALANCE_FIXED)
+        if d < 2 * abs(total):
+            total += want * d
+            out[i] = near[i] + sgn * step
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_codes_are_the_stated_greedy(seed):
+    """`balanced_codes` (int32 sort keys, a direction bit flipped by xor, the step read off the winner) against
+    the greedy written out in scalar Python, block by block, a small key and values near zero included."""
+    y = _scaled((1, 48, 1, 24), seed=seed)
+    y[0, 3] *= 0.05
+    y[0, 20:24] *= 2 ** -8   # subnormal e4m3 steps, codes next to zero
+    got = balanced_codes(y)[0, :, 0].float()
+    for b0 in range(0, 48, BALANCE_KEYS):
+        block = y[0, b0:b0 + BALANCE_KEYS, 0]
+        row = (block.abs().amax(dim=1) * BALANCE_ROW_FIXED).to(torch.int32)
+        frees = (row * BALANCE_SKIP * BALANCE_KEYS >= row.sum()).tolist()
+        for c in range(y.shape[3]):
+            want = _greedy_block(block[:, c].tolist(), frees)
+            assert got[b0:b0 + BALANCE_KEYS, c].tolist() == want, (b0, c)   # (-0.0 == 0.0)
 
 
 def test_a_small_key_keeps_its_nearest_codes():

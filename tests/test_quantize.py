@@ -27,7 +27,7 @@ def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, s
     terms = 3 if centre else _TERMS[dtype]
     sig = {name: "i32" for name in kernel.arg_names}
     sig.update({f"X{i}": "*" + _DT[dtype] for i in range(3)}, R="*bf16", MEAN="*fp32", inv_sqrt="fp32")
-    sig.update(AMAX="*fp32")
+    sig.update(AMAX="*fp32", KMAX="*fp32")
     if kernel is _codes_kernel:
         sig.update({f"OUT{i}": "*fp8e4nv" for i in range(3)}, DESCALE="*fp32")
     constexprs = dict(stride_d=1, NSEG=segments, DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate,
@@ -62,12 +62,14 @@ def test_kernels_compile_without_spills(dim, dtype, centre, rotate, k_major, bal
                                             k_major, balanced).asm["cubin"])
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (kernel.__name__, usage)
         assert bool(re.search(r"\bHGMMA\b", sass)) == rotate, kernel.__name__  # the rotation: wgmma
+        if kernel is _codes_kernel:
+            # one IEEE division a program (the scale), none an element: a division's range check (FCHK) once
+            assert len(re.findall(r"\bFCHK\b", sass)) <= 1, kernel.__name__
         if kernel is _codes_kernel and balanced:
             # keys one row a load, each thread all 16 keys of its channels: the reductions over the keys need no
-            # shuffles (only each key's maximum over the channels: 5 levels a warp for 16 keys, a few more to combine
-            # warps),
-            # and the codes leave in 16-byte runs
-            assert len(re.findall(r"\bSHFL\.", sass)) <= 6 * 16, kernel.__name__
+            # shuffles, and each key's largest |value| over the channels comes from pass 1 (16 floats a block,
+            # not a reduction across threads); the codes leave in 16-byte runs
+            assert len(re.findall(r"\bSHFL\.", sass)) <= 8, kernel.__name__
             assert "STG.E.128" in sass and "F2FP.SATFINITE.E4M3" in sass
             continue
         assert "LDG.E.128" in sass and not re.search(r"LDG\.E\.(U16|64)\b", sass), kernel.__name__
