@@ -19,9 +19,9 @@ head dim is not a power of two, as `hadamard_matrix`), then one float32 multiply
 Rows are split into bf16 parts that sum to them exactly (one for bf16, two for fp16, three for
 float32 and centred rows), so every product is exact and only the order of the float32 sums differs
 from torch's matmul: a code can differ where x * scale lies within a float32 rounding of a
-rounding boundary. A balanced V (`balanced_codes`) also needs each key's largest |value|: pass 1
-writes it (KMAX, (B, H, S padded to 16) float32), so pass 2 reads 16 floats a block where it reduced
-over the head dim across threads.
+rounding boundary. A balanced V (`balanced_codes`) also needs to know which keys of a block may move
+(from each key's largest |value|): pass 1 has the rows and writes that as a 16-bit mask a block (FREE,
+(B, H, S / 16) int32), so pass 2 reads one int a block where it reduced over the head dim across threads.
 """
 
 from __future__ import annotations
@@ -90,25 +90,23 @@ BALANCE_STEPS = 4
 #: codes (an attention sink's small value). The mean, not the block's largest: beside a key with one outlier
 #: entry (FA3's test inputs put one in 12% of keys) the block's largest would freeze every ordinary key.
 BALANCE_SKIP = 4
-#: the keys' largest |values| are compared as int32 in units of 2^-16 (448 x 2^16 x 4 x 16 < 2^31): exact, so
-#: the block's mean does not depend on summation order
-BALANCE_ROW_FIXED = 2.0 ** 16
+#: the keys' largest |values| are compared as int32 in units of 2^-20 of the block's largest's binade (< 2^21;
+#: x 4 x 16 < 2^31): exact, so the block's mean does not depend on summation order, and of the unscaled rows, so
+#: that pass 1 decides it before the descale is known
+BALANCE_ROW_BITS = 20
 #: errors are summed as int32 in units of 2^-22 (|error| <= 16, half e4m3's step at 448: a block's sum
 #: stays under 2^30), exactly, so that the GPU and the CPU agree bitwise
 BALANCE_FIXED = 2.0 ** 22
-#: sort keys of a code that moved, and of one that cannot move (or was passed over): after either flip of the
-#: direction bit (31) above every candidate's (int32 below -2^24: bit 31 set, a cost under 32 in the rest)
-BALANCE_MOVED = 0x7FFFFFFF
-BALANCE_DEAD = 0x7FFFFFFE
-#: a step's winner is a candidate if its flipped key is below this
-BALANCE_VALID = -(1 << 24)
+#: sort key (uint32) of a code that cannot move: above every candidate's whichever way bit 31 is turned
+BALANCE_DEAD = 0x7FFFFFFF
+#: a step's winner is a candidate if its key less the direction bit is below this (a cost under 32.0's bits)
+BALANCE_CANDIDATE = 0x42000000
 _BALANCE_FIXED = tl.constexpr(BALANCE_FIXED)
 _BALANCE_SKIP = tl.constexpr(BALANCE_SKIP)
-_BALANCE_ROW_FIXED = tl.constexpr(BALANCE_ROW_FIXED)
+_BALANCE_ROW_BITS = tl.constexpr(BALANCE_ROW_BITS)
 _BALANCE_KEYS = tl.constexpr(BALANCE_KEYS)
 _BALANCE_STEPS = tl.constexpr(BALANCE_STEPS)
-_BALANCE_VALID = tl.constexpr(BALANCE_VALID)
-_BALANCE_MOVED = tl.constexpr(BALANCE_MOVED)
+_BALANCE_CANDIDATE = tl.constexpr(BALANCE_CANDIDATE)
 _BALANCE_DEAD = tl.constexpr(BALANCE_DEAD)
 
 
@@ -120,8 +118,21 @@ def _e4m3_step(y: torch.Tensor) -> torch.Tensor:
     return torch.clamp_min(binade * 0.125, 2.0 ** -9)
 
 
-def balanced_codes(y: torch.Tensor) -> torch.Tensor:
-    """e4m3 codes of y (B, S, H, D) float32 in [-448, 448] whose rounding errors cancel along the keys.
+def _free_keys(rows: torch.Tensor) -> torch.Tensor:
+    """Which keys of each block may move, from their largest |values| `rows` (..., BALANCE_KEYS, ...) float32,
+    keys on dim 2: each key's in fixed point against its block's largest's binade 2^E (2^(BALANCE_ROW_BITS - E),
+    exact: a power of two; E floored so that the unit stays finite), times BALANCE_SKIP x BALANCE_KEYS, at least
+    the block's sum. `_amax_kernel` computes the same from the same rows."""
+    top = rows.amax(dim=2, keepdim=True)
+    e = ((top.view(torch.int32) >> 23) & 0xFF).clamp_min(BALANCE_ROW_BITS + 1)
+    unit = ((127 + BALANCE_ROW_BITS + 127 - e) << 23).view(torch.float32)      # 2^(BALANCE_ROW_BITS - (e - 127))
+    fixed = (rows * unit).to(torch.int32)
+    return fixed * (BALANCE_SKIP * BALANCE_KEYS) >= fixed.sum(dim=2, keepdim=True, dtype=torch.int32)
+
+
+def balanced_codes(y: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+    """e4m3 codes of y (B, S, H, D) float32 in [-448, 448] whose rounding errors cancel along the keys. `x`:
+    the unscaled values y came from (same shape), whose rows decide which keys may move (default y's).
 
     Round to nearest leaves each channel's error summed over n keys growing as sqrt(n) ulps, and P's
     rows weight V's keys with a common positive mean: that sum is what the mean of P multiplies (on
@@ -131,12 +142,14 @@ def balanced_codes(y: torch.Tensor) -> torch.Tensor:
     each of BALANCE_STEPS steps takes the cheapest code that moves the sum towards zero and moves it if it
     does not overshoot (|d| < 2 |sum|), else passes over it for good (the sum only shrinks). A key far smaller
     than its block's keys on average (an attention sink's small value: one key weighted like thousands,
-    where only its own error matters) is left at nearest.
+    where only its own error matters) is left at nearest (`_free_keys`).
 
     Each code's candidacy is one int32 sort key: its direction (the sign of its error, bit 31), its cost's
     float32 bits (non-negative: they order as the cost; the low 8 dropped) and in those low bits log2 of its
-    step and its position in the block (unique: the first key wins a tie). A step is one xor (the direction
-    wanted), one minimum and one select per code, and the sum moves by the step read off the winner's key
+    step and its position in the block (unique: the first key wins a tie). A step is one add and one unsigned
+    minimum per code: the add turns bit 31 so that the wanted direction's keys lie below the rest and subtracts
+    that direction's last winner + 1, so that its earlier winners (all smaller: each was the least then) wrap to
+    the top. The sum moves by the step read off the winner's key, and a bit per position records the moves
     (`_balanced_keys`, the GPU's, is this arithmetic). Errors are integers in units of 2^-22, so the result
     does not depend on summation order: a GPU gives the CPU's codes."""
     b, s, h, d = y.shape
@@ -153,20 +166,26 @@ def balanced_codes(y: torch.Tensor) -> torch.Tensor:
     cost = (step - 2 * ef.abs()).view(torch.int32)     # >= 0 (|ef| <= step / 2): its bits order as it does
     pos = torch.arange(BALANCE_KEYS, dtype=torch.int32, device=y.device).view(1, 1, BALANCE_KEYS, 1, 1)
     key = (ef.view(torch.int32) & -(1 << 31)) | (cost & -256) | (k << 4) | pos
-    row = yb.abs().amax(dim=4, keepdim=True)
-    row = (row * BALANCE_ROW_FIXED).to(torch.int32)
-    free = (row * (BALANCE_SKIP * BALANCE_KEYS) >= row.sum(dim=2, keepdim=True, dtype=torch.int32)) & (ef != 0)
-    key = torch.where(free, key, BALANCE_DEAD)
+    rows = torch.zeros(b, n, h, dtype=torch.float32, device=y.device)
+    rows[:, :s] = (y if x is None else x).float().abs().amax(dim=3)
+    free = _free_keys(rows.view(b, n // BALANCE_KEYS, BALANCE_KEYS, h, 1)) & (ef != 0)
+    key = torch.where(free, key, BALANCE_DEAD).to(torch.int64) & 0xFFFFFFFF     # uint32, in int64
     total = err.sum(dim=2, keepdim=True, dtype=torch.int32)
+    above = [torch.zeros_like(total, dtype=torch.int64) for _ in range(2)]     # per direction: last winner + 1
+    moved = torch.zeros_like(total, dtype=torch.int64)                          # a bit per position
     for _ in range(BALANCE_STEPS):
-        x = key ^ (~total & -(1 << 31))   # the direction that shrinks the sum gets bit 31: int32 below the rest
-        least = x.amin(dim=2, keepdim=True)
-        valid = least < BALANCE_VALID
-        dk = torch.ones_like(least) << (((least >> 4) & 15) + 13)   # the winner's |d|
+        neg = total < 0            # wanted: codes whose error is below zero (bit 31), whose move raises the sum
+        c = torch.where(neg, above[1], above[0])
+        least = ((key + torch.where(neg, 1 << 31, 0) - c) & 0xFFFFFFFF).amin(dim=2, keepdim=True)
+        win = (least + c) & 0xFFFFFFFF           # the winner's key less its direction bit
+        valid = win < BALANCE_CANDIDATE
+        dk = torch.ones_like(total) << (((win >> 4) & 15) + 13).to(torch.int32)   # the winner's |d|
         apply = valid & ((dk >> 1) < total.abs())
-        total = total + torch.where(apply, torch.where(total < 0, dk, -dk), 0)
-        key = torch.where((x == least) & valid, torch.where(apply, BALANCE_MOVED, BALANCE_DEAD), key)
-    out = torch.where(key == BALANCE_MOVED, alt, qf)
+        total = total + torch.where(apply, torch.where(neg, dk, -dk), 0)
+        c = torch.where(valid, win + 1, c)
+        above = [torch.where(neg, above[0], c), torch.where(neg, c, above[1])]
+        moved |= torch.where(apply, 1 << (win & 15), 0)
+    out = torch.where((moved >> pos) & 1 != 0, alt, qf)
     return out.view(b, n, h, d)[:, :s].to(torch.float8_e4m3fn)
 
 
@@ -187,7 +206,8 @@ def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = Fals
     descale = xf.abs().amax(dim=(1, 3, 4)).clamp_min(AMAX_FLOOR) * INV_E4M3_MAX  # (b, kv_heads)
     scale = 1.0 / descale
     codes = (xf * scale.view(b, 1, kv_heads, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).view(b, s, h, d)
-    return balanced_codes(codes) if balance else codes.to(torch.float8_e4m3fn), descale.contiguous()
+    codes = balanced_codes(codes, xf.view(b, s, h, d)) if balance else codes.to(torch.float8_e4m3fn)
+    return codes, descale.contiguous()
 
 
 def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
@@ -238,11 +258,11 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
     amax = torch.zeros(len(xs) * b * kv_heads, dtype=torch.float32, device=xs[0].device)
     descales = torch.empty(len(xs), b, kv_heads, dtype=torch.float32, device=xs[0].device)
     codes = [_codes_buffer(x, k_major_last and i == len(xs) - 1) for i, x in enumerate(xs)]
-    kmax = amax
-    if balance_last:  # each key's largest |value|, pass 1 to pass 2 (every entry written by pass 1)
-        kmax = torch.empty(b * xs[-1].shape[2] * padded_keys(xs[-1].shape[1], False), dtype=torch.float32,
-                           device=xs[0].device)
-    plan(xs, means, amax, descales, codes, kmax)
+    free = amax
+    if balance_last:  # which keys of each block may move, pass 1 to pass 2 (every entry written by pass 1)
+        free = torch.empty(b * xs[-1].shape[2] * (padded_keys(xs[-1].shape[1], False) // BALANCE_KEYS),
+                           dtype=torch.int32, device=xs[0].device)
+    plan(xs, means, amax, descales, codes, free)
     return codes, list(descales.unbind(0))
 
 
@@ -281,9 +301,9 @@ class _Plan:
                        for (_, _, _, r, c, bal, _), members in by_kind.items()]
 
     def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list,
-                 kmax: torch.Tensor) -> None:
+                 free: torch.Tensor) -> None:
         for group in self.groups:
-            group(xs, means, amax, descales, codes, kmax)
+            group(xs, means, amax, descales, codes, free)
 
 
 class _Group:
@@ -319,11 +339,11 @@ class _Group:
         self.amax_pass = self.codes_pass = None
 
     def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list,
-                 kmax: torch.Tensor) -> None:
+                 free: torch.Tensor) -> None:
         x0 = xs[self.members[0]]
         r = _pm1_matrix(x0.shape[3], x0.device) if self.consts["ROTATE"] else x0
         m = means[self.members[0]] if self.consts["CENTER"] else x0
-        ins = (*(xs[i] for i in self.members), r, m, amax, kmax)
+        ins = (*(xs[i] for i in self.members), r, m, amax, free)
         outs = (descales, *(codes[i] for i in self.members))
         if self.amax_pass is None:   # first call: compile through Triton's path, then launch directly
             dev = x0.device.index
@@ -437,7 +457,7 @@ _SEGMENT_ARGS = ["P1", "P2", "F0", "F1", "F2"]
 
 
 @triton.jit(do_not_specialize=_SEGMENT_ARGS)
-def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, KMAX, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2,
+def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2,
                  SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
                  NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
                  CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr,
@@ -449,17 +469,21 @@ def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, KMAX, P1, P2, F0, F1, F2, S0, S1, S2
         m = 0.0
         for c0 in range(0, DP, BN):
             m = tl.maximum(m, tl.max(tl.abs(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS))))
-    elif BALANCED:  # each key's largest too, for pass 2 (rows past S: 0), at (b, h, key) of (B, H, SKP)
+    elif BALANCED:  # and which keys may move (`_free_keys`; rows past S are 0), a bit each, for pass 2
         rows = tl.max(tl.abs(x.to(tl.float32)), axis=1)
-        tl.store(KMAX + (b.to(tl.int64) * H + h) * SKP + s0 + tl.arange(0, BLOCK_S), rows)
         m = tl.max(rows)
+        e = tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 0xFF, _BALANCE_ROW_BITS + 1)
+        fixed = (rows * ((254 + _BALANCE_ROW_BITS - e) << 23).to(tl.float32, bitcast=True)).to(tl.int32)
+        ok = fixed * (_BALANCE_SKIP * _BALANCE_KEYS) >= tl.sum(fixed)
+        mask = tl.sum(tl.where(ok, 1 << tl.arange(0, BLOCK_S), 0))
+        tl.store(FREE + (b.to(tl.int64) * H + h) * (SKP // BLOCK_S) + s0 // BLOCK_S, mask)
     else:
         m = tl.max(tl.abs(x.to(tl.float32)))
     tl.atomic_max(AMAX + kv, m, sem="relaxed")  # m >= 0: the result does not depend on the order
 
 
 @triton.jit(do_not_specialize=_SEGMENT_ARGS)
-def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, KMAX, DESCALE, OUT0, OUT1, OUT2, P1, P2, F0, F1, F2, S0, S1, S2,
+def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, DESCALE, OUT0, OUT1, OUT2, P1, P2, F0, F1, F2, S0, S1, S2,
                   H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
                   NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
                   CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr,
@@ -482,10 +506,8 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, KMAX, DESCALE, OUT0, OUT1, OUT2, P1
     if BALANCED:  # keys one by one into registers, each thread all 16 keys of its channels (_balanced_keys)
         cols = tl.arange(0, DP)
         keys = tl.arange(0, _BALANCE_KEYS)
-        # each key's largest |value| as balanced_codes' (clamp(RN(|x| scale)) is monotone in |x|), 2^-16 units
-        row = tl.load(KMAX + (b.to(tl.int64) * H + h) * SKP + s0 + keys)
-        row = (tl.minimum(row * scale, _E4M3_MAX) * _BALANCE_ROW_FIXED).to(tl.int32)
-        y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, scale, DP), row)
+        free = tl.load(FREE + (b.to(tl.int64) * H + h) * (SKP // _BALANCE_KEYS) + s0 // _BALANCE_KEYS)
+        y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, scale, DP), free)
         y8 = y8.to(tl.float8e4nv)
         ok = (cols < D)[:, None] & (s0 + keys < S)[None, :]
         if k_major:
@@ -551,9 +573,9 @@ def _load_keys(src, stride_s, coff, n, cmask, scale, DP: tl.constexpr):
 
 
 @triton.jit
-def _balanced_keys(y, row):
+def _balanced_keys(y, free):
     """`balanced_codes` of one block of keys, (channels, keys) as _load_keys lays it out (rows past S and padded
-    columns zero), `row` the keys' largest |values| in 2^-16 units ([keys] int32): the same arithmetic, so the
+    columns zero), `free` the keys that may move (a bit each, pass 1's `_free_keys`): the same arithmetic, so the
     same codes; returns each element's chosen neighbour as float32 (its e4m3 conversion is exact). No code is
     read as a byte (Triton 3.6 gave a wrong byte for one element in eight when e4m3 codes were bitcast to
     uint8 and widened, session 44): the other neighbour is y's nearest plus the step, from y's exponent bits."""
@@ -566,19 +588,27 @@ def _balanced_keys(y, row):
     alt = (qf + (sbits | (ef.to(tl.int32, bitcast=True) & SIGN)).to(tl.float32, bitcast=True))   # + copysign
     alt = (alt.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & SIGN)).to(tl.float32, bitcast=True)
     err = (ef * _BALANCE_FIXED).to(tl.int32)
-    k = ((sbits >> 23) & 0xFF) - 118
     cost = (step - 2.0 * tl.abs(ef)).to(tl.int32, bitcast=True)
+    k = ((sbits >> 23) & 0xFF) - 118
     key = (ef.to(tl.int32, bitcast=True) & SIGN) | (cost & -256) | (k << 4) | tl.arange(0, _BALANCE_KEYS)[None, :]
-    free = ((row * (_BALANCE_SKIP * _BALANCE_KEYS)) >= tl.sum(row, axis=0))[None, :] & (ef != 0)
-    key = tl.where(free, key, _BALANCE_DEAD)
+    bit = 1 << tl.arange(0, _BALANCE_KEYS)[None, :]
+    key = tl.where(((free & bit) != 0) & (ef != 0), key, _BALANCE_DEAD)
+    key = key.to(tl.uint32, bitcast=True)
     total = tl.sum(err, axis=1)
+    above0 = tl.zeros_like(total).to(tl.uint32)
+    above1 = above0
+    moved = tl.zeros_like(total)
     for _ in tl.static_range(_BALANCE_STEPS):
-        x = key ^ (~total & SIGN)[:, None]
-        least = tl.min(x, axis=1)
-        valid = least < _BALANCE_VALID
-        dk = 1 << (((least >> 4) & 15) + 13)
+        neg = total < 0
+        c = tl.where(neg, above1, above0)
+        off = (total & SIGN).to(tl.uint32, bitcast=True) - c      # bit 31 turned so that the wanted are below
+        win = tl.min(key + off[:, None], axis=1) + c
+        valid = win < _BALANCE_CANDIDATE
+        dk = 1 << (((win >> 4) & 15).to(tl.int32) + 13)
         apply = valid & ((dk >> 1) < tl.abs(total))
-        total += tl.where(apply, tl.where(total < 0, dk, -dk), 0)
-        mark = tl.where(apply, _BALANCE_MOVED, _BALANCE_DEAD)
-        key = tl.where((x == least[:, None]) & valid[:, None], mark[:, None], key)
-    return tl.where(key == _BALANCE_MOVED, alt, qf)
+        total += tl.where(apply, tl.where(neg, dk, -dk), 0)
+        c = tl.where(valid, win + 1, c)
+        above0 = tl.where(neg, above0, c)
+        above1 = tl.where(neg, c, above1)
+        moved |= tl.where(apply, 1 << (win & 15).to(tl.int32), 0)
+    return tl.where((moved[:, None] & bit) != 0, alt, qf)

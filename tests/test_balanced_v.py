@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from zyfa_tune.kernels.inputs import make_qkv
+import math
 import struct
 
-from zyfa_tune.kernels.quantize import (BALANCE_FIXED, BALANCE_KEYS, BALANCE_ROW_FIXED, BALANCE_SKIP, BALANCE_STEPS,
+from zyfa_tune.kernels.quantize import (BALANCE_FIXED, BALANCE_KEYS, BALANCE_ROW_BITS, BALANCE_SKIP, BALANCE_STEPS,
                                         balanced_codes, quantize_heads_reference)
 from zyfa_tune.kernels.reference import attention_reference, rel_l2
 from zyfa_tune.quantize import dequantize_fp8, quantize_fp8
@@ -97,8 +98,10 @@ def test_codes_are_the_stated_greedy(seed):
     got = balanced_codes(y)[0, :, 0].float()
     for b0 in range(0, 48, BALANCE_KEYS):
         block = y[0, b0:b0 + BALANCE_KEYS, 0]
-        row = (block.abs().amax(dim=1) * BALANCE_ROW_FIXED).to(torch.int32)
-        frees = (row * BALANCE_SKIP * BALANCE_KEYS >= row.sum()).tolist()
+        rows = block.abs().amax(dim=1).tolist()
+        unit = 2.0 ** (BALANCE_ROW_BITS - (math.frexp(max(rows))[1] - 1))   # 2^-20 of the largest's binade
+        fixed = [int(r * unit) for r in rows]
+        frees = [f * BALANCE_SKIP * BALANCE_KEYS >= sum(fixed) for f in fixed]
         for c in range(y.shape[3]):
             want = _greedy_block(block[:, c].tolist(), frees)
             assert got[b0:b0 + BALANCE_KEYS, c].tolist() == want, (b0, c)   # (-0.0 == 0.0)

@@ -27,7 +27,7 @@ def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, s
     terms = 3 if centre else _TERMS[dtype]
     sig = {name: "i32" for name in kernel.arg_names}
     sig.update({f"X{i}": "*" + _DT[dtype] for i in range(3)}, R="*bf16", MEAN="*fp32", inv_sqrt="fp32")
-    sig.update(AMAX="*fp32", KMAX="*fp32")
+    sig.update(AMAX="*fp32", FREE="*i32")
     if kernel is _codes_kernel:
         sig.update({f"OUT{i}": "*fp8e4nv" for i in range(3)}, DESCALE="*fp32")
     constexprs = dict(stride_d=1, NSEG=segments, DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate,

@@ -39,7 +39,7 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     P's rows average V's keys with a positive mean weight, which round to nearest leaves adding up:
     V's part of the error falls by about a third on Gaussian rows, most of it on flat rows
     (docs/ACCURACY.md, session 44). The descales and the other tensors are unchanged and the attention
-    costs the same; V's pass costs more (0.520 ms against 0.344 for Q, K and V of 16K tokens x 32 heads
+    costs the same; V's pass costs more (0.465 ms against 0.352 for Q, K and V of 16K tokens x 32 heads
     on the H100, docs/PERF.md session 46), hence opt-in.
     """
     if v_layout not in ("natural", "k_major"):
