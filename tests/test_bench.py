@@ -181,6 +181,40 @@ def test_native_quantisation_and_input_families():
     assert gauss.raw is None and not torch.equal(gauss.q16, x.q16)
 
 
+def test_end_to_end_mode_quantises_inside_each_call(monkeypatch):
+    """--quant end-to-end: an FP8 system's call quantises the bf16 inputs itself, every call (so its timing
+    counts the quantiser), with the system's options (FA3: none); bf16 systems get the bf16 tensors; the error
+    reference is float64 attention on the unquantised originals, as in native mode."""
+    import zyfa_tune.quantize as zq
+    from zyfa_tune.kernels.reference import attention_reference
+
+    shape = bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=48, heads=4, kv_heads=2)
+    x = bench.Inputs.random(shape, seed=2, device="cpu", family="sink", timed_quant=True)
+    calls = []
+    real = zq.quantize_fp8
+    monkeypatch.setattr(zq, "quantize_fp8", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    seen = []
+    run = x.call("fp8", (("balanced_v", True),), lambda *a, **kw: seen.append((a, kw)))
+    assert calls == []          # nothing quantised until the call
+    run()
+    run()
+    assert len(calls) == 2 and calls[0]["v_rounding"] == "balanced"
+    want = real(x.q16, x.k16, x.v16, v_rounding="balanced")
+    (q8, k8, v8), kw = seen[-1]
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip((q8, k8, v8), want[:3]))
+    assert torch.equal(kw["v_descale"], want[5])
+    x.call("fp8", (), lambda *a, **kw: None)()
+    assert calls[-1]["v_rounding"] == "nearest" and calls[-1]["v_layout"] == "natural"
+    x.call("bf16", (), lambda *a, **kw: seen.append((a, kw)))()
+    assert seen[-1][0][0] is x.q16 and len(calls) == 3
+    assert torch.equal(x.reference("fp8"), attention_reference(*x.raw, causal=True))
+    shapes = (shape,)
+    bench.BenchPlan(shapes=shapes, ours=bench.parse_ours("b:balanced_v=true", ["fp8"]), peers=("fa3-fp8",),
+                    quant="end-to-end")
+    with pytest.raises(ValueError, match="cudnn-fp8"):
+        bench.BenchPlan(shapes=shapes, ours=(), peers=("cudnn-fp8",), quant="end-to-end")
+
+
 def test_quantisation_options_parse_and_need_native_mode():
     (smooth,) = bench.parse_ours("sk:smooth_k=true", ["fp8"])
     assert smooth.overrides is None and smooth.quant == (("smooth_k", True),)  # the dispatcher's kernel
@@ -193,7 +227,7 @@ def test_quantisation_options_parse_and_need_native_mode():
     with pytest.raises(ValueError, match="true or false"):
         bench.parse_ours("smooth_k=2", ["fp8"])
     shape = (bench.BenchShape(head_dim_qk=128, head_dim_v=128, batch=1, seqlen=1024, heads=8, kv_heads=8),)
-    with pytest.raises(ValueError, match="--quant native"):
+    with pytest.raises(ValueError, match="--quant native or end-to-end"):
         bench.BenchPlan(shapes=shape, ours=(smooth,), peers=())
     bench.BenchPlan(shapes=shape, ours=(smooth,), peers=(), quant="native", input_family="llm")
     with pytest.raises(ValueError, match="quant"):

@@ -165,8 +165,10 @@ def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
 QUANT_OPTIONS = ("smooth_k", "hadamard", "k_major_v", "balanced_v")
 #: how FP8 systems get their inputs: one shared per-tensor quantisation (kernel error only), or each
 #: system's own (FA3 and ours: `quantize_fp8` per (batch, kv head); cuDNN: per tensor), the error
-#: then taken against float64 attention on the unquantised inputs (issue 5's comparison)
-QUANT_MODES = ("per-tensor", "native")
+#: then taken against float64 attention on the unquantised inputs (issue 5's comparison); "end-to-end":
+#: as native, but FA3 and ours quantise the bf16 inputs inside every timed call (quantiser + attention:
+#: what a model pays per layer; FA3 gets the plain `quantize_fp8`, its per-(batch, kv head) descales)
+QUANT_MODES = ("per-tensor", "native", "end-to-end")
 
 
 @dataclass(frozen=True)
@@ -183,11 +185,12 @@ class Inputs:
     v8: torch.Tensor
     scales: tuple[float, float, float]     # per-tensor q, k, v scales (dequantised = e4m3 * scale)
     raw: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    timed_quant: bool = False              # end-to-end: FP8 systems quantise q16, k16, v16 in each call
     _native: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def random(cls, shape: BenchShape, seed: int, device: str = "cuda", family: str = "gaussian",
-               native: bool = False) -> "Inputs":
+               native: bool = False, timed_quant: bool = False) -> "Inputs":
         from zyfa_tune.kernels.inputs import make_qkv
 
         q, k, v = make_qkv(family, batch=shape.batch, seqlen=shape.seqlen, heads=shape.heads,
@@ -195,7 +198,8 @@ class Inputs:
                            seed=seed, device=device)
         q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
         (q8, qs), (k8, ks), (v8, vs) = (_quantise(t) for t in (q16, k16, v16))
-        return cls(shape, q16, k16, v16, q8, k8, v8, (qs, ks, vs), (q, k, v) if native else None)
+        return cls(shape, q16, k16, v16, q8, k8, v8, (qs, ks, vs), (q, k, v) if native or timed_quant else None,
+                   timed_quant)
 
     def descales(self) -> dict[str, torch.Tensor]:
         """FA3-style (batch, kv_heads) descales, all equal to the per-tensor scale."""
@@ -209,17 +213,24 @@ class Inputs:
         inputs are `quantize_fp8(raw, **quant)` (made once per option set)."""
         if dtype == "fp8" and self.raw is not None:
             if quant not in self._native:
-                from zyfa_tune.quantize import quantize_fp8
-
-                opts = dict(quant)  # k_major_v: V's codes keys-fastest; balanced_v: v_rounding="balanced"
-                opts["v_layout"] = "k_major" if opts.pop("k_major_v", False) else "natural"
-                opts["v_rounding"] = "balanced" if opts.pop("balanced_v", False) else "nearest"
-                q8, k8, v8, qd, kd, vd = quantize_fp8(*self.raw, **opts)
-                self._native[quant] = ((q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd))
+                self._native[quant] = _quantize_fp8(self.raw, quant)
             return self._native[quant]
         if dtype == "fp8":
             return (self.q8, self.k8, self.v8), self.descales()
         return (self.q16, self.k16, self.v16), {}
+
+    def call(self, dtype: str, quant: tuple[tuple[str, Any], ...], fn: Callable[..., Any]) -> Callable[[], Any]:
+        """A call of fn(*args, **kw) on `args(dtype, quant)`; end-to-end, FP8 inputs quantised from the bf16
+        tensors inside the call (so that its timing counts the quantiser)."""
+        if dtype == "fp8" and self.timed_quant:
+            x16 = (self.q16, self.k16, self.v16)
+
+            def quantise_and_run() -> Any:
+                args, kw = _quantize_fp8(x16, quant)
+                return fn(*args, **kw)
+            return quantise_and_run
+        args, kw = self.args(dtype, quant)
+        return lambda: fn(*args, **kw)
 
     def reference(self, dtype: str) -> torch.Tensor:
         """Float64 attention on what `dtype` systems were given, or in native mode on the
@@ -230,6 +241,17 @@ class Inputs:
             return attention_reference(*self.raw, causal=True)
         args, kw = self.args(dtype)
         return attention_reference(*args, causal=True, **kw)
+
+
+def _quantize_fp8(x: tuple[torch.Tensor, ...], quant: tuple[tuple[str, Any], ...]) -> tuple[tuple, dict]:
+    """`quantize_fp8` of (q, k, v) with `--ours` quantisation options, as (q8, k8, v8) and descale keywords."""
+    from zyfa_tune.quantize import quantize_fp8
+
+    opts = dict(quant)  # k_major_v: V's codes keys-fastest; balanced_v: v_rounding="balanced"
+    opts["v_layout"] = "k_major" if opts.pop("k_major_v", False) else "natural"
+    opts["v_rounding"] = "balanced" if opts.pop("balanced_v", False) else "nearest"
+    q8, k8, v8, qd, kd, vd = quantize_fp8(*x, **opts)
+    return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
 
 
 def _quantise(x: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -286,10 +308,11 @@ def ours_system(spec: OursSpec, shape: BenchShape) -> System:
     def bind(x: Inputs) -> Bound:
         from zyfa_tune.api import explain, flash_attn_func
 
-        args, kw = x.args(spec.dtype, spec.quant)
-        call, output = _boxed(lambda: flash_attn_func(*args, causal=True, config=config, **kw))
+        call, output = _boxed(x.call(spec.dtype, spec.quant,
+                                     lambda *a, **kw: flash_attn_func(*a, causal=True, config=config, **kw)))
         if config is not None:
             return Bound(call, output, config.to_json(), "forced")
+        args, kw = x.args(spec.dtype, spec.quant)
         choice = explain(*args, causal=True, **kw)
         return Bound(call, output, choice.config.to_json(), choice.source, borrowed_from(choice))
     return System(spec.label, "ours" if config is None else "forced", spec.dtype, bind)
@@ -299,8 +322,7 @@ def _fa3(dtype: str) -> Callable[[Inputs], Bound]:
     def bind(x: Inputs) -> Bound:
         from fa3_fwd_interface import flash_attn_func as fa3_func
 
-        args, kw = x.args(dtype)
-        return Bound(*_boxed(lambda: fa3_func(*args, causal=True, **kw),
+        return Bound(*_boxed(x.call(dtype, (), lambda *a, **kw: fa3_func(*a, causal=True, **kw)),
                              lambda r: r[0] if isinstance(r, tuple) else r))
     return bind
 
@@ -495,7 +517,8 @@ def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, re
 
     timer = timer or time_cuda
     energy = energy or sustained_energy
-    inputs = [Inputs.random(shape, seed + i, device, input_family, quant == "native") for i in range(rotate)]
+    inputs = [Inputs.random(shape, seed + i, device, input_family, quant == "native", quant == "end-to-end")
+              for i in range(rotate)]
     refs: dict[str, torch.Tensor] = {}
     base = dict(shape=shape.label, dqk=shape.head_dim_qk, dv=shape.head_dim_v, b=shape.batch, s=shape.seqlen,
                 h=shape.heads, hk=shape.kv_heads, family=input_family)
@@ -591,9 +614,12 @@ class BenchPlan:
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant: {self.quant!r} is not one of {list(QUANT_MODES)}")
         quantised = [o.label for o in self.ours if o.quant]
-        if quantised and self.quant != "native":
-            raise ValueError(f"--ours {quantised[0]}: quantisation options need --quant native "
+        if quantised and self.quant == "per-tensor":
+            raise ValueError(f"--ours {quantised[0]}: quantisation options need --quant native or end-to-end "
                              f"(per-tensor mode gives every FP8 system the same tensors)")
+        if self.quant == "end-to-end" and "cudnn-fp8" in self.peers:
+            raise ValueError("peers: cudnn-fp8 is given per-tensor codes made outside its call; "
+                             "--quant end-to-end times each system's quantiser (FA3 and ours)")
         if self.energy_s and not MIN_ENERGY_WINDOW_S <= self.energy_s <= 60:
             raise ValueError(f"energy_s: expected 0 (no energy window) or {MIN_ENERGY_WINDOW_S}-60 seconds "
                              f"(NVML's counter is not trustworthy over shorter windows), got {self.energy_s}")

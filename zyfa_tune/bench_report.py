@@ -73,7 +73,9 @@ def results_table(result: BenchResult) -> Table:
     families = _families(result)
     inputs = ", ".join(families)
     quant = result.settings.get("quant", "per-tensor")
-    how = "each system quantises its own (error vs unquantised)" if quant == "native" else "shared FP8 inputs"
+    how = {"native": "each system quantises its own (error vs unquantised)",
+           "end-to-end": "each system quantises its own inside the timed call (quantiser + attention; error vs "
+                         "unquantised)"}.get(quant, "shared FP8 inputs")
     gemm = result.ceiling.get("tflops")
     gemm_mhz = result.ceiling.get("sm_clock_mhz")
     caption = (f"FP8 GEMM ceiling: {gemm:.1f} TFLOP/s ({result.ceiling.get('system', 'FP8 GEMM')}, "

@@ -543,11 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-family", default="gaussian", metavar="NAME[,NAME...]",
                    help="inputs of these kernels.inputs families, every shape on each (gaussian, outliers, sink, "
                         "rope, peaky, flat, llm; 'all' for every one): issue 5's variant x family table in one run")
-    p.add_argument("--quant", choices=["per-tensor", "native"], default="per-tensor",
+    p.add_argument("--quant", choices=["per-tensor", "native", "end-to-end"], default="per-tensor",
                    help="FP8 inputs: one shared per-tensor quantisation (kernel error only), or each system's "
                         "own with errors against the unquantised inputs (then --ours NAME:smooth_k=true, hadamard=true, "
                         "k_major_v=true: V quantised keys-fastest, read without the V^T copy, or balanced_v=true: V's "
-                        "rounding errors cancelling along the keys, work)")
+                        "rounding errors cancelling along the keys, work); end-to-end: as native, but FA3 and ours "
+                        "quantise the bf16 inputs inside each timed call (quantiser + attention)")
     p.add_argument("--warm", type=float, default=3.0, help="seconds of GEMMs to reach sustained clocks first")
     p.add_argument("--energy-s", type=float, default=0.0, metavar="SECONDS",
                    help="TFLOP/J: after its timing, run each system back to back this long (>= 1 s; NVML's energy "
