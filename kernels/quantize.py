@@ -178,6 +178,8 @@ def balanced_codes(y: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tens
         c = torch.where(neg, above[1], above[0])
         least = ((key + torch.where(neg, 1 << 31, 0) - c) & 0xFFFFFFFF).amin(dim=2, keepdim=True)
         win = (least + c) & 0xFFFFFFFF           # the winner's key less its direction bit
+        # (a channel whose only unfrozen codes are this direction's earlier winners takes a wrapped one again:
+        # valid, it moves only the sum, no code: no candidate is left in either direction)
         valid = win < BALANCE_CANDIDATE
         dk = torch.ones_like(total) << (((win >> 4) & 15) + 13).to(torch.int32)   # the winner's |d|
         apply = valid & ((dk >> 1) < total.abs())
