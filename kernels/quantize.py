@@ -458,6 +458,12 @@ def _columns(x, R, c0, inv_sqrt, DP: tl.constexpr, BN: tl.constexpr, ROTATE: tl.
 _SEGMENT_ARGS = ["P1", "P2", "F0", "F1", "F2"]
 
 
+@triton.jit
+def _free_slot(b, h, H, s0, SKP):
+    """Where the mask of the block of keys from s0 of (batch b, head h) sits in FREE: (B, H, SKP / 16)."""
+    return (b.to(tl.int64) * H + h) * (SKP // _BALANCE_KEYS) + s0 // _BALANCE_KEYS
+
+
 @triton.jit(do_not_specialize=_SEGMENT_ARGS)
 def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2,
                  SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
@@ -478,7 +484,7 @@ def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, P1, P2, F0, F1, F2, S0, S1, S2
         fixed = (rows * ((254 + _BALANCE_ROW_BITS - e) << 23).to(tl.float32, bitcast=True)).to(tl.int32)
         ok = fixed * (_BALANCE_SKIP * _BALANCE_KEYS) >= tl.sum(fixed)
         mask = tl.sum(tl.where(ok, 1 << tl.arange(0, BLOCK_S), 0))
-        tl.store(FREE + (b.to(tl.int64) * H + h) * (SKP // BLOCK_S) + s0 // BLOCK_S, mask)
+        tl.store(FREE + _free_slot(b, h, H, s0, SKP), mask)
     else:
         m = tl.max(tl.abs(x.to(tl.float32)))
     tl.atomic_max(AMAX + kv, m, sem="relaxed")  # m >= 0: the result does not depend on the order
@@ -508,7 +514,7 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, DESCALE, OUT0, OUT1, OUT2, P1
     if BALANCED:  # keys one by one into registers, each thread all 16 keys of its channels (_balanced_keys)
         cols = tl.arange(0, DP)
         keys = tl.arange(0, _BALANCE_KEYS)
-        free = tl.load(FREE + (b.to(tl.int64) * H + h) * (SKP // _BALANCE_KEYS) + s0 // _BALANCE_KEYS)
+        free = tl.load(FREE + _free_slot(b, h, H, s0, SKP))
         y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, scale, DP), free)
         y8 = y8.to(tl.float8e4nv)
         ok = (cols < D)[:, None] & (s0 + keys < S)[None, :]

@@ -161,7 +161,7 @@ def test_native_quantisation_and_input_families():
     from zyfa_tune.kernels.reference import attention_reference
 
     shape = bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=64, heads=4, kv_heads=2)
-    x = bench.Inputs.random(shape, seed=1, device="cpu", family="outliers", native=True)
+    x = bench.Inputs.random(shape, seed=1, device="cpu", family="outliers", quant="native")
     plain = x.args("fp8")
     assert plain is x.args("fp8")  # quantised once
     ref_args = quantize_fp8(*x.raw)
@@ -189,7 +189,7 @@ def test_end_to_end_mode_quantises_inside_each_call(monkeypatch):
     from zyfa_tune.kernels.reference import attention_reference
 
     shape = bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=48, heads=4, kv_heads=2)
-    x = bench.Inputs.random(shape, seed=2, device="cpu", family="sink", timed_quant=True)
+    x = bench.Inputs.random(shape, seed=2, device="cpu", family="sink", quant="end-to-end")
     calls = []
     real = zq.quantize_fp8
     monkeypatch.setattr(zq, "quantize_fp8", lambda *a, **kw: calls.append(kw) or real(*a, **kw))

@@ -190,7 +190,9 @@ class Inputs:
 
     @classmethod
     def random(cls, shape: BenchShape, seed: int, device: str = "cuda", family: str = "gaussian",
-               native: bool = False, timed_quant: bool = False) -> "Inputs":
+               quant: str = "per-tensor") -> "Inputs":
+        """`quant` (QUANT_MODES): beyond per-tensor, the float32 originals are kept for each system's own
+        quantisation and the reference."""
         from zyfa_tune.kernels.inputs import make_qkv
 
         q, k, v = make_qkv(family, batch=shape.batch, seqlen=shape.seqlen, heads=shape.heads,
@@ -198,8 +200,8 @@ class Inputs:
                            seed=seed, device=device)
         q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
         (q8, qs), (k8, ks), (v8, vs) = (_quantise(t) for t in (q16, k16, v16))
-        return cls(shape, q16, k16, v16, q8, k8, v8, (qs, ks, vs), (q, k, v) if native or timed_quant else None,
-                   timed_quant)
+        return cls(shape, q16, k16, v16, q8, k8, v8, (qs, ks, vs), None if quant == "per-tensor" else (q, k, v),
+                   quant == "end-to-end")
 
     def descales(self) -> dict[str, torch.Tensor]:
         """FA3-style (batch, kv_heads) descales, all equal to the per-tensor scale."""
@@ -517,8 +519,7 @@ def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, re
 
     timer = timer or time_cuda
     energy = energy or sustained_energy
-    inputs = [Inputs.random(shape, seed + i, device, input_family, quant == "native", quant == "end-to-end")
-              for i in range(rotate)]
+    inputs = [Inputs.random(shape, seed + i, device, input_family, quant) for i in range(rotate)]
     refs: dict[str, torch.Tensor] = {}
     base = dict(shape=shape.label, dqk=shape.head_dim_qk, dv=shape.head_dim_v, b=shape.batch, s=shape.seqlen,
                 h=shape.heads, hk=shape.kv_heads, family=input_family)
