@@ -233,12 +233,14 @@ class KernelConfig:
                   step waits for QK^T(j) before issuing PV(j-1), where ncu finds a quarter of the lean f16
                   step's samples, docs/PERF.md session 34). The same arithmetic; with a 24-register producer
                   +3-4% on lean f16 at hd128 (session 35); searched.
-    lean_mufu:    Gluon, qk_acc="f16" with lean_fold="corrected": of every four f16 score pairs, how many take
-                  2^x from the MUFU (ex2.approx.f16x2, the e4m3 code read off the f16 bits) instead of
-                  the corrected fold. The corrected fold's seven f16x2 operations per pair are issue
-                  slots, the MUFU's are its own pipe: a share of each runs the two side by side. Both round
-                  (nearly) as FA3 does, so the error is the corrected fold's (generator/lean_asm.f16_mufu_asm).
-                  Measured 0.97-0.99x the exact kernel at every share (docs/PERF.md, session 36): not searched.
+    lean_mufu:    Gluon, qk_acc="f16" with lean_fold "corrected" or "fma": of every four f16 score pairs, how many
+                  take 2^x from the MUFU (ex2.approx.f16x2, the e4m3 code read off the f16 bits) instead of
+                  the fold. The folds' f16x2 operations are issue slots, the MUFU's are its own pipe: a share of
+                  each runs the two side by side (generator/lean_asm.f16_mufu_asm). Beside the corrected fold
+                  both round (nearly) as FA3 does: measured 0.97-0.99x the exact kernel at every share
+                  (docs/PERF.md, session 36). Beside the linear fold (on the row maximum) the MUFU's pairs are
+                  correctly rounded from the maximum itself, and take their share of the fold's excess error
+                  away (session 47).
     lean_ref:     Gluon lean P on f16 scores with the linear fold (qk_acc="f16", lean_fold="fma"): where each row's
                   fold line sits. "grid": the row's reference is its maximum rounded up to the fold's 1/8 grid
                   (what the float32 folds' magic constant needs), so the maximum's code falls anywhere in its
@@ -573,10 +575,10 @@ def qk_async_conflict(f: Mapping[str, Any]) -> str | None:
 def lean_mufu_conflict(f: Mapping[str, Any]) -> str | None:
     """Why a config with these fields cannot take a share of lean P's 2^x from the MUFU (lean_mufu > 0), or None.
     One rule for validation and for the search space (which decodes a suggested share to 0)."""
-    if f["qk_acc"] != "f16" or f["softmax"] != "lean" or f["lean_fold"] != "corrected":
-        return (f"lean_mufu={f['lean_mufu']}: a share of the corrected f16 fold's pairs from the MUFU; it needs "
-                f"softmax='lean', qk_acc='f16' and lean_fold='corrected' (the pairs must round as the fold does), "
-                f"not softmax={f['softmax']!r}, qk_acc={f['qk_acc']!r}, lean_fold={f['lean_fold']!r}")
+    if f["qk_acc"] != "f16" or f["softmax"] != "lean" or f["lean_fold"] not in ("corrected", "fma"):
+        return (f"lean_mufu={f['lean_mufu']}: a share of the f16 fold's pairs from the MUFU; it needs "
+                f"softmax='lean', qk_acc='f16' and lean_fold 'corrected' or 'fma', not softmax={f['softmax']!r}, "
+                f"qk_acc={f['qk_acc']!r}, lean_fold={f['lean_fold']!r}")
     return None
 
 

@@ -32,8 +32,8 @@ from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_regist
 from .emitted import EmittedKernel, emitted, kernel_name_of
 from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
-from .lean_asm import (CODE_SUM_CONSTRAINTS, E4M3_MAX, F16_MUFU_CONSTRAINTS, F16_MUFU_TOP, F16_SCORE_BOUND,
-                       MAGIC, ONE_FMA_FOLDS, SAT_SCALE, code_sum_asm, f16_fold_asm, f16_mufu_asm,
+from .lean_asm import (CODE_SUM_CONSTRAINTS, E4M3_MAX, F16_MUFU_TOP, F16_SCORE_BOUND,
+                       MAGIC, ONE_FMA_FOLDS, SAT_SCALE, code_sum_asm, f16_fold_asm, f16_mufu_asm, f16_mufu_constraints,
                        f16_pack_asm, f16_reversed, fold_center, lean_tail_asm, LEAN_FLOOR_AT,
                        LEAN_FLOOR_SLOPE)
 from .rescale_asm import rescale_asm, rescale_constraints
@@ -213,10 +213,10 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         # lean_floor: a second line for e4m3's subnormal codes (generator/lean_asm.py)
         ("LEAN_FLOOR", bool(c.lean_floor)), ("LEAN_FLOOR_SLOPE", LEAN_FLOOR_SLOPE), ("LEAN_FLOOR_AT", LEAN_FLOOR_AT),
         ("F16_PACK_ASM", f16_pack_asm() if c.qk_acc == "f16" else ""),
-        # lean_mufu: that many of every four pairs of the corrected f16 fold take 2^x from the MUFU instead
+        # lean_mufu: that many of every four pairs of the f16 fold take 2^x from the MUFU instead
         ("LEAN_MUFU", int(c.lean_mufu)),
-        ("F16_MUFU_ASM", f16_mufu_asm(int(c.lean_mufu)) if c.lean_mufu else ""),
-        ("F16_MUFU_CONSTRAINTS", F16_MUFU_CONSTRAINTS), ("F16_MUFU_TOP", F16_MUFU_TOP),
+        ("F16_MUFU_ASM", f16_mufu_asm(int(c.lean_mufu), c.lean_fold, c.lean_floor) if c.lean_mufu else ""),
+        ("F16_MUFU_CONSTRAINTS", f16_mufu_constraints(c.lean_fold, c.lean_floor)), ("F16_MUFU_TOP", F16_MUFU_TOP),
         # (f16 scores fold "corrected" on the one-FMA fold's row constant too: f16_fold_asm adds the correction,
         # on the reversed line u = 1 - t)
         ("F16_U", c.qk_acc == "f16" and f16_reversed(c.lean_fold)),

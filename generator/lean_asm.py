@@ -247,16 +247,22 @@ def f16_fold_asm(fold: str = "fma", floor: bool = False) -> str:
     if floor and fold not in ONE_FMA_FOLDS:
         raise ValueError(f"floor is a second line beside the one-FMA folds {ONE_FMA_FOLDS}, not {fold!r}'s")
     if fold in ONE_FMA_FOLDS:
-        lines = ["fma.rn.sat.f16x2 t, $1, $2, $3;"]
-        lines += ["fma.rn.f16x2 r, $1, $4, $5;", "max.f16x2 t, t, r;"] if floor else []
-        lines += [f"mov.b32 c, {_f16x2_hex(SAT_SCALE)};",
-                 f"mov.b32 m, {_f16x2_hex(F16_BASE)};",
-                 "fma.rn.f16x2 $0, t, c, m;"]
+        lines = _f16_linear_lines("$0", "$1", "$2", "$3", ("$4", "$5") if floor else None)
     elif fold == "corrected":
         lines = _f16_corrected_lines("$0", "$1", "$2", "$3")
     else:
         raise ValueError(f"f16 scores fold as {ONE_FMA_FOLDS} or 'corrected', not {fold!r}")
     return "{\n.reg .b32 t, c, m, r, f;\n" + "\n".join(lines) + "\n}"
+
+
+def _f16_linear_lines(out: str, s: str, a: str, b: str, floor: tuple[str, str] | None) -> list[str]:
+    """The linear fold of one f16 pair (f16_fold_asm), from operands s, a, b (and the floor line's a2, b2) into
+    out; scratch t, c, m, r."""
+    lines = [f"fma.rn.sat.f16x2 t, {s}, {a}, {b};"]
+    lines += [f"fma.rn.f16x2 r, {s}, {floor[0]}, {floor[1]};", "max.f16x2 t, t, r;"] if floor else []
+    return lines + [f"mov.b32 c, {_f16x2_hex(SAT_SCALE)};",
+                    f"mov.b32 m, {_f16x2_hex(F16_BASE)};",
+                    f"fma.rn.f16x2 {out}, t, c, m;"]
 
 
 def _f16_corrected_lines(out: str, s: str, a: str, b: str) -> list[str]:
@@ -283,40 +289,73 @@ F16_U_TOP = 9.0
 F16_E4M3_REBIAS = 8
 #: f16_mufu_asm's line: e = x + P - F16_E4M3_REBIAS = F16_MUFU_TOP - 16 u, so b2 = F16_MUFU_TOP - 16 b
 F16_MUFU_TOP = F16_U_TOP - F16_E4M3_REBIAS
+#: f16_mufu_asm's line beside the linear fold: e = x + P - 8 = 16 t + k for the line t lowered by LEAN_CENTER codes,
+#: where the fold's codes are unbiased in value (mean over an octave: 0.457 codes down; 7/16 is the nearest k that
+#: f16 holds, 1/16 code apart near 15)
+F16_MUFU_LINEAR_K = LEAN_CENTER / 8 - 15.0
 #: how many f16 score pairs one `f16_mufu_asm` takes (eight scores: pack=8, four 32-bit registers)
 MUFU_GROUP = 4
 
 
-def f16_mufu_asm(mufu: int) -> str:
+def f16_mufu_asm(mufu: int, fold: str = "corrected", floor: bool = False) -> str:
     """PTX for eight f16 scores ($4..$7, four pairs) -> four registers of `f16_fold_asm` results ($0..$3, the
-    code in each half's low byte): the first MUFU_GROUP - mufu pairs by the corrected fold (a $8..$11, b
-    $12..$15: its reversed line u = sat(s a + b)), the last mufu pairs by the MUFU: e = x + P - 8 = s a2 + b2
-    ($16..$19, $20..$23: a2 = -16 a, b2 = 9 - 8 - 16 b, the same line unsaturated, so that a masked score's
-    -inf gives 2^-inf = 0), 2^e by ex2.approx.f16x2, and the code by integer arithmetic on the f16 bits rather
-    than the conversion (F2FP, a slow pipe: 2.7x its ncu samples for 25% more of them, docs/PERF.md session
-    36): f16 and e4m3 differ by 7 mantissa bits and 8 in exponent bias, so the f16 of 2^(x + P - 8) is e4m3's
-    code of 2^(x + P) in bits 7..14 (subnormals too: f16's and e4m3's line up), rounded by adding 2^6 (to
-    nearest, ties away from zero: one f16 value in 128 is a tie, moved by half a code) and shifting right by 7,
-    both halves at once (positive: no carry across). P <= 2^8 by the row maximum, so bit 14 (f16's top
-    exponent bit) is 0 and the code stays below e4m3's NaN. Bytes 1 and 3 are left-over bits the pack does not
-    read. The fold's issue slots and the MUFU pipe then work side by side (lean_mufu, generator/config.py)."""
+    code in each half's low byte): the first MUFU_GROUP - mufu pairs by the f16 fold `fold` from the row's a
+    ($8..$11) and b ($12..$15), the last mufu pairs by the MUFU on the line e = x + P - 8, 2^e by
+    ex2.approx.f16x2, and the code by integer arithmetic on the f16 bits rather than the conversion (F2FP, a
+    slow pipe: 2.7x its ncu samples for 25% more of them, docs/PERF.md session 36): f16 and e4m3 differ by 7
+    mantissa bits and 8 in exponent bias, so the f16 of 2^(x + P - 8) is e4m3's code of 2^(x + P) in bits
+    7..14 (subnormals too: f16's and e4m3's line up), rounded by adding 2^6 (to nearest, ties away from zero:
+    one f16 value in 128 is a tie, moved by half a code) and shifting right by 7, both halves at once
+    (positive: no carry across). P <= 2^8 by the row maximum, so bit 14 (f16's top exponent bit) is 0 and the
+    code stays below e4m3's NaN. Bytes 1 and 3 are left-over bits the pack does not read.
+
+    "corrected": the fold's reversed line u = sat(s a + b); the MUFU's e = s a2 + b2 ($16..$19, $20..$23: a2 =
+    -16 a, b2 = 9 - 8 - 16 b, the same line unsaturated, so that a masked score's -inf gives 2^-inf = 0).
+    "fma" (the linear fold, t = sat(s a + b), with `floor` its second line from a3 $16..$19, b3 $20..$23): the
+    MUFU's e = 16 t' + F16_MUFU_LINEAR_K, two FMAs from the fold's own line unsaturated, t' = s a + b, so that
+    e carries whatever the row's b carries (its f16 rounding, and the lowering the kernel gives b against it,
+    several codes on logits of hundreds), as the fold's pairs do: both kinds of pair share the row's shift,
+    which the row's normalisation cancels. Its constant puts the MUFU's pairs where the fold's codes are
+    unbiased in value (the line LEAN_CENTER codes down), not on the exact 2^x: the fold's line on the maximum
+    sits 0.42-0.46 codes down on ordinary rows, so the two kinds of pair then agree on average. (e = s 16a + b2
+    with b2 = P - 8 - m from the maximum itself rounds b2 by |m| 2^-11 of its own, and leaves out the lowering:
+    1.5-1.7x the fold's error on logits of hundreds, measured.)"""
     if not 0 <= mufu <= MUFU_GROUP:
         raise ValueError(f"mufu must be 0..{MUFU_GROUP}, not {mufu!r}")
+    if fold != "corrected" and fold not in ONE_FMA_FOLDS:
+        raise ValueError(f"f16 scores fold as {ONE_FMA_FOLDS} or 'corrected', not {fold!r}")
+    if floor and fold not in ONE_FMA_FOLDS:
+        raise ValueError(f"floor is a second line beside the one-FMA folds {ONE_FMA_FOLDS}, not {fold!r}'s")
     lines: list[str] = []
     for i in range(MUFU_GROUP):
-        out, s = f"${i}", f"${4 + i}"
-        if i < MUFU_GROUP - mufu:
-            lines += _f16_corrected_lines(out, s, f"${8 + i}", f"${12 + i}")
-        else:
-            lines += [f"fma.rn.f16x2 e, {s}, ${16 + i}, ${20 + i};",
-                      "ex2.approx.f16x2 e, e;",
+        out, s, a, b = f"${i}", f"${4 + i}", f"${8 + i}", f"${12 + i}"
+        if i >= MUFU_GROUP - mufu:
+            if fold == "corrected":
+                lines += [f"fma.rn.f16x2 e, {s}, ${16 + i}, ${20 + i};"]
+            else:
+                lines += [f"fma.rn.f16x2 e, {s}, {a}, {b};",
+                          f"mov.b32 c, {_f16x2_hex(16.0)};",
+                          f"mov.b32 m, {_f16x2_hex(F16_MUFU_LINEAR_K)};",
+                          "fma.rn.f16x2 e, e, c, m;"]
+            lines += ["ex2.approx.f16x2 e, e;",
                       "add.u32 e, e, 0x00400040;",   # + half a code in each half
                       f"shr.b32 {out}, e, 7;"]       # bytes 0, 2 <- the codes of keys 0, 1
+        elif fold == "corrected":
+            lines += _f16_corrected_lines(out, s, a, b)
+        else:
+            lines += _f16_linear_lines(out, s, a, b, (f"${16 + i}", f"${20 + i}") if floor else None)
     return "{\n.reg .b32 t, c, m, r, f, e;\n" + "\n".join(lines) + "\n}"
 
 
-#: Inline-asm constraints of `f16_mufu_asm`: four registers out, five operands of four registers in.
-F16_MUFU_CONSTRAINTS = ",".join(["=r"] * MUFU_GROUP + ["r"] * (5 * MUFU_GROUP))
+def f16_mufu_operands(fold: str = "corrected", floor: bool = False) -> int:
+    """How many row operands (f16 pairs broadcast over the scores) `f16_mufu_asm` reads beside the scores: a, b
+    and the corrected fold's a2, b2, or the linear fold's floor line's a3, b3."""
+    return 4 if fold == "corrected" else 2 + 2 * floor
+
+
+def f16_mufu_constraints(fold: str = "corrected", floor: bool = False) -> str:
+    """Inline-asm constraints of `f16_mufu_asm`: four registers out, the scores' and each row operand's four in."""
+    return ",".join(["=r"] * MUFU_GROUP + ["r"] * ((1 + f16_mufu_operands(fold, floor)) * MUFU_GROUP))
 
 
 def f16_reversed(fold: str) -> bool:

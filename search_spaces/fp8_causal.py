@@ -9,7 +9,7 @@ field). `backend` comes first: the fields after it that only one backend reads a
 from functools import partial
 
 from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, lean_floor_conflict,
-                                        lean_ref_conflict, o_split_conflict, o_through_p_conflict, packed_p_conflict,
+                                        lean_mufu_conflict, lean_ref_conflict, o_split_conflict, o_through_p_conflict, packed_p_conflict,
                                         pv_defer_conflict, qk_acc_conflict, qk_async_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
                                        gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_smem2_config,
@@ -32,6 +32,12 @@ def _exact_only_block(f: dict) -> bool:
     """A Gluon 192-key block (a 128- and a 64-key part) exists for the exact softmax on V^T only."""
     return f["backend"] == "gluon" and f["block_n"] == 192
 
+
+
+def decode_lean_mufu(value: int, fields) -> int:
+    """A share of the linear f16 fold's pairs from the MUFU where it applies, else 0. Beside the corrected fold it
+    is not searched: 0.97-0.99x the exact kernel at every share (docs/PERF.md, session 36)."""
+    return value if value and fields["lean_fold"] == "fma" and not lean_mufu_conflict(fields) else 0
 
 PARAMS = (backend_param(),
           gluon_tile("block_m", (64, 128, 192)),     # Gluon 192: three consumer warpgroups (FA3's hd64 tile)
@@ -83,6 +89,8 @@ PARAMS = (backend_param(),
           decode=lambda v, f: "grid" if v != "grid" and lean_ref_conflict(f) else v),
     Param("lean_floor", (False, True), only_if=("backend", "gluon"),  # e4m3's subnormal codes by a second line
           decode=lambda v, f: v and not lean_floor_conflict(f)),
+    Param("lean_mufu", (0, 1, 2), only_if=("backend", "gluon"),  # of four linear-fold pairs, so many by the MUFU
+          decode=decode_lean_mufu),
 )
 
 
@@ -104,7 +112,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     scores at hd128 8K-32K, session 28), and an f16-score winner with its QK^T wait moved behind PV(j-1)'s
     issue (qk_async: +9% on the lean f16 kernel without ping-pong, +0.5% with it, session 35), and a linear-fold
     f16 winner with its line on the row's own maximum (lean_ref="max": 0.97x its error vs unquantised inputs at
-    the same speed, session 45). A short study would rarely sample these neighbours of the best kernel it
+    the same speed, session 45), and such a winner with a quarter of its pairs from the MUFU (lean_mufu=1: 0.99x
+    its error at 0.94x its speed, session 47). A short study would rarely sample these neighbours of the best kernel it
     already has."""
     if config.backend != "gluon":
         return []
@@ -135,6 +144,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
         twins.append(config.replace(qk_async=True))  # PV(j-1) issued behind QK^T(j) (session 35)
     if config.lean_ref == "grid" and not lean_ref_conflict({**vars(config), "lean_ref": "max"}):
         twins.append(config.replace(lean_ref="max"))  # the line on the row's maximum (session 45)
+    if config.lean_ref == "max" and config.lean_mufu == 0 and decode_lean_mufu(1, vars(config)):
+        twins.append(config.replace(lean_mufu=1))  # a quarter of its pairs correctly rounded (session 47)
     return twins
 
 

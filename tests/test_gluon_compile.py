@@ -135,9 +135,12 @@ QK_ASYNC_CASES = [cfg.replace(qk_async=True) for cfg in F16_CASES] + [
 #: seed's 24-register producer
 MUFU_CASES = [gluon_lean_f16_async_config("fp8", 128, 128).replace(lean_fold="corrected", lean_mufu=k)
               for k in (1, 2, 3)]
+#: the same beside the linear fold on the row maximum (lean_ref="max"), with and without the floor line
+LINEAR_MUFU_CASES = [gluon_lean_f16_async_config("fp8", 128, 128).replace(lean_ref="max", lean_mufu=k, lean_floor=f)
+                     for k, f in ((1, False), (2, False), (1, True))]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + F16_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
          + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES + CHUNKED_CASES
-         + HALF_CASES + K_PERM_CASES + QK_ASYNC_CASES + MUFU_CASES)
+         + HALF_CASES + K_PERM_CASES + QK_ASYNC_CASES + MUFU_CASES + LINEAR_MUFU_CASES)
 
 
 def test_hd96_q_and_k_in_32_column_parts_and_o_padded_or_split(compiled):
@@ -277,6 +280,23 @@ def test_lean_mufu_moves_a_share_of_the_pairs_to_the_mufu(cfg, compiled):
     k = cfg.lean_mufu
     assert count(loop, "MUFU") - count(ref_loop, "MUFU") == 32 * k
     assert count(ref_loop, "HFMA2") - count(loop, "HFMA2") == 5 * 16 * k
+    assert count(loop, "F2FP") - count(ref_loop, "F2FP") <= 2  # (the rows' a2, b2 to f16)
+
+
+@pytest.mark.parametrize("cfg", LINEAR_MUFU_CASES, ids=lambda c: f"mufu{c.lean_mufu}-floor{c.lean_floor}")
+def test_lean_mufu_beside_the_linear_fold(cfg, compiled):
+    """lean_mufu=k on the linear fold: of a thread's 64 f16 pairs per 256-key step, 16 k take two MUFU.EX2 each
+    and their code by a shift off the f16 bits instead of the fold's two HFMA2 (and the floor's HFMA2 and
+    HMNMX2): two HFMA2 a pair (the fold's line, unsaturated, and e = 16 t + k), no conversion (F2FP) added,
+    no spills."""
+    art, ref = compiled(cfg), compiled(cfg.replace(lean_mufu=0))
+    check_usable(art, cfg)
+    loop, ref_loop = _step_loop(art.sass), _step_loop(ref.sass)
+    count = lambda body, op: sum(x.split()[0] == op or x.split()[0].startswith(op + ".") for x in body)
+    k, floor = cfg.lean_mufu, cfg.lean_floor
+    assert count(loop, "MUFU") - count(ref_loop, "MUFU") == 32 * k
+    assert count(ref_loop, "HFMA2") - count(loop, "HFMA2") == (16 * k if floor else 0)
+    assert count(ref_loop, "HMNMX2") - count(loop, "HMNMX2") == (16 * k if floor else 0)
     assert count(loop, "F2FP") - count(ref_loop, "F2FP") <= 2  # (the rows' a2, b2 to f16)
 
 

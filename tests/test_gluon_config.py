@@ -108,9 +108,10 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     (dict(overlap=False, block_n=192, half_block=True), r"^half_block=True halves a first block"),
     (dict(overlap=False, block_n=64, half_block=True), r"^half_block=True halves a first block"),
     (dict(p_carry="smem", block_n=64, half_block=True), r"^half_block=True halves a first block"),
-    (dict(lean_mufu=2), r"^lean_mufu=2: a share of the corrected f16 fold's pairs from the MUFU; it needs "
-                        r"softmax='lean', qk_acc='f16' and lean_fold='corrected' .* not softmax='exact'"),
-    (dict(F16_NEEDS, qk_acc="f16", lean_mufu=1), r"^lean_mufu=1: .* not softmax='lean', qk_acc='f16', lean_fold='fma'"),
+    (dict(lean_mufu=2), r"^lean_mufu=2: a share of the f16 fold's pairs from the MUFU; it needs "
+                        r"softmax='lean', qk_acc='f16' and lean_fold 'corrected' or 'fma', not softmax='exact'"),
+    (dict(F16_NEEDS, qk_acc="f16", lean_fold="centered", lean_mufu=1),
+     r"^lean_mufu=1: .* not softmax='lean', qk_acc='f16', lean_fold='centered'"),
     (dict(lean_ref="max"), r"^lean_ref='max': the linear f16 fold's line on the row's own maximum; it needs "
                            r"softmax='lean', qk_acc='f16' and lean_fold='fma' .* not softmax='exact'"),
     (dict(F16_NEEDS, qk_acc="f16", lean_fold="centered", lean_ref="max"), r"^lean_ref='max': .* lean_fold='centered'"),

@@ -13,7 +13,8 @@ from gluon_cases import GLUON, neighbours, sampled
 from zyfa_tune.generator import KernelConfig, emit, emit_gluon, emit_triton, gluon_device, gluon_registers
 from zyfa_tune.generator.emitted import KERNEL_NAME
 from zyfa_tune.generator.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
-from zyfa_tune.generator.lean_asm import MAGIC, code_sum_asm, f16_fold_asm, f16_mufu_asm, f16_pack_asm, lean_tail_asm
+from zyfa_tune.generator.lean_asm import (MAGIC, code_sum_asm, f16_fold_asm, f16_mufu_asm, f16_mufu_constraints,
+                                          f16_pack_asm, lean_tail_asm)
 from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
 from zyfa_tune.generator.timeline import EVENTS
 from zyfa_tune.kernels.defaults import (default_config, gluon_lean_f16_config, gluon_smem2_chunked_config,
@@ -29,6 +30,9 @@ VARIANTS = neighbours() + sampled(20) + [GLUON.replace(p_carry="smem"),
                                          gluon_lean_f16_config("fp8", 128, 128),
                                          *(gluon_lean_f16_config("fp8", 128, 128).replace(lean_fold="corrected",
                                                                                           lean_mufu=k) for k in (1, 2)),
+                                         gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max", lean_mufu=1),
+                                         gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max", lean_floor=True,
+                                                                                        lean_mufu=2),
                                          gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max"),
                                          gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max", lean_floor=True),
                                          gluon_lean_f16_config("fp8", 128, 128).replace(lean_floor=True)]
@@ -168,9 +172,12 @@ def test_constants_are_the_config(cfg):
                  # lean_floor: e4m3's subnormal codes from a second line, 3 codes an octave, meeting at 2^-6
                  "LEAN_FLOOR": cfg.lean_floor, "LEAN_FLOOR_SLOPE": 3.0, "LEAN_FLOOR_AT": -6.0,
                  "F16_PACK_ASM": f16_pack_asm() if cfg.qk_acc == "f16" else "",
-                 # lean_mufu: k of every four f16 pairs by the MUFU (the line e = x + P - 8 = 1 - 16 u)
-                 "LEAN_MUFU": cfg.lean_mufu, "F16_MUFU_ASM": f16_mufu_asm(cfg.lean_mufu) if cfg.lean_mufu else "",
-                 "F16_MUFU_CONSTRAINTS": ",".join(["=r"] * 4 + ["r"] * 20), "F16_MUFU_TOP": 1.0,
+                 # lean_mufu: k of every four f16 pairs by the MUFU (the line e = x + P - 8: 1 - 16 u on the
+                 # corrected fold's u, 16 t + k on the linear fold's t)
+                 "LEAN_MUFU": cfg.lean_mufu,
+                 "F16_MUFU_ASM": f16_mufu_asm(cfg.lean_mufu, cfg.lean_fold, cfg.lean_floor) if cfg.lean_mufu else "",
+                 "F16_MUFU_CONSTRAINTS": ",".join(["=r"] * 4 + ["r"] * 4 * (
+                     5 if cfg.lean_fold == "corrected" else 5 if cfg.lean_floor else 3)), "F16_MUFU_TOP": 1.0,
                  # the corrected fold on f16 scores folds u = 1 - t at the row's own maximum (no 1/8 grid)
                  "F16_U": cfg.qk_acc == "f16" and cfg.lean_fold == "corrected",
                  "LEAN_GRID": lean and cfg.lean_fold in ("fma", "centered") and cfg.lean_ref == "grid",
@@ -203,7 +210,8 @@ def test_only_validated_values_become_text(cfg):
     expected |= {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
     expected |= {code_sum_asm() if lean and cfg.rowsum == "rounded" else ""}  # code sums: no config text
     expected |= {f16_fold_asm(cfg.lean_fold, cfg.lean_floor), f16_pack_asm()} if cfg.qk_acc == "f16" else set()
-    expected |= {f16_mufu_asm(cfg.lean_mufu)} if cfg.lean_mufu else set()  # fixed PTX, from an int of 1..4
+    expected |= {f16_mufu_asm(cfg.lean_mufu, cfg.lean_fold, cfg.lean_floor)} if cfg.lean_mufu else set()  # enums, 1..4
+    expected = (expected - {f16_mufu_constraints(GLUON.lean_fold, GLUON.lean_floor)}) | {f16_mufu_constraints(cfg.lean_fold, cfg.lean_floor)}  # enums
     expected |= {exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else ""}
     if emit_gluon.rescale_in_place(cfg):  # skip_rescale, or a 256-key pv_defer block (always, in place)
         expected |= {rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale), rescale_constraints(cfg.head_dim_v // 2)}

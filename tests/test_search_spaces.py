@@ -34,7 +34,7 @@ FAMILY_FIELDS = {
                    "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
                    "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer", "p_carry",
                    "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                   "qk_acc", "qk_async", "lean_ref", "lean_floor"},  # exp2_poly, lean_mufu: slower
+                   "qk_acc", "qk_async", "lean_ref", "lean_floor", "lean_mufu"},  # exp2_poly: slower
     "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
                     "q_order", "loads", "v_layout"},
 }
@@ -396,6 +396,8 @@ def test_a_linear_f16_winner_has_its_max_reference_twin_and_others_never_sample_
 
     f16 = gluon_lean_f16_async_config("fp8", 128, 128)
     assert f16.lean_ref == "grid" and f16.replace(lean_ref="max") in field_twins(f16)
+    at_max = f16.replace(lean_ref="max")   # and its twin with a quarter of the pairs from the MUFU (session 47)
+    assert at_max.replace(lean_mufu=1) in field_twins(at_max) and not any(t.lean_mufu for t in field_twins(f16))
     assert not any(t.lean_ref == "max" for t in field_twins(f16.replace(lean_fold="corrected")))
     assert not any(t.lean_ref == "max" for t in field_twins(gluon_smem2_config("fp8", 128, 128)))
     space = get_space("fp8")
@@ -404,6 +406,8 @@ def test_a_linear_f16_winner_has_its_max_reference_twin_and_others_never_sample_
     assert options["lean_ref"] == "max" and options["lean_floor"] is True
     assert space._from_options(options, 128, 128) == both
     assert space._from_options({**options, "lean_fold": "corrected"}, 128, 128).lean_ref == "grid"
+    assert space._from_options({**options, "lean_mufu": 2}, 128, 128) == both.replace(lean_mufu=2)
+    assert space._from_options({**options, "lean_mufu": 2, "lean_fold": "corrected"}, 128, 128).lean_mufu == 0
     s, asked = study(5), 0
     for _ in range(200):
         _, cfg = ask_config(space, s, 128, 128)
@@ -411,6 +415,7 @@ def test_a_linear_f16_winner_has_its_max_reference_twin_and_others_never_sample_
             asked += 1
             assert cfg.lean_ref == "grid" or (cfg.qk_acc == "f16" and cfg.lean_fold == "fma")
             assert not cfg.lean_floor or cfg.qk_acc == "f16"
+            assert not cfg.lean_mufu or (cfg.qk_acc == "f16" and cfg.lean_fold == "fma")
     assert asked > 20
 
 
