@@ -7,10 +7,11 @@ emulates the Gluon kernel's online softmax in float64 on the e4m3 inputs `quanti
 tiles, 256-key blocks from the diagonal down, codes against the running maximum, O and the row sum of the
 decoded codes rescaled exactly when it moves) and compares the codes' attention error with P correctly
 rounded (FA3's model: the exact maximum, row sums of the unrounded probabilities). `--floor` adds
-`lean_floor`'s second line (3 codes an octave below code 8). The kernel's own f16 roundings (scores, a, b)
+`lean_floor`'s second line (3 codes an octave below code 8), `--mufu k` lean_mufu's share of correctly rounded
+pairs (k of every four key pairs). The kernel's own f16 roundings (scores, a, b)
 are not modelled: its offset is LEAN_MAX_CENTER plus b's f16 margin (docs/BACKENDS.md, session 45).
 
-    python benchmarks/lean_offset_error.py [--seqlen 2048] [--offsets 0,0.25,0.45] [--floor] [--json out.json]
+    python benchmarks/lean_offset_error.py [--seqlen 2048] [--offsets 0,0.25,0.45] [--floor] [--mufu 1] [--json out.json]
 """
 
 from __future__ import annotations
@@ -39,16 +40,22 @@ def decoded(codes: torch.Tensor) -> torch.Tensor:
     return codes.clamp(0, 126).to(torch.uint8).view(torch.float8_e4m3fn).double()
 
 
-def lean_p(x: torch.Tensor, offset: float, floor: bool) -> torch.Tensor:
-    """The linear fold's probabilities 2^(x + P) as e4m3 values (x <= 0; -inf gives 0)."""
+def lean_p(x: torch.Tensor, offset: float, floor: bool, mufu: int = 0) -> torch.Tensor:
+    """The linear fold's probabilities 2^(x + P) as e4m3 values (x <= 0, keys on the last dim; -inf gives 0);
+    `mufu`: of every four key pairs (keys 2j, 2j + 1), the last `mufu` correctly rounded instead (lean_mufu's
+    MUFU pairs, on x itself: the kernel puts them where the fold's codes are unbiased, about the same)."""
     line = 8 * (x + P) + E4M3_ONE_CODE - offset
     if floor:
         line = torch.maximum(line, LEAN_FLOOR_SLOPE * (x + P - LEAN_FLOOR_AT) + 8 - offset)
-    return decoded(torch.round(line).nan_to_num(0.0, neginf=0.0))
+    p = decoded(torch.round(line).nan_to_num(0.0, neginf=0.0))
+    if mufu:
+        exact = torch.exp2(x + P).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).double()
+        p = torch.where((torch.arange(x.shape[-1]) // 2) % 4 >= 4 - mufu, exact, p)
+    return p
 
 
 def online_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: str, offset: float = 0.0,
-                     floor: bool = False) -> torch.Tensor:
+                     floor: bool = False, mufu: int = 0) -> torch.Tensor:
     """Causal attention of one head ((seqlen, dim) float64) as the Gluon kernel runs it. rule "fa3": P
     correctly rounded at 2^(x + P) (row sums unrounded); "grid" / "max": lean codes against the running
     maximum rounded up to 1/8 / as it is, lowered by `offset` codes (row sums of the decoded codes)."""
@@ -71,7 +78,7 @@ def online_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: st
                 p = torch.exp2(x + P).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).double()
                 sums = torch.exp2(x + P).sum(1, keepdim=True)
             else:
-                p = lean_p(x, offset, floor)
+                p = lean_p(x, offset, floor, mufu)
                 sums = p.sum(1, keepdim=True)
             acc, l, m = acc * alpha + p @ v[n0:n0 + KEYS], l * alpha + sums, ref
         out.append(acc / l)
@@ -79,9 +86,10 @@ def online_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: st
 
 
 def family_errors(family: str, seqlen: int, offsets: list[float], floor: bool, heads: int = 1,
-                  seed: int = 0) -> dict[str, float]:
+                  seed: int = 0, mufu: int = 0) -> dict[str, float]:
     """Rel. L2 against float64 attention on the unquantised inputs: FA3's model with V rounded to nearest and
-    balanced, then the lean codes (balanced V) on the grid and on the maximum at each offset."""
+    balanced, then the lean codes (balanced V) on the grid and on the maximum at each offset (with `mufu` of
+    every four key pairs correctly rounded on the maximum's line)."""
     q, k, v = make_qkv(family, head_dim_qk=128, head_dim_v=128, seed=seed, device="cpu",
                        batch=1, seqlen=seqlen, heads=heads, kv_heads=heads)
     ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
@@ -92,7 +100,7 @@ def family_errors(family: str, seqlen: int, offsets: list[float], floor: bool, h
 
     def error(vq: str, rule: str, offset: float = 0.0, fl: bool = False) -> float:
         qq, kk, vv = inputs[vq]
-        out = torch.stack([online_attention(qq[:, h], kk[:, h], vv[:, h], rule, offset, fl)
+        out = torch.stack([online_attention(qq[:, h], kk[:, h], vv[:, h], rule, offset, fl, mufu if rule == "max" else 0)
                            for h in range(heads)], 1)[None]
         return rel_l2(out, ref)
 
@@ -111,17 +119,19 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--offsets", default="0,0.25,0.375,0.45,0.49,0.625", help="codes the line is lowered by")
     ap.add_argument("--floor", action="store_true", help="also with lean_floor's second line")
+    ap.add_argument("--mufu", type=int, default=0, choices=range(5),
+                    help="of every four key pairs, so many correctly rounded on the maximum's line (lean_mufu)")
     ap.add_argument("--families", default=",".join(FAMILY_NAMES))
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     offsets = [float(x) for x in a.offsets.split(",")]
     if any(not 0.0 <= o < 1.0 for o in offsets):
         ap.error(f"--offsets: each must be in [0, 1) code, got {offsets}")
-    print(f"B=1 S={a.seqlen} H=1 d=128 causal, quantize_fp8 inputs (V balanced but in 'fa3'); rel. L2 vs float64 "
-          f"on unquantised inputs, over FA3's model with V rounded to nearest")
+    print(f"B=1 S={a.seqlen} H=1 d=128 causal, quantize_fp8 inputs (V balanced but in 'fa3'), mufu {a.mufu}/4; rel. L2 "
+          f"vs float64 on unquantised inputs, over FA3's model with V rounded to nearest")
     table = {}
     for fam in a.families.split(","):
-        table[fam] = family_errors(fam, a.seqlen, offsets, a.floor)
+        table[fam] = family_errors(fam, a.seqlen, offsets, a.floor, mufu=a.mufu)
         fa3 = table[fam]["fa3"]
         print(f"{fam:15s} fa3 {fa3:.5f} " + " ".join(f"{name} {e / fa3:.3f}" for name, e in table[fam].items()
                                                    if name != "fa3"), flush=True)

@@ -330,6 +330,10 @@ def test_lean_offset_emulation_pins_the_codes_and_the_maximum():
     plain, floor = codes(lo.lean_p(x, 0.45, False)), codes(lo.lean_p(x, 0.45, True))
     assert plain[2:] == [0, 0, 0, 0] and floor[4:] == [0, 0]
     assert abs(floor[2] - 4) <= 1 and abs(floor[3] - 2) <= 1  # 2^-7 = 4 x 2^-9, 2^-8 = 2 x 2^-9 (subnormal codes)
+    keys = torch.linspace(-6.0, 0.0, 64, dtype=torch.float64) - 0.01   # lean_mufu: pairs 3, 7, ... correctly rounded
+    mixed, exact = codes(lo.lean_p(keys, 0.45, False, mufu=1)), codes(torch.exp2(keys + lo.P))
+    assert all((mixed[i] == exact[i]) if (i // 2) % 4 == 3 else (mixed[i] == plain_k) for i, plain_k in
+               enumerate(codes(lo.lean_p(keys, 0.45, False))))
     q, k, v = _head(300, 3)
     ref = attention_reference(q[None, :, None], k[None, :, None], v[None, :, None], causal=True)[0, :, 0]
     assert rel_l2(lo.online_attention(q, k, v, "fa3"), ref) < 0.03
