@@ -361,20 +361,16 @@ def _f16_fold(s, qk_scale, m_use):
         k2: gl.constexpr = (LEAN_FLOOR_SLOPE * (P_OFFSET - LEAN_FLOOR_AT) + 8.0 - LEAN_CENTER) / LEAN_SAT_SCALE
         a3, _ = gl.broadcast((qk_scale * (LEAN_FLOOR_SLOPE / LEAN_SAT_SCALE)).to(gl.float16)[:, None], s)
         b3, _ = gl.broadcast(gl.fma(m_use, -LEAN_FLOOR_SLOPE / LEAN_SAT_SCALE, k2).to(gl.float16)[:, None], s)
-    if LEAN_MUFU:  # a share of the pairs by the MUFU on the line e = x + P - 8 (f16_mufu_asm)
-        if F16_U:  # the corrected fold's line unsaturated: e = 1 - 16 u
-            a2 = (a16.to(gl.float32) * -16.0).to(gl.float16)
-            b2 = gl.fma(b16.to(gl.float32), -16.0, F16_MUFU_TOP).to(gl.float16)
-            a2, _ = gl.broadcast(a2[:, None], s)
-            b2, _ = gl.broadcast(b2[:, None], s)
+        args = args + [a3, b3]
+    if LEAN_MUFU:  # a share of the pairs by the MUFU on the line e = x + P - 8 (f16_mufu_asm; the linear fold's
+        if F16_U:  # from its own line t', e = 16 t' + k); the corrected fold's line unsaturated: e = 1 - 16 u
+            a2, _ = gl.broadcast((a16.to(gl.float32) * -16.0).to(gl.float16)[:, None], s)
+            b2, _ = gl.broadcast(gl.fma(b16.to(gl.float32), -16.0, F16_MUFU_TOP).to(gl.float16)[:, None], s)
             args = args + [a2, b2]
-        elif LEAN_FLOOR:  # (the linear fold: e = 16 t' + k from its own line t', its b's rounding and lowering
-            args = args + [a3, b3]  # too; the floor's second line for its folded pairs)
         return gl.inline_asm_elementwise(F16_MUFU_ASM, F16_MUFU_CONSTRAINTS, args, dtype=gl.float16,
                                          is_pure=True, pack=8)
     if LEAN_FLOOR:
-        return gl.inline_asm_elementwise(F16_FOLD_ASM, "=r,r,r,r,r,r", args + [a3, b3], dtype=gl.float16,
-                                         is_pure=True, pack=2)
+        return gl.inline_asm_elementwise(F16_FOLD_ASM, "=r,r,r,r,r,r", args, dtype=gl.float16, is_pure=True, pack=2)
     return gl.inline_asm_elementwise(F16_FOLD_ASM, "=r,r,r,r", args, dtype=gl.float16, is_pure=True, pack=2)
 
 

@@ -347,15 +347,12 @@ def f16_mufu_asm(mufu: int, fold: str = "corrected", floor: bool = False) -> str
     return "{\n.reg .b32 t, c, m, r, f, e;\n" + "\n".join(lines) + "\n}"
 
 
-def f16_mufu_operands(fold: str = "corrected", floor: bool = False) -> int:
-    """How many row operands (f16 pairs broadcast over the scores) `f16_mufu_asm` reads beside the scores: a, b
-    and the corrected fold's a2, b2, or the linear fold's floor line's a3, b3."""
-    return 4 if fold == "corrected" else 2 + 2 * floor
-
-
 def f16_mufu_constraints(fold: str = "corrected", floor: bool = False) -> str:
-    """Inline-asm constraints of `f16_mufu_asm`: four registers out, the scores' and each row operand's four in."""
-    return ",".join(["=r"] * MUFU_GROUP + ["r"] * ((1 + f16_mufu_operands(fold, floor)) * MUFU_GROUP))
+    """Inline-asm constraints of `f16_mufu_asm`: four registers out; four in for the scores and for each row
+    operand (f16 pairs broadcast over the scores): a, b and the corrected fold's a2, b2, or the linear fold's
+    floor line's a3, b3."""
+    operands = 4 if fold == "corrected" else 2 + 2 * floor
+    return ",".join(["=r"] * MUFU_GROUP + ["r"] * ((1 + operands) * MUFU_GROUP))
 
 
 def f16_reversed(fold: str) -> bool:

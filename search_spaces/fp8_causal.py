@@ -9,8 +9,8 @@ field). `backend` comes first: the fields after it that only one backend reads a
 from functools import partial
 
 from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, lean_floor_conflict,
-                                        lean_mufu_conflict, lean_ref_conflict, o_split_conflict, o_through_p_conflict, packed_p_conflict,
-                                        pv_defer_conflict, qk_acc_conflict, qk_async_conflict)
+                                        lean_mufu_conflict, lean_ref_conflict, o_split_conflict, o_through_p_conflict,
+                                        packed_p_conflict, pv_defer_conflict, qk_acc_conflict, qk_async_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
                                        gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_smem2_config,
                                        gluon_natural_config, gluon_packed_config, gluon_smem2_chunked_config,
@@ -33,11 +33,11 @@ def _exact_only_block(f: dict) -> bool:
     return f["backend"] == "gluon" and f["block_n"] == 192
 
 
-
 def decode_lean_mufu(value: int, fields) -> int:
     """A share of the linear f16 fold's pairs from the MUFU where it applies, else 0. Beside the corrected fold it
     is not searched: 0.97-0.99x the exact kernel at every share (docs/PERF.md, session 36)."""
     return value if value and fields["lean_fold"] == "fma" and not lean_mufu_conflict(fields) else 0
+
 
 PARAMS = (backend_param(),
           gluon_tile("block_m", (64, 128, 192)),     # Gluon 192: three consumer warpgroups (FA3's hd64 tile)
@@ -113,8 +113,8 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     issue (qk_async: +9% on the lean f16 kernel without ping-pong, +0.5% with it, session 35), and a linear-fold
     f16 winner with its line on the row's own maximum (lean_ref="max": 0.97x its error vs unquantised inputs at
     the same speed, session 45), and such a winner with a quarter of its pairs from the MUFU (lean_mufu=1: 0.99x
-    its error at 0.94x its speed, session 47). A short study would rarely sample these neighbours of the best kernel it
-    already has."""
+    its error at 0.93x its speed, session 47). A short study would rarely sample these neighbours of the best
+    kernel it already has."""
     if config.backend != "gluon":
         return []
     twins = []
