@@ -27,7 +27,11 @@ from zyfa_tune.kernels.timing import attention_flops, gpu_state, host_us, time_c
 from zyfa_tune.quantize import quantize_fp8
 
 OPTIONS = {"plain": {}, "hadamard": dict(hadamard=True), "smooth_k": dict(smooth_k=True),
-           "smooth_k+hadamard": dict(smooth_k=True, hadamard=True), "balanced_v": dict(v_rounding="balanced")}
+           "smooth_k+hadamard": dict(smooth_k=True, hadamard=True), "balanced_v": dict(v_rounding="balanced"),
+           # kappa given: without balance_weights' second moments of Q and K (what estimating it costs)
+           "balanced_v kappa 0": dict(v_rounding="balanced", v_weight=0.0),
+           "smooth_k+hadamard+balanced_v": dict(smooth_k=True, hadamard=True, v_rounding="balanced",
+                                                v_layout="k_major")}
 
 
 def _torch_path(q, k, v, hadamard: bool, smooth_k: bool, balance: bool) -> None:

@@ -101,6 +101,12 @@ BALANCE_FIXED = 2.0 ** 22
 BALANCE_DEAD = 0x7FFFFFFF
 #: a step's winner is a candidate if its key less the direction bit is below this (a cost under 32.0's bits)
 BALANCE_CANDIDATE = 0x42000000
+#: a move's weighed cost (kappa (|d| - 2|e|), `balanced_codes`) is capped here, so that in units of 2^-22 it stays
+#: under 2^30 (|d| + it, an int32); a block's error sum reaches 2^29 units only with codes near 448 all erring alike
+BALANCE_COST_CAP = 256.0
+#: kappa is at most this (`balance_weights`; finite, so kappa times a cost of 0, a tie, is 0)
+BALANCE_WEIGHT_MAX = 2.0 ** 20
+_BALANCE_COST_CAP = tl.constexpr(BALANCE_COST_CAP)
 _BALANCE_FIXED = tl.constexpr(BALANCE_FIXED)
 _BALANCE_SKIP = tl.constexpr(BALANCE_SKIP)
 _BALANCE_ROW_BITS = tl.constexpr(BALANCE_ROW_BITS)
@@ -108,6 +114,46 @@ _BALANCE_KEYS = tl.constexpr(BALANCE_KEYS)
 _BALANCE_STEPS = tl.constexpr(BALANCE_STEPS)
 _BALANCE_CANDIDATE = tl.constexpr(BALANCE_CANDIDATE)
 _BALANCE_DEAD = tl.constexpr(BALANCE_DEAD)
+
+
+#: tokens of Q and of K (every n-th) whose second moments `balance_weights` reads per (batch, head)
+WEIGHT_SAMPLES = 2048
+#: score variance (natural log units) above which kappa is the cap anyway (expm1 of it is over 2^20)
+_SIGMA2_MAX = 30.0
+
+
+def balance_weights(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None = None) -> torch.Tensor:
+    """kappa for balanced V ((B, kv_heads) float32): how much a moved code's own squared error should count
+    against its block's squared error sum, from how P spreads within a block of keys.
+
+    Over P's rows a channel's error in O is sum_j p_j e_j, per block of keys pbar S + sum_j (p_j - pbar) e_j
+    (S the block's error sum); with the fluctuations unrelated to the errors its mean square is
+    E[pbar^2] S^2 + E[(p - pbar)^2] sum_j e_j^2, so a move should count its own squared error kappa =
+    E[(p - pbar)^2] / E[pbar^2] times. For scores of variance sigma^2 (natural log) along a row, p is
+    lognormal and kappa = exp(sigma^2) - 1: 1.7 on Gaussian scores (sigma 1; session 48's emulation has its
+    optimum at 2-4), 0.04 on flat rows, the cap on peaky ones (sigma 8: a few keys rule, their own errors
+    are what counts, and balanced V then keeps nearest codes). sigma^2 = scale^2 E_i[q_i^T Cov(K) q_i] =
+    scale^2 <E[q q^T], Cov(K)>: two (D, D) second moments per head over every n-th token (WEIGHT_SAMPLES);
+    a GQA group's kappa is its q heads' mean."""
+    b, sq, h, d = q.shape
+    hk = k.shape[2]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    qs = q[:, ::max(1, sq // WEIGHT_SAMPLES)].float()
+    ks = k[:, ::max(1, k.shape[1] // WEIGHT_SAMPLES)].float()
+    ks = ks - ks.mean(dim=1, keepdim=True)
+    mq = torch.einsum("bshd,bshe->bhde", qs, qs) / qs.shape[1]
+    ck = torch.einsum("bshd,bshe->bhde", ks, ks) / ks.shape[1]
+    sigma2 = (mq.view(b, hk, h // hk, d, d) * ck.view(b, hk, 1, d, d)).sum(dim=(3, 4)) * scale ** 2
+    kappa = torch.expm1(sigma2.clamp(0.0, _SIGMA2_MAX)).mean(dim=2)
+    return kappa.nan_to_num(BALANCE_WEIGHT_MAX).clamp(0.0, BALANCE_WEIGHT_MAX).float().contiguous()
+
+
+def _weighed_cost(win: torch.Tensor, kappa: torch.Tensor) -> torch.Tensor:
+    """kappa times the winner's cost (|d| - 2|e|, its key's float32 bits less the low 8) in units of 2^-22, int32,
+    capped below 2^30: one float32 multiply, the cap, an exact power-of-two scale and a truncation, as
+    `_balanced_keys` does, so that the GPU's codes are the CPU's."""
+    cost = (win & 0x7FFFFF00).to(torch.int32).view(torch.float32)
+    return (torch.clamp_max(kappa * cost, BALANCE_COST_CAP) * BALANCE_FIXED).to(torch.int32)
 
 
 def _e4m3_step(y: torch.Tensor) -> torch.Tensor:
@@ -130,17 +176,20 @@ def _free_keys(rows: torch.Tensor) -> torch.Tensor:
     return fixed * (BALANCE_SKIP * BALANCE_KEYS) >= fixed.sum(dim=2, keepdim=True, dtype=torch.int32)
 
 
-def balanced_codes(y: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+def balanced_codes(y: torch.Tensor, x: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
     """e4m3 codes of y (B, S, H, D) float32 in [-448, 448] whose rounding errors cancel along the keys. `x`:
     the unscaled values y came from (same shape), whose rows decide which keys may move (default y's).
+    `weight` (B, H) float32 >= 0, kappa (default 0): how much a moved code's own squared error counts against
+    the squared error sum it removes (`balance_weights`: P's spread within a block over its mean).
 
     Round to nearest leaves each channel's error summed over n keys growing as sqrt(n) ulps, and P's
     rows weight V's keys with a common positive mean: that sum is what the mean of P multiplies (on
     Gaussian scores 1/e of V's error in O, nearly all of it on flat rows). Here, per block of
     BALANCE_KEYS keys and channel, codes move to their other e4m3 neighbour, cheapest first (the one
     costing least squared error per unit of the sum: |d| - 2|e|), while that shrinks the block's error sum:
-    each of BALANCE_STEPS steps takes the cheapest code that moves the sum towards zero and moves it if it
-    does not overshoot (|d| < 2 |sum|), else passes over it for good (the sum only shrinks). A key far smaller
+    each of BALANCE_STEPS steps takes the cheapest code that moves the sum towards zero and moves it if that
+    removes more squared sum than kappa times the squared error it adds (|d| + kappa (|d| - 2|e|) < 2 |sum|; at
+    kappa 0: if it does not overshoot), else passes over it for good (the sum only shrinks). A key far smaller
     than its block's keys on average (an attention sink's small value: one key weighted like thousands,
     where only its own error matters) is left at nearest (`_free_keys`).
 
@@ -171,6 +220,8 @@ def balanced_codes(y: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tens
     free = _free_keys(rows.view(b, n // BALANCE_KEYS, BALANCE_KEYS, h, 1)) & (ef != 0)
     key = torch.where(free, key, BALANCE_DEAD).to(torch.int64) & 0xFFFFFFFF     # uint32, in int64
     total = err.sum(dim=2, keepdim=True, dtype=torch.int32)
+    kappa = torch.zeros(b, h, dtype=torch.float32, device=y.device) if weight is None else weight.float()
+    kappa = kappa.view(b, 1, 1, h, 1)
     above = [torch.zeros_like(total, dtype=torch.int64) for _ in range(2)]     # per direction: last winner + 1
     moved = torch.zeros_like(total, dtype=torch.int64)                          # a bit per position
     for _ in range(BALANCE_STEPS):
@@ -182,7 +233,7 @@ def balanced_codes(y: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tens
         # valid, it moves only the sum, no code: no candidate is left in either direction)
         valid = win < BALANCE_CANDIDATE
         dk = torch.ones_like(total) << (((win >> 4) & 15) + 13).to(torch.int32)   # the winner's |d|
-        apply = valid & ((dk >> 1) < total.abs())
+        apply = valid & (((dk + _weighed_cost(win, kappa)) >> 1) < total.abs())
         total = total + torch.where(apply, torch.where(neg, dk, -dk), 0)
         c = torch.where(valid, win + 1, c)
         above = [torch.where(neg, above[0], c), torch.where(neg, c, above[1])]
@@ -192,12 +243,12 @@ def balanced_codes(y: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tens
 
 
 def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = False,
-                             mean: torch.Tensor | None = None,
-                             balance: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                             mean: torch.Tensor | None = None, balance: bool = False,
+                             weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, S, H, D) floating -> (e4m3 codes (B, S, H, D), float32 descales (B, kv_heads)), one scale
     per kv head shared by its GQA group, in torch ops. `mean` (B, kv_heads, D) float32 is subtracted
     first (K smoothing), then the rows are rotated by `hadamard_matrix(D)` if `rotate`; `balance`
-    rounds as `balanced_codes` (V), else to nearest."""
+    rounds as `balanced_codes` (V) with kappa `weight` (B, kv_heads), else to nearest."""
     b, s, h, d = x.shape
     xf = x.float()
     if mean is not None:
@@ -208,25 +259,28 @@ def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = Fals
     descale = xf.abs().amax(dim=(1, 3, 4)).clamp_min(AMAX_FLOOR) * INV_E4M3_MAX  # (b, kv_heads)
     scale = 1.0 / descale
     codes = (xf * scale.view(b, 1, kv_heads, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).view(b, s, h, d)
-    codes = balanced_codes(codes, xf.view(b, s, h, d)) if balance else codes.to(torch.float8_e4m3fn)
+    codes = balanced_codes(codes, xf.view(b, s, h, d), weight) if balance else codes.to(torch.float8_e4m3fn)
     return codes, descale.contiguous()
 
 
 def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
-                   mean: torch.Tensor | None = None, balance: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   mean: torch.Tensor | None = None, balance: bool = False,
+                   weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_heads_reference`'s result; on a GPU by the two passes below."""
-    codes, descales = quantize_tensors(((x, rotate, mean),), kv_heads, balance_last=balance)
+    codes, descales = quantize_tensors(((x, rotate, mean),), kv_heads, balance_last=balance, balance_weight=weight)
     return codes[0], descales[0]
 
 
 def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
-                     balance_last: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                     balance_last: bool = False,
+                     balance_weight: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(codes, descales) of each (x, rotate, mean) in `items` (at most three tensors of one batch size
     and kv head count), as `quantize_heads`. `k_major_last`: the last tensor's codes are written
     keys-fastest, a (B, S, H, D) view of a (B, H, D, Sp) buffer (Sp: S padded to 16 bytes, what
     transpose_v would make): the codes pass stores them there itself (transposed through shared
     memory), so the FP8 kernels' V^T costs no pass of its own. `balance_last`: the last tensor (V,
-    neither rotated nor centred) is rounded as `balanced_codes`, alone in its launch (16-key programs).
+    neither rotated nor centred) is rounded as `balanced_codes`, alone in its launch (16-key programs), with
+    kappa `balance_weight` ((B, kv_heads) float32, finite, >= 0; default 0).
 
     On a GPU, tensors that take the same compiled passes (head dim, dtype, options, last stride) are
     one launch per pass: each program finds its tensor from its index (quantize_fp8's plain Q, K and
@@ -236,8 +290,14 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
     if balance_last and (items[-1][1] or items[-1][2] is not None):
         raise ValueError("balance_last: the balanced tensor (V) cannot be rotated or centred")
     last = len(items) - 1
+    b = items[0][0].shape[0]
+    if balance_weight is None:
+        balance_weight = torch.zeros(b, kv_heads, dtype=torch.float32, device=items[0][0].device)
+    elif balance_weight.shape != (b, kv_heads) or balance_weight.dtype != torch.float32:
+        raise ValueError(f"balance_weight: expected float32 ({b}, {kv_heads}), got {balance_weight.dtype} "
+                         f"{tuple(balance_weight.shape)}")
     if items[0][0].device.type != "cuda":
-        out = [quantize_heads_reference(x, kv_heads, rotate, mean, balance_last and i == last)
+        out = [quantize_heads_reference(x, kv_heads, rotate, mean, balance_last and i == last, balance_weight)
                for i, (x, rotate, mean) in enumerate(items)]
         codes = [c for c, _ in out]
         if k_major_last:
@@ -256,7 +316,6 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
             _plans.clear()
         plan = _plans[key] = _Plan(xs, [bool(r) for _, r, _ in items], [m is not None for m in means], kv_heads,
                                    last if k_major_last else -1, last if balance_last else -1)
-    b = xs[0].shape[0]
     amax = torch.zeros(len(xs) * b * kv_heads, dtype=torch.float32, device=xs[0].device)
     descales = torch.empty(len(xs), b, kv_heads, dtype=torch.float32, device=xs[0].device)
     codes = [_codes_buffer(x, k_major_last and i == len(xs) - 1) for i, x in enumerate(xs)]
@@ -264,7 +323,7 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
     if balance_last:  # which keys of each block may move, pass 1 to pass 2 (every entry written by pass 1)
         free = torch.empty(b * xs[-1].shape[2] * (padded_keys(xs[-1].shape[1], False) // BALANCE_KEYS),
                            dtype=torch.int32, device=xs[0].device)
-    plan(xs, means, amax, descales, codes, free)
+    plan(xs, means, amax, descales, codes, free, balance_weight.contiguous())
     return codes, list(descales.unbind(0))
 
 
@@ -303,9 +362,9 @@ class _Plan:
                        for (_, _, _, r, c, bal, _), members in by_kind.items()]
 
     def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list,
-                 free: torch.Tensor) -> None:
+                 free: torch.Tensor, weight: torch.Tensor) -> None:
         for group in self.groups:
-            group(xs, means, amax, descales, codes, free)
+            group(xs, means, amax, descales, codes, free, weight)
 
 
 class _Group:
@@ -341,7 +400,7 @@ class _Group:
         self.amax_pass = self.codes_pass = None
 
     def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list,
-                 free: torch.Tensor) -> None:
+                 free: torch.Tensor, weight: torch.Tensor) -> None:
         x0 = xs[self.members[0]]
         r = _pm1_matrix(x0.shape[3], x0.device) if self.consts["ROTATE"] else x0
         m = means[self.members[0]] if self.consts["CENTER"] else x0
@@ -352,10 +411,11 @@ class _Group:
             self.amax_pass = Bound(run(("quantize_amax", *self.head), _amax_kernel, self.grid, (*ins, *self.tail),
                                        self.consts, self.options, dev), self.grid, dev)
             self.codes_pass = Bound(run(("quantize_codes", *self.head), _codes_kernel, self.grid,
-                                        (*ins, *outs, *self.tail), self.consts, self.options, dev), self.grid, dev)
+                                        (*ins, weight, *outs, *self.tail), self.consts, self.options, dev),
+                                    self.grid, dev)
         else:
             self.amax_pass((*ins, *self.tail, *self.consts.values()))
-            self.codes_pass((*ins, *outs, *self.tail, *self.consts.values()))
+            self.codes_pass((*ins, weight, *outs, *self.tail, *self.consts.values()))
 
 
 def _tiles(d: int, rotate: bool, balanced: bool = False) -> tuple[int, int, int, int]:
@@ -491,7 +551,7 @@ def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, P1, P2, F0, F1, F2, S0, S1, S2
 
 
 @triton.jit(do_not_specialize=_SEGMENT_ARGS)
-def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, DESCALE, OUT0, OUT1, OUT2, P1, P2, F0, F1, F2, S0, S1, S2,
+def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, WEIGHT, DESCALE, OUT0, OUT1, OUT2, P1, P2, F0, F1, F2, S0, S1, S2,
                   H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
                   NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
                   CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr,
@@ -499,7 +559,7 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, DESCALE, OUT0, OUT1, OUT2, P1
     """The codes of a block of rows. LAST_K_MAJOR: the last segment's go keys-fastest into its (B, H, D,
     SKP) buffer (V for the FP8 kernels' V^T, written by this pass instead of a copy after it).
     BALANCED: rounded as `balanced_codes` (V, alone in its launch, never rotated: one block of keys
-    a program, BN = DP)."""
+    a program, BN = DP), kappa WEIGHT (B, H) float32."""
     x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s = _program_rows(
         X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
         SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER, not BALANCED)
@@ -515,7 +575,8 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, DESCALE, OUT0, OUT1, OUT2, P1
         cols = tl.arange(0, DP)
         keys = tl.arange(0, _BALANCE_KEYS)
         free = tl.load(FREE + _free_slot(b, h, H, s0, SKP))
-        y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, scale, DP), free)
+        kappa = tl.load(WEIGHT + b.to(tl.int64) * H + h)
+        y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, scale, DP), free, kappa)
         y8 = y8.to(tl.float8e4nv)
         ok = (cols < D)[:, None] & (s0 + keys < S)[None, :]
         if k_major:
@@ -581,9 +642,10 @@ def _load_keys(src, stride_s, coff, n, cmask, scale, DP: tl.constexpr):
 
 
 @triton.jit
-def _balanced_keys(y, free):
+def _balanced_keys(y, free, kappa):
     """`balanced_codes` of one block of keys, (channels, keys) as _load_keys lays it out (rows past S and padded
-    columns zero), `free` the keys that may move (a bit each, pass 1's `_free_keys`): the same arithmetic, so the
+    columns zero), `free` the keys that may move (a bit each, pass 1's `_free_keys`), `kappa` its (batch, head)'s
+    weight: the same arithmetic (`_weighed_cost` too), so the
     same codes; returns each element's chosen neighbour as float32 (its e4m3 conversion is exact). No code is
     read as a byte (Triton 3.6 gave a wrong byte for one element in eight when e4m3 codes were bitcast to
     uint8 and widened, session 44): the other neighbour is y's nearest plus the step, from y's exponent bits."""
@@ -613,7 +675,9 @@ def _balanced_keys(y, free):
         win = tl.min(key + off[:, None], axis=1) + c
         valid = win < _BALANCE_CANDIDATE
         dk = 1 << (((win >> 4) & 15).to(tl.int32) + 13)
-        apply = valid & ((dk >> 1) < tl.abs(total))
+        cost = (win & 0x7FFFFF00).to(tl.int32, bitcast=True).to(tl.float32, bitcast=True)
+        weighed = (tl.minimum(kappa * cost, _BALANCE_COST_CAP) * _BALANCE_FIXED).to(tl.int32)
+        apply = valid & (((dk + weighed) >> 1) < tl.abs(total))
         total += tl.where(apply, tl.where(neg, dk, -dk), 0)
         c = tl.where(valid, win + 1, c)
         above0 = tl.where(neg, above0, c)

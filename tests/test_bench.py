@@ -175,6 +175,9 @@ def test_native_quantisation_and_input_families():
     want = quantize_fp8(*x.raw, v_rounding="balanced")[2]
     assert torch.equal(balanced[0][2].view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(balanced[0][0].view(torch.uint8), plain[0][0].view(torch.uint8))
+    kappa0 = x.args("fp8", (("balanced_v", True), ("v_weight", 0.0)))[0][2]   # --ours ...,v_weight=0
+    assert torch.equal(kappa0.view(torch.uint8), quantize_fp8(*x.raw, v_rounding="balanced", v_weight=0.0)[2].view(torch.uint8))
+    assert not torch.equal(kappa0.view(torch.uint8), balanced[0][2].view(torch.uint8))   # the estimated kappa's differ
     assert torch.equal(x.reference("fp8"), attention_reference(*x.raw, causal=True))
     assert torch.equal(x.reference("bf16"), x.reference("fp8"))
     gauss = bench.Inputs.random(shape, seed=1, device="cpu")
@@ -220,6 +223,12 @@ def test_quantisation_options_parse_and_need_native_mode():
     assert smooth.overrides is None and smooth.quant == (("smooth_k", True),)  # the dispatcher's kernel
     (bal,) = bench.parse_ours("b:balanced_v=true,k_major_v=true", ["fp8"])
     assert dict(bal.quant) == {"balanced_v": True, "k_major_v": True}
+    (kappa,) = bench.parse_ours("b:balanced_v=true,v_weight=0", ["fp8"])   # kappa 0: session 44-47's balanced V
+    assert dict(kappa.quant) == {"balanced_v": True, "v_weight": 0.0}
+    for bad, match in (("v_weight=1", "add balanced_v=true"), ("balanced_v=true,v_weight=-2", "a number >= 0"),
+                       ("balanced_v=true,v_weight=nan", "a number >= 0"), ("balanced_v=true,v_weight=yes", "a number")):
+        with pytest.raises(ValueError, match=match):
+            bench.parse_ours(bad, ["fp8"])
     (both,) = bench.parse_ours("dtype=fp8,num_stages=2,hadamard=true", ["fp8", "bf16"])
     assert dict(both.overrides) == {"num_stages": 2} and both.quant == (("hadamard", True),)
     with pytest.raises(ValueError, match="dtype=fp8"):

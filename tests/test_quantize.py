@@ -29,7 +29,7 @@ def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, s
     sig.update({f"X{i}": "*" + _DT[dtype] for i in range(3)}, R="*bf16", MEAN="*fp32", inv_sqrt="fp32")
     sig.update(AMAX="*fp32", FREE="*i32")
     if kernel is _codes_kernel:
-        sig.update({f"OUT{i}": "*fp8e4nv" for i in range(3)}, DESCALE="*fp32")
+        sig.update({f"OUT{i}": "*fp8e4nv" for i in range(3)}, DESCALE="*fp32", WEIGHT="*fp32")
     constexprs = dict(stride_d=1, NSEG=segments, DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate,
                       TERMS=terms, LAST_K_MAJOR=k_major, BALANCED=balanced)
     sig.update({name: "constexpr" for name in constexprs})
@@ -196,16 +196,21 @@ def test_kernels_give_the_reference_codes(dtype, shape, kv_heads, rotate, centre
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape,kv_heads", [((2, 1000, 8, 128), 2), ((1, 17, 2, 96), 1), ((1, 4100, 4, 256), 4),
                                             ((3, 257, 6, 64), 3)])
-def test_balanced_codes_on_the_gpu_are_the_cpu_codes(dtype, shape, kv_heads):
+@pytest.mark.parametrize("weighed", [False, True])
+def test_balanced_codes_on_the_gpu_are_the_cpu_codes(dtype, shape, kv_heads, weighed):
     """V's balanced rounding (integer error sums; the codes pass, one 16-key block a program): a GPU gives
     the CPU's codes bitwise, a sink-like small key and a partial last block of keys included, and they
-    are not the nearest codes."""
+    are not the nearest codes; `weighed`: each (batch, kv head) its own kappa (0.3 to 1e6)."""
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g) * 3 + 0.5
     x[:, 0] *= 0.05
     x = x.to(dtype)
-    got, got_d = quantize_heads(x.cuda(), kv_heads, balance=True)
-    want, want_d = quantize_heads_reference(x, kv_heads, balance=True)
+    weight = None
+    if weighed:
+        weight = torch.tensor([0.3, 1.7, 6.0, 1e6, 0.0, 2.5])[torch.arange(shape[0] * kv_heads) % 6]
+        weight = weight.view(shape[0], kv_heads).contiguous()
+    got, got_d = quantize_heads(x.cuda(), kv_heads, balance=True, weight=None if weight is None else weight.cuda())
+    want, want_d = quantize_heads_reference(x, kv_heads, balance=True, weight=weight)
     assert torch.equal(got_d.cpu(), want_d)
     _codes_close(got.cpu(), want, exact=True)
     assert not torch.equal(want.view(torch.uint8), quantize_heads_reference(x, kv_heads)[0].view(torch.uint8))
@@ -231,9 +236,10 @@ def test_quantize_fp8_on_the_gpu_is_the_cpu_arithmetic():
     q, k, v = (torch.randn(2, 700, h, 128, generator=g).to(torch.bfloat16) for h in (8, 2, 2))
     for opts in ({}, dict(hadamard=True), dict(smooth_k=True), dict(hadamard=True, smooth_k=True),
                  dict(v_layout="k_major"), dict(v_layout="k_major", hadamard=True),
-                 dict(v_layout="k_major", smooth_k=True), dict(v_rounding="balanced"),
-                 dict(v_rounding="balanced", v_layout="k_major"), dict(v_rounding="balanced", hadamard=True),
-                 dict(v_rounding="balanced", smooth_k=True, v_layout="k_major")):
+                 dict(v_layout="k_major", smooth_k=True), dict(v_rounding="balanced", v_weight=0.0),
+                 dict(v_rounding="balanced", v_layout="k_major", v_weight=1.7),
+                 dict(v_rounding="balanced", hadamard=True, v_weight=2.0),
+                 dict(v_rounding="balanced", smooth_k=True, v_layout="k_major", v_weight=0.5)):
         cpu = quantize_fp8(q, k, v, **opts)
         gpu = quantize_fp8(q.cuda(), k.cuda(), v.cuda(), **opts)
         exact = not opts.get("hadamard") and not opts.get("smooth_k")
@@ -242,6 +248,22 @@ def test_quantize_fp8_on_the_gpu_is_the_cpu_arithmetic():
             _codes_close(t.cpu().contiguous(), c.contiguous(), exact=exact)
         for c, t in zip(cpu[3:], gpu[3:]):  # rotated or centred: float32 summation order
             torch.testing.assert_close(t.cpu(), c, rtol=0 if exact else 2e-5, atol=0)
+
+
+@pytest.mark.gpu
+def test_balance_weights_on_the_gpu():
+    """kappa from Q and K's second moments on a GPU is the CPU's to float32 summation order, and balanced V by
+    default is the codes pass with the GPU's own kappa."""
+    from zyfa_tune.kernels.quantize import balance_weights, quantize_tensors
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 5000, h, 128, generator=g).to(torch.bfloat16) for h in (8, 2, 2))
+    w = balance_weights(q.cuda(), k.cuda())
+    torch.testing.assert_close(w.cpu(), balance_weights(q, k), rtol=1e-4, atol=0)
+    qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+    got = quantize_fp8(qc, kc, vc, v_rounding="balanced")[2]
+    want = quantize_tensors(((vc, False, None),), 2, balance_last=True, balance_weight=w)[0][0]
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.gpu

@@ -148,7 +148,16 @@ def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
         raise ValueError(f"--ours: dtype={named!r} is not one of {list(DTYPES)}")
     quant = {k: over.pop(k) for k in QUANT_OPTIONS if k in over}
     for k, v in quant.items():
-        if not isinstance(v, bool):
+        if k == "v_weight":   # balanced V's kappa (quantize_fp8's v_weight), a number
+            try:
+                v = quant[k] = float(v) if not isinstance(v, bool) else v
+            except ValueError:
+                pass
+            if not isinstance(v, float) or not 0 <= v < float("inf"):
+                raise ValueError(f"--ours: v_weight expects a number >= 0, got {v!r}")
+            if not quant.get("balanced_v"):
+                raise ValueError("--ours: v_weight weighs balanced V's moves: add balanced_v=true")
+        elif not isinstance(v, bool):
             raise ValueError(f"--ours: {k} expects true or false, got {v!r}")
     if quant and named != "fp8" and list(dtypes) != ["fp8"]:
         raise ValueError(f"--ours: {sorted(quant)} are FP8 quantisation options: add dtype=fp8")
@@ -162,7 +171,7 @@ def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
 # ---- inputs and systems ------------------------------------------------------------------------
 
 #: `--ours` keys that are `quantize_fp8` options, not config fields
-QUANT_OPTIONS = ("smooth_k", "hadamard", "k_major_v", "balanced_v")
+QUANT_OPTIONS = ("smooth_k", "hadamard", "k_major_v", "balanced_v", "v_weight")
 #: how FP8 systems get their inputs: one shared per-tensor quantisation (kernel error only), or each
 #: system's own (FA3 and ours: `quantize_fp8` per (batch, kv head); cuDNN: per tensor), the error
 #: then taken against float64 attention on the unquantised inputs (issue 5's comparison); "end-to-end":

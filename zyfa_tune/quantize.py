@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from zyfa_tune.kernels.quantize import E4M3_MAX, KERNEL_DTYPES, hadamard_matrix, quantize_tensors
+from zyfa_tune.kernels.quantize import (BALANCE_WEIGHT_MAX, E4M3_MAX, KERNEL_DTYPES, balance_weights, hadamard_matrix,
+                                        quantize_tensors)
 from zyfa_tune.kernels.reference import dequantize
 
 __all__ = ["E4M3_MAX", "V_ROUNDINGS", "dequantize_fp8", "hadamard_matrix", "quantize_fp8"]
@@ -16,7 +17,8 @@ V_ROUNDINGS = ("nearest", "balanced")
 
 
 def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bool = False,
-                 v_layout: str = "natural", smooth_k: bool = False, v_rounding: str = "nearest"):
+                 v_layout: str = "natural", smooth_k: bool = False, v_rounding: str = "nearest",
+                 softmax_scale: float | None = None, v_weight: float | None = None):
     """Return (q8, k8, v8, q_descale, k_descale, v_descale) for `flash_attn_func`.
 
     Inputs are (batch, seqlen, heads, dim) floating tensors; descales are float32 (batch, kv_heads)
@@ -40,7 +42,12 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     V's part of the error falls by about a third on Gaussian rows, most of it on flat rows
     (docs/ACCURACY.md, session 44). The descales and the other tensors are unchanged and the attention
     costs the same; V's pass costs more (0.465 ms against 0.352 for Q, K and V of 16K tokens x 32 heads
-    on the H100, docs/PERF.md session 46), hence opt-in.
+    on the H100, docs/PERF.md session 46), hence opt-in. A move is made only where the squared error sum it
+    removes outweighs kappa times the code's own squared error it adds: rows that a few keys rule (peaky
+    scores) need each key's own error small, flat rows only the sums. `v_weight` sets kappa; by default
+    it is estimated per (batch, kv head) from the spread of Q K^T (`kernels.quantize.balance_weights`, at
+    `softmax_scale`, default 1/sqrt(head_dim)): 1.7 on Gaussian scores, so large on peaky ones that no code
+    moves; 0 moves every code that shrinks a sum (session 44-47's rounding).
     """
     if v_layout not in ("natural", "k_major"):
         raise ValueError(f"v_layout: expected 'natural' or 'k_major', got {v_layout!r}")
@@ -67,12 +74,21 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
         raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {q.shape[3]}")
     if not isinstance(smooth_k, bool) or not isinstance(hadamard, bool):
         raise TypeError("hadamard, smooth_k: expected bool")
+    for name, x, top in (("softmax_scale", softmax_scale, float("inf")), ("v_weight", v_weight, BALANCE_WEIGHT_MAX)):
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= top
+                              or (name == "softmax_scale" and x == 0)):
+            raise ValueError(f"{name}: expected a number in {'(0, inf)' if top == float('inf') else f'[0, {top:g}]'}"
+                             f" or None, got {x!r}")
+    weight = None
+    if v_rounding == "balanced":
+        weight = (balance_weights(q, k, softmax_scale) if v_weight is None
+                  else torch.full((q.shape[0], hk), float(v_weight), dtype=torch.float32, device=q.device))
     mean = None
     if smooth_k:  # (batch, kv_heads, dim), float32 like the rest of the arithmetic
         mean = (k if k.dtype in KERNEL_DTYPES else k.float()).mean(dim=1, dtype=torch.float32).contiguous()
     (q8, k8, v8), (qd, kd, vd) = quantize_tensors(((q, hadamard, None), (k, hadamard, mean), (v, False, None)), hk,
                                                   k_major_last=v_layout == "k_major",
-                                                  balance_last=v_rounding == "balanced")
+                                                  balance_last=v_rounding == "balanced", balance_weight=weight)
     return q8, k8, v8, qd, kd, vd
 
 
