@@ -116,8 +116,8 @@ _BALANCE_CANDIDATE = tl.constexpr(BALANCE_CANDIDATE)
 _BALANCE_DEAD = tl.constexpr(BALANCE_DEAD)
 
 
-#: tokens of Q and of K (every n-th) whose second moments `balance_weights` reads per (batch, head)
-WEIGHT_SAMPLES = 2048
+#: queries and keys (every n-th) whose scores `balance_weights` reads per (batch, head): a 256 x 256 sample
+WEIGHT_SAMPLES = 256
 #: score variance (natural log units) above which kappa is the cap anyway (expm1 of it is over 2^20)
 _SIGMA2_MAX = 30.0
 
@@ -132,20 +132,20 @@ def balance_weights(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | Non
     E[(p - pbar)^2] / E[pbar^2] times. For scores of variance sigma^2 (natural log) along a row, p is
     lognormal and kappa = exp(sigma^2) - 1: 1.7 on Gaussian scores (sigma 1; session 48's emulation has its
     optimum at 2-4), 0.04 on flat rows, the cap on peaky ones (sigma 8: a few keys rule, their own errors
-    are what counts, and balanced V then keeps nearest codes). sigma^2 = scale^2 E_i[q_i^T Cov(K) q_i] =
-    scale^2 <E[q q^T], Cov(K)>: two (D, D) second moments per head over every n-th token (WEIGHT_SAMPLES);
-    a GQA group's kappa is its q heads' mean."""
+    are what counts, and balanced V then keeps nearest codes). sigma^2 is the mean over WEIGHT_SAMPLES
+    queries of their scores' variance over WEIGHT_SAMPLES keys (every n-th token of each; one small batched
+    product, the rows' means removed, so Q's and K's means drop out as in the softmax); a GQA group's kappa is
+    its q heads' mean."""
     b, sq, h, d = q.shape
-    hk = k.shape[2]
+    sk, hk = k.shape[1], k.shape[2]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    qs = q[:, ::max(1, sq // WEIGHT_SAMPLES)].float()
-    ks = k[:, ::max(1, k.shape[1] // WEIGHT_SAMPLES)].float()
-    ks = ks - ks.mean(dim=1, keepdim=True)
-    mq = torch.einsum("bshd,bshe->bhde", qs, qs) / qs.shape[1]
-    ck = torch.einsum("bshd,bshe->bhde", ks, ks) / ks.shape[1]
-    sigma2 = (mq.view(b, hk, h // hk, d, d) * ck.view(b, hk, 1, d, d)).sum(dim=(3, 4)) * scale ** 2
+    qs = q[:, ::max(1, sq // WEIGHT_SAMPLES)][:, :WEIGHT_SAMPLES].permute(0, 2, 1, 3)   # (b, h, nq, d)
+    ks = k[:, ::max(1, sk // WEIGHT_SAMPLES)][:, :WEIGHT_SAMPLES].permute(0, 2, 3, 1)   # (b, hk, d, nk)
+    nq = qs.shape[2]   # float32 scores: rows with means of hundreds (channel outliers) keep their spread
+    scores = torch.matmul(qs.float().reshape(b, hk, (h // hk) * nq, d), ks.float())
+    sigma2 = scores.var(dim=3, unbiased=False).view(b, hk, h // hk, nq).mean(dim=3) * scale ** 2
     kappa = torch.expm1(sigma2.clamp(0.0, _SIGMA2_MAX)).mean(dim=2)
-    return kappa.nan_to_num(BALANCE_WEIGHT_MAX).clamp(0.0, BALANCE_WEIGHT_MAX).float().contiguous()
+    return kappa.nan_to_num(BALANCE_WEIGHT_MAX).clamp(0.0, BALANCE_WEIGHT_MAX).contiguous()
 
 
 def _weighed_cost(win: torch.Tensor, kappa: torch.Tensor) -> torch.Tensor:
@@ -259,7 +259,11 @@ def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = Fals
     descale = xf.abs().amax(dim=(1, 3, 4)).clamp_min(AMAX_FLOOR) * INV_E4M3_MAX  # (b, kv_heads)
     scale = 1.0 / descale
     codes = (xf * scale.view(b, 1, kv_heads, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).view(b, s, h, d)
-    codes = balanced_codes(codes, xf.view(b, s, h, d), weight) if balance else codes.to(torch.float8_e4m3fn)
+    if balance:   # kappa per (batch, kv head), each of its heads'
+        weight = None if weight is None else weight.repeat_interleave(h // kv_heads, dim=1)
+        codes = balanced_codes(codes, xf.view(b, s, h, d), weight)
+    else:
+        codes = codes.to(torch.float8_e4m3fn)
     return codes, descale.contiguous()
 
 
@@ -559,7 +563,7 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, WEIGHT, DESCALE, OUT0, OUT1, 
     """The codes of a block of rows. LAST_K_MAJOR: the last segment's go keys-fastest into its (B, H, D,
     SKP) buffer (V for the FP8 kernels' V^T, written by this pass instead of a copy after it).
     BALANCED: rounded as `balanced_codes` (V, alone in its launch, never rotated: one block of keys
-    a program, BN = DP), kappa WEIGHT (B, H) float32."""
+    a program, BN = DP), kappa WEIGHT (B, kv heads) float32."""
     x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s = _program_rows(
         X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
         SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER, not BALANCED)
@@ -575,7 +579,7 @@ def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, WEIGHT, DESCALE, OUT0, OUT1, 
         cols = tl.arange(0, DP)
         keys = tl.arange(0, _BALANCE_KEYS)
         free = tl.load(FREE + _free_slot(b, h, H, s0, SKP))
-        kappa = tl.load(WEIGHT + b.to(tl.int64) * H + h)
+        kappa = tl.load(WEIGHT + b.to(tl.int64) * (H // GROUP) + h // GROUP)   # its (batch, kv head)'s
         y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, scale, DP), free, kappa)
         y8 = y8.to(tl.float8e4nv)
         ok = (cols < D)[:, None] & (s0 + keys < S)[None, :]

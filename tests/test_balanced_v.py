@@ -190,6 +190,11 @@ def test_a_large_weight_keeps_the_nearest_codes_and_a_bad_one_is_refused():
     assert torch.equal(balanced_codes(y, weight=torch.full((1, 2), BALANCE_WEIGHT_MAX)).view(torch.uint8), near)
     mixed = balanced_codes(y, weight=torch.tensor([[0.0, BALANCE_WEIGHT_MAX]])).view(torch.uint8)
     assert torch.equal(mixed[:, :, 1], near[:, :, 1]) and not torch.equal(mixed[:, :, 0], near[:, :, 0])
+    # per (batch, kv head): a tensor of four heads in two groups, its second group's heads at nearest
+    grouped = quantize_heads_reference(torch.cat([y, y], 2), 2, balance=True, weight=torch.tensor([[0.0, 1e6]]))[0]
+    plain = quantize_heads_reference(torch.cat([y, y], 2), 2)[0].view(torch.uint8)
+    assert torch.equal(grouped.view(torch.uint8)[:, :, 2:], plain[:, :, 2:])
+    assert not torch.equal(grouped.view(torch.uint8)[:, :, :2], plain[:, :, :2])
     q, k, v = make_qkv("gaussian", batch=1, seqlen=64, heads=2, kv_heads=2, head_dim_qk=64, head_dim_v=64, seed=0)
     for bad in (-1.0, float("nan"), float("inf"), True, "1"):
         with pytest.raises(ValueError, match="v_weight: expected a number"):

@@ -41,8 +41,8 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     P's rows average V's keys with a positive mean weight, which round to nearest leaves adding up:
     V's part of the error falls by about a third on Gaussian rows, most of it on flat rows
     (docs/ACCURACY.md, session 44). The descales and the other tensors are unchanged and the attention
-    costs the same; V's pass costs more (0.465 ms against 0.352 for Q, K and V of 16K tokens x 32 heads
-    on the H100, docs/PERF.md session 46), hence opt-in. A move is made only where the squared error sum it
+    costs the same; V's pass costs more (0.471 ms against 0.347 for Q, K and V of 16K tokens x 32 heads
+    on the H100, 0.551 ms with kappa estimated, docs/PERF.md session 48), hence opt-in. A move is made only where the squared error sum it
     removes outweighs kappa times the code's own squared error it adds: rows that a few keys rule (peaky
     scores) need each key's own error small, flat rows only the sums. `v_weight` sets kappa; by default
     it is estimated per (batch, kv head) from the spread of Q K^T (`kernels.quantize.balance_weights`, at
