@@ -11,7 +11,8 @@ rounded (FA3's model: the exact maximum, row sums of the unrounded probabilities
 pairs (k of every four key pairs). The kernel's own f16 roundings (scores, a, b)
 are not modelled: its offset is LEAN_MAX_CENTER plus b's f16 margin (docs/BACKENDS.md, session 45).
 
-    python benchmarks/lean_offset_error.py [--seqlen 2048] [--offsets 0,0.25,0.45] [--floor] [--mufu 1] [--json out.json]
+    python benchmarks/lean_offset_error.py [--seqlen 2048] [--offsets 0,0.25,0.45] [--floor] [--mufu 1] [--v-weight 0]
+                                           [--json out.json]
 """
 
 from __future__ import annotations
@@ -86,16 +87,17 @@ def online_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: st
 
 
 def family_errors(family: str, seqlen: int, offsets: list[float], floor: bool, heads: int = 1,
-                  seed: int = 0, mufu: int = 0) -> dict[str, float]:
+                  seed: int = 0, mufu: int = 0, v_weight: float | None = None) -> dict[str, float]:
     """Rel. L2 against float64 attention on the unquantised inputs: FA3's model with V rounded to nearest and
     balanced, then the lean codes (balanced V) on the grid and on the maximum at each offset (with `mufu` of
-    every four key pairs correctly rounded on the maximum's line)."""
+    every four key pairs correctly rounded on the maximum's line); `v_weight`: balanced V's kappa (default: estimated
+    from the scores, `quantize_fp8`'s)."""
     q, k, v = make_qkv(family, head_dim_qk=128, head_dim_v=128, seed=seed, device="cpu",
                        batch=1, seqlen=seqlen, heads=heads, kv_heads=heads)
     ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
     errs, inputs = {}, {}
     for vq in ("nearest", "balanced"):  # quantised once per V rounding
-        q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, v_rounding=vq)
+        q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, v_rounding=vq, v_weight=v_weight if vq == "balanced" else None)
         inputs[vq] = dequantize_fp8(q8, qd)[0], dequantize_fp8(k8, kd)[0], dequantize_fp8(v8, vd)[0]
 
     def error(vq: str, rule: str, offset: float = 0.0, fl: bool = False) -> float:
@@ -122,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mufu", type=int, default=0, choices=range(5),
                     help="of every four key pairs, so many correctly rounded on the maximum's line (lean_mufu)")
     ap.add_argument("--families", default=",".join(FAMILY_NAMES))
+    ap.add_argument("--v-weight", type=float, default=None,
+                    help="balanced V's kappa (0: every move that shrinks a block's sum; default: estimated per head)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     offsets = [float(x) for x in a.offsets.split(",")]
@@ -131,7 +135,7 @@ def main(argv=None) -> int:
           f"vs float64 on unquantised inputs, over FA3's model with V rounded to nearest")
     table = {}
     for fam in a.families.split(","):
-        table[fam] = family_errors(fam, a.seqlen, offsets, a.floor, mufu=a.mufu)
+        table[fam] = family_errors(fam, a.seqlen, offsets, a.floor, mufu=a.mufu, v_weight=a.v_weight)
         fa3 = table[fam]["fa3"]
         print(f"{fam:15s} fa3 {fa3:.5f} " + " ".join(f"{name} {e / fa3:.3f}" for name, e in table[fam].items()
                                                    if name != "fa3"), flush=True)

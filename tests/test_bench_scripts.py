@@ -347,3 +347,7 @@ def test_lean_offset_on_the_maximum_beats_the_grid_on_gaussian_rows():
     errs = lo.family_errors("gaussian", 1024, [0.45, 0.625], floor=False)
     assert errs["max 0.45"] < 0.99 * errs["grid"] and errs["max 0.45"] < errs["max 0.625"]
     assert errs["fa3 balV"] < errs["fa3"]
+    # peaky rows: balanced V with its estimated weight keeps the nearest codes, with kappa 0 (--v-weight 0) not
+    peaky = lo.family_errors("peaky", 512, [0.45], floor=False)
+    assert peaky["fa3 balV"] == peaky["fa3"]
+    assert lo.family_errors("peaky", 512, [0.45], floor=False, v_weight=0.0)["fa3 balV"] != peaky["fa3"]
