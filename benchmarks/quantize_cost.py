@@ -28,7 +28,7 @@ from zyfa_tune.quantize import quantize_fp8
 
 OPTIONS = {"plain": {}, "hadamard": dict(hadamard=True), "smooth_k": dict(smooth_k=True),
            "smooth_k+hadamard": dict(smooth_k=True, hadamard=True), "balanced_v": dict(v_rounding="balanced"),
-           # kappa given: without balance_weights' second moments of Q and K (what estimating it costs)
+           # kappa given: without balance_weights' sample of the scores (what estimating it costs)
            "balanced_v kappa 0": dict(v_rounding="balanced", v_weight=0.0),
            "smooth_k+hadamard+balanced_v": dict(smooth_k=True, hadamard=True, v_rounding="balanced",
                                                 v_layout="k_major")}

@@ -244,15 +244,20 @@ def f16_fold_asm(fold: str = "fma", floor: bool = False) -> str:
     floor (one-FMA folds): t = max(t, s a2 + b2) ($4, $5: LEAN_FLOOR_SLOPE codes an octave, unsaturated: a masked
     score's -inf gives -inf there), so that scores 2^-6 to 2^-9 of 2^P get e4m3's subnormal codes instead of 0
     (two more f16x2 operations)."""
-    if floor and fold not in ONE_FMA_FOLDS:
-        raise ValueError(f"floor is a second line beside the one-FMA folds {ONE_FMA_FOLDS}, not {fold!r}'s")
+    _check_f16_fold(fold, floor)
     if fold in ONE_FMA_FOLDS:
         lines = _f16_linear_lines("$0", "$1", "$2", "$3", ("$4", "$5") if floor else None)
-    elif fold == "corrected":
-        lines = _f16_corrected_lines("$0", "$1", "$2", "$3")
     else:
-        raise ValueError(f"f16 scores fold as {ONE_FMA_FOLDS} or 'corrected', not {fold!r}")
+        lines = _f16_corrected_lines("$0", "$1", "$2", "$3")
     return "{\n.reg .b32 t, c, m, r, f;\n" + "\n".join(lines) + "\n}"
+
+
+def _check_f16_fold(fold: str, floor: bool) -> None:
+    """f16 scores fold one-FMA or "corrected"; the floor's second line goes only beside a one-FMA fold."""
+    if fold != "corrected" and fold not in ONE_FMA_FOLDS:
+        raise ValueError(f"f16 scores fold as {ONE_FMA_FOLDS} or 'corrected', not {fold!r}")
+    if floor and fold not in ONE_FMA_FOLDS:
+        raise ValueError(f"floor is a second line beside the one-FMA folds {ONE_FMA_FOLDS}, not {fold!r}'s")
 
 
 def _f16_linear_lines(out: str, s: str, a: str, b: str, floor: tuple[str, str] | None) -> list[str]:
@@ -322,10 +327,7 @@ def f16_mufu_asm(mufu: int, fold: str = "corrected", floor: bool = False) -> str
     1.5-1.7x the fold's error on logits of hundreds, measured.)"""
     if not 0 <= mufu <= MUFU_GROUP:
         raise ValueError(f"mufu must be 0..{MUFU_GROUP}, not {mufu!r}")
-    if fold != "corrected" and fold not in ONE_FMA_FOLDS:
-        raise ValueError(f"f16 scores fold as {ONE_FMA_FOLDS} or 'corrected', not {fold!r}")
-    if floor and fold not in ONE_FMA_FOLDS:
-        raise ValueError(f"floor is a second line beside the one-FMA folds {ONE_FMA_FOLDS}, not {fold!r}'s")
+    _check_f16_fold(fold, floor)
     lines: list[str] = []
     for i in range(MUFU_GROUP):
         out, s, a, b = f"${i}", f"${4 + i}", f"${8 + i}", f"${12 + i}"

@@ -145,7 +145,7 @@ def balance_weights(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | Non
     scores = torch.matmul(qs.float().reshape(b, hk, (h // hk) * nq, d), ks.float())
     sigma2 = scores.var(dim=3, unbiased=False).view(b, hk, h // hk, nq).mean(dim=3) * scale ** 2
     kappa = torch.expm1(sigma2.clamp(0.0, _SIGMA2_MAX)).mean(dim=2)
-    return kappa.nan_to_num(BALANCE_WEIGHT_MAX).clamp(0.0, BALANCE_WEIGHT_MAX).contiguous()
+    return kappa.nan_to_num(BALANCE_WEIGHT_MAX).clamp(0.0, BALANCE_WEIGHT_MAX)
 
 
 def _weighed_cost(win: torch.Tensor, kappa: torch.Tensor) -> torch.Tensor:
@@ -295,9 +295,7 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
         raise ValueError("balance_last: the balanced tensor (V) cannot be rotated or centred")
     last = len(items) - 1
     b = items[0][0].shape[0]
-    if balance_weight is None:
-        balance_weight = torch.zeros(b, kv_heads, dtype=torch.float32, device=items[0][0].device)
-    elif balance_weight.shape != (b, kv_heads) or balance_weight.dtype != torch.float32:
+    if balance_weight is not None and (balance_weight.shape != (b, kv_heads) or balance_weight.dtype != torch.float32):
         raise ValueError(f"balance_weight: expected float32 ({b}, {kv_heads}), got {balance_weight.dtype} "
                          f"{tuple(balance_weight.shape)}")
     if items[0][0].device.type != "cuda":
@@ -323,11 +321,13 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
     amax = torch.zeros(len(xs) * b * kv_heads, dtype=torch.float32, device=xs[0].device)
     descales = torch.empty(len(xs), b, kv_heads, dtype=torch.float32, device=xs[0].device)
     codes = [_codes_buffer(x, k_major_last and i == len(xs) - 1) for i, x in enumerate(xs)]
-    free = amax
+    free = weight = amax   # (placeholders where nothing is balanced)
     if balance_last:  # which keys of each block may move, pass 1 to pass 2 (every entry written by pass 1)
         free = torch.empty(b * xs[-1].shape[2] * (padded_keys(xs[-1].shape[1], False) // BALANCE_KEYS),
                            dtype=torch.int32, device=xs[0].device)
-    plan(xs, means, amax, descales, codes, free, balance_weight.contiguous())
+        weight = (torch.zeros(b, kv_heads, dtype=torch.float32, device=xs[0].device) if balance_weight is None
+                  else balance_weight.contiguous())
+    plan(xs, means, amax, descales, codes, free, weight)
     return codes, list(descales.unbind(0))
 
 
@@ -648,9 +648,8 @@ def _load_keys(src, stride_s, coff, n, cmask, scale, DP: tl.constexpr):
 @triton.jit
 def _balanced_keys(y, free, kappa):
     """`balanced_codes` of one block of keys, (channels, keys) as _load_keys lays it out (rows past S and padded
-    columns zero), `free` the keys that may move (a bit each, pass 1's `_free_keys`), `kappa` its (batch, head)'s
-    weight: the same arithmetic (`_weighed_cost` too), so the
-    same codes; returns each element's chosen neighbour as float32 (its e4m3 conversion is exact). No code is
+    columns zero), `free` the keys that may move (a bit each, pass 1's `_free_keys`), `kappa` its (batch, kv
+    head)'s weight: the same arithmetic (`_weighed_cost` too), so the same codes; returns each element's chosen neighbour as float32 (its e4m3 conversion is exact). No code is
     read as a byte (Triton 3.6 gave a wrong byte for one element in eight when e4m3 codes were bitcast to
     uint8 and widened, session 44): the other neighbour is y's nearest plus the step, from y's exponent bits."""
     SIGN: tl.constexpr = -2147483648

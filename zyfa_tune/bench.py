@@ -134,6 +134,17 @@ class OursSpec:
         return config_with(self.dtype, head_dim_qk, head_dim_v, dict(self.overrides))
 
 
+def _kappa(text: Any) -> float:
+    """--ours v_weight=K as a float >= 0 (parse_changes leaves a number it cannot type as its text)."""
+    try:
+        kappa = float(text) if not isinstance(text, bool) else -1.0
+    except ValueError:
+        kappa = -1.0
+    if not 0 <= kappa < float("inf"):
+        raise ValueError(f"--ours: v_weight expects a number >= 0, got {text!r}")
+    return kappa
+
+
 def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
     """'[label:]key=val,...' -> one forced config per benched dtype (only the named one if the text
     sets dtype=), labelled -<dtype> when there are several, so that the labels stay distinct."""
@@ -149,12 +160,7 @@ def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
     quant = {k: over.pop(k) for k in QUANT_OPTIONS if k in over}
     for k, v in quant.items():
         if k == "v_weight":   # balanced V's kappa (quantize_fp8's v_weight), a number
-            try:
-                v = quant[k] = float(v) if not isinstance(v, bool) else v
-            except ValueError:
-                pass
-            if not isinstance(v, float) or not 0 <= v < float("inf"):
-                raise ValueError(f"--ours: v_weight expects a number >= 0, got {v!r}")
+            quant[k] = _kappa(v)
             if not quant.get("balanced_v"):
                 raise ValueError("--ours: v_weight weighs balanced V's moves: add balanced_v=true")
         elif not isinstance(v, bool):

@@ -42,9 +42,9 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     V's part of the error falls by about a third on Gaussian rows, most of it on flat rows
     (docs/ACCURACY.md, session 44). The descales and the other tensors are unchanged and the attention
     costs the same; V's pass costs more (0.471 ms against 0.347 for Q, K and V of 16K tokens x 32 heads
-    on the H100, 0.551 ms with kappa estimated, docs/PERF.md session 48), hence opt-in. A move is made only where the squared error sum it
-    removes outweighs kappa times the code's own squared error it adds: rows that a few keys rule (peaky
-    scores) need each key's own error small, flat rows only the sums. `v_weight` sets kappa; by default
+    on the H100, 0.551 ms with kappa estimated, docs/PERF.md session 48), hence opt-in. A move is made
+    only where the squared error sum it removes outweighs kappa times the code's own squared error it
+    adds: rows that a few keys rule (peaky scores) need each key's own error small, flat rows only the sums. `v_weight` sets kappa; by default
     it is estimated per (batch, kv head) from the spread of Q K^T (`kernels.quantize.balance_weights`, at
     `softmax_scale`, default 1/sqrt(head_dim)): 1.7 on Gaussian scores, so large on peaky ones that no code
     moves; 0 moves every code that shrinks a sum (session 44-47's rounding).
@@ -74,11 +74,11 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
         raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {q.shape[3]}")
     if not isinstance(smooth_k, bool) or not isinstance(hadamard, bool):
         raise TypeError("hadamard, smooth_k: expected bool")
-    for name, x, top in (("softmax_scale", softmax_scale, float("inf")), ("v_weight", v_weight, BALANCE_WEIGHT_MAX)):
-        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= top
-                              or (name == "softmax_scale" and x == 0)):
-            raise ValueError(f"{name}: expected a number in {'(0, inf)' if top == float('inf') else f'[0, {top:g}]'}"
-                             f" or None, got {x!r}")
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
+    if softmax_scale is not None and not (number(softmax_scale) and 0 < softmax_scale < float("inf")):
+        raise ValueError(f"softmax_scale: expected a number in (0, inf) or None, got {softmax_scale!r}")
+    if v_weight is not None and not (number(v_weight) and 0 <= v_weight <= BALANCE_WEIGHT_MAX):
+        raise ValueError(f"v_weight: expected a number in [0, {BALANCE_WEIGHT_MAX:g}] or None, got {v_weight!r}")
     weight = None
     if v_rounding == "balanced":
         weight = (balance_weights(q, k, softmax_scale) if v_weight is None
