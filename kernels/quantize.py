@@ -139,6 +139,8 @@ def balance_weights(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | Non
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    if q.device.type == "cuda":  # one launch (the torch ops below cost ~0.3 ms of host time a call)
+        return _balance_weights_gpu(q, k, scale)
     qs = q[:, ::max(1, sq // WEIGHT_SAMPLES)][:, :WEIGHT_SAMPLES].permute(0, 2, 1, 3)   # (b, h, nq, d)
     ks = k[:, ::max(1, sk // WEIGHT_SAMPLES)][:, :WEIGHT_SAMPLES].permute(0, 2, 3, 1)   # (b, hk, d, nk)
     nq = qs.shape[2]   # float32 scores: rows with means of hundreds (channel outliers) keep their spread
@@ -146,6 +148,79 @@ def balance_weights(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | Non
     sigma2 = scores.var(dim=3, unbiased=False).view(b, hk, h // hk, nq).mean(dim=3) * scale ** 2
     kappa = torch.expm1(sigma2.clamp(0.0, _SIGMA2_MAX)).mean(dim=2)
     return kappa.nan_to_num(BALANCE_WEIGHT_MAX).clamp(0.0, BALANCE_WEIGHT_MAX)
+
+
+def _balance_weights_gpu(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """`balance_weights` on a GPU: `_kappa_kernel`, one program per (batch, kv head)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    step_q, step_k = max(1, sq // WEIGHT_SAMPLES), max(1, sk // WEIGHT_SAMPLES)
+    nq, nk = min(WEIGHT_SAMPLES, triton.cdiv(sq, step_q)), min(WEIGHT_SAMPLES, triton.cdiv(sk, step_k))
+    out = torch.empty(b, hk, dtype=torch.float32, device=q.device)
+    grid = (b, hk)
+    args = (q, k, out, nq, nk, step_q * q.stride(1), step_k * k.stride(1), q.stride(0), q.stride(2), q.stride(3),
+            k.stride(0), k.stride(2), k.stride(3), h // hk, hk, d, float(scale) ** 2)
+    consts = dict(BQ=_KAPPA_ROWS, BK=_KAPPA_KEYS)
+    run(("balance_weights",), _kappa_kernel, grid, args, consts, dict(num_warps=4, num_stages=1), q.device.index)
+    return out
+
+
+#: query rows and keys `_kappa_kernel` multiplies at a time (64 x 64 float32 scores over 4 warps)
+_KAPPA_ROWS = 64
+_KAPPA_KEYS = 64
+#: head-dim columns it multiplies at a time (a loop over the head dim, not unrolled)
+_KAPPA_COLS = 32
+_KAPPA_COLS_C = tl.constexpr(_KAPPA_COLS)
+_SIGMA2_MAX_C = tl.constexpr(_SIGMA2_MAX)
+_BALANCE_WEIGHT_MAX = tl.constexpr(BALANCE_WEIGHT_MAX)
+
+
+@triton.jit
+def _kappa_kernel(Q, K, OUT, NQ, NK, SQ_STEP, SK_STEP, sqb, sqh, sqd, skb, skh, skd, GROUP, HK, D, scale2,
+                  BQ: tl.constexpr, BK: tl.constexpr):
+    """kappa of one (batch, kv head) as `balance_weights`: per q head of the group the mean over NQ sampled
+    queries (every SQ_STEP-th element row) of the variance of their float32 scores against NK sampled keys,
+    times scale2; expm1 of it clamped; the group's mean, NaN to the cap, clamped to [0, cap]. The scores come
+    BQ x BK at a time (TF32 x3 products: float32's precision) and each row's variance is merged chunk by chunk
+    from the chunks' own means and centred sums (Chan et al.), so rows with means of hundreds keep their spread."""
+    b, g = tl.program_id(0), tl.program_id(1)
+    rows0, keys0 = tl.arange(0, BQ), tl.arange(0, BK)
+    total = 0.0
+    for j in range(GROUP):
+        h = g * GROUP + j
+        var_sum = 0.0
+        for q0 in range(0, NQ, BQ):
+            rows = q0 + rows0
+            qmask = rows < NQ
+            n = tl.zeros([BQ], dtype=tl.float32)
+            mean = tl.zeros([BQ], dtype=tl.float32)
+            m2 = tl.zeros([BQ], dtype=tl.float32)
+            for k0 in range(0, NK, BK):
+                keys = k0 + keys0
+                kmask = keys < NK
+                acc = tl.zeros([BQ, BK], dtype=tl.float32)
+                for c0 in range(0, D, _KAPPA_COLS_C):   # (not unrolled: 256 columns would spill)
+                    cols = c0 + tl.arange(0, _KAPPA_COLS_C)
+                    qt = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + rows[:, None].to(tl.int64) * SQ_STEP
+                                 + cols[None, :] * sqd, mask=qmask[:, None] & (cols[None, :] < D), other=0.0)
+                    kt = tl.load(K + b.to(tl.int64) * skb + g * skh + keys[None, :].to(tl.int64) * SK_STEP
+                                 + cols[:, None] * skd, mask=kmask[None, :] & (cols[:, None] < D), other=0.0)
+                    acc = tl.dot(qt.to(tl.float32), kt.to(tl.float32), acc, input_precision="tf32x3")
+                nc = tl.minimum(NK - k0, BK).to(tl.float32)
+                mc = tl.sum(tl.where(kmask[None, :], acc, 0.0), axis=1) / nc
+                dev = tl.where(kmask[None, :], acc - mc[:, None], 0.0)
+                delta = mc - mean
+                both = n + nc
+                mean += delta * (nc / both)
+                m2 += tl.sum(dev * dev, axis=1) + delta * delta * (n * nc / both)
+                n = both
+            var_sum += tl.sum(tl.where(qmask, m2 / NK, 0.0), axis=0)
+        sigma2 = var_sum / NQ * scale2
+        kappa = tl.exp(tl.minimum(tl.maximum(sigma2, 0.0), _SIGMA2_MAX_C)) - 1.0
+        total += tl.where(sigma2 != sigma2, float("nan"), kappa)
+    kappa = total / GROUP
+    kappa = tl.where(kappa != kappa, _BALANCE_WEIGHT_MAX, tl.minimum(tl.maximum(kappa, 0.0), _BALANCE_WEIGHT_MAX))
+    tl.store(OUT + b * HK + g, kappa)
 
 
 def _weighed_cost(win: torch.Tensor, kappa: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,31 @@ def test_kernels_compile_without_spills(dim, dtype, centre, rotate, k_major, bal
             assert "STG.E.128" in sass and not re.search(r"STG\.E\.(U8|U16|64)\b", sass)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kappa_kernel_compiles_without_spills(dtype):
+    """balance_weights' one launch on a GPU (_kappa_kernel): 64 x 64 float32 scores at a time from 32-column
+    slices of Q and K (a loop over any head dim) on the tensor cores in TF32 x3 (float32's precision: TF32 alone
+    would round Q and K to 10 bits), no local memory, for the input dtypes the API takes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from zyfa_tune.generator.build import _disassemble
+    from zyfa_tune.kernels.quantize import _KAPPA_KEYS, _KAPPA_ROWS, _kappa_kernel
+
+    sig = {name: "i32" for name in _kappa_kernel.arg_names}
+    sig.update(Q="*" + _DT[dtype], K="*" + _DT[dtype], OUT="*fp32", scale2="fp32")
+    constexprs = dict(BQ=_KAPPA_ROWS, BK=_KAPPA_KEYS)
+    sig.update({name: "constexpr" for name in constexprs})
+    div16 = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(_kappa_kernel.arg_names) if sig[name][0] == "*"}
+    compiled = triton.compile(ASTSource(_kappa_kernel, sig, constexprs, div16), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 1})
+    sass, usage = _disassemble(compiled.asm["cubin"])
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+    # three TF32 products per 8-column step of a 32-column slice (one slice a loop step)
+    assert len(re.findall(r"\bHGMMA\.64x64x8\.F32\.TF32\b", sass)) == 3 * 4
+
+
 @pytest.mark.parametrize("dtype,parts", [(torch.bfloat16, 1), (torch.float16, 2), (torch.float32, 3)])
 def test_bf16_parts_add_up_to_the_rows_exactly(dtype, parts):
     """The rotation's split (kernels/quantize._columns): hi = bf16(x), mid = bf16(x - hi), lo =
@@ -252,11 +277,21 @@ def test_quantize_fp8_on_the_gpu_is_the_cpu_arithmetic():
 
 @pytest.mark.gpu
 def test_balance_weights_on_the_gpu():
-    """kappa from Q and K's second moments on a GPU is the CPU's to float32 summation order, and balanced V by
-    default is the codes pass with the GPU's own kappa."""
+    """kappa from a sample of the scores on a GPU (_kappa_kernel, one launch) is the CPU's torch ops' to float32
+    summation order: grouped heads, fewer tokens than the sample (200), a head dim that is no power of two, rows
+    whose scores have means of hundreds (channel outliers: the variance merged from centred chunks); and balanced
+    V by default is the codes pass with the GPU's own kappa."""
+    from zyfa_tune.kernels.inputs import make_qkv
     from zyfa_tune.kernels.quantize import balance_weights, quantize_tensors
 
     g = torch.Generator().manual_seed(6)
+    for s, d, dtype in ((200, 96, torch.float16), (4099, 64, torch.float32)):
+        q, k = (torch.randn(3, s, h, d, generator=g).to(dtype) for h in (4, 4))
+        torch.testing.assert_close(balance_weights(q.cuda(), k.cuda(), 0.3).cpu(), balance_weights(q, k, 0.3),
+                                   rtol=1e-4, atol=0)
+    q, k, _ = make_qkv("outliers", head_dim_qk=128, head_dim_v=128, seed=1, device="cpu", batch=1, seqlen=2048,
+                       heads=4, kv_heads=4)
+    torch.testing.assert_close(balance_weights(q.cuda(), k.cuda()).cpu(), balance_weights(q, k), rtol=1e-4, atol=0)
     q, k, v = (torch.randn(2, 5000, h, 128, generator=g).to(torch.bfloat16) for h in (8, 2, 2))
     w = balance_weights(q.cuda(), k.cuda())
     torch.testing.assert_close(w.cpu(), balance_weights(q, k), rtol=1e-4, atol=0)
