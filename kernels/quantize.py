@@ -139,29 +139,34 @@ def balance_weights(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | Non
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    (step_q, nq), (step_k, nk) = _weight_sample(sq), _weight_sample(sk)
     if q.device.type == "cuda":  # one launch (the torch ops below cost ~0.3 ms of host time a call)
-        return _balance_weights_gpu(q, k, scale)
-    qs = q[:, ::max(1, sq // WEIGHT_SAMPLES)][:, :WEIGHT_SAMPLES].permute(0, 2, 1, 3)   # (b, h, nq, d)
-    ks = k[:, ::max(1, sk // WEIGHT_SAMPLES)][:, :WEIGHT_SAMPLES].permute(0, 2, 3, 1)   # (b, hk, d, nk)
-    nq = qs.shape[2]   # float32 scores: rows with means of hundreds (channel outliers) keep their spread
+        return _balance_weights_gpu(q, k, scale, step_q, nq, step_k, nk)
+    qs = q[:, ::step_q][:, :nq].permute(0, 2, 1, 3)   # (b, h, nq, d)
+    ks = k[:, ::step_k][:, :nk].permute(0, 2, 3, 1)   # (b, hk, d, nk)
+    # float32 scores: rows with means of hundreds (channel outliers) keep their spread
     scores = torch.matmul(qs.float().reshape(b, hk, (h // hk) * nq, d), ks.float())
     sigma2 = scores.var(dim=3, unbiased=False).view(b, hk, h // hk, nq).mean(dim=3) * scale ** 2
     kappa = torch.expm1(sigma2.clamp(0.0, _SIGMA2_MAX)).mean(dim=2)
     return kappa.nan_to_num(BALANCE_WEIGHT_MAX).clamp(0.0, BALANCE_WEIGHT_MAX)
 
 
-def _balance_weights_gpu(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+def _weight_sample(n: int) -> tuple[int, int]:
+    """(step, count): `balance_weights` reads every step-th of n tokens, count of them (at most WEIGHT_SAMPLES)."""
+    step = max(1, n // WEIGHT_SAMPLES)
+    return step, min(WEIGHT_SAMPLES, -(-n // step))
+
+
+def _balance_weights_gpu(q: torch.Tensor, k: torch.Tensor, scale: float, step_q: int, nq: int, step_k: int,
+                         nk: int) -> torch.Tensor:
     """`balance_weights` on a GPU: `_kappa_kernel`, one program per (batch, kv head)."""
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    step_q, step_k = max(1, sq // WEIGHT_SAMPLES), max(1, sk // WEIGHT_SAMPLES)
-    nq, nk = min(WEIGHT_SAMPLES, triton.cdiv(sq, step_q)), min(WEIGHT_SAMPLES, triton.cdiv(sk, step_k))
+    b, _, h, d = q.shape
+    hk = k.shape[2]
     out = torch.empty(b, hk, dtype=torch.float32, device=q.device)
-    grid = (b, hk)
     args = (q, k, out, nq, nk, step_q * q.stride(1), step_k * k.stride(1), q.stride(0), q.stride(2), q.stride(3),
             k.stride(0), k.stride(2), k.stride(3), h // hk, hk, d, float(scale) ** 2)
     consts = dict(BQ=_KAPPA_ROWS, BK=_KAPPA_KEYS)
-    run(("balance_weights",), _kappa_kernel, grid, args, consts, dict(num_warps=4, num_stages=1), q.device.index)
+    run(("balance_weights",), _kappa_kernel, (b, hk), args, consts, dict(num_warps=4, num_stages=1), q.device.index)
     return out
 
 
@@ -169,8 +174,7 @@ def _balance_weights_gpu(q: torch.Tensor, k: torch.Tensor, scale: float) -> torc
 _KAPPA_ROWS = 64
 _KAPPA_KEYS = 64
 #: head-dim columns it multiplies at a time (a loop over the head dim, not unrolled)
-_KAPPA_COLS = 32
-_KAPPA_COLS_C = tl.constexpr(_KAPPA_COLS)
+_KAPPA_COLS = tl.constexpr(32)
 _SIGMA2_MAX_C = tl.constexpr(_SIGMA2_MAX)
 _BALANCE_WEIGHT_MAX = tl.constexpr(BALANCE_WEIGHT_MAX)
 
@@ -185,9 +189,10 @@ def _kappa_kernel(Q, K, OUT, NQ, NK, SQ_STEP, SK_STEP, sqb, sqh, sqd, skb, skh, 
     from the chunks' own means and centred sums (Chan et al.), so rows with means of hundreds keep their spread."""
     b, g = tl.program_id(0), tl.program_id(1)
     rows0, keys0 = tl.arange(0, BQ), tl.arange(0, BK)
+    k_head = K + b.to(tl.int64) * skb + g * skh
     total = 0.0
     for j in range(GROUP):
-        h = g * GROUP + j
+        q_head = Q + b.to(tl.int64) * sqb + (g * GROUP + j) * sqh
         var_sum = 0.0
         for q0 in range(0, NQ, BQ):
             rows = q0 + rows0
@@ -199,12 +204,12 @@ def _kappa_kernel(Q, K, OUT, NQ, NK, SQ_STEP, SK_STEP, sqb, sqh, sqd, skb, skh, 
                 keys = k0 + keys0
                 kmask = keys < NK
                 acc = tl.zeros([BQ, BK], dtype=tl.float32)
-                for c0 in range(0, D, _KAPPA_COLS_C):   # (not unrolled: 256 columns would spill)
-                    cols = c0 + tl.arange(0, _KAPPA_COLS_C)
-                    qt = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + rows[:, None].to(tl.int64) * SQ_STEP
-                                 + cols[None, :] * sqd, mask=qmask[:, None] & (cols[None, :] < D), other=0.0)
-                    kt = tl.load(K + b.to(tl.int64) * skb + g * skh + keys[None, :].to(tl.int64) * SK_STEP
-                                 + cols[:, None] * skd, mask=kmask[None, :] & (cols[:, None] < D), other=0.0)
+                for c0 in range(0, D, _KAPPA_COLS):   # (not unrolled: 256 columns would spill)
+                    cols = c0 + tl.arange(0, _KAPPA_COLS)
+                    qt = tl.load(q_head + rows[:, None].to(tl.int64) * SQ_STEP + cols[None, :] * sqd,
+                                 mask=qmask[:, None] & (cols[None, :] < D), other=0.0)
+                    kt = tl.load(k_head + keys[None, :].to(tl.int64) * SK_STEP + cols[:, None] * skd,
+                                 mask=kmask[None, :] & (cols[:, None] < D), other=0.0)
                     acc = tl.dot(qt.to(tl.float32), kt.to(tl.float32), acc, input_precision="tf32x3")
                 nc = tl.minimum(NK - k0, BK).to(tl.float32)
                 mc = tl.sum(tl.where(kmask[None, :], acc, 0.0), axis=1) / nc
