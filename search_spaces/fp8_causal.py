@@ -12,10 +12,10 @@ from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_
                                         lean_mufu_conflict, lean_ref_conflict, o_split_conflict, o_through_p_conflict,
                                         packed_p_conflict, pv_defer_conflict, qk_acc_conflict, qk_async_conflict)
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
-                                       gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_smem2_config,
-                                       gluon_natural_config, gluon_packed_config, gluon_smem2_chunked_config,
-                                       gluon_smem2_config, gluon_smem2_narrow_config, gluon_three_config,
-                                       gluon_wide_config)
+                                       gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_max_config,
+                                       gluon_lean_smem2_config, gluon_natural_config, gluon_packed_config,
+                                       gluon_smem2_chunked_config, gluon_smem2_config, gluon_smem2_narrow_config,
+                                       gluon_three_config, gluon_wide_config)
 
 from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
                    rowsum_param, scale_per_tile, triton_only)
@@ -164,4 +164,4 @@ SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
                                  gluon_smem2_config, gluon_smem2_narrow_config, gluon_smem2_chunked_config),
                     winner_twins=field_twins,
                     loose_seeds=(gluon_lean_config, gluon_lean_smem2_config, gluon_lean_f16_config,
-                                 gluon_lean_f16_async_config))
+                                 gluon_lean_f16_async_config, gluon_lean_max_config))

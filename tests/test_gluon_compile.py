@@ -22,9 +22,9 @@ from gluon_cases import GLUON, SPACE, neighbours, sampled
 from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon, o_in_p_tile
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
 from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_lean_f16_async_config,
-                                       gluon_lean_f16_config, gluon_lean_smem2_config, gluon_smem2_chunked_config,
-                                       gluon_smem2_config, gluon_smem2_narrow_config, gluon_three_config,
-                                       gluon_wide_config)
+                                       gluon_lean_f16_config, gluon_lean_max_config, gluon_lean_smem2_config,
+                                       gluon_smem2_chunked_config, gluon_smem2_config, gluon_smem2_narrow_config,
+                                       gluon_three_config, gluon_wide_config)
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
 from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
 
@@ -138,9 +138,13 @@ MUFU_CASES = [gluon_lean_f16_async_config("fp8", 128, 128).replace(lean_fold="co
 #: the same beside the linear fold on the row maximum (lean_ref="max"), with and without the floor line
 LINEAR_MUFU_CASES = [gluon_lean_f16_async_config("fp8", 128, 128).replace(lean_ref="max", lean_mufu=k, lean_floor=f)
                      for k, f in ((1, False), (1, True))]
+#: the lean seed on the row maximum at the other head dims (128-key blocks at 192/128, one Q stage and O through the
+#: P tiles at hd256), with and without MUFU pairs, as it runs on a K-major V (k_perm): docs/PERF.md session 50
+LEAN_MAX_CASES = [gluon_lean_max_config("fp8", *dims).replace(k_perm=True, lean_mufu=k)
+                  for dims in ((64, 64), (192, 128), (256, 256)) for k in (0, 1)]
 CASES = (neighbours() + sampled(6) + LEAN_CASES + F16_CASES + HD64_CASES + HD256_CASES + MLA_CASES + THREE_CASES
          + NATURAL_CASES + SPLIT_CASES + PACKED_CASES + SMEM_CASES + SMEM2_CASES + LANE_CASES + HD96_CASES + CHUNKED_CASES
-         + HALF_CASES + K_PERM_CASES + QK_ASYNC_CASES + MUFU_CASES + LINEAR_MUFU_CASES)
+         + HALF_CASES + K_PERM_CASES + QK_ASYNC_CASES + MUFU_CASES + LINEAR_MUFU_CASES + LEAN_MAX_CASES)
 
 
 def test_hd96_q_and_k_in_32_column_parts_and_o_padded_or_split(compiled):

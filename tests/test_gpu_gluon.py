@@ -13,7 +13,7 @@ from zyfa_tune.db import ProblemKey, TrialResult, current_fingerprint, open_stor
 from zyfa_tune.generator import emit
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lean_f16_async_config,
-                                       gluon_lean_smem2_config, gluon_smem2_chunked_config, gluon_smem2_config,
+                                       gluon_lean_max_config, gluon_lean_smem2_config, gluon_smem2_chunked_config, gluon_smem2_config,
                                        gluon_smem2_narrow_config, gluon_wide_config)
 from zyfa_tune.kernels.reference import attention_reference, rel_l2
 from zyfa_tune.kernels.inputs import make_qkv
@@ -537,6 +537,17 @@ def test_lean_mufu_on_activation_like_inputs(family):
     err, err_fold = family_errors(MUFU_BASE.replace(lean_mufu=2), MUFU_BASE, family, 4096, 2)
     print(f"\n{family} mufu2: {err:.4e}, the fold alone {err_fold:.4e} ({err / err_fold:.3f}x)", end="")
     assert err <= 1.05 * err_fold
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (192, 128), (256, 256)], ids=lambda d: f"{d[0]}-{d[1]}")
+@pytest.mark.parametrize("mufu", [0, 1])
+@pytest.mark.parametrize("sq,sk,causal", [(17, 17, True), (1000, 1000, True), (4096, 4096, True)])
+def test_lean_max_seed_at_other_head_dims(dims, mufu, sq, sk, causal):
+    """`gluon_lean_max_config` where it is sized down to fit (128-key blocks at 192/128; one Q stage and O through
+    the P tiles at hd256) and at hd64: within lean P's bounds against float64 and near FA3's error, as at hd128
+    (1.1x on these per-head quantised inputs, the MUFU pairs nearer); masked keys (S=17) give 0."""
+    cfg = gluon_lean_max_config("fp8", *dims).replace(lean_mufu=mufu)
+    check(cfg, 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128, bound=0.045, fa3_factor=1.2)
 
 
 #: lean_mufu beside the linear fold on the row maximum: 1 or 2 of every four pairs from the MUFU

@@ -510,9 +510,8 @@ def test_a_balanced_winner_has_its_l2_group_twin():
 def test_loose_seeds_only_when_asked():
     """The lean Gluon default (lean P: ~1.35x the exact error) is a seed only of a study whose gate or
     Pareto front admits it (`seeds(..., loose=True)`), last; a default-gate study never sees it."""
-    from zyfa_tune.kernels.defaults import gluon_lean_config
-
-    from zyfa_tune.kernels.defaults import gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_smem2_config
+    from zyfa_tune.kernels.defaults import (gluon_lean_config, gluon_lean_f16_async_config, gluon_lean_f16_config,
+                                           gluon_lean_max_config, gluon_lean_smem2_config)
 
     space = get_space("fp8")
     lean = gluon_lean_config("fp8", 128, 128)
@@ -529,8 +528,27 @@ def test_loose_seeds_only_when_asked():
     # and that with QK^T's wait behind PV(j-1)'s issue at a 24-register producer (session 35)
     f16_async = gluon_lean_f16_async_config("fp8", 128, 128)
     assert f16_async == f16.replace(qk_async=True, producer_regs=24) and space.feasible(f16_async) is None
-    assert loose[:-4] == strict and loose[-4:] == [lean, coded, f16, f16_async]
+    # and that with the fold's line on each row's own maximum (sessions 45, 49)
+    at_max = gluon_lean_max_config("fp8", 128, 128)
+    assert at_max == f16_async.replace(lean_ref="max") and space.feasible(at_max) is None
+    assert loose[:-5] == strict and loose[-5:] == [lean, coded, f16, f16_async, at_max]
     assert get_space("bf16").seeds(128, 128, loose=True) == get_space("bf16").seeds(128, 128)
+
+
+@pytest.mark.parametrize("dims,block_n,q_stages", [((64, 64), 256, 2), ((192, 128), 128, 2), ((256, 256), 128, 1)])
+def test_lean_max_seed_fits_every_head_dim(dims, block_n, q_stages):
+    """The 256-key lean seeds exceed shared memory at 192/128 and hd256 and are skipped there; the lean seed on
+    the row maximum takes 128-key blocks (and at hd256 one Q stage with O through the P tiles), so a loose study
+    of those head dims starts from the kernel measured at 1.17-1.27x FA3-fp8 (docs/PERF.md session 50)."""
+    from zyfa_tune.kernels.defaults import gluon_lean_f16_async_config, gluon_lean_max_config
+
+    space = get_space("fp8")
+    cfg = gluon_lean_max_config("fp8", *dims)
+    assert (cfg.block_n, cfg.q_stages, cfg.o_through_p) == (block_n, q_stages, dims == (256, 256))
+    assert space.feasible(cfg) is None and cfg in space.seeds(*dims, loose=True)
+    assert cfg not in space.seeds(*dims)
+    if dims != (64, 64):
+        assert space.feasible(gluon_lean_f16_async_config("fp8", *dims)) is not None
 
 
 def test_turn_barrier_only_with_ping_pong():

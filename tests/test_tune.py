@@ -209,15 +209,17 @@ def test_sigkill_and_resume_lose_and_repeat_nothing(tmp_path):
 @pytest.mark.parametrize("kw,lean", [({}, False), ({"gate": 1.5}, True), ({"multi_objective": True}, True)])
 def test_lean_seed_only_where_the_gate_admits_it(tmp_path, kw, lean):
     """A study is seeded with lean P's configs (the lean Gluon default, the lean two-tile kernel with code
-    sums, the same on f16 scores, synchronous and qk_async) only if its gate is at least tune.LOOSE_GATE or it
-    keeps the Pareto front over (speed, error): under the default 1.25 they would be certain rejections."""
+    sums, the same on f16 scores, synchronous and qk_async, and on the row maximum) only if its gate is at
+    least tune.LOOSE_GATE or it keeps the Pareto front over (speed, error): under the default 1.25 they would
+    be certain rejections."""
     from zyfa_tune.kernels.defaults import (gluon_lean_config, gluon_lean_f16_async_config, gluon_lean_f16_config,
-                                           gluon_lean_smem2_config)
+                                           gluon_lean_max_config, gluon_lean_smem2_config)
 
     tuner = Tuner(spec(tmp_path, **kw))
     study = tuner.open_study()
     queued = [t.system_attrs["fixed_params"] for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))]
-    makers = (gluon_lean_config, gluon_lean_smem2_config, gluon_lean_f16_config, gluon_lean_f16_async_config)
+    makers = (gluon_lean_config, gluon_lean_smem2_config, gluon_lean_f16_config, gluon_lean_f16_async_config,
+              gluon_lean_max_config)
     for make in makers:
         assert (tuner.space.as_optuna_params(make("fp8", 128, 128)) in queued) is lean
     assert len(queued) == len(tuner.space.seeds(128, 128)) + len(makers) * lean
