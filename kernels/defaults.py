@@ -133,8 +133,8 @@ def gluon_lean_max_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Kern
     fit shared memory: 256-key blocks up to hd128, 128-key blocks at 192/128, and at hd256 one Q stage with the
     output stored through the P tiles (o_through_p). H200, one process with FA3-fp8, V K-major and balanced
     (its k_perm twin runs, kernels.launch.for_v_layout; docs/PERF.md session 50): 1.32-1.46x FA3-fp8 at hd128
-    8K-32K, 1.34-1.39x at hd64, 1.17-1.27x at 192/128, 1.17-1.23x at hd256, each within 0.2% of FA3's error on
-    Gaussian inputs (with lean_mufu=1: 1.10-1.31x at 0.98-0.99x its error). A seed of studies whose gate admits
+    8K-32K, 1.34-1.39x at hd64, 1.17-1.27x at 192/128, 1.17-1.23x at hd256, each within 0.25% of FA3's error on
+    Gaussian inputs (with lean_mufu=1: 1.10-1.31x at 0.99x its error). A seed of studies whose gate admits
     lean P (`SearchSpace.loose_seeds`)."""
     cfg = gluon_lean_f16_async_config(dtype, head_dim_qk, head_dim_v).replace(lean_ref="max")
     if head_dim_qk + head_dim_v > 256:
