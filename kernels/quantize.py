@@ -729,9 +729,10 @@ def _load_keys(src, stride_s, coff, n, cmask, scale, DP: tl.constexpr):
 def _balanced_keys(y, free, kappa):
     """`balanced_codes` of one block of keys, (channels, keys) as _load_keys lays it out (rows past S and padded
     columns zero), `free` the keys that may move (a bit each, pass 1's `_free_keys`), `kappa` its (batch, kv
-    head)'s weight: the same arithmetic (`_weighed_cost` too), so the same codes; returns each element's chosen neighbour as float32 (its e4m3 conversion is exact). No code is
-    read as a byte (Triton 3.6 gave a wrong byte for one element in eight when e4m3 codes were bitcast to
-    uint8 and widened, session 44): the other neighbour is y's nearest plus the step, from y's exponent bits."""
+    head)'s weight: the same arithmetic (`_weighed_cost` too), so the same codes; returns each element's chosen
+    neighbour as float32 (its e4m3 conversion is exact). No code is read as a byte (Triton 3.6 gave a wrong byte
+    for one element in eight when e4m3 codes were bitcast to uint8 and widened, session 44): the other neighbour
+    is y's nearest plus the step, from y's exponent bits."""
     SIGN: tl.constexpr = -2147483648
     qf = y.to(tl.float8e4nv).to(tl.float32)
     ef = y - qf

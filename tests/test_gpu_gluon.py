@@ -13,8 +13,8 @@ from zyfa_tune.db import ProblemKey, TrialResult, current_fingerprint, open_stor
 from zyfa_tune.generator import emit
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lean_f16_async_config,
-                                       gluon_lean_max_config, gluon_lean_smem2_config, gluon_smem2_chunked_config, gluon_smem2_config,
-                                       gluon_smem2_narrow_config, gluon_wide_config)
+                                       gluon_lean_max_config, gluon_lean_smem2_config, gluon_smem2_chunked_config,
+                                       gluon_smem2_config, gluon_smem2_narrow_config, gluon_wide_config)
 from zyfa_tune.kernels.reference import attention_reference, rel_l2
 from zyfa_tune.kernels.inputs import make_qkv
 from zyfa_tune.kernels.verify import make_inputs

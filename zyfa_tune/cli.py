@@ -548,8 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                         "own with errors against the unquantised inputs (then --ours NAME:smooth_k=true, hadamard=true, "
                         "k_major_v=true: V quantised keys-fastest, read without the V^T copy, or balanced_v=true: V's "
                         "rounding errors cancelling along the keys, with v_weight=K its kappa, work); end-to-end: as "
-                        "native, but FA3 and ours "
-                        "quantise the bf16 inputs inside each timed call (quantiser + attention)")
+                        "native, but FA3 and ours quantise the bf16 inputs inside each timed call (quantiser + "
+                        "attention)")
     p.add_argument("--warm", type=float, default=3.0, help="seconds of GEMMs to reach sustained clocks first")
     p.add_argument("--energy-s", type=float, default=0.0, metavar="SECONDS",
                    help="TFLOP/J: after its timing, run each system back to back this long (>= 1 s; NVML's energy "

@@ -44,10 +44,11 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     costs the same; V's pass costs more (0.471 ms against 0.347 for Q, K and V of 16K tokens x 32 heads
     on the H100, 0.551 ms with kappa estimated, docs/PERF.md session 48), hence opt-in. A move is made
     only where the squared error sum it removes outweighs kappa times the code's own squared error it
-    adds: rows that a few keys rule (peaky scores) need each key's own error small, flat rows only the sums. `v_weight` sets kappa; by default
-    it is estimated per (batch, kv head) from the spread of Q K^T (`kernels.quantize.balance_weights`, at
-    `softmax_scale`, default 1/sqrt(head_dim)): 1.7 on Gaussian scores, so large on peaky ones that no code
-    moves; 0 moves every code that shrinks a sum (session 44-47's rounding).
+    adds: rows that a few keys rule (peaky scores) need each key's own error small, flat rows only the
+    sums. `v_weight` sets kappa; by default it is estimated per (batch, kv head) from the spread of Q K^T
+    (`kernels.quantize.balance_weights`, at `softmax_scale`, default 1/sqrt(head_dim)): 1.7 on Gaussian
+    scores, so large on peaky ones that no code moves; 0 moves every code that shrinks a sum (session 44-47's
+    rounding).
     """
     if v_layout not in ("natural", "k_major"):
         raise ValueError(f"v_layout: expected 'natural' or 'k_major', got {v_layout!r}")
