@@ -17,12 +17,22 @@ FP8 = torch.float8_e4m3fn
 _DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, segments: int = 3,
-             k_major: bool = False, balanced: bool = False):
+def _sm90_sass(kernel, sig: dict, constexprs: dict, attrs: dict, warps: int):
+    """(SASS, usage) of `kernel` compiled for sm_90a with no GPU, one stage, `warps` warps."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from zyfa_tune.generator.build import _disassemble
+
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": 1})
+    return _disassemble(compiled.asm["cubin"])
+
+
+def _pass_sass(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, segments: int = 3,
+             k_major: bool = False, balanced: bool = False):
+    """`_sm90_sass` of a quantiser pass, specialised as a launch with these options specialises it."""
     block_s, dp, bn, warps = _tiles(dim, rotate, balanced)
     terms = 3 if centre else _TERMS[dtype]
     sig = {name: "i32" for name in kernel.arg_names}
@@ -36,8 +46,7 @@ def _compile(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, s
     # pointers, strides and sizes that are multiples of 16, as a launch on contiguous inputs specialises them
     div16 = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
              if sig[name].startswith("*") or re.fullmatch(r"S[BSH]?\d|D|SKP", name)}
-    return triton.compile(ASTSource(kernel, sig, constexprs, div16), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": 1})
+    return _sm90_sass(kernel, sig, constexprs, div16, warps)
 
 
 @pytest.mark.parametrize("dim,dtype,centre,rotate,k_major,balanced", [
@@ -55,11 +64,8 @@ def test_kernels_compile_without_spills(dim, dtype, centre, rotate, k_major, bal
     or balanced along the keys): no local memory, the rotation (only it) on the tensor cores, and 16-byte
     loads of the rows and stores of the codes whichever segment a program takes (keys-fastest: the
     transposed tile's 16-key runs)."""
-    from zyfa_tune.generator.build import _disassemble
-
     for kernel in (_amax_kernel, _codes_kernel):
-        sass, usage = _disassemble(_compile(kernel, dim, dtype, centre, rotate, 1 if centre or balanced else 3,
-                                            k_major, balanced).asm["cubin"])
+        sass, usage = _pass_sass(kernel, dim, dtype, centre, rotate, 1 if centre or balanced else 3, k_major, balanced)
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (kernel.__name__, usage)
         assert bool(re.search(r"\bHGMMA\b", sass)) == rotate, kernel.__name__  # the rotation: wgmma
         if kernel is _codes_kernel:
@@ -83,11 +89,6 @@ def test_kappa_kernel_compiles_without_spills(dtype):
     """balance_weights' one launch on a GPU (_kappa_kernel): 64 x 64 float32 scores at a time from 32-column
     slices of Q and K (a loop over any head dim) on the tensor cores in TF32 x3 (float32's precision: TF32 alone
     would round Q and K to 10 bits), no local memory, for the input dtypes the API takes."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from zyfa_tune.generator.build import _disassemble
     from zyfa_tune.kernels.quantize import _KAPPA_KEYS, _KAPPA_ROWS, _kappa_kernel
 
     sig = {name: "i32" for name in _kappa_kernel.arg_names}
@@ -95,9 +96,7 @@ def test_kappa_kernel_compiles_without_spills(dtype):
     constexprs = dict(BQ=_KAPPA_ROWS, BK=_KAPPA_KEYS)
     sig.update({name: "constexpr" for name in constexprs})
     div16 = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(_kappa_kernel.arg_names) if sig[name][0] == "*"}
-    compiled = triton.compile(ASTSource(_kappa_kernel, sig, constexprs, div16), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "num_stages": 1})
-    sass, usage = _disassemble(compiled.asm["cubin"])
+    sass, usage = _sm90_sass(_kappa_kernel, sig, constexprs, div16, 4)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
     # three TF32 products per 8-column step of a 32-column slice (one slice a loop step)
     assert len(re.findall(r"\bHGMMA\.64x64x8\.F32\.TF32\b", sass)) == 3 * 4
