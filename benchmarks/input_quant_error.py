@@ -4,7 +4,7 @@ Float64 attention on the dequantised q8, k8, v8 against float64 attention on the
 inputs; no kernel involved, so this is the floor every FP8 kernel (ours, FA3, cuDNN) starts from when
 it quantises the same way. Options: plain per-(batch, kv head) scales (what FA3 is given), Hadamard
 rotation of Q and K, K smoothing (mean over tokens removed), both. `entry_outliers` is the FA3
-paper's test distribution, N(0,1) + N(0,100) * Bernoulli(0.001) per entry (kernels/inputs.py).
+paper's test distribution, N(0,1) + N(0,100) * Bernoulli(0.001) per entry (zyfa_tune/tuning/inputs.py).
 
     python benchmarks/input_quant_error.py [--seqlen 1024] [--seeds 0,1] [--json out.json]
 """
@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-from zyfa_tune.kernels.inputs import FAMILY_NAMES, make_qkv
-from zyfa_tune.kernels.reference import attention_reference, rel_l2
+from zyfa_tune.tuning.inputs import FAMILY_NAMES, make_qkv
+from zyfa_tune.tuning.reference import attention_reference, rel_l2
 from zyfa_tune.quantize import dequantize_fp8, quantize_fp8
 
 OPTIONS = {"plain": {}, "hadamard": dict(hadamard=True), "smooth_k": dict(smooth_k=True),

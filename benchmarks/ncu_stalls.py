@@ -152,7 +152,7 @@ def launch(spec: str, shape: tuple[int, int, int, int, int], k_major_v: bool, wa
     import torch
 
     from zyfa_tune.api import flash_attn_func
-    from zyfa_tune.kernels.defaults import config_with, parse_changes
+    from zyfa_tune.generator.defaults import config_with, parse_changes
     from zyfa_tune.quantize import quantize_fp8
 
     dqk, dv, b, s, h = shape

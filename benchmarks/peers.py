@@ -1,4 +1,4 @@
-"""Side by side with the peers: a thin wrapper over `zyfa-tune bench` (zyfa_tune/bench.py holds the
+"""Side by side with the peers: a thin wrapper over `zyfa-tune bench` (zyfa_tune/bench/run.py holds the
 measuring code) that keeps this script's old defaults: the shapes of the device README's table and
 both dtypes (ours through the dispatcher, FA3 fp8/bf16, cuDNN sdpa_fp8, torch SDPA bf16).
 

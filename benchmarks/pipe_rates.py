@@ -213,7 +213,7 @@ def measure(name: str, reps: int = 5, per_smsp: int | None = None,
     rounds, so that it can."""
     import torch
 
-    from zyfa_tune.kernels.timing import gpu_state
+    from zyfa_tune.tuning.timing import gpu_state
 
     _check(per_smsp, beside)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -1,6 +1,6 @@
 """TPE against random sampling at equal trial counts (issue #4).
 
-Runs the same tuning spec twice through the tuner (`zyfa_tune.tune.Tuner`), once with
+Runs the same tuning spec twice through the tuner (`zyfa_tune.tuning.tuner.Tuner`), once with
 `--sampler tpe` and once with `--sampler random`, each with its own study name, study journal and
 tuning database (so neither sees the other's trials), then prints the best TFLOP/s so far per
 shape after each trial for both, and the trial at which each came within 2% of its own final best.
@@ -34,10 +34,10 @@ import optuna
 from rich.console import Console
 from rich.table import Table
 
-from zyfa_tune.cli import _int_list
-from zyfa_tune.runners import shipped_db
+from zyfa_tune.cli.common import int_list as _int_list
+from zyfa_tune.tuning.runners import shipped_db
 from zyfa_tune.search_spaces import SearchSpace
-from zyfa_tune.tune import SAMPLERS, Tuner, TuneSpec
+from zyfa_tune.tuning.tuner import SAMPLERS, Tuner, TuneSpec
 
 WITHIN = 0.02
 

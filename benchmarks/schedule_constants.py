@@ -17,9 +17,9 @@ import statistics
 
 from zyfa_tune import api, flash_attn_func
 from zyfa_tune.kernels import gluon_launch
-from zyfa_tune.kernels.defaults import gluon_defer_config, gluon_wide_config
-from zyfa_tune.kernels.timing import attention_flops, time_cuda, warm_gpu
-from zyfa_tune.kernels.verify import make_inputs
+from zyfa_tune.generator.defaults import gluon_defer_config, gluon_wide_config
+from zyfa_tune.tuning.timing import attention_flops, time_cuda, warm_gpu
+from zyfa_tune.tuning.verify import make_inputs
 
 SHAPES = (("hd128", gluon_wide_config, 128, 4, 4096), ("hd128", gluon_wide_config, 128, 2, 8192),
           ("hd128", gluon_wide_config, 128, 1, 16384), ("hd256", gluon_defer_config, 256, 2, 8192))

@@ -29,10 +29,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from zyfa_tune.cli import _best_table, _gpus
+from zyfa_tune.cli.db_cmds import _best_table
+from zyfa_tune.cli.tune_cmd import _gpus
 from zyfa_tune.db import Fingerprint, open_store
-from zyfa_tune.runners import shipped_db
-from zyfa_tune.tune import Tuner, TuneSpec, replay_fingerprint
+from zyfa_tune.tuning.runners import shipped_db
+from zyfa_tune.tuning.tuner import Tuner, TuneSpec, replay_fingerprint
 
 DTYPES = ("fp8", "bf16")
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))

@@ -1,9 +1,10 @@
 """Kernel generator: validated `KernelConfig` -> kernel source, by backend (Triton or Gluon)."""
 
-from . import emit_gluon, emit_triton
+from .gluon_sm90 import emit as emit_gluon
+from .triton import emit as emit_triton
 from .config import (CHOICES, GENERATOR_VERSION, GLUON_HEAD_DIMS, HEAD_DIMS, ConfigError, KernelConfig,
                      gluon_o_parts, gluon_registers, o_in_p_tile, p_tiles)
-from .emit_triton import head_chunks
+from .triton.emit import head_chunks
 from .emitted import EmittedKernel
 
 

@@ -220,7 +220,7 @@ def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int,
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .emit_gluon import SCALAR_PARAMS, descriptor_blocks, descriptor_type, tile_params
+    from .gluon_sm90.emit import SCALAR_PARAMS, descriptor_blocks, descriptor_type, tile_params
 
     fn = jit_function(kernel)
     blocks = descriptor_blocks(kernel.config)

@@ -135,8 +135,8 @@ class KernelConfig:
                   Gluon "natural": the producer warpgroup TMA-loads V's (keys, dim) tile and writes
                   its transpose into the V^T ring itself (as FA3 does): one launch, no copy.
 
-    backend:      "triton" (generator/emit_triton.py: Triton schedules the kernel) or "gluon"
-                  (generator/emit_gluon.py: a warp-specialised FP8 kernel whose schedule the config
+    backend:      "triton" (generator/triton/emit.py: Triton schedules the kernel) or "gluon"
+                  (generator/gluon_sm90/emit.py: a warp-specialised FP8 kernel whose schedule the config
                   decides; docs/BACKENDS.md). Each backend has its own fields (TRITON_FIELDS,
                   GLUON_FIELDS); the other backend's stay at their defaults, so that one kernel has
                   one config and one JSON. Shared fields mean for Gluon: block_m = 64 query rows per
@@ -163,18 +163,18 @@ class KernelConfig:
                   thread's probabilities) right before the PV wait, so that ptxas cannot hoist the
                   wait above the step's exponentials (docs/BACKENDS.md).
     exp2_poly:    Gluon, exact softmax: of every 8 scores, this many get 2^x from a polynomial on the
-                  FMA pipe instead of MUFU.EX2 (generator/exp2_poly.py): the two pipes share the work,
+                  FMA pipe instead of MUFU.EX2 (generator/asm/exp2_poly.py): the two pipes share the work,
                   the result stays float32 (e4m3 rounding as exact as MUFU's for ~all scores).
     exp2_poly_degree: degree of that polynomial (3: rel. error 9e-5; 2: 2e-3, one FMA less).
     skip_rescale: Gluon: a warp none of whose rows' maxima moved skips the rescale of O (a vote and a
-                  uniform branch, generator/rescale_asm.py); at 128-key blocks that is an FMUL per score.
+                  uniform branch, generator/asm/rescale.py); at 128-key blocks that is an FMUL per score.
     turn_barrier: Gluon (ping_pong only): the token the consumer warpgroups pass to take turns, an
                   "mbarrier" in shared memory or a hardware "named" barrier (bar.sync / bar.arrive,
                   as FA3's warp scheduler barrier).
     p_carry:      Gluon (overlap or pv_defer): how P crosses from the softmax of step j to the PV of
                   step j+1: "f32" (the float32 probabilities, rounded next to the wgmma) or "e4m3"
                   (rounded at once and packed four per register as the A operand holds them: a quarter
-                  of the registers, no byte moves; generator/gluon_device._p_pack) or "smem" (packed so,
+                  of the registers, no byte moves; generator/gluon_sm90/device._p_pack) or "smem" (packed so,
                   then written to a shared-memory tile per consumer once PV(j-1) is done, and read by
                   the PV wgmma from there: no register holds P while the next softmax runs, which is
                   what lets a 256-key block overlap; FA3 keeps it in registers at 224 keys), or
@@ -224,7 +224,7 @@ class KernelConfig:
                   maximum and lean P's fold f16x2 instructions (two scores each; the codes' pack one PRMT per
                   four): the step's softmax ~30% shorter (docs/PERF.md, session 28). Each consumer scales its
                   Q rows in shared memory by a power of two so that no score or partial sum can leave f16's
-                  range for any e4m3 K (generator/gluon_device._q_headroom), and the scale goes into the
+                  range for any e4m3 K (generator/gluon_sm90/device._q_headroom), and the scale goes into the
                   softmax's; a score carries f16's 11-bit precision (0.03% of |x|, x in log2 units). With
                   lean_fold="corrected" the fold's second-order correction runs on f16 pairs too (five more
                   operations; ~97% of codes correctly rounded; not yet timed on the GPU).
@@ -245,12 +245,12 @@ class KernelConfig:
                   fold line sits. "grid": the row's reference is its maximum rounded up to the fold's 1/8 grid
                   (what the float32 folds' magic constant needs), so the maximum's code falls anywhere in its
                   last code and the line's offset is random from row to row. "max": the reference is the row's
-                  maximum itself and the line is lowered by LEAN_MAX_CENTER (generator/lean_asm.py), so that the
+                  maximum itself and the line is lowered by LEAN_MAX_CENTER (generator/asm/lean.py), so that the
                   maximum keeps its exact code 2^P and every other score rounds about half a code down from
                   the line, against its overestimate of 2^x (float64 emulation: gaussian 1.035x -> 1.00x FA3's
                   error with balanced V; docs/ACCURACY.md, session 45). The same instructions in the step.
     lean_floor:   Gluon lean P on f16 scores with the linear fold: scores 2^-6 to 2^-9 of 2^P (e4m3's subnormals)
-                  get codes from a second, shallower line (the maximum of the two; generator/lean_asm.py,
+                  get codes from a second, shallower line (the maximum of the two; generator/asm/lean.py,
                   LEAN_FLOOR_SLOPE) instead of 0, two more f16x2 operations a pair: the linear line stops at
                   x + P = -7 where correct rounding goes on to -10, which costs long rows with a few large
                   scores (entry_outliers, llm) 1-2% of error (docs/ACCURACY.md, sessions 30 and 45).

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-#: the kernel-name suffix that asks for the pass (generator/emit_gluon.py names qk_async kernels with it)
+#: the kernel-name suffix that asks for the pass (generator/gluon_sm90/emit.py names qk_async kernels with it)
 QK_ASYNC_SUFFIX = "_qk_async"
 
 _WAIT = re.compile(r"[ \t]*// begin inline asm\n[ \t]*// wait for regs:[^\n]*\n[ \t]*wgmma\.wait_group\.sync\.aligned "

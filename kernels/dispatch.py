@@ -36,7 +36,7 @@ from typing import Iterable, Sequence
 
 from zyfa_tune.generator import GENERATOR_VERSION, ConfigError, KernelConfig
 
-from .defaults import fallback_config
+from zyfa_tune.generator.defaults import fallback_config
 
 log = logging.getLogger("zyfa_tune.dispatch")
 

@@ -1,4 +1,4 @@
-"""Launch arguments of a Gluon kernel (generator/emit_gluon.py's contract): host TMA descriptors
+"""Launch arguments of a Gluon kernel (generator/gluon_sm90/emit.py's contract): host TMA descriptors
 of Q, K, V^T and O, the scalars, the grid.
 
 Works on any tensors with the right shapes and strides (CPU and meta tensors too: the descriptors
@@ -16,7 +16,7 @@ import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from zyfa_tune.generator import KernelConfig
-from zyfa_tune.generator.emit_gluon import NUM_WARPS, descriptor_blocks, descriptor_layout
+from zyfa_tune.generator.gluon_sm90.emit import NUM_WARPS, descriptor_blocks, descriptor_layout
 
 #: SMs of the H200 / H100 SXM: the persistent grid of an argument set not on a GPU (ahead of time).
 DEFAULT_SMS = 132

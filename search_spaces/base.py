@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import zyfa_tune.kernels as _kernels
 from zyfa_tune.generator import (CHOICES, GLUON_HEAD_DIMS, ConfigError, KernelConfig, gluon_o_parts, gluon_registers,
                                  o_in_p_tile, p_tiles)
-from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.generator.defaults import default_config
 
 if TYPE_CHECKING:  # optuna is imported lazily: a config can be built without it
     import optuna

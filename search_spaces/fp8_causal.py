@@ -11,7 +11,7 @@ from functools import partial
 from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, lean_floor_conflict,
                                         lean_mufu_conflict, lean_ref_conflict, o_split_conflict, o_through_p_conflict,
                                         packed_p_conflict, pv_defer_conflict, qk_acc_conflict, qk_async_conflict)
-from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
+from zyfa_tune.generator.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
                                        gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_max_config,
                                        gluon_lean_smem2_config, gluon_natural_config, gluon_packed_config,
                                        gluon_smem2_chunked_config, gluon_smem2_config, gluon_smem2_narrow_config,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import optuna
 
 from zyfa_tune.generator import ConfigError, KernelConfig
-from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.search_spaces import get_space
 
 SPACE = get_space("fp8")

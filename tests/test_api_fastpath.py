@@ -14,7 +14,7 @@ import torch
 
 from zyfa_tune import api
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.generator.defaults import default_config
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 

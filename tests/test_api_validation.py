@@ -23,7 +23,7 @@ import torch
 import zyfa_tune.api as api
 from zyfa_tune import dequantize_fp8, flash_attn_func, hadamard_matrix, quantize_fp8
 from zyfa_tune.generator import KernelConfig
-from zyfa_tune.kernels.reference import rel_l2
+from zyfa_tune.tuning.reference import rel_l2
 
 FP8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -390,7 +390,7 @@ def test_k_major_v_passes_validation_uncopied(monkeypatch):
     monkeypatch.setattr(api, "_on_cuda", lambda name, t: None)
     monkeypatch.setattr(api, "bind", record_bind)
     monkeypatch.setattr(api.torch.cuda, "device", lambda d: contextlib.nullcontext())
-    from zyfa_tune.kernels.defaults import default_config
+    from zyfa_tune.generator.defaults import default_config
 
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(1, 32, 2, 64, generator=g), torch.randn(1, 32, 2, 64, generator=g), \
@@ -406,8 +406,8 @@ def test_k_major_v_passes_validation_uncopied(monkeypatch):
 def test_smooth_k_is_exact_and_helps_channel_outliers():
     """K smoothing leaves float64 attention unchanged (q.mean(k) is constant per row) and, on the
     channel-outlier family, cuts the input-quantisation error several-fold."""
-    from zyfa_tune.kernels.inputs import make_qkv
-    from zyfa_tune.kernels.reference import attention_reference
+    from zyfa_tune.tuning.inputs import make_qkv
+    from zyfa_tune.tuning.reference import attention_reference
 
     q, k, v = make_qkv("outliers", batch=1, seqlen=256, heads=4, kv_heads=2, head_dim_qk=128, head_dim_v=64,
                        seed=3, device="cpu")

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from zyfa_tune import bench, bench_report, cli
+from zyfa_tune import cli
+from zyfa_tune.bench import run as bench
+from zyfa_tune.bench import report as bench_report
 from zyfa_tune.generator import ConfigError
-from zyfa_tune.kernels.timing import Timing
+from zyfa_tune.tuning.timing import Timing
 
 OLD_JSON = Path(__file__).resolve().parents[1] / "docs" / "results" / "2026-11-30-peers-defaults.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -158,7 +160,7 @@ def test_native_quantisation_and_input_families():
     """--quant native: FP8 inputs are quantize_fp8 of the float32 originals, per option set (made
     once), and the reference is float64 attention on those originals; families change the inputs."""
     from zyfa_tune import quantize_fp8
-    from zyfa_tune.kernels.reference import attention_reference
+    from zyfa_tune.tuning.reference import attention_reference
 
     shape = bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=64, heads=4, kv_heads=2)
     x = bench.Inputs.random(shape, seed=1, device="cpu", family="outliers", quant="native")
@@ -189,7 +191,7 @@ def test_end_to_end_mode_quantises_inside_each_call(monkeypatch):
     counts the quantiser), with the system's options (FA3: none); bf16 systems get the bf16 tensors; the error
     reference is float64 attention on the unquantised originals, as in native mode."""
     import zyfa_tune.quantize as zq
-    from zyfa_tune.kernels.reference import attention_reference
+    from zyfa_tune.tuning.reference import attention_reference
 
     shape = bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=48, heads=4, kv_heads=2)
     x = bench.Inputs.random(shape, seed=2, device="cpu", family="sink", quant="end-to-end")
@@ -287,7 +289,7 @@ def test_a_borrowed_kernel_says_whose_in_the_row_and_the_table(tmp_path):
     from rich.console import Console
 
     from zyfa_tune.db import ProblemKey
-    from zyfa_tune.kernels.defaults import default_config
+    from zyfa_tune.generator.defaults import default_config
     from zyfa_tune.kernels.dispatch import Choice
 
     def key(s, bh, gqa=1):
@@ -438,7 +440,7 @@ def test_bench_on_gpu(tmp_path, dtype):
     assert res.environment.get("gpu_name") and json.loads(out.read_text())["settings"]["reps"] == 5
     if dtype == "fp8":  # the FP8 GEMM ceiling and an energy window per system (where NVML has a counter)
         assert 300 < res.ceiling["tflops"] < 3000 and res.ceiling["m"] == bench.CEILING_N
-        from zyfa_tune.kernels.timing import _energy_mj, _nvml_handle
+        from zyfa_tune.tuning.timing import _energy_mj, _nvml_handle
 
         if _energy_mj(*_nvml_handle(0)) is not None:
             assert all(r.tflop_per_j and 50 < r.power_w < 1500 for r in ours)
@@ -474,7 +476,7 @@ def test_rounds_interleave_systems_in_rotated_order_and_pool_their_samples():
 
 
 def test_pooled_timing():
-    from zyfa_tune.kernels.timing import pooled
+    from zyfa_tune.tuning.timing import pooled
 
     a = Timing(median_ms=1.0, p20_ms=1.0, p80_ms=1.0, min_ms=1.0, reps=2, sm_clock_mhz=1800.0, power_w=None,
                energy_j_per_call=2.0, samples_ms=(1.0, 1.0))
@@ -514,7 +516,7 @@ def test_sustain_keeps_batches_queued_until_the_window_ends():
         events.append(FakeEvent(log))
         return events[-1]
 
-    from zyfa_tune.kernels.timing import sustain
+    from zyfa_tune.tuning.timing import sustain
 
     batches, elapsed = sustain(launch, 1.0, now=now, depth=2)
     assert batches == 4 and elapsed == pytest.approx(1.0) and all(e.done for e in events)
@@ -524,7 +526,7 @@ def test_sustain_keeps_batches_queued_until_the_window_ends():
 
 
 def test_energy_window_is_reported_only_when_long_enough():
-    from zyfa_tune.kernels import timing
+    from zyfa_tune.tuning import timing
 
     e = timing._window(1000.0, 3000.0, 2.0, 400)      # 2 J over 2 s, 400 calls
     assert e.joules == pytest.approx(2.0) and e.power_w == pytest.approx(1.0) and e.joules_per_call == pytest.approx(5e-3)
@@ -536,7 +538,7 @@ def test_energy_window_is_reported_only_when_long_enough():
 
 
 def test_sustained_energy_without_nvml_is_none(monkeypatch):
-    from zyfa_tune.kernels import timing
+    from zyfa_tune.tuning import timing
 
     monkeypatch.setattr(timing, "_nvml_handle", lambda device: (None, None))
     assert timing.sustained_energy([lambda: None], seconds=1.0) is None
@@ -545,7 +547,7 @@ def test_sustained_energy_without_nvml_is_none(monkeypatch):
 def test_energy_windows_give_tflop_per_j_and_power():
     """With energy_s, each system gets one window after its timing; its joules per call make TFLOP/J
     and its mean power the W column; a failing window is that system's error, not the run's."""
-    from zyfa_tune.kernels.timing import Energy
+    from zyfa_tune.tuning.timing import Energy
 
     shape = bench.BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=128, heads=2, kv_heads=2)
     seen = []

@@ -20,8 +20,8 @@ import torch
 
 from zyfa_tune.db import ProblemKey, open_store
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.reference import attention_reference, rel_l2
-from zyfa_tune.tune import open_study_storage, replay_fingerprint
+from zyfa_tune.tuning.reference import attention_reference, rel_l2
+from zyfa_tune.tuning.tuner import open_study_storage, replay_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")

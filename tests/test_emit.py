@@ -1,5 +1,5 @@
 """Kernel emission: determinism, hashing, well-formed source, no config text flowing into code,
-and the lean P PTX text (generator/lean_asm.py)."""
+and the lean P PTX text (generator/asm/lean.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 
 from zyfa_tune.generator import CHOICES, ConfigError, EmittedKernel, KernelConfig, emit, head_chunks
 from zyfa_tune.generator.config import GLUON_FIELDS
-from zyfa_tune.generator.emit_triton import KERNEL_NAME
-from zyfa_tune.generator.lean_asm import LEAN_P_CONSTRAINTS, lean_p_asm
-from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.generator.triton.emit import KERNEL_NAME
+from zyfa_tune.generator.asm.lean import LEAN_P_CONSTRAINTS, lean_p_asm
+from zyfa_tune.generator.defaults import default_config
 
 LEAN_VARIANTS = list(itertools.product(CHOICES["lean_fold"], CHOICES["lean_clamp"], CHOICES["lean_pack"]))
 

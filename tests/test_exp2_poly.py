@@ -1,4 +1,4 @@
-"""The FMA-pipe exponential (generator/exp2_poly.py), modelled on the CPU.
+"""The FMA-pipe exponential (generator/asm/exp2_poly.py), modelled on the CPU.
 
 `run_exp2_asm` interprets the emitted PTX instruction by instruction from the PTX ISA semantics
 (the exact FMA and roundings of tests/test_lean_numerics.py); the tests check it against 2^x and
@@ -17,7 +17,7 @@ import pytest
 from test_lean_numerics import (_operand, bits, f32, fma_f32, from_bits, rne_e4m3_codes, round_down_f32, round_f32,
                                 x_grid)
 
-from zyfa_tune.generator.exp2_poly import COEFFICIENTS, EXP2_CONSTRAINTS, PACK, X_FLOOR, exp2_asm
+from zyfa_tune.generator.asm.exp2_poly import COEFFICIENTS, EXP2_CONSTRAINTS, PACK, X_FLOOR, exp2_asm
 
 
 def run_exp2_asm(text: str, xs: list[float]) -> list[float]:

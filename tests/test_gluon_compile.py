@@ -19,9 +19,10 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 from gluon_cases import GLUON, SPACE, neighbours, sampled
 
-from zyfa_tune.generator import ConfigError, KernelConfig, emit, emit_gluon, o_in_p_tile
+from zyfa_tune.generator import ConfigError, KernelConfig, emit, o_in_p_tile
+from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
-from zyfa_tune.kernels.defaults import (default_config, gluon_lanes_config, gluon_lean_f16_async_config,
+from zyfa_tune.generator.defaults import (default_config, gluon_lanes_config, gluon_lean_f16_async_config,
                                        gluon_lean_f16_config, gluon_lean_max_config, gluon_lean_smem2_config,
                                        gluon_smem2_chunked_config, gluon_smem2_config, gluon_smem2_narrow_config,
                                        gluon_three_config, gluon_wide_config)
@@ -572,7 +573,7 @@ def test_serialised_wgmma_is_a_compile_error(compiled, monkeypatch):
     """ptxas serialises the wgmmas of the 256-key overlapped kernel (C7512, the register-pressure
     sibling of C7514): the artifact reports it and the runners' compile check rejects the kernel
     even where it would not spill."""
-    from zyfa_tune import runners
+    from zyfa_tune.tuning import runners
 
     cfg = GLUON.replace(block_n=256, num_stages=2)
     art = compiled(cfg)
@@ -819,7 +820,7 @@ def test_skip_rescale_branches_around_the_multiplies(cfg, compiled):
 
 
 def test_rescale_asm_text():
-    from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
+    from zyfa_tune.generator.asm.rescale import rescale_asm, rescale_constraints
 
     text = rescale_asm(8)
     assert "setp.ne.f32 p, $16, 0f3F800000;" in text and "setp.ne.or.f32 p, $18, 0f3F800000, p;" in text
@@ -962,7 +963,7 @@ def overlapped_loops(sass: str, exps: int) -> list[list[str]]:
 
 
 def test_fence_asm_text():
-    from zyfa_tune.generator.fence_asm import fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
+    from zyfa_tune.generator.asm.fence import fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
 
     assert [fence_barrier(k) for k in range(3)] == [15, 14, 13]
     rows = row_sum_fence_asm(14)

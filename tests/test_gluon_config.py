@@ -15,7 +15,7 @@ from optuna.trial import TrialState
 from zyfa_tune.db import TrialResult, open_store
 from zyfa_tune.generator import CHOICES, GLUON_HEAD_DIMS, ConfigError, KernelConfig, emit, gluon_registers
 from zyfa_tune.generator.config import GLUON_FIELDS, LATE_FIELDS, TRITON_FIELDS
-from zyfa_tune.kernels.defaults import config_with, default_config, parse_changes, parse_value
+from zyfa_tune.generator.defaults import config_with, default_config, parse_changes, parse_value
 from zyfa_tune.kernels.dispatch import TUNED_DIR
 from zyfa_tune.search_spaces import SEED_DATABASES, get_space
 
@@ -316,7 +316,7 @@ def test_overrides_pick_the_named_backends_default():
 
 
 def test_bench_ours_backend_gluon_is_the_gluon_default():
-    from zyfa_tune.bench import parse_ours
+    from zyfa_tune.bench.run import parse_ours
 
     (spec,) = parse_ours("gluon:backend=gluon", ["fp8"])
     assert spec.label == "gluon" and spec.config_for(128, 128) == GLUON

@@ -1,4 +1,4 @@
-"""Gluon emission (generator/emit_gluon.py): deterministic source with the config baked in as
+"""Gluon emission (generator/gluon_sm90/emit.py): deterministic source with the config baked in as
 constants, stable hashes, every schedule field reaching the code, only validated values as text."""
 
 from __future__ import annotations
@@ -10,14 +10,16 @@ import pytest
 
 from gluon_cases import GLUON, neighbours, sampled
 
-from zyfa_tune.generator import KernelConfig, emit, emit_gluon, emit_triton, gluon_device, gluon_registers
+from zyfa_tune.generator import KernelConfig, emit, emit_triton, gluon_registers
+from zyfa_tune.generator.gluon_sm90 import device as gluon_device
+from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
 from zyfa_tune.generator.emitted import KERNEL_NAME
-from zyfa_tune.generator.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
-from zyfa_tune.generator.lean_asm import (MAGIC, code_sum_asm, f16_fold_asm, f16_mufu_asm, f16_mufu_constraints,
+from zyfa_tune.generator.asm.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
+from zyfa_tune.generator.asm.lean import (MAGIC, code_sum_asm, f16_fold_asm, f16_mufu_asm, f16_mufu_constraints,
                                           f16_pack_asm, lean_tail_asm)
-from zyfa_tune.generator.rescale_asm import rescale_asm, rescale_constraints
-from zyfa_tune.generator.timeline import EVENTS
-from zyfa_tune.kernels.defaults import (default_config, gluon_lean_f16_config, gluon_smem2_chunked_config,
+from zyfa_tune.generator.asm.rescale import rescale_asm, rescale_constraints
+from zyfa_tune.generator.gluon_sm90.trace import EVENTS
+from zyfa_tune.generator.defaults import (default_config, gluon_lean_f16_config, gluon_smem2_chunked_config,
                                        gluon_smem2_config)
 
 #: the Gluon seed, one variant per value of every field the space searches for it, a sample of
@@ -93,7 +95,7 @@ def test_distinct_configs_give_distinct_code():
 def fence_constants(cfg) -> dict:
     """ex2_fence's asm per consumer: on the row sums (rowsum="fp32") or on each key part's
     probabilities (rowsum="mma"), empty elsewhere."""
-    from zyfa_tune.generator.fence_asm import (ROW_SUM_FENCE_CONSTRAINTS, p_fence_asm, p_fence_constraints,
+    from zyfa_tune.generator.asm.fence import (ROW_SUM_FENCE_CONSTRAINTS, p_fence_asm, p_fence_constraints,
                                                row_sum_fence_asm)
 
     none = ("",) * 3
@@ -221,7 +223,7 @@ def test_only_validated_values_become_text(cfg):
 
 
 def test_device_code_is_copied_verbatim():
-    device = (emit_gluon.Path(emit_gluon.__file__).parent / "gluon_device.py").read_text()
+    device = (emit_gluon.Path(emit_gluon.__file__).parent / "device.py").read_text()
     body = device.partition(emit_gluon.DEVICE_MARKER)[2].lstrip("\n")
     assert body in emit(GLUON).source
     assert "def _consumer(" in body and "def _producer(" in body

@@ -11,9 +11,9 @@ import bisect
 import pytest
 import torch
 
-from zyfa_tune.generator import emit_gluon
+from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
 from zyfa_tune.kernels import fastlaunch, gluon_launch, launch
-from zyfa_tune.kernels.defaults import default_config
+from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.kernels.transpose import key_permutation, padded_keys, transpose_v
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
@@ -154,7 +154,7 @@ def test_prepare_gluon_variants():
     assert args[2].shape == [2 * 2 * 128, 1000]  # V^T not permuted: the real key count, no padding
     grid, args, _ = launch.prepare(GLUON.replace(block_m=64, ping_pong=False), q, k, v, out, 0.1, True, sms=132)
     assert list(args[0].block_shape) == [64, 128] and args[14] == 16  # N_M_BLOCKS of 64 rows
-    meta = [t.to("meta") for t in (q, k, v, out)]  # what zyfa_tune.precompile builds: no memory
+    meta = [t.to("meta") for t in (q, k, v, out)]  # what zyfa_tune.tuning.precompile builds: no memory
     grid, args, _ = launch.prepare(GLUON, *meta, 0.1, True)
     assert grid == (min(gluon_launch.DEFAULT_SMS, 8 * 2 * 8),)
 

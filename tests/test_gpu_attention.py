@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from zyfa_tune import flash_attn_func
-from zyfa_tune.kernels.defaults import default_config
-from zyfa_tune.kernels.reference import attention_reference, rel_l2
-from zyfa_tune.kernels.verify import make_inputs
+from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.tuning.reference import attention_reference, rel_l2
+from zyfa_tune.tuning.verify import make_inputs
 
 pytestmark = pytest.mark.gpu
 

@@ -12,12 +12,12 @@ from zyfa_tune import api, explain, flash_attn_func
 from zyfa_tune.db import ProblemKey, TrialResult, current_fingerprint, open_store
 from zyfa_tune.generator import emit
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_lean_f16_async_config,
+from zyfa_tune.generator.defaults import (default_config, gluon_defer_config, gluon_lean_f16_async_config,
                                        gluon_lean_max_config, gluon_lean_smem2_config, gluon_smem2_chunked_config,
                                        gluon_smem2_config, gluon_smem2_narrow_config, gluon_wide_config)
-from zyfa_tune.kernels.reference import attention_reference, rel_l2
-from zyfa_tune.kernels.inputs import make_qkv
-from zyfa_tune.kernels.verify import make_inputs
+from zyfa_tune.tuning.reference import attention_reference, rel_l2
+from zyfa_tune.tuning.inputs import make_qkv
+from zyfa_tune.tuning.verify import make_inputs
 from zyfa_tune.quantize import quantize_fp8
 
 pytestmark = pytest.mark.gpu
@@ -158,7 +158,7 @@ def test_lean_p_bitwise_stable_and_fast_path():
         assert torch.equal(flash_attn_func(*args, config=LEAN, **kw), first)
 
 
-#: 2^x on the FMA pipe for a share of the scores (generator/exp2_poly.py): float32 within 9e-5 / 2e-3
+#: 2^x on the FMA pipe for a share of the scores (generator/asm/exp2_poly.py): float32 within 9e-5 / 2e-3
 #: of 2^x, so the error is the exact kernel's (the share of exactly rounded codes: tests/test_exp2_poly.py)
 POLY = {f"{share}-d{degree}": GLUON.replace(exp2_poly=share, exp2_poly_degree=degree)
         for share, degree in ((1, 3), (3, 3), (3, 2), (8, 3), (8, 2))}

@@ -1,5 +1,5 @@
 """GPU: a kernel compiled ahead in a compile process is what the worker's JIT then finds in
-Triton's on-disk cache (the point of compile-ahead, zyfa_tune/precompile.py), and its ptxas check
+Triton's on-disk cache (the point of compile-ahead, zyfa_tune/tuning/precompile.py), and its ptxas check
 for serialised wgmmas is answered there too."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 from zyfa_tune import flash_attn_func
 from zyfa_tune.generator.emitted import KERNEL_NAME
-from zyfa_tune.kernels.defaults import default_config
-from zyfa_tune.kernels.verify import make_inputs
-from zyfa_tune.precompile import Precompiler
+from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.tuning.verify import make_inputs
+from zyfa_tune.tuning.precompile import Precompiler
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""GPU: a traced launch (kernels/timeline.py) computes what the kernel computes, bit for bit, and its
+"""GPU: a traced launch (zyfa_tune/bench/timeline.py) computes what the kernel computes, bit for bit, and its
 stamps describe steps: every consumer warpgroup recorded, events in order within a step."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from zyfa_tune import flash_attn_func
-from zyfa_tune.generator.timeline import EVENTS
-from zyfa_tune.kernels import timeline
-from zyfa_tune.kernels.defaults import gluon_packed_config, gluon_wide_config
-from zyfa_tune.kernels.verify import make_inputs
+from zyfa_tune.generator.gluon_sm90.trace import EVENTS
+from zyfa_tune.bench import timeline
+from zyfa_tune.generator.defaults import gluon_packed_config, gluon_wide_config
+from zyfa_tune.tuning.verify import make_inputs
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""Activation-like input families (kernels/inputs.py): determinism, shapes, the statistic that
+"""Activation-like input families (zyfa_tune/tuning/inputs.py): determinism, shapes, the statistic that
 defines each family (checked with the float64 reference), validation, and the way from
 `zyfa-tune tune --input-family` to the worker's Task, the probe cache and the database."""
 
@@ -14,11 +14,11 @@ import torch
 from zyfa_tune import cli
 from zyfa_tune.db import open_store
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.inputs import FAMILIES, FAMILY_NAMES, Family, Outliers, Rope, apply_rope, make_qkv
-from zyfa_tune.kernels.reference import attention_reference
-from zyfa_tune.kernels.verify import make_inputs
-from zyfa_tune.tune import TuneSpec
-from zyfa_tune.worker import Shape, Task, Worker
+from zyfa_tune.tuning.inputs import FAMILIES, FAMILY_NAMES, Family, Outliers, Rope, apply_rope, make_qkv
+from zyfa_tune.tuning.reference import attention_reference
+from zyfa_tune.tuning.verify import make_inputs
+from zyfa_tune.tuning.tuner import TuneSpec
+from zyfa_tune.tuning.worker import Shape, Task, Worker
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
 SMALL = dict(batch=1, seqlen=256, heads=4, kv_heads=2, head_dim_qk=64, head_dim_v=32)
@@ -219,10 +219,10 @@ def test_cli_flag_reaches_the_task_and_the_provenance(tmp_path, monkeypatch):
 
 
 def test_probe_cache_keys_on_the_family(monkeypatch):
-    from zyfa_tune import runners
+    from zyfa_tune.tuning import runners
     from zyfa_tune.generator import KernelConfig
-    from zyfa_tune.kernels import verify
-    from zyfa_tune.kernels.defaults import default_config
+    from zyfa_tune.tuning import verify
+    from zyfa_tune.generator.defaults import default_config
 
     calls = []
     monkeypatch.setattr(verify, "make_probe", lambda *a, **kw: calls.append(kw["family"]) or object())

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from zyfa_tune.generator import CHOICES
-from zyfa_tune.generator.lean_asm import (E4M3_ONE_CODE, LEAN_CENTER, LEAN_CORRECTION, LEAN_FLOOR_AT, LEAN_FLOOR_SLOPE,
+from zyfa_tune.generator.asm.lean import (E4M3_ONE_CODE, LEAN_CENTER, LEAN_CORRECTION, LEAN_FLOOR_AT, LEAN_FLOOR_SLOPE,
                                           LEAN_MAX_CENTER, MAGIC, MAGIC_BITS, MUFU_GROUP, ONE_FMA_FOLDS, SAT_SCALE, f16_fold_asm, f16_mufu_asm, f16_mufu_constraints, f16_pack_asm,
                                           f16_reversed, fold_center, lean_p_asm, lean_tail_asm)
 
@@ -582,7 +582,7 @@ def test_code_sum_asm_is_the_sum_of_the_codes_within_three_f16_roundings():
     """Four words (16 codes) -> their decoded sum: each half is a depth-3 tree of f16 adds, so the result
     is within (1 + 2^-11)^3 - 1 of the exact sum (float32 adds nothing at this size); 16 codes of at most
     448 sum to 7168, far from f16's 65504, and a block of small codes sums exactly."""
-    from zyfa_tune.generator.lean_asm import code_sum_asm
+    from zyfa_tune.generator.asm.lean import code_sum_asm
 
     text = code_sum_asm()
     rng = np.random.default_rng(0)

@@ -280,7 +280,7 @@ def test_balance_weights_on_the_gpu():
     summation order: grouped heads, fewer tokens than the sample (200), a head dim that is no power of two, rows
     whose scores have means of hundreds (channel outliers: the variance merged from centred chunks); and balanced
     V by default is the codes pass with the GPU's own kappa."""
-    from zyfa_tune.kernels.inputs import make_qkv
+    from zyfa_tune.tuning.inputs import make_qkv
     from zyfa_tune.kernels.quantize import balance_weights, quantize_tensors
 
     g = torch.Generator().manual_seed(6)

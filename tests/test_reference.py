@@ -1,4 +1,4 @@
-"""The float64 reference attention (kernels/reference.py) against a naive per-row loop."""
+"""The float64 reference attention (zyfa_tune/tuning/reference.py) against a naive per-row loop."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import zyfa_tune.kernels.reference as reference
-from zyfa_tune.kernels.reference import attention_reference, max_abs_err, rel_l2
+import zyfa_tune.tuning.reference as reference
+from zyfa_tune.tuning.reference import attention_reference, max_abs_err, rel_l2
 
 
 def naive_attention(q, k, v, causal, scale=None, q_descale=None, k_descale=None, v_descale=None):

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig, emit
 from zyfa_tune.generator.config import lane_sums_conflict
-from zyfa_tune.kernels.defaults import (default_config, gluon_defer_config, gluon_natural_config, gluon_three_config,
+from zyfa_tune.generator.defaults import (default_config, gluon_defer_config, gluon_natural_config, gluon_three_config,
                                        gluon_lanes_config, gluon_smem2_config, gluon_wide_config)
 from zyfa_tune.search_spaces import (FAMILIES, SEED_DATABASES, SMEM_LIMIT, Param, SearchSpace, get_space,
                                      register_estimate, smem_estimate)
@@ -313,7 +313,7 @@ def test_field_twins_at_head_dim_96():
     winner with its half-empty first blocks halved (half_block: plain schedule or P in shared memory), an
     overlapped one with P through two shared-memory tiles (p_carry="smem2", halved too); none for a Triton config, none with o_split
     beyond head dim 96, none that is already set."""
-    from zyfa_tune.kernels.defaults import gluon_lean_config
+    from zyfa_tune.generator.defaults import gluon_lean_config
     from zyfa_tune.search_spaces import fp8_causal
 
     def field_twins(config):  # the twins that are other kernels (not the launch twin, tested below)
@@ -350,7 +350,7 @@ def test_a_lean_two_tile_winner_has_its_f16_score_twin():
     """qk_acc="f16" (session 28): a lean winner on the two-P-tile step with the saturating fold gets its twin on
     f16 scores; not an exact winner, nor lean P carried in registers; an f16 winner's twins keep it (and get no
     halved first block, which has no f16 build)."""
-    from zyfa_tune.kernels.defaults import gluon_lean_config, gluon_lean_smem2_config
+    from zyfa_tune.generator.defaults import gluon_lean_config, gluon_lean_smem2_config
     from zyfa_tune.search_spaces.fp8_causal import field_twins
 
     coded = gluon_lean_smem2_config("fp8", 128, 128)
@@ -365,7 +365,7 @@ def test_an_f16_score_winner_has_its_qk_async_twin_and_f32_scores_never_sample_i
     """qk_async (session 35): an f16-score winner gets its twin with QK^T's wait behind PV(j-1)'s issue, which is
     a point of the space; a float32-score config never decodes to qk_async=True (no such kernel), whatever the
     sampler suggests."""
-    from zyfa_tune.kernels.defaults import gluon_lean_f16_config
+    from zyfa_tune.generator.defaults import gluon_lean_f16_config
     from zyfa_tune.search_spaces.fp8_causal import field_twins
 
     f16 = gluon_lean_f16_config("fp8", 128, 128)
@@ -391,7 +391,7 @@ def test_a_linear_f16_winner_has_its_max_reference_twin_and_others_never_sample_
     """lean_ref="max" and lean_floor (session 45): a linear-fold f16 winner gets its twin with the line on the row's
     own maximum, a point of the space; configs they do not apply to (exact, float32 scores, the corrected fold)
     never decode to them, whatever the sampler suggests."""
-    from zyfa_tune.kernels.defaults import gluon_lean_f16_async_config
+    from zyfa_tune.generator.defaults import gluon_lean_f16_async_config
     from zyfa_tune.search_spaces.fp8_causal import field_twins
 
     f16 = gluon_lean_f16_async_config("fp8", 128, 128)
@@ -422,7 +422,7 @@ def test_a_linear_f16_winner_has_its_max_reference_twin_and_others_never_sample_
 def test_a_lean_winner_with_the_row_sum_mma_has_its_code_sum_twin():
     """Lean P with its codes carried packed and summed by the row-sum MMA: its twin sums the decoded codes
     (rowsum="rounded"), per lane where that applies; not with P carried as float32 (no packed codes)."""
-    from zyfa_tune.kernels.defaults import gluon_lean_config
+    from zyfa_tune.generator.defaults import gluon_lean_config
     from zyfa_tune.search_spaces.fp8_causal import field_twins
 
     space = get_space("fp8")
@@ -510,7 +510,7 @@ def test_a_balanced_winner_has_its_l2_group_twin():
 def test_loose_seeds_only_when_asked():
     """The lean Gluon default (lean P: ~1.35x the exact error) is a seed only of a study whose gate or
     Pareto front admits it (`seeds(..., loose=True)`), last; a default-gate study never sees it."""
-    from zyfa_tune.kernels.defaults import (gluon_lean_config, gluon_lean_f16_async_config, gluon_lean_f16_config,
+    from zyfa_tune.generator.defaults import (gluon_lean_config, gluon_lean_f16_async_config, gluon_lean_f16_config,
                                            gluon_lean_max_config, gluon_lean_smem2_config)
 
     space = get_space("fp8")
@@ -540,7 +540,7 @@ def test_lean_max_seed_fits_every_head_dim(dims, block_n, q_stages):
     """The 256-key lean seeds exceed shared memory at 192/128 and hd256 and are skipped there; the lean seed on
     the row maximum takes 128-key blocks (and at hd256 one Q stage with O through the P tiles), so a loose study
     of those head dims starts from the kernel measured at 1.17-1.27x FA3-fp8 (docs/PERF.md session 50)."""
-    from zyfa_tune.kernels.defaults import gluon_lean_f16_async_config, gluon_lean_max_config
+    from zyfa_tune.generator.defaults import gluon_lean_f16_async_config, gluon_lean_max_config
 
     space = get_space("fp8")
     cfg = gluon_lean_max_config("fp8", *dims)

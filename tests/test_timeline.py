@@ -1,4 +1,4 @@
-"""The timeline instrumentation (generator/timeline.py, kernels/timeline.py) without a GPU: what
+"""The timeline instrumentation (generator/gluon_sm90/trace.py, zyfa_tune/bench/timeline.py) without a GPU: what
 reaches the PTX is validated, the stamps compile away when not tracing and into clock reads (no
 spills) when tracing, and the stamps' decoding."""
 
@@ -9,10 +9,10 @@ import pytest
 
 from zyfa_tune.cli import main
 from zyfa_tune.generator.build import compile_for_target
-from zyfa_tune.generator.emit_gluon import emit
-from zyfa_tune.generator.timeline import EVENT_INDEX, EVENTS, TraceBuffer, clock_asm
-from zyfa_tune.kernels.defaults import gluon_defer_config, gluon_packed_config, gluon_three_config, gluon_wide_config
-from zyfa_tune.kernels.timeline import from_stamps
+from zyfa_tune.generator.gluon_sm90.emit import emit
+from zyfa_tune.generator.gluon_sm90.trace import EVENT_INDEX, EVENTS, TraceBuffer, clock_asm
+from zyfa_tune.generator.defaults import gluon_defer_config, gluon_packed_config, gluon_three_config, gluon_wide_config
+from zyfa_tune.bench.timeline import from_stamps
 
 WIDE = gluon_wide_config("fp8", 128, 128)
 ADDR = 0x7F00_0000_0000

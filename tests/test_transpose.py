@@ -9,7 +9,7 @@ import torch
 
 from zyfa_tune.kernels.transpose import (BLOCK_D, BLOCK_K, NUM_WARPS, _transpose_v_kernel, bind_transpose,
                                          key_permutation, padded_keys, transpose_v, transpose_v_reference)
-from zyfa_tune.kernels.defaults import default_config, gluon_natural_config
+from zyfa_tune.generator.defaults import default_config, gluon_natural_config
 from zyfa_tune.kernels.launch import for_v_layout
 from zyfa_tune.quantize import quantize_fp8
 
@@ -127,7 +127,7 @@ def test_kernel_time_and_host_cost():
     about 48 us there) and at 8K x 32 heads, and the host time of a call."""
     import time
 
-    from zyfa_tune.kernels.timing import time_cuda
+    from zyfa_tune.tuning.timing import time_cuda
 
     for shape in ((4, 1024, 16, 128), (2, 8192, 32, 128)):
         v = torch.randn(*shape, device="cuda").to(FP8)

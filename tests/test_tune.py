@@ -21,7 +21,7 @@ import pytest
 from zyfa_tune.db import ProblemKey, open_store
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.search_spaces import get_space
-from zyfa_tune.tune import Tuner, TuneSpec, parse_duration, replay_fingerprint
+from zyfa_tune.tuning.tuner import Tuner, TuneSpec, parse_duration, replay_fingerprint
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
 
@@ -121,8 +121,8 @@ def test_precompile_failures_never_reach_the_study(tmp_path):
 def test_precompile_runs_the_replay_compile(tmp_path):
     """Compile-ahead is opt-in; for the replay runner it runs that runner's real sm_90a compile
     (what the worker then finds in Triton's cache)."""
-    from zyfa_tune.kernels.defaults import default_config
-    from zyfa_tune.precompile import Precompiler, compile_fn_for, compile_for_replay
+    from zyfa_tune.generator.defaults import default_config
+    from zyfa_tune.tuning.precompile import Precompiler, compile_fn_for, compile_for_replay
 
     plain = Tuner(spec(tmp_path, trials=2))
     plain.run()
@@ -159,7 +159,7 @@ def test_injected_faults_are_recorded_and_the_study_goes_on(tmp_path, mode, stat
 
 _KILL_SCRIPT = textwrap.dedent("""
     import sys
-    from zyfa_tune.tune import Tuner, TuneSpec
+    from zyfa_tune.tuning.tuner import Tuner, TuneSpec
     storage, journal, shipped, resume = sys.argv[1:5]
     Tuner(TuneSpec(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(8192,), trials=24, storage=storage,
                    study_storage=journal, runner="replay:" + shipped, timeout_s=60.0, sampler="random",
@@ -179,7 +179,7 @@ def test_sigkill_and_resume_lose_and_repeat_nothing(tmp_path):
     while time.time() < deadline:  # wait until a few trials have finished, then kill -9
         time.sleep(1.0)
         if Path(journal).exists():
-            from zyfa_tune.tune import open_study_storage
+            from zyfa_tune.tuning.tuner import open_study_storage
             storage_obj = open_study_storage(journal)
             try:
                 st = optuna.load_study(study_name="fp8-128x128-causal", storage=storage_obj)
@@ -212,7 +212,7 @@ def test_lean_seed_only_where_the_gate_admits_it(tmp_path, kw, lean):
     sums, the same on f16 scores, synchronous and qk_async, and on the row maximum) only if its gate is at
     least tune.LOOSE_GATE or it keeps the Pareto front over (speed, error): under the default 1.25 they would
     be certain rejections."""
-    from zyfa_tune.kernels.defaults import (gluon_lean_config, gluon_lean_f16_async_config, gluon_lean_f16_config,
+    from zyfa_tune.generator.defaults import (gluon_lean_config, gluon_lean_f16_async_config, gluon_lean_f16_config,
                                            gluon_lean_max_config, gluon_lean_smem2_config)
 
     tuner = Tuner(spec(tmp_path, **kw))
@@ -228,7 +228,7 @@ def test_lean_seed_only_where_the_gate_admits_it(tmp_path, kw, lean):
 def test_enqueued_configs_run_first_and_bad_ones_are_named(tmp_path):
     """`--enqueue key=val,...`: the config runs before the seeds (also when a study is resumed), and a
     malformed, unknown, unsearched or statically infeasible one is refused before the study starts."""
-    from zyfa_tune.kernels.defaults import config_with
+    from zyfa_tune.generator.defaults import config_with
 
     text = "backend=gluon,p_carry=smem2,half_block=true,late_rescale=true"
     want = config_with("fp8", 128, 128, {"backend": "gluon", "p_carry": "smem2", "half_block": True,
@@ -260,9 +260,9 @@ def test_enqueued_configs_run_first_and_bad_ones_are_named(tmp_path):
 
 def test_cli_enqueue_is_the_first_trial(tmp_path, capsys):
     from zyfa_tune import cli
-    from zyfa_tune.kernels.defaults import config_with
+    from zyfa_tune.generator.defaults import config_with
     from zyfa_tune.search_spaces import get_space
-    from zyfa_tune.tune import _config_key
+    from zyfa_tune.tuning.tuner import _config_key
 
     journal = str(tmp_path / "s.journal")
     argv = ["tune", "--head-dim", "128", "--seqlens", "8192", "--trials", "1", "--runner", f"replay:{SHIPPED}",
@@ -336,7 +336,7 @@ def test_cli_warm_start_is_the_shipped_database_unless_none(tmp_path, capsys, fl
     head dims first; with 'none' the space's first seed."""
     from zyfa_tune import cli
     from zyfa_tune.generator import KernelConfig
-    from zyfa_tune.tune import _config_key
+    from zyfa_tune.tuning.tuner import _config_key
 
     journal = str(tmp_path / "s.journal")
     argv = ["tune", "--head-dim", "192", "--head-dim-v", "128", "--seqlens", "8192", "--trials", "1", "--runner",
@@ -361,7 +361,7 @@ def test_a_repeated_proposal_enqueues_an_unmeasured_neighbour(tmp_path):
     one unmeasured neighbour of it (a local move), so the next ask measures something new."""
     from types import SimpleNamespace
 
-    from zyfa_tune.tune import _config_key
+    from zyfa_tune.tuning.tuner import _config_key
 
     tuner = Tuner(spec(tmp_path, sampler="tpe"))
     study = tuner.open_study()

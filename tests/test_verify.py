@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from zyfa_tune.kernels import verify
-from zyfa_tune.kernels.defaults import default_config
-from zyfa_tune.kernels.timing import Timing
-from zyfa_tune.kernels.verify import Verdict, verify_entry
+from zyfa_tune.tuning import verify
+from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.tuning.timing import Timing
+from zyfa_tune.tuning.verify import Verdict, verify_entry
 
 CONFIG = default_config("fp8", 128, 128)
 ENTRY = SimpleNamespace(config_json=CONFIG.to_json(), median_ms=0.030, batch=1, heads=16, seqlen=256,
@@ -110,7 +110,7 @@ def test_an_entry_is_timed_in_a_fresh_worker_process_at_its_own_shape():
     replay runner (stored GPU measurements, CPU only) it answers the entry's own stored trial."""
     from zyfa_tune.db import open_store
     from zyfa_tune.kernels import dispatch
-    from zyfa_tune.worker import Shape, time_in_fresh_process
+    from zyfa_tune.tuning.worker import Shape, time_in_fresh_process
 
     shipped = str(Path(dispatch.TUNED_DIR) / "h200.db")
     with open_store(shipped, readonly=True, create=False) as store:
@@ -140,7 +140,7 @@ def test_an_invalid_stored_config_fails():
 
 
 def test_the_clock_cell_shows_this_timing_and_the_stored_one():
-    from zyfa_tune.cli import _clocks
+    from zyfa_tune.cli.db_cmds import _clocks
     assert _clocks(1838.4, 1980.0) == "1838 (1980)"
     assert _clocks(1980.0, None) == "1980"
     assert _clocks(None, 1980.0) == "- (1980)"

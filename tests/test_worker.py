@@ -1,4 +1,4 @@
-"""Isolated trial workers (zyfa_tune.worker) and their runners (zyfa_tune.runners), on the CPU:
+"""Isolated trial workers (zyfa_tune.tuning.worker) and their runners (zyfa_tune.tuning.runners), on the CPU:
 injected faults (exception, hang, exit, segfault) give the right status and the worker goes on with
 a fresh child; the replay runner answers stored GPU measurements and deterministic synthetic ones
 with real sm_90a compiles (spills and shared memory overflow are compile errors); invalid config
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from zyfa_tune import runners
+from zyfa_tune.tuning import runners
 from zyfa_tune.db import open_store
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.defaults import default_config
-from zyfa_tune.worker import Shape, Task, Worker, WorkerError
+from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.tuning.worker import Shape, Task, Worker, WorkerError
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
 REPLAY = f"replay:{SHIPPED}"
@@ -230,7 +230,7 @@ def test_nvml_follows_the_visible_gpu(monkeypatch):
 
     import torch
 
-    from zyfa_tune.kernels import timing
+    from zyfa_tune.tuning import timing
 
     class FakeNvml:
         def nvmlDeviceGetHandleByIndex(self, index):

@@ -6,7 +6,7 @@
 from zyfa_tune.api import explain, flash_attn_func
 from zyfa_tune.generator import ConfigError, KernelConfig
 from zyfa_tune.kernels.dispatch import set_databases, set_error_budget
-from zyfa_tune.kernels.reference import attention_reference
+from zyfa_tune.tuning.reference import attention_reference
 from zyfa_tune.quantize import dequantize_fp8, hadamard_matrix, quantize_fp8
 
 __version__ = "0.1.0"

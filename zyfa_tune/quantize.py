@@ -8,7 +8,6 @@ import torch
 
 from zyfa_tune.kernels.quantize import (BALANCE_WEIGHT_MAX, E4M3_MAX, KERNEL_DTYPES, balance_weights, hadamard_matrix,
                                         quantize_tensors)
-from zyfa_tune.kernels.reference import dequantize
 
 __all__ = ["E4M3_MAX", "V_ROUNDINGS", "dequantize_fp8", "hadamard_matrix", "quantize_fp8"]
 
@@ -93,6 +92,7 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     return q8, k8, v8, qd, kd, vd
 
 
+
 def dequantize_fp8(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     """float64 values of one of `quantize_fp8`'s outputs: the codes times their (batch, kv head)
     descale, the q heads of a GQA group sharing their kv head's. A Hadamard-rotated or smoothed
@@ -101,3 +101,13 @@ def dequantize_fp8(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
     if descale.dim() != 2 or descale.shape[0] != b or h % descale.shape[1]:
         raise ValueError(f"descale: expected (batch={b}, kv_heads dividing heads={h}), got {tuple(descale.shape)}")
     return dequantize(x8, descale)
+
+
+def dequantize(x: torch.Tensor, descale: torch.Tensor | None) -> torch.Tensor:
+    """x (batch, seqlen, heads, dim) in float64 times its (batch, kv_heads) descale, the heads of a GQA
+    group sharing their kv head's (x as it is where descale is None)."""
+    xf = x.to(torch.float64)
+    if descale is None:
+        return xf
+    b, _, h, _ = x.shape
+    return xf * descale.to(torch.float64).repeat_interleave(h // descale.shape[1], dim=1).view(b, 1, h, 1)

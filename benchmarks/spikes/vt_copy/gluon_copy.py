@@ -97,7 +97,7 @@ def compile_only(d: int) -> None:
 
 
 def on_gpu() -> None:
-    from zyfa_tune.kernels.timing import time_cuda, warm_gpu
+    from zyfa_tune.tuning.timing import time_cuda, warm_gpu
     from zyfa_tune.kernels.transpose import transpose_v, transpose_v_reference
 
     for b, sk, hk, d in ((1, 1, 2, 128), (2, 1000, 3, 64), (2, 1000, 3, 128), (2, 8192, 32, 128)):

@@ -1,11 +1,11 @@
 """Where a consumer step's time goes: a clock timeline of one launch of a Gluon kernel.
 
-`record` launches the traced twin of a config (generator/timeline.py: the same kernel with the SM
+`record` launches the traced twin of a config (generator/gluon_sm90/trace.py: the same kernel with the SM
 clock stored at each step's EVENTS, for CTA 0) on the caller's inputs and returns the stamps;
 `phases` reduces them to the median cycles between consecutive events of a step, per consumer
 warpgroup, `interleave` says how far apart the warpgroups' steps run (ping-pong or lockstep), and
 `sample` lines both warpgroups up on one clock. What the stamps cost depends on the schedule
-(generator/timeline.py), so `record` also times the traced launch against the same kernel without
+(generator/gluon_sm90/trace.py), so `record` also times the traced launch against the same kernel without
 stamps (`Timeline.stamp_cost`): a timeline says which phase dominates and how the warpgroups
 interleave, the benchmark says how fast the kernel is.
 """
@@ -19,12 +19,12 @@ import torch
 
 from zyfa_tune.generator.build import jit_function
 from zyfa_tune.generator.config import KernelConfig
-from zyfa_tune.generator.emit_gluon import emit
-from zyfa_tune.generator.timeline import EVENT_INDEX, EVENTS, TraceBuffer
+from zyfa_tune.generator.gluon_sm90.emit import emit
+from zyfa_tune.generator.gluon_sm90.trace import EVENT_INDEX, EVENTS, TraceBuffer
 
-from . import fastlaunch
-from .launch import prepare, run_prepared
-from .timing import time_cuda
+from zyfa_tune.kernels import fastlaunch
+from zyfa_tune.kernels.launch import prepare, run_prepared
+from zyfa_tune.tuning.timing import time_cuda
 
 #: Steps per consumer warpgroup a default recording keeps (CTA 0 of B=2 S=8K H=32 at 128-key
 #: blocks runs about 1000).

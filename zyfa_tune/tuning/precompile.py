@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 from zyfa_tune.generator import KernelConfig
 
-log = logging.getLogger("zyfa_tune.precompile")
+log = logging.getLogger("zyfa_tune.tuning.precompile")
 
 #: (config json, [(batch, seqlen, heads, kv_heads)], causal) -> seconds spent
 CompileFn = Callable[[str, Sequence[tuple[int, int, int, int]], bool], float]
@@ -63,7 +63,7 @@ def compile_for_gpu(config_json: str, shapes: Sequence[tuple[int, int, int, int]
 
 def compile_for_replay(config_json: str, shapes: Sequence[tuple[int, int, int, int]], causal: bool) -> float:
     """The sm_90a compile the replay and fault runners make (shape-independent)."""
-    from zyfa_tune.runners import compile_check
+    from zyfa_tune.tuning.runners import compile_check
 
     t0 = time.perf_counter()
     compile_check(KernelConfig.from_json(config_json), causal)
@@ -75,11 +75,11 @@ def compile_fn_for(runner: str) -> CompileFn:
 
 
 class _Server:
-    """One compile process, `python -m zyfa_tune.precompile`, JSON lines in and out. A fresh
+    """One compile process, `python -m zyfa_tune.tuning.precompile`, JSON lines in and out. A fresh
     interpreter rather than multiprocessing: spawn would re-run the user's main script in it."""
 
     def __init__(self, env: dict[str, str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "zyfa_tune.precompile"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-m", "zyfa_tune.tuning.precompile"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
 
     def compile(self, job: dict) -> dict:

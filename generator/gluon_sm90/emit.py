@@ -1,7 +1,7 @@
 """Gluon backend: `KernelConfig` (backend="gluon") -> Python source of one warp-specialised FP8
 causal-prefill kernel for sm_90a, written in Triton's Gluon dialect.
 
-The emitted module is the device code of generator/gluon_device.py (copied verbatim), then the
+The emitted module is the device code of generator/gluon_sm90/device.py (copied verbatim), then the
 config's schedule as module constants (validated ints and bools only, written as literals), then
 the entry kernel, whose partition list and register split the emitter writes out for the config.
 The source holds everything the kernel runs, so its hash identifies the kernel (database variant,
@@ -28,16 +28,16 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from .config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_chunks, o_in_p_tile, p_tiles
-from .emitted import EmittedKernel, emitted, kernel_name_of
-from .exp2_poly import EXP2_CONSTRAINTS, exp2_asm
-from .fence_asm import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
-from .lean_asm import (CODE_SUM_CONSTRAINTS, E4M3_MAX, F16_MUFU_TOP, F16_SCORE_BOUND,
+from ..config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_chunks, o_in_p_tile, p_tiles
+from ..emitted import EmittedKernel, emitted, kernel_name_of
+from ..asm.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
+from ..asm.fence import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
+from ..asm.lean import (CODE_SUM_CONSTRAINTS, E4M3_MAX, F16_MUFU_TOP, F16_SCORE_BOUND,
                        MAGIC, ONE_FMA_FOLDS, SAT_SCALE, code_sum_asm, f16_fold_asm, f16_mufu_asm, f16_mufu_constraints,
                        f16_pack_asm, f16_reversed, fold_center, lean_tail_asm, LEAN_FLOOR_AT,
                        LEAN_FLOOR_SLOPE)
-from .rescale_asm import rescale_asm, rescale_constraints
-from .timeline import EVENTS, TraceBuffer, clock_asm
+from ..asm.rescale import rescale_asm, rescale_constraints
+from .trace import EVENTS, TraceBuffer, clock_asm
 
 DEVICE_MARKER = "# ---- emitted below this line ----"
 #: Warps of the entry kernel's default partition (consumer warpgroup 0).
@@ -47,7 +47,7 @@ NUM_WARPS = 4
 def emit(config: KernelConfig, *, trace: TraceBuffer | None = None) -> EmittedKernel:
     """Emit the Gluon kernel source for `config` (deterministic; same config -> same bytes).
     trace: also stamp the SM clock at each consumer step's EVENTS into that buffer (CTA 0;
-    generator/timeline.py), a diagnostic twin of the kernel; None for the kernel itself."""
+    generator/gluon_sm90/trace.py), a diagnostic twin of the kernel; None for the kernel itself."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
     if config.backend != "gluon":
@@ -100,7 +100,7 @@ def key_parts(config: KernelConfig) -> tuple[int, int]:
 
 
 def rescale_in_place(config: KernelConfig) -> bool:
-    """O's rescale is inline PTX on its own registers (generator/rescale_asm.py): with skip_rescale,
+    """O's rescale is inline PTX on its own registers (generator/asm/rescale.py): with skip_rescale,
     and for a 256-key pv_defer block, where a multiplied copy of O beside the scores spills."""
     return bool(config.skip_rescale) or (config.block_n == 256 and bool(config.pv_defer))
 
@@ -159,10 +159,10 @@ UNSPECIALISED = SCALAR_PARAMS[3:12]
 
 @functools.lru_cache(maxsize=1)
 def _device_code() -> str:
-    text = (Path(__file__).parent / "gluon_device.py").read_text()
+    text = (Path(__file__).parent / "device.py").read_text()
     head, marker, body = text.partition(DEVICE_MARKER)
     if not marker:
-        raise RuntimeError(f"gluon_device.py lacks the line {DEVICE_MARKER!r}")
+        raise RuntimeError(f"device.py lacks the line {DEVICE_MARKER!r}")
     return body.lstrip("\n")
 
 
@@ -204,13 +204,13 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("HALF_BLOCK", bool(c.half_block)),
         ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
         # qk_acc="f16": f16 scores, lean P folded two per instruction, Q's rows scaled by _q_headroom so that
-        # E4M3_MAX * sum|q| * Q_HEADROOM <= 1 (generator/lean_asm.py)
+        # E4M3_MAX * sum|q| * Q_HEADROOM <= 1 (generator/asm/lean.py)
         ("F16_S", c.qk_acc == "f16"), ("Q_HEADROOM", E4M3_MAX / F16_SCORE_BOUND),
         # qk_async: generator/ptx_pass.py drops the f16 QK^T's wait, so P(j-1)'s publication and O's rescale go
         # after QK^T(j)'s issue as in the float32-score step (without the pass they would wait for QK^T)
         ("QK_ASYNC", bool(c.qk_async)),
         ("F16_FOLD_ASM", f16_fold_asm(c.lean_fold, c.lean_floor) if c.qk_acc == "f16" else ""),
-        # lean_floor: a second line for e4m3's subnormal codes (generator/lean_asm.py)
+        # lean_floor: a second line for e4m3's subnormal codes (generator/asm/lean.py)
         ("LEAN_FLOOR", bool(c.lean_floor)), ("LEAN_FLOOR_SLOPE", LEAN_FLOOR_SLOPE), ("LEAN_FLOOR_AT", LEAN_FLOOR_AT),
         ("F16_PACK_ASM", f16_pack_asm() if c.qk_acc == "f16" else ""),
         # lean_mufu: that many of every four pairs of the f16 fold take 2^x from the MUFU instead
@@ -227,23 +227,23 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         # corrected fold on f16 scores takes it as it is, so that the maximum's own code is exact (ACCURACY.md)
         ("LEAN_GRID", lean and c.lean_fold in ONE_FMA_FOLDS and c.lean_ref == "grid"),
         ("LEAN_SAT", lean and c.lean_clamp == "sat"), ("LEAN_SAT_SCALE", SAT_SCALE),
-        # PTX from generator/lean_asm.py for validated enum values only (never text from a config)
+        # PTX from generator/asm/lean.py for validated enum values only (never text from a config)
         ("LEAN_ASM", lean_tail_asm(c.lean_fold, c.lean_clamp, c.lean_pack) if lean else ""),
         # lean P's row sum from its packed codes (rowsum="rounded"): generator/lean_asm.code_sum_asm
         ("CODE_SUMS", lean and c.rowsum == "rounded"),
         ("CODE_SUM_ASM", code_sum_asm() if lean and c.rowsum == "rounded" else ""),
         ("CODE_SUM_CONSTRAINTS", CODE_SUM_CONSTRAINTS),
-        # 2^x of exp2_poly of every 8 scores on the FMA pipe (generator/exp2_poly.py); ints only reach it
+        # 2^x of exp2_poly of every 8 scores on the FMA pipe (generator/asm/exp2_poly.py); ints only reach it
         ("EXP2_POLY", int(c.exp2_poly)),
         ("EXP2_ASM", exp2_asm(int(c.exp2_poly), int(c.exp2_poly_degree)) if c.exp2_poly else ""),
         ("EXP2_CONSTRAINTS", EXP2_CONSTRAINTS),
-        # O's rescale skipped by warps whose maxima stayed (generator/rescale_asm.py): per thread, the
+        # O's rescale skipped by warps whose maxima stayed (generator/asm/rescale.py): per thread, the
         # 64 x O_W accumulator is O_W / 2 registers
         # (in place, without the skip, also for a 256-key pv_defer block: rescale_in_place)
         *_rescale_constants(c),
-        # ex2_fence (generator/fence_asm.py): one asm per consumer warpgroup (its own named barrier)
+        # ex2_fence (generator/asm/fence.py): one asm per consumer warpgroup (its own named barrier)
         *_fence_constants(c),
-        # timeline stamps (generator/timeline.py): a validated address and slot count only
+        # timeline stamps (generator/gluon_sm90/trace.py): a validated address and slot count only
         ("TRACE", trace is not None), ("TRACE_STEPS", trace.steps if trace else 0), ("TRACE_EVENTS", len(EVENTS)),
         ("TRACE_ASM", clock_asm(trace, consumers, after_value=False) if trace else ""),
         ("TRACE_AFTER_ASM", clock_asm(trace, consumers, after_value=True) if trace else ""),
@@ -259,7 +259,7 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
 
 
 def _rescale_constants(c: KernelConfig) -> list[tuple[str, object]]:
-    """O's in-place rescale asm (generator/rescale_asm.py) for each O part: per thread, a 64 x w
+    """O's in-place rescale asm (generator/asm/rescale.py) for each O part: per thread, a 64 x w
     accumulator is w / 2 registers; "" where O is rescaled by a multiply (or has no second part)."""
     out: list[tuple[str, object]] = [("RESCALE_IN_PLACE", rescale_in_place(c))]
     for name, w in zip(("", "_C"), gluon_o_parts(c)):

@@ -82,7 +82,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig
 
 if TYPE_CHECKING:  # imported lazily at run time (the GPU runner must not touch CUDA before its setup)
-    from zyfa_tune.worker import Shape, Task
+    from zyfa_tune.tuning.task import Shape, Task
 
 #: sm_90 maximum dynamic shared memory per block (227 KiB)
 SM90_SHARED_LIMIT = 232448
@@ -173,7 +173,7 @@ def make_runner(spec: RunnerSpec):
 
 
 def _flops(config: KernelConfig, shape: "Shape", causal: bool) -> float:
-    from zyfa_tune.kernels.timing import attention_flops
+    from zyfa_tune.tuning.timing import attention_flops
 
     return attention_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen, config.head_dim_qk,
                            config.head_dim_v, causal)
@@ -240,7 +240,7 @@ class GpuRunner:
         self._probes: OrderedDict[tuple, Any] = OrderedDict()
 
     def _probe(self, config: KernelConfig, shape: "Shape", task: "Task"):
-        from zyfa_tune.kernels.verify import make_probe
+        from zyfa_tune.tuning.verify import make_probe
 
         key = (shape, config.dtype, config.head_dim_qk, config.head_dim_v, task.causal, task.seed, task.gate,
                task.inputs, task.input_family)
@@ -293,7 +293,7 @@ class GpuRunner:
         launch.forget(config)
 
     def run(self, config: KernelConfig, task: "Task", reporter: Reporter) -> None:
-        from zyfa_tune.kernels.verify import check_config
+        from zyfa_tune.tuning.verify import check_config
 
         probes = [self._probe(config, s, task) for s in task.shapes]
         reporter.setup_done()
@@ -447,7 +447,7 @@ class ReplayRunner:
         msg = f"replay: stored trial #{row['id']} ({row['gpu_name']}, {row['study'] or 'no study'})"
         if (row["batch"], row["heads"], row["seqlen"]) != exact:
             if row["batch"] and row["heads"] and row["seqlen"]:
-                from zyfa_tune.kernels.timing import attention_flops
+                from zyfa_tune.tuning.timing import attention_flops
 
                 then = attention_flops(row["batch"], row["heads"], row["seqlen"], row["seqlen"],
                                        config.head_dim_qk, config.head_dim_v, causal)
@@ -593,7 +593,7 @@ def synthetic_error(config: KernelConfig, shape: "Shape", causal: bool) -> float
 
 def synthetic_measurement(config: KernelConfig, shape: "Shape", causal: bool, gate: float) -> dict[str, Any]:
     """TrialResult fields of the synthetic model for one shape (deterministic)."""
-    from zyfa_tune.kernels.defaults import default_config
+    from zyfa_tune.generator.defaults import default_config
 
     err = synthetic_error(config, shape, causal)
     limit = gate * synthetic_error(default_config(config.dtype, config.head_dim_qk, config.head_dim_v), shape, causal)

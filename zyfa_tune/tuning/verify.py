@@ -17,7 +17,7 @@ import torch
 
 from zyfa_tune.generator import ConfigError, KernelConfig
 
-from .defaults import default_config
+from zyfa_tune.generator.defaults import default_config
 from .inputs import check_input_family, make_qkv
 from .reference import attention_reference, max_abs_err, rel_l2
 from .timing import Timing, time_cuda
@@ -194,7 +194,7 @@ def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERR
     10-11), because their time is the host's. If it is still slow, the call is replayed from a CUDA
     graph: when its kernels alone are within max_slowdown of the stored time, the entry passes as
     launch-bound (the reason says so) and the slowdown is the host's, not the kernel's. Still slow,
-    `fresh_ms(entry)` (the CLI: the entry timed by a new worker process, zyfa_tune.worker) gets the last
+    `fresh_ms(entry)` (the CLI: the entry timed by a new worker process, zyfa_tune.tuning.worker) gets the last
     word: heavy entries late in a long verify read 7-11% slow and on record in a fresh process (session
     12), so a kernel fails only when it is slow there too."""
     try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from zyfa_tune.quantize import dequantize
+
 #: rows of queries per float64 chunk: bounds memory to chunk * seqlen_k * 8 bytes per head
 _CHUNK = 1024
 
@@ -37,15 +39,6 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             out[:, r0:r1, hi] = torch.einsum("bqk,bkd->bqd", p, vh)
     return out
 
-
-def dequantize(x: torch.Tensor, descale: torch.Tensor | None) -> torch.Tensor:
-    """x (batch, seqlen, heads, dim) in float64 times its (batch, kv_heads) descale, the heads of a GQA
-    group sharing their kv head's (x as it is where descale is None)."""
-    xf = x.to(torch.float64)
-    if descale is None:
-        return xf
-    b, _, h, _ = x.shape
-    return xf * descale.to(torch.float64).repeat_interleave(h // descale.shape[1], dim=1).view(b, 1, h, 1)
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,9 +1,9 @@
 """Timeline instrumentation of the Gluon kernel: the PTX that stamps the SM clock at named points of
-each consumer step (generator/gluon_device.py: `_mark`, `_marked`), and where it stores them.
+each consumer step (generator/gluon_sm90/device.py: `_mark`, `_marked`), and where it stores them.
 
 A traced kernel is the same kernel with a clock read and a store at each point, for CTA 0 only, into
 an int32 buffer laid out (consumer warpgroup, step, event): one row of EVENTS per step (`kv_it`,
-the warpgroup's running count of key blocks over all its tiles). kernels/timeline.py allocates the
+the warpgroup's running count of key blocks over all its tiles). zyfa_tune/bench/timeline.py allocates the
 buffer, launches and reads it back. The stamps pin some instructions in place (ptxas does not move
 code across a clock read freely), and what that costs depends on the schedule: a few percent for most
 kernels, but for the exact 256-key seed at 16K (session 41, H100) the traced launch runs 30% longer than

@@ -28,9 +28,9 @@ import optuna
 
 from zyfa_tune.db import DatabaseError, Fingerprint, ProblemKey, TrialResult, open_store
 from zyfa_tune.generator import GENERATOR_VERSION, HEAD_DIMS, KernelConfig, emit
-from zyfa_tune.kernels.inputs import check_input_family
+from zyfa_tune.tuning.inputs import check_input_family
 from zyfa_tune.search_spaces import get_space
-from zyfa_tune.worker import Shape, Task, Worker
+from zyfa_tune.tuning.worker import Shape, Task, Worker
 
 SAMPLERS = ("tpe", "random")
 #: An accuracy gate at least this loose (allowed error / the exact reference's) admits lean P's linear
@@ -68,7 +68,7 @@ class TuneSpec:
     inputs: str | None = None            # captured q, k, v (.pt / .safetensors): the one shape tuned
     input_family: str = "gaussian"       # random inputs' family for the accuracy gate (kernels.inputs)
     precompile: bool = False             # compile the next trial's kernel in a CPU process while the GPU
-                                         # measures (zyfa_tune.precompile); opt-in until it measures faster
+                                         # measures (zyfa_tune.tuning.precompile); opt-in until it measures faster
     enqueue: tuple[str, ...] = ()        # configs to measure first, as 'key=val,...' changes to the
                                          # head dims' default (what `--ours` / `--set` take)
     warm_start: tuple[str, ...] = ()     # tuning databases (path or URL) whose best configs of these
@@ -110,7 +110,7 @@ class TuneSpec:
     @functools.cached_property
     def enqueued(self) -> tuple[KernelConfig, ...]:
         """The `enqueue` configs, each a point of the family's space that fits statically."""
-        from zyfa_tune.kernels.defaults import config_with, parse_changes
+        from zyfa_tune.generator.defaults import config_with, parse_changes
 
         _check_texts("enqueue", self.enqueue, "'key=val,...' strings")
         space, out = get_space(self.dtype), []
@@ -159,7 +159,7 @@ class TuneSpec:
     @functools.cached_property
     def shapes(self) -> tuple[Shape, ...]:
         if self.inputs is not None:
-            from zyfa_tune.kernels.verify import load_activations
+            from zyfa_tune.tuning.verify import load_activations
 
             q, k, v = load_activations(self.inputs)
             if (q.shape[3], v.shape[3]) != (self.head_dim_qk, self.head_dim_v):
@@ -255,7 +255,7 @@ class _Asked:
 
 
 class Tuner:
-    #: what the compile-ahead pool runs (None: by runner, see zyfa_tune.precompile); tests replace it
+    #: what the compile-ahead pool runs (None: by runner, see zyfa_tune.tuning.precompile); tests replace it
     precompile_fn = None
 
     def __init__(self, spec: TuneSpec, on_progress: Callable[[Progress], None] | None = None):
@@ -460,7 +460,7 @@ class Tuner:
 
         precompiler = None
         if self.spec.precompile:
-            from zyfa_tune.precompile import Precompiler
+            from zyfa_tune.tuning.precompile import Precompiler
 
             precompiler = Precompiler(self.spec.runner, [(sh.batch, sh.seqlen, sh.heads, sh.kv_heads)
                                                          for sh in self.spec.shapes], self.spec.causal,
@@ -498,7 +498,7 @@ def best_per_shape(spec: TuneSpec) -> list[dict]:
     """For the end-of-run table: per shape, the best stored entry and this study's result for the
     untuned kernel (`kernels.defaults.fallback_config`: what `flash_attn_func` runs with no tuned
     entry; a seed of every study, so measured first)."""
-    from zyfa_tune.kernels.defaults import fallback_config
+    from zyfa_tune.generator.defaults import fallback_config
 
     untuned_json = fallback_config(spec.dtype, spec.head_dim_qk, spec.head_dim_v).to_json()
     rows = []

@@ -8,7 +8,7 @@ that fails to compile, computes garbage, hangs or takes the CUDA context down ne
 child streams one result per shape as it finishes; the parent turns whatever goes wrong into a
 status and never raises for a failing variant:
 
-  compile_error / wrong / ok   decided by the runner in the child (see zyfa_tune.runners);
+  compile_error / wrong / ok   decided by the runner in the child (see zyfa_tune.tuning.runners);
   timeout   no answer within `timeout_s`: the child is killed (SIGTERM, then SIGKILL after a short
             grace) and replaced; shapes that had finished keep their results, the rest are timeout;
   crash     the child died (segfault, os._exit, killed), or the runner raised (a CUDA error such
@@ -49,14 +49,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from zyfa_tune.db.checks import strict_int
 from zyfa_tune.db.records import TrialResult
 
-from zyfa_tune.kernels.inputs import check_input_family
 
+from .task import Shape, Task
 from .runners import RunnerSpec, exception_text, make_runner, parse_runner, tail
 
 __all__ = ["Shape", "Task", "Worker", "WorkerError", "START_METHODS", "time_in_fresh_process"]
@@ -69,56 +67,6 @@ CRASH_EXIT = 70
 #: characters of the child's stderr appended to crash / timeout messages
 STDERR_TAIL = 1500
 
-
-
-@dataclass(frozen=True)
-class Shape:
-    batch: int
-    heads: int
-    kv_heads: int
-    seqlen: int
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "heads", "kv_heads", "seqlen"):
-            object.__setattr__(self, name, strict_int(name, getattr(self, name), lo=1))
-        if self.heads % self.kv_heads:
-            raise ValueError(f"kv_heads: {self.kv_heads} does not divide heads={self.heads}")
-
-    def __str__(self) -> str:
-        kv = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
-        return f"B={self.batch} H={self.heads}{kv} S={self.seqlen}"
-
-
-@dataclass(frozen=True)
-class Task:
-    config_json: str          # KernelConfig.to_json(); the child re-validates it with from_json
-    shapes: tuple[Shape, ...]
-    causal: bool = True
-    seed: int = 0             # input seed (fresh inputs per study/shape)
-    gate: float = 1.25        # error gate vs the exact default (kernels.verify.DEFAULT_ERROR_GATE)
-    reps: int = 20
-    inputs: str | None = None # captured activations (.pt / .safetensors) instead of random inputs
-    input_family: str = "gaussian"  # random inputs' family (zyfa_tune.kernels.inputs)
-
-    def __post_init__(self) -> None:
-        if self.inputs is not None and (type(self.inputs) is not str or not os.path.isfile(self.inputs)):
-            raise ValueError(f"inputs: {self.inputs!r} is not a file")
-        check_input_family(self.input_family, self.inputs, what="input_family")
-        if type(self.config_json) is not str:
-            raise ValueError(f"config_json: expected str, got {type(self.config_json).__name__}")
-        shapes = tuple(self.shapes) if isinstance(self.shapes, (list, tuple)) else None
-        if not shapes or not all(isinstance(s, Shape) for s in shapes):
-            raise ValueError(f"shapes: expected a non-empty tuple of Shape, got {self.shapes!r:.200}")
-        object.__setattr__(self, "shapes", shapes)
-        if type(self.causal) is not bool:
-            raise ValueError(f"causal: expected bool, got {type(self.causal).__name__}")
-        if type(self.seed) is not int or not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed: expected an int in [0, 2**63), got {self.seed!r}")
-        if isinstance(self.gate, bool) or not isinstance(self.gate, (int, float)) \
-                or not math.isfinite(self.gate) or self.gate <= 0:
-            raise ValueError(f"gate: expected a positive finite number, got {self.gate!r}")
-        object.__setattr__(self, "gate", float(self.gate))
-        strict_int("reps", self.reps, lo=1)
 
 
 class WorkerError(RuntimeError):
@@ -207,7 +155,7 @@ def _child_entry(argv: list[str]) -> None:
 
 _SPAWN_CODE = ("import json, os, sys; "
                "p = os.environ.pop('ZYFA_TUNE_WORKER_SYS_PATH', None); sys.path[:] = json.loads(p) if p else sys.path; "
-               "from zyfa_tune.worker import _child_entry; _child_entry(sys.argv[1:])")
+               "from zyfa_tune.tuning.worker import _child_entry; _child_entry(sys.argv[1:])")
 
 
 # ---- parent side ---------------------------------------------------------------------------------
@@ -351,7 +299,7 @@ class Worker:
 
     gpu:             the GPU index the child sees as its only device (CUDA_VISIBLE_DEVICES); None
                      leaves visibility as it is.
-    runner:          "gpu", "replay:<db path>", "fault:<mode>[@<field>=<value>]" (zyfa_tune.runners).
+    runner:          "gpu", "replay:<db path>", "fault:<mode>[@<field>=<value>]" (zyfa_tune.tuning.runners).
     timeout_s:       the limit for one task's config work (compile, check, time) over all its shapes.
     start_method:    "spawn" (fresh interpreter, default) or "fork" (CPU runners only).
     setup_timeout_s: the limit for starting a child and for a task's config-independent set-up.
@@ -495,7 +443,7 @@ class Worker:
     def run(self, task: Task) -> list[TrialResult]:
         """Run `task` in the child; one TrialResult per shape, in order (see the module docstring)."""
         if not isinstance(task, Task):
-            raise TypeError(f"task: expected a zyfa_tune.worker.Task, got {type(task).__name__}")
+            raise TypeError(f"task: expected a zyfa_tune.tuning.worker.Task, got {type(task).__name__}")
         with self._lock:
             if self._closed:
                 raise WorkerError("this Worker is closed")

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from zyfa_tune.generator import ConfigError, KernelConfig
-from zyfa_tune.generator.config import o_through_p_conflict
+from .config import ConfigError, KernelConfig, o_through_p_conflict
 
 
 def default_config(dtype: str, head_dim_qk: int, head_dim_v: int, backend: str = "triton") -> KernelConfig:

@@ -25,7 +25,7 @@ power. The FP8 GEMM ceiling (`ceiling`): torch._scaled_mm at 8192^3 (e4m3 in, bf
 same timer at the start and at the end of the run, so each FP8 row can say what share of the tensor
 cores' practical rate it reaches.
 
-Results are a `BenchResult` (JSON: `save` / `load`); `zyfa_tune.bench_report` draws the table and
+Results are a `BenchResult` (JSON: `save` / `load`); `zyfa_tune.bench.report` draws the table and
 the plot from it, so a saved run can be redrawn on a machine without a GPU.
 """
 
@@ -42,8 +42,8 @@ import torch
 
 from zyfa_tune.generator import HEAD_DIMS, ConfigError, KernelConfig
 from zyfa_tune.kernels.quantize import E4M3_MAX
-from zyfa_tune.kernels.timing import MIN_ENERGY_WINDOW_S
-from zyfa_tune.worker import Shape
+from zyfa_tune.tuning.timing import MIN_ENERGY_WINDOW_S
+from zyfa_tune.tuning.worker import Shape
 
 DTYPES = ("fp8", "bf16")
 #: tokens per shape when no batch is given: batch = max(1, TOKENS // seqlen), as `zyfa-tune tune`
@@ -73,7 +73,7 @@ class BenchShape(Shape):
 
     @property
     def flops(self) -> float:
-        from zyfa_tune.kernels.timing import attention_flops
+        from zyfa_tune.tuning.timing import attention_flops
 
         return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim_qk,
                                self.head_dim_v, True)
@@ -127,7 +127,7 @@ class OursSpec:
     quant: tuple[tuple[str, Any], ...] = ()  # quantize_fp8 options (QUANT_OPTIONS), --quant native only
 
     def config_for(self, head_dim_qk: int, head_dim_v: int) -> KernelConfig | None:
-        from zyfa_tune.kernels.defaults import config_with
+        from zyfa_tune.generator.defaults import config_with
 
         if self.overrides is None:
             return None
@@ -151,7 +151,7 @@ def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
     label, sep, body = text.partition(":")
     if not sep or "=" in label:
         label, body = "", text
-    from zyfa_tune.kernels.defaults import parse_changes
+    from zyfa_tune.generator.defaults import parse_changes
 
     over = parse_changes([body], "--ours")
     named = over.pop("dtype", None)
@@ -208,7 +208,7 @@ class Inputs:
                quant: str = "per-tensor") -> "Inputs":
         """`quant` (QUANT_MODES): beyond per-tensor, the float32 originals are kept for each system's own
         quantisation and the reference."""
-        from zyfa_tune.kernels.inputs import make_qkv
+        from zyfa_tune.tuning.inputs import make_qkv
 
         q, k, v = make_qkv(family, batch=shape.batch, seqlen=shape.seqlen, heads=shape.heads,
                            kv_heads=shape.kv_heads, head_dim_qk=shape.head_dim_qk, head_dim_v=shape.head_dim_v,
@@ -252,7 +252,7 @@ class Inputs:
     def reference(self, dtype: str) -> torch.Tensor:
         """Float64 attention on what `dtype` systems were given, or in native mode on the
         unquantised inputs (so input quantisation counts in every system's error)."""
-        from zyfa_tune.kernels.reference import attention_reference
+        from zyfa_tune.tuning.reference import attention_reference
 
         if self.raw is not None:
             return attention_reference(*self.raw, causal=True)
@@ -529,8 +529,8 @@ def measure_shape(shape: BenchShape, systems: Sequence[System], *, seed: int, re
     run, docs/PERF.md) falls on every system alike instead of on whichever runs last. A failing
     system gives a row with `error`. With `energy_s` > 0 each system then runs for that long back to
     back (`energy`, default kernels.timing.sustained_energy) for its joules per call."""
-    from zyfa_tune.kernels.reference import max_abs_err, rel_l2
-    from zyfa_tune.kernels.timing import pooled, sustained_energy, time_cuda
+    from zyfa_tune.tuning.reference import max_abs_err, rel_l2
+    from zyfa_tune.tuning.timing import pooled, sustained_energy, time_cuda
 
     timer = timer or time_cuda
     energy = energy or sustained_energy
@@ -619,7 +619,7 @@ class BenchPlan:
         return tuple(f.strip() for f in self.input_family.split(","))
 
     def __post_init__(self) -> None:
-        from zyfa_tune.kernels.inputs import check_family
+        from zyfa_tune.tuning.inputs import check_family
 
         if not self.shapes:
             raise ValueError("shapes: need at least one")
@@ -679,7 +679,7 @@ def fp8_gemm(n: int = CEILING_N, device: str = "cuda") -> Callable[[], Any]:
 
 def gemm_ceiling(timings: Sequence[Any], n: int = CEILING_N) -> dict[str, Any]:
     """The ceiling's record from its timing blocks (kernels.timing.Timing, pooled over the run)."""
-    from zyfa_tune.kernels.timing import pooled
+    from zyfa_tune.tuning.timing import pooled
 
     t = pooled(timings)
     return dict(system="torch._scaled_mm e4m3 x e4m3 -> bf16", m=n, n=n, k=n, median_ms=t.median_ms,
@@ -689,7 +689,7 @@ def gemm_ceiling(timings: Sequence[Any], n: int = CEILING_N) -> dict[str, Any]:
 def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> BenchResult:
     """Warm the GPU, then measure every shape; GPU state recorded before and after (and the FP8 GEMM
     ceiling at both ends where asked)."""
-    from zyfa_tune.kernels.timing import gpu_state, time_cuda, warm_gpu
+    from zyfa_tune.tuning.timing import gpu_state, time_cuda, warm_gpu
 
     if not torch.cuda.is_available():
         raise RuntimeError("bench: no CUDA device is visible; measuring needs the GPU "

@@ -1,5 +1,5 @@
 """Device code of the Gluon backend: copied verbatim (below the marker) into every emitted Gluon
-kernel module, after which generator/emit_gluon.py appends the config's constants and the entry
+kernel module, after which generator/gluon_sm90/emit.py appends the config's constants and the entry
 kernel. Kept as a real module so that it is linted and read like code; it is never launched from
 here. The schedule and why each piece is shaped as it is: docs/BACKENDS.md.
 

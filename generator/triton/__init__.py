@@ -1,0 +1,1 @@
+"""The Triton backend: one portable Triton kernel source per config (FP8 and BF16)."""

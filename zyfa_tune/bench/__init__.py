@@ -1,0 +1,1 @@
+"""`zyfa-tune bench`: our kernels beside FA3, cuDNN and SDPA in one process, and its report."""

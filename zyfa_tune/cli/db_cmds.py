@@ -1,0 +1,160 @@
+"""Database commands: `show`, `best`, `export`, `import` / `merge` and `verify` (GPU)."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.table import Table
+
+from zyfa_tune.generator import ConfigError, KernelConfig
+
+from .common import add_storage_option, console, head_dims
+
+
+def _store(args: argparse.Namespace, *, readonly: bool = False):
+    from zyfa_tune.db import open_store
+
+    return open_store(args.storage, readonly=readonly, create=not readonly)
+
+
+def _best_table(entries, title: str) -> Table:
+    table = Table(title=title)
+    for col in ("GPU", "dtype", "dqk/dv", "causal", "group", "seqlen<=", "B*H<=", "ms", "TFLOP/s", "rel.L2",
+                "config", "provenance"):
+        table.add_column(col, overflow="fold")
+    for e in entries:
+        k = e.key
+        try:
+            cfg = KernelConfig.from_json(e.config_json)
+            summary = cfg.summary()
+        except ConfigError as exc:
+            summary = f"[red]invalid: {exc}[/red]"
+        table.add_row(e.fingerprint.gpu_name, k.dtype, f"{k.head_dim_qk}/{k.head_dim_v}", str(k.causal),
+                      str(k.gqa_group), str(k.seqlen_bucket), str(k.bh_bucket), f"{e.median_ms:.3f}",
+                      f"{e.tflops:.0f}" if e.tflops else "-",
+                      f"{e.error_rel_l2:.2e}" if e.error_rel_l2 is not None else "-", summary, e.provenance)
+    return table
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    """Counts per status and the best entries of a database."""
+    from zyfa_tune.db import TRIAL_STATUSES
+
+    with _store(args, readonly=True) as store:
+        console.print(f"[bold]{store.url}[/bold]")
+        counts = Table(title="trials")
+        counts.add_column("status")
+        counts.add_column("count", justify="right")
+        for status in TRIAL_STATUSES:
+            counts.add_row(status, str(store.count_trials(status=status)))
+        console.print(counts)
+        console.print(_best_table(store.best_entries(), "best per (GPU, problem class)"))
+    return 0
+
+
+def cmd_best(args: argparse.Namespace) -> int:
+    with _store(args, readonly=True) as store:
+        entries = store.best_entries(gpu_name=args.gpu, head_dims=head_dims(args), dtype=args.dtype)
+        console.print(_best_table(entries, f"best entries in {store.url}"))
+    return 0 if entries else 1
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    with _store(args, readonly=True) as store:
+        n = store.export(args.out, gpu_name=args.gpu, head_dims=head_dims(args), best_only=not args.all_trials)
+    console.print(f"exported {n} rows to {args.out}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    with _store(args) as store:
+        report = store.import_from(args.source)
+    console.print(f"accepted {report.accepted} rows; best entries replaced {report.replaced}, kept {report.kept}")
+    if report.rejected:
+        table = Table(title=f"rejected rows ({len(report.rejected)})")
+        table.add_column("row", overflow="fold")
+        table.add_column("reason", overflow="fold")
+        for row, reason in report.rejected:
+            table.add_row(row, reason)
+        console.print(table)
+    return 1 if report.rejected else 0
+
+
+def _clocks(now: float | None, stored: float | None) -> str:
+    """`zyfa-tune verify`'s clock cell: the SM clock of this timing and, in brackets, of the stored one."""
+    cell = f"{now:.0f}" if now else "-"
+    return f"{cell} ({stored:.0f})" if stored else cell
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Re-run this GPU's stored best kernels against float64 and time them again."""
+    import torch
+
+    from zyfa_tune.db import current_fingerprint
+    from zyfa_tune.tuning.verify import verify_entry
+
+    if not torch.cuda.is_available():
+        console.print("[red]verify needs a CUDA GPU[/red]")
+        return 2
+    here = current_fingerprint().device_key()
+    with _store(args, readonly=True) as store:
+        entries = [e for e in store.best_entries(head_dims=head_dims(args), dtype=args.dtype)
+                   if e.fingerprint.device_key() == here]
+    table = Table(title=f"verify on {here[0]}: {len(entries)} entries")
+    for col in ("problem", "stored ms", "now ms", "slowdown", "SM MHz now (stored)", "rel.L2", "verdict"):
+        table.add_column(col)
+    failed = 0
+    for e in entries:
+        r = verify_entry(e, max_slowdown=args.margin, fresh_ms=_fresh_process_ms)
+        failed += not r.ok
+        table.add_row(str(e.key), f"{e.median_ms:.3f}", f"{r.median_ms:.3f}" if r.median_ms else "-",
+                      f"{r.slowdown:+.1%}" if r.slowdown is not None else "-",
+                      # (mean NVML clocks while timed: a slow reading at a sagging clock is the card's)
+                      _clocks(r.timing.sm_clock_mhz if r.timing else None, e.sm_clock_mhz),
+                      f"{r.error_rel_l2:.2e}" if r.error_rel_l2 is not None else "-",
+                      (f"[green]ok[/green] ({r.reason})" if r.reason else "[green]ok[/green]") if r.ok
+                      else f"[red]{r.reason}[/red]")
+    console.print(table)
+    return 1 if failed else 0
+
+
+def _fresh_process_ms(entry) -> float | None:
+    """The median of a stored entry's kernel timed by a new worker process (None if it failed there)."""
+    from zyfa_tune.tuning.verify import entry_shape
+    from zyfa_tune.tuning.worker import Shape, time_in_fresh_process
+
+    r = time_in_fresh_process(entry.config_json, Shape(*entry_shape(entry)), causal=entry.key.causal)
+    return r.median_ms if r.status == "ok" else None
+
+
+def register(sub) -> None:
+    p = sub.add_parser("show", help="what a tuning database holds")
+    add_storage_option(p)
+    p.set_defaults(fn=cmd_show)
+    p = sub.add_parser("best", help="the best kernel per (GPU, problem class)")
+    add_storage_option(p)
+    p.add_argument("--gpu")
+    p.add_argument("--dtype", choices=["fp8", "bf16"])
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--head-dim-v", type=int)
+    p.set_defaults(fn=cmd_best)
+    p = sub.add_parser("export", help="write a filtered, self-contained SQLite database")
+    add_storage_option(p)
+    p.add_argument("out")
+    p.add_argument("--gpu")
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--head-dim-v", type=int)
+    p.add_argument("--all-trials", action="store_true", help="all trials, not only the best entries")
+    p.set_defaults(fn=cmd_export)
+    for name in ("import", "merge"):
+        p = sub.add_parser(name, help="merge another database in (faster entry per key wins; rows validated)")
+        add_storage_option(p)
+        p.add_argument("source")
+        p.set_defaults(fn=cmd_import)
+    p = sub.add_parser("verify", help="re-check this GPU's best kernels against float64 and their timings")
+    add_storage_option(p)
+    p.add_argument("--margin", type=float, default=0.10, help="largest accepted slowdown (0.10 = 10%%)")
+    p.add_argument("--dtype", choices=["fp8", "bf16"], help="only this dtype's entries")
+    p.add_argument("--head-dim", type=int, help="only these head dims' entries (e.g. the ones just merged)")
+    p.add_argument("--head-dim-v", type=int)
+    p.set_defaults(fn=cmd_verify)

@@ -1,0 +1,147 @@
+"""`zyfa-tune tune`: an Optuna study over a family's search space, live progress, the best per shape."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.table import Table
+
+from zyfa_tune.generator import KernelConfig
+
+from .common import config_changes, console, int_list
+
+
+def _gpus(text: str | None) -> tuple[int | None, ...]:
+    if text is None:
+        return (None,)
+    if text == "all":
+        import torch
+
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise ValueError("--gpus all: no CUDA device is visible")
+        return tuple(range(n))
+    return int_list(text, "--gpus")
+
+
+def _warm_start(given: list[str] | None) -> tuple[str, ...]:
+    """--warm-start values -> databases: 'shipped' is the database shipped with zyfa-tune (also the
+    default, where the package has it), 'none' turns the warm start off."""
+    from pathlib import Path
+
+    from zyfa_tune.tuning.runners import shipped_db
+
+    if given is None:
+        return (shipped_db(),) if Path(shipped_db()).is_file() else ()
+    if "none" in given:
+        if len(given) > 1:
+            raise ValueError("--warm-start none: give it alone (it turns the warm start off)")
+        return ()
+    return tuple(shipped_db() if w == "shipped" else w for w in given)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Optuna study over the family's search space; results go to the tuning database."""
+    from rich.live import Live
+
+    from zyfa_tune.tuning.tuner import Progress, Tuner, TuneSpec, best_per_shape, parse_duration
+
+    runner = args.runner
+    if runner == "replay":  # the shipped H200 measurements
+        from zyfa_tune.tuning.runners import shipped_db
+
+        runner = f"replay:{shipped_db()}"
+    spec = TuneSpec(dtype=args.dtype, head_dim_qk=args.head_dim, head_dim_v=args.head_dim_v or args.head_dim,
+                    seqlens=() if args.inputs else int_list(args.seqlens, "--seqlens"), heads=args.heads, kv_heads=args.kv_heads,
+                    batches=int_list(args.batches, "--batches") if args.batches else None,
+                    causal=not args.non_causal, trials=args.trials,
+                    time_budget_s=parse_duration(args.time) if args.time else None, gpus=_gpus(args.gpus),
+                    storage=args.storage, study_storage=args.study_storage, study_name=args.study,
+                    resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
+                    runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
+                    input_family=args.input_family, precompile=args.precompile, gate=args.gate,
+                    enqueue=tuple(args.enqueue or ()),
+                    warm_start=_warm_start(args.warm_start))
+
+    def render(p: Progress) -> Table:
+        t = Table(title=f"zyfa-tune {spec.name}: {len(spec.gpus)} worker(s), runner={spec.runner}")
+        t.add_column("what")
+        t.add_column("value", overflow="fold")
+        t.add_row("trials done", f"{p.done}" + (f" / {spec.trials}" if spec.trials else ""))
+        t.add_row("elapsed", f"{time.time() - p.started:.0f} s")
+        t.add_row("best (geo-mean TFLOP/s)", f"{p.best_value:.1f}" if p.best_value else "-")
+        if p.best_config is not None:
+            t.add_row("best config", config_changes(p.best_config))
+        t.add_row("by status", ", ".join(f"{k}={v}" for k, v in sorted(p.by_status.items())) or "-")
+        t.add_row("SM clock", f"{p.last_clock_mhz:.0f} MHz" if p.last_clock_mhz else "-")
+        if len(spec.gpus) > 1:
+            t.add_row("measured per GPU", ", ".join(f"gpu {g}: {n}" for g, n in sorted(p.by_gpu.items())) or "-")
+        return t
+
+    if spec.warm_start:
+        console.print(f"warm start: {len(spec.warm_configs)} stored best config(s) of {spec.head_dim_qk}/"
+                      f"{spec.head_dim_v} {spec.dtype} from {', '.join(spec.warm_start)} measured first")
+    tuner = Tuner(spec)
+    with Live(render(tuner.progress), console=console, refresh_per_second=2, transient=False) as live:
+        tuner.on_progress = lambda p: live.update(render(p))
+        tuner.run()
+    console.print(f"study storage: {tuner.study_storage}  (optuna-dashboard {tuner.study_storage})")
+    table = Table(title="best kernel per shape (tuning database) vs the untuned kernel")
+    for col in ("shape", "best TFLOP/s", "untuned TFLOP/s", "speed-up", "best config"):
+        table.add_column(col, overflow="fold")
+    for row in best_per_shape(spec):
+        sh, best, dflt = row["shape"], row["best"], row["untuned_tflops"]
+        best_tf = best.tflops if best else None
+        table.add_row(f"B={sh.batch} S={sh.seqlen} H={sh.heads}/{sh.kv_heads}",
+                      f"{best_tf:.1f}" if best_tf else "-", f"{dflt:.1f}" if dflt else "-",
+                      f"{best_tf / dflt:.2f}x" if best_tf and dflt else "-",
+                      config_changes(KernelConfig.from_json(best.config_json)) if best else "-")
+    console.print(table)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("tune", help="search kernel configs with Optuna; store the fastest correct per shape")
+    p.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8")
+    p.add_argument("--head-dim", type=int, required=True)
+    p.add_argument("--head-dim-v", type=int, default=None)
+    p.add_argument("--seqlens", default="4096,8192,16384")
+    p.add_argument("--inputs", default=None, metavar="FILE",
+                   help="tune on captured activations: a .pt or .safetensors file of q, k, v (batch, seqlen, heads, dim)")
+    from zyfa_tune.tuning.inputs import FAMILY_NAMES
+
+    p.add_argument("--input-family", default="gaussian", metavar="NAME",
+                   help=f"activation-like random inputs for the accuracy gate: {', '.join(FAMILY_NAMES)} "
+                        "(docs/ACCURACY.md; default gaussian)")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--batches", default=None, help="one batch size per seqlen (default: 16384 tokens / seqlen)")
+    p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--trials", type=int, default=None)
+    p.add_argument("--time", default=None, help="time budget, e.g. 15m (default: --trials only; 40 trials if neither)")
+    p.add_argument("--gpus", default=None, help="comma list of GPU indices, or 'all' (one worker per GPU)")
+    p.add_argument("--storage", default=None, help="tuning database path or SQLAlchemy URL")
+    p.add_argument("--study-storage", default=None, help="Optuna storage: RDB URL or journal file")
+    p.add_argument("--study", default=None, help="study name (default: <dtype>-<dqk>x<dv>-causal)")
+    p.add_argument("--resume", action="store_true", help="continue an existing study")
+    p.add_argument("--sampler", choices=["tpe", "random"], default="tpe")
+    p.add_argument("--multi-objective", action="store_true", help="Pareto front over (TFLOP/s, error)")
+    p.add_argument("--gate", type=float, default=1.25,
+                   help="accuracy gate: a kernel passes with rel. L2 error <= GATE x that of the exact reference "
+                        "variant on the same inputs (default 1.25; lean P measures ~1.35, and a gate >= 1.4 "
+                        "also seeds the lean kernel; the runtime's ZYFA_TUNE_ERROR_BUDGET then picks among "
+                        "what passed)")
+    p.add_argument("--runner", default="gpu", help="gpu | replay[:<db>] (no GPU: stored measurements, real sm_90a compiles)")
+    p.add_argument("--timeout", type=float, default=180.0, help="seconds per trial before the worker is killed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precompile", action="store_true",
+                   help="compile the next trial's kernel in a separate process while the GPU measures")
+    p.add_argument("--enqueue", action="append", metavar="KEY=VAL,...",
+                   help="measure this config first (fields changed from the head dims' default, as in "
+                        "bench --ours; repeatable; also with --resume)")
+    p.add_argument("--warm-start", action="append", metavar="DB",
+                   help="measure first (after --enqueue) the best configs this tuning database (path or URL; "
+                        "'shipped': the one shipped with zyfa-tune, the default) holds for these head dims on "
+                        "any shape; repeatable; 'none' for no warm start")
+    p.set_defaults(fn=cmd_tune)

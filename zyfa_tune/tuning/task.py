@@ -1,0 +1,61 @@
+"""What a worker is asked to measure: a config's JSON on a tuple of shapes, with the inputs and gate."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from zyfa_tune.db.checks import strict_int
+
+from .inputs import check_input_family
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads", "kv_heads", "seqlen"):
+            object.__setattr__(self, name, strict_int(name, getattr(self, name), lo=1))
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads: {self.kv_heads} does not divide heads={self.heads}")
+
+    def __str__(self) -> str:
+        kv = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
+        return f"B={self.batch} H={self.heads}{kv} S={self.seqlen}"
+
+
+@dataclass(frozen=True)
+class Task:
+    config_json: str          # KernelConfig.to_json(); the child re-validates it with from_json
+    shapes: tuple[Shape, ...]
+    causal: bool = True
+    seed: int = 0             # input seed (fresh inputs per study/shape)
+    gate: float = 1.25        # error gate vs the exact default (kernels.verify.DEFAULT_ERROR_GATE)
+    reps: int = 20
+    inputs: str | None = None # captured activations (.pt / .safetensors) instead of random inputs
+    input_family: str = "gaussian"  # random inputs' family (zyfa_tune.tuning.inputs)
+
+    def __post_init__(self) -> None:
+        if self.inputs is not None and (type(self.inputs) is not str or not os.path.isfile(self.inputs)):
+            raise ValueError(f"inputs: {self.inputs!r} is not a file")
+        check_input_family(self.input_family, self.inputs, what="input_family")
+        if type(self.config_json) is not str:
+            raise ValueError(f"config_json: expected str, got {type(self.config_json).__name__}")
+        shapes = tuple(self.shapes) if isinstance(self.shapes, (list, tuple)) else None
+        if not shapes or not all(isinstance(s, Shape) for s in shapes):
+            raise ValueError(f"shapes: expected a non-empty tuple of Shape, got {self.shapes!r:.200}")
+        object.__setattr__(self, "shapes", shapes)
+        if type(self.causal) is not bool:
+            raise ValueError(f"causal: expected bool, got {type(self.causal).__name__}")
+        if type(self.seed) is not int or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed: expected an int in [0, 2**63), got {self.seed!r}")
+        if isinstance(self.gate, bool) or not isinstance(self.gate, (int, float)) \
+                or not math.isfinite(self.gate) or self.gate <= 0:
+            raise ValueError(f"gate: expected a positive finite number, got {self.gate!r}")
+        object.__setattr__(self, "gate", float(self.gate))
+        strict_int("reps", self.reps, lo=1)
