@@ -1,5 +1,6 @@
 """Kernel generator: validated `KernelConfig` -> kernel source, by backend (Triton or Gluon)."""
 
+from .backends import BACKENDS, HOPPER, Backend, Target, backend_of
 from .gluon_sm90 import emit as emit_gluon
 from .triton import emit as emit_triton
 from .config import (CHOICES, GENERATOR_VERSION, GLUON_HEAD_DIMS, HEAD_DIMS, ConfigError, KernelConfig,
@@ -12,9 +13,9 @@ def emit(config: KernelConfig) -> EmittedKernel:
     """Emit the kernel source of `config` with its backend's emitter (deterministic)."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
-    return (emit_gluon if config.backend == "gluon" else emit_triton).emit(config)
+    return backend_of(config).emit(config)
 
 
-__all__ = ["CHOICES", "GENERATOR_VERSION", "GLUON_HEAD_DIMS", "HEAD_DIMS", "ConfigError", "KernelConfig",
+__all__ = ["BACKENDS", "HOPPER", "Backend", "Target", "backend_of", "CHOICES", "GENERATOR_VERSION", "GLUON_HEAD_DIMS", "HEAD_DIMS", "ConfigError", "KernelConfig",
            "EmittedKernel", "emit", "gluon_o_parts", "gluon_registers", "head_chunks",
            "o_in_p_tile", "p_tiles"]
