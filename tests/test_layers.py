@@ -27,9 +27,10 @@ LAYERS = {
     "search_spaces": 1, "db": 1,
     "kernels": 2,
     "api": 3, "quantize": 3,
-    "tuning": 4,
-    "bench": 5,
-    "cli": 6,
+    "attention": 4,
+    "tuning": 5,
+    "bench": 6,
+    "cli": 7,
 }
 
 

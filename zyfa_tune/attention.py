@@ -1,0 +1,132 @@
+"""`attention`: the call model code makes. bf16 or fp16 (batch, seqlen, heads, dim) tensors in, the
+output in the same dtype; in between, the inputs are quantised to FP8 with a recipe and the tuned
+FP8 kernel runs on the codes.
+
+It is a `torch.library` custom op (`torch.ops.zyfa_tune.attention`) with a fake implementation, so
+`torch.compile(fullgraph=True)` traces through it and CUDA graphs capture it (after one eager call
+of each shape: a new shape's kernel and launch plan are made on its first call).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from zyfa_tune.generator import HEAD_DIMS
+from zyfa_tune.generator.recipe import PLAIN, Recipe
+from zyfa_tune.kernels import dispatch
+
+from .api import explain, flash_attn_func
+from .quantize import quantize_fp8
+
+#: input dtypes of `attention` (FP8 codes go to `flash_attn_func`, which takes their descales)
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              softmax_scale: float | None = None, *, error_budget: float = 1.0) -> torch.Tensor:
+    """Attention forward from bf16 / fp16 inputs through FP8 kernels.
+
+    q: (batch, seqlen_q, heads, head_dim_qk); k: (batch, seqlen_k, kv_heads, head_dim_qk);
+    v: (batch, seqlen_k, kv_heads, head_dim_v); one dtype (bfloat16 or float16), one CUDA device;
+    kv_heads divides heads (GQA / MQA). Causal masking is bottom-right aligned when the lengths differ.
+    error_budget: the largest error accepted, relative to FlashAttention-3's FP8 kernel on the same
+    inputs quantised plainly (1.0: at most FA3-fp8's error). Returns (batch, seqlen_q, heads,
+    head_dim_v) in the inputs' dtype.
+
+    NaN or inf in an input never hangs or crashes the call: the output of the batch element holding
+    it is then not finite, and every other batch element's output is what it would be without it
+    (descales are per batch element and kv head).
+    """
+    scale = _check(q, k, v, causal, softmax_scale, error_budget)
+    return torch.ops.zyfa_tune.attention(q, k, v, causal, scale, float(error_budget))
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """What `attention` runs for some arguments: the quantisation recipe and the kernel's choice."""
+
+    recipe: Recipe
+    kernel: dispatch.Choice
+
+    def __str__(self) -> str:
+        return f"recipe {self.recipe.summary()}; kernel {self.kernel.config.summary()} ({self.kernel.source})"
+
+
+def explain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                      softmax_scale: float | None = None, *, error_budget: float = 1.0) -> AttentionChoice:
+    """The recipe and kernel `attention` would run for these arguments, and why (no launch)."""
+    scale = _check(q, k, v, causal, softmax_scale, error_budget)
+    recipe = recipe_for(q, k, v, causal, error_budget)
+    codes = [torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device) for t in (q, k, v)]
+    return AttentionChoice(recipe, explain(*codes, softmax_scale=scale, causal=causal))
+
+
+def recipe_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, error_budget: float) -> Recipe:
+    """The recipe for these inputs. The tuning databases do not store recipes yet, so every shape gets
+    the plain recipe, the one the FP8 API's kernels were tuned and gated with: what runs is then
+    exactly `flash_attn_func` on plainly quantised codes, at or below FA3-fp8's error."""
+    return PLAIN
+
+
+@torch.library.custom_op("zyfa_tune::attention", mutates_args=(), device_types="cuda")
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+                  error_budget: float) -> torch.Tensor:
+    recipe = recipe_for(q, k, v, causal, error_budget)
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, softmax_scale=softmax_scale, **recipe.quantize_kwargs())
+    out = flash_attn_func(q8, k8, v8, softmax_scale, causal, qd, kd, vd)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+      error_budget: float) -> torch.Tensor:
+    return q.new_empty((*q.shape[:3], v.shape[3]))
+
+
+def _check(q, k, v, causal, softmax_scale, error_budget) -> float:
+    """Every argument checked before the device is (so a CPU user sees all that is wrong); errors
+    name the argument. Returns the softmax scale."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in INPUT_DTYPES:
+            hint = "; FP8 codes with their descales go to zyfa_tune.flash_attn_func" if t.dtype.itemsize == 1 else ""
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported; use torch.bfloat16 or torch.float16{hint}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
+    b, _, h, dqk = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if tuple(v.shape[:3]) != (b, sk, hk):
+        raise ValueError(f"v: shape {tuple(v.shape)} must match k's (batch, seqlen_k, kv_heads) = {(b, sk, hk)}")
+    if k.shape[0] != b:
+        raise ValueError(f"k: batch {k.shape[0]} differs from q's {b}")
+    if k.shape[3] != dqk:
+        raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {dqk}")
+    if hk == 0 or h % hk:
+        raise ValueError(f"k: kv_heads={hk} must divide q's heads={h}")
+    for name, d in (("q", dqk), ("v", v.shape[3])):
+        if d not in HEAD_DIMS:
+            raise ValueError(f"{name}: head_dim {d} is not supported; supported: {list(HEAD_DIMS)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
+    if softmax_scale is None:
+        softmax_scale = dqk ** -0.5
+    elif not _positive_finite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected a positive finite number, got {softmax_scale!r}")
+    if not _positive_finite(error_budget):
+        raise ValueError(f"error_budget: expected a positive finite number, got {error_budget!r}")
+    if q.device.type not in ("cuda", "meta"):
+        raise ValueError(f"q: tensor is on {q.device}; zyfa_tune kernels run on CUDA devices")
+    return float(softmax_scale)
+
+
+def _positive_finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
