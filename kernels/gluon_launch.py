@@ -88,7 +88,7 @@ def schedule(n_b: int, n_h: int, group: int, n_m: int, sq: int, sk: int, block_m
     The groups are full chunks with the rest last, unless groups of even sizes give a smaller largest
     load: a last group of one head puts its longest tiles at the end, where the programs can no longer
     even out (192/128 at 16 heads, 16K, 16 MiB: 4.6% over the mean in this model, 0.3% with even
-    groups; measured 3.4% slower than 32 MiB's table, docs/PERF.md session 22)."""
+    groups; measured 3.4% slower than 32 MiB's table, docs/results.md)."""
     per_kv_head = max(1, sk * kv_bytes_per_key)
     kv_per_group = max(1, l2_group_bytes // per_kv_head)
     cost = [block_count(mb, block_m, block_n, sq, sk, causal) + TILE_OVERHEAD_BLOCKS for mb in range(n_m)]

@@ -97,7 +97,7 @@ class BoundLaunch:
 
     Valid only for tensors whose shapes, strides, dtypes and device equal those `bind` saw and whose
     data pointers are 16-byte aligned (the caller checks both: see `zyfa_tune.api`). The call path is
-    written flat: every microsecond here is dispatch overhead (docs/PERF.md).
+    written flat: every microsecond here is dispatch overhead (docs/results.md).
 
     transpose: the V^T copy for this layout (`kernels.transpose.bind_transpose`), or None (V read as
                given; a K-major V too: its descriptor needs only the base pointer, V's own).

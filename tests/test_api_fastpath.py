@@ -45,6 +45,7 @@ def rec(monkeypatch):
     monkeypatch.setattr(api.torch.cuda, "current_device", lambda: None)  # a CPU device's index
     monkeypatch.setattr(api.torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(api, "_plans", {})
+    monkeypatch.setattr(api, "_values_checked", set())
     return r
 
 
@@ -168,3 +169,38 @@ def test_plan_cache_is_bounded(rec, monkeypatch):
     for s in range(1, 6):
         api.flash_attn_func(*qkv(s=s), config=CFG)
     assert len(api._plans) <= 3
+
+
+def test_descale_values_are_read_on_a_layouts_first_call_and_under_validate(rec, monkeypatch):
+    """Reading CUDA descales costs a device synchronisation: only the first checked call of a layout
+    and calls with validate=True read them; the fast path never does (a NaN then goes to the kernel,
+    as documented), nor do later checked calls of a layout without a plan."""
+    reads = []
+    real = api._check_descale_values
+
+    def recording(named, on_cuda, problems):
+        reads.append(on_cuda)
+        real(named, on_cuda, problems)
+
+    monkeypatch.setattr(api, "_check_descale_values", recording)
+    q, k, v = qkv(dtype=FP8)
+    d = torch.ones(2, 2)
+    api.flash_attn_func(q, k, v, q_descale=d, config=CFG8)
+    api.flash_attn_func(q, k, v, q_descale=torch.full((2, 2), float("nan")), config=CFG8)
+    assert reads == [True] and len(rec.checked) == 1 and len(rec.fast) == 1
+    api.flash_attn_func(q, k, v, q_descale=d, config=CFG8, validate=True)
+    assert reads == [True, True] and len(rec.checked) == 2 and len(rec.fast) == 1
+    with pytest.raises(ValueError, match="^q_descale: descales must be finite and positive"):
+        api.flash_attn_func(q, k, v, q_descale=torch.full((2, 2), -1.0), config=CFG8, validate=True)
+    rec.bindable = False
+    for _ in range(3):  # another layout (k's descale given), no plan: the checked path each call
+        api.flash_attn_func(q, k, v, k_descale=d, config=CFG8)
+    assert reads[3:] == [True, False, False] and len(rec.fast) == 1
+
+
+@pytest.mark.parametrize("validate", [1, 0, None, "yes"])
+def test_validate_must_be_bool(rec, validate):
+    q, k, v = qkv()
+    api.flash_attn_func(q, k, v, config=CFG)
+    with pytest.raises(TypeError, match="^validate: expected bool"):
+        api.flash_attn_func(q, k, v, config=CFG, validate=validate)

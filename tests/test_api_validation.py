@@ -1,14 +1,10 @@
 """flash_attn_func argument validation, and quantize_fp8 / hadamard_matrix, on the CPU.
 
-flash_attn_func checks q, k and v one at a time with `_check_tensor` (type, rank, dtype, then
-device) before any check that relates them. On a machine without a GPU every tensor fails the
-device check, so:
-
-1. With plain CPU tensors only q's own checks are reachable (and an error in k or v is reported
-   as q's device error: q is checked first). These tests use flash_attn_func as is.
-2. The later checks (k/v against q, head dims, softmax_scale, causal, descales, config) are
-   reached by relaxing *only* the device part of `_check_tensor` (fixture `cpu_ok`): the original
-   function still runs and its type/rank/dtype errors still propagate.
+flash_attn_func checks every argument before it checks the device, and reports every problem in one
+error (each line naming its argument, the first problem's exception type, the device last). So on a
+machine without a GPU, plain CPU tensors reach every argument check; the fixture `cpu_ok` (CPU
+tensors accepted as if on a CUDA device, the launch replaced by a failure) is needed only by the tests
+that go past validation.
 """
 
 from __future__ import annotations
@@ -65,24 +61,31 @@ def test_cpu_tensors_rejected(dtype):
     q, k, v = qkv(dtype=dtype)
     with pytest.raises(ValueError, match=r"^q: tensor is on cpu; .*CUDA") as info:
         flash_attn_func(q, k, v)
-    assert "device" in str(info.value) or "cuda" in str(info.value).lower()
-    meta = torch.empty(1, 16, 4, 64, dtype=dtype, device="meta")
+    assert "\n" not in str(info.value)  # valid arguments: the device is the only problem
+    meta = [torch.empty(t.shape, dtype=dtype, device="meta") for t in (q, k, v)]
     with pytest.raises(ValueError, match=r"^q: tensor is on meta"):
-        flash_attn_func(meta, k, v)
+        flash_attn_func(*meta)
 
 
-def test_q_is_checked_before_k_and_v():
-    """Rank is checked before dtype, dtype before device, and q entirely before k and v."""
+def test_all_problems_in_one_error_device_last():
+    """A CPU user sees every problem with the arguments, in order, the device last (the first
+    problem's exception type)."""
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="^q: expected 4 dims"):
-        flash_attn_func(torch.zeros(2, 3, dtype=torch.float32), k, v)  # also a bad dtype
-    with pytest.raises(TypeError, match="^q: dtype"):
-        flash_attn_func(q.float(), k, v)  # also on the CPU
-    with pytest.raises(ValueError, match="^q: tensor is on cpu"):
-        flash_attn_func(q, "not a tensor", v)  # k's error comes later
+    with pytest.raises(TypeError) as info:
+        flash_attn_func(q, k, v.to(FP8), softmax_scale=-1.0, causal=1)
+    assert str(info.value).split("\n") == [
+        "v: dtype torch.float8_e4m3fn differs from q's torch.bfloat16",
+        "softmax_scale: expected a positive finite number, got -1.0",
+        "causal: expected bool, got int",
+        "q: tensor is on cpu; zyfa_tune kernels run on CUDA devices"]
+    with pytest.raises(TypeError, match="^k: expected a torch.Tensor, got str\nq: tensor is on cpu"):
+        flash_attn_func(q, "not a tensor", v)
+    with pytest.raises(ValueError, match="^q: expected 4 dims") as info:  # also a bad dtype: rank first
+        flash_attn_func(torch.zeros(2, 3, dtype=torch.float32), k, v)
+    assert "dtype" not in str(info.value) and "cpu" not in str(info.value)  # q's device is not looked at
 
 
-# ---- 2. later checks, with the device check relaxed -------------------------------------------
+# ---- 2. checks that relate the arguments (CPU tensors as they are), and past validation (cpu_ok) ----
 
 @pytest.fixture
 def cpu_ok(monkeypatch):
@@ -93,16 +96,6 @@ def cpu_ok(monkeypatch):
         raise AssertionError("validation let bad arguments through to the launch")
 
     monkeypatch.setattr(api, "bind", no_launch)
-
-
-def test_relaxed_check_still_checks_everything_but_the_device(cpu_ok):
-    q, k, v = qkv()
-    with pytest.raises(TypeError, match="^k: expected a torch.Tensor"):
-        flash_attn_func(q, None, v)
-    with pytest.raises(ValueError, match="^v: expected 4 dims"):
-        flash_attn_func(q, k, v[0])
-    with pytest.raises(TypeError, match="^k: dtype torch.float32 is not supported"):
-        flash_attn_func(q, k.float(), v)
 
 
 def test_empty_query_returns_before_launch(cpu_ok):
@@ -119,7 +112,7 @@ def test_empty_keys_give_zeros(cpu_ok):
 
 
 @pytest.mark.parametrize("which", ["k", "v"])
-def test_dtype_mismatch(cpu_ok, which):
+def test_dtype_mismatch(which):
     q, k, v = qkv()
     args = {"k": k, "v": v}
     args[which] = args[which].to(FP8)
@@ -127,7 +120,7 @@ def test_dtype_mismatch(cpu_ok, which):
         flash_attn_func(q, **args)
 
 
-def test_batch_mismatch(cpu_ok):
+def test_batch_mismatch():
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"^k: batch 1 differs from q's 2"):
         flash_attn_func(q, k[:1], v[:1])
@@ -136,26 +129,26 @@ def test_batch_mismatch(cpu_ok):
 
 
 @pytest.mark.parametrize("h,hk", [(4, 3), (3, 2), (5, 4), (2, 4)])
-def test_kv_heads_must_divide_heads(cpu_ok, h, hk):
+def test_kv_heads_must_divide_heads(h, hk):
     q, k, v = qkv(h=h, hk=hk)
     with pytest.raises(ValueError, match=rf"^k: kv_heads={hk} must divide q's heads={h}"):
         flash_attn_func(q, k, v)
 
 
-def test_zero_kv_heads(cpu_ok):
+def test_zero_kv_heads():
     q, k, v = qkv(hk=0)
     with pytest.raises(ValueError, match="^k: kv_heads=0"):
         flash_attn_func(q, k, v)
 
 
 @pytest.mark.parametrize("dqk,dv,name", [(80, 80, "q"), (32, 32, "q"), (512, 64, "q"), (64, 80, "v"), (128, 48, "v")])
-def test_unsupported_head_dim(cpu_ok, dqk, dv, name):
+def test_unsupported_head_dim(dqk, dv, name):
     q, k, v = qkv(dqk=dqk, dv=dv)
     with pytest.raises(ValueError, match=rf"^{name}: head_dim \d+ is not supported"):
         flash_attn_func(q, k, v)
 
 
-def test_k_head_dim_mismatch(cpu_ok):
+def test_k_head_dim_mismatch():
     q, _, v = qkv(dqk=128)
     k = torch.zeros(2, 16, 2, 64, dtype=BF16)
     with pytest.raises(ValueError, match=r"^k: head_dim 64 differs from q's 128"):
@@ -163,7 +156,7 @@ def test_k_head_dim_mismatch(cpu_ok):
 
 
 @pytest.mark.parametrize("vshape", [(2, 15, 2, 64), (2, 16, 1, 64), (2, 16, 4, 64)])
-def test_v_shape_mismatch(cpu_ok, vshape):
+def test_v_shape_mismatch(vshape):
     q, k, _ = qkv()
     with pytest.raises(ValueError, match=r"^v: shape .* must match k's \(batch, seqlen_k, kv_heads\)"):
         flash_attn_func(q, k, torch.zeros(vshape, dtype=BF16))
@@ -171,21 +164,21 @@ def test_v_shape_mismatch(cpu_ok, vshape):
 
 @pytest.mark.parametrize("scale", [0, 0.0, -1, -0.125, math.nan, math.inf, -math.inf, "x", True, False,
                                    [0.125]])
-def test_bad_softmax_scale(cpu_ok, scale):
+def test_bad_softmax_scale(scale):
     q, k, v = qkv()
     with pytest.raises((TypeError, ValueError), match="^softmax_scale: expected a positive finite number"):
         flash_attn_func(q, k, v, softmax_scale=scale)
 
 
 @pytest.mark.parametrize("causal", [1, 0, "yes", None])
-def test_causal_must_be_bool(cpu_ok, causal):
+def test_causal_must_be_bool(causal):
     q, k, v = qkv()
     with pytest.raises(TypeError, match="^causal: expected bool"):
         flash_attn_func(q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("which", ["q_descale", "k_descale", "v_descale"])
-def test_descales_with_bf16(cpu_ok, which):
+def test_descales_with_bf16(which):
     q, k, v = qkv()
     with pytest.raises(ValueError, match="descale.* apply to float8_e4m3fn inputs only"):
         flash_attn_func(q, k, v, **{which: torch.ones(2, 2)})
@@ -199,13 +192,13 @@ def test_descales_with_bf16(cpu_ok, which):
     (torch.ones(2, 2, device="meta"), ValueError, "on meta, but q is on cpu"),
 ])
 @pytest.mark.parametrize("which", ["q_descale", "k_descale", "v_descale"])
-def test_bad_fp8_descales(cpu_ok, which, bad, exc, match):
+def test_bad_fp8_descales(which, bad, exc, match):
     q, k, v = qkv(dtype=FP8)
     with pytest.raises(exc, match=rf"^{which}: {match}"):
         flash_attn_func(q, k, v, **{which: bad})
 
 
-def test_config_checks(cpu_ok):
+def test_config_checks():
     q, k, v = qkv(dqk=128, dv=128, dtype=FP8)
     with pytest.raises(TypeError, match="^config: expected a KernelConfig"):
         flash_attn_func(q, k, v, config=KernelConfig().to_dict())
@@ -213,6 +206,21 @@ def test_config_checks(cpu_ok):
         flash_attn_func(q, k, v, config=KernelConfig(dtype="bf16", p_scale_log2=0))
     with pytest.raises(ValueError, match="^config: built for fp8 64/64, inputs are fp8 128/128"):
         flash_attn_func(q, k, v, config=KernelConfig(head_dim_qk=64, head_dim_v=64))
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 0.0, -1.0, 1e-60])
+@pytest.mark.parametrize("which", ["q_descale", "k_descale", "v_descale"])
+def test_descale_values_are_checked_on_the_host(which, value):
+    """Host descales are read as they are (no device to wait for): NaN, inf, zero and negative
+    values are refused, and so is a float64 value that float32, what the kernels read, makes zero."""
+    q, k, v = qkv(dtype=FP8)
+    bad = torch.ones(2, 2, dtype=torch.float64)
+    bad[1, 0] = value
+    with pytest.raises(ValueError, match=rf"^{which}: descales must be finite and positive; 1 of 4 are not "
+                                         rf"\(the first: .* at \(batch, kv_head\) = \(1, 0\)\)"):
+        flash_attn_func(q, k, v, **{which: bad})
+    with pytest.raises(ValueError, match="^q: tensor is on cpu"):  # finite positive ones pass
+        flash_attn_func(q, k, v, **{which: torch.full((2, 2), 1e-3)})
 
 
 # ---- quantize_fp8 ----------------------------------------------------------------------------
@@ -355,6 +363,16 @@ def test_quantize_bad_arguments(inputs):
         quantize_fp8(q, k[:1], v)
     with pytest.raises(ValueError, match=r"^q/k/v: expected tensors on one device, got cpu, meta, cpu"):
         quantize_fp8(q, k.to("meta"), v)
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_quantize_refuses_mixed_dtypes(inputs, which):
+    """q, k and v of one dtype (as flash_attn_func takes them): a mix is a mistake upstream."""
+    q, k, v = inputs
+    args = {"q": q.to(BF16), "k": k.to(BF16), "v": v.to(BF16)}
+    args[which] = args[which].float()
+    with pytest.raises(TypeError, match=rf"^{which}: dtype torch.float32 differs from q's torch.bfloat16"):
+        quantize_fp8(**args)
 
 
 @pytest.mark.parametrize("sk", [48, 45, 1])

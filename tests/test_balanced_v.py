@@ -1,4 +1,4 @@
-"""V's balanced rounding (`quantize_fp8(..., v_rounding="balanced")`, kernels/quantize.balanced_codes), on the
+"""V's balanced rounding (`quantize_fp8(..., v_rounding="balanced")`, kernels/balanced_v.balanced_codes), on the
 CPU: every code is one of the value's two e4m3 neighbours, each block's error sum only shrinks, small keys keep
 their nearest codes, and the attention error against float64 on the unquantised inputs falls where P's rows
 have a positive mean weight and does not rise on an attention sink. A GPU gives the same codes bitwise

@@ -103,7 +103,7 @@ def test_balanced_schedule(b, h, group, seqlen, mib):
 def test_even_groups_where_a_short_last_group_would_leave_a_tail():
     """At 192/128 with 16 heads (5.2 MB of K and V a head at 16K), 16 MiB groups are 3 heads, the last
     one a single head whose longest tiles come at the end: 4.6% over the mean in the schedule's own cost
-    model (measured 3.4% slower than 32 MiB's table, session 22). Groups of even sizes (3, 3, 3, 3, 2, 2)
+    model (measured 3.4% slower than 32 MiB's table). Groups of even sizes (3, 3, 3, 3, 2, 2)
     are taken where their largest load is smaller; elsewhere the table is the chunked one, unchanged."""
     n_m, kv_bytes = 16384 // 128, 320
     cost = [gluon_launch.block_count(mb, 128, 128, 16384, 16384, True) + gluon_launch.TILE_OVERHEAD_BLOCKS

@@ -89,7 +89,7 @@ def test_kappa_kernel_compiles_without_spills(dtype):
     """balance_weights' one launch on a GPU (_kappa_kernel): 64 x 64 float32 scores at a time from 32-column
     slices of Q and K (a loop over any head dim) on the tensor cores in TF32 x3 (float32's precision: TF32 alone
     would round Q and K to 10 bits), no local memory, for the input dtypes the API takes."""
-    from zyfa_tune.kernels.quantize import _KAPPA_KEYS, _KAPPA_ROWS, _kappa_kernel
+    from zyfa_tune.kernels.balanced_v import _KAPPA_KEYS, _KAPPA_ROWS, _kappa_kernel
 
     sig = {name: "i32" for name in _kappa_kernel.arg_names}
     sig.update(Q="*" + _DT[dtype], K="*" + _DT[dtype], OUT="*fp32", scale2="fp32")
@@ -104,7 +104,7 @@ def test_kappa_kernel_compiles_without_spills(dtype):
 
 @pytest.mark.parametrize("dtype,parts", [(torch.bfloat16, 1), (torch.float16, 2), (torch.float32, 3)])
 def test_bf16_parts_add_up_to_the_rows_exactly(dtype, parts):
-    """The rotation's split (kernels/quantize._columns): hi = bf16(x), mid = bf16(x - hi), lo =
+    """The rotation's split (kernels/hadamard._columns): hi = bf16(x), mid = bf16(x - hi), lo =
     bf16(x - hi - mid); each difference is exact in float32, and `parts` of them rebuild x."""
     g = torch.Generator().manual_seed(5)
     span = 14 if dtype == torch.float16 else 30  # finite in the dtype, subnormals included

@@ -7,11 +7,27 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from zyfa_tune.generator import HEAD_DIMS, KernelConfig
+from zyfa_tune.generator import GENERATOR_VERSION, HEAD_DIMS, HOPPER, KernelConfig
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.kernels.launch import BoundLaunch, bind, for_v_layout
 
 _DTYPES = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"}
+_DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+class _Problems:
+    """Argument problems found so far, each (exception type, message naming the argument); raised
+    together, as the first problem's type, so one call shows everything wrong with its arguments."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[type[Exception], str]] = []
+
+    def add(self, exc: type[Exception], message: str) -> None:
+        self.found.append((exc, message))
+
+    def raise_any(self) -> None:
+        if self.found:
+            raise self.found[0][0]("\n".join(message for _, message in self.found))
 
 
 def _on_cuda(name: str, t: torch.Tensor) -> None:
@@ -19,29 +35,92 @@ def _on_cuda(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: tensor is on {t.device}; zyfa_tune kernels run on CUDA devices")
 
 
-def _check_tensor(name: str, t: object, k_major_ok: bool = False) -> torch.Tensor:
+def _tensor_ok(name: str, t: object, problems: _Problems) -> bool:
+    """Type, rank, dtype and head dim of q, k or v on its own."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
-        raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
-    if t.dtype not in _DTYPES:
-        raise TypeError(f"{name}: dtype {t.dtype} is not supported; use torch.float8_e4m3fn or torch.bfloat16")
-    _on_cuda(name, t)
-    if t.stride(-1) == 1 or (k_major_ok and t.stride(1) == 1 and t.dtype == torch.float8_e4m3fn):
-        return t  # rows contiguous, or an FP8 V stored keys-fastest (what FP8 kernels read)
-    return t.contiguous()
+        problems.add(TypeError, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    elif t.dim() != 4:
+        problems.add(ValueError, f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+    elif t.dtype not in _DTYPES:
+        problems.add(TypeError, f"{name}: dtype {t.dtype} is not supported; use torch.float8_e4m3fn or torch.bfloat16")
+    elif name != "k" and t.shape[3] not in HEAD_DIMS:  # (k's must equal q's)
+        problems.add(ValueError, f"{name}: head_dim {t.shape[3]} is not supported; supported: {list(HEAD_DIMS)}")
+    else:
+        return True
+    return False
 
 
-def _check_descale(name: str, d: object, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+def _check_related(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problems: _Problems) -> None:
+    """k and v against q: dtype, device, batch, kv heads and head dims."""
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            problems.add(TypeError, f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            problems.add(ValueError, f"{name}: on {t.device}, but q is on {q.device}")
+        if t.shape[0] != q.shape[0]:
+            problems.add(ValueError, f"{name}: batch {t.shape[0]} differs from q's {q.shape[0]}")
+    b, _, h, dqk = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if k.shape[0] == b and tuple(v.shape[:3]) != (b, sk, hk):
+        problems.add(ValueError, f"v: shape {tuple(v.shape)} must match k's (batch, seqlen_k, kv_heads) = {(b, sk, hk)}")
+    if k.shape[3] != dqk:
+        problems.add(ValueError, f"k: head_dim {k.shape[3]} differs from q's {dqk}")
+    if hk == 0 or h % hk:
+        problems.add(ValueError, f"k: kv_heads={hk} must divide q's heads={h}")
+
+
+def _checked_descale(name: str, d: object, shape: tuple[int, int] | None, device: torch.device | None,
+                     problems: _Problems) -> torch.Tensor | None:
+    """`d` as float32, or None after adding its problems; `shape` and `device` are q's where known."""
     if not isinstance(d, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor of shape {shape}, got {type(d).__name__}")
-    if d.device != device:
-        raise ValueError(f"{name}: on {d.device}, but q is on {device}")
-    if tuple(d.shape) != shape:
-        raise ValueError(f"{name}: expected shape (batch, kv_heads) = {shape}, got {tuple(d.shape)}")
+        problems.add(TypeError, f"{name}: expected a torch.Tensor of shape (batch, kv_heads), got {type(d).__name__}")
+        return None
+    ok = True
+    if device is not None and d.device != device:
+        problems.add(ValueError, f"{name}: on {d.device}, but q is on {device}")
+        ok = False
+    if shape is not None and tuple(d.shape) != shape:
+        problems.add(ValueError, f"{name}: expected shape (batch, kv_heads) = {shape}, got {tuple(d.shape)}")
+        ok = False
     if not d.dtype.is_floating_point:
-        raise TypeError(f"{name}: expected a floating dtype, got {d.dtype}")
-    return d.to(torch.float32).contiguous()
+        problems.add(TypeError, f"{name}: expected a floating dtype, got {d.dtype}")
+        ok = False
+    return d.to(torch.float32) if ok else None
+
+
+def _check_descale_values(named: list[tuple[str, torch.Tensor]], on_cuda: bool, problems: _Problems) -> None:
+    """Refuse NaN, inf, zero or negative descales (float32, as the kernels read them). Host tensors
+    are read as they are; CUDA ones only with `on_cuda` (one device synchronisation for all of them)
+    and never while a CUDA graph is being captured (no synchronisation is allowed there)."""
+    host = [(n, d) for n, d in named if d.device.type == "cpu"]
+    cuda = [(n, d) for n, d in named if d.device.type == "cuda"]
+    if cuda and on_cuda and not torch.cuda.is_current_stream_capturing():
+        bad_any = torch.stack([~(torch.isfinite(d) & (d > 0)).all() for _, d in cuda]).tolist()
+        host += [(n, d.cpu()) for (n, d), bad in zip(cuda, bad_any) if bad]
+    for name, d in host:
+        bad = ~(torch.isfinite(d) & (d > 0))
+        if bad.any():
+            where = tuple(bad.nonzero()[0].tolist())
+            problems.add(ValueError, f"{name}: descales must be finite and positive; {int(bad.sum())} of "
+                                     f"{d.numel()} are not (the first: {d[where].item()} at (batch, kv_head) = {where})")
+
+
+def _prepare_descales(q, k, given: tuple, tensors_ok: list[bool], cuda_values: bool, problems: _Problems) -> tuple:
+    """The three descales as the kernels take them: all None, or contiguous float32 (batch, kv_heads)
+    tensors with ones for those left out (three Nones where problems were found)."""
+    if all(d is None for d in given):
+        return None, None, None
+    if tensors_ok[0] and q.dtype == torch.bfloat16:
+        problems.add(ValueError, "q_descale/k_descale/v_descale apply to float8_e4m3fn inputs only")
+    related = all(tensors_ok)
+    shape = (q.shape[0], k.shape[2]) if related else None
+    checked = [None if d is None else _checked_descale(name, d, shape, q.device if tensors_ok[0] else None, problems)
+               for name, d in zip(_DESCALES, given)]
+    _check_descale_values([(n, c) for n, c in zip(_DESCALES, checked) if c is not None], cuda_values, problems)
+    if not related or problems.found:
+        return None, None, None
+    ones = torch.ones(shape, dtype=torch.float32, device=q.device) if None in given else None
+    return tuple(ones if c is None else c.contiguous() for c in checked)
 
 
 @dataclass(frozen=True)
@@ -54,50 +133,41 @@ class _Problem:
     descales: tuple  # (q, k, v) contiguous float32 (batch, kv_heads) tensors, or three Nones
 
 
-def _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale) -> _Problem:
-    """Validate the arguments of flash_attn_func / explain; errors name the argument."""
-    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v, k_major_ok=True)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
-        if t.shape[0] != q.shape[0]:
-            raise ValueError(f"{name}: batch {t.shape[0]} differs from q's {q.shape[0]}")
-    b, sq, h, dqk = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    if tuple(v.shape[:3]) != (b, sk, hk):
-        raise ValueError(f"v: shape {tuple(v.shape)} must match k's (batch, seqlen_k, kv_heads) = {(b, sk, hk)}")
-    if k.shape[3] != dqk:
-        raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {dqk}")
-    if hk == 0 or h % hk:
-        raise ValueError(f"k: kv_heads={hk} must divide q's heads={h}")
-    dv = v.shape[3]
-    for name, d in (("q", dqk), ("v", dv)):
-        if d not in HEAD_DIMS:
-            raise ValueError(f"{name}: head_dim {d} is not supported; supported: {list(HEAD_DIMS)}")
-    if softmax_scale is None:
-        softmax_scale = dqk ** -0.5
-    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"softmax_scale: expected a positive finite number, got {softmax_scale!r}")
+def _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config=None, *,
+             cuda: bool = True, cuda_values: bool = False) -> _Problem:
+    """Validate the arguments of flash_attn_func / explain; every problem is reported at once, each
+    naming its argument, and the device last (a CPU user sees what else is wrong first). `cuda`:
+    the tensors must be on a CUDA device (explain takes meta tensors); `cuda_values`: read CUDA
+    descales to check their values (a device synchronisation; host descales are always read)."""
+    problems = _Problems()
+    tensors_ok = [_tensor_ok(name, t, problems) for name, t in (("q", q), ("k", k), ("v", v))]
+    related = all(tensors_ok)
+    if related:
+        _check_related(q, k, v, problems)
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        problems.add(ValueError, f"softmax_scale: expected a positive finite number, got {softmax_scale!r}")
     if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
-    dtype = _DTYPES[q.dtype]
-    descales = (q_descale, k_descale, v_descale)
-    if any(d is not None for d in descales):
-        if dtype == "bf16":
-            raise ValueError("q_descale/k_descale/v_descale apply to float8_e4m3fn inputs only")
-        ones = None
-        checked = []
-        for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
-            if d is None:
-                ones = ones if ones is not None else torch.ones(b, hk, dtype=torch.float32, device=q.device)
-                checked.append(ones)
-            else:
-                checked.append(_check_descale(name, d, (b, hk), q.device))
-        descales = tuple(checked)
-    return _Problem(q, k, v, dtype, float(softmax_scale), descales)
+        problems.add(TypeError, f"causal: expected bool, got {type(causal).__name__}")
+    dtype = _DTYPES[q.dtype] if tensors_ok[0] else None
+    descales = _prepare_descales(q, k, (q_descale, k_descale, v_descale), tensors_ok, cuda_values, problems)
+    if config is not None and not isinstance(config, KernelConfig):
+        problems.add(TypeError, f"config: expected a KernelConfig, got {type(config).__name__}")
+    elif config is not None and related \
+            and (config.dtype, config.head_dim_qk, config.head_dim_v) != (dtype, q.shape[3], v.shape[3]):
+        problems.add(ValueError, f"config: built for {config.dtype} {config.head_dim_qk}/{config.head_dim_v}, "
+                                 f"inputs are {dtype} {q.shape[3]}/{v.shape[3]}")
+    if cuda and tensors_ok[0]:  # k's and v's device is checked against q's above
+        try:
+            _on_cuda("q", q)
+        except ValueError as exc:
+            problems.add(ValueError, str(exc))
+    problems.raise_any()
+    fp8 = q.dtype == torch.float8_e4m3fn  # an FP8 V stored keys-fastest is what FP8 kernels read
+    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+    v = v if v.stride(-1) == 1 or (fp8 and v.stride(1) == 1) else v.contiguous()
+    scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return _Problem(q, k, v, dtype, scale, descales)
 
 
 # ---- per-layout fast path -------------------------------------------------------------------------
@@ -105,7 +175,7 @@ def _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale) ->
 # strides, dtypes and devices of the arguments (and on the scale, causal flag, forced config and
 # database layers), not on the data. The first call with a layout takes the checked path and leaves a
 # _Plan under a key of exactly those properties; later calls with that layout and 16-byte aligned
-# pointers allocate the output and launch (docs/PERF.md: dispatch overhead).
+# pointers allocate the output and launch (docs/results.md: dispatch overhead).
 
 _PLAN_LIMIT = 4096
 
@@ -120,12 +190,15 @@ class _Plan:
 
 
 _plans: dict[tuple, _Plan] = {}
+#: layouts whose CUDA descales were read once on the checked path (a layout without a plan takes that path
+#: on every call, which stays free of device synchronisation after its first)
+_values_checked: set[tuple] = set()
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                     causal: bool = True, q_descale: torch.Tensor | None = None,
                     k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
-                    *, config: KernelConfig | None = None) -> torch.Tensor:
+                    *, config: KernelConfig | None = None, validate: bool = False) -> torch.Tensor:
     """Attention forward like FlashAttention-3's `flash_attn_func`; returns the bf16 output.
 
     q: (batch, seqlen_q, heads, head_dim_qk); k: (batch, seqlen_k, kv_heads, head_dim_qk);
@@ -135,6 +208,17 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     aligned when seqlen_q != seqlen_k. The kernel comes from the tuning databases
     (`zyfa_tune.explain` says which and why); `config` forces one instead.
     Returns (batch, seqlen_q, heads, head_dim_v) in torch.bfloat16.
+
+    Every argument is checked on the first call with a layout (shapes, strides, dtypes, devices,
+    scale, flags); all problems are reported in one error naming each argument. Later calls with
+    that layout skip the checks and never wait for the GPU. Descale values must be finite and
+    positive: CUDA descales are read on a layout's first call (one synchronisation; not inside
+    CUDA graph capture) and on every call with `validate=True` (which also repeats all the checks);
+    otherwise they are used as given. q_descale * k_descale multiplies the scores of its (batch,
+    kv head): a zero product gives every query the plain mean of its visible V rows, a negative one
+    attends to the least similar keys instead of the most similar, NaN or inf make the rows NaN.
+    v_descale multiplies the output: zero gives zeros, a negative one negates it, NaN or inf give
+    NaN or inf.
     """
     try:  # the layout key: every argument property the checked path depends on except data pointers
         key = (type(q), q.shape, q.stride(), q.dtype, q.device, type(k), k.shape, k.stride(), k.dtype, k.device,
@@ -146,7 +230,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
                                                k_descale.dtype, k_descale.device),
                None if v_descale is None else (type(v_descale), v_descale.shape, v_descale.stride(),
                                                v_descale.dtype, v_descale.device))
-        plan = _plans.get(key)
+        plan = None if validate is not False else _plans.get(key)
     except Exception:  # not tensors, unhashable values: the checked path names the problem
         key = plan = None
     # the kernels were specialised on 16-byte aligned pointers when the plan was made
@@ -161,19 +245,22 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
             return plan.launch(q, k, v, out, q_descale, k_descale, v_descale)
         with torch.cuda.device(plan.device):
             return plan.launch(q, k, v, out, q_descale, k_descale, v_descale)
-    return _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config)
+    return _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config, validate)
 
 
-def _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config) -> torch.Tensor:
+def _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config,
+                  validate: bool = False) -> torch.Tensor:
     """Validate, choose the kernel, launch; leave a _Plan for this layout when it needs no copies."""
-    p = _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale)
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected bool, got {type(validate).__name__}")
+    read_values = validate or key is None or key not in _values_checked
+    p = _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config, cuda_values=read_values)
+    if key is not None and read_values:
+        if len(_values_checked) >= _PLAN_LIMIT:
+            _values_checked.clear()
+        _values_checked.add(key)
     b, sq, h, dqk = p.q.shape
     sk, hk, dv = p.k.shape[1], p.k.shape[2], p.v.shape[3]
-    if config is not None and not isinstance(config, KernelConfig):
-        raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
-    if config is not None and (config.dtype, config.head_dim_qk, config.head_dim_v) != (p.dtype, dqk, dv):
-        raise ValueError(f"config: built for {config.dtype} {config.head_dim_qk}/{config.head_dim_v}, "
-                         f"inputs are {p.dtype} {dqk}/{dv}")
     out = torch.empty(b, sq, h, dv, dtype=torch.bfloat16, device=p.q.device)
     if out.numel() == 0:
         return out
@@ -195,12 +282,19 @@ def _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_d
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
             causal: bool = True, q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-            v_descale: torch.Tensor | None = None) -> dispatch.Choice:
-    """Which kernel `flash_attn_func` would run for these arguments, from which database, and why."""
-    p = _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale)
+            v_descale: torch.Tensor | None = None, *, gpu: str | None = None) -> dispatch.Choice:
+    """Which kernel `flash_attn_func` would run for these arguments, from which database, and why.
+
+    Only shapes, strides and dtypes are read (a dispatch lookup: nothing is launched and no CUDA
+    data is read), so the tensors may be on the 'meta' device: `torch.empty(..., device="meta")`
+    asks about a shape with no GPU and no memory. `gpu` names the GPU to ask for, as
+    `torch.cuda.get_device_name()` gives it (e.g. "NVIDIA H200"; a Hopper GPU); by default the
+    tensors' CUDA device, else the current one. Arguments are checked as `flash_attn_func` checks
+    them, except that the tensors need not be on a CUDA device."""
+    p = _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, cuda=False)
     b, sq, h, dqk = p.q.shape
     key = dispatch.problem_key(p.dtype, dqk, p.v.shape[3], causal, b, h, p.k.shape[2], sq)
-    choice = dispatch.dispatcher().choose(key, dispatch.device_key(p.q.device.index))
+    choice = dispatch.dispatcher().choose(key, _device_key(gpu, p.q.device))
     runs = for_v_layout(choice.config, p.v)
     if runs == choice.config:
         return choice
@@ -211,3 +305,17 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: fl
     else:
         why = f"{p.k.shape[1]} keys are not a multiple of 16: k_perm off (V^T copied with its keys permuted)"
     return replace(choice, config=runs, detail=f"{choice.detail}; {why}".lstrip("; "))
+
+
+def _device_key(gpu: str | None, device: torch.device) -> tuple[str, str, str]:
+    """The dispatcher's device key for `explain`: of the GPU named, the tensors' or the current one."""
+    if gpu is not None:
+        if not isinstance(gpu, str) or not gpu:
+            raise TypeError(f"gpu: expected a GPU name such as 'NVIDIA H200', got {gpu!r}")
+        return gpu, f"{HOPPER.capability // 10}.{HOPPER.capability % 10}", GENERATOR_VERSION
+    if device.type == "cuda":
+        return dispatch.device_key(device.index)
+    if torch.cuda.is_available():
+        return dispatch.device_key(torch.cuda.current_device())
+    raise ValueError(f"gpu: tensors on {device} name no GPU and none is visible; pass gpu=, a name as "
+                     "torch.cuda.get_device_name() gives it (e.g. 'NVIDIA H200')")

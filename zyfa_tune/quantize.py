@@ -20,15 +20,15 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
                  softmax_scale: float | None = None, v_weight: float | None = None):
     """Return (q8, k8, v8, q_descale, k_descale, v_descale) for `flash_attn_func`.
 
-    Inputs are (batch, seqlen, heads, dim) floating tensors; descales are float32 (batch, kv_heads)
-    as FlashAttention-3 expects (the q heads of one GQA group share one descale). With
-    `hadamard=True`, Q and K are first multiplied by the same orthonormal Hadamard matrix.
+    Inputs are (batch, seqlen, heads, dim) floating tensors of one dtype and device; descales are
+    float32 (batch, kv_heads) as FlashAttention-3 expects (the q heads of one GQA group share one
+    descale). With `hadamard=True`, Q and K are first multiplied by the same orthonormal Hadamard matrix.
     `smooth_k=True` first subtracts K's mean over tokens (per batch, kv head and channel): q.mean(k)
     is the same for every key of a query row, so softmax, and the attention output, are unchanged in
     exact arithmetic, while the nearly constant outlier channels of real keys, which otherwise set the
     FP8 scale and leave the rest of K a few codes, are removed (SageAttention's K smoothing; on the
-    `outliers` input family it cuts the input-quantisation error ~9x: docs/ACCURACY.md). k8 is then
-    the smoothed K. Hadamard rotation does not help that family (it spreads Q's constant outlier
+    `outliers` input family it cuts the input-quantisation error ~9x: docs/results.md). k8 is
+    then the smoothed K. Hadamard rotation does not help that family (it spreads Q's constant outlier
     channels into every channel); it helps outliers in random entries.
     `v_layout="k_major"` writes v8 keys-fastest: still a (batch, seqlen, kv_heads, dim) tensor, but
     a view of a (batch, kv_heads, dim, seqlen) buffer (rows padded to 16 bytes), written so by the
@@ -36,18 +36,17 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
     K-major); given it, `flash_attn_func` skips its V^T copy (key-relabelling Gluon kernels then
     relabel the keys on K: k_perm, where the key count is a multiple of 16).
     `v_rounding="balanced"` rounds V so that, per channel and block of 16 keys, the rounding errors
-    cancel (`kernels.quantize.balanced_codes`: a few codes a block go to their other e4m3 neighbour).
+    cancel (`kernels.balanced_v.balanced_codes`: a few codes a block go to their other e4m3 neighbour).
     P's rows average V's keys with a positive mean weight, which round to nearest leaves adding up:
     V's part of the error falls by about a third on Gaussian rows, most of it on flat rows
-    (docs/ACCURACY.md, session 44). The descales and the other tensors are unchanged and the attention
-    costs the same; V's pass costs more (0.471 ms against 0.347 for Q, K and V of 16K tokens x 32 heads
-    on the H100, 0.551 ms with kappa estimated, docs/PERF.md session 48), hence opt-in. A move is made
-    only where the squared error sum it removes outweighs kappa times the code's own squared error it
-    adds: rows that a few keys rule (peaky scores) need each key's own error small, flat rows only the
-    sums. `v_weight` sets kappa; by default it is estimated per (batch, kv head) from the spread of Q K^T
-    (`kernels.quantize.balance_weights`, at `softmax_scale`, default 1/sqrt(head_dim)): 1.7 on Gaussian
-    scores, so large on peaky ones that no code moves; 0 moves every code that shrinks a sum (session 44-47's
-    rounding).
+    (docs/results.md). The descales and the other tensors are unchanged and the attention costs the
+    same; V's pass costs more (0.471 ms against 0.347 for Q, K and V of 16K tokens x 32 heads on the
+    H100, 0.551 ms with kappa estimated: docs/results.md), hence opt-in. A move is made only where
+    the squared error sum it removes outweighs kappa times the code's own squared error it adds: rows
+    that a few keys rule (peaky scores) need each key's own error small, flat rows only the sums.
+    `v_weight` sets kappa; by default it is estimated per (batch, kv head) from the spread of Q K^T
+    (`kernels.balanced_v.balance_weights`, at `softmax_scale`, default 1/sqrt(head_dim)): 1.7 on
+    Gaussian scores, so large on peaky ones that no code moves; 0 moves every code that shrinks a sum.
     """
     if v_layout not in ("natural", "k_major"):
         raise ValueError(f"v_layout: expected 'natural' or 'k_major', got {v_layout!r}")
@@ -63,6 +62,9 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
         if t.numel() == 0:
             raise ValueError(f"{name}: expected a non-empty tensor (each (batch, kv head) needs a scale), "
                              f"got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"q/k/v: expected tensors on one device, got {q.device}, {k.device}, {v.device}")
     if not q.shape[0] == k.shape[0] == v.shape[0]:
