@@ -1,14 +1,25 @@
 """zyfa-tune: autotuned FP8/BF16 causal-prefill attention for NVIDIA Hopper.
 
-    from zyfa_tune import flash_attn_func, quantize_fp8
+    from zyfa_tune import attention              # bf16 / fp16 in: quantised and run on FP8 kernels
+    out = attention(q, k, v, causal=True)
+
+    from zyfa_tune import flash_attn_func, quantize_fp8   # FP8 in, FlashAttention-3's interface
 """
 
-from zyfa_tune.api import explain, flash_attn_func
-from zyfa_tune.generator import ConfigError, KernelConfig
-from zyfa_tune.kernels.dispatch import set_databases, set_error_budget
-from zyfa_tune.tuning.reference import attention_reference
-from zyfa_tune.quantize import dequantize_fp8, hadamard_matrix, quantize_fp8
+from importlib.metadata import PackageNotFoundError, version
 
-__version__ = "0.1.0"
-__all__ = ["flash_attn_func", "explain", "set_databases", "set_error_budget", "quantize_fp8", "dequantize_fp8",
-           "hadamard_matrix", "attention_reference", "KernelConfig", "ConfigError", "__version__"]
+from zyfa_tune.api import explain, flash_attn_func
+from zyfa_tune.attention import attention, explain_attention
+from zyfa_tune.generator import ConfigError, KernelConfig
+from zyfa_tune.generator.recipe import Recipe
+from zyfa_tune.kernels.dispatch import set_databases, set_error_budget
+from zyfa_tune.quantize import dequantize_fp8, hadamard_matrix, quantize_fp8
+from zyfa_tune.tuning.reference import attention_reference
+
+try:
+    __version__ = version("zyfa-tune")
+except PackageNotFoundError:  # run from a source tree that was not installed
+    __version__ = "0+unknown"
+__all__ = ["attention", "explain_attention", "flash_attn_func", "explain", "set_databases", "set_error_budget",
+           "quantize_fp8", "dequantize_fp8", "hadamard_matrix", "attention_reference", "KernelConfig",
+           "ConfigError", "Recipe", "__version__"]

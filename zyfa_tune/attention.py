@@ -56,12 +56,14 @@ class AttentionChoice:
 
 
 def explain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                      softmax_scale: float | None = None, *, error_budget: float = 1.0) -> AttentionChoice:
-    """The recipe and kernel `attention` would run for these arguments, and why (no launch)."""
+                      softmax_scale: float | None = None, *, error_budget: float = 1.0,
+                      gpu: str | None = None) -> AttentionChoice:
+    """The recipe and kernel `attention` would run for these arguments, and why (no launch; meta
+    tensors ask about a shape without a GPU, `gpu` naming the GPU as `zyfa_tune.explain` takes it)."""
     scale = _check(q, k, v, causal, softmax_scale, error_budget)
     recipe = recipe_for(q, k, v, causal, error_budget)
     codes = [torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device) for t in (q, k, v)]
-    return AttentionChoice(recipe, explain(*codes, softmax_scale=scale, causal=causal))
+    return AttentionChoice(recipe, explain(*codes, softmax_scale=scale, causal=causal, gpu=gpu))
 
 
 def recipe_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, error_budget: float) -> Recipe:
