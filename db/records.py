@@ -81,14 +81,19 @@ class BestEntry:
 class ImportReport:
     """Outcome of `Store.import_from`.
 
-    accepted: trial and best rows that passed validation (copied, or already present);
+    accepted: trial and best rows that passed validation (copied, or already present):
+              added + present + new + replaced + kept;
     rejected: (row description, reason) for every source row that failed validation, including
               environments/problems/variants rows and rows that reference a rejected row;
-    replaced / kept: best entries of the target replaced by a faster imported one / kept because
-              ours was faster or equal (entries new to the target count in neither).
+    added / present: trials copied / already in the target (not copied again);
+    new / replaced / kept: best entries new to the target / replacing a slower one of ours / not
+              taken because ours was faster or equal.
     """
 
     accepted: int = 0
     rejected: list[tuple[str, str]] = field(default_factory=list)
     replaced: int = 0
     kept: int = 0
+    added: int = 0
+    present: int = 0
+    new: int = 0
