@@ -56,9 +56,11 @@ class TrialResult:
 class BestEntry:
     """The fastest correct trial of one (fingerprint, problem class).
 
-    `config_json` is the stored text: callers must validate it with `KernelConfig.from_json`
-    (and check dtype/head dims against `key`) before use. batch/heads/seqlen are the shape the
-    winning trial measured and sm_clock_mhz its mean SM clock while timed (None if not recorded).
+    `config_json` is the stored text, already checked by the store (it parses with
+    `KernelConfig.from_json` and fits `key`'s dtype and head dims), as are the time (its trial is
+    "ok" with the same median, and the time is physically possible). batch/heads/seqlen are the
+    shape the winning trial measured and sm_clock_mhz its mean SM clock while timed (None if not
+    recorded).
     """
 
     fingerprint: Fingerprint
