@@ -1,8 +1,8 @@
 """Tuning database: trials and the best config per (GPU fingerprint, problem class).
 
 SQLite file by default (`default_db_path()`), any SQLAlchemy URL otherwise. Everything read from a
-database is data: configs come back as text for the caller to validate with
-`KernelConfig.from_json`, and `Store.import_from` validates every row before writing it.
+database is data, checked by one set of rules (validity.py) wherever rows enter (`record_trial`,
+`Store.import_from`) or are read (`best_entries`, which the dispatcher, `show` and `best` use).
 """
 
 from .errors import DatabaseCorruptError, DatabaseError

@@ -12,6 +12,12 @@ import numbers
 import re
 from typing import Any
 
+#: Terminal escape sequences (CSI, OSC, two-character ESC codes; 7-bit and C1 forms): removed whole,
+#: so that neither the sequence nor its parameters reach a terminal.
+_ESCAPES = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+                      r"|(?:\x1b\]|\x9d)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                      r"|\x1b[@-Z\\-_]")
+
 
 def strict_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
     """An integer (never bool, float or text) within [lo, hi], returned as a plain int
@@ -47,11 +53,24 @@ def optional_int(name: str, value: Any, *, lo: int | None = None, hi: int | None
     return None if value is None else strict_int(name, value, lo=lo, hi=hi)
 
 
+def clean_text(value: str) -> str:
+    """`value` without terminal escape sequences, every other non-printable character (C0 and C1
+    controls, newlines included, and Unicode separators) replaced by a space: stored free text is
+    printed by `show`, `best` and `import`, and must not move the cursor, recolour or clear a terminal."""
+    value = _ESCAPES.sub("", value)
+    if value.isprintable():
+        return value
+    return "".join(c if c.isprintable() else " " for c in value)
+
+
 def text(name: str, value: Any, *, max_len: int = 256, allow_empty: bool = True,
-         pattern: str | None = None) -> str:
-    """A printable one-line string (no control characters), at most `max_len` characters."""
+         pattern: str | None = None, clean: bool = False) -> str:
+    """A printable one-line string, at most `max_len` characters. Control characters are an error,
+    or, with `clean` (free text: messages, provenance), removed by `clean_text`."""
     if type(value) is not str:
         raise ValueError(f"{name}: expected str, got {type(value).__name__} {short_repr(value)}")
+    if clean:
+        value = clean_text(value)
     if len(value) > max_len:
         raise ValueError(f"{name}: {len(value)} characters, more than {max_len}")
     if not value and not allow_empty:

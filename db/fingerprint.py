@@ -3,6 +3,10 @@
 A tuned entry is trusted as-is only on the same `device_key()` (GPU model, compute capability,
 generator version): the other fields (driver, CUDA, torch, Triton) are recorded so that a slowdown
 after an upgrade can be traced, and they make each environment's `digest()` distinct.
+
+`runner` says what measured: "gpu", or a simulating runner (replay of stored numbers, fault
+injection) that ran no kernel on any GPU. A simulated fingerprint is named "<runner> (no GPU)", so
+its device key never equals a real GPU's and the dispatcher never serves its entries to one.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +22,10 @@ from .checks import strict_int, text
 
 #: Version strings: "2.13.0+cu130", "580.159.04", "3.6.0"; nothing else gets in.
 VERSION_PATTERN = r"[0-9A-Za-z][0-9A-Za-z.+_-]*"
+RUNNER_PATTERN = r"[a-z][a-z0-9_]{0,31}"
+GPU_RUNNER = "gpu"
+#: What ends the GPU name of a simulated fingerprint ("replay (no GPU)").
+SIMULATED_SUFFIX = " (no GPU)"
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,7 @@ class Fingerprint:
     torch: str
     triton: str
     generator_version: str
+    runner: str = GPU_RUNNER
 
     def __post_init__(self) -> None:
         text("gpu_name", self.gpu_name, max_len=128, allow_empty=False)
@@ -43,18 +53,42 @@ class Fingerprint:
             text(name, getattr(self, name), max_len=64, pattern=VERSION_PATTERN)
         text("generator_version", self.generator_version, max_len=64, allow_empty=False,
              pattern=VERSION_PATTERN)
+        object.__setattr__(self, "runner", _runner(self.gpu_name, self.runner))
+
+    @property
+    def simulated(self) -> bool:
+        """Measured by a runner that timed nothing on a GPU: never to be served to one."""
+        return self.runner != GPU_RUNNER
 
     def device_key(self) -> tuple[str, str, str]:
         """What must match for a tuned entry to be trusted as-is."""
         return (self.gpu_name, self.compute_capability, self.generator_version)
 
     def digest(self) -> str:
-        """Stable id of the whole fingerprint: first 16 hex digits of a sha256 of its fields."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """Stable id of the whole fingerprint: first 16 hex digits of a sha256 of its fields. The
+        runner is left out: the GPU name already implies it, and stored digests stay valid."""
+        fields = {k: v for k, v in self.to_dict().items() if k != "runner"}
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _runner(gpu_name: str, runner: object) -> str:
+    """The checked runner: the one a "<runner> (no GPU)" name implies (databases written before the
+    runner was recorded name it only there), else "gpu"; any other pairing is an error."""
+    runner = text("runner", runner, max_len=32, allow_empty=False, pattern=RUNNER_PATTERN)
+    if gpu_name.endswith(SIMULATED_SUFFIX):
+        implied = gpu_name[: -len(SIMULATED_SUFFIX)]
+        if runner == GPU_RUNNER and re.fullmatch(RUNNER_PATTERN, implied) and implied != GPU_RUNNER:
+            runner = implied
+        if runner != implied:
+            raise ValueError(f"runner: {runner!r} does not match the simulated GPU name {gpu_name!r}")
+    elif runner != GPU_RUNNER:
+        raise ValueError(f"runner: {runner!r} is simulated, so gpu_name must be "
+                         f"{runner + SIMULATED_SUFFIX!r}, not the name of a GPU ({gpu_name!r})")
+    return runner
 
 
 def current_fingerprint(device: int = 0) -> Fingerprint:

@@ -4,6 +4,8 @@ Each step `MIGRATIONS[v]` takes a version-v database to v+1 and only adds: data 
 The whole upgrade runs in one transaction (SQLite and PostgreSQL both have transactional DDL) under
 the write lock (SQLite: BEGIN IMMEDIATE; PostgreSQL: an advisory lock), re-reading the version
 inside it, so concurrent openers upgrade once. A newer version than SCHEMA_VERSION is refused.
+A read-only opener cannot upgrade; versions from READABLE_FROM on are read as they are (the store
+leaves out the columns they lack), so shipped and shared files keep working after an upgrade.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from typing import Callable
 
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
-from sqlalchemy import Column, Float, insert, inspect, select, text, update
+from sqlalchemy import Column, Float, String, insert, inspect, select, text, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
 from .errors import DatabaseError
+from .fingerprint import SIMULATED_SUFFIX
 from .models import META_TABLE, SCHEMA_VERSION, Base, MetaModel
 from .session import reading, run_transaction
 from .sqlite_file import parse_version
@@ -31,7 +34,18 @@ def _v1_to_v2(op: Operations) -> None:
     op.add_column("trials", Column("tflop_per_j", Float(precision=53), nullable=True))
 
 
-MIGRATIONS: dict[int, Callable[[Operations], None]] = {1: _v1_to_v2}
+def _v2_to_v3(op: Operations) -> None:
+    """Version 3 records what measured (environments.runner): "gpu", or the simulating runner,
+    which earlier versions named only in the GPU name ("replay (no GPU)")."""
+    op.add_column("environments", Column("runner", String(32), nullable=False, server_default="gpu"))
+    cut = len(SIMULATED_SUFFIX)
+    op.execute(text("UPDATE environments SET runner = substr(gpu_name, 1, length(gpu_name) - :cut) "
+                    "WHERE gpu_name LIKE :pattern").bindparams(cut=cut, pattern="%" + SIMULATED_SUFFIX))
+
+
+MIGRATIONS: dict[int, Callable[[Operations], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
+#: The oldest version a read-only store reads as is.
+READABLE_FROM = 2
 
 
 def read_version(conn: Connection, where: str) -> int | None:
@@ -49,7 +63,8 @@ def ensure_schema(engine: Engine, *, where: str, readonly: bool, create: bool = 
     version = run_transaction(reading(engine), lambda s: read_version(s.connection(), where),
                               where=where)
     refuse_newer(version, where)
-    if version == SCHEMA_VERSION or (readonly and allow_old and version is not None):
+    if version == SCHEMA_VERSION or (readonly and version is not None
+                                     and (allow_old or version >= READABLE_FROM)):
         return version
     if version is None and (readonly or not create):
         raise DatabaseError(f"{where}: holds no zyfa-tune database"

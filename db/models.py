@@ -1,9 +1,10 @@
-"""SQLAlchemy tables of the tuning database (schema version 2).
+"""SQLAlchemy tables of the tuning database (schema version 3).
 
 environments, problems and variants are deduplicated by unique constraints, so concurrent writers
 converge on one row each; trials are append-only; best holds one row per (environment, problem):
-the fastest "ok" trial. Version 1 differs only in trials lacking energy_j and tflop_per_j (see
-migrations.py). Text columns are data only: nothing here is ever evaluated.
+the fastest "ok" trial. Older versions lack columns (see migrations.py): version 1 trials'
+energy_j and tflop_per_j, version 2 environments' runner. Text columns are data only: nothing
+here is ever evaluated.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from .records import TRIAL_STATUSES
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 META_TABLE = "zyfa_meta"
 #: float columns are IEEE doubles on every backend, so timings round-trip exactly.
 _Double = Float(precision=53)
@@ -48,6 +49,7 @@ class EnvironmentModel(Base):
     torch: Mapped[str] = mapped_column(String(64))
     triton: Mapped[str] = mapped_column(String(64))
     generator_version: Mapped[str] = mapped_column(String(64))
+    runner: Mapped[str] = mapped_column(String(32), server_default="gpu")   # new in version 3
 
 
 class ProblemModel(Base):

@@ -56,9 +56,11 @@ class TrialResult:
 class BestEntry:
     """The fastest correct trial of one (fingerprint, problem class).
 
-    `config_json` is the stored text: callers must validate it with `KernelConfig.from_json`
-    (and check dtype/head dims against `key`) before use. batch/heads/seqlen are the shape the
-    winning trial measured and sm_clock_mhz its mean SM clock while timed (None if not recorded).
+    `config_json` is the stored text, already checked by the store (it parses with
+    `KernelConfig.from_json` and fits `key`'s dtype and head dims), as are the time (its trial is
+    "ok" with the same median, and the time is physically possible). batch/heads/seqlen are the
+    shape the winning trial measured and sm_clock_mhz its mean SM clock while timed (None if not
+    recorded).
     """
 
     fingerprint: Fingerprint
@@ -81,14 +83,19 @@ class BestEntry:
 class ImportReport:
     """Outcome of `Store.import_from`.
 
-    accepted: trial and best rows that passed validation (copied, or already present);
+    accepted: trial and best rows that passed validation (copied, or already present):
+              added + present + new + replaced + kept;
     rejected: (row description, reason) for every source row that failed validation, including
               environments/problems/variants rows and rows that reference a rejected row;
-    replaced / kept: best entries of the target replaced by a faster imported one / kept because
-              ours was faster or equal (entries new to the target count in neither).
+    added / present: trials copied / already in the target (not copied again);
+    new / replaced / kept: best entries new to the target / replacing a slower one of ours / not
+              taken because ours was faster or equal.
     """
 
     accepted: int = 0
     rejected: list[tuple[str, str]] = field(default_factory=list)
     replaced: int = 0
     kept: int = 0
+    added: int = 0
+    present: int = 0
+    new: int = 0

@@ -19,14 +19,13 @@ from sqlalchemy.types import NullType
 
 from zyfa_tune.generator import ConfigError, KernelConfig
 
+from .checks import clean_text
 from .fingerprint import Fingerprint
 from .keys import ProblemKey
 from .models import BestModel, EnvironmentModel, ProblemModel, VariantModel
 
 FINGERPRINT_FIELDS = tuple(f.name for f in fields(Fingerprint))
 KEY_FIELDS = tuple(f.name for f in fields(ProblemKey))
-BACKEND_PATTERN = r"[a-z][a-z0-9_]{0,31}"
-SOURCE_HASH_PATTERN = r"[0-9a-f]{8,64}"
 #: Longest stored trial message (compiler logs can be huge; the tail holds the error).
 MAX_MESSAGE_CHARS = 16_384
 MAX_PROVENANCE_CHARS = 1024
@@ -74,7 +73,8 @@ def aware(value: datetime) -> datetime:
 
 
 def fingerprint_from(row: Mapping[str, Any]) -> Fingerprint:
-    return Fingerprint(**{name: row[name] for name in FINGERPRINT_FIELDS})
+    """A row of a version-2 database has no runner column: the GPU name then says it."""
+    return Fingerprint(**{name: row[name] for name in FINGERPRINT_FIELDS if name in row})
 
 
 def key_from(row: Mapping[str, Any]) -> ProblemKey:
@@ -83,30 +83,15 @@ def key_from(row: Mapping[str, Any]) -> ProblemKey:
     return ProblemKey(**values)
 
 
-def config_for_key(config_json: Any, key: ProblemKey) -> KernelConfig:
-    """Parse stored config text and check it is built for this problem's dtype and head dims."""
-    if type(config_json) is not str:
-        raise ValueError(f"config_json: expected str, got {type(config_json).__name__}")
-    config = KernelConfig.from_json(config_json)  # ConfigError (a ValueError) on anything odd
-    check_config_matches(config, key)
-    return config
-
-
-def check_config_matches(config: KernelConfig, key: ProblemKey) -> None:
-    got = (config.dtype, config.head_dim_qk, config.head_dim_v)
-    want = (key.dtype, key.head_dim_qk, key.head_dim_v)
-    if got != want:
-        raise ValueError(f"config is for {got[0]} {got[1]}/{got[2]} but the problem is "
-                         f"{want[0]} {want[1]}/{want[2]}")
-
-
 def clip_message(message: str) -> str:
+    """A trial message as stored: control characters out, at most MAX_MESSAGE_CHARS (the tail)."""
+    message = clean_text(message)
     return message if len(message) <= MAX_MESSAGE_CHARS else "..." + message[-MAX_MESSAGE_CHARS:]
 
 
 def join_provenance(*parts: str | None) -> str:
-    text = "; ".join(p for p in parts if p)
-    return text if len(text) <= MAX_PROVENANCE_CHARS else text[: MAX_PROVENANCE_CHARS - 3] + "..."
+    joined = clean_text("; ".join(p for p in parts if p))
+    return joined if len(joined) <= MAX_PROVENANCE_CHARS else joined[: MAX_PROVENANCE_CHARS - 3] + "..."
 
 
 # ---- get-or-create (unique constraints make these converge under concurrency) ------------------

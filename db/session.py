@@ -34,6 +34,11 @@ MAX_INTEGRITY_RETRIES = 8
 #: PostgreSQL SQLSTATEs worth retrying: serialization failure, deadlock, lock not available.
 _PG_RETRY_STATES = {"40001", "40P01", "55P03"}
 
+#: Python modules of the PostgreSQL drivers SQLAlchemy may ask for, and what provides ours.
+POSTGRES_DRIVERS = {"psycopg", "psycopg2", "pg8000", "asyncpg"}
+POSTGRES_HINT = ('the PostgreSQL driver is not installed: pip install "zyfa-tune[postgres]" '
+                 '(psycopg 3; name it in the URL: postgresql+psycopg://...)')
+
 T = TypeVar("T")
 
 
@@ -102,12 +107,24 @@ def make_engine(target: Target, *, readonly: bool, wal: bool = True) -> Engine:
     try:
         engine = create_engine(url)
     except (ArgumentError, ImportError) as exc:  # unknown dialect, driver not installed
-        raise DatabaseError(f"{target.display}: cannot create an engine: {exc}") from exc
+        raise DatabaseError(f"{target.display}: cannot create an engine: {exc}{driver_hint(exc)}") from exc
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine, readonly=readonly, wal=wal)
     elif engine.dialect.name == "postgresql" and readonly:
         engine = engine.execution_options(postgresql_readonly=True)
     return engine
+
+
+def driver_hint(exc: BaseException) -> str:
+    """"; <what to install>" when `exc` (or what caused it) is a missing PostgreSQL driver, else ""."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        name = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+        if name and name.split(".")[0] in POSTGRES_DRIVERS:
+            return f"; {POSTGRES_HINT}"
+        exc = exc.__cause__ or exc.__context__
+    return ""
 
 
 def _configure_sqlite(engine: Engine, *, readonly: bool, wal: bool) -> None:

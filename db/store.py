@@ -1,8 +1,8 @@
 """`Store`: record tuning trials, keep the best per (fingerprint, problem class), read them back.
 
 Writes are one short transaction each (see session.py for locking and retries). Reads validate
-every row into frozen records; a damaged row is skipped with a RuntimeWarning rather than breaking
-the caller. Config text is returned as stored: callers validate it with `KernelConfig.from_json`.
+every row into frozen records with the checks import applies (validity.py); a damaged or
+implausible row is skipped with a RuntimeWarning rather than breaking the caller.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from zyfa_tune.generator import KernelConfig
 
-from . import rows, transfer
+from . import rows, transfer, validity
 from .checks import finite_float, optional_float, optional_int, optional_text, text
 from .errors import DatabaseError
 from .fingerprint import Fingerprint
@@ -29,7 +29,7 @@ from .keys import ProblemKey
 from .migrations import ensure_schema, refuse_newer
 from .models import SCHEMA_VERSION, BestModel, EnvironmentModel, ProblemModel, TrialModel, VariantModel
 from .records import TRIAL_FLOATS, TRIAL_SHAPE, TRIAL_STATUSES, BestEntry, ImportReport, TrialResult
-from .session import Target, make_engine, reading, resolve_target, run_transaction
+from .session import Target, default_db_path, make_engine, reading, resolve_target, run_transaction
 from .sqlite_file import backup, inspect_file
 
 E, P, V, T, B = EnvironmentModel, ProblemModel, VariantModel, TrialModel, BestModel
@@ -38,10 +38,13 @@ E, P, V, T, B = EnvironmentModel, ProblemModel, VariantModel, TrialModel, BestMo
 class Store:
     """A tuning database. Use `open_store()` to get one; close it (or use `with`)."""
 
-    def __init__(self, engine: Engine, target: Target, *, readonly: bool):
+    def __init__(self, engine: Engine, target: Target, *, readonly: bool, version: int = SCHEMA_VERSION,
+                 allow_simulated: bool = True):
         self._engine = engine
         self._target = target
         self.readonly = readonly
+        self.version = version     # older than SCHEMA_VERSION only when read-only (see migrations.py)
+        self.allow_simulated = allow_simulated
         self.url: str = target.url_text  # password masked
         self._closed = False
 
@@ -67,24 +70,26 @@ class Store:
         """Store one trial (and its environment/problem/variant rows if new); if it is "ok" and
         faster than the current best of (fingerprint, key), it becomes the best. One transaction.
         Returns the trial's id. The variant's backend column is the config's backend (`backend`,
-        if given, must agree)."""
+        if given, must agree). A physically impossible timing is a ValueError; a simulated
+        fingerprint is refused unless the store allows simulated rows (see `open_store`). Control
+        characters of the message and provenance are dropped (checks.clean_text)."""
         _expect("fingerprint", fingerprint, Fingerprint)
         _expect("key", key, ProblemKey)
         _expect("config", config, KernelConfig)
         _expect("result", result, TrialResult)
-        rows.check_config_matches(config, key)
-        if backend is None:
-            backend = config.backend
-        text("backend", backend, max_len=32, allow_empty=False, pattern=rows.BACKEND_PATTERN)
-        if backend != config.backend:
+        validity.check_config_matches(config, key)
+        validity.check_kernel_ids(config.backend if backend is None else backend, source_hash)
+        if backend is not None and backend != config.backend:
             raise ValueError(f"backend: {backend!r} differs from the config's backend {config.backend!r}")
-        text("source_hash", source_hash, max_len=64, allow_empty=False, pattern=rows.SOURCE_HASH_PATTERN)
+        backend = config.backend
+        validity.check_timing(key, result.median_ms, result.tflops)
         optional_text("study", study)
+        self._check_simulated(fingerprint)
         now = rows.utc_now()
         if provenance is None:
             provenance = (f"study={study or '-'} host={socket.gethostname()} "
                           f"{now.isoformat(timespec='seconds')}Z")
-        text("provenance", provenance, max_len=rows.MAX_PROVENANCE_CHARS)
+        provenance = text("provenance", provenance, max_len=rows.MAX_PROVENANCE_CHARS, clean=True)
 
         def work(session: Session) -> int:
             env = rows.environment_id(session, fingerprint)
@@ -127,7 +132,7 @@ class Store:
         every kernel that passed the study's gate, not only the overall fastest (a multi-objective
         study keeps the whole front). Rows as `best_entries` (provenance and time of the trial)."""
         max_error = finite_float("max_error", max_error, positive=True)
-        cols = _entry_columns(T, T.created_at) + [rows.raw(T.environment_id, "env_id"),
+        cols = _entry_columns(T, T.created_at, self.version) + [rows.raw(T.environment_id, "env_id"),
                                                   rows.raw(T.problem_id, "problem_id")]
         stmt = (select(*cols).join_from(T, E, T.environment_id == E.id).join(P, T.problem_id == P.id)
                 .join(V, T.variant_id == V.id)
@@ -206,7 +211,8 @@ class Store:
         """Merge another database into this one, validating every row first (see transfer.py):
         bad rows are rejected with a reason and nothing from them is written; trials are copied
         (duplicates skipped); per (fingerprint, problem) the faster best entry is kept, with
-        provenance "imported from <source>; <original provenance>"."""
+        provenance "imported from <source>; <original provenance>". Simulated rows are rejected
+        unless this store allows them (see `open_store`)."""
         if mode != "merge":
             raise ValueError(f"mode: {mode!r} is not supported (only 'merge')")
         self._check_writable("import_from")
@@ -217,6 +223,9 @@ class Store:
             name = "".join(c if c.isprintable() else "?" for c in name)
             report = ImportReport()
             rows_in = src._read("import_from", transfer.read_source)
+            if not self.allow_simulated:
+                transfer.drop_simulated(rows_in, f"kept out of {self._target.display} "
+                                                 "(open it with allow_simulated=True to take them)")
             transfer.write_rows(self._engine, f"{self._target.display}: import_from", rows_in, report,
                                 provenance_prefix=f"imported from {name}")
             return report
@@ -225,6 +234,12 @@ class Store:
                 src.close()
 
     # ---- internals ----------------------------------------------------------------------------
+    def _check_simulated(self, fingerprint: Fingerprint) -> None:
+        if fingerprint.simulated and not self.allow_simulated:
+            raise DatabaseError(
+                f"{self._target.display}: refusing a simulated ({fingerprint.runner}) result: the default "
+                f"database feeds the dispatcher; record elsewhere, or open it with allow_simulated=True")
+
     def _check_writable(self, op: str) -> None:
         if self._closed:
             raise DatabaseError(f"{self._target.display}: {op} on a closed store")
@@ -241,7 +256,7 @@ class Store:
         return run_transaction(reading(self._engine), work, where=f"{self._target.display}: {op}")
 
     def _best(self, where: list, order: tuple) -> list[BestEntry]:
-        stmt = (select(*_entry_columns(B, B.updated_at)).join_from(B, E, B.environment_id == E.id)
+        stmt = (select(*_entry_columns(B, B.updated_at, self.version)).join_from(B, E, B.environment_id == E.id)
                 .join(P, B.problem_id == P.id).join(V, B.variant_id == V.id).outerjoin(T, B.trial_id == T.id)
                 .where(*where).order_by(*order, B.median_ms))
         return [entry for _, entry in self._entries(stmt, "best entries")]
@@ -259,31 +274,33 @@ class Store:
         return out
 
 
-def _entry_columns(timed, stamp) -> list:
-    """The columns of a BestEntry row: fingerprint, problem key, variant, the time, error and
-    provenance of `timed` (the best table, or a trial) with `stamp` as its time, the trial's shape
-    and SM clock."""
-    return ([rows.raw(getattr(E, n)) for n in rows.FINGERPRINT_FIELDS]
+def _entry_columns(timed, stamp, version: int) -> list:
+    """The columns of a BestEntry row: fingerprint (without the runner before version 3), problem
+    key, variant, the time, error and provenance of `timed` (the best table, or a trial) with `stamp`
+    as its time, the trial's shape, SM clock, status and time."""
+    fingerprint = [n for n in rows.FINGERPRINT_FIELDS if n != "runner" or version >= 3]
+    return ([rows.raw(getattr(E, n)) for n in fingerprint]
             + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS]
             + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash)]
             + [rows.raw(getattr(timed, n)) for n in ("median_ms", "tflops", "error_rel_l2", "provenance")]
             + [rows.raw(stamp, "updated_at")]
-            + [rows.raw(getattr(T, n)) for n in TRIAL_SHAPE] + [rows.raw(T.sm_clock_mhz)])
+            + [rows.raw(getattr(T, n)) for n in TRIAL_SHAPE] + [rows.raw(T.sm_clock_mhz)]
+            + [rows.raw(T.status, "trial_status"), rows.raw(T.median_ms, "trial_median_ms")])
 
 
 def _best_entry(r: dict[str, Any]) -> BestEntry:
-    """A validated BestEntry from one raw row (config_json stays unparsed text, but must be text)."""
-    if type(r["config_json"]) is not str:
-        raise ValueError("config_json: not text")
+    """A BestEntry from one raw row, checked as import checks it (validity.py): the config parses
+    and fits the key, the trial is "ok" with the same time, and the time is possible."""
+    key = rows.key_from(r)
+    backend, source_hash = validity.check_kernel_ids(r["backend"], r["source_hash"])
+    validity.check_config_matches(validity.variant_config(backend, r["config_json"]), key)
+    median_ms, tflops = validity.check_best(key, median_ms=r["median_ms"], tflops=r["tflops"],
+                                            trial_status=r["trial_status"], trial_median_ms=r["trial_median_ms"])
     return BestEntry(
-        fingerprint=rows.fingerprint_from(r), key=rows.key_from(r),
-        backend=text("backend", r["backend"], max_len=32, pattern=rows.BACKEND_PATTERN),
-        config_json=r["config_json"],
-        source_hash=text("source_hash", r["source_hash"], max_len=64, pattern=rows.SOURCE_HASH_PATTERN),
-        median_ms=finite_float("median_ms", r["median_ms"], positive=True),
-        tflops=optional_float("tflops", r["tflops"]),
+        fingerprint=rows.fingerprint_from(r), key=key, backend=backend, config_json=r["config_json"],
+        source_hash=source_hash, median_ms=median_ms, tflops=tflops,
         error_rel_l2=optional_float("error_rel_l2", r["error_rel_l2"]),
-        provenance=text("provenance", r["provenance"] or "", max_len=rows.MAX_PROVENANCE_CHARS),
+        provenance=text("provenance", r["provenance"] or "", max_len=rows.MAX_PROVENANCE_CHARS, clean=True),
         updated_at=rows.aware(rows.as_utc("updated_at", r["updated_at"])),
         sm_clock_mhz=_clock_or_none(r["sm_clock_mhz"]),
         **{n: _shape_or_none(r[n]) for n in TRIAL_SHAPE})
@@ -332,22 +349,30 @@ def _publish(tmp: Path, dest: Path) -> None:
 
 
 def open_store(target: str | os.PathLike | None = None, *, readonly: bool = False,
-               create: bool = True) -> Store:
+               create: bool = True, allow_simulated: bool = False) -> Store:
     """Open (and if needed create or upgrade) a tuning database.
 
     target: None -> default_db_path(); a filesystem path -> that SQLite file; a string containing
     "://" -> an SQLAlchemy URL as is (e.g. postgresql+psycopg://user:pw@host/db).
-    readonly: never writes (SQLite: opened with mode=ro); an older schema is then an error.
+    readonly: never writes (SQLite: opened with mode=ro); a schema older than
+    migrations.READABLE_FROM is then an error, a newer old one is read as it is.
     create: create a missing (or 0-byte) database; otherwise that is a DatabaseError.
+    allow_simulated: let results of a simulating runner (`Fingerprint.simulated`: replay, fault
+    injection; no kernel timed on a GPU) into the default database (default_db_path(), which the
+    dispatcher reads): `record_trial` refuses them there otherwise (DatabaseError) and `import_from`
+    rejects them. A tuner running such a runner passes True only when asked to. Other databases
+    always take them (the dispatcher never serves them to a GPU).
     """
     resolved = resolve_target(target)
     if target is None and create and not readonly:
         resolved.path.parent.mkdir(parents=True, exist_ok=True)
-    return _open(resolved, readonly=readonly, create=create)
+    default = resolve_target(default_db_path())
+    is_default = resolved.path is not None and resolved.path == default.path
+    return _open(resolved, readonly=readonly, create=create, allow_simulated=allow_simulated or not is_default)
 
 
 def _open(target: Target, *, readonly: bool, create: bool, wal: bool = True,
-          allow_old: bool = False) -> Store:
+          allow_old: bool = False, allow_simulated: bool = True) -> Store:
     if target.path is not None:
         # decide on the untouched file first: opening it through the engine switches it to WAL
         state = inspect_file(target.path)
@@ -359,8 +384,9 @@ def _open(target: Target, *, readonly: bool, create: bool, wal: bool = True,
             backup(target.path, state.version)
     engine = make_engine(target, readonly=readonly, wal=wal)
     try:
-        ensure_schema(engine, where=target.display, readonly=readonly, create=create, allow_old=allow_old)
+        version = ensure_schema(engine, where=target.display, readonly=readonly, create=create,
+                                allow_old=allow_old)
     except BaseException:
         engine.dispose()
         raise
-    return Store(engine, target, readonly=readonly)
+    return Store(engine, target, readonly=readonly, version=version, allow_simulated=allow_simulated)

@@ -3,8 +3,10 @@
 A database file is untrusted input (it may come from another machine or be crafted): each
 environments/problems/variants/trials/best row is rebuilt into validated records — fingerprint
 fields typed and sane, problem keys valid, `config_json` accepted by `KernelConfig.from_json` and
-built for the problem's dtype/head dims, statuses known, numbers finite and non-negative — and a
-row that fails (or references one that failed) is reported with its reason and not written.
+built for the problem's dtype/head dims, statuses known, numbers finite, non-negative and
+physically possible, best rows agreeing with an "ok" trial (validity.py, the checks the store's
+reads apply too) — and a row that fails (or references one that failed) is reported with its
+reason and not written.
 What is written is rebuilt from the validated records (configs re-serialised canonically), never
 copied as raw text.
 """
@@ -22,8 +24,8 @@ from sqlalchemy.orm import Session
 
 from zyfa_tune.generator import KernelConfig
 
-from . import rows
-from .checks import finite_float, optional_text, short_repr, text
+from . import rows, validity
+from .checks import optional_text, short_repr, text
 from .fingerprint import VERSION_PATTERN, Fingerprint
 from .keys import ProblemKey
 from .models import BestModel, EnvironmentModel, ProblemModel, TrialModel, VariantModel
@@ -101,6 +103,17 @@ def read_source(session: Session, *, gpu_name: str | None = None,
     return out
 
 
+def drop_simulated(source: SourceRows, why: str) -> None:
+    """Move the rows measured by a simulating runner (`Fingerprint.simulated`) to the rejected."""
+    def simulated(t: _Trial, desc: str) -> bool:
+        if t.fingerprint.simulated:
+            source.rejected.append((desc, f"simulated ({t.fingerprint.runner}): {why}"))
+        return t.fingerprint.simulated
+
+    source.trials = [t for t in source.trials if not simulated(t, f"trials row id={short_repr(t.src_id)}")]
+    source.best = [b for b in source.best if not simulated(b.trial, f"best row of trial id={short_repr(b.trial.src_id)}")]
+
+
 def _read_table(session: Session, table: str) -> list[dict[str, Any]]:
     """All rows of `table`, raw, with only the columns the source has (version 1 lacks some)."""
     model = {m.__tablename__: m for m in (EnvironmentModel, ProblemModel, VariantModel, TrialModel,
@@ -119,17 +132,11 @@ def _environment(r: dict[str, Any]) -> Fingerprint:
 
 
 def _variant(r: dict[str, Any]) -> _Variant:
-    if type(r["config_json"]) is not str:
-        raise ValueError(f"config_json: expected str, got {type(r['config_json']).__name__}")
-    backend = text("backend", r["backend"], max_len=32, allow_empty=False, pattern=rows.BACKEND_PATTERN)
-    config = KernelConfig.from_json(r["config_json"])
-    if backend != config.backend:
-        raise ValueError(f"backend: {backend!r} differs from the config's backend {config.backend!r}")
+    backend, source_hash = validity.check_kernel_ids(r["backend"], r["source_hash"])
     return _Variant(
         backend=backend,
-        config=config,
-        source_hash=text("source_hash", r["source_hash"], max_len=64, allow_empty=False,
-                         pattern=rows.SOURCE_HASH_PATTERN),
+        config=validity.variant_config(backend, r["config_json"]),
+        source_hash=source_hash,
         generator_version=text("generator_version", r["generator_version"], max_len=64, allow_empty=False,
                                pattern=VERSION_PATTERN))
 
@@ -144,14 +151,16 @@ def _trial(r: dict[str, Any], *, envs, problems, variants) -> _Trial:
     fp = _ref("environment_id", envs, r["environment_id"])
     key = _ref("problem_id", problems, r["problem_id"])
     variant = _ref("variant_id", variants, r["variant_id"])
-    rows.check_config_matches(variant.config, key)
+    validity.check_config_matches(variant.config, key)
     message = "" if r.get("message") is None else r["message"]
     result = TrialResult(status=r["status"], message=message,
                          **{n: r.get(n) for n in TRIAL_FLOATS + TRIAL_SHAPE})
+    validity.check_timing(key, result.median_ms, result.tflops)
     return _Trial(src_id=r["id"], refs=(r["environment_id"], r["problem_id"], r["variant_id"]),
                   fingerprint=fp, key=key, variant=variant, result=result,
                   study=optional_text("study", r.get("study")),
-                  provenance=text("provenance", r.get("provenance") or "", max_len=rows.MAX_PROVENANCE_CHARS),
+                  provenance=text("provenance", r.get("provenance") or "", max_len=rows.MAX_PROVENANCE_CHARS,
+                                  clean=True),
                   created_at=rows.as_utc("created_at", r.get("created_at")))
 
 
@@ -159,11 +168,10 @@ def _best(r: dict[str, Any], *, trials) -> _Best:
     trial = _ref("trial_id", trials, r["trial_id"])
     if (r["environment_id"], r["problem_id"], r["variant_id"]) != trial.refs:
         raise ValueError("environment/problem/variant differ from its trial's")
-    median = finite_float("median_ms", r["median_ms"], positive=True)
-    if trial.result.status != "ok" or median != trial.result.median_ms:
-        raise ValueError("does not match its trial (not 'ok', or another median_ms)")
+    validity.check_best(trial.key, median_ms=r["median_ms"], tflops=r.get("tflops"),
+                        trial_status=trial.result.status, trial_median_ms=trial.result.median_ms)
     return _Best(trial=trial, provenance=text("provenance", r.get("provenance") or "",
-                                              max_len=rows.MAX_PROVENANCE_CHARS))
+                                              max_len=rows.MAX_PROVENANCE_CHARS, clean=True))
 
 
 def _row_id(table: str, r: dict[str, Any]) -> Any:
@@ -196,6 +204,8 @@ def write_rows(engine: Engine, where: str, source: SourceRows, report: ImportRep
         ids.update(mapped)
         report.rejected.extend(conflicts)
         report.accepted += len(mapped)
+        report.added += n
+        report.present += len(mapped) - n
         written += n
     changed = 0
     now = rows.utc_now()
@@ -207,6 +217,7 @@ def write_rows(engine: Engine, where: str, source: SourceRows, report: ImportRep
                 report.rejected.append((desc, "its trial was rejected"))
                 continue
             report.accepted += 1
+            report.new += outcome == "new"
             report.replaced += outcome == "replaced"
             report.kept += outcome == "kept"
             changed += outcome != "kept"

@@ -9,8 +9,12 @@ Lookup order for a problem key (dtype, head dims, causal, GQA group, seqlen and 
                      the same compute capability, with a warning (they compile here, but were timed
                      elsewhere);
   4. "default":      the safe default config of the head dims.
-It never raises for a valid input. Database rows are validated by `KernelConfig.from_json`; a row
-that fails is skipped with a warning and never reaches the generator.
+It never raises for a valid input. Rows are read through `Store.best_entries`, which applies the
+checks import applies (zyfa_tune.db.validity: the config parses and fits its key, the winning trial
+is "ok" with the same time, the time is physically possible); a row that fails is skipped with a
+warning and never reaches the generator. Entries of a simulating runner (replay, fault injection:
+`Fingerprint.simulated`) are served only to that simulated device itself, never to a GPU, not even
+through the other-device rule.
 
 Layers, first wins: `set_databases(...)` or $ZYFA_TUNE_DATABASES (os.pathsep-separated), then the
 user's default database (zyfa_tune.db.default_db_path(), if it exists), then the databases shipped
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from zyfa_tune.generator import GENERATOR_VERSION, ConfigError, KernelConfig
+from zyfa_tune.generator import GENERATOR_VERSION, KernelConfig
 
 from zyfa_tune.generator.defaults import fallback_config
 
@@ -68,6 +72,7 @@ class _Entry:
     tflops: float | None
     database: str
     provenance: str
+    simulated: bool
 
 
 class Dispatcher:
@@ -111,21 +116,11 @@ class Dispatcher:
             warnings.warn(f"zyfa_tune: skipping tuning database {path}: {exc}", RuntimeWarning, stacklevel=3)
             return []
         out = []
-        for row in rows:
-            try:
-                cfg = KernelConfig.from_json(row.config_json)
-            except ConfigError as exc:
-                warnings.warn(f"zyfa_tune: {path}: rejecting a stored config for {row.key}: {exc}",
-                              RuntimeWarning, stacklevel=3)
-                continue
-            k = row.key
-            if (cfg.dtype, cfg.head_dim_qk, cfg.head_dim_v) != (k.dtype, k.head_dim_qk, k.head_dim_v):
-                warnings.warn(f"zyfa_tune: {path}: config for {cfg.dtype} {cfg.head_dim_qk}/{cfg.head_dim_v} "
-                              f"stored under {k}; rejected", RuntimeWarning, stacklevel=3)
-                continue
-            out.append(_Entry(key=k, device_key=row.fingerprint.device_key(), config=cfg,
-                              median_ms=row.median_ms, tflops=row.tflops, database=path,
-                              provenance=row.provenance))
+        for row in rows:  # validated by the store: the config parses and fits the key
+            out.append(_Entry(key=row.key, device_key=row.fingerprint.device_key(),
+                              config=KernelConfig.from_json(row.config_json), median_ms=row.median_ms,
+                              tflops=row.tflops, database=path, provenance=row.provenance,
+                              simulated=row.fingerprint.simulated))
         log.debug("loaded %d tuned entries from %s", len(out), path)
         return out
 
@@ -146,7 +141,8 @@ class Dispatcher:
         return choice
 
     def _resolve(self, key, device_key) -> Choice:
-        layers = self._load()
+        # a simulated entry only for its own simulated device: a GPU's device key never equals it
+        layers = [[e for e in layer if not e.simulated or e.device_key == device_key] for layer in self._load()]
         found = _pick(key, [[e for e in layer if e.device_key == device_key] for layer in layers])
         foreign = found is None
         if foreign:  # same architecture, another GPU model or generator version

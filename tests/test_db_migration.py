@@ -63,7 +63,7 @@ def make_v1(path) -> None:
     with con:
         con.executescript(V1_SCHEMA)
         con.execute("INSERT INTO environments VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (fp.digest(), *fp.to_dict().values()))
+                    (fp.digest(), *[v for n, v in fp.to_dict().items() if n != "runner"]))
         con.execute("INSERT INTO problems VALUES (1, ?, ?, ?, ?, ?, ?, ?)", tuple(k.to_dict().values()))
         con.execute("INSERT INTO variants VALUES (1, 'triton', ?, ?, ?)",
                     (cfg.to_json(), fake_hash(cfg), fp.generator_version))
@@ -120,8 +120,8 @@ def test_v1_file_is_upgraded_in_place_with_a_backup(tmp_path):
                        TrialResult("ok", median_ms=1.0, energy_j=0.02, tflop_per_j=1.5),
                        source_hash=fake_hash(config(num_stages=3)))
         assert s.trials(limit=1)[0]["tflop_per_j"] == 1.5 and s.best_entries()[0].median_ms == 1.0
-    assert version_of(path) == str(SCHEMA_VERSION) == "2"
-    assert {"energy_j", "tflop_per_j"} <= columns(path)
+    assert version_of(path) == str(SCHEMA_VERSION) == "3"
+    assert {"energy_j", "tflop_per_j"} <= columns(path) and "runner" in columns(path, "environments")
     # the model and the upgraded file agree on every table's columns
     engine = create_engine(f"sqlite:///{path}")
     try:
@@ -172,6 +172,7 @@ def test_postgres_v1_is_upgraded(pg_url):
     try:
         with engine.begin() as conn:   # turn it into a version-1 database
             conn.exec_driver_sql("ALTER TABLE trials DROP COLUMN energy_j, DROP COLUMN tflop_per_j")
+            conn.exec_driver_sql("ALTER TABLE environments DROP COLUMN runner")
             conn.exec_driver_sql("UPDATE zyfa_meta SET value = '1' WHERE key = 'schema_version'")
         with pytest.raises(DatabaseError, match="writable"):
             open_store(pg_url, readonly=True)
@@ -179,6 +180,7 @@ def test_postgres_v1_is_upgraded(pg_url):
             assert s.count_trials() == 1 and s.best_entries()[0].median_ms == 1.0
             record(s, 0.5, energy_j=1.0)
         assert {"energy_j", "tflop_per_j"} <= {c["name"] for c in inspect(engine).get_columns("trials")}
+        assert "runner" in {c["name"] for c in inspect(engine).get_columns("environments")}
     finally:
         engine.dispose()
 
@@ -189,13 +191,13 @@ def test_newer_version_is_refused_untouched(target):
     if "://" in target:
         engine = create_engine(target)
         with engine.begin() as conn:
-            conn.exec_driver_sql("UPDATE zyfa_meta SET value = '3' WHERE key = 'schema_version'")
+            conn.exec_driver_sql(f"UPDATE zyfa_meta SET value = '{SCHEMA_VERSION + 1}' WHERE key = 'schema_version'")
         engine.dispose()
         before = None
     else:
         con = sqlite3.connect(target)
         with con:
-            con.execute("UPDATE zyfa_meta SET value = '3' WHERE key = 'schema_version'")
+            con.execute(f"UPDATE zyfa_meta SET value = '{SCHEMA_VERSION + 1}' WHERE key = 'schema_version'")
             con.execute("PRAGMA journal_mode = DELETE")
         con.close()
         before = sha256(target)

@@ -85,14 +85,14 @@ def test_import_keeps_the_faster_entry_per_key(target, tmp_path):
     with open_store(theirs) as s:
         record(s, 0.5, cfg=config(num_stages=4))                               # faster than ours
         record(s, 3.0, k=key(d=64), cfg=config(64, num_stages=4))              # slower than ours
-        record(s, 2.0, k=key(seqlen=65536), cfg=config(block_n=64))            # a key we lack
+        record(s, 20.0, k=key(seqlen=65536), cfg=config(block_n=64))           # a key we lack
         record(s, 2.0, fp=fingerprint(H100), cfg=config(num_stages=3))         # another GPU
         record(s, None, status="timeout", cfg=config(num_stages=5))
     with open_store(target) as s:
         record(s, 1.0, cfg=config(num_stages=2))
         record(s, 1.0, k=key(d=64), cfg=config(64, num_stages=2))
         report = s.import_from(theirs)
-        assert report == ImportReport(accepted=5 + 4, rejected=[], replaced=1, kept=1)
+        assert report == ImportReport(accepted=5 + 4, rejected=[], added=5, present=0, new=2, replaced=1, kept=1)
         best = {(b.fingerprint.gpu_name, b.key): b for b in s.best_entries()}
         assert len(best) == 4
         won = best[(H200, key())]
@@ -106,7 +106,8 @@ def test_import_keeps_the_faster_entry_per_key(target, tmp_path):
                    for t in s.trials() if t["median_ms"] != 1.0)
 
         again = s.import_from(theirs)   # nothing new: trials are not copied twice
-        assert (again.accepted, again.replaced, again.kept, again.rejected) == (9, 0, 4, [])
+        assert (again.accepted, again.added, again.present, again.new, again.replaced, again.kept, again.rejected) \
+            == (9, 0, 5, 0, 0, 4, [])
         assert s.count_trials() == 7
 
 
@@ -155,7 +156,7 @@ def craft(path) -> dict:
         good_ok = record(s, 0.5, cfg=good)
         good_wrong = record(s, 0.1, status="wrong", cfg=config(num_stages=3))
         good_64 = record(s, 0.7, k=key(d=64), cfg=config(64))
-        lie = record(s, 0.9, k=key(seqlen=65536), cfg=config(block_n=64))   # its best row will lie
+        lie = record(s, 9.0, k=key(seqlen=65536), cfg=config(block_n=64))   # its best row will lie
     con = sqlite3.connect(path)
     con.execute("PRAGMA ignore_check_constraints = ON")
     fp = fingerprint()
@@ -181,14 +182,14 @@ def craft(path) -> dict:
         con.execute("INSERT INTO variants VALUES (112, 'triton', ?, 'bbbbbbbbbbbbbbbb', '0.1.0')",
                     (config(64).to_json(),))     # valid, but for head dim 64
 
-        def trial(tid, *, env=1, prob=1, var=1, status="ok", median=0.01, **extra):
+        def trial(tid, *, env=1, prob=1, var=1, status="ok", median=1.0, **extra):
             cols = dict(dict(id=tid, environment_id=env, problem_id=prob, variant_id=var, status=status,
                              median_ms=median, message="", provenance="crafted",
                              created_at="2026-11-30 00:00:00.000000"), **extra)
             con.execute(f"INSERT INTO trials ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
                         tuple(cols.values()))
             con.execute("INSERT OR REPLACE INTO best (environment_id, problem_id, variant_id, trial_id, median_ms, "
-                        "provenance, updated_at) VALUES (?, ?, ?, ?, 0.01, 'crafted', '2026-11-30 00:00:00')",
+                        "provenance, updated_at) VALUES (?, ?, ?, ?, 1.0, 'crafted', '2026-11-30 00:00:00')",
                         (env, prob + 1000 * tid, var, tid))   # a best row of its own per crafted trial
 
         for vid in [*INJECTED_CONFIGS, 110, 111, 112]:

@@ -16,8 +16,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
-from rich.markup import escape
+from rich.text import Text
 
 from zyfa_tune.generator import ConfigError
 
@@ -26,11 +27,25 @@ from .common import console
 
 #: command groups, in the order `zyfa-tune --help` lists them
 GROUPS = (tune_cmd, kernel_cmds, db_cmds, bench_cmd)
+#: What a command may raise on bad input or an unusable database/storage: one line, no traceback.
+KNOWN_ERRORS = (ConfigError, ValueError, TypeError, RuntimeError, OSError, ImportError)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("zyfa-tune")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zyfa-tune", description="Autotuned FP8/BF16 attention for Hopper")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    # every command's --help shows each option's default
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=functools.partial(
+        argparse.ArgumentParser, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     for group in GROUPS:
         group.register(sub)
     args = ap.parse_args(argv)
@@ -38,6 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         args.trials = 40
     try:
         return args.fn(args)
-    except (ConfigError, ValueError, TypeError, RuntimeError) as exc:
-        console.print(f"[red]error:[/red] {escape(str(exc))}")  # messages may hold [brackets]
+    except Exception as exc:
+        from sqlalchemy.exc import SQLAlchemyError  # a study storage URL optuna could not use
+
+        from zyfa_tune.db.checks import clean_text
+        from zyfa_tune.db.session import driver_hint
+
+        if not isinstance(exc, KNOWN_ERRORS + (SQLAlchemyError,)):
+            raise
+        line = " ".join(clean_text(f"{exc}{driver_hint(exc)}").split()) or type(exc).__name__
+        console.print(Text.assemble(("error:", "red"), " ", line))  # printed as is: may hold [brackets]
         return 2

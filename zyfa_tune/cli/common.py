@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
+from rich.text import Text
 
 from zyfa_tune.generator import KernelConfig
 
@@ -13,15 +14,23 @@ console = Console()
 
 def add_config_options(p: argparse.ArgumentParser) -> None:
     """--dtype / --head-dim / --head-dim-v / --set: the config a kernel command builds."""
-    p.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--head-dim-v", type=int, default=None)
+    p.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8", help="element type of Q, K and V")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension of Q and K")
+    p.add_argument("--head-dim-v", type=int, default=None, help="head dimension of V (None: --head-dim)")
     p.add_argument("--set", action="append", metavar="KEY=VAL", help="override a config field")
 
 
 def add_storage_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", default=None,
                    help="database path or SQLAlchemy URL (default: $ZYFA_TUNE_DB or the user cache file)")
+
+
+def plain(value: object) -> Text:
+    """Text from a database or an exception, printed as it is: never read as rich markup (a GPU name
+    "[/]" would crash the table, "[link=...]" forge it), without control characters."""
+    from zyfa_tune.db.checks import clean_text
+
+    return Text(clean_text(str(value)))
 
 
 def config_from_args(args: argparse.Namespace) -> KernelConfig:
