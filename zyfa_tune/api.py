@@ -15,7 +15,7 @@ _DTYPES = {torch.float8_e4m3fn: "fp8", torch.bfloat16: "bf16"}
 _DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
-class _Problems:
+class ArgumentProblems:
     """Argument problems found so far, each (exception type, message naming the argument); raised
     together, as the first problem's type, so one call shows everything wrong with its arguments."""
 
@@ -35,14 +35,16 @@ def _on_cuda(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: tensor is on {t.device}; zyfa_tune kernels run on CUDA devices")
 
 
-def _tensor_ok(name: str, t: object, problems: _Problems) -> bool:
-    """Type, rank, dtype and head dim of q, k or v on its own."""
+def check_tensor(name: str, t: object, problems: ArgumentProblems, dtypes: tuple[torch.dtype, ...] = tuple(_DTYPES),
+               hint: str = "") -> bool:
+    """Type, rank, dtype (one of `dtypes`; `hint` says where others go) and head dim of q, k or v on its own."""
     if not isinstance(t, torch.Tensor):
         problems.add(TypeError, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     elif t.dim() != 4:
         problems.add(ValueError, f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
-    elif t.dtype not in _DTYPES:
-        problems.add(TypeError, f"{name}: dtype {t.dtype} is not supported; use torch.float8_e4m3fn or torch.bfloat16")
+    elif t.dtype not in dtypes:
+        problems.add(TypeError, f"{name}: dtype {t.dtype} is not supported; use "
+                                f"{' or '.join(map(str, dtypes))}{hint}")
     elif name != "k" and t.shape[3] not in HEAD_DIMS:  # (k's must equal q's)
         problems.add(ValueError, f"{name}: head_dim {t.shape[3]} is not supported; supported: {list(HEAD_DIMS)}")
     else:
@@ -50,7 +52,7 @@ def _tensor_ok(name: str, t: object, problems: _Problems) -> bool:
     return False
 
 
-def _check_related(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problems: _Problems) -> None:
+def check_related(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problems: ArgumentProblems) -> None:
     """k and v against q: dtype, device, batch, kv heads and head dims."""
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
@@ -70,7 +72,7 @@ def _check_related(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problems: 
 
 
 def _checked_descale(name: str, d: object, shape: tuple[int, int] | None, device: torch.device | None,
-                     problems: _Problems) -> torch.Tensor | None:
+                     problems: ArgumentProblems) -> torch.Tensor | None:
     """`d` as float32, or None after adding its problems; `shape` and `device` are q's where known."""
     if not isinstance(d, torch.Tensor):
         problems.add(TypeError, f"{name}: expected a torch.Tensor of shape (batch, kv_heads), got {type(d).__name__}")
@@ -88,7 +90,7 @@ def _checked_descale(name: str, d: object, shape: tuple[int, int] | None, device
     return d.to(torch.float32) if ok else None
 
 
-def _check_descale_values(named: list[tuple[str, torch.Tensor]], on_cuda: bool, problems: _Problems) -> None:
+def _check_descale_values(named: list[tuple[str, torch.Tensor]], on_cuda: bool, problems: ArgumentProblems) -> None:
     """Refuse NaN, inf, zero or negative descales (float32, as the kernels read them). Host tensors
     are read as they are; CUDA ones only with `on_cuda` (one device synchronisation for all of them)
     and never while a CUDA graph is being captured (no synchronisation is allowed there)."""
@@ -105,7 +107,7 @@ def _check_descale_values(named: list[tuple[str, torch.Tensor]], on_cuda: bool, 
                                      f"{d.numel()} are not (the first: {d[where].item()} at (batch, kv_head) = {where})")
 
 
-def _prepare_descales(q, k, given: tuple, tensors_ok: list[bool], cuda_values: bool, problems: _Problems) -> tuple:
+def _prepare_descales(q, k, given: tuple, tensors_ok: list[bool], cuda_values: bool, problems: ArgumentProblems) -> tuple:
     """The three descales as the kernels take them: all None, or contiguous float32 (batch, kv_heads)
     tensors with ones for those left out (three Nones where problems were found)."""
     if all(d is None for d in given):
@@ -139,11 +141,11 @@ def _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, co
     naming its argument, and the device last (a CPU user sees what else is wrong first). `cuda`:
     the tensors must be on a CUDA device (explain takes meta tensors); `cuda_values`: read CUDA
     descales to check their values (a device synchronisation; host descales are always read)."""
-    problems = _Problems()
-    tensors_ok = [_tensor_ok(name, t, problems) for name, t in (("q", q), ("k", k), ("v", v))]
+    problems = ArgumentProblems()
+    tensors_ok = [check_tensor(name, t, problems) for name, t in (("q", q), ("k", k), ("v", v))]
     related = all(tensors_ok)
     if related:
-        _check_related(q, k, v, problems)
+        check_related(q, k, v, problems)
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
                                       or not math.isfinite(softmax_scale) or softmax_scale <= 0):
         problems.add(ValueError, f"softmax_scale: expected a positive finite number, got {softmax_scale!r}")

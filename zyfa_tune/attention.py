@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import torch
 
-from zyfa_tune.generator import HEAD_DIMS
 from zyfa_tune.generator.recipe import PLAIN, Recipe
 from zyfa_tune.kernels import dispatch
 
-from .api import explain, flash_attn_func
+from .api import ArgumentProblems, check_related, check_tensor, explain, flash_attn_func
 from .quantize import quantize_fp8
 
 #: input dtypes of `attention` (FP8 codes go to `flash_attn_func`, which takes their descales)
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
+_FP8_HINT = "; FP8 codes with their descales go to zyfa_tune.flash_attn_func"
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -89,45 +89,23 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_s
 
 
 def _check(q, k, v, causal, softmax_scale, error_budget) -> float:
-    """Every argument checked before the device is (so a CPU user sees all that is wrong); errors
-    name the argument. Returns the softmax scale."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
-        if t.dtype not in INPUT_DTYPES:
-            hint = "; FP8 codes with their descales go to zyfa_tune.flash_attn_func" if t.dtype.itemsize == 1 else ""
-            raise TypeError(f"{name}: dtype {t.dtype} is not supported; use torch.bfloat16 or torch.float16{hint}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
-    b, _, h, dqk = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    if tuple(v.shape[:3]) != (b, sk, hk):
-        raise ValueError(f"v: shape {tuple(v.shape)} must match k's (batch, seqlen_k, kv_heads) = {(b, sk, hk)}")
-    if k.shape[0] != b:
-        raise ValueError(f"k: batch {k.shape[0]} differs from q's {b}")
-    if k.shape[3] != dqk:
-        raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {dqk}")
-    if hk == 0 or h % hk:
-        raise ValueError(f"k: kv_heads={hk} must divide q's heads={h}")
-    for name, d in (("q", dqk), ("v", v.shape[3])):
-        if d not in HEAD_DIMS:
-            raise ValueError(f"{name}: head_dim {d} is not supported; supported: {list(HEAD_DIMS)}")
+    """Every argument checked, as `flash_attn_func` checks its own, all problems reported at once and
+    the device last (so a CPU user sees all that is wrong); errors name the argument. Returns the
+    softmax scale."""
+    problems = ArgumentProblems()
+    ok = [check_tensor(name, t, problems, INPUT_DTYPES, _FP8_HINT) for name, t in (("q", q), ("k", k), ("v", v))]
+    if all(ok):
+        check_related(q, k, v, problems)
     if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
-    if softmax_scale is None:
-        softmax_scale = dqk ** -0.5
-    elif not _positive_finite(softmax_scale):
-        raise ValueError(f"softmax_scale: expected a positive finite number, got {softmax_scale!r}")
+        problems.add(TypeError, f"causal: expected bool, got {type(causal).__name__}")
+    if softmax_scale is not None and not _positive_finite(softmax_scale):
+        problems.add(ValueError, f"softmax_scale: expected a positive finite number, got {softmax_scale!r}")
     if not _positive_finite(error_budget):
-        raise ValueError(f"error_budget: expected a positive finite number, got {error_budget!r}")
-    if q.device.type not in ("cuda", "meta"):
-        raise ValueError(f"q: tensor is on {q.device}; zyfa_tune kernels run on CUDA devices")
-    return float(softmax_scale)
+        problems.add(ValueError, f"error_budget: expected a positive finite number, got {error_budget!r}")
+    if ok[0] and q.device.type not in ("cuda", "meta"):  # meta: shapes only (torch.compile, explain)
+        problems.add(ValueError, f"q: tensor is on {q.device}; zyfa_tune kernels run on CUDA devices")
+    problems.raise_any()
+    return float(q.shape[3] ** -0.5 if softmax_scale is None else softmax_scale)
 
 
 def _positive_finite(x: object) -> bool:
