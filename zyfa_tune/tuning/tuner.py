@@ -134,9 +134,9 @@ class TuneSpec:
         sequence length or batch is often the best at its neighbours too, or a better start than the
         seeds: a study measures these before the sampler's own asks, and a shape tuned long ago
         gets the newer kernels its neighbours found (a 192/128 entry tuned without the two-P-tile
-        kernel ran 0.95x FA3 at 32K; re-tuned from its neighbours' kernels, 1.07x). Entries outside the current search space or not fitting
-        statically are skipped; a stored config is validated (`KernelConfig.from_json`) before
-        anything reads it."""
+        kernel ran 0.95x FA3 at 32K; re-tuned from its neighbours' kernels, 1.07x). Entries outside
+        the current search space or not fitting statically are skipped; a stored config is validated
+        (`KernelConfig.from_json`) before anything reads it."""
         _check_texts("warm_start", self.warm_start, "database paths or URLs")
         space, out = get_space(self.dtype), []
         seen = {space.canonical(c).to_json() for c in self.enqueued}
