@@ -236,8 +236,9 @@ class KernelConfig:
                   the fold. The folds' f16x2 operations are issue slots, the MUFU's are its own pipe: a share of
                   each runs the two side by side (generator/asm/lean.f16_mufu_asm). Beside the corrected fold
                   both round (nearly) as FA3 does: measured 0.97-0.99x the exact kernel at every share.
-                  Beside the linear fold the MUFU's pairs are correctly rounded from the fold's own line (sharing the row's shift) and take their share of the fold's excess error
-                  away: k = 1 0.99x its error at 0.93x its speed on the H100.
+                  Beside the linear fold the MUFU's pairs are correctly rounded from the fold's own line
+                  (sharing the row's shift) and take their share of the fold's excess error away: k = 1 0.99x
+                  its error at 0.93x its speed on the H100.
     lean_ref:     Gluon lean P on f16 scores with the linear fold (qk_acc="f16", lean_fold="fma"): where each row's
                   fold line sits. "grid": the row's reference is its maximum rounded up to the fold's 1/8 grid
                   (what the float32 folds' magic constant needs), so the maximum's code falls anywhere in its

@@ -133,9 +133,10 @@ GLUON_WIDE_PLAIN_REGISTERS = 24
 GLUON_WIDE_PLAIN_MMA_REGISTERS = 8
 #: Extra registers of a 256-key pv_defer block (two 128-key parts, the second QK^T issued after the PV
 #: wait, so the scores never share the registers with the P in flight). Such a block always rescales O
-#: in place (inline PTX, generator/gluon_sm90/emit.rescale_in_place): so it compiled without spills at 240 per
-#: consumer (rowsum fp32 / mma, with or without ping-pong, v_permute or skip_rescale) and spilled 16
-#: bytes at 232; rescaled by a multiply (a second copy of O) it had spilled 64-152 bytes (causal; non-causal kernels may spill and are left to the tuner's compile check)
+#: in place (inline PTX, generator/gluon_sm90/emit.rescale_in_place): so it compiled without spills at
+#: 240 per consumer (rowsum fp32 / mma, with or without ping-pong, v_permute or skip_rescale) and spilled
+#: 16 bytes at 232; rescaled by a multiply (a second copy of O) it had spilled 64-152 bytes (causal;
+#: non-causal kernels may spill and are left to the tuner's compile check)
 GLUON_SPLIT_DEFER_REGISTERS = 8
 #: Extra registers of one consumer warpgroup (block_m=64, the 256-register maximum) that reads the
 #: balanced tile table: its 256-key overlapped kernels (estimated 248) spilled 8 bytes with the table and
