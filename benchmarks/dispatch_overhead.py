@@ -25,7 +25,7 @@ import torch
 
 from zyfa_tune import explain, flash_attn_func
 from zyfa_tune.kernels import launch as launch_mod
-from zyfa_tune.generator.defaults import gluon_natural_config
+from zyfa_tune.search_spaces.seeds import gluon_natural_config
 from zyfa_tune.tuning.timing import gpu_state, host_us, time_cuda
 from zyfa_tune.tuning.verify import make_inputs
 

@@ -17,7 +17,7 @@ import statistics
 
 from zyfa_tune import api, flash_attn_func
 from zyfa_tune.kernels import gluon_launch
-from zyfa_tune.generator.defaults import gluon_defer_config, gluon_wide_config
+from zyfa_tune.search_spaces.seeds import gluon_defer_config, gluon_wide_config
 from zyfa_tune.tuning.timing import attention_flops, time_cuda, warm_gpu
 from zyfa_tune.tuning.verify import make_inputs
 

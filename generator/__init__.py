@@ -3,8 +3,9 @@
 from .backends import BACKENDS, HOPPER, Backend, Target, backend_of
 from .gluon_sm90 import emit as emit_gluon
 from .triton import emit as emit_triton
-from .config import (CHOICES, GENERATOR_VERSION, GLUON_HEAD_DIMS, HEAD_DIMS, ConfigError, KernelConfig,
-                     gluon_o_parts, gluon_registers, o_in_p_tile, p_tiles)
+from .config import (CHOICES, GENERATOR_VERSION, HEAD_DIMS, ConfigError, KernelConfig, gluon_o_parts,
+                     gluon_registers, o_in_p_tile, p_tiles)
+from .rules import GLUON_HEAD_DIMS
 from .triton.emit import head_chunks
 from .emitted import EmittedKernel
 

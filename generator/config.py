@@ -13,13 +13,12 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from .rules import P_TILES, gluon_conflict, o_width, triton_conflict
+
 GENERATOR_VERSION = "0.1.0"
 
 #: Head dims the Triton backend emits; non-powers of two are split into power-of-two chunks.
 HEAD_DIMS = (64, 96, 128, 192, 256)
-#: (head_dim_qk, head_dim_v) pairs the Gluon backend emits (O in 64 x gluon_o_parts accumulators per
-#: consumer warpgroup; a 192- / 96-wide Q / K is loaded and multiplied in three 64- / 32-column parts).
-GLUON_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 
 #: Allowed values of every field. Search spaces draw from these; validation enforces them.
 CHOICES: dict[str, tuple] = {
@@ -109,14 +108,14 @@ class KernelConfig:
     softmax:      "exact" = exp2 on the MUFU unit then conversion; "lean" = lean P, an FMA that
                   writes the e4m3 code of 2^x directly (fp8 only), in inline PTX. Both backends
                   (Gluon: with overlap, v_permute and rowsum "mma" or "rounded").
-    lean_fold/clamp/pack: which lean P instruction sequence is emitted (see generator.lean_asm).
+    lean_fold/clamp/pack: which lean P instruction sequence is emitted (see generator/asm/lean.py).
     p_scale_log2: probabilities are scaled by 2^p_scale_log2 before rounding, to use more of the
                   e4m3 range; the factor cancels in the normalisation.
     scale_block:  keys sharing one extra power-of-2 exponent taken from their own maximum
                   (0 = none). The Triton backend supports one exponent per key tile (= block_n):
                   smaller blocks would need a PV product and an O rescale per block, and buy
                   nothing once p_scale_log2 >= 6 (float64 emulation, benchmarks/p_scale_error.py:
-                  16-key blocks change the error by <= 0.3% on every input family; docs/ACCURACY.md).
+                  16-key blocks change the error by <= 0.3% on every input family; docs/results.md).
     rowsum:       "fp32" = sum of unrounded probabilities; "rounded" = sum of the probabilities as
                   rounded to the P@V dtype (numerator and denominator agree); "mma" = the same sum
                   from an extra MMA of P against a ones tile. Gluon: "fp32" or "mma" under exact
@@ -137,7 +136,7 @@ class KernelConfig:
 
     backend:      "triton" (generator/triton/emit.py: Triton schedules the kernel) or "gluon"
                   (generator/gluon_sm90/emit.py: a warp-specialised FP8 kernel whose schedule the config
-                  decides; docs/BACKENDS.md). Each backend has its own fields (TRITON_FIELDS,
+                  decides; docs/design.md). Each backend has its own fields (TRITON_FIELDS,
                   GLUON_FIELDS); the other backend's stay at their defaults, so that one kernel has
                   one config and one JSON. Shared fields mean for Gluon: block_m = 64 query rows per
                   consumer warpgroup (64: one, 128: two, 192: three), block_n = keys per K/V block (192:
@@ -161,7 +160,7 @@ class KernelConfig:
                   file (see gluon_registers).
     ex2_fence:    Gluon (overlap only): a barrier on the row sums (rowsum="mma": on the OR of all of a
                   thread's probabilities) right before the PV wait, so that ptxas cannot hoist the
-                  wait above the step's exponentials (docs/BACKENDS.md).
+                  wait above the step's exponentials (docs/design.md).
     exp2_poly:    Gluon, exact softmax: of every 8 scores, this many get 2^x from a polynomial on the
                   FMA pipe instead of MUFU.EX2 (generator/asm/exp2_poly.py): the two pipes share the work,
                   the result stays float32 (e4m3 rounding as exact as MUFU's for ~all scores).
@@ -181,7 +180,7 @@ class KernelConfig:
                   "smem2" (two such tiles per consumer: P(j) is stored into the one PV(j-1) does not
                   read as soon as the softmax makes it, and published by the proxy fence and barrier
                   under QK^T(j+1), so the staging leaves the step's critical path; the output tile
-                  lives in the first P tile where it fits; session 16).
+                  lives in the first P tile where it fits).
     lane_sums:    Gluon, rowsum="fp32" (or lean's "rounded"): each thread keeps its own partial row
                   sums (its keys of a row) from step to step, and the four lanes that share a row add
                   theirs once, in the epilogue (as FA3 does): two shuffles and two FADDs less per row
@@ -217,12 +216,11 @@ class KernelConfig:
                   that keeps the 128-key overlap with two P tiles out of shared memory (263 KB -> 199 KB).
     l2_group_mib: Gluon, q_order="balanced", launch only (LAUNCH_FIELDS): the balanced tile table lists the
                   tiles by groups of kv heads whose K and V fit in this many MiB together (kept in L2 while
-                  their tiles run side by side). 16 (a quarter of the H200's L2) was the one value until
-                  session 22; 32 (FA3's choice) measured 1.4-3.4% faster at 192/128 with 16 heads, equal or up
-                  to 3% slower with 32 heads (docs/PERF.md, session 22): tuned per shape.
+                  their tiles run side by side). 16: a quarter of the H200's L2; 32 (FA3's choice) measured 1.4-3.4%
+                  faster at 192/128 with 16 heads, equal or up to 3% slower with 32 heads: tuned per shape.
     qk_acc:       Gluon lean P: the QK^T accumulator's type. "f16" halves the score registers and makes the row
                   maximum and lean P's fold f16x2 instructions (two scores each; the codes' pack one PRMT per
-                  four): the step's softmax ~30% shorter (docs/PERF.md, session 28). Each consumer scales its
+                  four): the step's softmax ~30% shorter. Each consumer scales its
                   Q rows in shared memory by a power of two so that no score or partial sum can leave f16's
                   range for any e4m3 K (generator/gluon_sm90/device._q_headroom), and the scale goes into the
                   softmax's; a score carries f16's 11-bit precision (0.03% of |x|, x in log2 units). With
@@ -231,16 +229,16 @@ class KernelConfig:
     qk_async:     Gluon, qk_acc="f16": QK^T(j)'s wait moved behind PV(j-1)'s issue by a pass over Triton's PTX
                   (generator/ptx_pass.py; Triton splits an f16 accumulator before the wait, so the emitted
                   step waits for QK^T(j) before issuing PV(j-1), where ncu finds a quarter of the lean f16
-                  step's samples, docs/PERF.md session 34). The same arithmetic; with a 24-register producer
-                  +3-4% on lean f16 at hd128 (session 35); searched.
+                  step's samples). The same arithmetic; with a 24-register producer +3-4% on lean f16 at hd128;
+                  searched.
     lean_mufu:    Gluon, qk_acc="f16" with lean_fold "corrected" or "fma": of every four f16 score pairs, how many
                   take 2^x from the MUFU (ex2.approx.f16x2, the e4m3 code read off the f16 bits) instead of
                   the fold. The folds' f16x2 operations are issue slots, the MUFU's are its own pipe: a share of
-                  each runs the two side by side (generator/lean_asm.f16_mufu_asm). Beside the corrected fold
-                  both round (nearly) as FA3 does: measured 0.97-0.99x the exact kernel at every share
-                  (docs/PERF.md, session 36). Beside the linear fold the MUFU's pairs are correctly rounded from
-                  the fold's own line (sharing the row's shift) and take their share of the fold's excess error
-                  away: k = 1 0.99x its error at 0.93x its speed on the H100 (session 47).
+                  each runs the two side by side (generator/asm/lean.f16_mufu_asm). Beside the corrected fold
+                  both round (nearly) as FA3 does: measured 0.97-0.99x the exact kernel at every share.
+                  Beside the linear fold the MUFU's pairs are correctly rounded from the fold's own line
+                  (sharing the row's shift) and take their share of the fold's excess error away: k = 1 0.99x
+                  its error at 0.93x its speed on the H100.
     lean_ref:     Gluon lean P on f16 scores with the linear fold (qk_acc="f16", lean_fold="fma"): where each row's
                   fold line sits. "grid": the row's reference is its maximum rounded up to the fold's 1/8 grid
                   (what the float32 folds' magic constant needs), so the maximum's code falls anywhere in its
@@ -248,12 +246,12 @@ class KernelConfig:
                   maximum itself and the line is lowered by LEAN_MAX_CENTER (generator/asm/lean.py), so that the
                   maximum keeps its exact code 2^P and every other score rounds about half a code down from
                   the line, against its overestimate of 2^x (float64 emulation: gaussian 1.035x -> 1.00x FA3's
-                  error with balanced V; docs/ACCURACY.md, session 45). The same instructions in the step.
+                  error with balanced V; docs/results.md). The same instructions in the step.
     lean_floor:   Gluon lean P on f16 scores with the linear fold: scores 2^-6 to 2^-9 of 2^P (e4m3's subnormals)
                   get codes from a second, shallower line (the maximum of the two; generator/asm/lean.py,
                   LEAN_FLOOR_SLOPE) instead of 0, two more f16x2 operations a pair: the linear line stops at
                   x + P = -7 where correct rounding goes on to -10, which costs long rows with a few large
-                  scores (entry_outliers, llm) 1-2% of error (docs/ACCURACY.md, sessions 30 and 45).
+                  scores (entry_outliers, llm) 1-2% of error (docs/results.md).
     """
 
     dtype: str = "fp8"
@@ -320,126 +318,9 @@ class KernelConfig:
             if value != default:
                 raise ConfigError(f"{name}={value!r}: not a field of backend={self.backend!r}; it must keep "
                                   f"its default {default!r} (one kernel, one config)")
-        if self.backend == "gluon":
-            self._check_gluon()
-            return
-        if self.q_order == "balanced":
-            raise ConfigError("q_order='balanced' schedules the tiles of a persistent Gluon kernel; the Triton kernel "
-                              "runs one program per tile: use 'forward' or 'heavy_first'")
-        if self.softmax == "lean" and self.dtype != "fp8":
-            raise ConfigError("softmax='lean' writes e4m3 codes and needs dtype='fp8'")
-        if self.softmax == "lean" and self.rowsum == "fp32":
-            raise ConfigError("softmax='lean' has no unrounded probabilities: rowsum must be "
-                              "'rounded' or 'mma'")
-        if self.dtype == "bf16" and self.p_scale_log2 != 0:
-            raise ConfigError("p_scale_log2 must be 0 for dtype='bf16' (bf16 has the range)")
-        if self.block_m == 192:
-            raise ConfigError("block_m=192: Triton tiles are powers of two; 192 rows is the Gluon backend's "
-                              "three consumer warpgroups (backend='gluon')")
-        if self.block_n == 192:
-            raise ConfigError("block_n=192: Triton tiles are powers of two; 192 keys is the Gluon backend's "
-                              "128 + 64 key parts (backend='gluon')")
-        if self.scale_block not in (0, self.block_n):
-            raise ConfigError(
-                f"scale_block={self.scale_block}: the Triton backend takes one exponent per key "
-                f"tile, so scale_block must be 0 or block_n={self.block_n} (smaller blocks buy nothing "
-                f"at p_scale_log2 >= 6: docs/ACCURACY.md)")
-
-    def _check_gluon(self) -> None:
-        if self.dtype != "fp8":
-            raise ConfigError(f"dtype={self.dtype!r}: backend='gluon' emits FP8 (e4m3) kernels only")
-        if (self.head_dim_qk, self.head_dim_v) not in GLUON_HEAD_DIMS:
-            raise ConfigError(f"head_dim_qk={self.head_dim_qk}, head_dim_v={self.head_dim_v}: backend='gluon' "
-                              f"implements the head-dim pairs {[f'{a}/{b}' for a, b in GLUON_HEAD_DIMS]} only")
-        if self.block_m not in (64, 128, 192):
-            raise ConfigError(f"block_m={self.block_m}: backend='gluon' runs one consumer warpgroup per 64 "
-                              f"query rows, one to three of them: block_m must be 64, 128 or 192")
-        if self.num_stages < 2:
-            raise ConfigError(f"num_stages={self.num_stages}: the Gluon K/V ring needs at least 2 stages "
-                              f"(V is released one step after its PV product)")
-        if self.ping_pong and self.block_m == 64:
-            raise ConfigError(f"ping_pong=True needs two or three consumer warpgroups: block_m=128 or 192, "
-                              f"not {self.block_m}")
-        if self.turn_barrier != "mbarrier" and not self.ping_pong:
-            raise ConfigError(f"turn_barrier={self.turn_barrier!r}: the turn token exists with ping_pong=True only")
-        if self.q_order == "balanced" and not self.persistent:
-            raise ConfigError("q_order='balanced' is a persistent program's list of tiles: it needs persistent=True "
-                              "(one program per tile is scheduled by the hardware)")
-        if self.l2_group_mib != _DEFAULTS["l2_group_mib"] and self.q_order != "balanced":
-            raise ConfigError(f"l2_group_mib={self.l2_group_mib}: the L2 group sizes the tile table of "
-                              f"q_order='balanced' (not {self.q_order!r}); keep the default "
-                              f"{_DEFAULTS['l2_group_mib']}")
-        if self.pv_defer and (why := pv_defer_conflict(vars(self))):
+        why = gluon_conflict(vars(self), _DEFAULTS) if self.backend == "gluon" else triton_conflict(vars(self))
+        if why:
             raise ConfigError(why)
-        if self.p_carry != "f32" and (why := packed_p_conflict(vars(self))):
-            raise ConfigError(why)
-        if self.lane_sums and (why := lane_sums_conflict(vars(self))):
-            raise ConfigError(why)
-        if self.o_split and (why := o_split_conflict(vars(self))):
-            raise ConfigError(why)
-        if self.half_block and (why := half_block_conflict(vars(self))):
-            raise ConfigError(why)
-        if self.o_through_p and (why := o_through_p_conflict(vars(self))):
-            raise ConfigError(why)
-        if self.qk_acc != "f32" and (why := qk_acc_conflict(vars(self))):
-            raise ConfigError(why)
-        if self.late_rescale and not self.overlap:
-            raise ConfigError("late_rescale=True moves the overlapped step's O rescale after its PV wait: it needs "
-                              "overlap=True")
-        if self.ex2_fence and not self.overlap:
-            raise ConfigError("ex2_fence=True needs overlap=True: only the overlapped step has a PV wait "
-                              "under the softmax")
-        if self.exp2_poly and self.softmax != "exact":
-            raise ConfigError(f"exp2_poly={self.exp2_poly}: the polynomial replaces exact-softmax exponentials; "
-                              f"softmax={self.softmax!r} has none (use softmax='exact')")
-        if not self.exp2_poly and self.exp2_poly_degree != _DEFAULTS["exp2_poly_degree"]:
-            raise ConfigError(f"exp2_poly_degree={self.exp2_poly_degree}: no polynomial with exp2_poly=0; keep the "
-                              f"default {_DEFAULTS['exp2_poly_degree']!r}")
-        if self.softmax == "lean":
-            if not (self.overlap and self.v_permute):
-                raise ConfigError("softmax='lean' with backend='gluon' needs overlap=True and v_permute=True "
-                                  "(its codes are made in the overlapped step)")
-            if self.rowsum not in ("mma", "rounded"):
-                raise ConfigError(f"rowsum={self.rowsum!r}: Gluon lean P sums its rounded probabilities by an "
-                                  f"MMA against ones ('mma') or by decoding its e4m3 codes ('rounded')")
-            if self.rowsum == "rounded" and self.p_carry == "f32":
-                raise ConfigError("rowsum='rounded' with softmax='lean' decodes the packed e4m3 codes of P: it needs "
-                                  "p_carry 'e4m3', 'smem' or 'smem2' (with 'f32' the codes are made at the wgmma)")
-            if self.rowsum == "rounded" and self.ex2_fence:
-                raise ConfigError("ex2_fence=True fences on the float32 row sums or the row-sum MMA's operand; "
-                                  "rowsum='rounded' under lean P has neither")
-        else:
-            for name in ("lean_fold", "lean_clamp", "lean_pack"):
-                if getattr(self, name) != _DEFAULTS[name]:
-                    raise ConfigError(f"{name}={getattr(self, name)!r}: the exact Gluon kernel has no lean P; keep "
-                                      f"the default {_DEFAULTS[name]!r}")
-            if self.rowsum not in ("fp32", "mma"):
-                raise ConfigError(f"rowsum={self.rowsum!r}: the exact Gluon kernel sums the float32 probabilities "
-                                  f"('fp32') or their e4m3 roundings by an MMA against ones ('mma')")
-            if self.rowsum == "mma" and self.ex2_fence and not self.v_permute:
-                raise ConfigError("ex2_fence=True with rowsum='mma' fences on the float32 probabilities carried "
-                                  "to the next step, which needs v_permute=True")
-        if self.block_n == 192 and (self.v_layout == "natural" or self.softmax == "lean"):
-            raise ConfigError("block_n=192 (128 + 64 key parts) is built for the exact softmax with the V^T copy: "
-                              "it needs softmax='exact' and v_layout='transposed'")
-        if self.qk_async and (why := qk_async_conflict(vars(self))):
-            raise ConfigError(why)
-        if self.lean_mufu and (why := lean_mufu_conflict(vars(self))):
-            raise ConfigError(why)
-        if self.lean_ref != "grid" and (why := lean_ref_conflict(vars(self))):
-            raise ConfigError(why)
-        if self.lean_floor and (why := lean_floor_conflict(vars(self))):
-            raise ConfigError(why)
-        if self.k_perm and not self.v_permute:
-            raise ConfigError("k_perm=True makes v_permute's relabelling of keys on K instead of V^T: it needs "
-                              "v_permute=True")
-        if self.v_layout == "natural" and self.v_permute:
-            raise ConfigError("v_layout='natural' with backend='gluon' writes V^T in key order: it needs "
-                              "v_permute=False (and so softmax='exact')")
-        if self.block_m == 64 and self.producer_regs != _DEFAULTS["producer_regs"]:
-            raise ConfigError(f"producer_regs={self.producer_regs}: with one consumer warpgroup (block_m=64) "
-                              f"every warp gets its maximum anyway; keep the default "
-                              f"{_DEFAULTS['producer_regs']}")
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -517,166 +398,6 @@ class KernelConfig:
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(KernelConfig)}
 
 
-def packed_p_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a Gluon config with these fields cannot carry P packed (p_carry "e4m3" or "smem"), or None.
-    One rule for validation and for the search space, which decodes a suggested packed carry to "f32"
-    where it does not apply."""
-    carry = f["p_carry"]
-    in_smem = carry in P_TILES
-    if in_smem and not f["overlap"]:
-        return (f"p_carry={carry!r} hands P(j) to the PV wgmma issued with QK^T(j+1) through shared memory: it "
-                "needs overlap=True")
-    if not (f["overlap"] or f["pv_defer"]):
-        return (f"p_carry={carry!r} is how P is carried from one step to the next: it needs overlap=True or "
-                "pv_defer=True (the plain step uses P where it is made)")
-    if not f["v_permute"]:
-        return (f"p_carry={carry!r} packs P as the A operand's registers (four keys per thread, the exact "
-                "softmax's roundings or lean P's codes): it needs v_permute=True")
-    if f["ex2_fence"] and f["rowsum"] == "mma":
-        return (f"p_carry={carry!r} with ex2_fence=True and rowsum='mma': that fence ORs the float32 probabilities, "
-                "which are packed here; use rowsum='fp32' (its fence is on the row sums) or p_carry='f32'")
-    if in_smem and f["block_n"] == 192:
-        return f"p_carry={carry!r} holds one key part's P tile: it needs block_n a power of two, not 192"
-    return None
-
-
-#: why f16 scores and a halved first block exclude each other (qk_acc_conflict, half_block_conflict)
-_F16_HALF_BLOCK = "the half block's scores are not built in f16; use one or the other"
-
-
-def qk_acc_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a Gluon config with these fields cannot accumulate its scores in f16 (qk_acc="f16"), or None.
-    Built for lean P's one-FMA folds (and "corrected", on the same b) with clamp "sat" and the overlapped step
-    with two P tiles (whose QK^T is then synchronous); one rule for validation and for the search space."""
-    if f["softmax"] != "lean":
-        return ("qk_acc='f16' is built for lean P (the f16 fold writes e4m3 codes; the exact softmax's f16x2 "
-                "exponentials measured 0.91-0.96x its float32 ones, docs/PERF.md session 28): it needs "
-                "softmax='lean'")
-    if f["lean_fold"] not in ("fma", "centered", "corrected") or f["lean_clamp"] != "sat":
-        return (f"qk_acc='f16' folds as lean_fold 'fma'/'centered' with lean_clamp='sat' do (one saturating FMA; "
-                f"'corrected': five more f16x2 operations); not lean_fold={f['lean_fold']!r}, "
-                f"lean_clamp={f['lean_clamp']!r}")
-    if f["p_carry"] != "smem2":
-        return f"qk_acc='f16' is built on the two-P-tile step: it needs p_carry='smem2', not {f['p_carry']!r}"
-    if f["half_block"]:
-        return "qk_acc='f16' with half_block=True: " + _F16_HALF_BLOCK
-    return None
-
-
-def qk_async_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a config with these fields cannot move QK^T's wait behind PV(j-1)'s issue (qk_async=True), or None.
-    One rule for validation and for the search space (which decodes a suggested True to False)."""
-    if f["qk_acc"] != "f16":
-        return ("qk_async=True moves the f16-score kernels' QK^T wait behind PV(j-1)'s issue (the float32-score "
-                "kernels issue them so already): it needs qk_acc='f16'")
-    return None
-
-
-def lean_mufu_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a config with these fields cannot take a share of lean P's 2^x from the MUFU (lean_mufu > 0), or None.
-    One rule for validation and for the search space (which decodes a suggested share to 0)."""
-    if f["qk_acc"] != "f16" or f["softmax"] != "lean" or f["lean_fold"] not in ("corrected", "fma"):
-        return (f"lean_mufu={f['lean_mufu']}: a share of the f16 fold's pairs from the MUFU; it needs "
-                f"softmax='lean', qk_acc='f16' and lean_fold 'corrected' or 'fma', not softmax={f['softmax']!r}, "
-                f"qk_acc={f['qk_acc']!r}, lean_fold={f['lean_fold']!r}")
-    return None
-
-
-def lean_ref_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a config with these fields cannot put lean P's fold line on the row's own maximum (lean_ref="max"),
-    or None. One rule for validation and for the search space (which decodes a suggested "max" to "grid")."""
-    if f["qk_acc"] != "f16" or f["softmax"] != "lean" or f["lean_fold"] != "fma":
-        return (f"lean_ref={f['lean_ref']!r}: the linear f16 fold's line on the row's own maximum; it needs "
-                f"softmax='lean', qk_acc='f16' and lean_fold='fma' (the float32 folds' magic constant needs the "
-                f"grid; 'centered' and 'corrected' place their lines themselves), not softmax={f['softmax']!r}, "
-                f"qk_acc={f['qk_acc']!r}, lean_fold={f['lean_fold']!r}")
-    return None
-
-
-def lean_floor_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a config with these fields cannot give lean P's smallest scores subnormal codes (lean_floor=True), or
-    None. One rule for validation and for the search space (which decodes a suggested True to False)."""
-    if f["qk_acc"] != "f16" or f["softmax"] != "lean" or f["lean_fold"] not in ("fma", "centered"):
-        return (f"lean_floor=True: a second line beside the linear f16 fold; it needs softmax='lean', qk_acc='f16' "
-                f"and lean_fold 'fma' or 'centered', not softmax={f['softmax']!r}, qk_acc={f['qk_acc']!r}, "
-                f"lean_fold={f['lean_fold']!r}")
-    return None
-
-
-def pv_defer_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a Gluon config with these fields cannot pair PV(j-1) with QK^T(j) (pv_defer=True), or None.
-    One rule for validation and for the search space (which decodes a suggested True to False)."""
-    if f["overlap"]:
-        return ("pv_defer=True is the plain schedule's pairing of PV(j-1) with QK^T(j): overlap=True already "
-                "issues them together; it needs overlap=False")
-    if f["block_n"] == 256 and f["v_layout"] == "natural":
-        return ("block_n=256 with pv_defer=True (two 128-key parts) is built for the V^T copy: it needs "
-                "v_layout='transposed'")
-    return None
-
-
-def lane_sums_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a Gluon config with these fields cannot keep per-lane row sums (lane_sums=True), or None.
-    One rule for validation and for the search space (which decodes a suggested True to False)."""
-    if (f["softmax"], f["rowsum"]) not in (("exact", "fp32"), ("lean", "rounded")):
-        return (f"lane_sums=True keeps float32 row sums per lane, of the exact softmax's probabilities "
-                f"(rowsum='fp32') or of lean P's decoded codes (rowsum='rounded'); not softmax={f['softmax']!r} "
-                f"with rowsum={f['rowsum']!r}")
-    if f["block_n"] == 192 or (f["block_n"] == 256 and f["pv_defer"]):
-        return ("lane_sums=True sums one key part's scores per lane: it needs a block of one part (not block_n=192, "
-                "nor 256 with pv_defer)")
-    if f["ex2_fence"]:
-        return "lane_sums=True with ex2_fence=True: that fence is on the per-row sums; use one or the other"
-    return None
-
-
-def half_block_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a Gluon config with these fields cannot run a first block as half a block (half_block=True),
-    or None."""
-    if f["pv_defer"] or f["block_n"] not in (128, 256) or (f["overlap"] and f["p_carry"] not in P_TILES):
-        return ("half_block=True halves a first block: it needs pv_defer=False, block_n 128 or 256 (one key part), "
-                "and the plain schedule (overlap=False) or P in shared memory (p_carry 'smem' or 'smem2')")
-    if f.get("qk_acc", "f32") == "f16":  # (the search space decodes half_block before qk_acc: hence both rules)
-        return "half_block=True with qk_acc='f16': " + _F16_HALF_BLOCK
-    return None
-
-
-def o_split_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a Gluon config with these fields cannot hold O in a 64- and a 32-column part (o_split=True),
-    or None. One rule for validation and for the search space (which decodes a suggested True to False)."""
-    if f["head_dim_v"] != 96:
-        return (f"o_split=True splits a 96-column O into 64 + 32 columns: it needs head_dim_v=96, not "
-                f"{f['head_dim_v']} (other head dims are one power-of-two accumulator)")
-    if f["block_n"] == 192 or (f["block_n"] == 256 and f["pv_defer"]):
-        return ("o_split=True is built for blocks of one key part: not block_n=192, nor 256 with pv_defer")
-    if f["v_layout"] == "natural":
-        return "o_split=True reads the V^T copy in two row boxes: it needs v_layout='transposed'"
-    return None
-
-
-def o_through_p_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why a Gluon config with these fields cannot store its output through its two P tiles in chunks
-    (o_through_p=True), or None. One rule for validation and for the search space."""
-    if f["p_carry"] != "smem2" or f["o_split"]:
-        return ("o_through_p=True stores O through the warpgroup's two P tiles: it needs p_carry='smem2' and "
-                "one O part (o_split=False)")
-    width = _o_width(int(f["head_dim_v"]))
-    if width != f["head_dim_v"]:
-        return (f"o_through_p=True stores O in column chunks of its own width: head_dim_v={f['head_dim_v']} is "
-                f"padded to {width} columns (stored through a clipped 4-D box)")
-    if f["block_n"] >= 2 * width:
-        return (f"o_through_p=True: at block_n={f['block_n']} the 64 x {width} output tile already lives in the "
-                f"first P tile")
-    if width // (f["block_n"] // 2) > 4:
-        return (f"o_through_p=True at block_n={f['block_n']}: {width} columns would take "
-                f"{width // (f['block_n'] // 2)} chunks of {f['block_n'] // 2}; at most 4")
-    return None
-
-
-def _o_width(head_dim_v: int) -> int:
-    return 1 << (head_dim_v - 1).bit_length()
-
-
 def gluon_o_parts(config: KernelConfig) -> tuple[int, int]:
     """Columns of a Gluon consumer's O accumulators (and of the V^T and output tiles behind them):
     with o_split (64, 32); else (head_dim_v rounded up to a power of two, 0), as tensor shapes must be
@@ -685,11 +406,7 @@ def gluon_o_parts(config: KernelConfig) -> tuple[int, int]:
     clipped at head_dim_v)."""
     if config.o_split:
         return 64, 32
-    return _o_width(int(config.head_dim_v)), 0
-
-
-#: the p_carry values that take P through shared memory -> P tiles per consumer warpgroup
-P_TILES = {"smem": 1, "smem2": 2}
+    return o_width(int(config.head_dim_v)), 0
 
 
 def p_tiles(c: KernelConfig) -> int:

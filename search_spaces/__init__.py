@@ -8,17 +8,21 @@
     config = space.suggest(trial, 128, 128)   # None: invalid or statically infeasible, reason in
                                               # trial.user_attrs["infeasible"]
 
-base.py holds the machinery (Param, SearchSpace, the static shared-memory / register / wgmma
-checks, for both backends); fp8_causal.py (Triton and Gluon) and bf16_causal.py (Triton) declare one
-line per searched KernelConfig field.
+params.py holds Param and the helpers a family declares its fields with, resources.py the static
+shared-memory / register / wgmma checks (both backends), space.py SearchSpace, seeds.py the named
+seed configs; fp8_causal.py (Triton and Gluon) and bf16_causal.py (Triton) declare one line per
+searched KernelConfig field. Seeds from tuning databases (winners) are read by the tuning layer
+(zyfa_tune.tuning.warm_start) and passed in: `space.seeds(128, 128, winners=...)`.
 """
 
 from __future__ import annotations
 
-from .base import (MAX_REGISTERS, SEED_DATABASES, SMEM_LIMIT, Param, SearchSpace, gluon_register_estimate,
-                   gluon_smem_estimate, register_estimate, smem_estimate, static_infeasibility)
 from .bf16_causal import SPACE as BF16_CAUSAL
 from .fp8_causal import SPACE as FP8_CAUSAL
+from .params import Param
+from .resources import (SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate, register_estimate, smem_estimate,
+                        static_infeasibility)
+from .space import SearchSpace
 
 #: family name -> search space
 FAMILIES: dict[str, SearchSpace] = {s.family: s for s in (FP8_CAUSAL, BF16_CAUSAL)}
@@ -34,5 +38,5 @@ def get_space(dtype: str) -> SearchSpace:
 
 
 __all__ = ["Param", "SearchSpace", "FAMILIES", "get_space", "FP8_CAUSAL", "BF16_CAUSAL", "SMEM_LIMIT",
-           "MAX_REGISTERS", "SEED_DATABASES", "smem_estimate", "register_estimate", "gluon_smem_estimate",
-           "gluon_register_estimate", "static_infeasibility"]
+           "smem_estimate", "register_estimate", "gluon_smem_estimate", "gluon_register_estimate",
+           "static_infeasibility"]

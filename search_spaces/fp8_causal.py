@@ -1,24 +1,21 @@
 """FP8 (e4m3) causal forward: one line per searched `KernelConfig` field, both backends.
 
-Fields not listed (dtype, head dims) come from `kernels.defaults.default_config("fp8", ...)`.
+Fields not listed (dtype, head dims) come from `generator.defaults.default_config("fp8", ...)`.
 Adding a parameter to the generator means adding its line here (and in bf16_causal.py for a Triton
 field). `backend` comes first: the fields after it that only one backend reads are marked
-(`triton_only`, `gluon_only`) and take their defaults under the other (see base.py).
+(`triton_only`, `gluon_only`) and take their defaults under the other (see params.py).
+The seeds are named in seeds.py; `field_twins` makes a database winner's seeds.
 """
 
-from functools import partial
+from zyfa_tune.generator import KernelConfig
+from zyfa_tune.generator.rules import (half_block_conflict, lane_sums_conflict, lean_floor_conflict, lean_mufu_conflict,
+                                       lean_ref_conflict, o_split_conflict, o_through_p_conflict, packed_p_conflict,
+                                       pv_defer_conflict, qk_acc_conflict, qk_async_conflict)
 
-from zyfa_tune.generator.config import (KernelConfig, half_block_conflict, lane_sums_conflict, lean_floor_conflict,
-                                        lean_mufu_conflict, lean_ref_conflict, o_split_conflict, o_through_p_conflict,
-                                        packed_p_conflict, pv_defer_conflict, qk_acc_conflict, qk_async_conflict)
-from zyfa_tune.generator.defaults import (default_config, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
-                                       gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_max_config,
-                                       gluon_lean_smem2_config, gluon_natural_config, gluon_packed_config,
-                                       gluon_smem2_chunked_config, gluon_smem2_config, gluon_smem2_narrow_config,
-                                       gluon_three_config, gluon_wide_config)
-
-from .base import (BLOCK_N, TILE_PARAMS, Param, SearchSpace, backend_param, gluon_only, gluon_tile, lean_only,
-                   rowsum_param, scale_per_tile, triton_only)
+from .params import (BLOCK_N, TILE_PARAMS, Param, backend_param, gluon_only, gluon_tile, lean_only, rowsum_param,
+                     scale_per_tile, triton_only)
+from .seeds import SEEDS
+from .space import SearchSpace
 
 def decode_p_carry(v: str, f: dict) -> str:
     """p_carry: "f32" where a packed carry does not apply; where lean P sums its codes (rowsum="rounded")
@@ -35,7 +32,7 @@ def _exact_only_block(f: dict) -> bool:
 
 def decode_lean_mufu(value: int, fields) -> int:
     """A share of the linear f16 fold's pairs from the MUFU where it applies, else 0. Beside the corrected fold it
-    is not searched: 0.97-0.99x the exact kernel at every share (docs/PERF.md, session 36)."""
+    is not searched: 0.97-0.99x the exact kernel at every share."""
     return value if value and fields["lean_fold"] == "fma" and not lean_mufu_conflict(fields) else 0
 
 
@@ -95,26 +92,28 @@ PARAMS = (backend_param(),
 
 
 def field_twins(config: KernelConfig) -> list[KernelConfig]:
-    """A database winner with a field it was tuned without, where it applies: row sums per lane
-    (+1.3-2.3% on the shipped 192/128 and hd256 schedules, docs/PERF.md session 10), at head dim
-    96 O in a 64- and a 32-column part (+2.0% on the padded 256-key 4K winner, session 14), and a
-    half-empty first block run as half a block (+1.6-3.2% on the 256-key kernels at 4K / 8K, session
-    15; on the overlapped kernels with P in shared memory +1-4.5% at 4K / 8K, session 17), and an
-    overlapped winner with P through two shared-memory tiles (p_carry="smem2", session 16: what made the
-    hd128 256-key overlap fit, 1.04-1.06x the plain kernel at 8K / 16K; at hd64 4K the shipped 128-key
-    winner's twin won, session 17), its first blocks halved too, and a two-tile winner whose output
-    tile does not fit a P tile (192/128's 128-key kernels) with its output through the P tiles
-    (o_through_p, session 19), alone and with the freed shared memory spent on a Q ring of 2, and a
-    balanced winner with its tile table's heads grouped for 32 MiB of L2 (2.5-4% at 192/128 with 16
-    heads, session 22; the same compiled kernel), and a lean winner with the row-sum MMA summing its decoded
-    codes instead (per lane where that applies; 5-9% faster than with the MMA at hd128, session 23), and a
-    winner whose scores can accumulate in f16 with them so (qk_acc="f16": lean P 1.13-1.20x its float32
-    scores at hd128 8K-32K, session 28), and an f16-score winner with its QK^T wait moved behind PV(j-1)'s
-    issue (qk_async: +9% on the lean f16 kernel without ping-pong, +0.5% with it, session 35), and a linear-fold
-    f16 winner with its line on the row's own maximum (lean_ref="max": 0.97x its error vs unquantised inputs at
-    the same speed, session 45), and such a winner with a quarter of its pairs from the MUFU (lean_mufu=1: 0.99x
-    its error at 0.93x its speed, session 47). A short study would rarely sample these neighbours of the best
-    kernel it already has."""
+    """A database winner's one-field twins, where the field applies: measured gains over such winners that a
+    short study would rarely sample as neighbours of the best kernel it already has.
+
+    - row sums per lane (lane_sums): +1.3-2.3% on the shipped 192/128 and hd256 schedules;
+    - at head dim 96 O in a 64- and a 32-column part (o_split): +2.0% on the padded 256-key 4K winner;
+    - a half-empty first block run as half a block (half_block): +1.6-3.2% on the 256-key kernels at 4K / 8K,
+      +1-4.5% on the overlapped ones with P in shared memory;
+    - an overlapped exact winner with P through two shared-memory tiles (p_carry="smem2"), its first blocks
+      halved too: 1.04-1.06x the plain kernel at hd128 8K / 16K;
+    - a two-tile winner whose output tile does not fit a P tile with its output through the P tiles
+      (o_through_p), alone and with the freed shared memory spent on a Q ring of 2;
+    - a balanced winner with its tile table's heads grouped for 32 MiB of L2 (the same compiled kernel):
+      2.5-4% at 192/128 with 16 heads;
+    - a lean winner with the row-sum MMA summing its decoded codes instead (per lane where that applies):
+      5-9% faster at hd128;
+    - a winner whose scores can accumulate in f16 (qk_acc="f16"): lean P 1.13-1.20x its float32 scores at
+      hd128 8K-32K;
+    - an f16-score winner with its QK^T wait behind PV(j-1)'s issue (qk_async): +9% on the lean f16 kernel
+      without ping-pong, +0.5% with it;
+    - a linear-fold f16 winner with its line on the row's own maximum (lean_ref="max"): 0.97x its error at
+      the same speed; and such a winner with a quarter of its pairs from the MUFU (lean_mufu=1): 0.99x its
+      error at 0.93x its speed."""
     if config.backend != "gluon":
         return []
     twins = []
@@ -125,7 +124,7 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
     if not config.half_block and not half_block_conflict(vars(config)):
         twins.append(config.replace(half_block=True))
     two_tiles = {**vars(config), "p_carry": "smem2"}
-    # (not lean P's: through the tiles 0.92x its float32 carry at hd128 16K, session 17)
+    # (not lean P's: through the tiles 0.92x its float32 carry at hd128 16K)
     if config.overlap and config.p_carry in ("f32", "e4m3") and config.softmax == "exact" \
             and not packed_p_conflict(two_tiles):
         twin = config.replace(p_carry="smem2")  # with its half-empty first blocks halved where that applies
@@ -134,34 +133,24 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
         chunked = config.replace(o_through_p=True)  # the output tile's shared memory freed: a Q ring of 2
         twins += [chunked, chunked.replace(q_stages=2)] if config.q_stages == 1 else [chunked]
     if config.softmax == "lean" and config.rowsum == "mma" and config.p_carry != "f32":
-        twin = config.replace(rowsum="rounded")  # its codes decoded: no row-sum MMA (session 23)
+        twin = config.replace(rowsum="rounded")  # its codes decoded: no row-sum MMA
         twins.append(twin if lane_sums_conflict({**vars(twin), "lane_sums": True}) else twin.replace(lane_sums=True))
     if config.q_order == "balanced" and config.l2_group_mib == 16:
         twins.append(config.replace(l2_group_mib=32))
     if config.qk_acc == "f32" and not qk_acc_conflict(vars(config)):
-        twins.append(config.replace(qk_acc="f16"))  # scores in f16 (session 28)
+        twins.append(config.replace(qk_acc="f16"))  # scores in f16
     if not config.qk_async and not qk_async_conflict(vars(config)):
-        twins.append(config.replace(qk_async=True))  # PV(j-1) issued behind QK^T(j) (session 35)
+        twins.append(config.replace(qk_async=True))  # PV(j-1) issued behind QK^T(j)
     if config.lean_ref == "grid" and not lean_ref_conflict({**vars(config), "lean_ref": "max"}):
-        twins.append(config.replace(lean_ref="max"))  # the line on the row's maximum (session 45)
+        twins.append(config.replace(lean_ref="max"))  # the line on the row's maximum
     if config.lean_ref == "max" and config.lean_mufu == 0 and decode_lean_mufu(1, vars(config)):
-        twins.append(config.replace(lean_mufu=1))  # a quarter of its pairs correctly rounded (session 47)
+        twins.append(config.replace(lean_mufu=1))  # a quarter of its pairs correctly rounded
     return twins
 
 
-#: Enqueued right after the Triton default (where statically feasible): the Gluon backend's default
-#: (the spike's best schedule), its 256-key-block kernel, at head dim 256 its pv_defer schedule, its
-#: one-launch natural-V twin (launch-bound shapes), at head dims 64 and 96 three consumer warpgroups, the
-#: default with P carried packed, the 256-key kernel with its row sums per lane, and the overlapped kernels
-#: with P through two shared-memory tiles at 256 and at 128 keys (the latter where the former does not
-#: fit: 192/128; at hd256 in a 2-stage ring with the output through the P tiles). A study whose gate
-#: admits lean P's error (tune.LOOSE_GATE, or --multi-objective) also gets the lean Gluon default, the
-#: lean two-tile kernel that sums its decoded codes per lane, and the same on f16 scores, synchronous and with
-#: QK^T's wait behind PV(j-1)'s issue (qk_async) at a 24-register producer.
+#: Enqueued right after the Triton default (where statically feasible): seeds.SEEDS, the lean P ones only for a
+#: study whose gate admits lean P's error (tune.LOOSE_GATE, or --multi-objective).
 SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
-                    extra_seeds=(partial(default_config, backend="gluon"), gluon_wide_config, gluon_defer_config,
-                                 gluon_natural_config, gluon_three_config, gluon_packed_config, gluon_lanes_config,
-                                 gluon_smem2_config, gluon_smem2_narrow_config, gluon_smem2_chunked_config),
+                    extra_seeds=tuple(s.build for s in SEEDS if not s.loose),
                     winner_twins=field_twins,
-                    loose_seeds=(gluon_lean_config, gluon_lean_smem2_config, gluon_lean_f16_config,
-                                 gluon_lean_f16_async_config, gluon_lean_max_config))
+                    loose_seeds=tuple(s.build for s in SEEDS if s.loose))

@@ -11,6 +11,7 @@ import pytest
 
 from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig
 from zyfa_tune.generator.config import GLUON_FIELDS, HEAD_DIMS, LATE_FIELDS, SOFTMAX_FIELDS, TRITON_FIELDS
+from zyfa_tune.generator.rules import triton_conflict
 
 FIELDS = [f.name for f in dataclasses.fields(KernelConfig)]
 #: a valid Gluon config to hold Gluon field values under test (two consumer warpgroups)
@@ -74,12 +75,22 @@ def test_every_choice_is_accepted(field, value):
     assert type(getattr(cfg, field)) is type(value)
 
 
-def test_valid_combinations():
-    KernelConfig(softmax="lean", rowsum="rounded")
-    KernelConfig(softmax="lean", rowsum="mma", lean_fold="sub_fma", lean_clamp="fmax", lean_pack="bfi")
-    KernelConfig(dtype="bf16", p_scale_log2=0, rowsum="mma")
-    KernelConfig(block_n=64, scale_block=64)
-    KernelConfig(block_n=256, scale_block=256, block_m=64, num_warps=4)
+@pytest.mark.parametrize("values,broken", [
+    (dict(softmax="lean", rowsum="rounded"), dict(rowsum="fp32")),
+    (dict(softmax="lean", rowsum="mma", lean_fold="sub_fma", lean_clamp="fmax", lean_pack="bfi"),
+     dict(dtype="bf16", p_scale_log2=0)),
+    (dict(dtype="bf16", p_scale_log2=0, rowsum="mma"), dict(p_scale_log2=8)),
+    (dict(block_n=64, scale_block=64), dict(block_n=128)),
+    (dict(block_n=256, scale_block=256, block_m=64, num_warps=4), dict(scale_block=128)),
+])
+def test_valid_combinations_and_their_nearest_invalid_one(values, broken):
+    """A combination the rules allow keeps its values and round-trips; one field more breaks a rule."""
+    cfg = KernelConfig(**values)
+    assert {k: getattr(cfg, k) for k in values} == values
+    assert triton_conflict(vars(cfg)) is None and KernelConfig.from_json(cfg.to_json()) == cfg
+    assert triton_conflict({**vars(cfg), **broken}) is not None
+    with pytest.raises(ConfigError):
+        cfg.replace(**broken)
 
 
 # ---- rejected values ------------------------------------------------------------------------

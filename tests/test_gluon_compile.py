@@ -22,12 +22,13 @@ from gluon_cases import GLUON, SPACE, neighbours, sampled
 from zyfa_tune.generator import ConfigError, KernelConfig, emit, o_in_p_tile
 from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
-from zyfa_tune.generator.defaults import (default_config, gluon_lanes_config, gluon_lean_f16_async_config,
-                                       gluon_lean_f16_config, gluon_lean_max_config, gluon_lean_smem2_config,
-                                       gluon_smem2_chunked_config, gluon_smem2_config, gluon_smem2_narrow_config,
-                                       gluon_three_config, gluon_wide_config)
+from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
-from zyfa_tune.search_spaces.base import TMA_SMEM_MARGIN, gluon_infeasibility
+from zyfa_tune.search_spaces.resources import TMA_SMEM_MARGIN, gluon_infeasibility
+from zyfa_tune.search_spaces.seeds import (gluon_lanes_config, gluon_lean_f16_async_config, gluon_lean_f16_config,
+                                          gluon_lean_max_config, gluon_lean_smem2_config, gluon_smem2_chunked_config,
+                                          gluon_smem2_config, gluon_smem2_narrow_config, gluon_three_config,
+                                          gluon_wide_config)
 
 #: lean P (Gluon): each instruction sequence, on the seed and on the 15-minute study's winner schedule
 LEAN_CASES = [GLUON.replace(softmax="lean", rowsum="mma", lean_fold=fold) for fold in ("fma", "sub_fma", "corrected")]

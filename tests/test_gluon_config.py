@@ -17,7 +17,8 @@ from zyfa_tune.generator import CHOICES, GLUON_HEAD_DIMS, ConfigError, KernelCon
 from zyfa_tune.generator.config import GLUON_FIELDS, LATE_FIELDS, TRITON_FIELDS
 from zyfa_tune.generator.defaults import config_with, default_config, parse_changes, parse_value
 from zyfa_tune.kernels.dispatch import TUNED_DIR
-from zyfa_tune.search_spaces import SEED_DATABASES, get_space
+from zyfa_tune.search_spaces import get_space
+from zyfa_tune.tuning.warm_start import SEED_DATABASES, study_seeds
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -144,7 +145,7 @@ def test_bad_gluon_combinations_name_the_field(changes, match):
 
 
 def test_f16_scores_are_stored_only_when_set():
-    """qk_acc (session 28) is a late field: every stored lean config keeps its JSON; "f16" round-trips."""
+    """qk_acc is a late field: every stored lean config keeps its JSON; "f16" round-trips."""
     lean = GLUON.replace(**F16_NEEDS)
     f16 = lean.replace(qk_acc="f16")
     assert "qk_acc" not in lean.to_dict() and f16.to_dict()["qk_acc"] == "f16"
@@ -390,7 +391,7 @@ def test_seed_databases_may_hold_gluon_winners(tmp_path):
     winner = GLUON.replace(q_stages=2, producer_regs=40)
     with open_store(tmp_path / "s.db") as store:
         store.record_trial(fp, key, winner, TrialResult("ok", median_ms=1.0), source_hash=emit(winner).source_hash)
-    seeds = get_space("fp8").seeds(128, 128, databases=[tmp_path / "s.db", *SEED_DATABASES])
+    seeds = study_seeds(get_space("fp8"), 128, 128, databases=[tmp_path / "s.db", *SEED_DATABASES])
     assert winner in seeds
 
 

@@ -19,8 +19,8 @@ from zyfa_tune.generator.asm.lean import (MAGIC, code_sum_asm, f16_fold_asm, f16
                                           f16_pack_asm, lean_tail_asm)
 from zyfa_tune.generator.asm.rescale import rescale_asm, rescale_constraints
 from zyfa_tune.generator.gluon_sm90.trace import EVENTS
-from zyfa_tune.generator.defaults import (default_config, gluon_lean_f16_config, gluon_smem2_chunked_config,
-                                       gluon_smem2_config)
+from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.search_spaces.seeds import gluon_lean_f16_config, gluon_smem2_chunked_config, gluon_smem2_config
 
 #: the Gluon seed, one variant per value of every field the space searches for it, a sample of
 #: the space's points, and P through shared memory (not searched), with a 128- and a 64-byte swizzle

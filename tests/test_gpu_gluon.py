@@ -12,9 +12,10 @@ from zyfa_tune import api, explain, flash_attn_func
 from zyfa_tune.db import ProblemKey, TrialResult, current_fingerprint, open_store
 from zyfa_tune.generator import emit
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.generator.defaults import (default_config, gluon_defer_config, gluon_lean_f16_async_config,
-                                       gluon_lean_max_config, gluon_lean_smem2_config, gluon_smem2_chunked_config,
-                                       gluon_smem2_config, gluon_smem2_narrow_config, gluon_wide_config)
+from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.search_spaces.seeds import (gluon_defer_config, gluon_lean_f16_async_config, gluon_lean_max_config,
+                                          gluon_lean_smem2_config, gluon_smem2_chunked_config, gluon_smem2_config,
+                                          gluon_smem2_narrow_config, gluon_wide_config)
 from zyfa_tune.tuning.reference import attention_reference, rel_l2
 from zyfa_tune.tuning.inputs import make_qkv
 from zyfa_tune.tuning.verify import make_inputs

@@ -11,7 +11,8 @@ import torch
 
 from zyfa_tune.generator import ConfigError, emit
 from zyfa_tune.generator.gluon_sm90.emit import descriptor_blocks
-from zyfa_tune.generator.defaults import default_config, gluon_lean_f16_config, gluon_smem2_config
+from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.search_spaces.seeds import gluon_lean_f16_config, gluon_smem2_config
 from zyfa_tune.kernels.gluon_launch import k_view, v_keys_permuted
 from zyfa_tune.kernels.launch import for_v_layout
 from zyfa_tune.kernels.transpose import key_permutation

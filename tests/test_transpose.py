@@ -9,7 +9,8 @@ import torch
 
 from zyfa_tune.kernels.transpose import (BLOCK_D, BLOCK_K, NUM_WARPS, _transpose_v_kernel, bind_transpose,
                                          key_permutation, padded_keys, transpose_v, transpose_v_reference)
-from zyfa_tune.generator.defaults import default_config, gluon_natural_config
+from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.search_spaces.seeds import gluon_natural_config
 from zyfa_tune.kernels.launch import for_v_layout
 from zyfa_tune.quantize import quantize_fp8
 

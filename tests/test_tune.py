@@ -22,6 +22,7 @@ from zyfa_tune.db import ProblemKey, open_store
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.search_spaces import get_space
 from zyfa_tune.tuning.tuner import Tuner, TuneSpec, parse_duration, replay_fingerprint
+from zyfa_tune.tuning.warm_start import study_seeds
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
 
@@ -212,8 +213,8 @@ def test_lean_seed_only_where_the_gate_admits_it(tmp_path, kw, lean):
     sums, the same on f16 scores, synchronous and qk_async, and on the row maximum) only if its gate is at
     least tune.LOOSE_GATE or it keeps the Pareto front over (speed, error): under the default 1.25 they would
     be certain rejections."""
-    from zyfa_tune.generator.defaults import (gluon_lean_config, gluon_lean_f16_async_config, gluon_lean_f16_config,
-                                           gluon_lean_max_config, gluon_lean_smem2_config)
+    from zyfa_tune.search_spaces.seeds import (gluon_lean_config, gluon_lean_f16_async_config, gluon_lean_f16_config,
+                                              gluon_lean_max_config, gluon_lean_smem2_config)
 
     tuner = Tuner(spec(tmp_path, **kw))
     study = tuner.open_study()
@@ -222,7 +223,7 @@ def test_lean_seed_only_where_the_gate_admits_it(tmp_path, kw, lean):
               gluon_lean_max_config)
     for make in makers:
         assert (tuner.space.as_optuna_params(make("fp8", 128, 128)) in queued) is lean
-    assert len(queued) == len(tuner.space.seeds(128, 128)) + len(makers) * lean
+    assert len(queued) == len(study_seeds(tuner.space, 128, 128)) + len(makers) * lean
 
 
 def test_enqueued_configs_run_first_and_bad_ones_are_named(tmp_path):
@@ -238,7 +239,7 @@ def test_enqueued_configs_run_first_and_bad_ones_are_named(tmp_path):
     study = tuner.open_study()
     queued = [t.system_attrs["fixed_params"] for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))]
     assert queued[0] == tuner.space.as_optuna_params(want)
-    assert len(queued) == len(tuner.space.seeds(128, 128)) + (want not in tuner.space.seeds(128, 128))
+    assert len(queued) == len(study_seeds(tuner.space, 128, 128)) + (want not in study_seeds(tuner.space, 128, 128))
     asked = tuner._ask(study, __import__("types").SimpleNamespace(gpu=None))
     assert asked is not None and asked.cfg == tuner.space.canonical(want)
     # resumed with another config: it is queued, the study's first one is not queued again
@@ -365,7 +366,7 @@ def test_a_repeated_proposal_enqueues_an_unmeasured_neighbour(tmp_path):
 
     tuner = Tuner(spec(tmp_path, sampler="tpe"))
     study = tuner.open_study()
-    seeds = tuner.space.seeds(128, 128)
+    seeds = study_seeds(tuner.space, 128, 128)
     for c in seeds:  # as if every seed had been measured: each ask is a repeat
         tuner._seen[_config_key(c)] = (optuna.trial.TrialState.COMPLETE, (100.0,))
     worker = SimpleNamespace(gpu=None)
@@ -380,7 +381,7 @@ def test_a_repeated_proposal_enqueues_an_unmeasured_neighbour(tmp_path):
     # the random sampler stays random: no local moves
     rnd = Tuner(spec(tmp_path, sampler="random", study_name="r", study_storage=str(tmp_path / "r.journal")))
     rstudy = rnd.open_study()
-    for c in rnd.space.seeds(128, 128):
+    for c in study_seeds(rnd.space, 128, 128):
         rnd._seen[_config_key(c)] = (optuna.trial.TrialState.COMPLETE, (100.0,))
     for _ in seeds:
         rnd._ask(rstudy, worker)

@@ -30,6 +30,7 @@ from zyfa_tune.db import DatabaseError, Fingerprint, ProblemKey, TrialResult, op
 from zyfa_tune.generator import GENERATOR_VERSION, HEAD_DIMS, KernelConfig, emit
 from zyfa_tune.tuning.inputs import check_input_family
 from zyfa_tune.search_spaces import get_space
+from zyfa_tune.tuning.warm_start import stored_bests, study_seeds
 from zyfa_tune.tuning.worker import Shape, Task, Worker
 
 SAMPLERS = ("tpe", "random")
@@ -132,18 +133,17 @@ class TuneSpec:
         causality, fastest first, each once and not already in `enqueued`. A kernel tuned at one
         sequence length or batch is often the best at its neighbours too, or a better start than the
         seeds: a study measures these before the sampler's own asks, and a shape tuned long ago
-        gets the newer kernels its neighbours found (session 21: 192/128's 16K x 16 heads entry,
-        tuned before the two-P-tile kernel existed, ran 0.95x FA3 at 32K; re-tuned from its
-        neighbours' kernels, 1.07x). Entries outside the current search space or not fitting
-        statically are skipped; a stored config is validated (`KernelConfig.from_json`) before
-        anything reads it."""
+        gets the newer kernels its neighbours found (a 192/128 entry tuned without the two-P-tile
+        kernel ran 0.95x FA3 at 32K; re-tuned from its neighbours' kernels, 1.07x). Entries outside
+        the current search space or not fitting statically are skipped; a stored config is validated
+        (`KernelConfig.from_json`) before anything reads it."""
         _check_texts("warm_start", self.warm_start, "database paths or URLs")
         space, out = get_space(self.dtype), []
         seen = {space.canonical(c).to_json() for c in self.enqueued}
         for target in self.warm_start:
             try:
-                stored = space.stored_bests(target, self.head_dim_qk, self.head_dim_v, causal=self.causal,
-                                            required=True)
+                stored = stored_bests(space, target, self.head_dim_qk, self.head_dim_v, causal=self.causal,
+                                      required=True)
             except DatabaseError as exc:
                 raise ValueError(f"warm_start {target!r}: {exc}") from exc
             for cfg, _ in sorted(stored, key=lambda pair: -(pair[1] or 0.0)):
@@ -293,7 +293,7 @@ class Tuner:
             study.enqueue_trial(self.space.as_optuna_params(cfg), skip_if_exists=True)  # they were enqueued
         if not exists:
             loose = self.spec.multi_objective or self.spec.gate >= LOOSE_GATE
-            for cfg in self.space.seeds(self.spec.head_dim_qk, self.spec.head_dim_v, loose=loose):
+            for cfg in study_seeds(self.space, self.spec.head_dim_qk, self.spec.head_dim_v, loose=loose):
                 study.enqueue_trial(self.space.as_optuna_params(cfg), skip_if_exists=True)
         return study
 

@@ -1,0 +1,260 @@
+"""Static feasibility: why a config cannot compile to a usable sm_90a kernel, from its shape alone.
+
+`feasible()` prunes before compiling, after FlashAttention-4's SM90 config search: wgmma shape
+rules, a shared-memory estimate and a register estimate, both calibrated against
+`generator.build.compile_for_target` (Triton 3.6, sm_90a; tables in tests/test_search_spaces.py).
+The resource estimates are deliberately optimistic: they never rejected a config that compiles
+within 227 KiB of shared memory without spills; a compile-time check catches the few that pass
+here and still fail. The wgmma rule "64 query rows per warpgroup" does prune configs that compile
+(block_m=64 on 8 warps), because they measured 1.6-3x slower (see `static_infeasibility`).
+Limits come from the backend's target (`generator.HOPPER`).
+"""
+
+from __future__ import annotations
+
+from zyfa_tune.generator import HOPPER, KernelConfig, gluon_o_parts, gluon_registers, o_in_p_tile, p_tiles
+
+#: The target's largest dynamic shared memory per block (227 KiB), under the name the calibration tests use.
+SMEM_LIMIT = HOPPER.shared_memory_bytes
+
+
+def _elem_bytes(dtype: str) -> int:
+    return 1 if dtype == "fp8" else 2
+
+
+#: Shared memory beyond the tiles with TMA loads: mbarriers and the 1024-byte alignment of the
+#: swizzled TMA buffers (measured +32..+1024 B beyond the tiles).
+TMA_SMEM_MARGIN = 1024
+
+
+def smem_estimate(c: KernelConfig) -> int:
+    """Shared memory (bytes) the compiled kernel needs, calibrated against compile_for_target.
+
+    Q tile (block_m x head_dim_qk) + num_stages buffers of the K tile (block_n x head_dim_qk) and of
+    the V tile (block_n x head_dim_v) + the rowsum="mma" ones tile (block_n x 16) + TMA barriers.
+    FP8 with V (keys, dim) through pointer loads holds one V buffer: wgmma needs V K-major, so
+    Triton loads V into registers and stores it transposed, unpipelined. Layout-conversion scratch
+    reuses the loop's buffers afterwards. Over 1940 compiled configs (both dtypes, head dims 64..256,
+    every tile/warp/stage/load/layout/rowsum choice) the real size lies between this estimate
+    - 6.5 KiB (FP8 with V (keys, dim), where Triton buffers V differently) and + 1 KiB (BF16 with
+    pointer loads, rowsum="mma" and block_m=64): it never rejected a config that fits, and caught
+    all 222 that did not.
+    """
+    e = _elem_bytes(c.dtype)
+    q = c.block_m * c.head_dim_qk * e
+    k = c.block_n * c.head_dim_qk * e * c.num_stages
+    v_tile = c.block_n * c.head_dim_v * e
+    v_buffers = 1 if (c.dtype == "fp8" and c.loads == "pointer" and c.v_layout == "natural") else c.num_stages
+    ones = c.block_n * 16 * e if c.rowsum == "mma" else 0
+    margin = TMA_SMEM_MARGIN if c.loads == "tma" else 0
+    return q + k + v_tile * v_buffers + ones + margin
+
+
+#: Fixed part of `register_estimate`: row statistics, addresses, loop state (calibrated: see below).
+REGISTER_OVERHEAD = 16
+
+
+def register_estimate(c: KernelConfig) -> int:
+    """Registers per thread the key loop needs at least, calibrated against compile_for_target.
+
+    fp32 accumulators (block_m x head_dim_v) + fp32 scores (block_m x block_n), spread over
+    32*num_warps threads, + P at a quarter of the scores (four e4m3 per register; Triton converts
+    bf16 P as it feeds the P@V wgmma, so its extra registers overlap the scores' the same way)
+    + REGISTER_OVERHEAD. It is close to a lower bound, not a prediction: real counts run 0..100
+    above it with loads, layouts and rowsum (lean P under maxnreg=168 once came 4 below). Over the
+    same 1940 configs (maxnreg 0, 168 and 200) every config whose estimate exceeds its limit spilled
+    (305 of the 586 that spill); every config that did not spill stays 8 or more under its limit.
+    """
+    threads = 32 * c.num_warps
+    acc = c.block_m * c.head_dim_v // threads
+    scores = c.block_m * c.block_n // threads
+    return acc + scores + scores // 4 + REGISTER_OVERHEAD
+
+
+def register_limit(c: KernelConfig) -> int:
+    return c.maxnreg or HOPPER.max_registers
+
+
+def gluon_smem_estimate(c: KernelConfig) -> int:
+    """Shared memory (bytes) of a Gluon kernel: the Q ring (q_stages x block_m x 128), the K and V^T
+    rings (2 x num_stages x block_n x 128), one 64 x 128 bf16 output tile per consumer warpgroup,
+    lean P's (8, block_n) e4m3 ones tile per consumer warpgroup, barriers and swizzle alignment
+    (TMA_SMEM_MARGIN), with v_layout="natural" the two (block_n, head_dim_v) slots V is loaded into,
+    and with p_carry="smem" / "smem2" one / two (64, block_n) e4m3 P tiles per consumer warpgroup (with
+    "smem2" the output tile in the first where it fits).
+    Exact to within the margin (compiled: 147920 B for the default against 148480 estimated; 150000 B
+    for its lean P variant)."""
+    q = c.q_stages * c.block_m * c.head_dim_qk
+    dp = sum(gluon_o_parts(c))  # V^T and O tiles: padded to a power of two (96 -> 128), or 64 + 32
+    kv = c.num_stages * c.block_n * (c.head_dim_qk + dp)
+    raw_v = 2 * c.block_n * dp if c.v_layout == "natural" else 0  # the tiles the producer transposes
+    out = (c.block_m // 64) * 64 * dp * 2
+    ones = (c.block_m // 64) * 8 * c.block_n if c.rowsum == "mma" else 0
+    p = p_tiles(c) * (c.block_m // 64) * 64 * c.block_n  # P's way to the PV wgmma
+    if o_in_p_tile(c):  # the output tiles live in the first P tiles
+        out = 0
+    return q + kv + raw_v + out + ones + p + TMA_SMEM_MARGIN
+
+
+#: setmaxnreg of a producer warpgroup that transposes V (v_layout="natural"): at 24 it spilled 8 bytes
+#: (compile_for_target, hd128 128 x 128 overlap; one consumer with 256-key blocks), at 40 none; one
+#: consumer (producer_regs fixed at 24) with blocks of up to 128 keys did not spill at head dims up to
+#: 128 (at 256: 16 bytes) unless it also reads a tile table (q_order="balanced": 8 bytes)
+NATURAL_V_PRODUCER_REGS = 40
+#: Fixed part of a Gluon consumer's registers: row statistics, loop state, addresses, barriers.
+GLUON_REGISTER_OVERHEAD = 24
+#: Extra registers each of three consumer warpgroups (block_m=192, 160 registers each) needs at head
+#: dim 128 and up: with 128-key blocks (estimated 152) they spilled 48-80 bytes with or without
+#: overlap, v_permute, rowsum="mma" or skip_rescale; 64-key blocks (estimated 120-128) did not, nor did
+#: head dim 64 with 128-key blocks (estimated 148). With P through two shared tiles (no P
+#: in registers) and the row sums in fp32 they fit (hd128, 128-key blocks: 152, no spill with or without
+#: the output through the P tiles, late_rescale, skip_rescale, 4 stages, a Q ring of 2) at 160, but not at
+#: 152 (producer_regs=56: 512 bytes, wgmmas serialised): GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS; with
+#: the row-sum MMA they still spill (48 bytes)
+GLUON_THREE_CONSUMER_REGISTERS = 24
+GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS = 8
+#: Extra registers of an overlapped 192-key block (two key parts, two accumulators): at 240 per
+#: consumer none spilled, at 224 (producer_regs=56) 40 bytes did with the estimate at 208.
+#: Three consumers need them without overlap too: at hd64 their plain 192-key step spilled 64-80 bytes
+#: at 160 (estimated 152) and 160-224 with the wgmmas serialised at 152 (compile sweep)
+GLUON_SPLIT_REGISTERS = 24
+#: Extra registers at head dims 192/128 (Q and K in three column parts) with overlap and the row-sum
+#: MMA: one consumer with 256-key blocks spilled 64 bytes at an estimated 248 of 256 (hd128: none;
+#: rowsum="fp32": none)
+GLUON_MLA_MMA_REGISTERS = 16
+#: Extra registers a Gluon consumer needs at head dims 64 and 256 with the packed P carried (measured)
+GLUON_OTHER_DIM_REGISTERS = 12
+#: Extra registers of the plain step (no overlap, no pv_defer) at head dim 256 on 128-key blocks (a
+#: 64 x 256 accumulator beside 64 x 128 scores, estimated 216): it spilled 8-32 bytes at 224 and 232
+#: per consumer (producer_regs 56 / 40, with or without ping-pong, half_block, skip_rescale, lane sums)
+#: and none at 240; with the row-sum MMA 24 bytes at 240 too (a random sweep of the hd256
+#: space: 3 of 80 feasible points spilled, this one and two at the estimate's edge)
+GLUON_WIDE_PLAIN_REGISTERS = 24
+GLUON_WIDE_PLAIN_MMA_REGISTERS = 8
+#: Extra registers of a 256-key pv_defer block (two 128-key parts, the second QK^T issued after the PV
+#: wait, so the scores never share the registers with the P in flight). Such a block always rescales O
+#: in place (inline PTX, generator/gluon_sm90/emit.rescale_in_place): so it compiled without spills at
+#: 240 per consumer (rowsum fp32 / mma, with or without ping-pong, v_permute or skip_rescale) and spilled
+#: 16 bytes at 232; rescaled by a multiply (a second copy of O) it had spilled 64-152 bytes (causal;
+#: non-causal kernels may spill and are left to the tuner's compile check)
+GLUON_SPLIT_DEFER_REGISTERS = 8
+#: Extra registers of one consumer warpgroup (block_m=64, the 256-register maximum) that reads the
+#: balanced tile table: its 256-key overlapped kernels (estimated 248) spilled 8 bytes with the table and
+#: none in round robin; no two- or three-consumer calibration row changed (48 compiles)
+GLUON_ONE_CONSUMER_TABLE_REGISTERS = 16
+#: Extra registers of pv_defer with the row-sum MMA: at head dim 256 with 128-key blocks (estimated
+#: 232) rowsum="fp32" did not spill at 240 registers and "mma" spilled 32-40 bytes; at 224 both spilled
+#: 120-160 (64 compiles over head dims 64 / 256)
+GLUON_DEFER_MMA_REGISTERS = 16
+#: Extra registers of two P tiles (p_carry="smem2") with the row-sum MMA where accumulator and scores take
+#: 192 registers (hd128 at 256 keys, hd256 at 128): at hd128 (estimated 216 without it) the exact softmax
+#: spilled 48-64 bytes and lean P 32; at hd256 with the output through the P tiles (228)
+#: 32-40 bytes; rowsum="fp32": none
+GLUON_TWO_TILE_MMA_REGISTERS = 32
+
+
+#: Extra registers of three consumer warpgroups (160 registers each) carrying P as float32 with O in two
+#: parts (o_split, head dim 96): 3 of 4 such kernels spilled 24-32 bytes (estimated 152 without this
+#: term; ping-pong with the row-sum MMA and skip_rescale did not and is rejected with them), while every
+#: packed-P (p_carry="e4m3") one compiled clean (50 compiles over head dim 96)
+GLUON_SPLIT_O_F32_THREE_REGISTERS = 16
+#: Extra registers of those three consumers (o_split) without the key permutation (v_permute=False:
+#: P reaches the PV wgmma through a layout conversion): all 4 compiled spilled 8-40 bytes at an
+#: estimated 136, overlap or not; with the permutation none did
+GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS = 32
+
+
+def gluon_register_estimate(c: KernelConfig) -> int:
+    """Registers per thread a Gluon consumer warpgroup needs at least: its 64 x head_dim fp32
+    accumulator, the 64 x block_n fp32 scores and, with overlap, the previous block's P carried into
+    the next step: packed four e4m3 to a register with v_permute (block_n / 8), else as separate
+    bytes plus the shuffles' temporaries (block_n / 2 + 16); p_carry="smem" counts the same packed
+    words (live until they are stored: 256 keys, estimated 248, spilled 16 bytes; 128 keys did not);
+    + GLUON_REGISTER_OVERHEAD. pv_defer holds the same P in flight under QK^T(j) (at 256 keys,
+    estimated 248 of 240, it spilled 96-184 bytes and ptxas serialised every wgmma; 128 and 192 keys did not spill).
+    Calibrated on compile_for_target over block_n 64/128/256 x overlap x v_permute x producer_regs
+    24/56 x one or two consumers (36 configs; tests/test_gluon_compile.py keeps the decisive ones):
+    it rejected every config that spilled and none that did not. Head dims 64 and 256 with the
+    packed P carried (overlap, v_permute) need GLUON_OTHER_DIM_REGISTERS more: without them a 256 x
+    128-key and a 64 x 256-key (producer_regs=56) config passed and spilled 48 and 8 bytes, while the
+    same term on head dim 128 would reject a 256-key one-consumer config that fits (7 more compiles,
+    tests/test_gluon_compile.py CALIBRATION). Head dim 96 counts its accumulator as 128 columns
+    (padded) or 64 + 32 (o_split, without the other-dims term: three consumers and 256-key overlapped
+    blocks compile clean at 152 and 232; GLUON_SPLIT_O_F32_THREE_REGISTERS). Two P tiles with the row-sum MMA
+    beside 192 registers of accumulator and scores: GLUON_TWO_TILE_MMA_REGISTERS."""
+    dp = sum(gluon_o_parts(c))  # the accumulators' columns (96 -> 128, or 64 + 32)
+    acc = 64 * dp // 128
+    scores = 64 * c.block_n // 128
+    # (two P tiles: P(j) is stored as the softmax makes it, before the PV(j-1) wait, and carried in no register)
+    carried = (0 if not (c.overlap or c.pv_defer) or p_tiles(c) == 2
+               else scores // 4 if c.v_permute else scores + 16)
+    other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and dp != 128 and not c.o_split else 0
+    three_split_o = c.o_split and c.block_m == 192  # (o_split's own terms for three consumers)
+    split_o = ((GLUON_SPLIT_O_F32_THREE_REGISTERS if three_split_o and c.overlap and c.p_carry == "f32" else 0)
+               + (GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS if three_split_o and not c.v_permute else 0))
+    defer_mma = GLUON_DEFER_MMA_REGISTERS if c.pv_defer and c.rowsum == "mma" else 0
+    two_tile_mma = GLUON_TWO_TILE_MMA_REGISTERS if p_tiles(c) == 2 and acc + scores >= 192 and c.rowsum == "mma" else 0
+    three = 0 if c.block_m != 192 or dp < 128 else (
+        GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS if p_tiles(c) == 2 and c.rowsum == "fp32"
+        else GLUON_THREE_CONSUMER_REGISTERS)
+    split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and (c.overlap or c.block_m == 192) else 0
+    mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
+    table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
+    wide_plain = (GLUON_WIDE_PLAIN_REGISTERS + (GLUON_WIDE_PLAIN_MMA_REGISTERS if c.rowsum == "mma" else 0)
+                  if dp == 256 and c.block_n >= 128 and not (c.overlap or c.pv_defer) else 0)
+    if c.pv_defer and c.block_n == 256:  # peak at the softmax: no P in flight beside the scores, O in place
+        return acc + scores + defer_mma + table + GLUON_SPLIT_DEFER_REGISTERS + GLUON_REGISTER_OVERHEAD
+    return (acc + scores + carried + other_dim + three + split + mla + defer_mma + two_tile_mma + table + split_o
+            + wide_plain + GLUON_REGISTER_OVERHEAD)
+
+
+def gluon_infeasibility(c: KernelConfig) -> str | None:
+    """Why a Gluon config cannot compile to a usable kernel (TMA boxes, shared memory, registers per
+    role: the consumers' setmaxnreg share), or None."""
+    if c.block_n & (c.block_n - 1) and c.block_n != 192:
+        return (f"TMA: block_n={c.block_n} must be a power of two (the V^T box is [128, block_n]) or 192 "
+                f"(128 + 64 key parts)")
+    smem = gluon_smem_estimate(c)
+    if smem > HOPPER.shared_memory_bytes:
+        return (f"shared memory: about {smem} B (Q ring {c.q_stages}, K/V ring {c.num_stages} x {c.block_n} keys, "
+                f"output tiles) > {HOPPER.shared_memory_bytes} B (227 KiB)")
+    consumer, producer = gluon_registers(c)
+    if c.v_layout == "natural" and producer < NATURAL_V_PRODUCER_REGS and (
+            c.block_m > 64 or c.block_n > 128 or c.head_dim_v > 128 or c.q_order == "balanced"):
+        return (f"registers: the producer warpgroup transposes V (v_layout='natural') and spills at "
+                f"producer_regs={producer} (block_m={c.block_m}, block_n={c.block_n}, head_dim_v="
+                f"{c.head_dim_v}, q_order={c.q_order!r}); it needs {NATURAL_V_PRODUCER_REGS}")
+    need = gluon_register_estimate(c)
+    if need > consumer:
+        return (f"registers: a consumer warpgroup needs about {need} per thread (accumulator, scores"
+                f"{', carried P' if c.overlap or c.pv_defer else ''}) > its {consumer} (producer_regs={c.producer_regs}): "
+                f"it would spill")
+    return None
+
+
+def static_infeasibility(c: KernelConfig) -> str | None:
+    """Why `c` cannot compile to a usable sm_90a kernel, from its shape alone; None if it may."""
+    if c.backend == "gluon":
+        return gluon_infeasibility(c)
+    wg_rows = 64 * (c.num_warps // 4)
+    if c.num_warps % 4 or c.block_m % wg_rows:
+        # Triton compiles it by splitting the key / head-dim columns across warpgroups (row
+        # statistics then go through shared memory each tile). Measured on the H200 (B=2, H=32,
+        # S=4096, causal) it ran 1.6-3.0x slower than the same config with 64 rows x 4 warps or
+        # 128 rows x 8 warps, both dtypes, head dims 64, 128 and 256: pruned, as FA3/FA4 do.
+        return (f"wgmma: block_m={c.block_m} with num_warps={c.num_warps} gives a warpgroup fewer than 64 "
+                f"query rows (block_m must be a multiple of {wg_rows}, one 64-row slice per warpgroup)")
+    min_n = 32 if c.dtype == "fp8" else 16
+    if c.block_n % 16 or c.block_n < min_n:
+        return (f"wgmma: block_n={c.block_n} must be a multiple of 16 and >= {min_n} for {c.dtype} "
+                f"(the k dimension of P@V)")
+    smem = smem_estimate(c)
+    if smem > HOPPER.shared_memory_bytes:
+        return (f"shared memory: about {smem} B (Q, {c.num_stages} stages of K and V"
+                f"{', ones tile' if c.rowsum == 'mma' else ''}) > {HOPPER.shared_memory_bytes} B (227 KiB)")
+    regs, limit = register_estimate(c), register_limit(c)
+    if regs > limit:
+        return (f"registers: about {regs} per thread (accumulators, scores, P) > "
+                f"{'maxnreg=' + str(c.maxnreg) if c.maxnreg else str(HOPPER.max_registers)}: it would spill")
+    return None
+
