@@ -48,7 +48,7 @@ class Family:
 
     @property
     def heads(self) -> int:
-        """16 heads for 192/128, else 32 (the shapes of docs/PERF.md's tables)."""
+        """16 heads for 192/128, else 32 (as benchmarks/peers.py's shapes)."""
         return 16 if (self.head_dim_qk, self.head_dim_v) == (192, 128) else 32
 
     def spec(self, *, trials: int, storage: str, study_storage: str, runner: str, gpus: tuple[int | None, ...],
