@@ -1,16 +1,37 @@
-"""What the bench tests share: a fake timer, a sample result, and a run saved in the first JSON
-format (rows without kind, dtype or hk; no environment or settings), which `BenchResult.load` still
-reads."""
+"""What the bench tests share: a system made of a bind function alone, a fake timer, a sample
+result, and a run saved in the first JSON format (rows without kind, dtype or hk; no environment
+or settings), which `BenchResult.load` still reads."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+from zyfa_tune.bench.inputs import Inputs
+from zyfa_tune.bench.peers.base import Bound
 from zyfa_tune.bench.results import BenchResult, BenchRow
+from zyfa_tune.bench.shape import BenchShape
 from zyfa_tune.tuning.timing import Timing
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass(frozen=True)
+class System:
+    """A benched system given by its bind function alone (a `bench.peers.base.Peer`)."""
+
+    name: str
+    kind: str
+    dtype: str
+    bind: Callable[[Inputs], Bound]
+
+    def supports(self, shape: BenchShape) -> bool:
+        return True
+
+    def prepare(self, x: Inputs) -> Bound:
+        return self.bind(x)
 
 
 def fake_timer(calls, warmup, reps):

@@ -12,14 +12,14 @@ import sys
 import pytest
 import torch
 
-from bench_cases import PNG_MAGIC, fake_timer, sample_result, write_first_format
+from bench_cases import PNG_MAGIC, System, fake_timer, sample_result, write_first_format
 from zyfa_tune import cli
 from zyfa_tune.bench import report as bench_report
 from zyfa_tune.bench import run as bench_run
-from zyfa_tune.bench.inputs import Inputs
+from zyfa_tune.bench.inputs import DTYPES, Inputs
 from zyfa_tune.bench.measure import measure_shape
-from zyfa_tune.bench.peers import parse_peers
-from zyfa_tune.bench.peers.base import Bound, System, boxed
+from zyfa_tune.bench.peers import PEERS, parse_peers, systems_for
+from zyfa_tune.bench.peers.base import Bound, boxed
 from zyfa_tune.bench.peers.ours import Ours, OursSpec, borrowed_from, parse_ours
 from zyfa_tune.bench.peers.sdpa import TorchSDPA
 from zyfa_tune.bench.results import BenchResult, BenchRow
@@ -93,6 +93,21 @@ def test_parse_ours_labels_and_dtypes():
         parse_ours("lean:softmax", ["fp8"])
     with pytest.raises(ValueError, match="dtype"):
         parse_ours("dtype=fp16", ["fp8"])
+
+
+def test_systems_come_from_the_registry_ours_first_and_only_where_they_run():
+    """Every registered peer answers to its --peers name; systems_for puts ours first and leaves out
+    a peer whose supports() refuses the shape (torch SDPA at unequal head dims)."""
+    for name, peer in PEERS.items():
+        assert peer.name == name and peer.kind == "peer" and peer.dtype in DTYPES
+    ours = [OursSpec("ours-bf16", "bf16"), *parse_ours("w:block_n=64", ["bf16"])]
+    bf16 = parse_peers(None, ["bf16"])
+    square = BenchShape(head_dim_qk=128, head_dim_v=128, batch=1, seqlen=1024, heads=8, kv_heads=8)
+    wide = BenchShape(head_dim_qk=192, head_dim_v=128, batch=1, seqlen=1024, heads=8, kv_heads=8)
+    assert [(s.name, s.kind) for s in systems_for(square, ours, bf16)] == [
+        ("ours-bf16", "ours"), ("w", "forced"), ("fa3-bf16", "peer"), ("sdpa-cudnn-bf16", "peer"),
+        ("sdpa-flash-bf16", "peer")]
+    assert [s.name for s in systems_for(wide, ours, bf16)] == ["ours-bf16", "w", "fa3-bf16"]
 
 
 def test_plan_rejects_bad_forced_configs_before_measuring():

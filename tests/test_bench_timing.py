@@ -8,13 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from bench_cases import fake_timer, sample_result, write_first_format
+from bench_cases import System, fake_timer, sample_result, write_first_format
 from zyfa_tune import cli
 from zyfa_tune.bench import report as bench_report
 from zyfa_tune.bench import run as bench_run
 from zyfa_tune.bench.inputs import Inputs
 from zyfa_tune.bench.measure import measure_shape
-from zyfa_tune.bench.peers.base import Bound, System
+from zyfa_tune.bench.peers.base import Bound
 from zyfa_tune.bench.peers.sdpa import TorchSDPA
 from zyfa_tune.bench.results import BenchResult
 from zyfa_tune.bench.run import BenchPlan

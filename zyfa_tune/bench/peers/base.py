@@ -48,22 +48,6 @@ class Peer(Protocol):
         """Bind to one input set; the returned `call` is what is timed."""
 
 
-@dataclass(frozen=True)
-class System:
-    """A system given by its bind function alone (for tests and one-off systems)."""
-
-    name: str
-    kind: str
-    dtype: str
-    bind: Callable[[Inputs], Bound]
-
-    def supports(self, shape: BenchShape) -> bool:
-        return True
-
-    def prepare(self, x: Inputs) -> Bound:
-        return self.bind(x)
-
-
 def boxed(fn: Callable[[], Any], pick: Callable[[Any], torch.Tensor] = lambda r: r):
     """(call, output): call() runs fn and keeps pick(result) for output()."""
     box: dict[str, torch.Tensor] = {}
