@@ -9,7 +9,7 @@ timing as `zyfa-tune tune`, and the studies start from the seeds (the default co
 dim and the winners of the database being replaced).
 
     python benchmarks/ship_db.py --out kernels/tuned/h200.db --force --trials 12          # GPU
-    python benchmarks/ship_db.py --out /tmp/x.db --runner replay --dtypes fp8 --head-dims 128 --trials 3
+    python benchmarks/ship_db.py --out test.db --runner replay --dtypes fp8 --head-dims 128 --trials 3
 
 The output is never overwritten without --force (it is replaced atomically at the end, after every
 study finished). --workdir keeps the studies and the working database, and a second run with the
