@@ -15,8 +15,6 @@ import argparse
 import json
 import sys
 
-import torch
-
 from zyfa_tune.tuning.inputs import FAMILY_NAMES, make_qkv
 from zyfa_tune.tuning.reference import attention_reference, rel_l2
 from zyfa_tune.quantize import dequantize_fp8, quantize_fp8

@@ -9,7 +9,7 @@ decoded codes rescaled exactly when it moves) and compares the codes' attention 
 rounded (FA3's model: the exact maximum, row sums of the unrounded probabilities). `--floor` adds
 `lean_floor`'s second line (3 codes an octave below code 8), `--mufu k` lean_mufu's share of correctly rounded
 pairs (k of every four key pairs). The kernel's own f16 roundings (scores, a, b)
-are not modelled: its offset is LEAN_MAX_CENTER plus b's f16 margin (docs/BACKENDS.md, session 45).
+are not modelled: its offset is LEAN_MAX_CENTER plus b's f16 margin (docs/design.md).
 
     python benchmarks/lean_offset_error.py [--seqlen 2048] [--offsets 0,0.25,0.45] [--floor] [--mufu 1] [--v-weight 0]
                                            [--json out.json]

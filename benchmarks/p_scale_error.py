@@ -1,6 +1,6 @@
 """What P's power-of-2 scale buys in accuracy: `p_scale_log2` and a per-block exponent (CPU, float64).
 
-Issue 5 lists per-block power-of-2 scaling of P with the block size as a parameter (16-128 keys). This
+Would a per-block power-of-2 scale of P (blocks of 16-128 keys) beat one scale per tile? This
 emulates the kernels' online softmax in float64 on the same e4m3 inputs every FP8 system gets, with P
 rounded to e4m3 (round to nearest, as `cvt.rn.satfinite.e4m3x2.f32` does) at 2^(x - ref + p), where
 ref is the running row maximum, p is `p_scale_log2`, and, per block of `block` keys, x is raised by the

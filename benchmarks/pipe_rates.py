@@ -1,5 +1,5 @@
-"""Issue rates of the instructions the exact softmax is made of, on this GPU (the numbers behind the
-timeline reading in docs/BACKENDS.md): cycles per warp instruction per SM sub-partition, and whether
+"""Issue rates of the instructions the exact softmax is made of, on this GPU (the MUFU rates in
+docs/design.md): cycles per warp instruction per SM sub-partition, and whether
 the e4m3 conversion shares the MUFU pipe with the exponential.
 
 Each kernel runs a loop of one inline-PTX body over four independent chains per thread, 32 warps per
@@ -15,7 +15,7 @@ while the other consumer computes its row maximum. Only SMs where the block sche
 program and one neighbour, the neighbour running beside at least 95% of the timed loop, are counted.
 The timed program is the older one, and the warp scheduler is not fair across programs: a neighbour on
 the same pipe does not halve it (ex2 beside ex2 8.06 cycles on the H100), and one that issues every
-cycle starves it (beside fmnmx+ffma 52.3; docs/PERF.md session 42). Read the figures as what a
+cycle starves it (beside fmnmx+ffma 52.3 on the H100). Read the figures as what a
 neighbour's issue costs, not as a fair share.
 
     python3 benchmarks/pipe_rates.py                                   # GPU: every body, saturated
@@ -59,7 +59,7 @@ def _each(line: str) -> str:
 BODIES = {
     "ex2": (_EX2, 4, "MUFU.EX2"),
     # the packed f16 exponential (two MUFU.EX2.F16 per instruction on sm_90a): per PTX instruction, i.e.
-    # per two exponentials (16.0 cycles on the H100: two f32 exponentials' worth, session 42)
+    # per two exponentials (16.0 cycles on the H100: two f32 exponentials' worth)
     "ex2.f16x2": (_each("ex2.approx.f16x2 {o}, {i};"), 4, "MUFU.EX2.F16"),
     "ffma": ("fma.rn.f32 $0, $4, 0f3F000000, 0fBE000000;\nfma.rn.f32 $1, $5, 0f3F000000, 0fBE000000;\n"
              "fma.rn.f32 $2, $6, 0f3F000000, 0fBE000000;\nfma.rn.f32 $3, $7, 0f3F000000, 0fBE000000;", 4, "FFMA"),
@@ -80,14 +80,14 @@ BODIES = {
                 + "cvt.rn.satfinite.e4m3x2.f32 h0, t1, t0;\ncvt.rn.satfinite.e4m3x2.f32 h1, t3, t2;\n"
                 + "mov.b32 w0, {h0, h1};\nand.b32 w0, w0, 1;\n"
                 + _each("add.f32 {o}, t{k}, 0fBF000000;") + "xor.b32 $0, $0, w0; }", 4, "MUFU.EX2"),
-    # lean P's instructions (session 26): its clamp as a saturating FMA or an integer max, the code
+    # lean P's instructions: its clamp as a saturating FMA or an integer max, the code
     # sums' e4m3 -> f16x2 unpack and f16x2 add, and bf16x2 packing / max (a halved row-maximum tree)
     "ffma.sat": (_each("fma.rn.sat.f32 {o}, {i}, 0f3F000000, 0f3E000000;"), 4, "FFMA.SAT"),
     # (ptxas fuses this body's max.s32 pairs into VIMNMX3: its rate is per PTX max; imnmx3 times the
     # instruction)
     "imnmx": (_each("max.s32 {o}, {i}, 1262485504;"), 4, "VIMNMX"),
     # a three-input integer max (two max.s32 that ptxas fuses), and with FMNMX: one pipe or two
-    # (session 27: the row maximum over the scores' bits)
+    # (the row maximum over the scores' bits)
     "imnmx3": (_T32 + _each("max.s32 t{k}, {i}, {n};\nmax.s32 {o}, t{k}, 1262485504;") + "}", 4, "VIMNMX3"),
     "fmnmx+imnmx3": (_T32 + _each("max.f32 t{k}, {i}, 0f3F000000;\nmax.s32 {o}, t{k}, {n};\nmax.s32 {o}, {o}, 7;")
                      + "}", 4, "FMNMX"),

@@ -1,10 +1,10 @@
-"""What FP8 input quantisation costs next to the attention it feeds (issue 5: "Hadamard rotation ...
-with its cost measured").
+"""What FP8 input quantisation costs next to the attention it feeds (the options that buy accuracy,
+Hadamard rotation and K smoothing among them, measured against the attention they serve).
 
 For each shape: bf16 Q, K, V (gaussian family), then device time (median, `time_cuda`) and host time
 per call (`host_us`: what a launch-bound caller waits) of `quantize_fp8` with each option (the Triton
 kernels of kernels/quantize.py), device time of the same arithmetic
-in torch ops (`quantize_heads_reference`, what `quantize_fp8` ran before), and of the attention on
+in torch ops (`quantize_heads_reference`, the unfused form), and of the attention on
 the quantised inputs: `flash_attn_func` (the dispatcher's kernel) and FA3-fp8, same process, same
 inputs.
 

@@ -1,4 +1,4 @@
-"""TPE against random sampling at equal trial counts (issue #4).
+"""TPE against random sampling at equal trial counts: does the tuner's sampler earn its keep.
 
 Runs the same tuning spec twice through the tuner (`zyfa_tune.tuning.tuner.Tuner`), once with
 `--sampler tpe` and once with `--sampler random`, each with its own study name, study journal and

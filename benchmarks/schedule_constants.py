@@ -6,7 +6,7 @@ blocks), timed against each other in one process, rounds interleaved, on the GPU
 
 --groups: MiB per group (KernelConfig's l2_group_mib choices); --overheads: a tile's extra cost in keys
 (divided by the kernel's block_n). Kernels: the hd128 256-key seed at 4K / 8K / 16K and
-the hd256 pv_defer seed at 8K (batch x seqlen = 16K tokens, 32 heads). docs/PERF.md, session 7.
+the hd256 pv_defer seed at 8K (batch x seqlen = 16K tokens, 32 heads). Why the schedule has them: docs/design.md.
 """
 
 from __future__ import annotations

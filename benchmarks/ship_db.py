@@ -9,7 +9,7 @@ timing as `zyfa-tune tune`, and the studies start from the seeds (the default co
 dim and the winners of the database being replaced).
 
     python benchmarks/ship_db.py --out kernels/tuned/h200.db --force --trials 12          # GPU
-    python benchmarks/ship_db.py --out /tmp/x.db --runner replay --dtypes fp8 --head-dims 128 --trials 3
+    python benchmarks/ship_db.py --out test.db --runner replay --dtypes fp8 --head-dims 128 --trials 3
 
 The output is never overwritten without --force (it is replaced atomically at the end, after every
 study finished). --workdir keeps the studies and the working database, and a second run with the
@@ -48,7 +48,7 @@ class Family:
 
     @property
     def heads(self) -> int:
-        """16 heads for 192/128, else 32 (the shapes of docs/PERF.md's tables)."""
+        """16 heads for 192/128, else 32 (as benchmarks/peers.py's shapes)."""
         return 16 if (self.head_dim_qk, self.head_dim_v) == (192, 128) else 32
 
     def spec(self, *, trials: int, storage: str, study_storage: str, runner: str, gpus: tuple[int | None, ...],

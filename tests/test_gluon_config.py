@@ -317,7 +317,7 @@ def test_overrides_pick_the_named_backends_default():
 
 
 def test_bench_ours_backend_gluon_is_the_gluon_default():
-    from zyfa_tune.bench.run import parse_ours
+    from zyfa_tune.bench.peers.ours import parse_ours
 
     (spec,) = parse_ours("gluon:backend=gluon", ["fp8"])
     assert spec.label == "gluon" and spec.config_for(128, 128) == GLUON

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 #: pytest-xdist runs other test processes on the same GPU; its time slices can stretch a step of one
 #: consumer warpgroup and not the other's, so the interleave's offset is checked only without them
-#: (session 43: -1.6 periods under `-n 14`, within one period alone)
+#: (an H100 saw -1.6 periods under `-n 14`, within one period alone)
 SHARED_GPU = bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 CONFIGS = {"wide": gluon_wide_config("fp8", 128, 128), "packed-overlap": gluon_packed_config("fp8", 128, 128)}

@@ -1,4 +1,4 @@
-"""The table and the plot of a `zyfa_tune.bench.run.BenchResult`, from a live run or from saved JSON.
+"""The table and the plot of a `zyfa_tune.bench.results.BenchResult`, from a live run or from saved JSON.
 
 Kept apart from the measuring code so that it runs where the plot is drawn: the GPU machine has
 no matplotlib, so runs are saved as JSON there and drawn on the CPU side (`zyfa-tune bench --from
@@ -15,7 +15,7 @@ from typing import Iterable
 
 from rich.table import Table
 
-from zyfa_tune.bench.run import BenchResult, BenchRow
+from zyfa_tune.bench.results import BenchResult, BenchRow
 
 OURS_COLORS = ("#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#bcbd22")
 PEER_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#7f7f7f", "#393b79")

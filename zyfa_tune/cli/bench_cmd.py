@@ -12,30 +12,35 @@ from .common import console
 def _bench_plan(args: argparse.Namespace):
     """`zyfa-tune bench`'s BenchPlan: the dispatcher's pick per dtype (unless --no-dispatch), the
     --ours configs and the peers, on the shapes asked for."""
-    from zyfa_tune.bench import run as bench
+    from zyfa_tune.bench.inputs import DTYPES
+    from zyfa_tune.bench.peers import parse_peers
+    from zyfa_tune.bench.peers.ours import OursSpec, parse_ours
+    from zyfa_tune.bench.run import BenchPlan
+    from zyfa_tune.bench.shape import parse_shape, shapes_from
     from zyfa_tune.tuning.inputs import FAMILY_NAMES
 
-    dtypes = bench.DTYPES if args.dtype == "both" else (args.dtype,)
-    shapes = (tuple(bench.parse_shape(s) for s in args.shape) if args.shape else
-              bench.shapes_from(args.head_dim, args.head_dim_v, args.seqlens, args.batch_heads, args.kv_heads))
-    ours = [] if args.no_dispatch else [bench.OursSpec(f"ours-{dt}", dt) for dt in dtypes]
+    dtypes = DTYPES if args.dtype == "both" else (args.dtype,)
+    shapes = (tuple(parse_shape(s) for s in args.shape) if args.shape else
+              shapes_from(args.head_dim, args.head_dim_v, args.seqlens, args.batch_heads, args.kv_heads))
+    ours = [] if args.no_dispatch else [OursSpec(f"ours-{dt}", dt) for dt in dtypes]
     for text in args.ours or []:
-        ours += bench.parse_ours(text, dtypes)
-    return bench.BenchPlan(shapes=shapes, ours=tuple(ours), peers=bench.parse_peers(args.peers, dtypes),
-                           reps=args.reps, seed=args.seed, rotate=args.rotate, rounds=args.rounds, warm_s=args.warm,
-                           input_family=",".join(FAMILY_NAMES) if args.input_family == "all" else args.input_family,
-                           quant=args.quant, energy_s=args.energy_s, ceiling=args.ceiling)
+        ours += parse_ours(text, dtypes)
+    return BenchPlan(shapes=shapes, ours=tuple(ours), peers=parse_peers(args.peers, dtypes), reps=args.reps,
+                     seed=args.seed, rotate=args.rotate, rounds=args.rounds, warm_s=args.warm,
+                     input_family=",".join(FAMILY_NAMES) if args.input_family == "all" else args.input_family,
+                     quant=args.quant, energy_s=args.energy_s, ceiling=args.ceiling)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Ours (dispatcher + forced configs) against the peers on the same inputs; table, JSON, plot."""
-    from zyfa_tune.bench import run as bench
     from zyfa_tune.bench import report as bench_report
+    from zyfa_tune.bench import run as bench_run
+    from zyfa_tune.bench.results import BenchResult
 
     if args.plot:
         bench_report.require_matplotlib()
     if args.from_json:
-        result = bench.BenchResult.load(args.from_json)
+        result = BenchResult.load(args.from_json)
     else:
         import torch
 
@@ -43,8 +48,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             console.print("[red]bench: no CUDA device is visible; measuring needs the GPU.[/red] "
                           "A saved run is redrawn without one: zyfa-tune bench --from results.json --plot out.png")
             return 2
-        result = bench.run(_bench_plan(args), on_row=lambda r: console.print(bench_report.row_line(r), markup=False,
-                                                                             highlight=False))
+        result = bench_run.run(_bench_plan(args), on_row=lambda r: console.print(bench_report.row_line(r),
+                                                                                 markup=False, highlight=False))
     wide = console if console.is_terminal else Console(width=200)  # logs: one line per row
     wide.print(bench_report.results_table(result))
     if args.json:
@@ -67,8 +72,8 @@ def register(sub) -> None:
     p.add_argument("--shape", action="append", metavar="DQK,DV,B,S,H[,HK]",
                    help="an explicit shape (repeatable; replaces --head-dim/--seqlens/--batch-heads)")
     p.add_argument("--peers", default=None,
-                   help="comma list from fa3-fp8,cudnn-fp8,fa3-bf16,sdpa-cudnn-bf16,sdpa-flash-bf16, or 'none' "
-                        "(default: all of the benched dtypes)")
+                   help="comma list of peers (e.g. fa3-fp8,sdpa-flash-bf16; an unknown name lists every one), or "
+                        "'none' (default: every peer of the benched dtypes)")
     p.add_argument("--ours", action="append", metavar="[LABEL:]KEY=VAL,...",
                    help="also time a forced config: the default config with these fields changed (repeatable)")
     p.add_argument("--no-dispatch", action="store_true",
@@ -79,8 +84,8 @@ def register(sub) -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="timing rounds per shape, systems interleaved in a rotated order (clock drift hits all alike)")
     p.add_argument("--input-family", default="gaussian", metavar="NAME[,NAME...]",
-                   help="inputs of these kernels.inputs families, every shape on each (gaussian, outliers, sink, "
-                        "rope, peaky, flat, llm; 'all' for every one): issue 5's variant x family table in one run")
+                   help="inputs of these tuning.inputs families, every shape on each (gaussian, outliers, sink, "
+                        "rope, peaky, flat, llm; 'all' for every one): a variant x family table in one run")
     p.add_argument("--quant", choices=["per-tensor", "native", "end-to-end"], default="per-tensor",
                    help="FP8 inputs: one shared per-tensor quantisation (kernel error only), or each system's "
                         "own with errors against the unquantised inputs (then --ours NAME:smooth_k=true, hadamard=true, "

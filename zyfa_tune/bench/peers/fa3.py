@@ -1,0 +1,27 @@
+"""FlashAttention-3 (the `fa3_fwd_interface` wheel), FP8 or BF16: the peer the FP8 kernels are tuned
+against. It takes the same arguments as our `flash_attn_func`, descales included."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from zyfa_tune.bench.inputs import Inputs
+from zyfa_tune.bench.peers.base import Bound, boxed
+from zyfa_tune.bench.shape import BenchShape
+
+
+@dataclass(frozen=True)
+class FA3:
+    name: str
+    dtype: str
+    kind: ClassVar[str] = "peer"
+
+    def supports(self, shape: BenchShape) -> bool:
+        return True
+
+    def prepare(self, x: Inputs) -> Bound:
+        from fa3_fwd_interface import flash_attn_func as fa3_func
+
+        return Bound(*boxed(x.call(self.dtype, (), lambda *a, **kw: fa3_func(*a, causal=True, **kw)),
+                            lambda r: r[0] if isinstance(r, tuple) else r))
