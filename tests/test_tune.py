@@ -118,16 +118,16 @@ def test_precompile_failures_never_reach_the_study(tmp_path):
     assert "compiler crashed" not in " ".join(str(t.user_attrs.get("failure", "")) for t in study.trials)
 
 
-def test_precompile_runs_the_replay_compile(tmp_path):
-    """Compile-ahead is opt-in; for the replay runner it runs that runner's real sm_90a compile
+def test_precompile_runs_the_simulation_compile(tmp_path):
+    """Compile-ahead is opt-in; for the simulation runner it runs that runner's real sm_90a compile
     (what the worker then finds in Triton's cache)."""
     from zyfa_tune.generator.defaults import default_config
-    from zyfa_tune.tuning.precompile import Precompiler, compile_fn_for, compile_for_replay
+    from zyfa_tune.tuning.precompile import Precompiler, compile_fn_for, compile_for_simulation
 
     plain = Tuner(spec(tmp_path, trials=2))
     plain.run()
     assert plain.precompiler is None
-    assert compile_fn_for(f"replay:{SHIPPED}") is compile_for_replay
+    assert compile_fn_for(f"replay:{SHIPPED}") is compile_for_simulation
     cfg = default_config("fp8", 128, 128).replace(num_stages=2)
     with Precompiler(f"replay:{SHIPPED}", [(1, 8192, 32, 32)], True) as pc:
         pc.submit(cfg)
