@@ -206,7 +206,7 @@ def test_cli_flag_reaches_the_task_and_the_provenance(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Worker, "run", spy)
     storage, journal = str(tmp_path / "t.db"), str(tmp_path / "s.journal")
-    argv = ["tune", "--head-dim", "128", "--seqlens", "4096", "--trials", "2", "--runner", f"replay:{SHIPPED}",
+    argv = ["tune", "--head-dim", "128", "--seqlens", "4096", "--trials", "2", "--runner", f"simulate:{SHIPPED}",
             "--storage", storage, "--study-storage", journal, "--timeout", "60"]
     assert cli.main(argv + ["--input-family", "sink"]) == 0
     assert seen and all(t.input_family == "sink" and t.inputs is None for t in seen)

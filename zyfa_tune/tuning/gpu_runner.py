@@ -89,7 +89,8 @@ class GpuRunner:
 
         if not torch.cuda.is_available():
             raise RuntimeError("runner 'gpu': no CUDA device is visible in the worker "
-                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); without "
+                               "a GPU, runner 'simulate' (--runner simulate) runs the tuning loop on the CPU")
         self.torch = torch
         torch.cuda.set_device(0)
         self._probes: OrderedDict[tuple, Any] = OrderedDict()
