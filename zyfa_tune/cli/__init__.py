@@ -21,11 +21,11 @@ from rich.markup import escape
 
 from zyfa_tune.generator import ConfigError
 
-from . import bench_cmd, db_cmds, kernel_cmds, tune_cmd
+from . import bench_cmd, db_cmds, kernel_cmds, trials_cmd, tune_cmd
 from .common import console
 
 #: command groups, in the order `zyfa-tune --help` lists them
-GROUPS = (tune_cmd, kernel_cmds, db_cmds, bench_cmd)
+GROUPS = (tune_cmd, trials_cmd, kernel_cmds, db_cmds, bench_cmd)
 
 
 def main(argv: list[str] | None = None) -> int:
