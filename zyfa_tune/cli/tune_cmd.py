@@ -14,23 +14,15 @@ from zyfa_tune.generator import KernelConfig
 from .common import config_changes, console, int_list
 
 
-def _gpus(text: str | None, runner: str) -> tuple[int | None, ...]:
-    """--gpus -> worker GPU indices, checked against the GPUs present when the runner is "gpu" (for
-    another runner the indices only label the workers)."""
-    from zyfa_tune.tuning.runners import parse_runner
-
-    on_gpu = parse_runner(runner).kind == "gpu"
-    present = _gpu_count() if on_gpu else None
-    if present == 0:
-        raise ValueError("--runner gpu: no CUDA GPU is visible on this machine; --runner simulate runs the "
-                         "tuning loop on the CPU (simulated numbers: for trying the loop, not for choosing kernels)")
+def _gpus(text: str | None) -> tuple[int | None, ...]:
+    """--gpus -> worker GPU indices ('all': every GPU present); `_check_gpus` then checks them."""
     if text is None:
         return (None,)
     if text == "all":
-        present = _gpu_count() if present is None else present
-        if present == 0:
+        n = _gpu_count()
+        if n == 0:
             raise ValueError("--gpus all: no CUDA device is visible")
-        return tuple(range(present))
+        return tuple(range(n))
     gpus = int_list(text, "--gpus")
     if not gpus:
         raise ValueError(f"--gpus: expected GPU indices or 'all', got {text!r}")
@@ -38,11 +30,24 @@ def _gpus(text: str | None, runner: str) -> tuple[int | None, ...]:
         raise ValueError(f"--gpus: {text!r} names a GPU twice")
     if min(gpus) < 0:
         raise ValueError(f"--gpus: {min(gpus)} is not a GPU index")
-    missing = [str(g) for g in gpus if present is not None and g >= present]
+    return gpus
+
+
+def _check_gpus(gpus: tuple[int | None, ...], runner: str) -> None:
+    """For runner "gpu": a GPU must be there, and every --gpus index one of them (for another runner
+    the indices only label the workers)."""
+    from zyfa_tune.tuning.runners import parse_runner
+
+    if parse_runner(runner).kind != "gpu":
+        return
+    present = _gpu_count()
+    if present == 0:
+        raise ValueError("--runner gpu: no CUDA GPU is visible on this machine; --runner simulate runs the "
+                         "tuning loop on the CPU (simulated numbers: for trying the loop, not for choosing kernels)")
+    missing = [str(g) for g in gpus if g is not None and g >= present]
     if missing:
         raise ValueError(f"--gpus: GPU {', '.join(missing)} not present (this machine has {present}: "
                          f"{', '.join(map(str, range(present)))})")
-    return gpus
 
 
 def _gpu_count() -> int:
@@ -85,16 +90,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     """Optuna study over the family's search space; results go to the tuning database."""
     from rich.live import Live
 
-    from zyfa_tune.tuning.runners import parse_runner
     from zyfa_tune.tuning.tuner import Progress, Tuner, TuneSpec, best_per_shape, parse_duration
 
-    runner = args.runner
-    parse_runner(runner)  # a bad runner is named before anything else is checked
+    runner, gpus = args.runner, _gpus(args.gpus)
+    _check_gpus(gpus, runner)  # a bad runner is named here too, before anything else is checked
     spec = TuneSpec(dtype=args.dtype, head_dim_qk=args.head_dim, head_dim_v=args.head_dim_v or args.head_dim,
                     seqlens=() if args.inputs else int_list(args.seqlens, "--seqlens"), heads=args.heads, kv_heads=args.kv_heads,
                     batches=int_list(args.batches, "--batches") if args.batches else None,
                     causal=not args.non_causal, trials=args.trials,
-                    time_budget_s=parse_duration(args.time) if args.time else None, gpus=_gpus(args.gpus, runner),
+                    time_budget_s=parse_duration(args.time) if args.time else None, gpus=gpus,
                     storage=args.storage, study_storage=args.study_storage, study_name=args.study,
                     resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
                     runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
