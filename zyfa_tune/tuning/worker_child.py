@@ -7,7 +7,8 @@ the child asks the kernel for SIGKILL when its parent dies (Linux `prctl(PR_SET_
 first thing), checks that the parent is still the one that started it (it may have died before the
 request was made), and runs a watchdog thread that ends the process once its parent changes (the
 kernel's request is tied to the parent *thread* that started the child, and covers nothing outside
-Linux). The main loop also exits when the parent's end of the socket closes.
+Linux; a child so ended when that thread exits is replaced by the Worker's next task). The main loop
+also exits when the parent's end of the socket closes.
 """
 
 from __future__ import annotations
