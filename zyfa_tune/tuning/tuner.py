@@ -291,10 +291,7 @@ class Tuner:
         """Create the study, or load it to resume; a study that exists but never ran a trial (its
         first tuner failed before measuring) is taken over without --resume."""
         storage = open_study_storage(self.study_storage)
-        exists = self._started(storage)
-        if exists and not self.spec.resume:
-            raise ValueError(f"study: {self.spec.name!r} already exists in {self.study_storage}; "
-                             f"pass --resume to continue it or --study NAME for a new one")
+        exists = self._check_resumable(storage)
         directions = ["maximize", "minimize"] if self.spec.multi_objective else ["maximize"]
         study = optuna.create_study(study_name=self.spec.name, storage=storage, sampler=self._sampler(),
                                     directions=directions, load_if_exists=True)
@@ -308,14 +305,18 @@ class Tuner:
                 study.enqueue_trial(self.space.as_optuna_params(cfg), skip_if_exists=True)
         return study
 
-    def _started(self, storage) -> bool:
-        """Whether the study exists with a trial beyond the queued ones."""
+    def _check_resumable(self, storage) -> bool:
+        """Whether the study exists with a trial beyond the queued ones; ValueError if so without --resume."""
         try:
             study = optuna.load_study(study_name=self.spec.name, storage=storage)
         except KeyError:
             return False
         waiting = optuna.trial.TrialState.WAITING
-        return any(t.state != waiting for t in study.get_trials(deepcopy=False))
+        started = any(t.state != waiting for t in study.get_trials(deepcopy=False))
+        if started and not self.spec.resume:
+            raise ValueError(f"study: {self.spec.name!r} already exists in {self.study_storage}; "
+                             f"pass --resume to continue it or --study NAME for a new one")
+        return started
 
     def _recover(self, study: optuna.Study) -> None:
         """Queue again the trials a killed tuner on this host left RUNNING; index finished configs."""
@@ -449,6 +450,7 @@ class Tuner:
         """Run the study until the trial count or the time budget is spent; returns the study.
         Every worker has started its runner before the study is opened: a machine that cannot run
         the runner (no GPU for "gpu") raises WorkerError and leaves no study behind."""
+        self._check_resumable(open_study_storage(self.study_storage))  # before any worker starts
         with contextlib.ExitStack() as stack:
             workers = [stack.enter_context(Worker(gpu=g, runner=self.spec.runner, timeout_s=self.spec.timeout_s))
                        for g in self.spec.gpus]
