@@ -33,7 +33,7 @@ from zyfa_tune.cli.db_cmds import _best_table
 from zyfa_tune.cli.tune_cmd import _gpus
 from zyfa_tune.db import Fingerprint, open_store
 from zyfa_tune.tuning.runners import shipped_db
-from zyfa_tune.tuning.tuner import Tuner, TuneSpec, replay_fingerprint
+from zyfa_tune.tuning.tuner import Tuner, TuneSpec, simulation_fingerprint
 
 DTYPES = ("fp8", "bf16")
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
@@ -91,7 +91,7 @@ def fingerprint(runner: str) -> Fingerprint:
         from zyfa_tune.db import current_fingerprint
 
         return current_fingerprint(0)
-    return replay_fingerprint(runner)
+    return simulation_fingerprint(runner)
 
 
 def check_output(out: Path, force: bool, runner: str = "gpu") -> None:

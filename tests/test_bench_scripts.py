@@ -21,7 +21,7 @@ import torch
 from zyfa_tune.db import ProblemKey, open_store
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.tuning.reference import attention_reference, rel_l2
-from zyfa_tune.tuning.tuner import open_study_storage, replay_fingerprint
+from zyfa_tune.tuning.tuner import open_study_storage, simulation_fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
@@ -119,7 +119,7 @@ def test_ship_db_on_replay_exports_only_the_best(tmp_path, capsys):
     # the dispatcher picks the exported entries
     key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=32,
                                 kv_heads=32, seqlen=8192)
-    device = replay_fingerprint(f"replay:{SHIPPED}").device_key()
+    device = simulation_fingerprint(f"replay:{SHIPPED}").device_key()
     choice = dispatch.Dispatcher([str(out)]).choose(key, device)
     assert choice.source == "exact"
     assert choice.config.to_json() == next(e.config_json for e in best if e.key == key)

@@ -206,7 +206,7 @@ def test_cli_flag_reaches_the_task_and_the_provenance(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Worker, "run", spy)
     storage, journal = str(tmp_path / "t.db"), str(tmp_path / "s.journal")
-    argv = ["tune", "--head-dim", "128", "--seqlens", "4096", "--trials", "2", "--runner", f"replay:{SHIPPED}",
+    argv = ["tune", "--head-dim", "128", "--seqlens", "4096", "--trials", "2", "--runner", f"simulate:{SHIPPED}",
             "--storage", storage, "--study-storage", journal, "--timeout", "60"]
     assert cli.main(argv + ["--input-family", "sink"]) == 0
     assert seen and all(t.input_family == "sink" and t.inputs is None for t in seen)
@@ -219,14 +219,14 @@ def test_cli_flag_reaches_the_task_and_the_provenance(tmp_path, monkeypatch):
 
 
 def test_probe_cache_keys_on_the_family(monkeypatch):
-    from zyfa_tune.tuning import runners
+    from zyfa_tune.tuning import gpu_runner
     from zyfa_tune.generator import KernelConfig
     from zyfa_tune.tuning import verify
     from zyfa_tune.generator.defaults import default_config
 
     calls = []
     monkeypatch.setattr(verify, "make_probe", lambda *a, **kw: calls.append(kw["family"]) or object())
-    gpu = object.__new__(runners.GpuRunner)  # no CUDA needed to exercise the cache
+    gpu = object.__new__(gpu_runner.GpuRunner)  # no CUDA needed to exercise the cache
     gpu._probes = OrderedDict()
     cfg: KernelConfig = default_config("fp8", 128, 128)
     shape = Shape(1, 2, 2, 256)

@@ -78,7 +78,7 @@ def test_tuning_on_captured_inputs_uses_their_shape(tmp_path):
     torch.save({"q": q, "k": k, "v": v}, tmp_path / "acts.pt")
     spec = TuneSpec(dtype="fp8", head_dim_qk=128, head_dim_v=128, inputs=str(tmp_path / "acts.pt"), trials=3,
                     storage=str(tmp_path / "t.db"), study_storage=str(tmp_path / "s.journal"),
-                    runner=f"replay:{SHIPPED}", timeout_s=60.0)
+                    runner=f"simulate:{SHIPPED}", timeout_s=60.0)
     (shape,) = spec.shapes
     assert (shape.batch, shape.seqlen, shape.heads, shape.kv_heads) == (2, 4096, 8, 2)
     Tuner(spec).run()

@@ -1,4 +1,4 @@
-"""The whole tuning loop on the CPU: Optuna study -> isolated workers (replay runner: stored GPU
+"""The whole tuning loop on the CPU: Optuna study -> isolated workers (simulation runner: stored GPU
 measurements, real sm_90a compiles) -> tuning database -> dispatcher; injected faults; resume after
 SIGKILL."""
 
@@ -21,7 +21,7 @@ import pytest
 from zyfa_tune.db import ProblemKey, open_store
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.search_spaces import get_space
-from zyfa_tune.tuning.tuner import Tuner, TuneSpec, parse_duration, replay_fingerprint
+from zyfa_tune.tuning.tuner import Tuner, TuneSpec, parse_duration, simulation_fingerprint
 from zyfa_tune.tuning.warm_start import study_seeds
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
@@ -30,7 +30,7 @@ SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
 def spec(tmp_path, **kw) -> TuneSpec:
     base = dict(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(8192,), trials=6,
                 storage=str(tmp_path / "tune.db"), study_storage=str(tmp_path / "study.journal"),
-                runner=f"replay:{SHIPPED}", timeout_s=60.0)
+                runner=f"simulate:{SHIPPED}", timeout_s=60.0)
     base.update(kw)
     return TuneSpec(**base)
 
@@ -66,7 +66,7 @@ def test_loop_ends_with_a_best_entry_the_dispatcher_returns(tmp_path):
     d = dispatch.Dispatcher([s.storage])
     key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=1, heads=32,
                                 kv_heads=32, seqlen=16384)
-    choice = d.choose(key, replay_fingerprint(s.runner).device_key())
+    choice = d.choose(key, simulation_fingerprint(s.runner).device_key())
     assert choice.source == "exact"
     fastest = min((e for e in best if e.key == key), key=lambda e: e.median_ms)
     assert choice.config.to_json() == fastest.config_json
@@ -119,18 +119,18 @@ def test_precompile_failures_never_reach_the_study(tmp_path):
     assert "compiler crashed" not in " ".join(str(t.user_attrs.get("failure", "")) for t in study.trials)
 
 
-def test_precompile_runs_the_replay_compile(tmp_path):
-    """Compile-ahead is opt-in; for the replay runner it runs that runner's real sm_90a compile
+def test_precompile_runs_the_simulation_compile(tmp_path):
+    """Compile-ahead is opt-in; for the simulation runner it runs that runner's real sm_90a compile
     (what the worker then finds in Triton's cache)."""
     from zyfa_tune.generator.defaults import default_config
-    from zyfa_tune.tuning.precompile import Precompiler, compile_fn_for, compile_for_replay
+    from zyfa_tune.tuning.precompile import Precompiler, compile_fn_for, compile_for_simulation
 
     plain = Tuner(spec(tmp_path, trials=2))
     plain.run()
     assert plain.precompiler is None
-    assert compile_fn_for(f"replay:{SHIPPED}") is compile_for_replay
+    assert compile_fn_for(f"simulate:{SHIPPED}") is compile_for_simulation
     cfg = default_config("fp8", 128, 128).replace(num_stages=2)
-    with Precompiler(f"replay:{SHIPPED}", [(1, 8192, 32, 32)], True) as pc:
+    with Precompiler(f"simulate:{SHIPPED}", [(1, 8192, 32, 32)], True) as pc:
         pc.submit(cfg)
         deadline = time.time() + 180
         while not (pc.compiled or pc.failed) and time.time() < deadline:
@@ -149,7 +149,7 @@ def test_existing_study_needs_resume(tmp_path):
 @pytest.mark.parametrize("mode,status", [("hang", "timeout"), ("exit", "crash"), ("raise", "crash")])
 def test_injected_faults_are_recorded_and_the_study_goes_on(tmp_path, mode, status):
     # the fault hits only configs with q_order=forward (about half of them, both backends); everything
-    # else is answered by the replay runner
+    # else is answered by the simulation runner
     s = spec(tmp_path, trials=10, sampler="random", runner=f"fault:{mode}@q_order=forward", timeout_s=8.0)
     study = Tuner(s).run()
     assert len([t for t in study.trials if t.state.is_finished()]) == 10
@@ -163,7 +163,7 @@ _KILL_SCRIPT = textwrap.dedent("""
     from zyfa_tune.tuning.tuner import Tuner, TuneSpec
     storage, journal, shipped, resume = sys.argv[1:5]
     Tuner(TuneSpec(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(8192,), trials=24, storage=storage,
-                   study_storage=journal, runner="replay:" + shipped, timeout_s=60.0, sampler="random",
+                   study_storage=journal, runner="simulate:" + shipped, timeout_s=60.0, sampler="random",
                    resume=resume == "1")).run()
 """)
 
@@ -191,9 +191,10 @@ def test_sigkill_and_resume_lose_and_repeat_nothing(tmp_path):
                 break
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    # worker children of the killed tuner may survive it briefly; they exit when their pipe closes
     st = optuna.load_study(study_name="fp8-128x128-causal", storage=storage_obj)
     finished_before = {t.number: t.user_attrs.get("config") for t in st.trials if t.state.is_finished()}
+    in_flight = {t.number: t.params for t in st.trials if t.state == optuna.trial.TrialState.RUNNING}
+    assert in_flight
     assert len(finished_before) >= 3
     subprocess.run([sys.executable, str(script), storage, journal, SHIPPED, "1"], check=True, timeout=600)
     st = optuna.load_study(study_name="fp8-128x128-causal", storage=storage_obj)
@@ -201,6 +202,10 @@ def test_sigkill_and_resume_lose_and_repeat_nothing(tmp_path):
     for number, cfg in finished_before.items():  # nothing finished was lost
         assert after[number].state.is_finished() and after[number].user_attrs.get("config") == cfg
     assert not any(t.state == optuna.trial.TrialState.RUNNING for t in st.trials)
+    requeued = {t.user_attrs["requeued_from"]: t.system_attrs["fixed_params"] for t in st.trials
+                if "requeued_from" in t.user_attrs}
+    assert set(requeued) == set(in_flight), "a trial killed in flight was not queued again"
+    assert all(params.items() <= requeued[n].items() for n, params in in_flight.items())
     measured = [t.user_attrs["config"] for t in st.trials
                 if t.state.is_finished() and "config" in t.user_attrs
                 and not t.user_attrs.get("duplicate") and not t.user_attrs.get("killed")]
@@ -266,7 +271,7 @@ def test_cli_enqueue_is_the_first_trial(tmp_path, capsys):
     from zyfa_tune.tuning.tuner import _config_key
 
     journal = str(tmp_path / "s.journal")
-    argv = ["tune", "--head-dim", "128", "--seqlens", "8192", "--trials", "1", "--runner", f"replay:{SHIPPED}",
+    argv = ["tune", "--head-dim", "128", "--seqlens", "8192", "--trials", "1", "--runner", f"simulate:{SHIPPED}",
             "--storage", str(tmp_path / "t.db"), "--study-storage", journal, "--timeout", "60"]
     assert cli.main(argv + ["--enqueue", "backend=gluon,producer_regs=40,ping_pong=false"]) == 0
     study = optuna.load_study(study_name="fp8-128x128-causal", storage=optuna.storages.JournalStorage(
@@ -341,7 +346,7 @@ def test_cli_warm_start_is_the_shipped_database_unless_none(tmp_path, capsys, fl
 
     journal = str(tmp_path / "s.journal")
     argv = ["tune", "--head-dim", "192", "--head-dim-v", "128", "--seqlens", "8192", "--trials", "1", "--runner",
-            f"replay:{SHIPPED}", "--storage", str(tmp_path / "t.db"), "--study-storage", journal, "--timeout", "60"]
+            f"simulate:{SHIPPED}", "--storage", str(tmp_path / "t.db"), "--study-storage", journal, "--timeout", "60"]
     assert cli.main(argv + flag) == 0
     warm = flag != ["--warm-start", "none"]
     assert ("stored best config(s) of 192/128 fp8" in capsys.readouterr().out) is warm

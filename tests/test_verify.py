@@ -107,7 +107,7 @@ def test_a_fast_entry_never_starts_a_process(timings):
 
 def test_an_entry_is_timed_in_a_fresh_worker_process_at_its_own_shape():
     """time_in_fresh_process runs the entry's config at entry_shape in a new child process: with the
-    replay runner (stored GPU measurements, CPU only) it answers the entry's own stored trial."""
+    simulation runner (stored GPU measurements, CPU only) it answers the entry's own stored trial."""
     from zyfa_tune.db import open_store
     from zyfa_tune.kernels import dispatch
     from zyfa_tune.tuning.worker import Shape, time_in_fresh_process
@@ -117,7 +117,7 @@ def test_an_entry_is_timed_in_a_fresh_worker_process_at_its_own_shape():
         entry = next(e for e in store.best_entries(dtype="fp8", head_dims=(256, 256)) if e.seqlen == 16384)
     assert verify.entry_shape(entry) == (entry.batch, entry.heads, entry.heads, 16384)
     r = time_in_fresh_process(entry.config_json, Shape(*verify.entry_shape(entry)), causal=entry.key.causal,
-                              runner=f"replay:{shipped}", timeout_s=120)
+                              runner=f"simulate:{shipped}", timeout_s=120)
     assert r.status == "ok" and r.median_ms == pytest.approx(entry.median_ms) and r.seqlen == 16384
 
 

@@ -22,11 +22,11 @@ from rich.text import Text
 
 from zyfa_tune.generator import ConfigError
 
-from . import bench_cmd, db_cmds, kernel_cmds, tune_cmd
+from . import bench_cmd, db_cmds, kernel_cmds, trials_cmd, tune_cmd
 from .common import console
 
 #: command groups, in the order `zyfa-tune --help` lists them
-GROUPS = (tune_cmd, kernel_cmds, db_cmds, bench_cmd)
+GROUPS = (tune_cmd, trials_cmd, kernel_cmds, db_cmds, bench_cmd)
 #: What a command may raise on bad input or an unusable database/storage: one line, no traceback.
 KNOWN_ERRORS = (ConfigError, ValueError, TypeError, RuntimeError, OSError, ImportError)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 
 from rich.table import Table
@@ -13,16 +15,59 @@ from .common import config_changes, console, int_list
 
 
 def _gpus(text: str | None) -> tuple[int | None, ...]:
+    """--gpus -> worker GPU indices ('all': every GPU present); `_check_gpus` then checks them."""
     if text is None:
         return (None,)
     if text == "all":
-        import torch
-
-        n = torch.cuda.device_count()
+        n = _gpu_count()
         if n == 0:
             raise ValueError("--gpus all: no CUDA device is visible")
         return tuple(range(n))
-    return int_list(text, "--gpus")
+    gpus = int_list(text, "--gpus")
+    if not gpus:
+        raise ValueError(f"--gpus: expected GPU indices or 'all', got {text!r}")
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus: {text!r} names a GPU twice")
+    if min(gpus) < 0:
+        raise ValueError(f"--gpus: {min(gpus)} is not a GPU index")
+    return gpus
+
+
+def _check_gpus(gpus: tuple[int | None, ...], runner: str) -> None:
+    """For runner "gpu": a GPU must be there, and every --gpus index one of them (for another runner
+    the indices only label the workers)."""
+    from zyfa_tune.tuning.runners import parse_runner
+
+    if parse_runner(runner).kind != "gpu":
+        return
+    present = _gpu_count()
+    if present == 0:
+        raise ValueError("--runner gpu: no CUDA GPU is visible on this machine; --runner simulate runs the "
+                         "tuning loop on the CPU (simulated numbers: for trying the loop, not for choosing kernels)")
+    missing = [str(g) for g in gpus if g is not None and g >= present]
+    if missing:
+        raise ValueError(f"--gpus: GPU {', '.join(missing)} not present (this machine has {present}: "
+                         f"{', '.join(map(str, range(present)))})")
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@contextlib.contextmanager
+def _quiet_optuna():
+    """Optuna's per-trial INFO lines ("Trial 7 finished ...", "Skipping enqueue ...") would flood the
+    terminal and tear the live table: only its warnings and errors reach the console meanwhile."""
+    import optuna
+
+    level = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        yield
+    finally:
+        optuna.logging.set_verbosity(level)
 
 
 def _warm_start(given: list[str] | None) -> tuple[str, ...]:
@@ -47,16 +92,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     from zyfa_tune.tuning.tuner import Progress, Tuner, TuneSpec, best_per_shape, parse_duration
 
-    runner = args.runner
-    if runner == "replay":  # the shipped H200 measurements
-        from zyfa_tune.tuning.runners import shipped_db
-
-        runner = f"replay:{shipped_db()}"
+    runner, gpus = args.runner, _gpus(args.gpus)
+    _check_gpus(gpus, runner)  # a bad runner is named here too, before anything else is checked
     spec = TuneSpec(dtype=args.dtype, head_dim_qk=args.head_dim, head_dim_v=args.head_dim_v or args.head_dim,
                     seqlens=() if args.inputs else int_list(args.seqlens, "--seqlens"), heads=args.heads, kv_heads=args.kv_heads,
                     batches=int_list(args.batches, "--batches") if args.batches else None,
                     causal=not args.non_causal, trials=args.trials,
-                    time_budget_s=parse_duration(args.time) if args.time else None, gpus=_gpus(args.gpus),
+                    time_budget_s=parse_duration(args.time) if args.time else None, gpus=gpus,
                     storage=args.storage, study_storage=args.study_storage, study_name=args.study,
                     resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
                     runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
@@ -83,10 +125,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
         console.print(f"warm start: {len(spec.warm_configs)} stored best config(s) of {spec.head_dim_qk}/"
                       f"{spec.head_dim_v} {spec.dtype} from {', '.join(spec.warm_start)} measured first")
     tuner = Tuner(spec)
-    with Live(render(tuner.progress), console=console, refresh_per_second=2, transient=False) as live:
+    with _quiet_optuna(), Live(render(tuner.progress), console=console, refresh_per_second=2,
+                               transient=False) as live:
         tuner.on_progress = lambda p: live.update(render(p))
-        tuner.run()
-    console.print(f"study storage: {tuner.study_storage}  (optuna-dashboard {tuner.study_storage})")
+        study = tuner.run()
+    _print_failures(study)
+    console.print(f"study storage: {tuner.study_storage}  (optuna-dashboard {tuner.study_storage}; "
+                  f"zyfa-tune trials --study {spec.name} --study-storage {tuner.study_storage})")
     table = Table(title="best kernel per shape (tuning database) vs the untuned kernel")
     for col in ("shape", "best TFLOP/s", "untuned TFLOP/s", "speed-up", "best config"):
         table.add_column(col, overflow="fold")
@@ -101,6 +146,23 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_failures(study) -> None:
+    """The most frequent reasons this run's measurements failed, counted (the whole messages:
+    `zyfa-tune trials --status ...`)."""
+    from zyfa_tune.tuning.trials import failure_summary, trial_row
+
+    mine = [trial_row(t) for t in study.get_trials(deepcopy=False) if t.user_attrs.get("pid") == os.getpid()]
+    top = failure_summary(mine)
+    if not top:
+        return
+    table = Table(title="most frequent failures of this run")
+    for col in ("count", "status", "reason"):
+        table.add_column(col, overflow="fold")
+    for outcome, reason, n in top:
+        table.add_row(str(n), outcome, reason)
+    console.print(table)
+
+
 def register(sub) -> None:
     p = sub.add_parser("tune", help="search kernel configs with Optuna; store the fastest correct per shape")
     p.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8")
@@ -113,7 +175,7 @@ def register(sub) -> None:
 
     p.add_argument("--input-family", default="gaussian", metavar="NAME",
                    help=f"activation-like random inputs for the accuracy gate: {', '.join(FAMILY_NAMES)} "
-                        "(docs/ACCURACY.md; default gaussian)")
+                        "(docs/design.md; default gaussian)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--batches", default=None, help="one batch size per seqlen (default: 16384 tokens / seqlen)")
@@ -132,7 +194,11 @@ def register(sub) -> None:
                         "variant on the same inputs (default 1.25; lean P measures ~1.35, and a gate >= 1.4 "
                         "also seeds the lean kernel; the runtime's ZYFA_TUNE_ERROR_BUDGET then picks among "
                         "what passed)")
-    p.add_argument("--runner", default="gpu", help="gpu | replay[:<db>] (no GPU: stored measurements, real sm_90a compiles)")
+    p.add_argument("--runner", default="gpu",
+                   help="gpu (default) | simulate[:<db>]: the loop without a GPU, for trying it out and for tests "
+                        "(real sm_90a compiles; stored measurements of the database, by default the shipped one, "
+                        "else a synthetic model: never a basis for choosing kernels); 'replay' is an older name "
+                        "for simulate")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per trial before the worker is killed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--precompile", action="store_true",

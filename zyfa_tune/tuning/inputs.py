@@ -2,13 +2,13 @@
 
 Gaussian inputs are the easy case for FP8 attention: every channel has the same scale, every row of
 scores has the same temperature, nothing is positional. Real Q/K/V are not like that, and the lean
-P / scaling / Hadamard variants of issue 5 differ exactly where they are not. Each family below
+P / scaling / Hadamard variants differ exactly where they are not. Each family below
 models one documented property of real activations, in float32, deterministically for a seed.
 
 Families (`FAMILIES`; scores are q.k / sqrt(head_dim_qk), the default softmax scale):
 
-gaussian  q, k, v i.i.d. N(0, 1): score std 1. The draws are exactly those of the tuner's former
-          inputs (q, k, v in that order from `torch.Generator(device).manual_seed(seed)`).
+gaussian  q, k, v i.i.d. N(0, 1): score std 1. Drawn as q, k, v in that order from
+          `torch.Generator(device).manual_seed(seed)`.
 outliers  `Outliers`: per kv head, `channels` fixed channels of Q and K (the same channels in both,
           and in all q heads of a GQA group) carry a large, nearly token-independent value, so the
           channel's RMS is `ratio` (20-100, log-uniform per channel) times the others'. The Q
@@ -18,7 +18,7 @@ outliers  `Outliers`: per kv head, `channels` fixed channels of Q and K (the sam
           the FP8 scale; scores are per-row constants of hundreds to thousands plus O(1)
           differences; the K outliers' key-varying part is far below one e4m3 step of the
           channel, so FP8 erases it (subtracting K's token mean first keeps it; a Hadamard
-          rotation makes it worse: docs/ACCURACY.md).
+          rotation makes it worse: docs/design.md).
 sink      `Sink`: key 0 is an attention sink. Per kv head a unit direction u; every query's u
           component is set to a (1 + spread z), key 0's to c, other keys have none, with
           a c / sqrt(d) = `score` (default 10 against std-1 scores: key 0 has the largest

@@ -12,7 +12,7 @@ What is compiled is what the worker's first launch would compile:
   and the worker's ptxas check of each kernel's PTX for serialised wgmmas (kept per PTX text, so the
   worker reads the answer instead of running ptxas with the GPU idle). Needs the CUDA driver (the
   target is read from the device), not GPU memory or time.
-- any other runner (replay, fault): `runners.compile_check`, the sm_90a compile those runners make
+- any other runner (simulate, fault): `compile_check.compile_check`, the sm_90a compile those runners make
   (its verdict is stored under the cache folder, where the worker's own check then finds it).
 """
 
@@ -61,9 +61,9 @@ def compile_for_gpu(config_json: str, shapes: Sequence[tuple[int, int, int, int]
     return time.perf_counter() - t0
 
 
-def compile_for_replay(config_json: str, shapes: Sequence[tuple[int, int, int, int]], causal: bool) -> float:
-    """The sm_90a compile the replay and fault runners make (shape-independent)."""
-    from zyfa_tune.tuning.runners import compile_check
+def compile_for_simulation(config_json: str, shapes: Sequence[tuple[int, int, int, int]], causal: bool) -> float:
+    """The sm_90a compile the simulate and fault runners make (shape-independent)."""
+    from zyfa_tune.tuning.compile_check import compile_check
 
     t0 = time.perf_counter()
     compile_check(KernelConfig.from_json(config_json), causal)
@@ -71,7 +71,7 @@ def compile_for_replay(config_json: str, shapes: Sequence[tuple[int, int, int, i
 
 
 def compile_fn_for(runner: str) -> CompileFn:
-    return compile_for_gpu if runner == "gpu" else compile_for_replay
+    return compile_for_gpu if runner == "gpu" else compile_for_simulation
 
 
 class _Server:

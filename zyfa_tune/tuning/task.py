@@ -1,14 +1,20 @@
-"""What a worker is asked to measure: a config's JSON on a tuple of shapes, with the inputs and gate."""
+"""What a worker is asked to measure (a config's JSON on a tuple of shapes, with the inputs and gate)
+and how a runner answers it (the `Reporter` protocol, messages cut to a bounded tail)."""
 
 from __future__ import annotations
 
 import math
 import os
+import traceback
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from zyfa_tune.db.checks import strict_int
 
 from .inputs import check_input_family
+
+#: characters of an error / traceback kept in TrialResult.message
+MESSAGE_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -59,3 +65,34 @@ class Task:
             raise ValueError(f"gate: expected a positive finite number, got {self.gate!r}")
         object.__setattr__(self, "gate", float(self.gate))
         strict_int("reps", self.reps, lo=1)
+
+
+class Reporter(Protocol):
+    """What a runner reports to: the end of the config-independent set-up, then one result per shape."""
+
+    def setup_done(self) -> None: ...
+    def result(self, index: int, fields: dict[str, Any]) -> None: ...
+
+
+def tail(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """The last `limit` characters of `text`, cut at a line start where possible."""
+    text = text.strip()
+    if len(text) <= limit:
+        return text
+    cut = text[-limit:]
+    nl = cut.find("\n")
+    return "..." + (cut[nl:] if 0 <= nl < limit // 2 else cut)
+
+
+def exception_text(exc: BaseException, *, with_traceback: bool = True) -> str:
+    """An exception as a message: its traceback's tail, or its type and text."""
+    if with_traceback:
+        return tail("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    return tail(f"{type(exc).__name__}: {exc}")
+
+
+def task_flops(head_dim_qk: int, head_dim_v: int, shape: Shape, causal: bool) -> float:
+    """FLOPs of one attention call at `shape` (TFLOP/s = this / time)."""
+    from .timing import attention_flops
+
+    return attention_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen, head_dim_qk, head_dim_v, causal)

@@ -30,7 +30,7 @@ class Timing:
 #: Shortest window whose NVML energy reading is reported. On the A100 / H100 the power sensor behind
 #: NVML's energy counter is sampled about 25 ms of every 100 ms (Yang et al. 2024, "Part-time Power
 #: Measurements", arXiv 2312.02741): a timing block of 40 ms reads a slice of idle time or nothing
-#: (this H200 gave 130-230 W for full-load attention rows, docs/PERF.md session 17). Over a second
+#: (an H200 read 130-230 W for full-load attention rows timed that briefly). Over a second
 #: or more of back-to-back calls the sampling averages out.
 MIN_ENERGY_WINDOW_S = 1.0
 

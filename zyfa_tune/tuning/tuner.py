@@ -12,6 +12,7 @@ is never measured again, and trials left RUNNING by a killed tuner on this host 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -27,9 +28,12 @@ from typing import Callable
 import optuna
 
 from zyfa_tune.db import DatabaseError, Fingerprint, ProblemKey, TrialResult, open_store
-from zyfa_tune.generator import GENERATOR_VERSION, HEAD_DIMS, KernelConfig, emit
+from zyfa_tune.db.trial_batch import record_trials
+from zyfa_tune.generator import GENERATOR_VERSION, HEAD_DIMS, HOPPER, KernelConfig, emit
 from zyfa_tune.tuning.inputs import check_input_family
 from zyfa_tune.search_spaces import get_space
+from zyfa_tune.tuning.runners import parse_runner
+from zyfa_tune.tuning.trials import requeue_killed
 from zyfa_tune.tuning.warm_start import stored_bests, study_seeds
 from zyfa_tune.tuning.worker import Shape, Task, Worker
 
@@ -101,6 +105,7 @@ class TuneSpec:
             raise ValueError(f"sampler: {self.sampler!r} is not one of {list(SAMPLERS)}")
         if not self.gpus:
             raise ValueError("gpus: need at least one")
+        parse_runner(self.runner)  # ValueError naming the runner
         if isinstance(self.gate, bool) or not isinstance(self.gate, (int, float)) \
                 or not math.isfinite(self.gate) or self.gate < 1.0:
             raise ValueError(f"gate: expected a finite number >= 1 (allowed error / the exact reference's), "
@@ -230,11 +235,14 @@ def open_study_storage(target: str):
     return JournalStorage(JournalFileBackend(target))
 
 
-def replay_fingerprint(runner: str) -> Fingerprint:
-    """The fingerprint results of a non-GPU runner are filed under (never a real GPU's)."""
-    return Fingerprint(gpu_name=f"{runner.split(':')[0]} (no GPU)", compute_capability="9.0", sm_count=132,
-                       memory_bytes=1, driver="none", cuda="none", torch="none", triton="none",
-                       generator_version=GENERATOR_VERSION)
+def simulation_fingerprint(runner: str) -> Fingerprint:
+    """The fingerprint results of a non-GPU runner are filed under (never a real GPU's): the dispatcher
+    on a GPU never picks a simulated result."""
+    return Fingerprint(gpu_name=f"{parse_runner(runner).kind} (no GPU)", compute_capability="9.0",
+                       sm_count=HOPPER.sm_count, memory_bytes=1, driver="none", cuda="none", torch="none",
+                       triton="none", generator_version=GENERATOR_VERSION)
+
+
 
 
 def _value(results: list[TrialResult]) -> float:
@@ -279,11 +287,10 @@ class Tuner:
         return optuna.samplers.TPESampler(seed=self.spec.seed, multivariate=True, constant_liar=True)
 
     def open_study(self) -> optuna.Study:
+        """Create the study, or load it to resume; a study that exists but never ran a trial (its
+        first tuner failed before measuring) is taken over without --resume."""
         storage = open_study_storage(self.study_storage)
-        exists = self.spec.name in {s.study_name for s in optuna.get_all_study_summaries(storage)}
-        if exists and not self.spec.resume:
-            raise ValueError(f"study: {self.spec.name!r} already exists in {self.study_storage}; "
-                             f"pass --resume to continue it or --study NAME for a new one")
+        exists = self._check_resumable(storage)
         directions = ["maximize", "minimize"] if self.spec.multi_objective else ["maximize"]
         study = optuna.create_study(study_name=self.spec.name, storage=storage, sampler=self._sampler(),
                                     directions=directions, load_if_exists=True)
@@ -297,14 +304,24 @@ class Tuner:
                 study.enqueue_trial(self.space.as_optuna_params(cfg), skip_if_exists=True)
         return study
 
+    def _check_resumable(self, storage) -> bool:
+        """Whether the study exists with a trial beyond the queued ones; ValueError if so without --resume."""
+        try:
+            study = optuna.load_study(study_name=self.spec.name, storage=storage)
+        except KeyError:
+            return False
+        waiting = optuna.trial.TrialState.WAITING
+        started = any(t.state != waiting for t in study.get_trials(deepcopy=False))
+        if started and not self.spec.resume:
+            raise ValueError(f"study: {self.spec.name!r} already exists in {self.study_storage}; "
+                             f"pass --resume to continue it or --study NAME for a new one")
+        return started
+
     def _recover(self, study: optuna.Study) -> None:
-        """Fail trials a killed tuner on this host left RUNNING; index finished configs."""
+        """Queue again the trials a killed tuner on this host left RUNNING; index finished configs."""
+        requeue_killed(study, _HOST, _alive)
         for t in study.get_trials(deepcopy=False):
-            if t.state == optuna.trial.TrialState.RUNNING and t.user_attrs.get("host") == _HOST \
-                    and not _alive(t.user_attrs.get("pid")):
-                study._storage.set_trial_user_attr(t._trial_id, "killed", True)  # unfinished: may run again
-                study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
-            elif t.state.is_finished() and "config" in t.user_attrs and not t.user_attrs.get("killed"):
+            if t.state.is_finished() and "config" in t.user_attrs and not t.user_attrs.get("killed"):
                 self._seen[t.user_attrs["config"]] = (t.state, t.values)
 
     # ---- trials ---------------------------------------------------------------------------
@@ -313,7 +330,7 @@ class Tuner:
             from zyfa_tune.db import current_fingerprint
 
             return current_fingerprint(gpu or 0)
-        return replay_fingerprint(self.spec.runner)
+        return simulation_fingerprint(self.spec.runner)
 
     def _ask(self, study: optuna.Study, worker: Worker) -> _Asked | None:
         """Ask for the next trial; settle it at once when it needs no GPU (infeasible, or a config
@@ -349,7 +366,7 @@ class Tuner:
 
     def _local_move(self, study: optuna.Study, cfg: KernelConfig) -> None:
         """TPE proposed a config measured before (it concentrates on its best region and then
-        repeats itself: 1440 of 1919 asks in the 8-minute hd128 study). Enqueue one unmeasured
+        repeats itself: most asks of a long study repeat a config). Enqueue one unmeasured
         neighbour of it (one searched option changed) so the next ask measures something new near
         where TPE is looking; at most one such trial waits at a time."""
         if study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
@@ -377,14 +394,12 @@ class Tuner:
                     inputs=None if self.spec.inputs is None else os.path.abspath(self.spec.inputs),
                     input_family=self.spec.input_family)
         results = worker.run(task)
-        source_hash = emit(cfg).source_hash
-        for shape, res in zip(self.spec.shapes, results):
-            pkey = ProblemKey.from_shape(dtype=cfg.dtype, head_dim_qk=cfg.head_dim_qk, head_dim_v=cfg.head_dim_v,
-                                         causal=self.spec.causal, batch=shape.batch, heads=shape.heads,
-                                         kv_heads=shape.kv_heads, seqlen=shape.seqlen)
-            store.record_trial(fp, pkey, cfg, res, source_hash=source_hash, study=self.spec.name,
-                               provenance=f"study={self.spec.name} trial={trial.number} host={_HOST} "
-                                          f"gpu={worker.gpu} inputs={self.spec.inputs_label}")
+        keys = [ProblemKey.from_shape(dtype=cfg.dtype, head_dim_qk=cfg.head_dim_qk, head_dim_v=cfg.head_dim_v,
+                                      causal=self.spec.causal, batch=shape.batch, heads=shape.heads,
+                                      kv_heads=shape.kv_heads, seqlen=shape.seqlen) for shape in self.spec.shapes]
+        record_trials(store, fp, cfg, list(zip(keys, results)), source_hash=emit(cfg).source_hash,  # all or none
+                      study=self.spec.name, provenance=f"study={self.spec.name} trial={trial.number} host={_HOST} "
+                                                       f"gpu={worker.gpu} inputs={self.spec.inputs_label}")
         statuses = [r.status for r in results]
         trial.set_user_attr("statuses", statuses)
         if all(s == "ok" for s in statuses):
@@ -431,17 +446,29 @@ class Tuner:
             return True
 
     def run(self) -> optuna.Study:
-        """Run the study until the trial count or the time budget is spent; returns the study."""
-        study = self.open_study()
+        """Run the study until the trial count or the time budget is spent; returns the study.
+        Every worker has started its runner before the study is opened: a machine that cannot run
+        the runner (no GPU for "gpu") raises WorkerError and leaves no study behind."""
+        self._check_resumable(open_study_storage(self.study_storage))  # before any worker starts
+        with contextlib.ExitStack() as stack:
+            workers = [stack.enter_context(Worker(gpu=g, runner=self.spec.runner, timeout_s=self.spec.timeout_s))
+                       for g in self.spec.gpus]
+            for worker in workers:
+                worker.wait_ready()
+            fingerprints = [self._fingerprint(g) for g in self.spec.gpus]
+            study = self.open_study()
+            self._run_workers(workers, fingerprints)
+        return study
+
+    def _run_workers(self, workers: list[Worker], fingerprints: list[Fingerprint]) -> None:
+        """One thread per worker, each asking, measuring and recording trials until the budget is spent."""
         deadline = None if self.spec.time_budget_s is None else time.time() + self.spec.time_budget_s
         launched = [0]
         errors: list[BaseException] = []
 
-        def loop(gpu: int | None) -> None:
+        def loop(worker: Worker, fp: Fingerprint) -> None:
             try:
-                with open_store(self.spec.storage) as store, \
-                        Worker(gpu=gpu, runner=self.spec.runner, timeout_s=self.spec.timeout_s) as worker:
-                    fp = self._fingerprint(gpu)
+                with open_store(self.spec.storage) as store:
                     local = optuna.load_study(study_name=self.spec.name, storage=open_study_storage(self.study_storage),
                                               sampler=self._sampler())
                     pending: _Asked | None = None
@@ -467,7 +494,8 @@ class Tuner:
                                       processes=len(self.spec.gpus), gpu=self.spec.gpus[0],
                                       compile_fn=self.precompile_fn)
         self.precompiler = precompiler
-        threads = [threading.Thread(target=loop, args=(g,), name=f"zyfa-tune-gpu{g}") for g in self.spec.gpus]
+        threads = [threading.Thread(target=loop, args=(w, fp), name=f"zyfa-tune-gpu{w.gpu}")
+                   for w, fp in zip(workers, fingerprints)]
         try:
             for t in threads:
                 t.start()
@@ -478,7 +506,6 @@ class Tuner:
                 precompiler.close()
         if errors:
             raise errors[0]
-        return study
 
 
 def _alive(pid: object) -> bool:

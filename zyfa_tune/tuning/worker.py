@@ -27,7 +27,7 @@ socket carrying multiprocessing.connection messages. Unlike multiprocessing's ow
 re-run the caller's __main__ script in the child, so a tuner started from a script without an
 `if __name__ == "__main__"` guard works. "fork" uses multiprocessing's fork context (fast; CPU
 runners only: a forked child cannot use CUDA once the parent has). The child ignores SIGINT (the
-parent decides), and exits when the parent goes away (its end of the socket closes).
+parent decides), and dies with its parent, also in the middle of a hung task (worker_child.py).
 
 Misuse raises: a closed worker, an argument that is not a Task, a bad runner string, a child that
 cannot start at all (`WorkerError`, e.g. no GPU visible for runner "gpu").
@@ -35,7 +35,6 @@ cannot start at all (`WorkerError`, e.g. no GPU visible for runner "gpu").
 
 from __future__ import annotations
 
-import faulthandler
 import fcntl
 import json
 import math
@@ -53,17 +52,15 @@ from typing import Any
 
 from zyfa_tune.db.records import TrialResult
 
-
-from .task import Shape, Task
-from .runners import RunnerSpec, exception_text, make_runner, parse_runner, tail
+from .runners import RunnerSpec, parse_runner
+from .task import Shape, Task, tail
+from .worker_child import SPAWN_CODE, fork_main
 
 __all__ = ["Shape", "Task", "Worker", "WorkerError", "START_METHODS", "time_in_fresh_process"]
 
 START_METHODS = ("spawn", "fork")
 #: seconds between SIGTERM and SIGKILL when a child is stopped
 KILL_GRACE_S = 2.0
-#: exit status of a child that ends itself after reporting a crash
-CRASH_EXIT = 70
 #: characters of the child's stderr appended to crash / timeout messages
 STDERR_TAIL = 1500
 
@@ -71,91 +68,6 @@ STDERR_TAIL = 1500
 
 class WorkerError(RuntimeError):
     """The worker cannot serve tasks at all (closed, or its child cannot start)."""
-
-
-# ---- child side ----------------------------------------------------------------------------------
-
-class _Reporter:
-    def __init__(self, conn, seq: int) -> None:
-        self.conn, self.seq = conn, seq
-        self.sent = 0  # results sent so far (the index a crash is reported at)
-
-    def setup_done(self) -> None:
-        self.conn.send(("setup", self.seq))
-
-    def result(self, index: int, fields: dict[str, Any]) -> None:
-        self.conn.send(("result", self.seq, index, fields))
-        self.sent = index + 1
-
-
-def _serve(conn, runner, seq: int, task: Task) -> bool:
-    """Run one task; returns True if the child must exit afterwards (the runner raised)."""
-    from zyfa_tune.generator import ConfigError, KernelConfig
-
-    reporter = _Reporter(conn, seq)
-    try:
-        config = KernelConfig.from_json(task.config_json)
-    except ConfigError as exc:  # validated data only ever reaches the generator: nothing ran
-        reporter.setup_done()
-        for i in range(len(task.shapes)):
-            reporter.result(i, dict(status="compile_error", message=tail(f"invalid config: {exc}")))
-        conn.send(("done", seq))
-        return False
-    try:
-        runner.run(config, task, reporter)
-    except BaseException as exc:  # noqa: BLE001 - everything unexpected is a crash of this process
-        conn.send(("crash", seq, reporter.sent, exception_text(exc)))
-        return True
-    conn.send(("done", seq))
-    return False
-
-
-def _child_main(conn, log_fd: int | None, gpu: int | None, runner_text: str, parent_end=None) -> None:
-    if parent_end is not None:  # fork: drop the inherited parent end, so the parent's exit reads as EOF
-        parent_end.close()
-    if log_fd is not None and log_fd != 2:
-        os.dup2(log_fd, 2)
-        os.close(log_fd)
-    faulthandler.enable()  # a segfault's Python stack goes to stderr (the log the parent reads)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before anything initialises CUDA
-    try:
-        runner = make_runner(parse_runner(runner_text))
-    except BaseException as exc:  # noqa: BLE001
-        try:
-            conn.send(("fatal", exception_text(exc)))
-        finally:
-            os._exit(2)
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):  # the parent is gone
-            os._exit(0)
-        if msg[0] == "stop":
-            conn.close()
-            return
-        _, seq, task = msg
-        try:
-            conn.send(("start", seq))
-            must_exit = _serve(conn, runner, seq, task)
-        except (BrokenPipeError, ConnectionError, EOFError, OSError):  # the parent is gone
-            os._exit(0)
-        if must_exit:
-            sys.stderr.flush()
-            os._exit(CRASH_EXIT)
-
-
-def _child_entry(argv: list[str]) -> None:
-    """Entry point of a "spawn" child: argv = [socket fd, log fd, gpu JSON, runner]."""
-    sock_fd, log_fd, gpu, runner_text = int(argv[0]), int(argv[1]), json.loads(argv[2]), argv[3]
-    _child_main(mpc.Connection(sock_fd), log_fd, gpu, runner_text)
-
-
-_SPAWN_CODE = ("import json, os, sys; "
-               "p = os.environ.pop('ZYFA_TUNE_WORKER_SYS_PATH', None); sys.path[:] = json.loads(p) if p else sys.path; "
-               "from zyfa_tune.tuning.worker import _child_entry; _child_entry(sys.argv[1:])")
 
 
 # ---- parent side ---------------------------------------------------------------------------------
@@ -175,7 +87,8 @@ class _Child:
                 ctx = multiprocessing.get_context(start_method)
                 self.conn, child_conn = ctx.Pipe(duplex=True)
                 try:
-                    self._process = ctx.Process(target=_child_main, args=(child_conn, self.log_fd, gpu, runner, self.conn),
+                    self._process = ctx.Process(target=fork_main,
+                                                args=(child_conn, self.log_fd, gpu, runner, os.getpid(), self.conn),
                                                 name=f"zyfa-tune-worker-gpu{gpu}", daemon=True)
                     self._process.start()
                 finally:
@@ -192,8 +105,8 @@ class _Child:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-c", _SPAWN_CODE, str(child_sock.fileno()), str(self.log_fd),
-                 json.dumps(gpu), runner],
+                [sys.executable, "-c", SPAWN_CODE, str(child_sock.fileno()), str(self.log_fd),
+                 json.dumps(gpu), runner, str(os.getpid())],
                 pass_fds=(child_sock.fileno(), self.log_fd), env=env, stdin=subprocess.DEVNULL)
         except BaseException:
             parent_sock.close()
@@ -299,7 +212,7 @@ class Worker:
 
     gpu:             the GPU index the child sees as its only device (CUDA_VISIBLE_DEVICES); None
                      leaves visibility as it is.
-    runner:          "gpu", "replay:<db path>", "fault:<mode>[@<field>=<value>]" (zyfa_tune.tuning.runners).
+    runner:          "gpu", "simulate[:<db path>]", "fault:<mode>[@<field>=<value>]" (zyfa_tune.tuning.runners).
     timeout_s:       the limit for one task's config work (compile, check, time) over all its shapes.
     start_method:    "spawn" (fresh interpreter, default) or "fork" (CPU runners only).
     setup_timeout_s: the limit for starting a child and for a task's config-independent set-up.
@@ -440,6 +353,14 @@ class Worker:
                                   f"{problem}" + (f"\n--- worker stderr ---\n{err}" if err else ""))
 
     # ---- running -------------------------------------------------------------------------------
+    def wait_ready(self) -> None:
+        """Wait until the child has started its runner; `WorkerError` if it cannot (the tuner checks
+        this before it creates anything, so a machine that cannot run the runner leaves no study)."""
+        with self._lock:
+            if self._closed:
+                raise WorkerError("this Worker is closed")
+            self._ensure_ready()
+
     def run(self, task: Task) -> list[TrialResult]:
         """Run `task` in the child; one TrialResult per shape, in order (see the module docstring)."""
         if not isinstance(task, Task):
