@@ -62,10 +62,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="ours vs FA3 / cuDNN / torch SDPA on the same inputs: table, JSON, plot")
-    p.add_argument("--dtype", choices=["fp8", "bf16", "both"], default="fp8")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--head-dim-v", type=int, default=None)
-    p.add_argument("--seqlens", default="4096,8192,16384")
+    p.add_argument("--dtype", choices=["fp8", "bf16", "both"], default="fp8", help="input dtype of the benched systems")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim of Q and K (and V unless --head-dim-v)")
+    p.add_argument("--head-dim-v", type=int, default=None, help="head dim of V where it differs (e.g. 192/128)")
+    p.add_argument("--seqlens", default="4096,8192,16384", help="comma list of sequence lengths")
     p.add_argument("--batch-heads", default=None, metavar="BxH,...",
                    help="one batch x heads per seqlen, or one for all (default: 16384 tokens / seqlen x 32)")
     p.add_argument("--kv-heads", type=int, default=None, help="GQA: fewer KV heads (default: = heads)")
@@ -100,7 +100,7 @@ def register(sub) -> None:
     p.add_argument("--ceiling", action="store_true",
                    help="also time the FP8 GEMM ceiling (torch._scaled_mm, 8192^3) at the start and end of the run; "
                         "FP8 rows then show their share of it")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (and sampler)")
     p.add_argument("--json", default=None, metavar="OUT.json", help="save every row and the GPU state")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="TFLOP/s vs seqlen (needs zyfa-tune[plot])")
     p.add_argument("--from", dest="from_json", default=None, metavar="RESULTS.json",

@@ -107,25 +107,25 @@ def cmd_timeline(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("compile", help="compile a kernel config for sm_90a (no GPU needed)")
     add_config_options(p)
-    p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--non-causal", action="store_true", help="attention without the causal mask")
     p.add_argument("--source", action="store_true", help="print the emitted source")
     p.set_defaults(fn=cmd_compile)
     def inputs(p: argparse.ArgumentParser, batch: int, seqlen: int, heads: int) -> None:
         """The random inputs a GPU command runs its kernel on."""
-        p.add_argument("--batch", type=int, default=batch)
-        p.add_argument("--seqlen", type=int, default=seqlen)
-        p.add_argument("--heads", type=int, default=heads)
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--batch", type=int, default=batch, help="batch size of the random inputs")
+        p.add_argument("--seqlen", type=int, default=seqlen, help="sequence length of the random inputs")
+        p.add_argument("--heads", type=int, default=heads, help="heads of the random inputs")
+        p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (and sampler)")
 
     p = sub.add_parser("check", help="check a kernel config against float64 attention on the GPU")
     add_config_options(p)
     inputs(p, 1, 4096, 8)
-    p.add_argument("--max-error", type=float, default=0.05)
+    p.add_argument("--max-error", type=float, default=0.05, help="largest rel. L2 error vs float64 that passes")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("timeline", help="GPU: clock stamps of each consumer step of one launch (Gluon kernels)")
     add_config_options(p)
     inputs(p, 2, 8192, 32)
-    p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--non-causal", action="store_true", help="attention without the causal mask")
     p.add_argument("--steps", type=int, default=4096, help="steps per warpgroup with room in the buffer")
     p.add_argument("--sample", type=int, default=None, metavar="STEP",
                    help="also print both warpgroups' events for 4 steps from STEP on one clock")

@@ -90,16 +90,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
     """Optuna study over the family's search space; results go to the tuning database."""
     from rich.live import Live
 
+    from zyfa_tune.tuning.runners import parse_runner
     from zyfa_tune.tuning.tuner import Progress, Tuner, TuneSpec, best_per_shape, parse_duration
 
     runner, gpus = args.runner, _gpus(args.gpus)
     _check_gpus(gpus, runner)  # a bad runner is named here too, before anything else is checked
+    storage = args.storage
+    if storage is None and parse_runner(runner).kind != "gpu":
+        from zyfa_tune.db import default_db_path
+
+        # the default database feeds the dispatcher: simulated results go beside it, not into it
+        storage = str(default_db_path().with_name("simulated.db"))
+        console.print(f"runner {runner} simulates its measurements: results go to {storage} (--storage to choose)")
     spec = TuneSpec(dtype=args.dtype, head_dim_qk=args.head_dim, head_dim_v=args.head_dim_v or args.head_dim,
                     seqlens=() if args.inputs else int_list(args.seqlens, "--seqlens"), heads=args.heads, kv_heads=args.kv_heads,
                     batches=int_list(args.batches, "--batches") if args.batches else None,
                     causal=not args.non_causal, trials=args.trials,
                     time_budget_s=parse_duration(args.time) if args.time else None, gpus=gpus,
-                    storage=args.storage, study_storage=args.study_storage, study_name=args.study,
+                    storage=storage, study_storage=args.study_storage, study_name=args.study,
                     resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
                     runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
                     input_family=args.input_family, precompile=args.precompile, gate=args.gate,
@@ -165,10 +173,10 @@ def _print_failures(study) -> None:
 
 def register(sub) -> None:
     p = sub.add_parser("tune", help="search kernel configs with Optuna; store the fastest correct per shape")
-    p.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8")
-    p.add_argument("--head-dim", type=int, required=True)
-    p.add_argument("--head-dim-v", type=int, default=None)
-    p.add_argument("--seqlens", default="4096,8192,16384")
+    p.add_argument("--dtype", choices=["fp8", "bf16"], default="fp8", help="kernel dtype: FP8 e4m3 in, or BF16")
+    p.add_argument("--head-dim", type=int, required=True, help="head dim of Q and K (and V unless --head-dim-v)")
+    p.add_argument("--head-dim-v", type=int, default=None, help="head dim of V where it differs (e.g. 192/128)")
+    p.add_argument("--seqlens", default="4096,8192,16384", help="comma list of sequence lengths")
     p.add_argument("--inputs", default=None, metavar="FILE",
                    help="tune on captured activations: a .pt or .safetensors file of q, k, v (batch, seqlen, heads, dim)")
     from zyfa_tune.tuning.inputs import FAMILY_NAMES
@@ -176,18 +184,18 @@ def register(sub) -> None:
     p.add_argument("--input-family", default="gaussian", metavar="NAME",
                    help=f"activation-like random inputs for the accuracy gate: {', '.join(FAMILY_NAMES)} "
                         "(docs/design.md; default gaussian)")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--heads", type=int, default=32, help="query heads of the tuned shapes")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (GQA; default: = heads)")
     p.add_argument("--batches", default=None, help="one batch size per seqlen (default: 16384 tokens / seqlen)")
-    p.add_argument("--non-causal", action="store_true")
-    p.add_argument("--trials", type=int, default=None)
+    p.add_argument("--non-causal", action="store_true", help="attention without the causal mask")
+    p.add_argument("--trials", type=int, default=None, help="trials to run (40 if neither --trials nor --time)")
     p.add_argument("--time", default=None, help="time budget, e.g. 15m (default: --trials only; 40 trials if neither)")
     p.add_argument("--gpus", default=None, help="comma list of GPU indices, or 'all' (one worker per GPU)")
     p.add_argument("--storage", default=None, help="tuning database path or SQLAlchemy URL")
     p.add_argument("--study-storage", default=None, help="Optuna storage: RDB URL or journal file")
     p.add_argument("--study", default=None, help="study name (default: <dtype>-<dqk>x<dv>-causal)")
     p.add_argument("--resume", action="store_true", help="continue an existing study")
-    p.add_argument("--sampler", choices=["tpe", "random"], default="tpe")
+    p.add_argument("--sampler", choices=["tpe", "random"], default="tpe", help="Optuna sampler")
     p.add_argument("--multi-objective", action="store_true", help="Pareto front over (TFLOP/s, error)")
     p.add_argument("--gate", type=float, default=1.25,
                    help="accuracy gate: a kernel passes with rel. L2 error <= GATE x that of the exact reference "
@@ -200,7 +208,7 @@ def register(sub) -> None:
                         "else a synthetic model: never a basis for choosing kernels); 'replay' is an older name "
                         "for simulate")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per trial before the worker is killed")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (and sampler)")
     p.add_argument("--precompile", action="store_true",
                    help="compile the next trial's kernel in a separate process while the GPU measures")
     p.add_argument("--enqueue", action="append", metavar="KEY=VAL,...",
