@@ -51,7 +51,7 @@ def test_a_bad_storage_url_is_one_line(capsys, url, words):
 
 
 def test_a_bad_study_storage_url_is_one_line(capsys, tmp_path):
-    rc, out = run(capsys, "tune", "--head-dim", "128", "--seqlens", "4096", "--trials", "1",
+    rc, out = run(capsys, "tune", "--head-dim", "128", "--seqlens", "4096", "--trials", "1", "--runner", "simulate",
                   "--storage", str(tmp_path / "t.db"), "--study-storage", "postgresql://u:secret@localhost/x")
     errors = [line[line.index("error:"):] for line in out.splitlines() if "error:" in line]  # (after the
     assert rc == 2 and len(errors) == 1 and "Traceback" not in out, out                # live display)
