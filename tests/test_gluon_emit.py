@@ -11,7 +11,7 @@ import pytest
 from gluon_cases import GLUON, neighbours, sampled
 
 from zyfa_tune.generator import KernelConfig, emit, emit_triton, gluon_registers
-from zyfa_tune.generator.gluon_sm90 import device as gluon_device
+from zyfa_tune.generator.gluon_sm90.common import E4M3X4_ASM
 from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
 from zyfa_tune.generator.emitted import KERNEL_NAME
 from zyfa_tune.generator.asm.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
@@ -159,7 +159,7 @@ def test_constants_are_the_config(cfg):
                  "RESCALE_C_PACK": oc // 2 or 1,
                  "RESCALE_C_ASM": rescale_asm(oc // 2, skip=cfg.skip_rescale) if in_place and oc else "",
                  "RESCALE_C_CONSTRAINTS": rescale_constraints(oc // 2) if in_place and oc else "",
-                 "PACK_P": cfg.p_carry == "e4m3", "E4M3X4_ASM": gluon_device.E4M3X4_ASM.value,
+                 "PACK_P": cfg.p_carry == "e4m3", "E4M3X4_ASM": E4M3X4_ASM.value,
                  "P_SMEM": cfg.p_carry in ("smem", "smem2"), "K_AHEAD": cfg.p_carry in ("smem", "smem2"),
                  "P_SWIZZLE": min(128, cfg.block_n), "P_DOUBLE": cfg.p_carry == "smem2",
                  # smem2: the output tile in the first P tile where 64 x block_n bytes hold 64 x O_W bf16,
@@ -221,9 +221,3 @@ def test_only_validated_values_become_text(cfg):
         expected |= set(value) if isinstance(value, tuple) else {value}
     assert strings(emit(cfg).source) == expected
 
-
-def test_device_code_is_copied_verbatim():
-    device = (emit_gluon.Path(emit_gluon.__file__).parent / "device.py").read_text()
-    body = device.partition(emit_gluon.DEVICE_MARKER)[2].lstrip("\n")
-    assert body in emit(GLUON).source
-    assert "def _consumer(" in body and "def _producer(" in body

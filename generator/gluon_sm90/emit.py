@@ -1,7 +1,7 @@
 """Gluon backend: `KernelConfig` (backend="gluon") -> Python source of one warp-specialised FP8
 causal-prefill kernel for sm_90a, written in Triton's Gluon dialect.
 
-The emitted module is the device code of generator/gluon_sm90/device.py (copied verbatim), then the
+The emitted module is the device code of generator/gluon_sm90/device/ (copied verbatim), then the
 config's schedule as module constants (validated ints and bools only, written as literals), then
 the entry kernel, whose partition list and register split the emitter writes out for the config.
 The source holds everything the kernel runs, so its hash identifies the kernel (database variant,
@@ -25,9 +25,6 @@ Kernel contract (see kernels/gluon_launch.py):
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 from ..config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_chunks, o_in_p_tile, p_tiles
 from ..emitted import EmittedKernel, emitted, kernel_name_of
 from ..asm.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
@@ -37,9 +34,9 @@ from ..asm.lean import (CODE_SUM_CONSTRAINTS, E4M3_MAX, F16_MUFU_TOP, F16_SCORE_
                        f16_pack_asm, f16_reversed, fold_center, lean_tail_asm, LEAN_FLOOR_AT,
                        LEAN_FLOOR_SLOPE)
 from ..asm.rescale import rescale_asm, rescale_constraints
+from . import device
 from .trace import EVENTS, TraceBuffer, clock_asm
 
-DEVICE_MARKER = "# ---- emitted below this line ----"
 #: Warps of the entry kernel's default partition (consumer warpgroup 0).
 NUM_WARPS = 4
 
@@ -54,7 +51,7 @@ def emit(config: KernelConfig, *, trace: TraceBuffer | None = None) -> EmittedKe
         raise ValueError(f"emit_gluon.emit: config has backend={config.backend!r}")
     if trace is not None and not isinstance(trace, TraceBuffer):
         raise TypeError(f"emit(trace=...) takes a TraceBuffer, got {type(trace).__name__}")
-    return emitted(config, _header(config) + _device_code() + _constants(config, trace) + _entry(config),
+    return emitted(config, _header(config) + device.source() + _constants(config, trace) + _entry(config),
                    kernel_name_of(config))
 
 
@@ -155,15 +152,6 @@ def tile_params(c: KernelConfig) -> tuple[str, ...]:
 #: it, and one compile then serves every shape (a trial, a test run, a new sequence length). The
 #: ahead-of-time compile types them as plain i32, so it builds exactly the code a launch runs.
 UNSPECIALISED = SCALAR_PARAMS[3:12]
-
-
-@functools.lru_cache(maxsize=1)
-def _device_code() -> str:
-    text = (Path(__file__).parent / "device.py").read_text()
-    head, marker, body = text.partition(DEVICE_MARKER)
-    if not marker:
-        raise RuntimeError(f"device.py lacks the line {DEVICE_MARKER!r}")
-    return body.lstrip("\n")
 
 
 def _header(c: KernelConfig) -> str:

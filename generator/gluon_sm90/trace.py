@@ -1,5 +1,5 @@
 """Timeline instrumentation of the Gluon kernel: the PTX that stamps the SM clock at named points of
-each consumer step (generator/gluon_sm90/device.py: `_mark`, `_marked`), and where it stores them.
+each consumer step (generator/gluon_sm90/common.py: `_mark`, `_marked`), and where it stores them.
 
 A traced kernel is the same kernel with a clock read and a store at each point, for CTA 0 only, into
 an int32 buffer laid out (consumer warpgroup, step, event): one row of EVENTS per step (`kv_it`,
