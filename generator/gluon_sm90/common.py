@@ -32,7 +32,7 @@ def _slot(kv_it, EVENT: gl.constexpr, CID):
 
 @gluon.jit
 def _mark(kv_it, EVENT: gl.constexpr, CID):
-    """TRACE only (generator/timeline.py): CTA 0 stores the SM clock for consumer warpgroup CID,
+    """TRACE only (generator/gluon_sm90/trace.py): CTA 0 stores the SM clock for consumer warpgroup CID,
     step kv_it, EVENT; nothing otherwise. One element per thread, so each thread runs the asm once."""
     if TRACE:
         one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])

@@ -31,7 +31,7 @@ def _rescale(acc, l_i, alpha, row_o: gl.constexpr, accc, row_oc: gl.constexpr):
 @gluon.jit
 def _times_rows(acc, alpha, row: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, PACK: gl.constexpr):
     """One O accumulator times its rows' alpha. RESCALE_IN_PLACE: inline PTX on its own registers
-    (generator/rescale_asm.py), with skip_rescale jumped over by a warp whose rows all have alpha == 1
+    (generator/asm/rescale.py), with skip_rescale jumped over by a warp whose rows all have alpha == 1
     (maxima kept)."""
     a = gl.convert_layout(alpha, row)[:, None]
     if RESCALE_IN_PLACE:
@@ -158,7 +158,7 @@ def _p_operand(pP, V_PERM: gl.constexpr, LEAN: gl.constexpr = False, p_layout: g
     carried across a loop back-edge costs ~100 byte-repacking instructions per step; carried as
     float32 and rounded here (4 registers -> one register of 4 e4m3), they fold away. PACK_P: carried
     already rounded, as int32 words of four e4m3 (_p_pack), a quarter of the registers. LEAN: the
-    folded scores become codes by integer clamp and byte packing (generator/lean_asm.py), or were made
+    folded scores become codes by integer clamp and byte packing (generator/asm/lean.py), or were made
     codes already where PACK_P packed them. P_SMEM: the warpgroup's P tile (pP is a stand-in)."""
     if P_SMEM:
         return p_smem

@@ -96,7 +96,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
 @gluon.jit
 def _k_load(k_desc, row, col, bar, buf):
     """TMA load of K rows row.. (columns col..) into the K tile buf. K_PERM: as the 5-D box of
-    emit_gluon.k_box (row a multiple of 16: Sk % 16 == 0), which fills the 2-D tile with its rows
+    emit.k_box (row a multiple of 16: Sk % 16 == 0), which fills the 2-D tile with its rows
     relabelled as V_PERM wants (_key_of_column)."""
     if K_PERM:
         tma.async_copy_global_to_shared(k_desc, [row // 16, 0, 0, 0, col], bar,

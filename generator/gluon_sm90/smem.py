@@ -24,8 +24,8 @@ def _keys(smem, HALF: gl.constexpr, DIM: gl.constexpr):
 def _ones(smem, N: gl.constexpr):
     """Fill an (8, N) e4m3 tile with ones and return it. Every byte is 1.0 (0x38), so the swizzle
     does not matter: the tile is written as a flat run of 32-bit words. (A 2-D e4m3 store of the tile
-    is lowered to stmatrix.b16 and leaves half the bytes unwritten: rows summed over half their keys,
-    found on the H200.)"""
+    is lowered to stmatrix.b16 and leaves half the bytes unwritten: rows would be summed over half their
+    keys.)"""
     fill: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
     words = smem._reinterpret(gl.int32, [2 * N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     words.store(gl.full([2 * N], 0x38383838, gl.int32, layout=fill))

@@ -25,7 +25,7 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     """Online softmax of one 64 x BLOCK_N score block. Probabilities are scaled by 2^P_OFFSET so
     that small ones stay out of e4m3 subnormals; l carries the same factor, which cancels.
     LEAN (lean P): no exponential here; one FMA per score leaves what _p_operand turns into e4m3
-    codes (LEAN_ASM: generator/lean_asm.lean_tail_asm); the rounded row sum comes from an MMA with PV
+    codes (LEAN_ASM: generator/asm/lean.lean_tail_asm); the rounded row sum comes from an MMA with PV
     (ROWSUM_MMA), or CODE_SUMS from the packed codes, decoded here (_code_sums). ROWSUM_MMA: l is not
     summed here; the row sum of the probabilities as rounded to e4m3 comes from the MMA against ones
     (_pv_issue).
@@ -57,9 +57,9 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
         ref = m_use - P_OFFSET
         ones = gl.full(s.shape, 1.0, gl.float32, layout=qk_layout)
         if LEAN_FMA:   # y = 8 (s scale - ref) + magic + 56: the code is in y's low bits
-            if LEAN_CENTER != 0.0:  # "centered": the line lowered by LEAN_CENTER codes (lean_asm.py); b straight
+            if LEAN_CENTER != 0.0:  # "centered": the line lowered by LEAN_CENTER codes (asm/lean.py); b straight
                 # from the grid index, as "fma"'s from ceil(8 m): one rounding and one add after the row maximum
-                # (through m_use, ptxas scheduled both rows' maxima before any fold: 12% slower, docs/PERF.md s25)
+                # (through m_use, ptxas scheduled both rows' maxima before any fold, 12% slower)
                 n_use = gl.where(grid_n == float("-inf"), LEAN_CENTER, grid_n)  # m_use = 0 for an empty row
                 if LEAN_SAT:     # clamp "sat": a and b divided by LEAN_SAT_SCALE, no magic (one exact FMA)
                     b_row = gl.fma(n_use, -1.0 / LEAN_SAT_SCALE, (56.0 + 8.0 * P_OFFSET) / LEAN_SAT_SCALE)
@@ -113,12 +113,12 @@ def _f16_fold(s, qk_scale, m_use):
     are exact on [1024, 2048)): t = (8 (x + P) + 56 - center) / 128 for x = s qk_scale - m_use, a = qk_scale /
     16, b = t_top - m_use / 16. a's f16 rounding scales the row's x by (1 + <2^-11): harmless along the row,
     but at the maximum it moves t by up to |m_use| 2^-15, and b's own rounding by up to |b| 2^-11, both of
-    several codes on rows with logits of hundreds (0x7f, e4m3's NaN, at p_scale_log2 = 8: session 30). Their
+    several codes on rows with logits of hundreds (0x7f, e4m3's NaN, at p_scale_log2 = 8). Their
     bound, 2^-11 + |b| 2^-10, keeps the maximum's code at or below 125: b is lowered by it (one-FMA folds),
     or (corrected) only by what of it passes code 125, so that a row's maximum keeps its exact code but on
     rows with logits of hundreds. The shift, common to the row, is cancelled by the normalisation. (Holding
     a16 / qk_scale per row to compensate a exactly cost 4%: ptxas then serialised the two rows' maxima;
-    cvt.rm would be an F2F each, a slower pipe than F2FP's one for both rows.) docs/BACKENDS.md."""
+    cvt.rm would be an F2F each, a slower pipe than F2FP's one for both rows.) docs/design.md."""
     a_mul: gl.constexpr = 8.0 / LEAN_SAT_SCALE
     F16_STEP: gl.constexpr = 0.00048828125  # 2^-11: half an f16 step of v is at most |v| 2^-11
     t_top: gl.constexpr = (56.0 + 8.0 * P_OFFSET - LEAN_CENTER) / LEAN_SAT_SCALE
@@ -248,7 +248,7 @@ def _masked(s, n0, row0, Sk, off, CAUSAL: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def _exp2(x):
     """2^x of the scores: MUFU.EX2, or for EXP2_POLY of every 8 a polynomial on the FMA pipe
-    (generator/exp2_poly.py), so that the two pipes share the exponentials."""
+    (generator/asm/exp2_poly.py), so that the two pipes share the exponentials."""
     if EXP2_POLY > 0:
         return gl.inline_asm_elementwise(EXP2_ASM, EXP2_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True, pack=8)
     else:

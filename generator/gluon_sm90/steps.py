@@ -35,7 +35,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     is serialised, C7514); O rescaled at the start of the next step and V(j-1) released one step
     later (an instruction right after the PV wait pulls the wait above the exponentials); P carried
     as float32 (see _p_operand). Even so ptxas hoists the PV wait above part of the exponentials;
-    EX2_FENCE puts a barrier on the row sums right before the wait (generator/fence_asm.py). ROWSUM_MMA: the
+    EX2_FENCE puts a barrier on the row sums right before the wait (generator/asm/fence.py). ROWSUM_MMA: the
     rounded row sum of P(j-1) is one more wgmma (against ones) issued with PV(j-1), so l is
     rescaled and summed exactly when O is. SPLIT: two key parts, so twice the wgmmas of each kind
     (pPb carries the second part's P). P_SMEM: P(j-1) is read from the warpgroup's P tile (pP and
@@ -109,7 +109,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         _p_stage(pP, _p_tile(p_smem, kv_it, CID))
     if EX2_FENCE:
         # a barrier that needs every exponential of step j (the row sums, or the OR of all the
-        # probabilities; generator/fence_asm.py), right before the PV wait, which ptxas keeps after it
+        # probabilities; generator/asm/fence.py), right before the PV wait, which ptxas keeps after it
         if ROWSUM_MMA:
             pP = gl.inline_asm_elementwise(P_FENCE_A_ASM[CID], P_FENCE_A_CONSTRAINTS, [pP], dtype=gl.float32,
                                            is_pure=False, pack=BN_A // 2)
