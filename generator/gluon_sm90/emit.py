@@ -48,7 +48,7 @@ def emit(config: KernelConfig, *, trace: TraceBuffer | None = None) -> EmittedKe
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
     if config.backend != "gluon":
-        raise ValueError(f"emit_gluon.emit: config has backend={config.backend!r}")
+        raise ValueError(f"gluon_sm90.emit: config has backend={config.backend!r}")
     if trace is not None and not isinstance(trace, TraceBuffer):
         raise TypeError(f"emit(trace=...) takes a TraceBuffer, got {type(trace).__name__}")
     return emitted(config, _header(config) + device.source() + _constants(config, trace) + _entry(config),
@@ -160,7 +160,9 @@ def _header(c: KernelConfig) -> str:
             '"""\n')
 
 
-def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
+def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None) -> dict[str, object]:
+    """The module constants the device code reads, each derived from the config (in emission order):
+    validated ints, floats, bools and PTX built from validated fields, never text from a config."""
     consumer_regs, producer_regs = gluon_registers(c)
     consumers = int(c.block_m) // 64
     lean = c.softmax == "lean"
@@ -212,12 +214,12 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("LEAN_FMA", lean and (c.lean_fold in ONE_FMA_FOLDS or c.qk_acc == "f16")),
         ("LEAN_CENTER", fold_center(c.lean_fold, c.lean_ref) if lean else 0.0), ("LEAN_MAGIC", MAGIC),
         # the row maximum on the one-FMA folds' 1/8 grid (b exact; measured better for the linear folds); the
-        # corrected fold on f16 scores takes it as it is, so that the maximum's own code is exact (ACCURACY.md)
+        # corrected fold on f16 scores takes it as it is, so that the maximum's own code is exact
         ("LEAN_GRID", lean and c.lean_fold in ONE_FMA_FOLDS and c.lean_ref == "grid"),
         ("LEAN_SAT", lean and c.lean_clamp == "sat"), ("LEAN_SAT_SCALE", SAT_SCALE),
         # PTX from generator/asm/lean.py for validated enum values only (never text from a config)
         ("LEAN_ASM", lean_tail_asm(c.lean_fold, c.lean_clamp, c.lean_pack) if lean else ""),
-        # lean P's row sum from its packed codes (rowsum="rounded"): generator/lean_asm.code_sum_asm
+        # lean P's row sum from its packed codes (rowsum="rounded"): generator/asm/lean.code_sum_asm
         ("CODE_SUMS", lean and c.rowsum == "rounded"),
         ("CODE_SUM_ASM", code_sum_asm() if lean and c.rowsum == "rounded" else ""),
         ("CODE_SUM_CONSTRAINTS", CODE_SUM_CONSTRAINTS),
@@ -237,8 +239,12 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("TRACE_AFTER_ASM", clock_asm(trace, consumers, after_value=True) if trace else ""),
         *((f"EV_{name.upper()}", i) for i, name in enumerate(EVENTS)),
     ]
+    return dict(values)
+
+
+def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
     lines = ["", "", "# ---- this kernel's schedule (its config, resolved)"]
-    lines += [f"{name} = gl.constexpr({value!r})" for name, value in values]
+    lines += [f"{name} = gl.constexpr({value!r})" for name, value in schedule_constants(c, trace).items()]
     lines += ["# host side: read by kernels/launch.py",
               f"NUM_WARPS = {NUM_WARPS}",
               f"PERSISTENT = {bool(c.persistent)!r}",
