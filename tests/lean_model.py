@@ -155,7 +155,7 @@ def x_grid(lo: float, hi: float, step: float = 1 / 64) -> np.ndarray:
     return lo + step * np.arange(n + 1)
 
 
-def _operand(tok: str, regs: dict[str, int]) -> int:
+def operand(tok: str, regs: dict[str, int]) -> int:
     tok = tok.strip()
     if tok in regs:
         return regs[tok]
@@ -210,7 +210,7 @@ def _execute(text: str, regs: dict[str, int]) -> int:
             regs[dst] = lo | (hi << 16)
             continue
         args = [t.strip() for t in operands.split(",")]
-        dst, srcs = args[0], [_operand(t, regs) for t in args[1:]]
+        dst, srcs = args[0], [operand(t, regs) for t in args[1:]]
         if op == "mov.b32":
             val = srcs[0]
         elif op == "fma.rn.f32":

@@ -14,8 +14,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from test_lean_numerics import (_operand, bits, f32, fma_f32, from_bits, rne_e4m3_codes, round_down_f32, round_f32,
-                                x_grid)
+from lean_model import bits, f32, fma_f32, from_bits, operand, rne_e4m3_codes, round_down_f32, round_f32, x_grid
 
 from zyfa_tune.generator.asm.exp2_poly import COEFFICIENTS, EXP2_CONSTRAINTS, PACK, X_FLOOR, exp2_asm
 
@@ -33,7 +32,7 @@ def run_exp2_asm(text: str, xs: list[float]) -> list[float]:
         m = re.fullmatch(r"([a-z0-9.]+)\s+(.*);", line.strip())
         assert m, line
         op, args = m.group(1), [t.strip() for t in m.group(2).split(",")]
-        dst, srcs = args[0], [_operand(t, regs) for t in args[1:]]
+        dst, srcs = args[0], [operand(t, regs) for t in args[1:]]
         fl = [from_bits(v) for v in srcs]
         if op == "max.f32":
             val = bits(max(fl))

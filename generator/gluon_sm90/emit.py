@@ -1,7 +1,7 @@
 """Gluon backend: `KernelConfig` (backend="gluon") -> Python source of one warp-specialised FP8
 causal-prefill kernel for sm_90a, written in Triton's Gluon dialect.
 
-The emitted module is the device code of generator/gluon_sm90/device/ (copied verbatim), then the
+The emitted module is the device code (the modules device.py lists, copied verbatim), then the
 config's schedule as module constants (validated ints and bools only, written as literals), then
 the entry kernel, whose partition list and register split the emitter writes out for the config.
 The source holds everything the kernel runs, so its hash identifies the kernel (database variant,
