@@ -1,7 +1,7 @@
 """The FMA-pipe exponential (generator/asm/exp2_poly.py), modelled on the CPU.
 
 `run_exp2_asm` interprets the emitted PTX instruction by instruction from the PTX ISA semantics
-(the exact FMA and roundings of tests/test_lean_numerics.py); the tests check it against 2^x and
+(the exact FMA and roundings of tests/lean_model.py); the tests check it against 2^x and
 measure how often its e4m3 rounding is the correctly rounded e4m3 of 2^x, which is what decides the
 kernel's error (the GPU tests compare the kernels: tests/test_gpu_gluon.py::test_exp2_poly).
 """
