@@ -214,7 +214,7 @@ def compile_for_target(kernel: EmittedKernel, *, causal: bool = True, capability
 def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int,
                    descales: bool = True) -> CompiledArtifacts:
     """The Gluon kernel for sm_<capability>a: descriptors typed from the config's blocks (their
-    shared layouts are what the launcher builds); its integers are never specialised (emit_gluon's
+    shared layouts are what the launcher builds); its integers are never specialised (gluon_sm90.emit's
     UNSPECIALISED), so plain i32 is exactly what a launch compiles."""
     import triton
     from triton.backends.compiler import GPUTarget

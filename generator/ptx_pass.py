@@ -3,7 +3,7 @@
 Triton hands an f16 wgmma accumulator to `wgmma.wait_group` as 16-bit halves, split (`mov.b32 {h, l}, %r`) right
 after the issue; ptxas then waits after every wgmma of the kernel. So the f16-score kernels issue QK^T's last
 k-step synchronously (its own `wait_group 0`, then the split), and PV(j-1) goes to the tensor cores only once
-QK^T(j) is done (docs/BACKENDS.md). In the PTX of the two-P-tile step the split is followed by PV(j-1)'s issue and
+QK^T(j) is done (docs/design.md). In the PTX of the two-P-tile step the split is followed by PV(j-1)'s issue and
 a `wait_group 1` (QK^T's group done, PV's may run): this pass drops QK^T's `wait_group 0` and moves the split
 after that `wait_group 1`, which is the float32-score kernels' order. It moves nothing that is read in between,
 and changes a block only in that exact shape; a kernel it was asked to change and could not is an error.

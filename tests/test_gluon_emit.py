@@ -1,5 +1,6 @@
 """Gluon emission (generator/gluon_sm90/emit.py): deterministic source with the config baked in as
-constants, stable hashes, every schedule field reaching the code, only validated values as text."""
+constants, stable hashes, every kernel field reaching the code, the constants meaning what the config
+says, only validated values as text."""
 
 from __future__ import annotations
 
@@ -10,17 +11,13 @@ import pytest
 
 from gluon_cases import GLUON, neighbours, sampled
 
-from zyfa_tune.generator import KernelConfig, emit, emit_triton, gluon_registers
-from zyfa_tune.generator.gluon_sm90 import device as gluon_device
+from zyfa_tune.generator import KernelConfig, emit, emit_triton
+from zyfa_tune.generator.gluon_sm90 import device
 from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
 from zyfa_tune.generator.emitted import KERNEL_NAME
-from zyfa_tune.generator.asm.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
-from zyfa_tune.generator.asm.lean import (MAGIC, code_sum_asm, f16_fold_asm, f16_mufu_asm, f16_mufu_constraints,
-                                          f16_pack_asm, lean_tail_asm)
-from zyfa_tune.generator.asm.rescale import rescale_asm, rescale_constraints
-from zyfa_tune.generator.gluon_sm90.trace import EVENTS
+from zyfa_tune.generator.gluon_sm90.trace import TraceBuffer
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.search_spaces.seeds import gluon_lean_f16_config, gluon_smem2_chunked_config, gluon_smem2_config
+from zyfa_tune.search_spaces.seeds import gluon_defer_config, gluon_lean_config, gluon_lean_f16_config, gluon_smem2_chunked_config, gluon_smem2_config, gluon_three_config
 
 #: the Gluon seed, one variant per value of every field the space searches for it, a sample of
 #: the space's points, and P through shared memory (not searched), with a 128- and a 64-byte swizzle
@@ -92,138 +89,149 @@ def test_distinct_configs_give_distinct_code():
         assert code_only(emit(c).source) == code_only(twin.source) and emit(c).source_hash != twin.source_hash
 
 
-def fence_constants(cfg) -> dict:
-    """ex2_fence's asm per consumer: on the row sums (rowsum="fp32") or on each key part's
-    probabilities (rowsum="mma"), empty elsewhere."""
-    from zyfa_tune.generator.asm.fence import (ROW_SUM_FENCE_CONSTRAINTS, p_fence_asm, p_fence_constraints,
-                                               row_sum_fence_asm)
+def split_block(cfg: KernelConfig) -> bool:
+    return cfg.block_n == 192 or (cfg.block_n == 256 and cfg.pv_defer)
 
-    none = ("",) * 3
-    rows = cfg.ex2_fence and cfg.rowsum == "fp32"
-    out = {"ROW_SUM_FENCE_ASM": tuple(row_sum_fence_asm(15 - k) for k in range(3)) if rows else none,
-           "ROW_SUM_FENCE_CONSTRAINTS": ROW_SUM_FENCE_CONSTRAINTS}
-    keys = {"A": 128 if cfg.block_n == 192 else cfg.block_n, "B": 64 if cfg.block_n == 192 else 0}
-    for part, k in keys.items():
-        n, on = k // 2, cfg.ex2_fence and cfg.rowsum == "mma" and k > 0
-        out[f"P_FENCE_{part}_ASM"] = tuple(p_fence_asm(n, 15 - c) for c in range(3)) if on else none
-        out[f"P_FENCE_{part}_CONSTRAINTS"] = p_fence_constraints(n) if on else ""
-    return out
+
+def power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 @pytest.mark.parametrize("cfg", VARIANTS)
-def test_constants_are_the_config(cfg):
+def test_source_carries_the_config(cfg):
+    """The source compiles as Python, its docstring holds the config (round trip), and its module
+    constants are schedule_constants(cfg) as literals plus the host's three."""
     src = emit(cfg).source
     tree = ast.parse(src)
     compile(tree, "<emitted>", "exec")
-    doc = ast.get_docstring(tree)
-    (line,) = [ln for ln in doc.splitlines() if ln.startswith("config: ")]
+    (line,) = [ln for ln in ast.get_docstring(tree).splitlines() if ln.startswith("config: ")]
     assert KernelConfig.from_json(line[len("config: "):]) == cfg
     c = constants(src)
+    host = {"NUM_WARPS": 4, "PERSISTENT": cfg.persistent, "KERNEL_NAME": KERNEL_NAME}
+    own = constants(device.source())  # the device code's own (E4M3X4_ASM)
+    device_only = {k: v for k, v in c.items() if k not in host and k not in own}
+    assert device_only == emit_gluon.schedule_constants(cfg)
+    assert {k: c[k] for k in host} == host
+
+
+@pytest.mark.parametrize("cfg", VARIANTS)
+def test_constants_mean_the_config(cfg):
+    """Each constant says what its field means: shapes, the key / column / O parts (powers of two that
+    add up to the block and head dims), the register split, and which variant is on."""
+    k = emit_gluon.schedule_constants(cfg)
+    assert (k["BLOCK_M"], k["BLOCK_N"], k["HEAD_QK"], k["HEAD_D"]) == (cfg.block_m, cfg.block_n, cfg.head_dim_qk,
+                                                                      cfg.head_dim_v)
+    assert k["NUM_CONSUMERS"] == cfg.block_m // 64 and k["STAGES"] == cfg.num_stages
+    # key parts: one, or two powers of two adding up to the block
+    assert k["SPLIT"] == split_block(cfg) == (k["BN_B"] > 0)
+    assert k["BN_A"] + k["BN_B"] == cfg.block_n and power_of_two(k["BN_A"]) and (k["BN_B"] == 0 or power_of_two(k["BN_B"]))
+    # Q / K column parts and O columns: powers of two covering the head dims
+    assert k["QK_PARTS"] * k["QK_W"] == cfg.head_dim_qk and power_of_two(k["QK_W"])
+    if cfg.o_split:
+        assert k["O_SPLIT"] and k["O_W"] + k["O_C"] == cfg.head_dim_v
+    else:
+        assert power_of_two(k["O_W"]) and cfg.head_dim_v <= k["O_W"] < 2 * cfg.head_dim_v
+    assert k["O_CHUNK"] * k["O_CHUNKS"] == k["O_W"]
+    # registers: within the architecture's limits, and a warpgroup's worth of the file each
+    consumers, producer = k["CONSUMER_REGS"], k["PRODUCER_REGS"]
+    assert 24 <= producer <= consumers <= 256 and consumers % 8 == 0 == producer % 8
+    if k["NUM_CONSUMERS"] > 1:
+        assert 128 * (consumers * k["NUM_CONSUMERS"] + producer) <= 65536
+    # the variants
     lean = cfg.softmax == "lean"
-    consumer_regs, producer_regs = gluon_registers(cfg)
-    in_place = cfg.skip_rescale or (cfg.block_n == 256 and cfg.pv_defer)
-    # key parts: 192 = 128 + 64; a 256-key pv_defer block 128 + 128; else one part
-    # O's accumulator columns: a power of two (96 padded to 128), or with o_split 64 + 32 (else a
-    # stand-in 8 wide); the wgmmas of one PV issue
-    ow, oc = (64, 32) if cfg.o_split else (128 if cfg.head_dim_v == 96 else cfg.head_dim_v, 0)
-    pv_groups = (2 if cfg.block_n == 192 or (cfg.block_n == 256 and cfg.pv_defer) else 1) * (
-        2 if cfg.rowsum == "mma" else 1) + cfg.o_split
-    parts = (128, 64) if cfg.block_n == 192 else (128, 128) if cfg.block_n == 256 and cfg.pv_defer else (cfg.block_n, 0)
-    assert c == {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "HEAD_D": cfg.head_dim_v, "HEAD_QK": cfg.head_dim_qk,
-                 "O_W": ow,
-                 "O_SPLIT": cfg.o_split, "O_C": oc or 8, "PV_GROUPS": pv_groups,
-                 "QK_PARTS": cfg.head_dim_qk // emit_gluon.qk_part_width(cfg), "QK_W": emit_gluon.qk_part_width(cfg),
-                 "Q_BOXES": 3 if cfg.block_m == 192 else 1,
-                 "STAGES": cfg.num_stages,
-                 "Q_STAGES": cfg.q_stages, "NUM_CONSUMERS": cfg.block_m // 64, "OVERLAP": cfg.overlap,
-                 "PINGPONG": cfg.ping_pong, "HEAVY_FIRST": cfg.q_order == "heavy_first",
-                 "BALANCED": cfg.q_order == "balanced", "V_PERM": cfg.v_permute, "K_PERM": cfg.k_perm,
-                 "V_NATURAL": cfg.v_layout == "natural", "NAMED_TURNS": cfg.turn_barrier == "named",
-                 "BN_A": parts[0], "BN_B": parts[1], "SPLIT": parts[1] > 0, **fence_constants(cfg),
-                 "P_OFFSET": float(cfg.p_scale_log2), "CONSUMER_REGS": consumer_regs,
-                 "PRODUCER_REGS": producer_regs, "NUM_WARPS": 4, "PERSISTENT": cfg.persistent,
-                 "KERNEL_NAME": KERNEL_NAME, "LEAN": lean,
-                 "LEAN_FMA": lean and (cfg.lean_fold in ("fma", "centered") or cfg.qk_acc == "f16"),
-                 # lean_ref="max": the line on the row's maximum, lowered 5/16 code (with _f16_fold's margin ~0.45)
-                 "LEAN_CENTER": (0.3125 if cfg.lean_ref == "max" else 0.4375 if cfg.lean_fold == "centered" else 0.0)
-                                if lean else 0.0, "PV_DEFER": cfg.pv_defer,
-                 "LEAN_MAGIC": MAGIC, "LEAN_SAT": lean and cfg.lean_clamp == "sat", "LEAN_SAT_SCALE": 128.0,
-                 "LEAN_ASM": lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else "",
-                 "ROWSUM_MMA": cfg.rowsum == "mma", "CODE_SUMS": lean and cfg.rowsum == "rounded",
-                 "CODE_SUM_ASM": code_sum_asm() if lean and cfg.rowsum == "rounded" else "",
-                 "CODE_SUM_CONSTRAINTS": "=f,r,r,r,r", "EXP2_POLY": cfg.exp2_poly,
-                 "EXP2_ASM": exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else "",
-                 "EXP2_CONSTRAINTS": EXP2_CONSTRAINTS, "RESCALE_IN_PLACE": in_place, "RESCALE_PACK": ow // 2,
-                 "RESCALE_ASM": rescale_asm(ow // 2, skip=cfg.skip_rescale) if in_place else "",
-                 "RESCALE_CONSTRAINTS": rescale_constraints(ow // 2) if in_place else "",
-                 "RESCALE_C_PACK": oc // 2 or 1,
-                 "RESCALE_C_ASM": rescale_asm(oc // 2, skip=cfg.skip_rescale) if in_place and oc else "",
-                 "RESCALE_C_CONSTRAINTS": rescale_constraints(oc // 2) if in_place and oc else "",
-                 "PACK_P": cfg.p_carry == "e4m3", "E4M3X4_ASM": gluon_device.E4M3X4_ASM.value,
-                 "P_SMEM": cfg.p_carry in ("smem", "smem2"), "K_AHEAD": cfg.p_carry in ("smem", "smem2"),
-                 "P_SWIZZLE": min(128, cfg.block_n), "P_DOUBLE": cfg.p_carry == "smem2",
-                 # smem2: the output tile in the first P tile where 64 x block_n bytes hold 64 x O_W bf16,
-                 # or (o_through_p) in chunks of block_n / 2 columns through both P tiles
-                 "O_IN_P": cfg.p_carry == "smem2" and not cfg.o_split and (cfg.block_n >= 2 * ow or cfg.o_through_p),
-                 "O_CHUNK": cfg.block_n // 2 if cfg.o_through_p else ow,
-                 "O_CHUNKS": ow // (cfg.block_n // 2) if cfg.o_through_p else 1,
-                 "LANE_SUMS": cfg.lane_sums, "LATE_RESCALE": cfg.late_rescale and cfg.overlap, "HALF_BLOCK": cfg.half_block,
-                 # qk_acc="f16": Q rows rescaled so that 448 sum|q| stays within 2^15
-                 "F16_S": cfg.qk_acc == "f16", "Q_HEADROOM": 448.0 / 32768.0, "QK_ASYNC": cfg.qk_async,
-                 "F16_FOLD_ASM": f16_fold_asm(cfg.lean_fold, cfg.lean_floor) if cfg.qk_acc == "f16" else "",
-                 # lean_floor: e4m3's subnormal codes from a second line, 3 codes an octave, meeting at 2^-6
-                 "LEAN_FLOOR": cfg.lean_floor, "LEAN_FLOOR_SLOPE": 3.0, "LEAN_FLOOR_AT": -6.0,
-                 "F16_PACK_ASM": f16_pack_asm() if cfg.qk_acc == "f16" else "",
-                 # lean_mufu: k of every four f16 pairs by the MUFU (the line e = x + P - 8: 1 - 16 u on the
-                 # corrected fold's u, 16 t + k on the linear fold's t)
-                 "LEAN_MUFU": cfg.lean_mufu,
-                 "F16_MUFU_ASM": f16_mufu_asm(cfg.lean_mufu, cfg.lean_fold, cfg.lean_floor) if cfg.lean_mufu else "",
-                 "F16_MUFU_CONSTRAINTS": ",".join(["=r"] * 4 + ["r"] * 4 * (
-                     5 if cfg.lean_fold == "corrected" else 5 if cfg.lean_floor else 3)), "F16_MUFU_TOP": 1.0,
-                 # the corrected fold on f16 scores folds u = 1 - t at the row's own maximum (no 1/8 grid)
-                 "F16_U": cfg.qk_acc == "f16" and cfg.lean_fold == "corrected",
-                 "LEAN_GRID": lean and cfg.lean_fold in ("fma", "centered") and cfg.lean_ref == "grid",
-                 # timeline stamps off (tests/test_timeline.py traces)
-                 "TRACE": False, "TRACE_STEPS": 0, "TRACE_EVENTS": len(EVENTS), "TRACE_ASM": "", "TRACE_AFTER_ASM": "",
-                 **{f"EV_{name.upper()}": i for i, name in enumerate(EVENTS)}}
+    assert k["LEAN"] == lean and bool(k["LEAN_ASM"]) == lean
+    assert k["ROWSUM_MMA"] == (cfg.rowsum == "mma") and k["CODE_SUMS"] == (lean and cfg.rowsum == "rounded")
+    assert k["PV_GROUPS"] == (2 if k["SPLIT"] else 1) * (2 if k["ROWSUM_MMA"] else 1) + k["O_SPLIT"]
+    assert k["P_SMEM"] == (cfg.p_carry in ("smem", "smem2")) and k["P_DOUBLE"] == (cfg.p_carry == "smem2")
+    assert k["PACK_P"] == (cfg.p_carry == "e4m3")
+    assert (k["HEAVY_FIRST"], k["BALANCED"]) == (cfg.q_order == "heavy_first", cfg.q_order == "balanced")
+    assert (k["OVERLAP"], k["PINGPONG"], k["PV_DEFER"]) == (cfg.overlap, cfg.ping_pong, cfg.pv_defer)
+    assert (k["V_PERM"], k["K_PERM"], k["V_NATURAL"]) == (cfg.v_permute, cfg.k_perm, cfg.v_layout == "natural")
+    assert k["P_OFFSET"] == float(cfg.p_scale_log2) and k["P_SWIZZLE"] == min(128, cfg.block_n)
+    f16 = cfg.qk_acc == "f16"
+    assert k["F16_S"] == f16 and bool(k["F16_FOLD_ASM"]) == f16 and bool(k["F16_PACK_ASM"]) == f16
+    assert bool(k["F16_MUFU_ASM"]) == (cfg.lean_mufu > 0) and k["LEAN_MUFU"] == cfg.lean_mufu
+    assert k["EXP2_POLY"] == cfg.exp2_poly and bool(k["EXP2_ASM"]) == (cfg.exp2_poly > 0)
+    assert k["RESCALE_IN_PLACE"] == emit_gluon.rescale_in_place(cfg) == bool(k["RESCALE_ASM"])
+    assert bool(k["RESCALE_C_ASM"]) == (k["RESCALE_IN_PLACE"] and cfg.o_split)
+    # ex2_fence: one asm per consumer warpgroup, each on its own named barrier
+    fences = k["ROW_SUM_FENCE_ASM"] if cfg.rowsum == "fp32" else k["P_FENCE_A_ASM"]
+    assert (len(set(fences)) == 3) == cfg.ex2_fence and all(a == "" for a in fences) == (not cfg.ex2_fence)
+    # timeline stamps only in a traced twin
+    assert not k["TRACE"] and k["TRACE_ASM"] == k["TRACE_AFTER_ASM"] == ""
+
+
+def test_lean_and_exact_seeds():
+    """Lean P's constants on the lean seed and off on the exact one (its fold's magic and scale in
+    range); the f16 lean seed folds on f16 scores and scales Q's rows into range."""
+    exact = emit_gluon.schedule_constants(GLUON)
+    lean = emit_gluon.schedule_constants(gluon_lean_config("fp8", 128, 128))
+    f16 = emit_gluon.schedule_constants(gluon_lean_f16_config("fp8", 128, 128))
+    assert not exact["LEAN"] and exact["LEAN_ASM"] == "" and not exact["LEAN_FMA"] and exact["LEAN_CENTER"] == 0.0
+    assert lean["LEAN"] and "cvt" not in lean["LEAN_ASM"] and lean["LEAN_MAGIC"] == 1.5 * 2 ** 23
+    assert f16["F16_S"] and f16["LEAN"] and 0 < f16["Q_HEADROOM"] * 2 ** 15 <= 448.0
+
+
+def test_structural_seeds():
+    """Two key parts for a 192-key block (128 + 64) and a 256-key pv_defer block (128 + 128); three
+    consumers for a 192-row tile, each a box of its own; O through two P tiles in chunks."""
+    for cfg in (default_config("fp8", 128, 128, "gluon").replace(block_n=192), gluon_defer_config("fp8", 256, 256)):
+        k = emit_gluon.schedule_constants(cfg)
+        if k["SPLIT"]:
+            assert (k["BN_A"], k["BN_B"]) == ((128, 64) if cfg.block_n == 192 else (128, 128))
+    three = emit_gluon.schedule_constants(gluon_three_config("fp8", 96, 96))
+    assert three["NUM_CONSUMERS"] == 3 and three["Q_BOXES"] == 3
+    chunked = emit_gluon.schedule_constants(gluon_smem2_chunked_config("fp8", 256, 256))
+    assert chunked["O_IN_P"] and chunked["O_CHUNKS"] > 1
+
+
+def test_traced_twin_differs_in_stamps_only():
+    """A traced twin turns the stamps on (its asm, its slot count) and changes no other constant."""
+    plain = emit_gluon.schedule_constants(GLUON)
+    traced = emit_gluon.schedule_constants(GLUON, TraceBuffer(address=1 << 20, steps=8))
+    changed = {k for k in plain if plain[k] != traced[k]}
+    assert changed == {"TRACE", "TRACE_STEPS", "TRACE_ASM", "TRACE_AFTER_ASM"}
+    assert traced["TRACE"] and traced["TRACE_STEPS"] == 8 and "%clock" in traced["TRACE_ASM"]
+
+
+@pytest.mark.parametrize("cfg", VARIANTS)
+def test_entry_kernel(cfg):
+    """One consumer partition per 64 rows and one producer, the register split for the workers, and
+    the parameters the launcher passes, in its order."""
+    tree = ast.parse(emit(cfg).source)
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     assert {KERNEL_NAME, "_producer", "_consumer", "_softmax", "_ov_step"} <= set(funcs)
     entry = ast.unparse(funcs[KERNEL_NAME])
     assert entry.count("(_consumer, (") == cfg.block_m // 64 and entry.count("(_producer, (") == 1
     assert entry.count("CONSUMER_REGS, ") == cfg.block_m // 64 - 1 and "PRODUCER_REGS]" in entry
     params = [a.arg for a in funcs[KERNEL_NAME].args.args]
-    assert params == list(emit_gluon.descriptor_blocks(cfg)) + list(emit_gluon.SCALAR_PARAMS) + list(emit_gluon.tile_params(cfg)) + ["CAUSAL"]
+    assert params == (list(emit_gluon.descriptor_blocks(cfg)) + list(emit_gluon.SCALAR_PARAMS)
+                      + list(emit_gluon.tile_params(cfg)) + ["CAUSAL"])
+
+
+def strings(src: str) -> set[str]:
+    """The string constants of a source, its module docstring left out."""
+    tree = ast.parse(src)
+    first = tree.body[0]
+    doc = first.value if isinstance(first, ast.Expr) else None
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and n is not doc}
+
+
+def constant_strings(cfg: KernelConfig) -> set[str]:
+    out: set[str] = set()
+    for value in emit_gluon.schedule_constants(cfg).values():
+        out |= {v for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, str)}
+    return out
 
 
 @pytest.mark.parametrize("cfg", VARIANTS)
 def test_only_validated_values_become_text(cfg):
     """Apart from the docstring (the validated config as JSON), the strings in the source are the
-    device code's own (fixed) strings and, for lean P (its code sums too) and exp2_poly, the PTX
-    generator.lean_asm and generator.exp2_poly build from validated enum / int fields (skip_rescale:
-    generator.rescale_asm from the head dim; ex2_fence: generator.fence_asm from the block and
-    consumer): the config adds no text of its own."""
-    def strings(src: str) -> set:
-        tree = ast.parse(src)
-        doc = tree.body[0].value
-        return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-                and n is not doc}
-    expected = strings(emit(GLUON).source) - {""}  # the seed: LEAN_ASM = EXP2_ASM = ""
-    lean = cfg.softmax == "lean"
-    expected |= {lean_tail_asm(cfg.lean_fold, cfg.lean_clamp, cfg.lean_pack) if lean else ""}
-    expected |= {code_sum_asm() if lean and cfg.rowsum == "rounded" else ""}  # code sums: no config text
-    expected |= {f16_fold_asm(cfg.lean_fold, cfg.lean_floor), f16_pack_asm()} if cfg.qk_acc == "f16" else set()
-    expected |= {f16_mufu_asm(cfg.lean_mufu, cfg.lean_fold, cfg.lean_floor)} if cfg.lean_mufu else set()  # enums, 1..4
-    expected = (expected - {f16_mufu_constraints(GLUON.lean_fold, GLUON.lean_floor)}) | {f16_mufu_constraints(cfg.lean_fold, cfg.lean_floor)}  # enums
-    expected |= {exp2_asm(cfg.exp2_poly, cfg.exp2_poly_degree) if cfg.exp2_poly else ""}
-    if emit_gluon.rescale_in_place(cfg):  # skip_rescale, or a 256-key pv_defer block (always, in place)
-        expected |= {rescale_asm(cfg.head_dim_v // 2, skip=cfg.skip_rescale), rescale_constraints(cfg.head_dim_v // 2)}
-    for value in fence_constants(cfg).values():  # ex2_fence: generator.fence_asm, from ints only
-        expected |= set(value) if isinstance(value, tuple) else {value}
-    assert strings(emit(cfg).source) == expected
-
-
-def test_device_code_is_copied_verbatim():
-    device = (emit_gluon.Path(emit_gluon.__file__).parent / "device.py").read_text()
-    body = device.partition(emit_gluon.DEVICE_MARKER)[2].lstrip("\n")
-    assert body in emit(GLUON).source
-    assert "def _consumer(" in body and "def _producer(" in body
+    device code's own, the parameter names and kernel name, and the PTX of schedule_constants (built
+    by generator/asm from validated enum / int fields): the config adds no text of its own."""
+    fixed = strings(device.source()) | set(emit_gluon.SCALAR_PARAMS) | {KERNEL_NAME}
+    got = strings(emit(cfg).source)
+    assert got <= fixed | constant_strings(cfg)
+    assert constant_strings(cfg) - {""} <= got
+    for text in constant_strings(cfg):  # PTX, never the config's own text
+        assert cfg.to_json() not in text

@@ -1,7 +1,7 @@
 """Exponentials on the FMA pipe: 2^x by a polynomial for a share of the scores, in hand-written PTX.
 
 Why: MUFU.EX2 gives 16 results per clock per SM, the FP32 pipe 128. At head dim 128 one MUFU
-exponential per score takes as long as both FP8 MMAs of the score (docs/BACKENDS.md), so the exact
+exponential per score takes as long as both FP8 MMAs of the score (docs/design.md), so the exact
 kernel waits on MUFU. Computing k of every 8 exponentials on the FMA pipe instead (FlashAttention-4's
 software exp2 on Blackwell) splits the work between the two pipes. Unlike lean P the result is a
 float32 within 2e-3 (degree 2) or 9e-5 (degree 3) of 2^x, so its e4m3 rounding is the correct one for

@@ -2,7 +2,7 @@
 exponential, so that neither can the wait (ptxas keeps the wait after a preceding barrier).
 
 Why: in the overlapped step ptxas hoists the PV wait (WARPGROUP.DEPBAR) above the softmax's
-exponentials, with rowsum="mma" above every one of them (docs/BACKENDS.md), and PV(j-1) then
+exponentials, with rowsum="mma" above every one of them (docs/design.md), and PV(j-1) then
 overlaps nothing inside the warpgroup. The barrier is a bar.red over the warpgroup's 128 threads on a
 named barrier of its own (`fence_barrier`: Triton's partitions use 0-3, the named turns 8-10), and
 its predicate needs every exponential:
@@ -12,7 +12,7 @@ its predicate needs every exponential:
   lists them as tied operands does not work: ptxas sees only the registers an instruction reads.
 Operands pass through tied or copied: nothing changes value; the barrier's result is unused.
 (A bar.warp.sync on a mask computed from the row sums orders the wait as well but makes ptxas spill
-on the non-causal kernel; /work/spike/gluon_sched.)
+on the non-causal kernel.)
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ the tuner searches:
          "sat"     no max: the fold's last FMA saturates t = (8x + 56 - center) / 128 to [0, 1]
                    (FFMA.SAT; -inf and NaN give 0), then y = 128 t + magic (one more FMA): one
                    VIMNMX per score becomes an FFMA, and ptxas schedules the Gluon step ~6% shorter
-                   (docs/PERF.md, session 26). t is rounded to float32 first, so a code can differ
+                   (docs/results.md). t is rounded to float32 first, so a code can differ
                    from round(8x + 56) only where 8x + 56 is within 2^-18 of a half-integer.
 - pack:  "prmt"    three byte permutes; "bfi" three bit-field inserts.
 """
@@ -65,7 +65,7 @@ ONE_FMA_FOLDS = ("fma", "centered")
 #: (lean_ref="max"). With the lowering _f16_fold adds against f16 rounding (1/16 code + |b|/8, b ~ 0.5 on
 #: ordinary rows) the line sits ~0.45 codes down: every score rounds about half a code down from the line,
 #: against its overestimate of 2^x, while the maximum (at 2^P - 0.45 codes) keeps its exact code. Past half a
-#: code the maximum drops a code and the error rises (float64 emulation, docs/ACCURACY.md session 45).
+#: code the maximum drops a code and the error rises (float64 emulation, docs/results.md).
 LEAN_MAX_CENTER = 0.3125
 
 
@@ -199,7 +199,7 @@ def code_sum_asm() -> str:
 CODE_SUM_CONSTRAINTS = "=f,r,r,r,r"
 
 
-# ---- lean P on f16 scores (qk_acc="f16", Gluon; docs/BACKENDS.md) -------------------------------------
+# ---- lean P on f16 scores (qk_acc="f16", Gluon; docs/design.md) -------------------------------------
 
 #: 1024 = 2^10: f16 values in [1024, 2048) are the integers, so y = 1024 + code holds the code in its low byte
 F16_BASE = 1024.0
@@ -220,7 +220,7 @@ def _f16x2_hex(value: float) -> str:
 #: lean_floor's second line: codes per octave below 2^-6, where e4m3's codes are subnormal (linear in the
 #: value: code m is m 2^-9). The fold's own line, 8 codes an octave, reaches code 0 at x + P = -7; this one
 #: meets it at code 8 (x + P = -6) and reaches 0 at -8.7 (correct rounding: at -10), 3 an octave keeping it
-#: within a code of round(2^(x + P + 9)) (float64 emulation, docs/ACCURACY.md session 45).
+#: within a code of round(2^(x + P + 9)) (float64 emulation, docs/results.md).
 LEAN_FLOOR_SLOPE = 3.0
 #: x + P where the two lines meet (code 8 - center, e4m3's smallest normal 2^-6)
 LEAN_FLOOR_AT = -6.0
@@ -307,7 +307,7 @@ def f16_mufu_asm(mufu: int, fold: str = "corrected", floor: bool = False) -> str
     code in each half's low byte): the first MUFU_GROUP - mufu pairs by the f16 fold `fold` from the row's a
     ($8..$11) and b ($12..$15), the last mufu pairs by the MUFU on the line e = x + P - 8, 2^e by
     ex2.approx.f16x2, and the code by integer arithmetic on the f16 bits rather than the conversion (F2FP, a
-    slow pipe: 2.7x its ncu samples for 25% more of them, docs/PERF.md session 36): f16 and e4m3 differ by 7
+    slow pipe: 2.7x its ncu samples for 25% more of them): f16 and e4m3 differ by 7
     mantissa bits and 8 in exponent bias, so the f16 of 2^(x + P - 8) is e4m3's code of 2^(x + P) in bits
     7..14 (subnormals too: f16's and e4m3's line up), rounded by adding 2^6 (to nearest, ties away from zero:
     one f16 value in 128 is a tie, moved by half a code) and shifting right by 7, both halves at once

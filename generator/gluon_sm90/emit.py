@@ -1,7 +1,7 @@
 """Gluon backend: `KernelConfig` (backend="gluon") -> Python source of one warp-specialised FP8
 causal-prefill kernel for sm_90a, written in Triton's Gluon dialect.
 
-The emitted module is the device code of generator/gluon_sm90/device.py (copied verbatim), then the
+The emitted module is the device code (the modules device.py lists, copied verbatim), then the
 config's schedule as module constants (validated ints and bools only, written as literals), then
 the entry kernel, whose partition list and register split the emitter writes out for the config.
 The source holds everything the kernel runs, so its hash identifies the kernel (database variant,
@@ -25,9 +25,6 @@ Kernel contract (see kernels/gluon_launch.py):
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 from ..config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_chunks, o_in_p_tile, p_tiles
 from ..emitted import EmittedKernel, emitted, kernel_name_of
 from ..asm.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
@@ -37,9 +34,9 @@ from ..asm.lean import (CODE_SUM_CONSTRAINTS, E4M3_MAX, F16_MUFU_TOP, F16_SCORE_
                        f16_pack_asm, f16_reversed, fold_center, lean_tail_asm, LEAN_FLOOR_AT,
                        LEAN_FLOOR_SLOPE)
 from ..asm.rescale import rescale_asm, rescale_constraints
+from . import device
 from .trace import EVENTS, TraceBuffer, clock_asm
 
-DEVICE_MARKER = "# ---- emitted below this line ----"
 #: Warps of the entry kernel's default partition (consumer warpgroup 0).
 NUM_WARPS = 4
 
@@ -51,10 +48,10 @@ def emit(config: KernelConfig, *, trace: TraceBuffer | None = None) -> EmittedKe
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
     if config.backend != "gluon":
-        raise ValueError(f"emit_gluon.emit: config has backend={config.backend!r}")
+        raise ValueError(f"gluon_sm90.emit: config has backend={config.backend!r}")
     if trace is not None and not isinstance(trace, TraceBuffer):
         raise TypeError(f"emit(trace=...) takes a TraceBuffer, got {type(trace).__name__}")
-    return emitted(config, _header(config) + _device_code() + _constants(config, trace) + _entry(config),
+    return emitted(config, _header(config) + device.source() + _constants(config, trace) + _entry(config),
                    kernel_name_of(config))
 
 
@@ -157,22 +154,15 @@ def tile_params(c: KernelConfig) -> tuple[str, ...]:
 UNSPECIALISED = SCALAR_PARAMS[3:12]
 
 
-@functools.lru_cache(maxsize=1)
-def _device_code() -> str:
-    text = (Path(__file__).parent / "device.py").read_text()
-    head, marker, body = text.partition(DEVICE_MARKER)
-    if not marker:
-        raise RuntimeError(f"device.py lacks the line {DEVICE_MARKER!r}")
-    return body.lstrip("\n")
-
-
 def _header(c: KernelConfig) -> str:
     return (f'"""zyfa-tune generated kernel (generator {GENERATOR_VERSION}, Gluon backend). Do not edit.\n\n'
             f"config: {c.to_json()}\n"
             '"""\n')
 
 
-def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
+def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None) -> dict[str, object]:
+    """The module constants the device code reads, each derived from the config (in emission order):
+    validated ints, floats, bools and PTX built from validated fields, never text from a config."""
     consumer_regs, producer_regs = gluon_registers(c)
     consumers = int(c.block_m) // 64
     lean = c.softmax == "lean"
@@ -224,12 +214,12 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("LEAN_FMA", lean and (c.lean_fold in ONE_FMA_FOLDS or c.qk_acc == "f16")),
         ("LEAN_CENTER", fold_center(c.lean_fold, c.lean_ref) if lean else 0.0), ("LEAN_MAGIC", MAGIC),
         # the row maximum on the one-FMA folds' 1/8 grid (b exact; measured better for the linear folds); the
-        # corrected fold on f16 scores takes it as it is, so that the maximum's own code is exact (ACCURACY.md)
+        # corrected fold on f16 scores takes it as it is, so that the maximum's own code is exact
         ("LEAN_GRID", lean and c.lean_fold in ONE_FMA_FOLDS and c.lean_ref == "grid"),
         ("LEAN_SAT", lean and c.lean_clamp == "sat"), ("LEAN_SAT_SCALE", SAT_SCALE),
         # PTX from generator/asm/lean.py for validated enum values only (never text from a config)
         ("LEAN_ASM", lean_tail_asm(c.lean_fold, c.lean_clamp, c.lean_pack) if lean else ""),
-        # lean P's row sum from its packed codes (rowsum="rounded"): generator/lean_asm.code_sum_asm
+        # lean P's row sum from its packed codes (rowsum="rounded"): generator/asm/lean.code_sum_asm
         ("CODE_SUMS", lean and c.rowsum == "rounded"),
         ("CODE_SUM_ASM", code_sum_asm() if lean and c.rowsum == "rounded" else ""),
         ("CODE_SUM_CONSTRAINTS", CODE_SUM_CONSTRAINTS),
@@ -249,8 +239,12 @@ def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
         ("TRACE_AFTER_ASM", clock_asm(trace, consumers, after_value=True) if trace else ""),
         *((f"EV_{name.upper()}", i) for i, name in enumerate(EVENTS)),
     ]
+    return dict(values)
+
+
+def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
     lines = ["", "", "# ---- this kernel's schedule (its config, resolved)"]
-    lines += [f"{name} = gl.constexpr({value!r})" for name, value in values]
+    lines += [f"{name} = gl.constexpr({value!r})" for name, value in schedule_constants(c, trace).items()]
     lines += ["# host side: read by kernels/launch.py",
               f"NUM_WARPS = {NUM_WARPS}",
               f"PERSISTENT = {bool(c.persistent)!r}",

@@ -1,12 +1,12 @@
 """Timeline instrumentation of the Gluon kernel: the PTX that stamps the SM clock at named points of
-each consumer step (generator/gluon_sm90/device.py: `_mark`, `_marked`), and where it stores them.
+each consumer step (generator/gluon_sm90/common.py: `_mark`, `_marked`), and where it stores them.
 
 A traced kernel is the same kernel with a clock read and a store at each point, for CTA 0 only, into
 an int32 buffer laid out (consumer warpgroup, step, event): one row of EVENTS per step (`kv_it`,
 the warpgroup's running count of key blocks over all its tiles). zyfa_tune/bench/timeline.py allocates the
 buffer, launches and reads it back. The stamps pin some instructions in place (ptxas does not move
 code across a clock read freely), and what that costs depends on the schedule: a few percent for most
-kernels, but for the exact 256-key seed at 16K (session 41, H100) the traced launch runs 30% longer than
+kernels, but for the exact 256-key seed at 16K on an H100 the traced launch runs 30% longer than
 the plain one (2.62 against 2.01 ms) and its median step 15% (4555 cycles against ~3950 untraced). So a
 timeline shows where a step's time goes, not its duration, and two variants' periods are compared by the
 benchmark, never by their timelines (`zyfa-tune timeline --timed-reps` prints the cost for the config).

@@ -223,7 +223,7 @@ class _Emitter:
         L += [f"{ind}ref = {ref}",
               f"{ind}alpha = tl.math.exp2(ref_i - ref)"]
         if self.lean:
-            if c.lean_fold in ONE_FMA_FOLDS and c.lean_clamp == "sat":  # lean_asm.SAT_SCALE
+            if c.lean_fold in ONE_FMA_FOLDS and c.lean_clamp == "sat":  # asm.lean.SAT_SCALE
                 L += [f"{ind}a = qk_scale * {8.0 / SAT_SCALE!r}",
                       f"{ind}bias = ({float(E4M3_ONE_CODE)!r} - (8.0 * ref + {center!r})) * {1.0 / SAT_SCALE!r}"]
             elif c.lean_fold in ONE_FMA_FOLDS:

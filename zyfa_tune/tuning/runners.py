@@ -23,7 +23,6 @@ from pathlib import Path
 
 from zyfa_tune.generator import CHOICES, KernelConfig
 
-from .compile_check import CompileCheck, _compile_check, compile_check  # noqa: F401  (re-exported for callers)
 from .fault_runner import FAULT_MODES, SHAPE_FIELDS
 
 #: runner names that take an optional database: the simulation and its older name

@@ -1,0 +1,63 @@
+"""Tile scheduling: which (batch, head, query block) tiles a program visits, in what order, and
+which key blocks of a tile are visited and masked. Shared by the producer and the consumers, so both
+walk the same tiles and blocks in the same order (their barrier phases depend on it).
+"""
+# The config's constants (BLOCK_N, LEAN, ...) are defined only in the emitted module, by
+# generator/gluon_sm90/emit.py:
+# ruff: noqa: F821
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+# ---- emitted below this line ----
+
+
+@gluon.jit
+def _tile_coords(t, n_bh, H, n_m, HEAVY_FIRST: gl.constexpr):
+    """Tile t of the grid -> (batch, head, query block): heavy first = the longest causal rows of
+    every (batch, head) before any shorter one."""
+    if HEAVY_FIRST:
+        mb = n_m - 1 - t // n_bh
+        bh = t % n_bh
+    else:
+        bh = t // n_m
+        mb = t % n_m
+    return bh // H, bh % H, mb
+
+
+@gluon.jit
+def _tile_loop(tile_table, n_tiles):
+    """(lo, hi, step) of this program's tile loop; _tile_at maps its index to a tile. BALANCED: the
+    launcher's schedule (kernels/gluon_launch.tile_table, int32): program p takes the tiles
+    table[P + 1 + i] for i in [table[p], table[p + 1]); else round robin, tiles pid, pid + P, ..."""
+    if BALANCED:
+        pid = gl.program_id(0)
+        return gl.load(tile_table + pid), gl.load(tile_table + pid + 1), 1
+    else:
+        return gl.program_id(0), n_tiles, gl.num_programs(0)
+
+
+@gluon.jit
+def _tile_at(tile_table, i):
+    """Tile of loop index i (_tile_loop): read from the table (BALANCED; a forward tile number) or i."""
+    if BALANCED:
+        return gl.load(tile_table + gl.num_programs(0) + 1 + i)
+    else:
+        return i
+
+
+@gluon.jit
+def _block_range(m0, Sq, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(n_blocks, n_masked): key blocks [0, n_blocks) are visited from the top down; the first
+    n_masked visited (those crossing the causal diagonal or the key end) need a mask."""
+    if CAUSAL:
+        off = Sk - Sq
+        hi = gl.minimum(Sk, gl.maximum(m0 + BLOCK_M + off, 0))
+        n_blocks = gl.cdiv(hi, BLOCK_N)
+        lo_vis = gl.maximum(m0 + off + 1, 0)          # keys [0, lo_vis) are visible to every row
+        n_full = gl.minimum(lo_vis // BLOCK_N, Sk // BLOCK_N)
+    else:
+        n_blocks = gl.cdiv(Sk, BLOCK_N)
+        n_full = Sk // BLOCK_N
+    n_full = gl.minimum(n_full, n_blocks)
+    return n_blocks, n_blocks - n_full
