@@ -15,9 +15,9 @@ import argparse
 import json
 import sys
 
+from zyfa_tune.quantize import dequantize_fp8, quantize_fp8
 from zyfa_tune.tuning.inputs import FAMILY_NAMES, make_qkv
 from zyfa_tune.tuning.reference import attention_reference, rel_l2
-from zyfa_tune.quantize import dequantize_fp8, quantize_fp8
 
 OPTIONS = {"plain": {}, "hadamard": dict(hadamard=True), "smooth_k": dict(smooth_k=True),
            "smooth_k+hadamard": dict(smooth_k=True, hadamard=True)}

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from zyfa_tune.generator.asm.lean import E4M3_ONE_CODE, LEAN_FLOOR_AT, LEAN_FLOOR_SLOPE
+from zyfa_tune.quantize import E4M3_MAX, dequantize_fp8, quantize_fp8
 from zyfa_tune.tuning.inputs import FAMILY_NAMES, make_qkv
 from zyfa_tune.tuning.reference import attention_reference, rel_l2
-from zyfa_tune.quantize import E4M3_MAX, dequantize_fp8, quantize_fp8
 
 #: the Gluon lean kernel's tiles: query rows per tile, keys per block
 ROWS, KEYS = 128, 256

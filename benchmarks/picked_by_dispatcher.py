@@ -19,8 +19,8 @@ import torch
 from zyfa_tune import explain, flash_attn_func
 from zyfa_tune.db import current_fingerprint, open_store
 from zyfa_tune.generator import KernelConfig
-from zyfa_tune.kernels import dispatch
 from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.kernels import dispatch
 from zyfa_tune.tuning.reference import attention_reference, rel_l2
 from zyfa_tune.tuning.timing import attention_flops, time_cuda
 from zyfa_tune.tuning.verify import make_inputs

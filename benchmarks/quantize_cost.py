@@ -21,10 +21,10 @@ import sys
 import torch
 
 from zyfa_tune import flash_attn_func
-from zyfa_tune.tuning.inputs import make_qkv
 from zyfa_tune.kernels.quantize import quantize_heads_reference
-from zyfa_tune.tuning.timing import attention_flops, gpu_state, host_us, time_cuda, warm_gpu
 from zyfa_tune.quantize import quantize_fp8
+from zyfa_tune.tuning.inputs import make_qkv
+from zyfa_tune.tuning.timing import attention_flops, gpu_state, host_us, time_cuda, warm_gpu
 
 OPTIONS = {"plain": {}, "hadamard": dict(hadamard=True), "smooth_k": dict(smooth_k=True),
            "smooth_k+hadamard": dict(smooth_k=True, hadamard=True), "balanced_v": dict(v_rounding="balanced"),

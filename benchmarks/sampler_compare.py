@@ -35,8 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 from zyfa_tune.cli.common import int_list as _int_list
-from zyfa_tune.tuning.runners import shipped_db
 from zyfa_tune.search_spaces import SearchSpace
+from zyfa_tune.tuning.runners import shipped_db
 from zyfa_tune.tuning.tuner import SAMPLERS, Tuner, TuneSpec
 
 WITHIN = 0.02

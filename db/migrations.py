@@ -10,7 +10,7 @@ leaves out the columns they lack), so shipped and shared files keep working afte
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from alembic.migration import MigrationContext
 from alembic.operations import Operations

@@ -9,9 +9,10 @@ validated record (Fingerprint, ProblemKey, TrialResult) before anything else loo
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import fields
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any
 
 from sqlalchemy import ColumnElement, insert, select, type_coerce, update
 from sqlalchemy.orm import Session

@@ -12,8 +12,9 @@ import os
 import socket
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.engine import Engine
@@ -265,7 +266,7 @@ class Store:
         """(raw row, BestEntry) of every row of `stmt` that validates; a damaged row is skipped with a
         warning naming the database."""
         out = []
-        for r in self._read(what, lambda s: [dict(r._mapping) for r in s.execute(stmt)]):
+        for r in self._read(what, lambda s: [dict(row._mapping) for row in s.execute(stmt)]):
             try:
                 out.append((r, _best_entry(r)))
             except ValueError as exc:

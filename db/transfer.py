@@ -13,10 +13,11 @@ copied as raw text.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from sqlalchemy import inspect, select
 from sqlalchemy.engine import Engine

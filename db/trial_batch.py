@@ -8,7 +8,8 @@ row, then commits them together (one retryable transaction, like every other wri
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from sqlalchemy.orm import Session
 

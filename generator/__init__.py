@@ -1,13 +1,20 @@
 """Kernel generator: validated `KernelConfig` -> kernel source, by backend (Triton or Gluon)."""
 
 from .backends import BACKENDS, HOPPER, Backend, Target, backend_of
-from .gluon_sm90 import emit as emit_gluon
-from .triton import emit as emit_triton
-from .config import (CHOICES, GENERATOR_VERSION, HEAD_DIMS, ConfigError, KernelConfig, gluon_o_parts,
-                     gluon_registers, o_in_p_tile, p_tiles)
+from .config import (
+    CHOICES,
+    GENERATOR_VERSION,
+    HEAD_DIMS,
+    ConfigError,
+    KernelConfig,
+    gluon_o_parts,
+    gluon_registers,
+    o_in_p_tile,
+    p_tiles,
+)
+from .emitted import EmittedKernel
 from .rules import GLUON_HEAD_DIMS
 from .triton.emit import head_chunks
-from .emitted import EmittedKernel
 
 
 def emit(config: KernelConfig) -> EmittedKernel:

@@ -7,8 +7,8 @@ and a backend folder for it (for example `gluon_sm100/`), registered beside the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .config import CHOICES, KernelConfig
 from .emitted import EmittedKernel

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 from .rules import P_TILES, gluon_conflict, o_width, triton_conflict
 
@@ -173,7 +174,7 @@ class KernelConfig:
     p_carry:      Gluon (overlap or pv_defer): how P crosses from the softmax of step j to the PV of
                   step j+1: "f32" (the float32 probabilities, rounded next to the wgmma) or "e4m3"
                   (rounded at once and packed four per register as the A operand holds them: a quarter
-                  of the registers, no byte moves; generator/gluon_sm90/device._p_pack) or "smem" (packed so,
+                  of the registers, no byte moves; generator/gluon_sm90/p_carry._p_pack) or "smem" (packed so,
                   then written to a shared-memory tile per consumer once PV(j-1) is done, and read by
                   the PV wgmma from there: no register holds P while the next softmax runs, which is
                   what lets a 256-key block overlap; FA3 keeps it in registers at 224 keys), or
@@ -222,7 +223,7 @@ class KernelConfig:
                   maximum and lean P's fold f16x2 instructions (two scores each; the codes' pack one PRMT per
                   four): the step's softmax ~30% shorter. Each consumer scales its
                   Q rows in shared memory by a power of two so that no score or partial sum can leave f16's
-                  range for any e4m3 K (generator/gluon_sm90/device._q_headroom), and the scale goes into the
+                  range for any e4m3 K (generator/gluon_sm90/softmax._q_headroom), and the scale goes into the
                   softmax's; a score carries f16's 11-bit precision (0.03% of |x|, x in log2 units). With
                   lean_fold="corrected" the fold's second-order correction runs on f16 pairs too (five more
                   operations; ~97% of codes correctly rounded; not yet timed on the GPU).

@@ -14,7 +14,7 @@ same output), producer warp at 24 registers.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .config import ConfigError, KernelConfig
 

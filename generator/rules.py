@@ -8,7 +8,8 @@ breaks a rule to one that does not).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 #: (head_dim_qk, head_dim_v) pairs the Gluon backend emits (O in 64 x gluon_o_parts accumulators per
 #: consumer warpgroup; a 192- / 96-wide Q / K is loaded and multiplied in three 64- / 32-column parts).

@@ -34,12 +34,11 @@ import math
 import os
 import threading
 import warnings
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from zyfa_tune.generator import GENERATOR_VERSION, KernelConfig
-
 from zyfa_tune.generator.defaults import fallback_config
 
 log = logging.getLogger("zyfa_tune.dispatch")

@@ -15,8 +15,8 @@ pointer and the descriptor's fixed fields, so `TmaArgs` keeps the encoded argume
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from triton import knobs

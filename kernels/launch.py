@@ -22,13 +22,13 @@ LOG2E = 1.4426950408889634
 _INT32_MAX = 2**31 - 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def emitted(config: KernelConfig) -> EmittedKernel:
     """Emit once per config (configs are frozen and hashable)."""
     return emit(config)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel(config: KernelConfig):
     """The JIT function of `config` (emitted, written and imported once per process)."""
     return jit_function(emitted(config))
@@ -228,7 +228,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _descriptor_widths(config: KernelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Distinct head-dim chunk widths of Q/K and of V, widest first (one descriptor each)."""
     def widths(dim: int) -> tuple[int, ...]:

@@ -33,9 +33,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .balanced_v import (_BALANCE_KEYS, _BALANCE_ROW_BITS, _BALANCE_SKIP, BALANCE_COST_CAP, BALANCE_FIXED,
-                         BALANCE_KEYS, BALANCE_ROW_BITS, BALANCE_SKIP, BALANCE_STEPS, BALANCE_WEIGHT_MAX,
-                         WEIGHT_SAMPLES, _balanced_keys, balance_weights, balanced_codes)
+from .balanced_v import (
+    _BALANCE_KEYS,
+    _BALANCE_ROW_BITS,
+    _BALANCE_SKIP,
+    BALANCE_COST_CAP,
+    BALANCE_FIXED,
+    BALANCE_KEYS,
+    BALANCE_ROW_BITS,
+    BALANCE_SKIP,
+    BALANCE_STEPS,
+    BALANCE_WEIGHT_MAX,
+    WEIGHT_SAMPLES,
+    _balanced_keys,
+    balance_weights,
+    balanced_codes,
+)
 from .fastlaunch import Bound, run
 from .hadamard import _columns, _pm1_matrix, hadamard_matrix, rotation_block
 from .transpose import padded_keys, transpose_v

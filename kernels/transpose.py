@@ -18,7 +18,7 @@ Launch cost: the kernel is compiled once per specialisation and launched as a Co
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import triton

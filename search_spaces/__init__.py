@@ -20,8 +20,14 @@ from __future__ import annotations
 from .bf16_causal import SPACE as BF16_CAUSAL
 from .fp8_causal import SPACE as FP8_CAUSAL
 from .params import Param
-from .resources import (SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate, register_estimate, smem_estimate,
-                        static_infeasibility)
+from .resources import (
+    SMEM_LIMIT,
+    gluon_register_estimate,
+    gluon_smem_estimate,
+    register_estimate,
+    smem_estimate,
+    static_infeasibility,
+)
 from .space import SearchSpace
 
 #: family name -> search space

@@ -8,14 +8,35 @@ The seeds are named in seeds.py; `field_twins` makes a database winner's seeds.
 """
 
 from zyfa_tune.generator import KernelConfig
-from zyfa_tune.generator.rules import (half_block_conflict, lane_sums_conflict, lean_floor_conflict, lean_mufu_conflict,
-                                       lean_ref_conflict, o_split_conflict, o_through_p_conflict, packed_p_conflict,
-                                       pv_defer_conflict, qk_acc_conflict, qk_async_conflict)
+from zyfa_tune.generator.rules import (
+    half_block_conflict,
+    lane_sums_conflict,
+    lean_floor_conflict,
+    lean_mufu_conflict,
+    lean_ref_conflict,
+    o_split_conflict,
+    o_through_p_conflict,
+    packed_p_conflict,
+    pv_defer_conflict,
+    qk_acc_conflict,
+    qk_async_conflict,
+)
 
-from .params import (BLOCK_N, TILE_PARAMS, Param, backend_param, gluon_only, gluon_tile, lean_only, rowsum_param,
-                     scale_per_tile, triton_only)
+from .params import (
+    BLOCK_N,
+    TILE_PARAMS,
+    Param,
+    backend_param,
+    gluon_only,
+    gluon_tile,
+    lean_only,
+    rowsum_param,
+    scale_per_tile,
+    triton_only,
+)
 from .seeds import SEEDS
 from .space import SearchSpace
+
 
 def decode_p_carry(v: str, f: dict) -> str:
     """p_carry: "f32" where a packed carry does not apply; where lean P sums its codes (rowsum="rounded")

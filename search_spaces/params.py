@@ -33,8 +33,9 @@ How a trial becomes a config (`SearchSpace.suggest`):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from zyfa_tune.generator import CHOICES, GLUON_HEAD_DIMS, KernelConfig
 

@@ -14,8 +14,8 @@ passes only a looser accuracy gate than the default.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from zyfa_tune.generator import GLUON_HEAD_DIMS, ConfigError, KernelConfig
 from zyfa_tune.generator.defaults import default_config

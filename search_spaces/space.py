@@ -5,7 +5,8 @@ winners it read from databases)."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig
 from zyfa_tune.generator.defaults import default_config

@@ -5,9 +5,9 @@ or settings), which `BenchResult.load` still reads."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from zyfa_tune.bench.inputs import Inputs
 from zyfa_tune.bench.peers.base import Bound

@@ -16,9 +16,18 @@ from gluon_cases import GLUON, neighbours, sampled
 from zyfa_tune.generator import ConfigError, KernelConfig, emit
 from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.search_spaces.seeds import gluon_lanes_config, gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_max_config, gluon_smem2_chunked_config, gluon_smem2_config, gluon_smem2_narrow_config, gluon_wide_config
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_smem_estimate
 from zyfa_tune.search_spaces.resources import TMA_SMEM_MARGIN
+from zyfa_tune.search_spaces.seeds import (
+    gluon_lanes_config,
+    gluon_lean_f16_async_config,
+    gluon_lean_f16_config,
+    gluon_lean_max_config,
+    gluon_smem2_chunked_config,
+    gluon_smem2_config,
+    gluon_smem2_narrow_config,
+    gluon_wide_config,
+)
 
 #: lean P (Gluon): each instruction sequence, on the seed and on a tuned schedule (no ping-pong, a Q ring of 2)
 LEAN_CASES = [GLUON.replace(softmax="lean", rowsum="mma", lean_fold=fold) for fold in ("fma", "sub_fma", "corrected")]

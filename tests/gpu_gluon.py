@@ -9,13 +9,13 @@ import torch
 from zyfa_tune import flash_attn_func
 from zyfa_tune.db import ProblemKey, TrialResult, current_fingerprint, open_store
 from zyfa_tune.generator import emit
-from zyfa_tune.kernels import dispatch
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.search_spaces.seeds import gluon_defer_config, gluon_smem2_config, gluon_wide_config
-from zyfa_tune.tuning.reference import attention_reference, rel_l2
-from zyfa_tune.tuning.inputs import make_qkv
-from zyfa_tune.tuning.verify import make_inputs
+from zyfa_tune.kernels import dispatch
 from zyfa_tune.quantize import quantize_fp8
+from zyfa_tune.search_spaces.seeds import gluon_defer_config, gluon_smem2_config, gluon_wide_config
+from zyfa_tune.tuning.inputs import make_qkv
+from zyfa_tune.tuning.reference import attention_reference, rel_l2
+from zyfa_tune.tuning.verify import make_inputs
 
 GLUON = default_config("fp8", 128, 128, "gluon")
 

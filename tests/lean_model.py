@@ -24,9 +24,23 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from zyfa_tune.generator.asm.lean import (E4M3_ONE_CODE, LEAN_CORRECTION, LEAN_FLOOR_AT, LEAN_FLOOR_SLOPE, MAGIC,
-                                          MAGIC_BITS, MUFU_GROUP, ONE_FMA_FOLDS, SAT_SCALE, f16_fold_asm,
-                                          f16_mufu_asm, f16_pack_asm, f16_reversed, fold_center, lean_p_asm)
+from zyfa_tune.generator.asm.lean import (
+    E4M3_ONE_CODE,
+    LEAN_CORRECTION,
+    LEAN_FLOOR_AT,
+    LEAN_FLOOR_SLOPE,
+    MAGIC,
+    MAGIC_BITS,
+    MUFU_GROUP,
+    ONE_FMA_FOLDS,
+    SAT_SCALE,
+    f16_fold_asm,
+    f16_mufu_asm,
+    f16_pack_asm,
+    f16_reversed,
+    fold_center,
+    lean_p_asm,
+)
 
 LOG2E = 1.4426950408889634
 

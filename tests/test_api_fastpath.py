@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from zyfa_tune import api
-from zyfa_tune.kernels import dispatch
 from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.kernels import dispatch
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 

@@ -6,18 +6,27 @@ have a positive mean weight and does not rise on an attention sink. A GPU gives 
 
 from __future__ import annotations
 
-import pytest
-import torch
-
-from zyfa_tune.tuning.inputs import make_qkv
 import math
 import struct
 
-from zyfa_tune.kernels.quantize import (BALANCE_COST_CAP, BALANCE_FIXED, BALANCE_KEYS, BALANCE_ROW_BITS, BALANCE_SKIP,
-                                        BALANCE_STEPS, BALANCE_WEIGHT_MAX, balance_weights, balanced_codes,
-                                        quantize_heads_reference)
-from zyfa_tune.tuning.reference import attention_reference, rel_l2
+import pytest
+import torch
+
+from zyfa_tune.kernels.quantize import (
+    BALANCE_COST_CAP,
+    BALANCE_FIXED,
+    BALANCE_KEYS,
+    BALANCE_ROW_BITS,
+    BALANCE_SKIP,
+    BALANCE_STEPS,
+    BALANCE_WEIGHT_MAX,
+    balance_weights,
+    balanced_codes,
+    quantize_heads_reference,
+)
 from zyfa_tune.quantize import dequantize_fp8, quantize_fp8
+from zyfa_tune.tuning.inputs import make_qkv
+from zyfa_tune.tuning.reference import attention_reference, rel_l2
 
 FP8 = torch.float8_e4m3fn
 

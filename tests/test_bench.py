@@ -5,14 +5,13 @@ the clear errors without a GPU or without matplotlib. One GPU test runs the real
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import sys
 
 import pytest
 import torch
-
 from bench_cases import PNG_MAGIC, System, fake_timer, sample_result, write_first_format
+
 from zyfa_tune import cli
 from zyfa_tune.bench import report as bench_report
 from zyfa_tune.bench import run as bench_run

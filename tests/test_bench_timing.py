@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from bench_cases import System, fake_timer, sample_result, write_first_format
+
 from zyfa_tune import cli
 from zyfa_tune.bench import report as bench_report
 from zyfa_tune.bench import run as bench_run

@@ -14,8 +14,8 @@ import re
 import pytest
 
 from zyfa_tune.generator import CHOICES, KernelConfig, emit
-from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
 from zyfa_tune.generator.asm.lean import lean_p_asm
+from zyfa_tune.generator.build import CompiledArtifacts, compile_for_target
 from zyfa_tune.generator.defaults import default_config
 
 #: sm_90 maximum dynamic shared memory per block: 227 KiB

@@ -7,8 +7,8 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
-
 from test_db_support import H100, config, fingerprint, key, record
+
 from zyfa_tune import cli
 from zyfa_tune.cli import common
 from zyfa_tune.db import TrialResult, open_store

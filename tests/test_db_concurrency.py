@@ -8,6 +8,7 @@ import threading
 import time
 
 from test_db_support import key, many_trials, process_worker, record
+
 from zyfa_tune.db import open_store
 
 pytest_plugins = ["test_db_support"]   # fixtures: target (sqlite + postgres), pg_url

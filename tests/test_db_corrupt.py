@@ -7,8 +7,8 @@ import os
 import sqlite3
 
 import pytest
-
 from test_db_support import record, sha256
+
 from zyfa_tune.db import DatabaseCorruptError, DatabaseError, open_store
 
 PAGE = 4096

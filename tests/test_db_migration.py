@@ -7,10 +7,9 @@ import sqlite3
 
 import pytest
 from sqlalchemy import create_engine, inspect
-
 from test_db_support import config, fake_hash, fingerprint, key, record, sha256
-from zyfa_tune.db import SCHEMA_VERSION, DatabaseCorruptError, DatabaseError, TrialResult, open_store
-from zyfa_tune.db import migrations
+
+from zyfa_tune.db import SCHEMA_VERSION, DatabaseCorruptError, DatabaseError, TrialResult, migrations, open_store
 
 pytest_plugins = ["test_db_support"]   # fixtures: target (sqlite + postgres), pg_url
 

@@ -7,10 +7,17 @@ import sys
 
 import pytest
 import torch
-
 from test_db_support import H200, fingerprint, key
-from zyfa_tune.db import (TRIAL_STATUSES, Fingerprint, ProblemKey, TrialResult, bh_bucket,
-                          current_fingerprint, seqlen_bucket)
+
+from zyfa_tune.db import (
+    TRIAL_STATUSES,
+    Fingerprint,
+    ProblemKey,
+    TrialResult,
+    bh_bucket,
+    current_fingerprint,
+    seqlen_bucket,
+)
 from zyfa_tune.generator import GENERATOR_VERSION
 
 

@@ -6,9 +6,9 @@ import datetime as dt
 from pathlib import Path
 
 import pytest
-
 from test_db_support import H100, H200, config, fake_hash, fingerprint, key, record, sha256
-from zyfa_tune.db import (DatabaseError, TrialResult, default_db_path, open_store)
+
+from zyfa_tune.db import DatabaseError, TrialResult, default_db_path, open_store
 from zyfa_tune.generator import KernelConfig
 
 pytest_plugins = ["test_db_support"]   # fixtures: target (sqlite + postgres), pg_url

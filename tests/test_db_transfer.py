@@ -7,8 +7,8 @@ import json
 import sqlite3
 
 import pytest
-
 from test_db_support import H100, H200, config, fingerprint, key, record, sha256
+
 from zyfa_tune.db import DatabaseError, ImportReport, open_store
 from zyfa_tune.generator import KernelConfig
 

@@ -8,8 +8,8 @@ import sqlite3
 import warnings
 
 import pytest
-
 from test_db_support import H100, config, fake_hash, fingerprint, key, record
+
 from zyfa_tune.db import DatabaseError, Fingerprint, TrialResult, open_store
 from zyfa_tune.db.checks import clean_text
 from zyfa_tune.db.validity import MAX_TFLOPS, min_plausible_ms

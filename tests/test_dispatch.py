@@ -10,8 +10,8 @@ import pytest
 
 from zyfa_tune.db import Fingerprint, ProblemKey, TrialResult, open_store
 from zyfa_tune.generator import GENERATOR_VERSION, KernelConfig, emit
-from zyfa_tune.kernels import dispatch
 from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.kernels import dispatch
 from zyfa_tune.search_spaces.seeds import gluon_smem2_config
 
 H200 = ("NVIDIA H200", "9.0", GENERATOR_VERSION)

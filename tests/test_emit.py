@@ -13,10 +13,10 @@ import re
 import pytest
 
 from zyfa_tune.generator import CHOICES, ConfigError, EmittedKernel, KernelConfig, emit, head_chunks
-from zyfa_tune.generator.config import GLUON_FIELDS
-from zyfa_tune.generator.triton.emit import KERNEL_NAME
 from zyfa_tune.generator.asm.lean import LEAN_P_CONSTRAINTS, lean_p_asm
+from zyfa_tune.generator.config import GLUON_FIELDS
 from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.generator.triton.emit import KERNEL_NAME
 
 LEAN_VARIANTS = list(itertools.product(CHOICES["lean_fold"], CHOICES["lean_clamp"], CHOICES["lean_pack"]))
 

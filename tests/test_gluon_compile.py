@@ -12,15 +12,28 @@ import dataclasses
 import re
 
 import pytest
-from gluon_compile import (CASES, HD256, HD64, HD96, HD96_SPLIT, K_PERM_CASES, MLA, NATURAL_CASES, SPLIT_CASES,
-                           THREE_CASES, check_usable, compile_each_once, pass_loops)
 from gluon_cases import GLUON, SPACE
+from gluon_compile import (
+    CASES,
+    HD64,
+    HD96,
+    HD96_SPLIT,
+    HD256,
+    K_PERM_CASES,
+    MLA,
+    NATURAL_CASES,
+    SPLIT_CASES,
+    THREE_CASES,
+    check_usable,
+    compile_each_once,
+    pass_loops,
+)
 
 from zyfa_tune.generator import ConfigError
 from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
-from zyfa_tune.search_spaces.seeds import gluon_three_config, gluon_wide_config
 from zyfa_tune.search_spaces import gluon_register_estimate
 from zyfa_tune.search_spaces.resources import gluon_infeasibility
+from zyfa_tune.search_spaces.seeds import gluon_three_config, gluon_wide_config
 
 compiled_fixture = pytest.fixture(scope="module", name="compiled")(compile_each_once)
 

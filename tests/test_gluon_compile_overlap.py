@@ -8,15 +8,25 @@ from __future__ import annotations
 import re
 
 import pytest
-from gluon_compile import (CHUNKED_CASES, HALF_CASES, PACKED_CASES, SMEM2_CASES, SMEM_CASES, THREE_CASES,
-                           check_usable, compile_each_once, exponentials_after_pv_wait, overlapped_loops,
-                           overlapped_step_loops)
 from gluon_cases import GLUON, SPACE
+from gluon_compile import (
+    CHUNKED_CASES,
+    HALF_CASES,
+    PACKED_CASES,
+    SMEM2_CASES,
+    SMEM_CASES,
+    THREE_CASES,
+    check_usable,
+    compile_each_once,
+    exponentials_after_pv_wait,
+    overlapped_loops,
+    overlapped_step_loops,
+)
 
 from zyfa_tune.generator import o_in_p_tile
 from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
-from zyfa_tune.search_spaces.seeds import gluon_lanes_config, gluon_wide_config
 from zyfa_tune.search_spaces import SMEM_LIMIT, gluon_register_estimate, gluon_smem_estimate
+from zyfa_tune.search_spaces.seeds import gluon_lanes_config, gluon_wide_config
 
 compiled_fixture = pytest.fixture(scope="module", name="compiled")(compile_each_once)
 

@@ -9,11 +9,29 @@ from __future__ import annotations
 import re
 
 import pytest
-from gluon_compile import (CODE_SUM_CASES, HD256, HD64, LEAN_CASES, LINEAR_MUFU_CASES, MUFU_CASES, QK_ASYNC_CASES,
-                           WINNER, check_usable, compile_each_once, issue_order, op_count, step_loop)
 from gluon_cases import GLUON
+from gluon_compile import (
+    CODE_SUM_CASES,
+    HD64,
+    HD256,
+    LEAN_CASES,
+    LINEAR_MUFU_CASES,
+    MUFU_CASES,
+    QK_ASYNC_CASES,
+    WINNER,
+    check_usable,
+    compile_each_once,
+    issue_order,
+    op_count,
+    step_loop,
+)
 
-from zyfa_tune.search_spaces.seeds import gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_smem2_config, gluon_wide_config
+from zyfa_tune.search_spaces.seeds import (
+    gluon_lean_f16_async_config,
+    gluon_lean_f16_config,
+    gluon_lean_smem2_config,
+    gluon_wide_config,
+)
 
 compiled_fixture = pytest.fixture(scope="module", name="compiled")(compile_each_once)
 

@@ -11,12 +11,11 @@ import importlib
 import symtable
 
 import pytest
-
 from gluon_cases import GLUON, neighbours
 
 from zyfa_tune.generator import emit
-from zyfa_tune.search_spaces.seeds import gluon_lean_f16_config, gluon_smem2_chunked_config
 from zyfa_tune.generator.gluon_sm90 import device
+from zyfa_tune.search_spaces.seeds import gluon_lean_f16_config, gluon_smem2_chunked_config
 
 #: a few configs whose entry kernels differ (consumers, V layout, key parts, P tiles, f16 scores)
 CONFIGS = [GLUON, *neighbours()[1:6], gluon_lean_f16_config("fp8", 128, 128),

@@ -8,16 +8,23 @@ import ast
 import hashlib
 
 import pytest
-
 from gluon_cases import GLUON, neighbours, sampled
 
-from zyfa_tune.generator import KernelConfig, emit, emit_triton
+from zyfa_tune.generator import KernelConfig, emit
+from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.generator.emitted import KERNEL_NAME
 from zyfa_tune.generator.gluon_sm90 import device
 from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
-from zyfa_tune.generator.emitted import KERNEL_NAME
 from zyfa_tune.generator.gluon_sm90.trace import TraceBuffer
-from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.search_spaces.seeds import gluon_defer_config, gluon_lean_config, gluon_lean_f16_config, gluon_smem2_chunked_config, gluon_smem2_config, gluon_three_config
+from zyfa_tune.generator.triton import emit as emit_triton
+from zyfa_tune.search_spaces.seeds import (
+    gluon_defer_config,
+    gluon_lean_config,
+    gluon_lean_f16_config,
+    gluon_smem2_chunked_config,
+    gluon_smem2_config,
+    gluon_three_config,
+)
 
 #: the Gluon seed, one variant per value of every field the space searches for it, a sample of
 #: the space's points, and P through shared memory (not searched), with a 128- and a 64-byte swizzle

@@ -11,9 +11,9 @@ import bisect
 import pytest
 import torch
 
+from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
 from zyfa_tune.kernels import fastlaunch, gluon_launch, launch
-from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.kernels.transpose import key_permutation, padded_keys, transpose_v
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16

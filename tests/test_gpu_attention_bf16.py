@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from zyfa_tune.api import flash_attn_func
 from zyfa_tune.attention import attention
 from zyfa_tune.quantize import quantize_fp8
-from zyfa_tune.api import flash_attn_func
 from zyfa_tune.tuning.reference import attention_reference, rel_l2
 
 pytestmark = pytest.mark.gpu

@@ -11,7 +11,13 @@ from gpu_gluon import BOUNDS, CONFIGS, FP8_BOUND, GLUON, PACKED, TWIN_SHAPES, ch
 
 from zyfa_tune import api, flash_attn_func
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.search_spaces.seeds import gluon_defer_config, gluon_smem2_chunked_config, gluon_smem2_config, gluon_smem2_narrow_config, gluon_wide_config
+from zyfa_tune.search_spaces.seeds import (
+    gluon_defer_config,
+    gluon_smem2_chunked_config,
+    gluon_smem2_config,
+    gluon_smem2_narrow_config,
+    gluon_wide_config,
+)
 from zyfa_tune.tuning.reference import rel_l2
 from zyfa_tune.tuning.verify import make_inputs
 

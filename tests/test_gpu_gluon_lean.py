@@ -6,11 +6,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_gluon import (GLUON, LEAN, LEAN_BOUNDS, PACKED, TWIN_SHAPES, check, f16_family_errors, family_errors,
-                       variant_and_twin)
+from gpu_gluon import (
+    GLUON,
+    LEAN,
+    LEAN_BOUNDS,
+    PACKED,
+    TWIN_SHAPES,
+    check,
+    f16_family_errors,
+    family_errors,
+    variant_and_twin,
+)
 
 from zyfa_tune import flash_attn_func
-from zyfa_tune.search_spaces.seeds import gluon_lean_f16_async_config, gluon_lean_max_config, gluon_lean_smem2_config, gluon_smem2_config
+from zyfa_tune.search_spaces.seeds import (
+    gluon_lean_f16_async_config,
+    gluon_lean_max_config,
+    gluon_lean_smem2_config,
+    gluon_smem2_config,
+)
 from zyfa_tune.tuning.reference import attention_reference, rel_l2
 from zyfa_tune.tuning.verify import make_inputs
 

@@ -10,7 +10,13 @@ from gpu_gluon import CONFIGS, FP8_BOUND, GLUON, LEAN_BOUNDS, PACKED, dispatch_f
 
 from zyfa_tune import api, explain, flash_attn_func
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.search_spaces.seeds import gluon_defer_config, gluon_lean_smem2_config, gluon_smem2_chunked_config, gluon_smem2_config, gluon_wide_config
+from zyfa_tune.search_spaces.seeds import (
+    gluon_defer_config,
+    gluon_lean_smem2_config,
+    gluon_smem2_chunked_config,
+    gluon_smem2_config,
+    gluon_wide_config,
+)
 from zyfa_tune.tuning.reference import attention_reference, rel_l2
 from zyfa_tune.tuning.verify import make_inputs
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from zyfa_tune import flash_attn_func
-from zyfa_tune.generator.emitted import KERNEL_NAME
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.tuning.verify import make_inputs
+from zyfa_tune.generator.emitted import KERNEL_NAME
 from zyfa_tune.tuning.precompile import Precompiler
+from zyfa_tune.tuning.verify import make_inputs
 
 pytestmark = pytest.mark.gpu
 

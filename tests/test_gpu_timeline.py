@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from zyfa_tune import flash_attn_func
-from zyfa_tune.generator.gluon_sm90.trace import EVENTS
 from zyfa_tune.bench import timeline
+from zyfa_tune.generator.gluon_sm90.trace import EVENTS
 from zyfa_tune.search_spaces.seeds import gluon_packed_config, gluon_wide_config
 from zyfa_tune.tuning.verify import make_inputs
 

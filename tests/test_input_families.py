@@ -16,8 +16,8 @@ from zyfa_tune.db import open_store
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.tuning.inputs import FAMILIES, FAMILY_NAMES, Family, Outliers, Rope, apply_rope, make_qkv
 from zyfa_tune.tuning.reference import attention_reference
-from zyfa_tune.tuning.verify import make_inputs
 from zyfa_tune.tuning.tuner import TuneSpec
+from zyfa_tune.tuning.verify import make_inputs
 from zyfa_tune.tuning.worker import Shape, Task, Worker
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
@@ -219,10 +219,9 @@ def test_cli_flag_reaches_the_task_and_the_provenance(tmp_path, monkeypatch):
 
 
 def test_probe_cache_keys_on_the_family(monkeypatch):
-    from zyfa_tune.tuning import gpu_runner
     from zyfa_tune.generator import KernelConfig
-    from zyfa_tune.tuning import verify
     from zyfa_tune.generator.defaults import default_config
+    from zyfa_tune.tuning import gpu_runner, verify
 
     calls = []
     monkeypatch.setattr(verify, "make_probe", lambda *a, **kw: calls.append(kw["family"]) or object())

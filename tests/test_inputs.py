@@ -11,8 +11,8 @@ import torch
 
 from zyfa_tune.db import open_store
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.tuning.verify import load_activations
 from zyfa_tune.tuning.tuner import Tuner, TuneSpec
+from zyfa_tune.tuning.verify import load_activations
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
 

@@ -2,7 +2,7 @@
 V^T copy, so that a V quantised keys-fastest is read as stored. The box's rows are what the relabelling
 wants (emulated with the view's own strides), the launcher and the dispatcher pick the twin only where it
 applies, the emitted kernel loads K in 5-D boxes (tests/test_gluon_compile.py: its SASS), and bad uses
-fail with a clear error. On the GPU: tests/test_gpu_gluon.py::test_k_perm_*."""
+fail with a clear error. On the GPU: tests/test_gpu_gluon_runtime.py::test_k_perm_*."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from zyfa_tune.generator import ConfigError, emit
-from zyfa_tune.generator.gluon_sm90.emit import descriptor_blocks
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.search_spaces.seeds import gluon_lean_f16_config, gluon_smem2_config
+from zyfa_tune.generator.gluon_sm90.emit import descriptor_blocks
 from zyfa_tune.kernels.gluon_launch import k_view, v_keys_permuted
 from zyfa_tune.kernels.launch import for_v_layout
 from zyfa_tune.kernels.transpose import key_permutation
 from zyfa_tune.quantize import quantize_fp8
+from zyfa_tune.search_spaces.seeds import gluon_lean_f16_config, gluon_smem2_config
 
 PICK = gluon_smem2_config("fp8", 128, 128)
 

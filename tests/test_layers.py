@@ -10,8 +10,6 @@ public facade and nothing inside the package imports it.
 from __future__ import annotations
 
 import ast
-
-from collections import defaultdict
 from pathlib import Path
 
 import pytest

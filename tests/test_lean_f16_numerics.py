@@ -11,11 +11,33 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from lean_model import (LOG2E, e4m3_code, f16, f16_bits, f16_codes, f16_mufu_codes, f16_row, f32, intended_code,
-                        mufu_share, ref_row, run_f16_asm)
+from lean_model import (
+    LOG2E,
+    e4m3_code,
+    f16,
+    f16_bits,
+    f16_codes,
+    f16_mufu_codes,
+    f16_row,
+    f32,
+    intended_code,
+    mufu_share,
+    ref_row,
+    run_f16_asm,
+)
 
-from zyfa_tune.generator.asm.lean import (E4M3_ONE_CODE, LEAN_CENTER, LEAN_MAX_CENTER, MUFU_GROUP, ONE_FMA_FOLDS,
-                                          f16_fold_asm, f16_mufu_asm, f16_mufu_constraints, f16_pack_asm, fold_center)
+from zyfa_tune.generator.asm.lean import (
+    E4M3_ONE_CODE,
+    LEAN_CENTER,
+    LEAN_MAX_CENTER,
+    MUFU_GROUP,
+    ONE_FMA_FOLDS,
+    f16_fold_asm,
+    f16_mufu_asm,
+    f16_mufu_constraints,
+    f16_pack_asm,
+    fold_center,
+)
 
 
 @pytest.mark.parametrize("fold", ONE_FMA_FOLDS)

@@ -17,13 +17,36 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from lean_model import (LOG2E, asm_codes, code_from_y, e4m3_values, f32, fma_f32, fold_operands, folded,
-                        intended_code, lean_codes, lean_y, on_grid, rne_e4m3_codes, run_code_sum_asm, run_lean_asm,
-                        x_grid)
+from lean_model import (
+    LOG2E,
+    asm_codes,
+    code_from_y,
+    e4m3_values,
+    f32,
+    fma_f32,
+    fold_operands,
+    folded,
+    intended_code,
+    lean_codes,
+    lean_y,
+    on_grid,
+    rne_e4m3_codes,
+    run_code_sum_asm,
+    run_lean_asm,
+    x_grid,
+)
 
 from zyfa_tune.generator import CHOICES
-from zyfa_tune.generator.asm.lean import (E4M3_ONE_CODE, LEAN_CENTER, MAGIC, ONE_FMA_FOLDS, SAT_SCALE, fold_center,
-                                          lean_p_asm, lean_tail_asm)
+from zyfa_tune.generator.asm.lean import (
+    E4M3_ONE_CODE,
+    LEAN_CENTER,
+    MAGIC,
+    ONE_FMA_FOLDS,
+    SAT_SCALE,
+    fold_center,
+    lean_p_asm,
+    lean_tail_asm,
+)
 
 SCALES = [1.0, 0.5, f32(LOG2E / math.sqrt(128)), f32(0.37 * LOG2E / math.sqrt(96))]
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from zyfa_tune.generator import ConfigError, emit
-from zyfa_tune.generator import ptx_pass
+from zyfa_tune.generator import ConfigError, emit, ptx_pass
 from zyfa_tune.generator.emitted import KERNEL_NAME, kernel_name_of
 from zyfa_tune.generator.ptx_pass import QK_ASYNC_SUFFIX, PtxPassError, async_f16_qk
 from zyfa_tune.search_spaces.seeds import gluon_lean_f16_config, gluon_smem2_config

@@ -9,8 +9,18 @@ import re
 import pytest
 import torch
 
-from zyfa_tune.kernels.quantize import (_TERMS, BALANCE_KEYS, _amax_kernel, _codes_kernel, _pm1_matrix, _tiles, hadamard_matrix,
-                                        quantize_heads, quantize_heads_reference, rotation_block)
+from zyfa_tune.kernels.quantize import (
+    _TERMS,
+    BALANCE_KEYS,
+    _amax_kernel,
+    _codes_kernel,
+    _pm1_matrix,
+    _tiles,
+    hadamard_matrix,
+    quantize_heads,
+    quantize_heads_reference,
+    rotation_block,
+)
 from zyfa_tune.quantize import quantize_fp8
 
 FP8 = torch.float8_e4m3fn
@@ -280,8 +290,8 @@ def test_balance_weights_on_the_gpu():
     summation order: grouped heads, fewer tokens than the sample (200), a head dim that is no power of two, rows
     whose scores have means of hundreds (channel outliers: the variance merged from centred chunks); and balanced
     V by default is the codes pass with the GPU's own kappa."""
-    from zyfa_tune.tuning.inputs import make_qkv
     from zyfa_tune.kernels.quantize import balance_weights, quantize_tensors
+    from zyfa_tune.tuning.inputs import make_qkv
 
     g = torch.Generator().manual_seed(6)
     for s, d, dtype in ((200, 96, torch.float16), (4099, 64, torch.float32)):

@@ -13,11 +13,17 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig, emit
-from zyfa_tune.generator import HOPPER
+from zyfa_tune.generator import CHOICES, HOPPER, ConfigError, KernelConfig, emit
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.search_spaces import (FAMILIES, SMEM_LIMIT, Param, SearchSpace, get_space, register_estimate,
-                                     smem_estimate)
+from zyfa_tune.search_spaces import (
+    FAMILIES,
+    SMEM_LIMIT,
+    Param,
+    SearchSpace,
+    get_space,
+    register_estimate,
+    smem_estimate,
+)
 from zyfa_tune.tuning.warm_start import study_seeds
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -6,17 +6,27 @@ from __future__ import annotations
 import warnings
 
 import pytest
-
 from test_search_spaces import HEAD_PAIRS, ask_config, study
+
 from zyfa_tune.generator import GLUON_HEAD_DIMS, ConfigError, KernelConfig
 from zyfa_tune.generator.defaults import default_config, fallback_config
 from zyfa_tune.generator.rules import lane_sums_conflict
 from zyfa_tune.search_spaces import FAMILIES, get_space
 from zyfa_tune.search_spaces.fp8_causal import field_twins
-from zyfa_tune.search_spaces.seeds import (SEEDS, gluon_defer_config, gluon_lanes_config, gluon_lean_config,
-                                          gluon_lean_f16_async_config, gluon_lean_f16_config, gluon_lean_max_config,
-                                          gluon_lean_smem2_config, gluon_natural_config, gluon_smem2_config,
-                                          gluon_three_config, gluon_wide_config)
+from zyfa_tune.search_spaces.seeds import (
+    SEEDS,
+    gluon_defer_config,
+    gluon_lanes_config,
+    gluon_lean_config,
+    gluon_lean_f16_async_config,
+    gluon_lean_f16_config,
+    gluon_lean_max_config,
+    gluon_lean_smem2_config,
+    gluon_natural_config,
+    gluon_smem2_config,
+    gluon_three_config,
+    gluon_wide_config,
+)
 from zyfa_tune.tuning.warm_start import SEED_DATABASES, database_winners, stored_bests, study_seeds
 
 D = default_config

@@ -10,9 +10,9 @@ import pytest
 
 from zyfa_tune.generator import CHOICES, HEAD_DIMS, ConfigError
 from zyfa_tune.search_spaces import get_space
-from zyfa_tune.tuning.warm_start import study_seeds
 from zyfa_tune.tuning import simulation
 from zyfa_tune.tuning.task import Shape
+from zyfa_tune.tuning.warm_start import study_seeds
 
 SHAPE = Shape(batch=1, heads=32, kv_heads=32, seqlen=8192)
 PAIRS = [(d, d) for d in HEAD_DIMS] + [(192, 128)]

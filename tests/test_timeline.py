@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from zyfa_tune.bench.timeline import from_stamps
 from zyfa_tune.cli import main
 from zyfa_tune.generator.build import compile_for_target
 from zyfa_tune.generator.gluon_sm90.emit import emit
 from zyfa_tune.generator.gluon_sm90.trace import EVENT_INDEX, EVENTS, TraceBuffer, clock_asm
 from zyfa_tune.search_spaces.seeds import gluon_defer_config, gluon_packed_config, gluon_three_config, gluon_wide_config
-from zyfa_tune.bench.timeline import from_stamps
 
 WIDE = gluon_wide_config("fp8", 128, 128)
 ADDR = 0x7F00_0000_0000

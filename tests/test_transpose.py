@@ -7,12 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zyfa_tune.kernels.transpose import (BLOCK_D, BLOCK_K, NUM_WARPS, _transpose_v_kernel, bind_transpose,
-                                         key_permutation, padded_keys, transpose_v, transpose_v_reference)
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.search_spaces.seeds import gluon_natural_config
 from zyfa_tune.kernels.launch import for_v_layout
+from zyfa_tune.kernels.transpose import (
+    BLOCK_D,
+    BLOCK_K,
+    NUM_WARPS,
+    _transpose_v_kernel,
+    bind_transpose,
+    key_permutation,
+    padded_keys,
+    transpose_v,
+    transpose_v_reference,
+)
 from zyfa_tune.quantize import quantize_fp8
+from zyfa_tune.search_spaces.seeds import gluon_natural_config
 
 FP8 = torch.float8_e4m3fn
 

@@ -218,8 +218,13 @@ def test_lean_seed_only_where_the_gate_admits_it(tmp_path, kw, lean):
     sums, the same on f16 scores, synchronous and qk_async, and on the row maximum) only if its gate is at
     least tune.LOOSE_GATE or it keeps the Pareto front over (speed, error): under the default 1.25 they would
     be certain rejections."""
-    from zyfa_tune.search_spaces.seeds import (gluon_lean_config, gluon_lean_f16_async_config, gluon_lean_f16_config,
-                                              gluon_lean_max_config, gluon_lean_smem2_config)
+    from zyfa_tune.search_spaces.seeds import (
+        gluon_lean_config,
+        gluon_lean_f16_async_config,
+        gluon_lean_f16_config,
+        gluon_lean_max_config,
+        gluon_lean_smem2_config,
+    )
 
     tuner = Tuner(spec(tmp_path, **kw))
     study = tuner.open_study()

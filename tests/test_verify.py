@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from zyfa_tune.tuning import verify
 from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.tuning import verify
 from zyfa_tune.tuning.timing import Timing
 from zyfa_tune.tuning.verify import Verdict, verify_entry
 
@@ -151,9 +151,10 @@ def test_verify_command_checks_only_the_entries_asked_for(tmp_path, monkeypatch)
     """`zyfa-tune verify --dtype --head-dim`: only those entries of this GPU are re-checked (the GPU
     parts replaced: the fingerprint is the test database's H200, each check a stand-in verdict)."""
     import torch
+    from test_db_support import config as db_config
+    from test_db_support import fingerprint, key, record
 
     import zyfa_tune.db as db
-    from test_db_support import config as db_config, fingerprint, key, record
     from zyfa_tune import cli
     from zyfa_tune.db import open_store
 

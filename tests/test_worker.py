@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from zyfa_tune.tuning import compile_check, gpu_runner, runners, simulation
 from zyfa_tune.db import open_store
-from zyfa_tune.kernels import dispatch
 from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.kernels import dispatch
+from zyfa_tune.tuning import compile_check, gpu_runner, runners, simulation
 from zyfa_tune.tuning.worker import Shape, Task, Worker, WorkerError
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
@@ -211,7 +211,6 @@ def test_compile_checks_are_kept_per_source_and_toolchain(tmp_path, monkeypatch)
 
 def test_gpu_error_classification():
     import triton
-
     from triton.runtime.errors import OutOfResources
 
     assert gpu_runner.is_cuda_error(RuntimeError("CUDA error: an illegal memory access was encountered"))

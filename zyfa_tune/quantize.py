@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from zyfa_tune.kernels.quantize import (BALANCE_WEIGHT_MAX, E4M3_MAX, KERNEL_DTYPES, balance_weights, hadamard_matrix,
-                                        quantize_tensors)
+from zyfa_tune.kernels.quantize import (
+    BALANCE_WEIGHT_MAX,
+    E4M3_MAX,
+    KERNEL_DTYPES,
+    balance_weights,
+    hadamard_matrix,
+    quantize_tensors,
+)
 
 __all__ = ["E4M3_MAX", "V_ROUNDINGS", "dequantize_fp8", "hadamard_matrix", "quantize_fp8"]
 

@@ -25,15 +25,30 @@ Kernel contract (see kernels/gluon_launch.py):
 
 from __future__ import annotations
 
-from ..config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_chunks, o_in_p_tile, p_tiles
-from ..emitted import EmittedKernel, emitted, kernel_name_of
 from ..asm.exp2_poly import EXP2_CONSTRAINTS, exp2_asm
 from ..asm.fence import ROW_SUM_FENCE_CONSTRAINTS, fence_barrier, p_fence_asm, p_fence_constraints, row_sum_fence_asm
-from ..asm.lean import (CODE_SUM_CONSTRAINTS, E4M3_MAX, F16_MUFU_TOP, F16_SCORE_BOUND,
-                       MAGIC, ONE_FMA_FOLDS, SAT_SCALE, code_sum_asm, f16_fold_asm, f16_mufu_asm, f16_mufu_constraints,
-                       f16_pack_asm, f16_reversed, fold_center, lean_tail_asm, LEAN_FLOOR_AT,
-                       LEAN_FLOOR_SLOPE)
+from ..asm.lean import (
+    CODE_SUM_CONSTRAINTS,
+    E4M3_MAX,
+    F16_MUFU_TOP,
+    F16_SCORE_BOUND,
+    LEAN_FLOOR_AT,
+    LEAN_FLOOR_SLOPE,
+    MAGIC,
+    ONE_FMA_FOLDS,
+    SAT_SCALE,
+    code_sum_asm,
+    f16_fold_asm,
+    f16_mufu_asm,
+    f16_mufu_constraints,
+    f16_pack_asm,
+    f16_reversed,
+    fold_center,
+    lean_tail_asm,
+)
 from ..asm.rescale import rescale_asm, rescale_constraints
+from ..config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_chunks, o_in_p_tile, p_tiles
+from ..emitted import EmittedKernel, emitted, kernel_name_of
 from . import device
 from .trace import EVENTS, TraceBuffer, clock_asm
 

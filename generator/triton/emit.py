@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 
+from ..asm.lean import E4M3_ONE_CODE, LEAN_P_CONSTRAINTS, MAGIC, ONE_FMA_FOLDS, SAT_SCALE, fold_center, lean_p_asm
 from ..config import GENERATOR_VERSION, KernelConfig
 from ..emitted import KERNEL_NAME, EmittedKernel, emitted
-from ..asm.lean import E4M3_ONE_CODE, LEAN_P_CONSTRAINTS, MAGIC, ONE_FMA_FOLDS, SAT_SCALE, fold_center, lean_p_asm
 
 #: Cap of the per-tile extra exponent (scale_block): keeps acc rescale factors within 2^16.
 SCALE_EXP_CAP = 16

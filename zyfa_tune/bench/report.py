@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import os
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from rich.table import Table
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -21,7 +21,6 @@ from zyfa_tune.generator.build import jit_function
 from zyfa_tune.generator.config import KernelConfig
 from zyfa_tune.generator.gluon_sm90.emit import emit
 from zyfa_tune.generator.gluon_sm90.trace import EVENT_INDEX, EVENTS, TraceBuffer
-
 from zyfa_tune.kernels import fastlaunch
 from zyfa_tune.kernels.launch import prepare, run_prepared
 from zyfa_tune.tuning.timing import time_cuda

@@ -8,8 +8,9 @@ import os
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -22,16 +22,16 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import optuna
 
 from zyfa_tune.db import DatabaseError, Fingerprint, ProblemKey, TrialResult, open_store
 from zyfa_tune.db.trial_batch import record_trials
 from zyfa_tune.generator import GENERATOR_VERSION, HEAD_DIMS, HOPPER, KernelConfig, emit
-from zyfa_tune.tuning.inputs import check_input_family
 from zyfa_tune.search_spaces import get_space
+from zyfa_tune.tuning.inputs import check_input_family
 from zyfa_tune.tuning.runners import parse_runner
 from zyfa_tune.tuning.trials import requeue_killed
 from zyfa_tune.tuning.warm_start import stored_bests, study_seeds
@@ -89,7 +89,7 @@ class TuneSpec:
         if self.inputs is not None:
             if self.seqlens:
                 raise ValueError("seqlens: the shape comes from --inputs; give one or the other")
-            self.shapes  # load and check the file now, not in the middle of a study
+            _ = self.shapes  # load and check the file now, not in the middle of a study
         elif not self.seqlens or any(not isinstance(s, int) or s < 1 for s in self.seqlens):
             raise ValueError(f"seqlens: expected positive integers, got {self.seqlens!r}")
         if self.batches is not None and len(self.batches) != len(self.seqlens):
@@ -110,8 +110,7 @@ class TuneSpec:
                 or not math.isfinite(self.gate) or self.gate < 1.0:
             raise ValueError(f"gate: expected a finite number >= 1 (allowed error / the exact reference's), "
                              f"got {self.gate!r}")
-        self.enqueued  # parse and check the configs now, not after the study has started
-        self.warm_configs
+        _ = self.enqueued, self.warm_configs  # parse and check the configs now, not after the study has started
 
     @functools.cached_property
     def enqueued(self) -> tuple[KernelConfig, ...]:

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from zyfa_tune.generator import ConfigError, KernelConfig
-
 from zyfa_tune.generator.defaults import default_config
+
 from .inputs import check_input_family, make_qkv
 from .reference import attention_reference, max_abs_err, rel_l2
 from .timing import Timing, time_cuda

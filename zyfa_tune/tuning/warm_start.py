@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from zyfa_tune.db import DatabaseError, open_store
 from zyfa_tune.generator import ConfigError, KernelConfig

@@ -3,7 +3,7 @@ is a module with a class implementing `base.Peer` and one line in `PEERS`."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from zyfa_tune.bench.peers.base import Peer
 from zyfa_tune.bench.peers.cudnn import CudnnFP8

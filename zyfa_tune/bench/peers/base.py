@@ -4,8 +4,9 @@ graph builds and imports happen there, outside the timing) and returns the call 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 

@@ -4,8 +4,9 @@ fields changed, and/or `quantize_fp8` options), which run beside it on the same 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from zyfa_tune.bench.inputs import DTYPES, QUANT_OPTIONS, Inputs
 from zyfa_tune.bench.peers.base import Bound, boxed
