@@ -15,11 +15,11 @@ import math
 import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from zyfa_tune.generator import KernelConfig
+from zyfa_tune.generator import HOPPER, KernelConfig
 from zyfa_tune.generator.gluon_sm90.emit import NUM_WARPS, descriptor_blocks, descriptor_layout
 
 #: SMs of the H200 / H100 SXM: the persistent grid of an argument set not on a GPU (ahead of time).
-DEFAULT_SMS = 132
+DEFAULT_SMS = HOPPER.sm_count
 
 
 @functools.lru_cache(maxsize=64)

@@ -183,7 +183,7 @@ def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None, *,
             sms: int | None = None):
     """Grid, positional arguments and launch options of one call (makes the V^T copy if needed).
-    `sms` sizes a persistent grid (default: the device's SM count; 132 for tensors not on a GPU)."""
+    `sms` sizes a persistent grid (default: the device's SM count; the target's reference count, HOPPER.sm_count, for tensors not on a GPU)."""
     b, sq, h, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
