@@ -4,8 +4,8 @@ A database file is untrusted input (it may come from another machine or be craft
 environments/problems/variants/trials/best row is rebuilt into validated records — fingerprint
 fields typed and sane, problem keys valid, `config_json` accepted by `KernelConfig.from_json` and
 built for the problem's dtype/head dims, recipes accepted by `Recipe.from_json` (and only on
-bf16-API problems), statuses known, numbers finite, non-negative and physically possible, best rows agreeing with an "ok" trial (validity.py, the checks the store's
-reads apply too) — and a row that fails (or references one that failed) is reported with its
+bf16-API problems), statuses known, numbers finite, non-negative and physically possible, best
+rows agreeing with an "ok" trial (validity.py, the checks the store's reads apply too) — and a row that fails (or references one that failed) is reported with its
 reason and not written.
 What is written is rebuilt from the validated records (configs re-serialised canonically), never
 copied as raw text.
