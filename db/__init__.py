@@ -7,12 +7,12 @@ database is data, checked by one set of rules (validity.py) wherever rows enter 
 
 from .errors import DatabaseCorruptError, DatabaseError
 from .fingerprint import Fingerprint, current_fingerprint
-from .keys import ProblemKey, bh_bucket, seqlen_bucket
+from .keys import APIS, ProblemKey, bh_bucket, seqlen_bucket
 from .models import SCHEMA_VERSION
 from .records import TRIAL_STATUSES, BestEntry, ImportReport, TrialResult
 from .session import default_db_path
 from .store import Store, open_store
 
 __all__ = ["Store", "open_store", "default_db_path", "DatabaseError", "DatabaseCorruptError",
-           "Fingerprint", "current_fingerprint", "ProblemKey", "seqlen_bucket", "bh_bucket",
+           "Fingerprint", "current_fingerprint", "ProblemKey", "APIS", "seqlen_bucket", "bh_bucket",
            "TrialResult", "BestEntry", "ImportReport", "SCHEMA_VERSION", "TRIAL_STATUSES"]

@@ -3,6 +3,11 @@
 Sequence length and batch*heads are bucketed to powers of two so that one tuning run covers every
 shape of a class and the dispatcher's lookup is a dict hit; the bucket bounds are where tuning
 stops paying (below 256 keys the launch dominates; above 1024 programs per head the GPU is full).
+
+`api` says what was timed: "fp8" (`flash_attn_func` on FP8 codes: the kernel alone, inputs quantised
+plainly) or "bf16" (`attention` on bf16 inputs: the quantiser with its recipe and the kernel, one
+timing). The two rank kernels differently, so each has its own best entries; `dtype` stays the
+kernel's ("fp8" for both).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from .checks import short_repr, strict_int
 SEQLEN_BUCKET_MIN, SEQLEN_BUCKET_MAX = 256, 131072
 BH_BUCKET_MIN, BH_BUCKET_MAX = 1, 1024
 GQA_GROUP_MAX = 1024
+#: the APIs a problem class is timed for (see the module doc)
+APIS = ("fp8", "bf16")
 
 
 def _next_pow2(n: int) -> int:
@@ -54,6 +61,7 @@ class ProblemKey:
     gqa_group: int
     seqlen_bucket: int
     bh_bucket: int
+    api: str = "fp8"
 
     def __post_init__(self) -> None:
         if type(self.dtype) is not str or self.dtype not in CHOICES["dtype"]:
@@ -68,6 +76,10 @@ class ProblemKey:
         self._set("seqlen_bucket", _check_bucket("seqlen_bucket", self.seqlen_bucket, SEQLEN_BUCKET_MIN,
                                                  SEQLEN_BUCKET_MAX))
         self._set("bh_bucket", _check_bucket("bh_bucket", self.bh_bucket, BH_BUCKET_MIN, BH_BUCKET_MAX))
+        if type(self.api) is not str or self.api not in APIS:
+            raise ValueError(f"api: {short_repr(self.api)} is not one of {list(APIS)}")
+        if self.api == "bf16" and self.dtype != "fp8":
+            raise ValueError(f"api: 'bf16' quantises to FP8 codes, so its kernels are fp8, not {self.dtype}")
 
     def _set(self, name: str, value: int) -> int:
         """Store the validated plain int (a numpy integer would not bind to a database driver)."""
@@ -76,7 +88,7 @@ class ProblemKey:
 
     @classmethod
     def from_shape(cls, *, dtype: str, head_dim_qk: int, head_dim_v: int, causal: bool, batch: int,
-                   heads: int, kv_heads: int, seqlen: int) -> "ProblemKey":
+                   heads: int, kv_heads: int, seqlen: int, api: str = "fp8") -> "ProblemKey":
         """The class of one call's shape; ValueError naming the field if the shape is invalid."""
         batch = strict_int("batch", batch, lo=1)
         heads = strict_int("heads", heads, lo=1)
@@ -85,7 +97,7 @@ class ProblemKey:
             raise ValueError(f"kv_heads: {kv_heads} does not divide heads={heads}")
         return cls(dtype=dtype, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, causal=causal,
                    gqa_group=heads // kv_heads, seqlen_bucket=seqlen_bucket(seqlen),
-                   bh_bucket=bh_bucket(batch * heads))
+                   bh_bucket=bh_bucket(batch * heads), api=api)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,4 +105,5 @@ class ProblemKey:
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
         return (f"{self.dtype} {self.head_dim_qk}/{self.head_dim_v} {mask} gqa={self.gqa_group} "
-                f"seqlen<={self.seqlen_bucket} B*H<={self.bh_bucket}")
+                f"seqlen<={self.seqlen_bucket} B*H<={self.bh_bucket}"
+                + ("" if self.api == "fp8" else f" api={self.api}"))

@@ -1,6 +1,7 @@
 """Schema creation and in-place upgrades (alembic's Operations API, driven from code).
 
-Each step `MIGRATIONS[v]` takes a version-v database to v+1 and only adds: data is never dropped.
+Each step `MIGRATIONS[v]` takes a version-v database to v+1 and only adds: data is never dropped
+(version 4 widens the problems table's unique key; SQLite rebuilds that table, rows and ids kept).
 The whole upgrade runs in one transaction (SQLite and PostgreSQL both have transactional DDL) under
 the write lock (SQLite: BEGIN IMMEDIATE; PostgreSQL: an advisory lock), re-reading the version
 inside it, so concurrent openers upgrade once. A newer version than SCHEMA_VERSION is refused.
@@ -14,7 +15,22 @@ from collections.abc import Callable
 
 from alembic.migration import MigrationContext
 from alembic.operations import Operations
-from sqlalchemy import Column, Float, String, insert, inspect, select, text, update
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Float,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    insert,
+    inspect,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
@@ -43,7 +59,57 @@ def _v2_to_v3(op: Operations) -> None:
                     "WHERE gpu_name LIKE :pattern").bindparams(cut=cut, pattern="%" + SIMULATED_SUFFIX))
 
 
-MIGRATIONS: dict[int, Callable[[Operations], None]] = {1: _v1_to_v2, 2: _v2_to_v3}
+#: The problem key's columns before version 4 (the unique constraint's, in its order).
+_KEY_V3 = ("dtype", "head_dim_qk", "head_dim_v", "causal", "gqa_group", "seqlen_bucket", "bh_bucket")
+
+
+def _v3_to_v4(op: Operations) -> None:
+    """Version 4 records the API a problem is timed for (problems.api: "fp8", the kernel alone on
+    FP8 codes, for every earlier row; or "bf16", quantiser and kernel together) and per trial the
+    quantisation recipe (NULL: the plain one) and the reference error on the same inputs. The
+    problem key's unique constraint gains api. Columns already there are left as they are."""
+    _add_missing(op, "trials", Column("recipe", Text, nullable=True))
+    _add_missing(op, "trials", Column("error_ref", Float(precision=53), nullable=True))
+    conn = op.get_bind()
+    if "api" in {c["name"] for c in inspect(conn).get_columns("problems")}:
+        return
+    if conn.dialect.name != "sqlite":
+        op.add_column("problems", Column("api", String(8), nullable=False, server_default="fp8"))
+        op.drop_constraint("uq_problems_key", "problems", type_="unique")
+        op.create_unique_constraint("uq_problems_key", "problems", [*_KEY_V3, "api"])
+        return
+    _rebuild_sqlite_problems(conn)
+
+
+def _rebuild_sqlite_problems(conn: Connection) -> None:
+    """SQLite cannot change a table's constraints: the table is rebuilt under its name, ids kept.
+    Its rows wait in a temporary copy while it is dropped and created anew; foreign keys are deferred
+    meanwhile (trials and best reference it), and re-inserting the rows satisfies them again before
+    the commit, which SQLite checks; a foreign key check confirms."""
+    conn.exec_driver_sql("PRAGMA defer_foreign_keys = ON")  # until this transaction ends
+    conn.exec_driver_sql("CREATE TEMP TABLE _problems_v3 AS SELECT * FROM problems")
+    conn.exec_driver_sql("DROP TABLE problems")
+    ints = [Column(name, Integer, nullable=False) for name in _KEY_V3[1:] if name != "causal"]
+    table = Table("problems", MetaData(), Column("id", Integer, primary_key=True),
+                  Column("dtype", String(8), nullable=False), *ints[:2],
+                  Column("causal", Boolean, nullable=False), *ints[2:],
+                  Column("api", String(8), nullable=False, server_default="fp8"),
+                  UniqueConstraint(*_KEY_V3, "api", name="uq_problems_key"))
+    table.create(conn)
+    names = ", ".join(("id",) + _KEY_V3)
+    conn.exec_driver_sql(f"INSERT INTO problems ({names}, api) SELECT {names}, 'fp8' FROM temp._problems_v3")
+    conn.exec_driver_sql("DROP TABLE temp._problems_v3")
+    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+    if broken:
+        raise DatabaseError(f"rebuilding the problems table left {len(broken)} broken references")
+
+
+def _add_missing(op: Operations, table: str, column: Column) -> None:
+    if column.name not in {c["name"] for c in inspect(op.get_bind()).get_columns(table)}:
+        op.add_column(table, column)
+
+
+MIGRATIONS: dict[int, Callable[[Operations], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
 #: The oldest version a read-only store reads as is.
 READABLE_FROM = 2
 

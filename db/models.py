@@ -1,9 +1,10 @@
-"""SQLAlchemy tables of the tuning database (schema version 3).
+"""SQLAlchemy tables of the tuning database (schema version 4).
 
 environments, problems and variants are deduplicated by unique constraints, so concurrent writers
 converge on one row each; trials are append-only; best holds one row per (environment, problem):
 the fastest "ok" trial. Older versions lack columns (see migrations.py): version 1 trials'
-energy_j and tflop_per_j, version 2 environments' runner. Text columns are data only: nothing
+energy_j and tflop_per_j, version 2 environments' runner, version 3 problems' api and trials' recipe
+and error_ref (an absent api is "fp8", an absent recipe the plain one). Text columns are data only: nothing
 here is ever evaluated.
 """
 
@@ -28,7 +29,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from .records import TRIAL_STATUSES
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 META_TABLE = "zyfa_meta"
 #: float columns are IEEE doubles on every backend, so timings round-trip exactly.
 _Double = Float(precision=53)
@@ -66,7 +67,7 @@ class EnvironmentModel(Base):
 class ProblemModel(Base):
     __tablename__ = "problems"
     __table_args__ = (UniqueConstraint("dtype", "head_dim_qk", "head_dim_v", "causal", "gqa_group",
-                                       "seqlen_bucket", "bh_bucket", name="uq_problems_key"),)
+                                       "seqlen_bucket", "bh_bucket", "api", name="uq_problems_key"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     dtype: Mapped[str] = mapped_column(String(8))
     head_dim_qk: Mapped[int] = mapped_column(Integer)
@@ -75,6 +76,7 @@ class ProblemModel(Base):
     gqa_group: Mapped[int] = mapped_column(Integer)
     seqlen_bucket: Mapped[int] = mapped_column(Integer)
     bh_bucket: Mapped[int] = mapped_column(Integer)
+    api: Mapped[str] = mapped_column(String(8), server_default="fp8")   # new in version 4
 
 
 class VariantModel(Base):
@@ -112,6 +114,8 @@ class TrialModel(Base):
     power_w: Mapped[float | None] = mapped_column(_Double)
     energy_j: Mapped[float | None] = mapped_column(_Double)        # new in version 2
     tflop_per_j: Mapped[float | None] = mapped_column(_Double)     # new in version 2
+    recipe: Mapped[str | None] = mapped_column(Text)               # new in version 4 (NULL: plain)
+    error_ref: Mapped[float | None] = mapped_column(_Double)       # new in version 4
     message: Mapped[str] = mapped_column(Text, default="")
     batch: Mapped[int | None] = mapped_column(Integer)
     heads: Mapped[int | None] = mapped_column(Integer)

@@ -8,18 +8,30 @@ from datetime import datetime
 from .checks import optional_float, optional_int, short_repr
 from .fingerprint import Fingerprint
 from .keys import ProblemKey
+from .validity import check_recipe
 
 TRIAL_STATUSES = ("ok", "compile_error", "wrong", "timeout", "crash")
 
-#: Float fields of a trial; all must be finite and >= 0 when present.
+#: Float fields of a trial; all must be finite and >= 0 when present (> 0: times and error_ref).
 TRIAL_FLOATS = ("median_ms", "p20_ms", "p80_ms", "tflops", "error_rel_l2", "error_max",
-                "sm_clock_mhz", "power_w", "energy_j", "tflop_per_j")
+                "sm_clock_mhz", "power_w", "energy_j", "tflop_per_j", "error_ref")
 TRIAL_SHAPE = ("batch", "heads", "seqlen")
+#: Every trial field stored in a column of its own (message aside), as TrialResult and the table name it.
+TRIAL_COLUMNS = TRIAL_FLOATS + TRIAL_SHAPE + ("recipe",)
+#: Trial columns of version 4 (an older file has none of them: read as None).
+TRIAL_V4 = ("error_ref", "recipe")
 
 
 @dataclass(frozen=True)
 class TrialResult:
-    """One measured (or failed) config. Only status "ok" with a median can become a best entry."""
+    """One measured (or failed) config. Only status "ok" with a median can become a best entry.
+
+    recipe: the quantisation recipe the inputs went through (`generator.recipe.Recipe`, or its JSON;
+    stored as canonical JSON, None for the plain recipe); only bf16-API trials have one.
+    error_ref: the reference's rel. L2 error on the same inputs (FA3-fp8's where it was importable,
+    else the exact default kernel's on plainly quantised codes); error_rel_l2 / error_ref is what
+    the dispatcher's error budget compares.
+    """
 
     status: str
     median_ms: float | None = None
@@ -32,10 +44,12 @@ class TrialResult:
     power_w: float | None = None
     energy_j: float | None = None
     tflop_per_j: float | None = None
+    error_ref: float | None = None
     message: str = ""        # compile error text, traceback tail: stored as data, never executed
     batch: int | None = None
     heads: int | None = None
     seqlen: int | None = None
+    recipe: str | None = None
 
     def __post_init__(self) -> None:
         if type(self.status) is not str or self.status not in TRIAL_STATUSES:
@@ -43,11 +57,12 @@ class TrialResult:
         for name in TRIAL_FLOATS:
             # plain floats: equal results compare equal, and numpy scalars bind to any driver
             object.__setattr__(self, name, optional_float(name, getattr(self, name),
-                                                          positive=name.endswith("_ms")))
+                                                          positive=name.endswith("_ms") or name == "error_ref"))
         if self.status == "ok" and self.median_ms is None:
             raise ValueError("median_ms: a trial with status 'ok' needs its median time")
         for name in TRIAL_SHAPE:
             object.__setattr__(self, name, optional_int(name, getattr(self, name), lo=1, hi=1 << 31))
+        object.__setattr__(self, "recipe", check_recipe(self.recipe))
         if type(self.message) is not str:
             raise ValueError(f"message: expected str, got {type(self.message).__name__}")
 
@@ -77,6 +92,15 @@ class BestEntry:
     heads: int | None = None
     seqlen: int | None = None
     sm_clock_mhz: float | None = None
+    recipe: str | None = None          # the trial's recipe (canonical JSON; None: the plain recipe)
+    error_ref: float | None = None     # the trial's reference error on the same inputs, if measured
+
+    @property
+    def error_ratio(self) -> float | None:
+        """error_rel_l2 / error_ref, where both were measured."""
+        if self.error_rel_l2 is None or self.error_ref is None:
+            return None
+        return self.error_rel_l2 / self.error_ref
 
 
 @dataclass

@@ -79,7 +79,8 @@ def fingerprint_from(row: Mapping[str, Any]) -> Fingerprint:
 
 
 def key_from(row: Mapping[str, Any]) -> ProblemKey:
-    values = {name: row[name] for name in KEY_FIELDS}
+    """A row of a database before version 4 has no api column: its problems are all "fp8"."""
+    values = {name: row[name] for name in KEY_FIELDS if name != "api" or name in row}
     values["causal"] = as_bool("causal", values["causal"])
     return ProblemKey(**values)
 

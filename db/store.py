@@ -26,10 +26,10 @@ from . import rows, transfer, validity
 from .checks import finite_float, optional_float, optional_int, optional_text, text
 from .errors import DatabaseError
 from .fingerprint import Fingerprint
-from .keys import ProblemKey
+from .keys import APIS, ProblemKey
 from .migrations import ensure_schema, refuse_newer
 from .models import SCHEMA_VERSION, BestModel, EnvironmentModel, ProblemModel, TrialModel, VariantModel
-from .records import TRIAL_FLOATS, TRIAL_SHAPE, TRIAL_STATUSES, BestEntry, ImportReport, TrialResult
+from .records import TRIAL_COLUMNS, TRIAL_SHAPE, TRIAL_STATUSES, TRIAL_V4, BestEntry, ImportReport, TrialResult
 from .session import Target, default_db_path, make_engine, reading, resolve_target, run_transaction
 from .sqlite_file import backup, inspect_file
 
@@ -84,6 +84,7 @@ class Store:
             raise ValueError(f"backend: {backend!r} differs from the config's backend {config.backend!r}")
         backend = config.backend
         validity.check_timing(key, result.median_ms, result.tflops)
+        validity.check_recipe_fits(key, result.recipe)
         optional_text("study", study)
         self._check_simulated(fingerprint)
         now = rows.utc_now()
@@ -99,7 +100,7 @@ class Store:
                                       generator_version=fingerprint.generator_version)
             trial = T(environment_id=env, problem_id=problem, variant_id=variant, status=result.status,
                       message=rows.clip_message(result.message), study=study, provenance=provenance,
-                      created_at=now, **{f: getattr(result, f) for f in TRIAL_FLOATS + TRIAL_SHAPE})
+                      created_at=now, **{f: getattr(result, f) for f in TRIAL_COLUMNS})
             session.add(trial)
             session.flush()
             if result.status == "ok":
@@ -112,10 +113,18 @@ class Store:
 
     # ---- reading ------------------------------------------------------------------------------
     def best_entries(self, *, gpu_name: str | None = None, head_dims: tuple[int, int] | None = None,
-                     dtype: str | None = None) -> list[BestEntry]:
-        """Best entries, optionally of one GPU model / (head_dim_qk, head_dim_v) / dtype, ordered by
-        GPU, dtype, head dims, problem class."""
+                     dtype: str | None = None, api: str | None = None) -> list[BestEntry]:
+        """Best entries, optionally of one GPU model / (head_dim_qk, head_dim_v) / dtype / API, ordered
+        by GPU, dtype, head dims, problem class."""
         where = []
+        if api is not None:
+            if api not in APIS:
+                raise ValueError(f"api: {api!r} is not one of {list(APIS)}")
+            if self.version < 4:  # every problem of an older file is "fp8"
+                if api != "fp8":
+                    return []
+            else:
+                where.append(P.api == api)
         if gpu_name is not None:
             where.append(E.gpu_name == gpu_name)
         if head_dims is not None:
@@ -149,8 +158,8 @@ class Store:
 
     def best_for(self, key: ProblemKey) -> list[BestEntry]:
         """The best entry of `key` on every fingerprint, fastest first."""
-        _expect("key", key, ProblemKey)
-        return self._best([getattr(P, k) == v for k, v in key.to_dict().items()], (B.median_ms,))
+        where = _key_where(key, self.version)
+        return [] if where is None else self._best(where, (B.median_ms,))
 
     def trials(self, *, key: ProblemKey | None = None, status: str | None = None,
                limit: int | None = None) -> list[dict[str, Any]]:
@@ -158,15 +167,20 @@ class Store:
         backend, config_json (unvalidated text), source_hash, fingerprint_digest, gpu_name and the
         problem key's fields."""
         optional_int("limit", limit, lo=0)
-        where = _trial_filters(key, status)
-        cols = ([rows.raw(getattr(T, n)) for n in ("id", "status", *TRIAL_FLOATS, "message", *TRIAL_SHAPE,
-                                                    "study", "provenance", "created_at")]
+        where = _trial_filters(key, status, self.version)
+        if where is None:
+            return []
+        new = self.version >= 4  # an older file lacks the recipe, error_ref and api columns: None / "fp8"
+        names = [n for n in ("id", "status", *TRIAL_COLUMNS, "message", "study", "provenance", "created_at")
+                 if new or n not in TRIAL_V4]
+        cols = ([rows.raw(getattr(T, n)) for n in names]
                 + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash),
                    rows.raw(E.digest, "fingerprint_digest"), rows.raw(E.gpu_name)]
-                + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS])
+                + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS if new or n != "api"])
         stmt = (select(*cols).join_from(T, E, T.environment_id == E.id).join(P, T.problem_id == P.id)
                 .join(V, T.variant_id == V.id).where(*where).order_by(T.id.desc()).limit(limit))
-        found = self._read("trials", lambda s: [dict(r._mapping) for r in s.execute(stmt)])
+        found = self._read("trials", lambda s: [{**dict.fromkeys(TRIAL_V4), "api": "fp8", **r._mapping}
+                                                for r in s.execute(stmt)])
         for r in found:  # informational listing: values that do not convert are shown as stored
             with contextlib.suppress(ValueError):
                 r["created_at"] = rows.aware(rows.as_utc("created_at", r["created_at"]))
@@ -175,7 +189,9 @@ class Store:
         return found
 
     def count_trials(self, *, key: ProblemKey | None = None, status: str | None = None) -> int:
-        where = _trial_filters(key, status)
+        where = _trial_filters(key, status, self.version)
+        if where is None:
+            return 0
         stmt = select(func.count(T.id)).join_from(T, P, T.problem_id == P.id).where(*where)
         return int(self._read("count_trials", lambda s: s.scalar(stmt)))
 
@@ -277,11 +293,13 @@ class Store:
 
 def _entry_columns(timed, stamp, version: int) -> list:
     """The columns of a BestEntry row: fingerprint (without the runner before version 3), problem
-    key, variant, the time, error and provenance of `timed` (the best table, or a trial) with `stamp`
-    as its time, the trial's shape, SM clock, status and time."""
+    key (without the api before version 4), variant, the time, error and provenance of `timed` (the
+    best table, or a trial) with `stamp` as its time, the trial's shape, SM clock, status and time,
+    and from version 4 its recipe and reference error."""
     fingerprint = [n for n in rows.FINGERPRINT_FIELDS if n != "runner" or version >= 3]
     return ([rows.raw(getattr(E, n)) for n in fingerprint]
-            + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS]
+            + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS if n != "api" or version >= 4]
+            + ([rows.raw(getattr(T, n)) for n in TRIAL_V4] if version >= 4 else [])
             + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash)]
             + [rows.raw(getattr(timed, n)) for n in ("median_ms", "tflops", "error_rel_l2", "provenance")]
             + [rows.raw(stamp, "updated_at")]
@@ -297,7 +315,11 @@ def _best_entry(r: dict[str, Any]) -> BestEntry:
     validity.check_config_matches(validity.variant_config(backend, r["config_json"]), key)
     median_ms, tflops = validity.check_best(key, median_ms=r["median_ms"], tflops=r["tflops"],
                                             trial_status=r["trial_status"], trial_median_ms=r["trial_median_ms"])
+    recipe = validity.check_recipe(r.get("recipe"))
+    validity.check_recipe_fits(key, recipe)
+    error_ref = r.get("error_ref")
     return BestEntry(
+        recipe=recipe, error_ref=None if error_ref is None else finite_float("error_ref", error_ref, positive=True),
         fingerprint=rows.fingerprint_from(r), key=key, backend=backend, config_json=r["config_json"],
         source_hash=source_hash, median_ms=median_ms, tflops=tflops,
         error_rel_l2=optional_float("error_rel_l2", r["error_rel_l2"]),
@@ -320,15 +342,25 @@ def _clock_or_none(value: Any) -> float | None:
         return None
 
 
-def _trial_filters(key: ProblemKey | None, status: str | None) -> list:
+def _key_where(key: ProblemKey, version: int) -> list | None:
+    """The filter of one problem key; None where no row can match (an older file has no api
+    column: every problem there is "fp8")."""
+    _expect("key", key, ProblemKey)
+    if version < 4 and key.api != "fp8":
+        return None
+    return [getattr(P, k) == v for k, v in key.to_dict().items() if k != "api" or version >= 4]
+
+
+def _trial_filters(key: ProblemKey | None, status: str | None, version: int) -> list | None:
+    """The filters of `trials` / `count_trials`; None where no row can match."""
     where = []
-    if key is not None:
-        _expect("key", key, ProblemKey)
-        where += [getattr(P, k) == v for k, v in key.to_dict().items()]
     if status is not None:
         if status not in TRIAL_STATUSES:
             raise ValueError(f"status: {status!r} is not one of {list(TRIAL_STATUSES)}")
         where.append(T.status == status)
+    if key is not None:
+        key_where = _key_where(key, version)
+        return None if key_where is None else where + key_where
     return where
 
 

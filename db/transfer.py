@@ -3,9 +3,9 @@
 A database file is untrusted input (it may come from another machine or be crafted): each
 environments/problems/variants/trials/best row is rebuilt into validated records — fingerprint
 fields typed and sane, problem keys valid, `config_json` accepted by `KernelConfig.from_json` and
-built for the problem's dtype/head dims, statuses known, numbers finite, non-negative and
-physically possible, best rows agreeing with an "ok" trial (validity.py, the checks the store's
-reads apply too) — and a row that fails (or references one that failed) is reported with its
+built for the problem's dtype/head dims, recipes accepted by `Recipe.from_json` (and only on
+bf16-API problems), statuses known, numbers finite, non-negative and physically possible, best
+rows agreeing with an "ok" trial (validity.py, the checks the store's reads apply too) — and a row that fails (or references one that failed) is reported with its
 reason and not written.
 What is written is rebuilt from the validated records (configs re-serialised canonically), never
 copied as raw text.
@@ -30,7 +30,7 @@ from .checks import optional_text, short_repr, text
 from .fingerprint import VERSION_PATTERN, Fingerprint
 from .keys import ProblemKey
 from .models import BestModel, EnvironmentModel, ProblemModel, TrialModel, VariantModel
-from .records import TRIAL_FLOATS, TRIAL_SHAPE, ImportReport, TrialResult
+from .records import TRIAL_COLUMNS, ImportReport, TrialResult
 from .session import run_transaction
 
 #: Rows written per transaction: keeps each write lock short on a database others write to.
@@ -155,8 +155,9 @@ def _trial(r: dict[str, Any], *, envs, problems, variants) -> _Trial:
     validity.check_config_matches(variant.config, key)
     message = "" if r.get("message") is None else r["message"]
     result = TrialResult(status=r["status"], message=message,
-                         **{n: r.get(n) for n in TRIAL_FLOATS + TRIAL_SHAPE})
+                         **{n: r.get(n) for n in TRIAL_COLUMNS})
     validity.check_timing(key, result.median_ms, result.tflops)
+    validity.check_recipe_fits(key, result.recipe)
     return _Trial(src_id=r["id"], refs=(r["environment_id"], r["problem_id"], r["variant_id"]),
                   fingerprint=fp, key=key, variant=variant, result=result,
                   study=optional_text("study", r.get("study")),
@@ -257,7 +258,7 @@ def _write_trials(session: Session, *, chunk: Sequence[_Trial], prefix: str | No
             row = TrialModel(environment_id=env, problem_id=problem, variant_id=variant, status=t.result.status,
                              message=rows.clip_message(t.result.message), study=t.study,
                              provenance=rows.join_provenance(prefix, t.provenance), created_at=t.created_at,
-                             **{n: getattr(t.result, n) for n in TRIAL_FLOATS + TRIAL_SHAPE})
+                             **{n: getattr(t.result, n) for n in TRIAL_COLUMNS})
             session.add(row)
             session.flush()
             existing = row.id

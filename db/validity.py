@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from zyfa_tune.generator import KernelConfig
+from zyfa_tune.generator.recipe import PLAIN, Recipe
 
-from .checks import finite_float, optional_float, text
+from .checks import finite_float, optional_float, short_repr, text
 from .keys import SEQLEN_BUCKET_MIN, ProblemKey
 
 BACKEND_PATTERN = r"[a-z][a-z0-9_]{0,31}"
@@ -73,6 +74,31 @@ def variant_config(backend: Any, config_json: Any) -> KernelConfig:
     if backend != config.backend:
         raise ValueError(f"backend: {backend!r} differs from the config's backend {config.backend!r}")
     return config
+
+
+#: Longest stored recipe text (a canonical recipe is under 100 characters).
+MAX_RECIPE_CHARS = 256
+
+
+def check_recipe(value: Any) -> str | None:
+    """A stored quantisation recipe: None (the plain recipe), a `Recipe`, or its JSON text, which must
+    parse with `Recipe.from_json` (ConfigError, a ValueError, otherwise). Returns the canonical text,
+    or None for the plain recipe: one way to store each recipe."""
+    if value is None:
+        return None
+    if isinstance(value, Recipe):
+        recipe = value
+    else:
+        value = text("recipe", value, max_len=MAX_RECIPE_CHARS, allow_empty=False)
+        recipe = Recipe.from_json(value)
+    return None if recipe == PLAIN else recipe.to_json()
+
+
+def check_recipe_fits(key: ProblemKey, recipe: str | None) -> None:
+    """The FP8 API times kernels on plainly quantised codes: only the bf16 API's trials have a recipe."""
+    if recipe is not None and key.api != "bf16":
+        raise ValueError(f"recipe: {short_repr(recipe)} on a problem of api {key.api!r}; only api 'bf16' "
+                         f"trials quantise with a recipe")
 
 
 def check_best(key: ProblemKey, *, median_ms: Any, tflops: Any, trial_status: Any,

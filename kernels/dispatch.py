@@ -24,6 +24,14 @@ Error budget (`set_error_budget(x)` or $ZYFA_TUNE_ERROR_BUDGET): instead of each
 kernel, the fastest whose measured rel. L2 error against float64 is at most x, among every kernel
 that passed its study's accuracy gate (`zyfa-tune tune --gate G --multi-objective` keeps the
 front). Keys with no kernel within the budget fall through the same lookup order.
+
+The bf16 API (`zyfa_tune.attention`: bf16 inputs, quantised with a recipe, then an FP8 kernel) has
+entries of its own (problem key api="bf16": quantiser and kernel timed together, each with its
+recipe and `error_ref`, the reference error on the same inputs). `attention_choice` picks, by the same
+lookup order, the fastest such entry whose error ratio error_rel_l2 / error_ref is at most the
+call's `error_budget` (an entry without error_ref cannot be judged and is never chosen); without
+one, the plain recipe and the FP8 API's own choice above (its tuned entry, else the default config):
+the kernels the FP8 API gates against the exact default kernel on plain codes.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from pathlib import Path
 
 from zyfa_tune.generator import GENERATOR_VERSION, KernelConfig
 from zyfa_tune.generator.defaults import fallback_config
+from zyfa_tune.generator.recipe import PLAIN, Recipe
 
 log = logging.getLogger("zyfa_tune.dispatch")
 
@@ -72,6 +81,18 @@ class _Entry:
     database: str
     provenance: str
     simulated: bool
+    recipe: Recipe = PLAIN
+    error_ratio: float | None = None   # error_rel_l2 / error_ref, where both were measured
+
+
+@dataclass(frozen=True)
+class RecipeChoice:
+    """What `attention` runs for a problem: the recipe, and the kernel chosen with it (`kernel` None:
+    no bf16-API entry within the budget, so the FP8 API's own choice on plainly quantised codes)."""
+
+    recipe: Recipe
+    kernel: Choice | None
+    detail: str = ""
 
 
 class Dispatcher:
@@ -81,8 +102,11 @@ class Dispatcher:
         self.layers = [str(p) for p in (databases if databases is not None else default_layers())]
         self.error_budget = _checked_budget("error_budget", error_budget)
         self._entries: list[list[_Entry]] | None = None
+        self._bf16: list[list[_Entry]] | None = None    # the bf16 API's entries, per layer
         self._cache: dict[tuple, Choice] = {}
+        self._recipes: dict[tuple, RecipeChoice] = {}
         self._fast: dict[tuple, KernelConfig] = {}
+        self._fast_bf16: dict[tuple, tuple[Recipe, KernelConfig | None]] = {}
         self._lock = threading.Lock()
 
     def config_for(self, dtype: str, dqk: int, dv: int, causal: bool, batch: int, heads: int, kv_heads: int,
@@ -98,10 +122,27 @@ class Dispatcher:
             self._fast[raw] = cfg
         return cfg
 
+    def attention_choice(self, dqk: int, dv: int, causal: bool, batch: int, heads: int, kv_heads: int,
+                         seqlen: int, device_index: int, error_budget: float) -> tuple[Recipe, KernelConfig | None]:
+        """The bf16 API's per-call path: (recipe, config), config None for the FP8 API's own choice
+        (see the module doc). One dict lookup on the raw shape and budget once seen."""
+        raw = (dqk, dv, causal, batch, heads, kv_heads, seqlen, device_index, error_budget)
+        found = self._fast_bf16.get(raw)
+        if found is None:
+            key = problem_key("fp8", dqk, dv, causal, batch, heads, kv_heads, seqlen, api="bf16")
+            rc = self.choose_recipe(key, device_key(device_index), error_budget)
+            found = (rc.recipe, None if rc.kernel is None else rc.kernel.config)
+            if len(self._fast_bf16) > 65536:
+                self._fast_bf16.clear()
+            self._fast_bf16[raw] = found
+        return found
+
     # ---- loading ------------------------------------------------------------------------------
     def _load(self) -> list[list[_Entry]]:
         if self._entries is None:
-            self._entries = [self._read_layer(path, self.error_budget) for path in self.layers]
+            layers = [self._read_layer(path, self.error_budget) for path in self.layers]
+            self._bf16 = [[e for e in layer if e.key.api == "bf16"] for layer in layers]
+            self._entries = [[e for e in layer if e.key.api == "fp8"] for layer in layers]
         return self._entries
 
     @staticmethod
@@ -115,11 +156,12 @@ class Dispatcher:
             warnings.warn(f"zyfa_tune: skipping tuning database {path}: {exc}", RuntimeWarning, stacklevel=3)
             return []
         out = []
-        for row in rows:  # validated by the store: the config parses and fits the key
+        for row in rows:  # validated by the store: the config and recipe parse, the config fits the key
             out.append(_Entry(key=row.key, device_key=row.fingerprint.device_key(),
                               config=KernelConfig.from_json(row.config_json), median_ms=row.median_ms,
                               tflops=row.tflops, database=path, provenance=row.provenance,
-                              simulated=row.fingerprint.simulated))
+                              simulated=row.fingerprint.simulated, error_ratio=row.error_ratio,
+                              recipe=PLAIN if row.recipe is None else Recipe.from_json(row.recipe)))
         log.debug("loaded %d tuned entries from %s", len(out), path)
         return out
 
@@ -139,22 +181,50 @@ class Dispatcher:
                               f"from {choice.database}", RuntimeWarning, stacklevel=4)
         return choice
 
+    def choose_recipe(self, key, device_key: tuple[str, str, str], error_budget: float) -> RecipeChoice:
+        """The bf16 API's choice for a key of api "bf16" (see the module doc); cached."""
+        error_budget = _checked_budget("error_budget", error_budget)
+        cache_key = (key, device_key, error_budget)
+        found = self._recipes.get(cache_key)
+        if found is None:
+            with self._lock:
+                self._load()
+                layers = [[e for e in layer if e.error_ratio is not None and e.error_ratio <= error_budget]
+                          for layer in self._bf16 or []]
+                hit = self._find(key, device_key, layers)
+            if hit is None:
+                found = RecipeChoice(PLAIN, None, f"no bf16-API entry within error budget {error_budget:g} x the "
+                                                  "reference's error: the plain recipe and the FP8 API's kernel")
+            else:
+                entry, choice = hit
+                found = RecipeChoice(entry.recipe, choice, f"{choice.source} bf16-API entry, error "
+                                     f"{entry.error_ratio:.3g} x the reference's (budget {error_budget:g})")
+            self._recipes[cache_key] = found
+        return found
+
     def _resolve(self, key, device_key) -> Choice:
+        hit = self._find(key, device_key, self._load())
+        if hit is None:
+            return Choice(config=fallback_config(key.dtype, key.head_dim_qk, key.head_dim_v), source="default",
+                          key=key, detail="no tuned entry for these head dims on this architecture")
+        return hit[1]
+
+    def _find(self, key, device_key, layers: list[list[_Entry]]) -> tuple[_Entry, Choice] | None:
+        """The entry the lookup order picks from `layers` for `key` on `device_key`, as a Choice."""
         # a simulated entry only for its own simulated device: a GPU's device key never equals it
-        layers = [[e for e in layer if not e.simulated or e.device_key == device_key] for layer in self._load()]
+        layers = [[e for e in layer if not e.simulated or e.device_key == device_key] for layer in layers]
         found = _pick(key, [[e for e in layer if e.device_key == device_key] for layer in layers])
         foreign = found is None
         if foreign:  # same architecture, another GPU model or generator version
             found = _pick(key, [[e for e in layer if e.device_key[1] == device_key[1] and e.device_key != device_key]
                                 for layer in layers])
         if found is None:
-            return Choice(config=fallback_config(key.dtype, key.head_dim_qk, key.head_dim_v), source="default",
-                          key=key, detail="no tuned entry for these head dims on this architecture")
+            return None
         how, entry = found
         budget = "" if self.error_budget is None else f" (error budget {self.error_budget:g})"
-        return Choice(config=entry.config, source="other-device" if foreign else how, key=key, database=entry.database,
-                      tuned_key=entry.key, tuned_on=entry.device_key[0], tflops=entry.tflops,
-                      detail=f"{how} match{budget}; {entry.provenance}")
+        return entry, Choice(config=entry.config, source="other-device" if foreign else how, key=key,
+                             database=entry.database, tuned_key=entry.key, tuned_on=entry.device_key[0],
+                             tflops=entry.tflops, detail=f"{how} match{budget}; {entry.provenance}")
 
 
 def _distance(a, b) -> float:
@@ -176,7 +246,8 @@ def _pick(key, layers: Iterable[list[_Entry]]) -> tuple[str, _Entry] | None:
     for rank, layer in enumerate(layers):
         for e in layer:
             k = e.key
-            if (k.dtype, k.head_dim_qk, k.head_dim_v, k.causal) != (key.dtype, key.head_dim_qk, key.head_dim_v, key.causal):
+            if (k.dtype, k.head_dim_qk, k.head_dim_v, k.causal, k.api) != \
+                    (key.dtype, key.head_dim_qk, key.head_dim_v, key.causal, key.api):
                 continue
             cand = (_distance(k, key), rank, e.median_ms, e)
             if best is None or cand[:3] < best[:3]:
@@ -258,11 +329,12 @@ def dispatcher() -> Dispatcher:
     return d
 
 
-def problem_key(dtype: str, dqk: int, dv: int, causal: bool, batch: int, heads: int, kv_heads: int, seqlen: int):
+def problem_key(dtype: str, dqk: int, dv: int, causal: bool, batch: int, heads: int, kv_heads: int, seqlen: int,
+                api: str = "fp8"):
     from zyfa_tune.db import ProblemKey
 
     return ProblemKey.from_shape(dtype=dtype, head_dim_qk=dqk, head_dim_v=dv, causal=causal, batch=batch,
-                                 heads=heads, kv_heads=kv_heads, seqlen=seqlen)
+                                 heads=heads, kv_heads=kv_heads, seqlen=seqlen, api=api)
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,8 +10,9 @@
 
 params.py holds Param and the helpers a family declares its fields with, resources.py the static
 shared-memory / register / wgmma checks (both backends), space.py SearchSpace, seeds.py the named
-seed configs; fp8_causal.py (Triton and Gluon) and bf16_causal.py (Triton) declare one line per
-searched KernelConfig field. Seeds from tuning databases (winners) are read by the tuning layer
+seed configs, recipes.py the quantisation recipe's parameters (bf16-API studies only);
+fp8_causal.py (Triton and Gluon) and bf16_causal.py (Triton) declare one line per searched
+KernelConfig field. Seeds from tuning databases (winners) are read by the tuning layer
 (zyfa_tune.tuning.warm_start) and passed in: `space.seeds(128, 128, winners=...)`.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 from .bf16_causal import SPACE as BF16_CAUSAL
 from .fp8_causal import SPACE as FP8_CAUSAL
 from .params import Param
+from .recipes import RECIPE_PARAMS, SEED_RECIPES, recipe_from_options, recipe_neighbours, recipe_options, suggest_recipe
 from .resources import (
     SMEM_LIMIT,
     gluon_register_estimate,
@@ -45,4 +47,5 @@ def get_space(dtype: str) -> SearchSpace:
 
 __all__ = ["Param", "SearchSpace", "FAMILIES", "get_space", "FP8_CAUSAL", "BF16_CAUSAL", "SMEM_LIMIT",
            "smem_estimate", "register_estimate", "gluon_smem_estimate", "gluon_register_estimate",
-           "static_infeasibility"]
+           "static_infeasibility", "RECIPE_PARAMS", "SEED_RECIPES", "suggest_recipe", "recipe_options",
+           "recipe_from_options", "recipe_neighbours"]

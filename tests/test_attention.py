@@ -90,9 +90,13 @@ def test_recipes_validate_and_round_trip():
             Recipe.from_json(bad)
 
 
-def test_the_recipe_without_tuned_recipes_is_the_plain_one():
+def test_the_recipe_without_bf16_api_entries_is_the_plain_one(monkeypatch):
+    from zyfa_tune.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_dispatcher", dispatch.Dispatcher([dispatch.TUNED_DIR / "h200.db"]))
+    monkeypatch.setattr(dispatch, "device_key", lambda index: ("NVIDIA H200", "9.0", dispatch.GENERATOR_VERSION))
     q, k, v = _qkv()
-    assert recipe_for(q, k, v, True, 1.0) == PLAIN
+    assert recipe_for(q, k, v, True, 1.0) == (PLAIN, None)   # the FP8 API's kernel on plain codes
 
 
 def test_explain_attention_names_recipe_and_kernel_on_meta_tensors():

@@ -63,7 +63,8 @@ def make_v1(path) -> None:
         con.executescript(V1_SCHEMA)
         con.execute("INSERT INTO environments VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (fp.digest(), *[v for n, v in fp.to_dict().items() if n != "runner"]))
-        con.execute("INSERT INTO problems VALUES (1, ?, ?, ?, ?, ?, ?, ?)", tuple(k.to_dict().values()))
+        con.execute("INSERT INTO problems VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
+                    tuple(v for n, v in k.to_dict().items() if n != "api"))
         con.execute("INSERT INTO variants VALUES (1, 'triton', ?, ?, ?)",
                     (cfg.to_json(), fake_hash(cfg), fp.generator_version))
         trial = ("INSERT INTO trials (environment_id, problem_id, variant_id, status, median_ms, tflops, power_w, "
@@ -119,7 +120,7 @@ def test_v1_file_is_upgraded_in_place_with_a_backup(tmp_path):
                        TrialResult("ok", median_ms=1.0, energy_j=0.02, tflop_per_j=1.5),
                        source_hash=fake_hash(config(num_stages=3)))
         assert s.trials(limit=1)[0]["tflop_per_j"] == 1.5 and s.best_entries()[0].median_ms == 1.0
-    assert version_of(path) == str(SCHEMA_VERSION) == "3"
+    assert version_of(path) == str(SCHEMA_VERSION) == "4"
     assert {"energy_j", "tflop_per_j"} <= columns(path) and "runner" in columns(path, "environments")
     # the model and the upgraded file agree on every table's columns
     engine = create_engine(f"sqlite:///{path}")

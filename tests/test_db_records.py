@@ -45,7 +45,7 @@ def test_key_from_shape():
                               kv_heads=6, seqlen=3000)
     assert k == ProblemKey("bf16", 192, 128, False, 8, 4096, 256)
     assert k.to_dict() == dict(dtype="bf16", head_dim_qk=192, head_dim_v=128, causal=False, gqa_group=8,
-                               seqlen_bucket=4096, bh_bucket=256)
+                               seqlen_bucket=4096, bh_bucket=256, api="fp8")
     assert {k: 1}[ProblemKey(**k.to_dict())] == 1  # hashable, equal by value
     assert str(k) == "bf16 192/128 full gqa=8 seqlen<=4096 B*H<=256"
 

@@ -169,9 +169,9 @@ def craft(path) -> dict:
         forged = dict(fp.to_dict(), driver="1.0")   # valid fields, but a digest that is not theirs
         con.execute(f"INSERT INTO environments (id, digest, {env_cols}) VALUES (51, ?, "
                     f"{', '.join('?' * len(forged))})", (fingerprint(H100).digest(), *forged.values()))
-        con.execute("INSERT INTO problems VALUES (60, 'fp8', 80, 80, 1, 1, 8192, 64)")
-        con.execute("INSERT INTO problems VALUES (61, 'fp8', 128, 128, 2, 1, 8192, 64)")
-        con.execute("INSERT INTO problems VALUES (62, 'fp8''; DROP TABLE trials; --', 128, 128, 1, 1, 8192, 64)")
+        con.execute("INSERT INTO problems VALUES (60, 'fp8', 80, 80, 1, 1, 8192, 64, 'fp8')")
+        con.execute("INSERT INTO problems VALUES (61, 'fp8', 128, 128, 2, 1, 8192, 64, 'fp8')")
+        con.execute("INSERT INTO problems VALUES (62, 'fp8''; DROP TABLE trials; --', 128, 128, 1, 1, 8192, 64, 'fp8')")
         # hostile variants, each used by an otherwise fine trial of the 128/128 problem (id 1)
         for vid, (cfg, _) in INJECTED_CONFIGS.items():
             text = cfg if isinstance(cfg, str) else json.dumps(dict(config(num_stages=2).to_dict(), **cfg))

@@ -10,7 +10,7 @@ import warnings
 import pytest
 from test_db_support import H100, config, fake_hash, fingerprint, key, record
 
-from zyfa_tune.db import DatabaseError, Fingerprint, TrialResult, open_store
+from zyfa_tune.db import SCHEMA_VERSION, DatabaseError, Fingerprint, TrialResult, open_store
 from zyfa_tune.db.checks import clean_text
 from zyfa_tune.db.validity import MAX_TFLOPS, min_plausible_ms
 from zyfa_tune.kernels import dispatch
@@ -171,7 +171,7 @@ def test_legacy_simulated_rows_are_marked_by_the_upgrade(tmp_path):
     con = sqlite3.connect(path)
     assert con.execute("SELECT runner FROM environments").fetchall() == [("replay",)]
     con.close()
-    assert version_of(path) == "3"
+    assert version_of(path) == str(SCHEMA_VERSION)
 
 
 # ---- text --------------------------------------------------------------------------------------

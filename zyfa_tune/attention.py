@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from zyfa_tune.generator.recipe import PLAIN, Recipe
+from zyfa_tune.generator import KernelConfig
+from zyfa_tune.generator.recipe import Recipe
 from zyfa_tune.kernels import dispatch
+from zyfa_tune.kernels.launch import for_v_layout
 
-from .api import ArgumentProblems, check_related, check_tensor, explain, flash_attn_func
+from .api import ArgumentProblems, _device_key, check_related, check_tensor, explain, flash_attn_func
 from .quantize import quantize_fp8
 
 #: input dtypes of `attention` (FP8 codes go to `flash_attn_func`, which takes their descales)
@@ -46,13 +48,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    """What `attention` runs for some arguments: the quantisation recipe and the kernel's choice."""
+    """What `attention` runs for some arguments: the quantisation recipe, the kernel's choice, and why
+    (a bf16-API entry within the error budget, or the FP8 API's kernel on plainly quantised codes)."""
 
     recipe: Recipe
     kernel: dispatch.Choice
+    why: str = ""
 
     def __str__(self) -> str:
-        return f"recipe {self.recipe.summary()}; kernel {self.kernel.config.summary()} ({self.kernel.source})"
+        text = f"recipe {self.recipe.summary()}; kernel {self.kernel.config.summary()} ({self.kernel.source})"
+        return f"{text}; {self.why}" if self.why else text
 
 
 def explain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -61,24 +66,46 @@ def explain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     """The recipe and kernel `attention` would run for these arguments, and why (no launch; meta
     tensors ask about a shape without a GPU, `gpu` naming the GPU as `zyfa_tune.explain` takes it)."""
     scale = _check(q, k, v, causal, softmax_scale, error_budget)
-    recipe = recipe_for(q, k, v, causal, error_budget)
+    device = _device_key(gpu, q.device)
+    chosen = dispatch.dispatcher().choose_recipe(_key(q, k, v, causal), device, float(error_budget))
     codes = [torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device) for t in (q, k, v)]
-    return AttentionChoice(recipe, explain(*codes, softmax_scale=scale, causal=causal, gpu=gpu))
+    if chosen.kernel is None:
+        return AttentionChoice(chosen.recipe, explain(*codes, softmax_scale=scale, causal=causal, gpu=gpu),
+                               chosen.detail)
+    return AttentionChoice(chosen.recipe, chosen.kernel, chosen.detail)
 
 
-def recipe_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, error_budget: float) -> Recipe:
-    """The recipe for these inputs. The tuning databases do not store recipes yet, so every shape gets
-    the plain recipe, the one the FP8 API's kernels were tuned and gated with: what runs is then
-    exactly `flash_attn_func` on plainly quantised codes, at or below FA3-fp8's error."""
-    return PLAIN
+def recipe_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               error_budget: float) -> tuple[Recipe, KernelConfig | None]:
+    """The recipe and kernel for these inputs (on their CUDA device): the fastest bf16-API entry of the
+    tuning databases whose error is within `error_budget` x the reference's; else the plain recipe
+    and None, i.e. `flash_attn_func`'s own choice on plainly quantised codes (the FP8 API's kernels,
+    gated against the exact default kernel: at or below FA3-fp8's error)."""
+    b, sq, h, dqk = q.shape
+    return dispatch.dispatcher().attention_choice(dqk, v.shape[3], causal, b, h, k.shape[2], sq, q.device.index,
+                                                  error_budget)
+
+
+def run_recipe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+               recipe: Recipe, config: KernelConfig | None) -> torch.Tensor:
+    """Quantise with `recipe` and run the FP8 kernel (`config`, as V's layout reads it; None: the
+    dispatcher's choice): the whole call, as `attention` runs it and the tuner times it. bf16 output."""
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, softmax_scale=softmax_scale, **recipe.quantize_kwargs())
+    if config is not None:
+        config = for_v_layout(config, v8)
+    return flash_attn_func(q8, k8, v8, softmax_scale, causal, qd, kd, vd, config=config)
+
+
+def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    b, sq, h, dqk = q.shape
+    return dispatch.problem_key("fp8", dqk, v.shape[3], causal, b, h, k.shape[2], sq, api="bf16")
 
 
 @torch.library.custom_op("zyfa_tune::attention", mutates_args=(), device_types="cuda")
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
                   error_budget: float) -> torch.Tensor:
-    recipe = recipe_for(q, k, v, causal, error_budget)
-    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, softmax_scale=softmax_scale, **recipe.quantize_kwargs())
-    out = flash_attn_func(q8, k8, v8, softmax_scale, causal, qd, kd, vd)
+    recipe, config = recipe_for(q, k, v, causal, error_budget)
+    out = run_recipe(q, k, v, causal, softmax_scale, recipe, config)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 

@@ -10,6 +10,7 @@ import time
 from rich.table import Table
 
 from zyfa_tune.generator import KernelConfig
+from zyfa_tune.generator.recipe import Recipe
 
 from .common import config_changes, console, int_list
 
@@ -110,7 +111,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
                     storage=storage, study_storage=args.study_storage, study_name=args.study,
                     resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
                     runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
-                    input_family=args.input_family, precompile=args.precompile, gate=args.gate,
+                    input_family=args.input_family, precompile=args.precompile, api=args.api,
+                    gate=args.gate if args.gate is not None else 1.0 if args.api == "bf16" else 1.25,
                     enqueue=tuple(args.enqueue or ()),
                     warm_start=_warm_start(args.warm_start))
 
@@ -149,9 +151,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
         table.add_row(f"B={sh.batch} S={sh.seqlen} H={sh.heads}/{sh.kv_heads}",
                       f"{best_tf:.1f}" if best_tf else "-", f"{dflt:.1f}" if dflt else "-",
                       f"{best_tf / dflt:.2f}x" if best_tf and dflt else "-",
-                      config_changes(KernelConfig.from_json(best.config_json)) if best else "-")
+                      _described(best))
     console.print(table)
     return 0
+
+
+def _described(best) -> str:
+    """A best entry's config as changes from the default, and its recipe where it has one."""
+    if best is None:
+        return "-"
+    text = config_changes(KernelConfig.from_json(best.config_json))
+    return text if best.recipe is None else f"{text}; recipe {Recipe.from_json(best.recipe).summary()}"
 
 
 def _print_failures(study) -> None:
@@ -197,11 +207,15 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue an existing study")
     p.add_argument("--sampler", choices=["tpe", "random"], default="tpe", help="Optuna sampler")
     p.add_argument("--multi-objective", action="store_true", help="Pareto front over (TFLOP/s, error)")
-    p.add_argument("--gate", type=float, default=1.25,
-                   help="accuracy gate: a kernel passes with rel. L2 error <= GATE x that of the exact reference "
-                        "variant on the same inputs (default 1.25; lean P measures ~1.35, and a gate >= 1.4 "
-                        "also seeds the lean kernel; the runtime's ZYFA_TUNE_ERROR_BUDGET then picks among "
-                        "what passed)")
+    p.add_argument("--api", choices=["fp8", "bf16"], default="fp8",
+                   help="what is timed: fp8 (default; flash_attn_func, the kernel alone on plainly quantised FP8 "
+                        "codes) or bf16 (attention(): bf16 inputs, the quantiser's recipe searched beside the "
+                        "kernel, quantiser and kernel timed together; FP8 kernels)")
+    p.add_argument("--gate", type=float, default=None,
+                   help="accuracy gate: a kernel passes with rel. L2 error <= GATE x the reference's on the same "
+                        "inputs (FA3-fp8's where fa3_fwd_interface imports, else the exact default kernel's on "
+                        "plain codes; default 1.25 for --api fp8, where lean P measures ~1.35 and a gate >= 1.4 "
+                        "also seeds the lean kernel; 1.0 for --api bf16, attention()'s default error budget)")
     p.add_argument("--runner", default="gpu",
                    help="gpu (default) | simulate[:<db>]: the loop without a GPU, for trying it out and for tests "
                         "(real sm_90a compiles; stored measurements of the database, by default the shipped one, "

@@ -1,10 +1,14 @@
 """The "gpu" runner: the real measurement, on the one GPU the worker's child process sees.
 
-Per shape: `verify.make_probe` (fresh inputs of `task.input_family` from `task.seed`, or
-`task.inputs`; float64 reference, error limit = `task.gate` x the exact default config's error;
-cached in the child per (shape, dtype, head dims, causal, seed, gate, inputs, input family), a few at
-a time), then a warm call of the config, then `verify.check_config` (error gate, CUDA-event timing with
-NVML clock/power/energy reads). Statuses:
+Per shape: a probe (fresh inputs of `task.input_family` from `task.seed`, or `task.inputs`; float64
+reference; error limit = `task.gate` x `error_ref`, the reference error on the same inputs: FA3-fp8's
+where `fa3_fwd_interface` imports, else the exact default config's on plainly quantised codes).
+API "fp8" (`verify.make_probe`): the kernel alone on plainly quantised codes. API "bf16"
+(`verify.make_recipe_probe`): bf16 inputs, reference on them unquantised; the timed call quantises
+with the task's recipe and runs the kernel (`zyfa_tune.attention.run_recipe`), one timing. Probes are
+cached in the child per (shape, dtype, head dims, causal, seed, gate, inputs, input family, api,
+recipe), a few at a time. Then a warm call of the config, then `verify.check_config` (error gate,
+CUDA-event timing with NVML clock/power/energy reads). Statuses:
   compile_error  the warm call raised from emission or from Triton's compiler / module loader
                  (CompilationError, PTXASError, OutOfResources, MLIR pass failures: anything raised
                  inside triton/compiler, the NVIDIA backend compiler or our generator), or the compiled
@@ -96,32 +100,37 @@ class GpuRunner:
         self._probes: OrderedDict[tuple, Any] = OrderedDict()
 
     def _probe(self, config: KernelConfig, shape: Shape, task: Task):
-        from zyfa_tune.tuning.verify import make_probe
+        from zyfa_tune.generator.recipe import PLAIN, Recipe
+        from zyfa_tune.tuning.verify import make_probe, make_recipe_probe
 
         key = (shape, config.dtype, config.head_dim_qk, config.head_dim_v, task.causal, task.seed, task.gate,
-               task.inputs, task.input_family)
+               task.inputs, task.input_family, task.api, task.recipe)
         probe = self._probes.get(key)
         if probe is None:
             while len(self._probes) >= PROBE_CACHE:
                 self._probes.popitem(last=False)
                 self.torch.cuda.empty_cache()
-            probe = make_probe(config.dtype, config.head_dim_qk, config.head_dim_v, batch=shape.batch,
-                               heads=shape.heads, kv_heads=shape.kv_heads, seqlen=shape.seqlen,
-                               causal=task.causal, seed=task.seed, gate=task.gate, inputs=task.inputs,
-                               family=task.input_family)
+            where = dict(batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads, seqlen=shape.seqlen,
+                         causal=task.causal, seed=task.seed, gate=task.gate, inputs=task.inputs,
+                         family=task.input_family)
+            if task.api == "bf16":
+                recipe = PLAIN if task.recipe is None else Recipe.from_json(task.recipe)
+                probe = make_recipe_probe(config.head_dim_qk, config.head_dim_v, recipe, **where)
+            else:
+                probe = make_probe(config.dtype, config.head_dim_qk, config.head_dim_v, fa3=True, **where)
             self._probes[key] = probe
         self._probes.move_to_end(key)
         return probe
 
     def _warm_call(self, config: KernelConfig, probe) -> tuple[int | None, int | None]:
         """First call: emits, compiles and loads the kernel (and runs it once). Returns the
-        (spill bytes, registers) of the kernels compiled for this config."""
-        from zyfa_tune.api import flash_attn_func
+        (spill bytes, registers) of the kernels compiled for this config (as the probe's V runs it)."""
         from zyfa_tune.kernels import launch
+        from zyfa_tune.tuning.verify import _call
 
-        flash_attn_func(*probe.args, causal=probe.causal, config=config, **probe.kwargs)
+        _call(config, probe)()
         self.torch.cuda.synchronize()
-        kernels = launch.compiled_kernels(config)
+        kernels = launch.compiled_kernels(probe.runs(config))
         spills = [getattr(ck, "n_spills", None) for ck in kernels]
         regs = [getattr(ck, "n_regs", None) for ck in kernels]
         spills = [s for s in spills if s is not None]
@@ -141,12 +150,13 @@ class GpuRunner:
                 return warning
         return None
 
-    def _forget_kernels(self, config: KernelConfig) -> None:
-        """Drop this config's compiled kernels from the launcher's caches (a child serves hundreds
+    def _forget_kernels(self, configs: set[KernelConfig]) -> None:
+        """Drop these configs' compiled kernels from the launcher's caches (a child serves hundreds
         of configs; each would otherwise stay loaded)."""
         from zyfa_tune.kernels import launch
 
-        launch.forget(config)
+        for config in configs:
+            launch.forget(config)
 
     def run(self, config: KernelConfig, task: Task, reporter: Reporter) -> None:
         from zyfa_tune.tuning.verify import check_config
@@ -171,29 +181,30 @@ class GpuRunner:
                     failed = f"spills {spills} bytes (local memory per thread; {regs} registers)"
                     reporter.result(i, dict(status="compile_error", message=failed))
                     continue
-                serialised = self._serialised_wgmma(config)
+                serialised = self._serialised_wgmma(probe.runs(config))
                 if serialised:
                     failed = f"ptxas serialises the wgmmas: {serialised}"
                     reporter.result(i, dict(status="compile_error", message=failed))
                     continue
                 v = check_config(config, probe, reps=task.reps)
                 self.torch.cuda.synchronize()
-                reporter.result(i, self._fields(config, shape, task, v))
+                reporter.result(i, self._fields(config, shape, task, v, probe.error_ref))
         finally:
-            self._forget_kernels(config)
+            self._forget_kernels({config} | {p.runs(config) for p in probes})
 
     @staticmethod
-    def _fields(config: KernelConfig, shape: Shape, task: Task, v) -> dict[str, Any]:
+    def _fields(config: KernelConfig, shape: Shape, task: Task, v, error_ref: float | None) -> dict[str, Any]:
         err, emax = _finite(v.error_rel_l2), _finite(getattr(v, "error_max", None))
+        error_ref = _finite(error_ref) or None  # (a reference error of 0 cannot scale a gate)
         if not v.ok:
-            return dict(status="wrong", error_rel_l2=err, error_max=emax,
-                        message=f"{v.reason} (limit = gate {task.gate:g} x the default config's error)")
+            return dict(status="wrong", error_rel_l2=err, error_max=emax, error_ref=error_ref,
+                        message=f"{v.reason} (limit = gate {task.gate:g} x the reference's error)")
         t = v.timing
         flops = task_flops(config.head_dim_qk, config.head_dim_v, shape, task.causal)
         energy = _finite(t.energy_j_per_call) if t is not None else None
         return dict(status="ok", median_ms=v.median_ms, p20_ms=t.p20_ms if t else None,
                     p80_ms=t.p80_ms if t else None, tflops=flops / (v.median_ms * 1e-3) / 1e12,
-                    error_rel_l2=err, error_max=emax,
+                    error_rel_l2=err, error_max=emax, error_ref=error_ref,
                     sm_clock_mhz=_finite(t.sm_clock_mhz) if t else None,
                     power_w=_finite(t.power_w) if t else None, energy_j=energy or None,
                     tflop_per_j=flops / 1e12 / energy if energy else None)

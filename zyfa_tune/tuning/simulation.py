@@ -19,6 +19,15 @@ kernel is fastest.
     default's error, hence "wrong" under the default gate), gated like the GPU runner against the same
     model's error for the default config. Message "simulate: synthetic ...". No clocks or power. The
     same config and shape give the same numbers in every run; the seed and input family do not enter.
+  * the bf16 API (`task.api == "bf16"`): stored trials match on the api and recipe too. The model
+    times the whole call: the kernel as the recipe's V layout makes it run (K-major V codes: a
+    natural-V FP8 config runs as its transposed twin, no V^T copy), plus a modelled quantiser cost
+    per recipe (`quantiser_ms`: a pass over Q, K and V; balanced V rounding, rotation and K smoothing
+    add to it), less the V^T copy a V^T-reading kernel needs of natural V codes (the kernel's model
+    includes it; K-major codes need none). Its error is the kernel's
+    times a factor per recipe field (`RECIPE_ERROR`). `error_ref` is the modelled error of the exact
+    default config on plainly quantised codes (the reference when FA3 is not importable), and the
+    gate compares error / error_ref, as on the GPU.
 """
 
 from __future__ import annotations
@@ -29,13 +38,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from zyfa_tune.generator import HOPPER, ConfigError, KernelConfig
+from zyfa_tune.generator.recipe import PLAIN, Recipe
 
 from .compile_check import CompileCheck, compile_check
 from .task import Reporter, Shape, Task, exception_text, tail, task_flops
 
 _TRIAL_FLOATS = ("median_ms", "p20_ms", "p80_ms", "tflops", "error_rel_l2", "error_max", "sm_clock_mhz",
-                 "power_w", "energy_j", "tflop_per_j")
-_KEY_FIELDS = ("dtype", "head_dim_qk", "head_dim_v", "causal", "gqa_group", "seqlen_bucket", "bh_bucket")
+                 "power_w", "energy_j", "tflop_per_j", "error_ref")
+_KEY_FIELDS = ("dtype", "head_dim_qk", "head_dim_v", "causal", "gqa_group", "seqlen_bucket", "bh_bucket", "api",
+               "recipe")
 
 
 class SimulationRunner:
@@ -59,13 +70,14 @@ class SimulationRunner:
             self._by_json.setdefault((canonical, key), []).append(row)
         self._compiled: dict[tuple[KernelConfig, bool], CompileCheck] = {}
 
-    def stored(self, config: KernelConfig, source_hash: str, shape: Shape, causal: bool) -> dict | None:
+    def stored(self, config: KernelConfig, source_hash: str, shape: Shape, causal: bool, api: str = "fp8",
+               recipe: str | None = None) -> dict | None:
         from zyfa_tune.db import ProblemKey
 
         pk = ProblemKey.from_shape(dtype=config.dtype, head_dim_qk=config.head_dim_qk,
                                    head_dim_v=config.head_dim_v, causal=causal, batch=shape.batch,
-                                   heads=shape.heads, kv_heads=shape.kv_heads, seqlen=shape.seqlen)
-        key = tuple(getattr(pk, k) for k in _KEY_FIELDS)
+                                   heads=shape.heads, kv_heads=shape.kv_heads, seqlen=shape.seqlen, api=api)
+        key = tuple(getattr(pk, k) for k in _KEY_FIELDS[:-1]) + (recipe,)
         found = {r["id"]: r for r in self._by_hash.get((source_hash, key), []) + self._by_json.get((config.to_json(), key), [])}
         if not found:
             return None
@@ -109,13 +121,14 @@ class SimulationRunner:
             source_hash = emit(config).source_hash
         except Exception as exc:  # emission failed: a compile error
             return dict(status="compile_error", message=exception_text(exc))
-        stored = self.stored(config, source_hash, shape, task.causal)
+        stored = self.stored(config, source_hash, shape, task.causal, task.api, task.recipe)
         if stored is not None:
             return stored
         check = self.compiled(config, task.causal)
         if check.error is not None:
             return dict(status="compile_error", message=f"simulate: sm_90a compile: {check.error}")
-        fields_ = synthetic_measurement(config, shape, task.causal, task.gate)
+        recipe = None if task.api == "fp8" else PLAIN if task.recipe is None else Recipe.from_json(task.recipe)
+        fields_ = synthetic_measurement(config, shape, task.causal, task.gate, recipe)
         fields_["message"] += f"; sm_90a: {check.registers} registers, {check.shared_bytes} B shared, no spills"
         return fields_
 
@@ -221,18 +234,52 @@ def synthetic_error(config: KernelConfig, shape: Shape, causal: bool) -> float:
     return e * (0.99 + 0.02 * unit_hash("error", c.to_json(), shape, causal))
 
 
-def synthetic_measurement(config: KernelConfig, shape: Shape, causal: bool, gate: float) -> dict[str, Any]:
-    """TrialResult fields of the synthetic model for one shape (deterministic)."""
+#: The recipe's effect on the error of the whole call (factors; V's part of the error falls by about a
+#: third with balanced rounding; a rotation and K smoothing help on outliers, a little on Gaussians).
+RECIPE_ERROR = {"hadamard": {False: 1.0, True: 0.96}, "smooth_k": {False: 1.0, True: 0.98},
+                "v_rounding": {"nearest": 1.0, "balanced": 0.85}, "v_layout": {"natural": 1.0, "k_major": 1.0}}
+#: Quantiser cost: ms per element of Q, K and V in one pass (0.347 ms for 16K tokens x 32 heads x 128
+#: on the H100), the extra share of each option, and a V^T copy per element of V.
+_QUANT_MS_PER_ELEMENT = 0.347 / (3 * 16384 * 32 * 128)
+_QUANT_EXTRA = {"hadamard": 0.15, "smooth_k": 0.05, "balanced": 0.36}
+_COPY_MS_PER_ELEMENT = 0.35 * _QUANT_MS_PER_ELEMENT * 3
+
+
+def quantiser_ms(shape: Shape, head_dim_qk: int, head_dim_v: int, recipe: Recipe) -> float:
+    """Modelled time of `quantize_fp8` with `recipe` on Q, K and V of `shape`."""
+    tokens = shape.batch * shape.seqlen
+    elements = tokens * (shape.heads * head_dim_qk + shape.kv_heads * (head_dim_qk + head_dim_v))
+    extra = (_QUANT_EXTRA["hadamard"] * recipe.hadamard + _QUANT_EXTRA["smooth_k"] * recipe.smooth_k
+             + _QUANT_EXTRA["balanced"] * (recipe.v_rounding == "balanced"))
+    return elements * _QUANT_MS_PER_ELEMENT * (1.0 + extra)
+
+
+def synthetic_measurement(config: KernelConfig, shape: Shape, causal: bool, gate: float,
+                          recipe: Recipe | None = None) -> dict[str, Any]:
+    """TrialResult fields of the synthetic model for one shape (deterministic): the kernel alone, or
+    with a `recipe` (the bf16 API) quantiser and kernel together."""
     from zyfa_tune.generator.defaults import default_config
 
+    error_ref = synthetic_error(default_config(config.dtype, config.head_dim_qk, config.head_dim_v), shape, causal)
+    runs = config
+    if recipe is not None and recipe.v_layout == "k_major" and config.v_layout == "natural":
+        runs = config.replace(v_layout="transposed")  # the twin reading K-major V as it is
     err = synthetic_error(config, shape, causal)
-    limit = gate * synthetic_error(default_config(config.dtype, config.head_dim_qk, config.head_dim_v), shape, causal)
-    if not err <= limit:
-        return dict(status="wrong", error_rel_l2=err, error_max=err * 12.0,
-                    message=f"simulate: synthetic: error {err:.3e} > {limit:.3e} (gate {gate:g} x the default "
-                            "config's)")
-    tflops = synthetic_tflops(config, shape, causal)
-    median = task_flops(config.head_dim_qk, config.head_dim_v, shape, causal) / (tflops * 1e12) * 1e3
+    for name, table in ([] if recipe is None else RECIPE_ERROR.items()):
+        err *= table[getattr(recipe, name)]
+    if not err <= gate * error_ref:
+        return dict(status="wrong", error_rel_l2=err, error_max=err * 12.0, error_ref=error_ref,
+                    message=f"simulate: synthetic: error {err:.3e} > {gate * error_ref:.3e} (gate {gate:g} x the "
+                            "default config's)")
+    flops = task_flops(config.head_dim_qk, config.head_dim_v, shape, causal)
+    median = flops / (synthetic_tflops(runs, shape, causal) * 1e12) * 1e3
+    if recipe is not None:  # (the kernel's model includes the V^T copy natural codes need)
+        if runs.v_layout == "transposed" and recipe.v_layout == "k_major":
+            median -= min(0.5 * median, shape.batch * shape.seqlen * shape.kv_heads * config.head_dim_v
+                          * _COPY_MS_PER_ELEMENT)
+        median += quantiser_ms(shape, config.head_dim_qk, config.head_dim_v, recipe)
+    tflops = flops / (median * 1e-3) / 1e12
     return dict(status="ok", median_ms=median, p20_ms=median * 0.996, p80_ms=median * 1.006, tflops=tflops,
-                error_rel_l2=err, error_max=err * 12.0, message="simulate: synthetic (no stored trial of this "
-                "kernel for this problem class; a model of the config's fields, not a measurement)")
+                error_rel_l2=err, error_max=err * 12.0, error_ref=error_ref,
+                message="simulate: synthetic (no stored trial of this kernel for this problem class; a model of "
+                        "the config's fields" + ("" if recipe is None else " and the recipe") + ", not a measurement)")

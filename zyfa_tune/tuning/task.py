@@ -1,4 +1,5 @@
-"""What a worker is asked to measure (a config's JSON on a tuple of shapes, with the inputs and gate)
+"""What a worker is asked to measure (a config's JSON on a tuple of shapes, with the inputs, gate, API
+and quantisation recipe)
 and how a runner answers it (the `Reporter` protocol, messages cut to a bounded tail)."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from zyfa_tune.db.checks import strict_int
+from zyfa_tune.db.keys import APIS
+from zyfa_tune.db.validity import check_recipe
 
 from .inputs import check_input_family
 
@@ -45,6 +48,9 @@ class Task:
     reps: int = 20
     inputs: str | None = None # captured activations (.pt / .safetensors) instead of random inputs
     input_family: str = "gaussian"  # random inputs' family (zyfa_tune.tuning.inputs)
+    api: str = "fp8"          # "fp8": the kernel alone on plainly quantised codes; "bf16": the whole
+                              # call from bf16 inputs, quantiser (with `recipe`) and kernel, one timing
+    recipe: str | None = None # generator.recipe.Recipe JSON (bf16 API only; None: the plain recipe)
 
     def __post_init__(self) -> None:
         if self.inputs is not None and (type(self.inputs) is not str or not os.path.isfile(self.inputs)):
@@ -65,6 +71,11 @@ class Task:
             raise ValueError(f"gate: expected a positive finite number, got {self.gate!r}")
         object.__setattr__(self, "gate", float(self.gate))
         strict_int("reps", self.reps, lo=1)
+        if type(self.api) is not str or self.api not in APIS:
+            raise ValueError(f"api: {self.api!r} is not one of {list(APIS)}")
+        object.__setattr__(self, "recipe", check_recipe(self.recipe))  # canonical text; ValueError if bad
+        if self.recipe is not None and self.api != "bf16":
+            raise ValueError("recipe: only bf16-API tasks quantise with a recipe")
 
 
 class Reporter(Protocol):

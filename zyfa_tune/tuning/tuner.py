@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 
 import optuna
 
-from zyfa_tune.db import DatabaseError, Fingerprint, ProblemKey, TrialResult, open_store
+from zyfa_tune.db import APIS, DatabaseError, Fingerprint, ProblemKey, TrialResult, open_store
 from zyfa_tune.db.trial_batch import record_trials
 from zyfa_tune.generator import GENERATOR_VERSION, HEAD_DIMS, HOPPER, KernelConfig, emit
-from zyfa_tune.search_spaces import get_space
+from zyfa_tune.generator.recipe import PLAIN, Recipe
+from zyfa_tune.search_spaces import SEED_RECIPES, get_space, recipe_neighbours, recipe_options, suggest_recipe
 from zyfa_tune.tuning.inputs import check_input_family
 from zyfa_tune.tuning.runners import parse_runner
 from zyfa_tune.tuning.trials import requeue_killed
@@ -78,10 +79,16 @@ class TuneSpec:
                                          # head dims' default (what `--ours` / `--set` take)
     warm_start: tuple[str, ...] = ()     # tuning databases (path or URL) whose best configs of these
                                          # head dims, on any shape, are measured next (see warm_configs)
+    api: str = "fp8"                     # "fp8": the kernel alone on plain codes; "bf16": the whole call
+                                         # from bf16 inputs, the quantiser's recipe searched beside the kernel
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp8", "bf16"):
             raise ValueError(f"dtype: {self.dtype!r} is not 'fp8' or 'bf16'")
+        if self.api not in APIS:
+            raise ValueError(f"api: {self.api!r} is not one of {list(APIS)}")
+        if self.api == "bf16" and self.dtype != "fp8":
+            raise ValueError("api: 'bf16' quantises bf16 inputs to FP8 codes: its kernels are dtype 'fp8'")
         for name in ("head_dim_qk", "head_dim_v"):
             if getattr(self, name) not in HEAD_DIMS:
                 raise ValueError(f"{name}: {getattr(self, name)} is not one of {list(HEAD_DIMS)}")
@@ -178,8 +185,9 @@ class TuneSpec:
     def name(self) -> str:
         """The study name; by default one study per input family (gaussian keeps the plain name)."""
         family = "" if self.input_family == "gaussian" else f"-{self.input_family}"
+        api = "" if self.api == "fp8" else f"{self.api}api-"
         return self.study_name or \
-            f"{self.dtype}-{self.head_dim_qk}x{self.head_dim_v}-{'causal' if self.causal else 'full'}{family}"
+            f"{api}{self.dtype}-{self.head_dim_qk}x{self.head_dim_v}-{'causal' if self.causal else 'full'}{family}"
 
     @property
     def inputs_label(self) -> str:
@@ -249,8 +257,9 @@ def _value(results: list[TrialResult]) -> float:
     return math.exp(sum(math.log(r.tflops) for r in results) / len(results))
 
 
-def _config_key(cfg: KernelConfig) -> str:
-    return cfg.to_json()
+def _config_key(cfg: KernelConfig, recipe: Recipe | None = None) -> str:
+    """What a study measures once: the config, and in a bf16-API study its recipe too."""
+    return cfg.to_json() if recipe is None else f"{cfg.to_json()} recipe={recipe.to_json()}"
 
 
 @dataclass(frozen=True)
@@ -259,6 +268,7 @@ class _Asked:
     trial: optuna.Trial
     cfg: KernelConfig
     key: str
+    recipe: Recipe | None = None   # bf16-API studies only
 
 
 class Tuner:
@@ -296,12 +306,24 @@ class Tuner:
         study.set_user_attr("spec", {f.name: getattr(self.spec, f.name) for f in dataclasses.fields(self.spec)})
         self._recover(study)
         for cfg in self.spec.enqueued + self.spec.warm_configs:  # first: WAITING trials run in the order
-            study.enqueue_trial(self.space.as_optuna_params(cfg), skip_if_exists=True)  # they were enqueued
+            study.enqueue_trial(self._params(cfg), skip_if_exists=True)  # they were enqueued
         if not exists:
             loose = self.spec.multi_objective or self.spec.gate >= LOOSE_GATE
             for cfg in study_seeds(self.space, self.spec.head_dim_qk, self.spec.head_dim_v, loose=loose):
-                study.enqueue_trial(self.space.as_optuna_params(cfg), skip_if_exists=True)
+                for recipe in SEED_RECIPES if self._recipes else (None,):
+                    study.enqueue_trial(self._params(cfg, recipe), skip_if_exists=True)
         return study
+
+    @property
+    def _recipes(self) -> bool:
+        """Whether the study searches the quantisation recipe (the bf16 API's studies)."""
+        return self.spec.api == "bf16"
+
+    def _params(self, cfg: KernelConfig, recipe: Recipe | None = None) -> dict:
+        """The Optuna parameters of a point: the config's, and in a bf16-API study the recipe's
+        (plain unless given)."""
+        params = self.space.as_optuna_params(cfg)
+        return {**params, **recipe_options(recipe or PLAIN)} if self._recipes else params
 
     def _check_resumable(self, storage) -> bool:
         """Whether the study exists with a trial beyond the queued ones; ValueError if so without --resume."""
@@ -321,7 +343,9 @@ class Tuner:
         requeue_killed(study, _HOST, _alive)
         for t in study.get_trials(deepcopy=False):
             if t.state.is_finished() and "config" in t.user_attrs and not t.user_attrs.get("killed"):
-                self._seen[t.user_attrs["config"]] = (t.state, t.values)
+                recipe = t.user_attrs.get("recipe")
+                key = t.user_attrs["config"] + ("" if recipe is None else f" recipe={recipe}")
+                self._seen[key] = (t.state, t.values)
 
     # ---- trials ---------------------------------------------------------------------------
     def _fingerprint(self, gpu: int | None) -> Fingerprint:
@@ -338,13 +362,16 @@ class Tuner:
         trial.set_user_attr("host", _HOST)
         trial.set_user_attr("pid", os.getpid())
         trial.set_user_attr("gpu", worker.gpu)
+        recipe = suggest_recipe(trial) if self._recipes else None
         cfg = self.space.suggest(trial, self.spec.head_dim_qk, self.spec.head_dim_v)
         if cfg is None:
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             self._count("infeasible")
             return None
-        key = _config_key(cfg)
-        trial.set_user_attr("config", key)
+        key = _config_key(cfg, recipe)
+        trial.set_user_attr("config", cfg.to_json())
+        if recipe is not None:
+            trial.set_user_attr("recipe", recipe.to_json())
         with self._lock:
             seen = self._seen.get(key)
             running = seen is None and key in self._running
@@ -359,24 +386,26 @@ class Tuner:
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
             self._count("duplicate")
             if self.spec.sampler == "tpe":
-                self._local_move(study, cfg)
+                self._local_move(study, cfg, recipe)
             return None
-        return _Asked(trial, cfg, key)
+        return _Asked(trial, cfg, key, recipe)
 
-    def _local_move(self, study: optuna.Study, cfg: KernelConfig) -> None:
+    def _local_move(self, study: optuna.Study, cfg: KernelConfig, recipe: Recipe | None = None) -> None:
         """TPE proposed a config measured before (it concentrates on its best region and then
         repeats itself: most asks of a long study repeat a config). Enqueue one unmeasured
-        neighbour of it (one searched option changed) so the next ask measures something new near
-        where TPE is looking; at most one such trial waits at a time."""
+        neighbour of it (one searched option, or recipe field, changed) so the next ask measures
+        something new near where TPE is looking; at most one such trial waits at a time."""
         if study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
             return
+        near = [(c, recipe) for c in self.space.neighbours(cfg)]
+        near += [(cfg, r) for r in (recipe_neighbours(recipe) if recipe is not None else ())]
         with self._lock:
-            fresh = [c for c in self.space.neighbours(cfg)
-                     if _config_key(c) not in self._seen and _config_key(c) not in self._running]
+            fresh = [(c, r) for c, r in near
+                     if _config_key(c, r) not in self._seen and _config_key(c, r) not in self._running]
             if not fresh:
                 return
-            pick = fresh[self._rng.randrange(len(fresh))]
-        study.enqueue_trial(self.space.as_optuna_params(pick), user_attrs={"local_move": True})
+            pick, pick_recipe = fresh[self._rng.randrange(len(fresh))]
+        study.enqueue_trial(self._params(pick, pick_recipe), user_attrs={"local_move": True})
 
     def _measure(self, study: optuna.Study, asked: _Asked, worker: Worker, store, fp: Fingerprint) -> None:
         """Run an asked trial in the worker, record every shape's result, tell the study."""
@@ -388,14 +417,15 @@ class Tuner:
 
     def _measure_one(self, study: optuna.Study, asked: _Asked, worker: Worker, store, fp: Fingerprint) -> None:
         trial, cfg, key = asked.trial, asked.cfg, asked.key
-        task = Task(config_json=key, shapes=self.spec.shapes, causal=self.spec.causal, seed=self.spec.seed,
+        task = Task(config_json=cfg.to_json(), shapes=self.spec.shapes, causal=self.spec.causal, seed=self.spec.seed,
                     gate=self.spec.gate, reps=self.spec.reps,  # probes cached per study
                     inputs=None if self.spec.inputs is None else os.path.abspath(self.spec.inputs),
-                    input_family=self.spec.input_family)
+                    input_family=self.spec.input_family, api=self.spec.api, recipe=asked.recipe)
         results = worker.run(task)
         keys = [ProblemKey.from_shape(dtype=cfg.dtype, head_dim_qk=cfg.head_dim_qk, head_dim_v=cfg.head_dim_v,
                                       causal=self.spec.causal, batch=shape.batch, heads=shape.heads,
-                                      kv_heads=shape.kv_heads, seqlen=shape.seqlen) for shape in self.spec.shapes]
+                                      kv_heads=shape.kv_heads, seqlen=shape.seqlen, api=self.spec.api)
+                for shape in self.spec.shapes]
         record_trials(store, fp, cfg, list(zip(keys, results)), source_hash=emit(cfg).source_hash,  # all or none
                       study=self.spec.name, provenance=f"study={self.spec.name} trial={trial.number} host={_HOST} "
                                                        f"gpu={worker.gpu} inputs={self.spec.inputs_label}")
@@ -532,10 +562,11 @@ def best_per_shape(spec: TuneSpec) -> list[dict]:
         for shape in spec.shapes:
             pkey = ProblemKey.from_shape(dtype=spec.dtype, head_dim_qk=spec.head_dim_qk, head_dim_v=spec.head_dim_v,
                                          causal=spec.causal, batch=shape.batch, heads=shape.heads,
-                                         kv_heads=shape.kv_heads, seqlen=shape.seqlen)
+                                         kv_heads=shape.kv_heads, seqlen=shape.seqlen, api=spec.api)
             best = store.best_for(pkey)
             trials = store.trials(key=pkey, status="ok")
-            untuned = [t for t in trials if t["config_json"] == untuned_json and t.get("study") == spec.name]
+            untuned = [t for t in trials if t["config_json"] == untuned_json and t.get("study") == spec.name
+                       and t.get("recipe") is None]
             rows.append(dict(shape=shape, key=pkey, best=best[0] if best else None,
                              untuned_tflops=max((t["tflops"] for t in untuned if t.get("tflops")), default=None)))
     return rows

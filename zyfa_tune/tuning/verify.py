@@ -17,6 +17,8 @@ import torch
 
 from zyfa_tune.generator import ConfigError, KernelConfig
 from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.generator.recipe import Recipe
+from zyfa_tune.kernels.launch import for_v_layout
 
 from .inputs import check_input_family, make_qkv
 from .reference import attention_reference, max_abs_err, rel_l2
@@ -102,43 +104,104 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Probe:
-    """One shape's fresh inputs, their float64 reference and the error limit for variants."""
+    """One shape's fresh inputs, their float64 reference and the error limit for variants.
+
+    error_ref: the reference error the limit is `gate` times (recorded with each trial).
+    recipe: for the bf16 API, the recipe the timed call quantises `args` (bf16 q, k, v) with before
+    the kernel runs; v_codes: V's codes as that recipe lays them out (which kernel twin runs)."""
 
     args: tuple
     kwargs: dict
     causal: bool
     reference: torch.Tensor
     error_limit: float
+    error_ref: float | None = None
+    recipe: Recipe | None = None
+    v_codes: torch.Tensor | None = None
+
+    def runs(self, config: KernelConfig) -> KernelConfig:
+        """The config that runs for `config` on these inputs (a K-major V's twin: launch.for_v_layout)."""
+        return config if self.v_codes is None else for_v_layout(config, self.v_codes)
+
+
+def _qkv(head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int, seqlen: int, seed: int,
+         inputs: str | None, family: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float q, k, v on the GPU: of the input family, or the captured activations `inputs` (whose shape
+    must be the one given)."""
+    check_input_family(family, inputs)
+    if inputs is None:
+        return make_qkv(family, batch=batch, seqlen=seqlen, heads=heads, kv_heads=kv_heads, head_dim_qk=head_dim_qk,
+                        head_dim_v=head_dim_v, seed=seed, device="cuda")
+    q, k, v = (t.cuda() for t in load_activations(inputs))
+    if (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]) != \
+            (batch, seqlen, heads, kv_heads, head_dim_qk, head_dim_v):
+        raise ValueError(f"inputs: {inputs} holds q {tuple(q.shape)}, v {tuple(v.shape)}, not the shape asked for")
+    return q, k, v
 
 
 def make_probe(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int,
                seqlen: int, causal: bool = True, seed: int = 0, gate: float = DEFAULT_ERROR_GATE,
-               inputs: str | None = None, family: str = "gaussian") -> Probe:
-    """Inputs + reference + limit = gate x the exact default config's error on the same inputs.
+               inputs: str | None = None, family: str = "gaussian", fa3: bool = False) -> Probe:
+    """Inputs + reference + limit = gate x the reference error on the same inputs: FA3-fp8's on the
+    same codes where `fa3` and it imports (the tuner's rule), else the exact default config's.
     Random inputs come from the input family `family` (`kernels.inputs`); `inputs` names a file of
     captured activations (load_activations) used instead, whose shape must be the one given."""
+    q, k, v = _qkv(head_dim_qk, head_dim_v, batch=batch, heads=heads, kv_heads=kv_heads, seqlen=seqlen, seed=seed,
+                   inputs=inputs, family=family)
+    args, kw = kernel_args(dtype, q, k, v)
+    ref = attention_reference(*args, causal=causal, **kw)
+    error_ref = reference_error(dtype, args, kw, causal, ref, fa3=fa3)
+    return Probe(args, kw, causal, ref, gate * error_ref, error_ref)
+
+
+def make_recipe_probe(head_dim_qk: int, head_dim_v: int, recipe: Recipe, *, batch: int, heads: int, kv_heads: int,
+                      seqlen: int, causal: bool = True, seed: int = 0, gate: float = DEFAULT_ERROR_GATE,
+                      inputs: str | None = None, family: str = "gaussian") -> Probe:
+    """The bf16 API's probe: bf16 inputs, their float64 reference (unquantised), and limit = gate x the
+    reference error: FA3-fp8's on the plainly quantised inputs where it imports, else the exact
+    default config's on those codes. The timed call quantises with `recipe` and runs the kernel."""
+    from zyfa_tune.quantize import quantize_fp8
+
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(head_dim_qk, head_dim_v, batch=batch, heads=heads,
+                                                   kv_heads=kv_heads, seqlen=seqlen, seed=seed, inputs=inputs,
+                                                   family=family))
+    ref = attention_reference(q, k, v, causal=causal)
+    codes, kw = kernel_args("fp8", q, k, v)
+    error_ref = reference_error("fp8", codes, kw, causal, ref, fa3=True)
+    del codes, kw
+    v_codes = quantize_fp8(q, k, v, **recipe.quantize_kwargs())[2]
+    return Probe((q, k, v), {}, causal, ref, gate * error_ref, error_ref, recipe, v_codes)
+
+
+def reference_error(dtype: str, args: tuple, kw: dict, causal: bool, reference: torch.Tensor, *,
+                    fa3: bool) -> float:
+    """Rel. L2 error against `reference` of FA3's FP8 kernel on these codes (`fa3` and the
+    fa3_fwd_interface wheel importable), else of the exact default config on them."""
     from zyfa_tune.api import flash_attn_func
 
-    check_input_family(family, inputs)
-    if inputs is None:
-        args, kw = make_inputs(dtype, head_dim_qk, head_dim_v, batch=batch, heads=heads, kv_heads=kv_heads,
-                               seqlen=seqlen, seed=seed, family=family)
-    else:
-        q, k, v = (t.cuda() for t in load_activations(inputs))
-        if (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]) != \
-                (batch, seqlen, heads, kv_heads, head_dim_qk, head_dim_v):
-            raise ValueError(f"inputs: {inputs} holds q {tuple(q.shape)}, v {tuple(v.shape)}, not the shape asked for")
-        args, kw = kernel_args(dtype, q, k, v)
-    ref = attention_reference(*args, causal=causal, **kw)
-    base = default_config(dtype, head_dim_qk, head_dim_v)
-    limit = gate * rel_l2(flash_attn_func(*args, causal=causal, config=base, **kw), ref)
-    return Probe(args, kw, causal, ref, limit)
+    if fa3 and dtype == "fp8":
+        try:
+            from fa3_fwd_interface import flash_attn_func as fa3_func
+        except ImportError:
+            pass
+        else:
+            out = fa3_func(*args, causal=causal, **kw)
+            return rel_l2(out[0] if isinstance(out, tuple) else out, reference)
+    base = default_config(dtype, args[0].shape[3], args[2].shape[3])
+    return rel_l2(flash_attn_func(*args, causal=causal, config=base, **kw), reference)
 
 
 def _call(config: KernelConfig, probe: Probe) -> Callable[[], torch.Tensor]:
-    """`config`'s call on the probe's inputs (what check_config times and replay_ms captures)."""
+    """`config`'s call on the probe's inputs (what check_config times and replay_ms captures): the
+    kernel on FP8 codes, or for the bf16 API quantiser and kernel together."""
     from zyfa_tune.api import flash_attn_func
 
+    if probe.recipe is not None:
+        from zyfa_tune.attention import run_recipe
+
+        q, k, v = probe.args
+        scale = q.shape[3] ** -0.5
+        return lambda: run_recipe(q, k, v, probe.causal, scale, probe.recipe, config)
     return lambda: flash_attn_func(*probe.args, causal=probe.causal, config=config, **probe.kwargs)
 
 
@@ -189,14 +252,14 @@ def entry_shape(entry) -> tuple[int, int, int, int]:
 def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERROR_GATE,
                  fresh_ms: Callable[[object], float | None] | None = None) -> Verdict:
     """Re-check one stored best entry (zyfa_tune.db.BestEntry) on this GPU. A timing more than
-    max_slowdown above the stored one is taken again before the entry fails (the better median counts):
-    short, launch-bound entries read 20-110% slow in one process and on record in the next (sessions
-    10-11), because their time is the host's. If it is still slow, the call is replayed from a CUDA
+    max_slowdown above the stored one is taken again before the entry fails (the better median
+    counts): short, launch-bound entries can read 20-110% slow in one process and on record in the
+    next, because their time is the host's. If it is still slow, the call is replayed from a CUDA
     graph: when its kernels alone are within max_slowdown of the stored time, the entry passes as
     launch-bound (the reason says so) and the slowdown is the host's, not the kernel's. Still slow,
-    `fresh_ms(entry)` (the CLI: the entry timed by a new worker process, zyfa_tune.tuning.worker) gets the last
-    word: heavy entries late in a long verify read 7-11% slow and on record in a fresh process (session
-    12), so a kernel fails only when it is slow there too."""
+    `fresh_ms(entry)` (the CLI: the entry timed by a new worker process, zyfa_tune.tuning.worker)
+    gets the last word: heavy entries late in a long verify can read 7-11% slow and on record in a
+    fresh process, so a kernel fails only when it is slow there too."""
     try:
         config = KernelConfig.from_json(entry.config_json)
     except ConfigError as exc:
@@ -229,4 +292,5 @@ def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERR
     if slowdown(fresh) <= max_slowdown:
         return replace(v, reason=f"{v.slowdown:+.1%} here, {slowdown(fresh):+.1%} in a fresh process "
                                  f"({fresh:.3f} ms)")
-    return replace(v, ok=False, reason=f"{v.slowdown:+.1%} slower than stored ({slowdown(fresh):+.1%} in a fresh process)")
+    return replace(v, ok=False,
+                   reason=f"{v.slowdown:+.1%} slower than stored ({slowdown(fresh):+.1%} in a fresh process)")

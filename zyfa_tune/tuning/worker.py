@@ -426,7 +426,7 @@ class Worker:
             elif kind == "result":
                 _, _, index, fields = msg
                 if type(index) is int and 0 <= index < n:
-                    results[index] = _trial_result(fields, task.shapes[index])
+                    results[index] = _trial_result(fields, task.shapes[index], task.recipe)
             elif kind == "done":
                 break
             elif kind == "crash":
@@ -446,11 +446,11 @@ class Worker:
             for i, shape in enumerate(task.shapes):
                 if results[i] is None:
                     results[i] = TrialResult(status=status, message=message, batch=shape.batch,
-                                             heads=shape.heads, seqlen=shape.seqlen)
+                                             heads=shape.heads, seqlen=shape.seqlen, recipe=task.recipe)
         for i, shape in enumerate(task.shapes):  # "done" without every result: a runner bug
             if results[i] is None:
                 results[i] = TrialResult(status="crash", message="worker finished without a result for this shape",
-                                         batch=shape.batch, heads=shape.heads, seqlen=shape.seqlen)
+                                         batch=shape.batch, heads=shape.heads, seqlen=shape.seqlen, recipe=task.recipe)
         return results  # type: ignore[return-value]
 
 
@@ -458,12 +458,14 @@ def _first_missing(results: list) -> int:
     return next((i for i, r in enumerate(results) if r is None), len(results) - 1)
 
 
-def _trial_result(fields: dict[str, Any], shape: Shape) -> TrialResult:
+def _trial_result(fields: dict[str, Any], shape: Shape, recipe: str | None) -> TrialResult:
+    """A runner's fields as a TrialResult, with the shape and the task's recipe (what was measured)."""
+    where = dict(batch=shape.batch, heads=shape.heads, seqlen=shape.seqlen, recipe=recipe)
     try:
-        return TrialResult(**fields, batch=shape.batch, heads=shape.heads, seqlen=shape.seqlen)
+        return TrialResult(**{**fields, **where})
     except (TypeError, ValueError) as exc:
         return TrialResult(status="crash", message=tail(f"the worker sent an invalid result ({exc}): {fields!r:.1000}"),
-                           batch=shape.batch, heads=shape.heads, seqlen=shape.seqlen)
+                           **where)
 
 
 def time_in_fresh_process(config_json: str, shape: Shape, *, causal: bool = True, runner: str = "gpu",
