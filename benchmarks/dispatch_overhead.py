@@ -37,26 +37,30 @@ def main(argv=None) -> int:
     rows = []
     print(gpu_state(), flush=True)
     for dtype in ("fp8", "bf16"):
-        for (b, s, h) in ((1, 128, 8), (1, 512, 16), (4, 1024, 16)):
+        for b, s, h in ((1, 128, 8), (1, 512, 16), (4, 1024, 16)):
             given = make_inputs(dtype, 128, 128, batch=b, heads=h, kv_heads=h, seqlen=s, seed=0)
             choice = explain(*given[0], **given[1])
             variants = [("auto", given, choice.config, True)]
             if dtype == "fp8":  # V stored as FP8 kernels read it: the dispatcher's pick for that layout
-                k_major = make_inputs(dtype, 128, 128, batch=b, heads=h, kv_heads=h, seqlen=s, seed=0,
-                                      v_layout="k_major")
+                k_major = make_inputs(
+                    dtype, 128, 128, batch=b, heads=h, kv_heads=h, seqlen=s, seed=0, v_layout="k_major"
+                )
                 variants.append(("K-major V", k_major, explain(*k_major[0], **k_major[1]).config, True))
                 if choice.config.v_layout == "transposed":  # the one-launch alternative the tuner measured
                     variants.append(("natural V", given, one_launch(choice.config), False))
             for label, (args, kw), cfg, auto in variants:
                 q, k, v = args
                 out = flash_attn_func(*args, config=cfg, **kw)
-                grid, largs, opts = launch_mod.prepare(cfg, q, k, v, torch.empty_like(out), q.shape[-1] ** -0.5,
-                                                       True, *(kw.get(n) for n in DESCALES))
+                grid, largs, opts = launch_mod.prepare(
+                    cfg, q, k, v, torch.empty_like(out), q.shape[-1] ** -0.5, True, *(kw.get(n) for n in DESCALES)
+                )
                 runner = launch_mod.kernel(cfg)[grid](*largs, **opts)[(grid[0], 1, 1)]  # the CompiledKernel
                 out_b = torch.empty_like(out)
                 bound = launch_mod.bind(cfg, q, k, v, out_b, q.shape[-1] ** -0.5, True, *(kw.get(n) for n in DESCALES))
-                fns = dict(direct=lambda: runner(*largs, opts["CAUSAL"]),  # arguments (and V^T) made beforehand
-                           forced=lambda: flash_attn_func(*args, config=cfg, **kw))
+                fns = dict(
+                    direct=lambda: runner(*largs, opts["CAUSAL"]),  # arguments (and V^T) made beforehand
+                    forced=lambda: flash_attn_func(*args, config=cfg, **kw),
+                )
                 if bound is not None:  # flash_attn_func's launch alone (V^T copy included), no output allocated
                     fns["bound"] = lambda: bound(q, k, v, out_b, *(kw.get(n) for n in DESCALES))
                 if auto:
@@ -64,22 +68,40 @@ def main(argv=None) -> int:
                 t = host_us(fns)
                 ours = t.get("auto", t["forced"])
                 gpu_ms = device_ms(lambda: flash_attn_func(*args, config=cfg, **kw))
-                row = dict(dtype=dtype, b=b, s=s, h=h, variant=label, source=choice.source,
-                           compiled_launch_us=t["direct"], flash_attn_func_us=t.get("auto"),
-                           forced_config_us=t["forced"], added_vs_compiled_us=ours - t["direct"],
-                           bound_launch_us=t.get("bound"), launches=1 + (bound is not None and bound.transpose is not None),
-                           gpu_us_per_call=gpu_ms * 1e3, launch_bound=ours > gpu_ms * 1e3, config=cfg.to_dict())
+                row = dict(
+                    dtype=dtype,
+                    b=b,
+                    s=s,
+                    h=h,
+                    variant=label,
+                    source=choice.source,
+                    compiled_launch_us=t["direct"],
+                    flash_attn_func_us=t.get("auto"),
+                    forced_config_us=t["forced"],
+                    added_vs_compiled_us=ours - t["direct"],
+                    bound_launch_us=t.get("bound"),
+                    launches=1 + (bound is not None and bound.transpose is not None),
+                    gpu_us_per_call=gpu_ms * 1e3,
+                    launch_bound=ours > gpu_ms * 1e3,
+                    config=cfg.to_dict(),
+                )
                 if label == "auto":
                     row.update(graph_capture(args, kw))
                 rows.append(row)
-                print(f"{dtype} B={b} S={s} H={h} {label:9s}: compiled launch {t['direct']:5.1f} us  "
-                      f"(bound {t.get('bound', float('nan')):5.1f})  "
-                      f"flash_attn_func {ours:5.1f} us (config given {t['forced']:5.1f})  added "
-                      f"{ours - t['direct']:+5.1f} us  device time {gpu_ms * 1e3:6.1f} us/call  "
-                      f"{row['launches']} launch(es){'  launch-bound' if row['launch_bound'] else ''}"
-                      + (f"  graph bitwise={row['graph_bitwise']} replay {row['graph_replay_host_us']:4.1f} us "
-                         f"[{choice.source}] {cfg.summary()}" if label == "auto" else ""),
-                      flush=True)
+                print(
+                    f"{dtype} B={b} S={s} H={h} {label:9s}: compiled launch {t['direct']:5.1f} us  "
+                    f"(bound {t.get('bound', float('nan')):5.1f})  "
+                    f"flash_attn_func {ours:5.1f} us (config given {t['forced']:5.1f})  added "
+                    f"{ours - t['direct']:+5.1f} us  device time {gpu_ms * 1e3:6.1f} us/call  "
+                    f"{row['launches']} launch(es){'  launch-bound' if row['launch_bound'] else ''}"
+                    + (
+                        f"  graph bitwise={row['graph_bitwise']} replay {row['graph_replay_host_us']:4.1f} us "
+                        f"[{choice.source}] {cfg.summary()}"
+                        if label == "auto"
+                        else ""
+                    ),
+                    flush=True,
+                )
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)
@@ -124,8 +146,10 @@ def graph_capture(args, kw) -> dict:
     static_out = outs[-1]
     g.replay()
     torch.cuda.synchronize()
-    return dict(graph_bitwise=torch.equal(static_out, flash_attn_func(*args, **kw)),
-                graph_replay_host_us=host_us(dict(replay=g.replay))["replay"])
+    return dict(
+        graph_bitwise=torch.equal(static_out, flash_attn_func(*args, **kw)),
+        graph_replay_host_us=host_us(dict(replay=g.replay))["replay"],
+    )
 
 
 if __name__ == "__main__":

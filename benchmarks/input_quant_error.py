@@ -19,8 +19,12 @@ from zyfa_tune.quantize import dequantize_fp8, quantize_fp8
 from zyfa_tune.tuning.inputs import FAMILY_NAMES, make_qkv
 from zyfa_tune.tuning.reference import attention_reference, rel_l2
 
-OPTIONS = {"plain": {}, "hadamard": dict(hadamard=True), "smooth_k": dict(smooth_k=True),
-           "smooth_k+hadamard": dict(smooth_k=True, hadamard=True)}
+OPTIONS = {
+    "plain": {},
+    "hadamard": dict(hadamard=True),
+    "smooth_k": dict(smooth_k=True),
+    "smooth_k+hadamard": dict(smooth_k=True, hadamard=True),
+}
 
 
 def main(argv=None) -> int:
@@ -40,7 +44,9 @@ def main(argv=None) -> int:
             ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
             for name, kw in OPTIONS.items():
                 q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, **kw)
-                out = attention_reference(dequantize_fp8(q8, qd), dequantize_fp8(k8, kd), dequantize_fp8(v8, vd), causal=True)
+                out = attention_reference(
+                    dequantize_fp8(q8, qd), dequantize_fp8(k8, kd), dequantize_fp8(v8, vd), causal=True
+                )
                 errs[name].append(rel_l2(out, ref))
         rows.append(dict(family=fam, **{o: e for o, e in errs.items()}))
         print(f"{fam:15s} " + "  ".join(f"{o} {'/'.join(f'{x:.3f}' for x in e)}" for o, e in errs.items()))

@@ -55,8 +55,15 @@ def lean_p(x: torch.Tensor, offset: float, floor: bool, mufu: int = 0) -> torch.
     return p
 
 
-def online_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: str, offset: float = 0.0,
-                     floor: bool = False, mufu: int = 0) -> torch.Tensor:
+def online_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rule: str,
+    offset: float = 0.0,
+    floor: bool = False,
+    mufu: int = 0,
+) -> torch.Tensor:
     """Causal attention of one head ((seqlen, dim) float64) as the Gluon kernel runs it. rule "fa3": P
     correctly rounded at 2^(x + P) (row sums unrounded); "grid" / "max": lean codes against the running
     maximum rounded up to 1/8 / as it is, lowered by `offset` codes (row sums of the decoded codes)."""
@@ -64,11 +71,11 @@ def online_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: st
     scale = math.log2(math.e) / math.sqrt(d)
     out = []
     for r0 in range(0, s_len, ROWS):
-        qt, rows = q[r0:r0 + ROWS], torch.arange(r0, min(r0 + ROWS, s_len))[:, None]
+        qt, rows = q[r0 : r0 + ROWS], torch.arange(r0, min(r0 + ROWS, s_len))[:, None]
         m = torch.full((qt.shape[0], 1), float("-inf"), dtype=torch.float64)
         acc, l = torch.zeros(qt.shape[0], v.shape[1], dtype=torch.float64), torch.zeros_like(m)
         for n0 in reversed(range(0, r0 + qt.shape[0], KEYS)):
-            s = (qt @ k[n0:n0 + KEYS].T) * scale
+            s = (qt @ k[n0 : n0 + KEYS].T) * scale
             s = s.masked_fill(torch.arange(n0, n0 + s.shape[1])[None, :] > rows, float("-inf"))
             ref = torch.maximum(m, s.max(1, keepdim=True).values)
             if rule == "grid":
@@ -81,19 +88,36 @@ def online_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rule: st
             else:
                 p = lean_p(x, offset, floor, mufu)
                 sums = p.sum(1, keepdim=True)
-            acc, l, m = acc * alpha + p @ v[n0:n0 + KEYS], l * alpha + sums, ref
+            acc, l, m = acc * alpha + p @ v[n0 : n0 + KEYS], l * alpha + sums, ref
         out.append(acc / l)
     return torch.cat(out)
 
 
-def family_errors(family: str, seqlen: int, offsets: list[float], floor: bool, heads: int = 1,
-                  seed: int = 0, mufu: int = 0, v_weight: float | None = None) -> dict[str, float]:
+def family_errors(
+    family: str,
+    seqlen: int,
+    offsets: list[float],
+    floor: bool,
+    heads: int = 1,
+    seed: int = 0,
+    mufu: int = 0,
+    v_weight: float | None = None,
+) -> dict[str, float]:
     """Rel. L2 against float64 attention on the unquantised inputs: FA3's model with V rounded to nearest and
     balanced, then the lean codes (balanced V) on the grid and on the maximum at each offset (with `mufu` of
     every four key pairs correctly rounded on the maximum's line); `v_weight`: balanced V's kappa (default: estimated
     from the scores, `quantize_fp8`'s)."""
-    q, k, v = make_qkv(family, head_dim_qk=128, head_dim_v=128, seed=seed, device="cpu",
-                       batch=1, seqlen=seqlen, heads=heads, kv_heads=heads)
+    q, k, v = make_qkv(
+        family,
+        head_dim_qk=128,
+        head_dim_v=128,
+        seed=seed,
+        device="cpu",
+        batch=1,
+        seqlen=seqlen,
+        heads=heads,
+        kv_heads=heads,
+    )
     ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
     errs, inputs = {}, {}
     for vq in ("nearest", "balanced"):  # quantised once per V rounding
@@ -102,8 +126,13 @@ def family_errors(family: str, seqlen: int, offsets: list[float], floor: bool, h
 
     def error(vq: str, rule: str, offset: float = 0.0, fl: bool = False) -> float:
         qq, kk, vv = inputs[vq]
-        out = torch.stack([online_attention(qq[:, h], kk[:, h], vv[:, h], rule, offset, fl, mufu if rule == "max" else 0)
-                           for h in range(heads)], 1)[None]
+        out = torch.stack(
+            [
+                online_attention(qq[:, h], kk[:, h], vv[:, h], rule, offset, fl, mufu if rule == "max" else 0)
+                for h in range(heads)
+            ],
+            1,
+        )[None]
         return rel_l2(out, ref)
 
     errs["fa3"] = error("nearest", "fa3")
@@ -121,24 +150,38 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--offsets", default="0,0.25,0.375,0.45,0.49,0.625", help="codes the line is lowered by")
     ap.add_argument("--floor", action="store_true", help="also with lean_floor's second line")
-    ap.add_argument("--mufu", type=int, default=0, choices=range(5),
-                    help="of every four key pairs, so many correctly rounded on the maximum's line (lean_mufu)")
+    ap.add_argument(
+        "--mufu",
+        type=int,
+        default=0,
+        choices=range(5),
+        help="of every four key pairs, so many correctly rounded on the maximum's line (lean_mufu)",
+    )
     ap.add_argument("--families", default=",".join(FAMILY_NAMES))
-    ap.add_argument("--v-weight", type=float, default=None,
-                    help="balanced V's kappa (0: every move that shrinks a block's sum; default: estimated per head)")
+    ap.add_argument(
+        "--v-weight",
+        type=float,
+        default=None,
+        help="balanced V's kappa (0: every move that shrinks a block's sum; default: estimated per head)",
+    )
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     offsets = [float(x) for x in a.offsets.split(",")]
     if any(not 0.0 <= o < 1.0 for o in offsets):
         ap.error(f"--offsets: each must be in [0, 1) code, got {offsets}")
-    print(f"B=1 S={a.seqlen} H=1 d=128 causal, quantize_fp8 inputs (V balanced but in 'fa3'), mufu {a.mufu}/4; rel. L2 "
-          f"vs float64 on unquantised inputs, over FA3's model with V rounded to nearest")
+    print(
+        f"B=1 S={a.seqlen} H=1 d=128 causal, quantize_fp8 inputs (V balanced but in 'fa3'), mufu {a.mufu}/4; rel. L2 "
+        f"vs float64 on unquantised inputs, over FA3's model with V rounded to nearest"
+    )
     table = {}
     for fam in a.families.split(","):
         table[fam] = family_errors(fam, a.seqlen, offsets, a.floor, mufu=a.mufu, v_weight=a.v_weight)
         fa3 = table[fam]["fa3"]
-        print(f"{fam:15s} fa3 {fa3:.5f} " + " ".join(f"{name} {e / fa3:.3f}" for name, e in table[fam].items()
-                                                   if name != "fa3"), flush=True)
+        print(
+            f"{fam:15s} fa3 {fa3:.5f} "
+            + " ".join(f"{name} {e / fa3:.3f}" for name, e in table[fam].items() if name != "fa3"),
+            flush=True,
+        )
     if a.json:
         Path(a.json).write_text(json.dumps(table, indent=1))
     return 0

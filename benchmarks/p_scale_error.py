@@ -41,8 +41,9 @@ def round_p(x: torch.Tensor) -> torch.Tensor:
     return x.nan_to_num(0.0).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).double()
 
 
-def online_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, p_scale_log2: int | None,
-                     block: int = 0) -> torch.Tensor:
+def online_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, p_scale_log2: int | None, block: int = 0
+) -> torch.Tensor:
     """Causal attention of one head ((seqlen, dim) float64) by 128-key tiles as the kernels run it.
 
     p_scale_log2=None keeps P unrounded (the float64 online softmax itself, equal to the reference);
@@ -56,14 +57,14 @@ def online_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, p_sca
     acc = torch.zeros(s_len, v.shape[1], dtype=torch.float64)
     p = p_scale_log2 or 0
     for n0 in range(0, s_len, TILE):
-        t = s[:, n0:n0 + TILE]
+        t = s[:, n0 : n0 + TILE]
         ref = torch.maximum(m, t.max(1).values)
         ref = torch.where(ref > float("-inf"), ref, torch.zeros_like(ref))  # rows with no key yet
         alpha = torch.exp2(m - ref)
         acc, l, m = acc * alpha[:, None], l * alpha, ref
         width = block or t.shape[1]
         for b0 in range(0, t.shape[1], width):
-            tb = t[:, b0:b0 + width]
+            tb = t[:, b0 : b0 + width]
             kx = torch.zeros_like(ref)
             if block:
                 bmax = tb.max(1).values
@@ -71,23 +72,34 @@ def online_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, p_sca
             x = torch.exp2(tb - ref[:, None] + p + kx[:, None])
             pb = x.nan_to_num(0.0) if p_scale_log2 is None else round_p(x)
             l += torch.exp2(tb - ref[:, None] + p).nan_to_num(0.0).sum(1)
-            acc += (pb @ v[n0 + b0:n0 + b0 + width]) * torch.exp2(-kx)[:, None]
+            acc += (pb @ v[n0 + b0 : n0 + b0 + width]) * torch.exp2(-kx)[:, None]
     return acc / l[:, None]
 
 
-def family_errors(family: str, seqlen: int, p_values: list[int], blocks: list[int], heads: int = 2,
-                  seed: int = 0) -> dict[str, float]:
+def family_errors(
+    family: str, seqlen: int, p_values: list[int], blocks: list[int], heads: int = 2, seed: int = 0
+) -> dict[str, float]:
     """Rel. L2 against float64 attention on the unquantised inputs, per (p, block), one family."""
-    q, k, v = make_qkv(family, head_dim_qk=128, head_dim_v=128, seed=seed, device="cpu",
-                       batch=1, seqlen=seqlen, heads=heads, kv_heads=heads)
+    q, k, v = make_qkv(
+        family,
+        head_dim_qk=128,
+        head_dim_v=128,
+        seed=seed,
+        device="cpu",
+        batch=1,
+        seqlen=seqlen,
+        heads=heads,
+        kv_heads=heads,
+    )
     ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
     q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
     qq, kk, vv = dequantize_fp8(q8, qd)[0], dequantize_fp8(k8, kd)[0], dequantize_fp8(v8, vd)[0]
     errs = {}
     for p in p_values:
         for blk in blocks:
-            out = torch.stack([online_attention(qq[:, h], kk[:, h], vv[:, h], p_scale_log2=p, block=blk)
-                               for h in range(heads)], 1)[None]
+            out = torch.stack(
+                [online_attention(qq[:, h], kk[:, h], vv[:, h], p_scale_log2=p, block=blk) for h in range(heads)], 1
+            )[None]
             errs[f"p{p}/b{blk}"] = rel_l2(out, ref)
     return errs
 
@@ -103,8 +115,10 @@ def main(argv=None) -> int:
     blocks = [int(x) for x in a.blocks.split(",")]
     if any(b < 0 or (b and TILE % b) for b in blocks):
         ap.error(f"--blocks: each must be 0 or divide the {TILE}-key tile, got {blocks}")
-    print(f"B=1 S={a.seqlen} H=2 d=128 causal, per-head e4m3 inputs; rel. L2 vs float64 on unquantised "
-          f"inputs; columns p{{p_scale_log2}}/b{{keys per exponent}}")
+    print(
+        f"B=1 S={a.seqlen} H=2 d=128 causal, per-head e4m3 inputs; rel. L2 vs float64 on unquantised "
+        f"inputs; columns p{{p_scale_log2}}/b{{keys per exponent}}"
+    )
     print(f"{'family':15s} " + " ".join(f"{f'p{p}/b{b}':>8s}" for p in p_values for b in blocks))
     table = {}
     for fam in FAMILY_NAMES:

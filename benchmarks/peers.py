@@ -16,8 +16,15 @@ import sys
 from zyfa_tune import cli
 
 #: dqk,dv,batch,seqlen,heads: 16K tokens (32K at S=32K) a shape, 16 heads where the head dims are 192/128
-DEFAULT_SHAPES = ("128,128,4,4096,32", "128,128,2,8192,32", "128,128,1,16384,32", "128,128,1,32768,32",
-                  "64,64,2,8192,32", "256,256,2,8192,32", "192,128,2,8192,16")
+DEFAULT_SHAPES = (
+    "128,128,4,4096,32",
+    "128,128,2,8192,32",
+    "128,128,1,16384,32",
+    "128,128,1,32768,32",
+    "64,64,2,8192,32",
+    "256,256,2,8192,32",
+    "192,128,2,8192,16",
+)
 _SHAPE_FLAGS = ("--shape", "--seqlens", "--head-dim", "--batch-heads", "--from")
 
 

@@ -43,27 +43,49 @@ def main(argv=None) -> int:
         k = e.key
         heads = e.heads or 32
         kv_heads = heads // k.gqa_group
-        args, kw = make_inputs(k.dtype, k.head_dim_qk, k.head_dim_v, batch=e.batch or 1, heads=heads,
-                               kv_heads=kv_heads, seqlen=e.seqlen or 4096, seed=7)
+        args, kw = make_inputs(
+            k.dtype,
+            k.head_dim_qk,
+            k.head_dim_v,
+            batch=e.batch or 1,
+            heads=heads,
+            kv_heads=kv_heads,
+            seqlen=e.seqlen or 4096,
+            seed=7,
+        )
         choice = explain(*args, **kw)
         stored = KernelConfig.from_json(e.config_json)
         picked = choice.source == "exact" and choice.config == stored
         out = flash_attn_func(*args, **kw)
         err = rel_l2(out, attention_reference(*args, **kw))
         default = default_config(k.dtype, k.head_dim_qk, k.head_dim_v)
-        flops = attention_flops(e.batch or 1, heads, e.seqlen or 4096, e.seqlen or 4096, k.head_dim_qk,
-                                k.head_dim_v, k.causal)
+        flops = attention_flops(
+            e.batch or 1, heads, e.seqlen or 4096, e.seqlen or 4096, k.head_dim_qk, k.head_dim_v, k.causal
+        )
         t_ours = time_cuda([lambda: flash_attn_func(*args, **kw)], reps=50).median_ms
         t_def = time_cuda([lambda: flash_attn_func(*args, config=default, **kw)], reps=50).median_ms
-        row = dict(key=str(k), batch=e.batch, heads=heads, seqlen=e.seqlen, source=choice.source,
-                   picked_stored=picked, error_rel_l2=err, tflops=flops / t_ours / 1e9,
-                   default_tflops=flops / t_def / 1e9, stored_tflops=e.tflops, config=stored.to_dict())
+        row = dict(
+            key=str(k),
+            batch=e.batch,
+            heads=heads,
+            seqlen=e.seqlen,
+            source=choice.source,
+            picked_stored=picked,
+            error_rel_l2=err,
+            tflops=flops / t_ours / 1e9,
+            default_tflops=flops / t_def / 1e9,
+            stored_tflops=e.tflops,
+            config=stored.to_dict(),
+        )
         rows.append(row)
         failures += not picked
-        print(f"{k.dtype} {k.head_dim_qk}/{k.head_dim_v} B={e.batch} H={heads} S={e.seqlen}: explain -> "
-              f"{choice.source}, stored config {'picked' if picked else 'NOT picked'}; error {err:.3e}; "
-              f"{row['tflops']:.1f} TFLOP/s vs default config {row['default_tflops']:.1f} "
-              f"(study measured {e.tflops or float('nan'):.1f})", flush=True)
+        print(
+            f"{k.dtype} {k.head_dim_qk}/{k.head_dim_v} B={e.batch} H={heads} S={e.seqlen}: explain -> "
+            f"{choice.source}, stored config {'picked' if picked else 'NOT picked'}; error {err:.3e}; "
+            f"{row['tflops']:.1f} TFLOP/s vs default config {row['default_tflops']:.1f} "
+            f"(study measured {e.tflops or float('nan'):.1f})",
+            flush=True,
+        )
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh, indent=1)

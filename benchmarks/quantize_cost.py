@@ -26,12 +26,16 @@ from zyfa_tune.quantize import quantize_fp8
 from zyfa_tune.tuning.inputs import make_qkv
 from zyfa_tune.tuning.timing import attention_flops, gpu_state, host_us, time_cuda, warm_gpu
 
-OPTIONS = {"plain": {}, "hadamard": dict(hadamard=True), "smooth_k": dict(smooth_k=True),
-           "smooth_k+hadamard": dict(smooth_k=True, hadamard=True), "balanced_v": dict(v_rounding="balanced"),
-           # kappa given: without balance_weights' sample of the scores (what estimating it costs)
-           "balanced_v kappa 0": dict(v_rounding="balanced", v_weight=0.0),
-           "smooth_k+hadamard+balanced_v": dict(smooth_k=True, hadamard=True, v_rounding="balanced",
-                                                v_layout="k_major")}
+OPTIONS = {
+    "plain": {},
+    "hadamard": dict(hadamard=True),
+    "smooth_k": dict(smooth_k=True),
+    "smooth_k+hadamard": dict(smooth_k=True, hadamard=True),
+    "balanced_v": dict(v_rounding="balanced"),
+    # kappa given: without balance_weights' sample of the scores (what estimating it costs)
+    "balanced_v kappa 0": dict(v_rounding="balanced", v_weight=0.0),
+    "smooth_k+hadamard+balanced_v": dict(smooth_k=True, hadamard=True, v_rounding="balanced", v_layout="k_major"),
+}
 
 
 def _torch_path(q, k, v, hadamard: bool, smooth_k: bool, balance: bool) -> None:
@@ -59,34 +63,50 @@ def main(argv=None) -> int:
     warm_gpu(3.0)  # sustained clocks before the first shape
     for s in (int(x) for x in args.seqlens.split(",")):
         b, h, d = max(1, args.tokens // s), args.heads, args.head_dim
-        q, k, v = (t.to(torch.bfloat16) for t in make_qkv("gaussian", batch=b, seqlen=s, heads=h, kv_heads=h,
-                                                             head_dim_qk=d, head_dim_v=d, seed=s, device="cuda"))
+        q, k, v = (
+            t.to(torch.bfloat16)
+            for t in make_qkv(
+                "gaussian", batch=b, seqlen=s, heads=h, kv_heads=h, head_dim_qk=d, head_dim_v=d, seed=s, device="cuda"
+            )
+        )
         row = dict(batch=b, seqlen=s, heads=h, head_dim=d)
         for name, opts in OPTIONS.items():
             call = functools.partial(quantize_fp8, q, k, v, **opts)
             row[f"kernels {name}"] = time_cuda([call], warmup=3, reps=args.reps).median_ms
             row[f"host us {name}"] = host_us({name: call}, calls=50, rounds=7)[name]
-            row[f"torch {name}"] = time_cuda([lambda o=opts: _torch_path(q, k, v, o.get("hadamard", False),
-                                                                        o.get("smooth_k", False),
-                                                                        o.get("v_rounding") == "balanced")],
-                                             warmup=2, reps=max(5, args.reps // 4)).median_ms
+            row[f"torch {name}"] = time_cuda(
+                [
+                    lambda o=opts: _torch_path(
+                        q, k, v, o.get("hadamard", False), o.get("smooth_k", False), o.get("v_rounding") == "balanced"
+                    )
+                ],
+                warmup=2,
+                reps=max(5, args.reps // 4),
+            ).median_ms
         q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
         kw = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
         flops = attention_flops(b, h, s, s, d, d, causal=True)
-        row["attention ours"] = time_cuda([lambda: flash_attn_func(q8, k8, v8, **kw)], warmup=3,
-                                          reps=args.reps).median_ms
+        row["attention ours"] = time_cuda(
+            [lambda: flash_attn_func(q8, k8, v8, **kw)], warmup=3, reps=args.reps
+        ).median_ms
         if fa3 is not None:
             row["attention fa3-fp8"] = time_cuda([lambda: fa3(q8, k8, v8, **kw)], warmup=3, reps=args.reps).median_ms
         row["tflops ours"] = flops / row["attention ours"] / 1e9
         rows.append(row)
         att = row["attention ours"]
-        print(f"B={b} S={s} H={h} d={d}: attention ours {att:.3f} ms"
-              + (f", FA3-fp8 {row['attention fa3-fp8']:.3f} ms" if fa3 else ""), flush=True)
+        print(
+            f"B={b} S={s} H={h} d={d}: attention ours {att:.3f} ms"
+            + (f", FA3-fp8 {row['attention fa3-fp8']:.3f} ms" if fa3 else ""),
+            flush=True,
+        )
         for name in OPTIONS:
             kt, tt = row[f"kernels {name}"], row[f"torch {name}"]
             host = row[f"host us {name}"]
-            print(f"  quantize {name:18s} kernels {kt:7.3f} ms ({100 * kt / att:5.1f}% of attention), host "
-                  f"{host:5.1f} us a call   torch ops {tt:7.3f} ms ({100 * tt / att:5.1f}%)", flush=True)
+            print(
+                f"  quantize {name:18s} kernels {kt:7.3f} ms ({100 * kt / att:5.1f}% of attention), host "
+                f"{host:5.1f} us a call   torch ops {tt:7.3f} ms ({100 * tt / att:5.1f}%)",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows, gpu=gpu_state()), f, indent=1)

@@ -37,7 +37,8 @@ from rich.table import Table
 from zyfa_tune.cli.common import int_list as _int_list
 from zyfa_tune.search_spaces import SearchSpace
 from zyfa_tune.tuning.runners import shipped_db
-from zyfa_tune.tuning.tuner import SAMPLERS, Tuner, TuneSpec
+from zyfa_tune.tuning.spec import SAMPLERS, TuneSpec
+from zyfa_tune.tuning.tuner import Tuner
 
 WITHIN = 0.02
 
@@ -55,9 +56,9 @@ class Curve:
 
     sampler: str
     study: str
-    shapes: tuple[str, ...]                           # "geo" last: the tuner's objective
+    shapes: tuple[str, ...]  # "geo" last: the tuner's objective
     best_so_far: tuple[tuple[float | None, ...], ...]  # [shape][trial]
-    states: tuple[str, ...]                            # per trial: COMPLETE / FAIL / PRUNED
+    states: tuple[str, ...]  # per trial: COMPLETE / FAIL / PRUNED
     elapsed_s: float
 
     @property
@@ -68,8 +69,11 @@ class Curve:
         """Per shape, the first trial (1-based) whose best so far is within `within` of the final."""
         out = []
         for c, final in zip(self.best_so_far, self.final):
-            out.append(None if final is None else
-                       next(i + 1 for i, v in enumerate(c) if v is not None and v >= (1 - within) * final))
+            out.append(
+                None
+                if final is None
+                else next(i + 1 for i, v in enumerate(c) if v is not None and v >= (1 - within) * final)
+            )
         return tuple(out)
 
 
@@ -86,17 +90,22 @@ def curve(study: optuna.Study, spec: TuneSpec, elapsed_s: float) -> Curve:
             best = [v if b is None else max(b, v) for b, v in zip(best, values)]
         for col, b in zip(columns, best):
             col.append(b)
-    return Curve(spec.sampler, spec.name, labels, tuple(map(tuple, columns)), tuple(t.state.name for t in trials),
-                 elapsed_s)
+    return Curve(
+        spec.sampler, spec.name, labels, tuple(map(tuple, columns)), tuple(t.state.name for t in trials), elapsed_s
+    )
 
 
 def run_sampler(base: TuneSpec, sampler: str, workdir: str, *, seeds: bool = True) -> Curve:
     """One study with this sampler in its own folder of `workdir`."""
     folder = os.path.join(workdir, sampler)
     os.makedirs(folder, exist_ok=True)
-    spec = dataclasses.replace(base, sampler=sampler, study_name=f"{base.name}-{sampler}",
-                               storage=os.path.join(folder, "tuning.db"),
-                               study_storage=os.path.join(folder, "study.journal"))
+    spec = dataclasses.replace(
+        base,
+        sampler=sampler,
+        study_name=f"{base.name}-{sampler}",
+        storage=os.path.join(folder, "tuning.db"),
+        study_storage=os.path.join(folder, "study.journal"),
+    )
     tuner = Tuner(spec)
     if not seeds:
         tuner.space = _Unseeded(tuner.space.family, tuner.space.dtype, tuner.space.params)
@@ -107,8 +116,12 @@ def run_sampler(base: TuneSpec, sampler: str, workdir: str, *, seeds: bool = Tru
 
 def report(curves: list[Curve], within: float = WITHIN) -> dict:
     """The JSON written by --json: every curve with its final bests and 2% trials."""
-    return {"within": within, "samplers": {c.sampler: {**dataclasses.asdict(c), "final": c.final,
-                                                       "reached": c.reached(within)} for c in curves}}
+    return {
+        "within": within,
+        "samplers": {
+            c.sampler: {**dataclasses.asdict(c), "final": c.final, "reached": c.reached(within)} for c in curves
+        },
+    }
 
 
 def _fmt(v: float | None) -> str:
@@ -141,8 +154,10 @@ def print_report(curves: list[Curve], within: float, console: Console) -> None:
         summary.add_row(*cells)
     console.print(summary)
     for c in curves:
-        console.print(f"{c.sampler}: study {c.study}, {len(c.states)} trials in {c.elapsed_s:.0f} s "
-                      f"({', '.join(f'{s}={c.states.count(s)}' for s in sorted(set(c.states)))})")
+        console.print(
+            f"{c.sampler}: study {c.study}, {len(c.states)} trials in {c.elapsed_s:.0f} s "
+            f"({', '.join(f'{s}={c.states.count(s)}' for s in sorted(set(c.states)))})"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--trials", type=int, default=40, help="trials per sampler (the same for both)")
     ap.add_argument("--runner", default="gpu", help="gpu | replay (the shipped H200 measurements) | replay:<db>")
-    ap.add_argument("--seeds", action="store_true",
-                    help="enqueue the tuner's seed configs first in both studies (default: the samplers alone)")
+    ap.add_argument(
+        "--seeds",
+        action="store_true",
+        help="enqueue the tuner's seed configs first in both studies (default: the samplers alone)",
+    )
     ap.add_argument("--workdir", default=None, help="folder for the two studies (default: a new temporary one)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per trial")
     ap.add_argument("--seed", type=int, default=0)
@@ -168,11 +186,19 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     console = console if console.is_terminal else Console(width=200)  # logs: a line per trial
     try:
-        base = TuneSpec(dtype=a.dtype, head_dim_qk=a.head_dim, head_dim_v=a.head_dim_v or a.head_dim,
-                        seqlens=_int_list(a.seqlens, "--seqlens"), heads=a.heads,
-                        batches=_int_list(a.batches, "--batches") if a.batches else None, trials=a.trials,
-                        runner=runner, timeout_s=a.timeout, seed=a.seed,
-                        study_name=f"compare-{a.dtype}-{a.head_dim}x{a.head_dim_v or a.head_dim}")
+        base = TuneSpec(
+            dtype=a.dtype,
+            head_dim_qk=a.head_dim,
+            head_dim_v=a.head_dim_v or a.head_dim,
+            seqlens=_int_list(a.seqlens, "--seqlens"),
+            heads=a.heads,
+            batches=_int_list(a.batches, "--batches") if a.batches else None,
+            trials=a.trials,
+            runner=runner,
+            timeout_s=a.timeout,
+            seed=a.seed,
+            study_name=f"compare-{a.dtype}-{a.head_dim}x{a.head_dim_v or a.head_dim}",
+        )
         console.print(f"studies in {workdir}")
         curves = [run_sampler(base, s, workdir, seeds=a.seeds) for s in SAMPLERS]
     except ValueError as exc:
@@ -181,10 +207,22 @@ def main(argv: list[str] | None = None) -> int:
     print_report(curves, a.within, console)
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"spec": {"dtype": base.dtype, "head_dims": [base.head_dim_qk, base.head_dim_v],
-                                "shapes": [dataclasses.asdict(s) for s in base.shapes], "trials": base.trials,
-                                "runner": runner, "seeds": a.seeds, "seed": base.seed},
-                       **report(curves, a.within)}, fh, indent=1)
+            json.dump(
+                {
+                    "spec": {
+                        "dtype": base.dtype,
+                        "head_dims": [base.head_dim_qk, base.head_dim_v],
+                        "shapes": [dataclasses.asdict(s) for s in base.shapes],
+                        "trials": base.trials,
+                        "runner": runner,
+                        "seeds": a.seeds,
+                        "seed": base.seed,
+                    },
+                    **report(curves, a.within),
+                },
+                fh,
+                indent=1,
+            )
         console.print(f"results: {a.json}")
     return 0
 

@@ -21,8 +21,12 @@ from zyfa_tune.search_spaces.seeds import gluon_defer_config, gluon_wide_config
 from zyfa_tune.tuning.timing import attention_flops, time_cuda, warm_gpu
 from zyfa_tune.tuning.verify import make_inputs
 
-SHAPES = (("hd128", gluon_wide_config, 128, 4, 4096), ("hd128", gluon_wide_config, 128, 2, 8192),
-          ("hd128", gluon_wide_config, 128, 1, 16384), ("hd256", gluon_defer_config, 256, 2, 8192))
+SHAPES = (
+    ("hd128", gluon_wide_config, 128, 4, 4096),
+    ("hd128", gluon_wide_config, 128, 2, 8192),
+    ("hd128", gluon_wide_config, 128, 1, 16384),
+    ("hd256", gluon_defer_config, 256, 2, 8192),
+)
 
 
 def use_overhead(overhead_keys: int, block_n: int) -> None:
@@ -45,7 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, list[float]] = {}
     for name, make, dim, batch, seqlen in SHAPES:
         base = make("fp8", dim, dim)
-        sets = [make_inputs("fp8", dim, dim, batch=batch, heads=32, kv_heads=32, seqlen=seqlen, seed=i) for i in range(2)]
+        sets = [
+            make_inputs("fp8", dim, dim, batch=batch, heads=32, kv_heads=32, seqlen=seqlen, seed=i) for i in range(2)
+        ]
         flops = attention_flops(batch, 32, seqlen, seqlen, dim, dim, True)
         for _ in range(args.rounds):
             for group, overhead in variants:

@@ -33,7 +33,8 @@ from zyfa_tune.cli.db_cmds import _best_table
 from zyfa_tune.cli.tune_cmd import _gpus
 from zyfa_tune.db import Fingerprint, open_store
 from zyfa_tune.tuning.runners import shipped_db
-from zyfa_tune.tuning.tuner import Tuner, TuneSpec, simulation_fingerprint
+from zyfa_tune.tuning.spec import TuneSpec
+from zyfa_tune.tuning.tuner import Tuner, simulation_fingerprint
 
 DTYPES = ("fp8", "bf16")
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
@@ -51,13 +52,34 @@ class Family:
         """16 heads for 192/128, else 32 (as benchmarks/peers.py's shapes)."""
         return 16 if (self.head_dim_qk, self.head_dim_v) == (192, 128) else 32
 
-    def spec(self, *, trials: int, storage: str, study_storage: str, runner: str, gpus: tuple[int | None, ...],
-             timeout_s: float, seed: int) -> TuneSpec:
-        return TuneSpec(dtype=self.dtype, head_dim_qk=self.head_dim_qk, head_dim_v=self.head_dim_v,
-                        seqlens=tuple(s for _, s in SHAPES), batches=tuple(b for b, _ in SHAPES), heads=self.heads,
-                        trials=trials, storage=storage, study_storage=study_storage,
-                        study_name=f"ship-{self.dtype}-{self.head_dim_qk}x{self.head_dim_v}", resume=True,
-                        runner=runner, gpus=gpus, timeout_s=timeout_s, seed=seed)
+    def spec(
+        self,
+        *,
+        trials: int,
+        storage: str,
+        study_storage: str,
+        runner: str,
+        gpus: tuple[int | None, ...],
+        timeout_s: float,
+        seed: int,
+    ) -> TuneSpec:
+        return TuneSpec(
+            dtype=self.dtype,
+            head_dim_qk=self.head_dim_qk,
+            head_dim_v=self.head_dim_v,
+            seqlens=tuple(s for _, s in SHAPES),
+            batches=tuple(b for b, _ in SHAPES),
+            heads=self.heads,
+            trials=trials,
+            storage=storage,
+            study_storage=study_storage,
+            study_name=f"ship-{self.dtype}-{self.head_dim_qk}x{self.head_dim_v}",
+            resume=True,
+            runner=runner,
+            gpus=gpus,
+            timeout_s=timeout_s,
+            seed=seed,
+        )
 
 
 def parse_head_dims(text: str) -> tuple[tuple[int, int], ...]:
@@ -70,8 +92,9 @@ def parse_head_dims(text: str) -> tuple[tuple[int, int], ...]:
         except ValueError:
             raise ValueError(f"--head-dims: {item!r} is not D or DQK/DV") from None
         if pair not in HEAD_DIMS:
-            raise ValueError(f"--head-dims: {item!r} is not one of the shipped pairs "
-                             f"{['/'.join(map(str, p)) for p in HEAD_DIMS]}")
+            raise ValueError(
+                f"--head-dims: {item!r} is not one of the shipped pairs {['/'.join(map(str, p)) for p in HEAD_DIMS]}"
+            )
         out.append(pair)
     if not out:
         raise ValueError("--head-dims: give at least one")
@@ -118,9 +141,19 @@ def export_best(storage: str, out: Path, gpu_name: str) -> int:
     return n
 
 
-def ship(out: Path, fams: list[Family], *, trials: int, runner: str, workdir: str, force: bool = False,
-         gpus: tuple[int | None, ...] = (None,), timeout_s: float = 180.0, seed: int = 0,
-         console: Console | None = None) -> int:
+def ship(
+    out: Path,
+    fams: list[Family],
+    *,
+    trials: int,
+    runner: str,
+    workdir: str,
+    force: bool = False,
+    gpus: tuple[int | None, ...] = (None,),
+    timeout_s: float = 180.0,
+    seed: int = 0,
+    console: Console | None = None,
+) -> int:
     """Tune every family into `workdir`'s database and export its best entries to `out`.
     Returns the number of entries exported."""
     console = console or Console()
@@ -128,19 +161,30 @@ def ship(out: Path, fams: list[Family], *, trials: int, runner: str, workdir: st
     storage = os.path.join(workdir, "tuning.db")
     journal = os.path.join(workdir, "studies.journal")
     for fam in fams:
-        spec = fam.spec(trials=trials, storage=storage, study_storage=journal, runner=runner, gpus=gpus,
-                        timeout_s=timeout_s, seed=seed)
+        spec = fam.spec(
+            trials=trials,
+            storage=storage,
+            study_storage=journal,
+            runner=runner,
+            gpus=gpus,
+            timeout_s=timeout_s,
+            seed=seed,
+        )
         tuner = Tuner(spec)
         tuner.run()
         p = tuner.progress
-        console.print(f"{spec.name}: {p.done} trials ({', '.join(f'{k}={v}' for k, v in sorted(p.by_status.items()))})"
-                      f", best geo-mean {p.best_value or 0:.1f} TFLOP/s")
+        console.print(
+            f"{spec.name}: {p.done} trials ({', '.join(f'{k}={v}' for k, v in sorted(p.by_status.items()))})"
+            f", best geo-mean {p.best_value or 0:.1f} TFLOP/s"
+        )
     check_output(out, force, runner)  # again: something may have created it meanwhile
     n = export_best(storage, out, fingerprint(runner).gpu_name)
     expected = len(fams) * len(SHAPES)
     if n < expected:
-        console.print(f"[yellow]warning: {n} best entries, expected {expected}: some shape had no correct "
-                      f"trial; raise --trials[/yellow]")
+        console.print(
+            f"[yellow]warning: {n} best entries, expected {expected}: some shape had no correct "
+            f"trial; raise --trials[/yellow]"
+        )
     with open_store(out, readonly=True, create=False) as store:
         console.print(_best_table(store.best_entries(), f"best entries in {out}"))
     return n
@@ -155,8 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dims", default="64,96,128,192/128,256")
     ap.add_argument("--runner", default="gpu", help="gpu | replay (the shipped H200 measurements) | replay:<db>")
     ap.add_argument("--gpus", default=None, help="comma list of GPU indices or 'all' (one worker each)")
-    ap.add_argument("--workdir", default=None, help="keep studies and the working database here "
-                                                    "(default: a temporary folder, removed at the end)")
+    ap.add_argument(
+        "--workdir",
+        default=None,
+        help="keep studies and the working database here (default: a temporary folder, removed at the end)",
+    )
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per trial")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -168,8 +215,18 @@ def main(argv: list[str] | None = None) -> int:
         gpus = _gpus(a.gpus)
         fams = families(tuple(d.strip() for d in a.dtypes.split(",") if d.strip()), parse_head_dims(a.head_dims))
         os.makedirs(workdir, exist_ok=True)
-        ship(Path(os.path.abspath(a.out)), fams, trials=a.trials, runner=runner, workdir=workdir, force=a.force,
-             gpus=gpus, timeout_s=a.timeout, seed=a.seed, console=console)
+        ship(
+            Path(os.path.abspath(a.out)),
+            fams,
+            trials=a.trials,
+            runner=runner,
+            workdir=workdir,
+            force=a.force,
+            gpus=gpus,
+            timeout_s=a.timeout,
+            seed=a.seed,
+            console=console,
+        )
     except ValueError as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2

@@ -13,6 +13,21 @@ from .records import TRIAL_STATUSES, BestEntry, ImportReport, TrialResult
 from .session import default_db_path
 from .store import Store, open_store
 
-__all__ = ["Store", "open_store", "default_db_path", "DatabaseError", "DatabaseCorruptError",
-           "Fingerprint", "current_fingerprint", "ProblemKey", "APIS", "seqlen_bucket", "bh_bucket",
-           "TrialResult", "BestEntry", "ImportReport", "SCHEMA_VERSION", "TRIAL_STATUSES"]
+__all__ = [
+    "Store",
+    "open_store",
+    "default_db_path",
+    "DatabaseError",
+    "DatabaseCorruptError",
+    "Fingerprint",
+    "current_fingerprint",
+    "ProblemKey",
+    "APIS",
+    "seqlen_bucket",
+    "bh_bucket",
+    "TrialResult",
+    "BestEntry",
+    "ImportReport",
+    "SCHEMA_VERSION",
+    "TRIAL_STATUSES",
+]

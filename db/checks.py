@@ -14,9 +14,11 @@ from typing import Any
 
 #: Terminal escape sequences (CSI, OSC, two-character ESC codes; 7-bit and C1 forms): removed whole,
 #: so that neither the sequence nor its parameters reach a terminal.
-_ESCAPES = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
-                      r"|(?:\x1b\]|\x9d)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
-                      r"|\x1b[@-Z\\-_]")
+_ESCAPES = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+    r"|(?:\x1b\]|\x9d)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+    r"|\x1b[@-Z\\-_]"
+)
 
 
 def strict_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
@@ -63,8 +65,15 @@ def clean_text(value: str) -> str:
     return "".join(c if c.isprintable() else " " for c in value)
 
 
-def text(name: str, value: Any, *, max_len: int = 256, allow_empty: bool = True,
-         pattern: str | None = None, clean: bool = False) -> str:
+def text(
+    name: str,
+    value: Any,
+    *,
+    max_len: int = 256,
+    allow_empty: bool = True,
+    pattern: str | None = None,
+    clean: bool = False,
+) -> str:
     """A printable one-line string, at most `max_len` characters. Control characters are an error,
     or, with `clean` (free text: messages, provenance), removed by `clean_text`."""
     if type(value) is not str:
@@ -90,4 +99,3 @@ def short_repr(value: Any, limit: int = 60) -> str:
     """repr() of a value, cut to `limit` characters (it may be attacker-chosen and huge)."""
     r = repr(value)
     return r if len(r) <= limit else r[: limit - 3] + "..."
-

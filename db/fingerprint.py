@@ -45,14 +45,18 @@ class Fingerprint:
 
     def __post_init__(self) -> None:
         text("gpu_name", self.gpu_name, max_len=128, allow_empty=False)
-        text("compute_capability", self.compute_capability, max_len=8, allow_empty=False,
-             pattern=r"[0-9]{1,2}\.[0-9]{1,2}")
+        text(
+            "compute_capability",
+            self.compute_capability,
+            max_len=8,
+            allow_empty=False,
+            pattern=r"[0-9]{1,2}\.[0-9]{1,2}",
+        )
         object.__setattr__(self, "sm_count", strict_int("sm_count", self.sm_count, lo=1, hi=100_000))
         object.__setattr__(self, "memory_bytes", strict_int("memory_bytes", self.memory_bytes, lo=1, hi=1 << 60))
         for name in ("driver", "cuda", "torch", "triton"):  # "" = unknown (no NVML, no Triton)
             text(name, getattr(self, name), max_len=64, pattern=VERSION_PATTERN)
-        text("generator_version", self.generator_version, max_len=64, allow_empty=False,
-             pattern=VERSION_PATTERN)
+        text("generator_version", self.generator_version, max_len=64, allow_empty=False, pattern=VERSION_PATTERN)
         object.__setattr__(self, "runner", _runner(self.gpu_name, self.runner))
 
     @property
@@ -86,8 +90,10 @@ def _runner(gpu_name: str, runner: object) -> str:
         if runner != implied:
             raise ValueError(f"runner: {runner!r} does not match the simulated GPU name {gpu_name!r}")
     elif runner != GPU_RUNNER:
-        raise ValueError(f"runner: {runner!r} is simulated, so gpu_name must be "
-                         f"{runner + SIMULATED_SUFFIX!r}, not the name of a GPU ({gpu_name!r})")
+        raise ValueError(
+            f"runner: {runner!r} is simulated, so gpu_name must be "
+            f"{runner + SIMULATED_SUFFIX!r}, not the name of a GPU ({gpu_name!r})"
+        )
     return runner
 
 
@@ -100,16 +106,23 @@ def current_fingerprint(device: int = 0) -> Fingerprint:
     if not torch.cuda.is_available():
         raise RuntimeError(
             f"current_fingerprint: no CUDA GPU is visible (torch {torch.__version__}, CUDA build "
-            f"{torch.version.cuda or 'none'}); tuning results can only be recorded on a GPU")
+            f"{torch.version.cuda or 'none'}); tuning results can only be recorded on a GPU"
+        )
     count = torch.cuda.device_count()
     if type(device) is not int or not 0 <= device < count:
         raise RuntimeError(f"current_fingerprint: device {device!r} does not exist ({count} visible)")
     props = torch.cuda.get_device_properties(device)
-    return Fingerprint(gpu_name=str(props.name), compute_capability=f"{props.major}.{props.minor}",
-                       sm_count=int(props.multi_processor_count), memory_bytes=int(props.total_memory),
-                       driver=_nvml_driver_version(), cuda=str(torch.version.cuda or ""),
-                       torch=str(torch.__version__), triton=_triton_version(),
-                       generator_version=GENERATOR_VERSION)
+    return Fingerprint(
+        gpu_name=str(props.name),
+        compute_capability=f"{props.major}.{props.minor}",
+        sm_count=int(props.multi_processor_count),
+        memory_bytes=int(props.total_memory),
+        driver=_nvml_driver_version(),
+        cuda=str(torch.version.cuda or ""),
+        torch=str(torch.__version__),
+        triton=_triton_version(),
+        generator_version=GENERATOR_VERSION,
+    )
 
 
 def _nvml_driver_version() -> str:

@@ -73,8 +73,9 @@ class ProblemKey:
         if type(self.causal) is not bool:
             raise ValueError(f"causal: expected bool, got {type(self.causal).__name__}")
         self._set("gqa_group", strict_int("gqa_group", self.gqa_group, lo=1, hi=GQA_GROUP_MAX))
-        self._set("seqlen_bucket", _check_bucket("seqlen_bucket", self.seqlen_bucket, SEQLEN_BUCKET_MIN,
-                                                 SEQLEN_BUCKET_MAX))
+        self._set(
+            "seqlen_bucket", _check_bucket("seqlen_bucket", self.seqlen_bucket, SEQLEN_BUCKET_MIN, SEQLEN_BUCKET_MAX)
+        )
         self._set("bh_bucket", _check_bucket("bh_bucket", self.bh_bucket, BH_BUCKET_MIN, BH_BUCKET_MAX))
         if type(self.api) is not str or self.api not in APIS:
             raise ValueError(f"api: {short_repr(self.api)} is not one of {list(APIS)}")
@@ -87,23 +88,42 @@ class ProblemKey:
         return value
 
     @classmethod
-    def from_shape(cls, *, dtype: str, head_dim_qk: int, head_dim_v: int, causal: bool, batch: int,
-                   heads: int, kv_heads: int, seqlen: int, api: str = "fp8") -> "ProblemKey":
+    def from_shape(
+        cls,
+        *,
+        dtype: str,
+        head_dim_qk: int,
+        head_dim_v: int,
+        causal: bool,
+        batch: int,
+        heads: int,
+        kv_heads: int,
+        seqlen: int,
+        api: str = "fp8",
+    ) -> "ProblemKey":
         """The class of one call's shape; ValueError naming the field if the shape is invalid."""
         batch = strict_int("batch", batch, lo=1)
         heads = strict_int("heads", heads, lo=1)
         kv_heads = strict_int("kv_heads", kv_heads, lo=1)
         if heads % kv_heads:
             raise ValueError(f"kv_heads: {kv_heads} does not divide heads={heads}")
-        return cls(dtype=dtype, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, causal=causal,
-                   gqa_group=heads // kv_heads, seqlen_bucket=seqlen_bucket(seqlen),
-                   bh_bucket=bh_bucket(batch * heads), api=api)
+        return cls(
+            dtype=dtype,
+            head_dim_qk=head_dim_qk,
+            head_dim_v=head_dim_v,
+            causal=causal,
+            gqa_group=heads // kv_heads,
+            seqlen_bucket=seqlen_bucket(seqlen),
+            bh_bucket=bh_bucket(batch * heads),
+            api=api,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
-        return (f"{self.dtype} {self.head_dim_qk}/{self.head_dim_v} {mask} gqa={self.gqa_group} "
-                f"seqlen<={self.seqlen_bucket} B*H<={self.bh_bucket}"
-                + ("" if self.api == "fp8" else f" api={self.api}"))
+        return (
+            f"{self.dtype} {self.head_dim_qk}/{self.head_dim_v} {mask} gqa={self.gqa_group} "
+            f"seqlen<={self.seqlen_bucket} B*H<={self.bh_bucket}" + ("" if self.api == "fp8" else f" api={self.api}")
+        )

@@ -55,8 +55,11 @@ def _v2_to_v3(op: Operations) -> None:
     which earlier versions named only in the GPU name ("replay (no GPU)")."""
     op.add_column("environments", Column("runner", String(32), nullable=False, server_default="gpu"))
     cut = len(SIMULATED_SUFFIX)
-    op.execute(text("UPDATE environments SET runner = substr(gpu_name, 1, length(gpu_name) - :cut) "
-                    "WHERE gpu_name LIKE :pattern").bindparams(cut=cut, pattern="%" + SIMULATED_SUFFIX))
+    op.execute(
+        text(
+            "UPDATE environments SET runner = substr(gpu_name, 1, length(gpu_name) - :cut) WHERE gpu_name LIKE :pattern"
+        ).bindparams(cut=cut, pattern="%" + SIMULATED_SUFFIX)
+    )
 
 
 #: The problem key's columns before version 4 (the unique constraint's, in its order).
@@ -90,11 +93,17 @@ def _rebuild_sqlite_problems(conn: Connection) -> None:
     conn.exec_driver_sql("CREATE TEMP TABLE _problems_v3 AS SELECT * FROM problems")
     conn.exec_driver_sql("DROP TABLE problems")
     ints = [Column(name, Integer, nullable=False) for name in _KEY_V3[1:] if name != "causal"]
-    table = Table("problems", MetaData(), Column("id", Integer, primary_key=True),
-                  Column("dtype", String(8), nullable=False), *ints[:2],
-                  Column("causal", Boolean, nullable=False), *ints[2:],
-                  Column("api", String(8), nullable=False, server_default="fp8"),
-                  UniqueConstraint(*_KEY_V3, "api", name="uq_problems_key"))
+    table = Table(
+        "problems",
+        MetaData(),
+        Column("id", Integer, primary_key=True),
+        Column("dtype", String(8), nullable=False),
+        *ints[:2],
+        Column("causal", Boolean, nullable=False),
+        *ints[2:],
+        Column("api", String(8), nullable=False, server_default="fp8"),
+        UniqueConstraint(*_KEY_V3, "api", name="uq_problems_key"),
+    )
     table.create(conn)
     names = ", ".join(("id",) + _KEY_V3)
     conn.exec_driver_sql(f"INSERT INTO problems ({names}, api) SELECT {names}, 'fp8' FROM temp._problems_v3")
@@ -122,30 +131,32 @@ def read_version(conn: Connection, where: str) -> int | None:
     return parse_version([tuple(r) for r in rows], where)
 
 
-def ensure_schema(engine: Engine, *, where: str, readonly: bool, create: bool = True,
-                  allow_old: bool = False) -> int:
+def ensure_schema(engine: Engine, *, where: str, readonly: bool, create: bool = True, allow_old: bool = False) -> int:
     """Create the schema in an empty database (if `create`) or upgrade an older one; refuse a newer
     one. `allow_old` (read-only import sources) reads an older version as it is. Returns the version."""
-    version = run_transaction(reading(engine), lambda s: read_version(s.connection(), where),
-                              where=where)
+    version = run_transaction(reading(engine), lambda s: read_version(s.connection(), where), where=where)
     refuse_newer(version, where)
-    if version == SCHEMA_VERSION or (readonly and version is not None
-                                     and (allow_old or version >= READABLE_FROM)):
+    if version == SCHEMA_VERSION or (readonly and version is not None and (allow_old or version >= READABLE_FROM)):
         return version
     if version is None and (readonly or not create):
-        raise DatabaseError(f"{where}: holds no zyfa-tune database"
-                            + ("; open it writable once to create one" if readonly else ""))
+        raise DatabaseError(
+            f"{where}: holds no zyfa-tune database" + ("; open it writable once to create one" if readonly else "")
+        )
     if readonly:
-        raise DatabaseError(f"{where}: schema version {version} is older than {SCHEMA_VERSION}; open "
-                            f"it writable once (open_store without readonly=True) to upgrade it")
+        raise DatabaseError(
+            f"{where}: schema version {version} is older than {SCHEMA_VERSION}; open "
+            f"it writable once (open_store without readonly=True) to upgrade it"
+        )
     run_transaction(engine, lambda s: _create_or_upgrade(s, where), where=where)
     return SCHEMA_VERSION
 
 
 def refuse_newer(version: int | None, where: str) -> None:
     if version is not None and version > SCHEMA_VERSION:
-        raise DatabaseError(f"{where}: schema version {version} is newer than this zyfa-tune "
-                            f"understands ({SCHEMA_VERSION}); upgrade zyfa-tune to use it")
+        raise DatabaseError(
+            f"{where}: schema version {version} is newer than this zyfa-tune "
+            f"understands ({SCHEMA_VERSION}); upgrade zyfa-tune to use it"
+        )
 
 
 def _create_or_upgrade(session: Session, where: str) -> None:

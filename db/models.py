@@ -61,13 +61,24 @@ class EnvironmentModel(Base):
     torch: Mapped[str] = mapped_column(String(64))
     triton: Mapped[str] = mapped_column(String(64))
     generator_version: Mapped[str] = mapped_column(String(64))
-    runner: Mapped[str] = mapped_column(String(32), server_default="gpu")   # new in version 3
+    runner: Mapped[str] = mapped_column(String(32), server_default="gpu")  # new in version 3
 
 
 class ProblemModel(Base):
     __tablename__ = "problems"
-    __table_args__ = (UniqueConstraint("dtype", "head_dim_qk", "head_dim_v", "causal", "gqa_group",
-                                       "seqlen_bucket", "bh_bucket", "api", name="uq_problems_key"),)
+    __table_args__ = (
+        UniqueConstraint(
+            "dtype",
+            "head_dim_qk",
+            "head_dim_v",
+            "causal",
+            "gqa_group",
+            "seqlen_bucket",
+            "bh_bucket",
+            "api",
+            name="uq_problems_key",
+        ),
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     dtype: Mapped[str] = mapped_column(String(8))
     head_dim_qk: Mapped[int] = mapped_column(Integer)
@@ -76,7 +87,7 @@ class ProblemModel(Base):
     gqa_group: Mapped[int] = mapped_column(Integer)
     seqlen_bucket: Mapped[int] = mapped_column(Integer)
     bh_bucket: Mapped[int] = mapped_column(Integer)
-    api: Mapped[str] = mapped_column(String(8), server_default="fp8")   # new in version 4
+    api: Mapped[str] = mapped_column(String(8), server_default="fp8")  # new in version 4
 
 
 class VariantModel(Base):
@@ -112,17 +123,17 @@ class TrialModel(Base):
     error_max: Mapped[float | None] = mapped_column(_Double)
     sm_clock_mhz: Mapped[float | None] = mapped_column(_Double)
     power_w: Mapped[float | None] = mapped_column(_Double)
-    energy_j: Mapped[float | None] = mapped_column(_Double)        # new in version 2
-    tflop_per_j: Mapped[float | None] = mapped_column(_Double)     # new in version 2
-    recipe: Mapped[str | None] = mapped_column(Text)               # new in version 4 (NULL: plain)
-    error_ref: Mapped[float | None] = mapped_column(_Double)       # new in version 4
+    energy_j: Mapped[float | None] = mapped_column(_Double)  # new in version 2
+    tflop_per_j: Mapped[float | None] = mapped_column(_Double)  # new in version 2
+    recipe: Mapped[str | None] = mapped_column(Text)  # new in version 4 (NULL: plain)
+    error_ref: Mapped[float | None] = mapped_column(_Double)  # new in version 4
     message: Mapped[str] = mapped_column(Text, default="")
     batch: Mapped[int | None] = mapped_column(Integer)
     heads: Mapped[int | None] = mapped_column(Integer)
     seqlen: Mapped[int | None] = mapped_column(Integer)
     study: Mapped[str | None] = mapped_column(String(256))
     provenance: Mapped[str] = mapped_column(Text, default="")
-    created_at: Mapped[datetime] = mapped_column(DateTime)   # naive UTC
+    created_at: Mapped[datetime] = mapped_column(DateTime)  # naive UTC
 
 
 class BestModel(Base):
@@ -135,4 +146,4 @@ class BestModel(Base):
     tflops: Mapped[float | None] = mapped_column(_Double)
     error_rel_l2: Mapped[float | None] = mapped_column(_Double)
     provenance: Mapped[str] = mapped_column(Text, default="")
-    updated_at: Mapped[datetime] = mapped_column(DateTime)   # naive UTC
+    updated_at: Mapped[datetime] = mapped_column(DateTime)  # naive UTC

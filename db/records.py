@@ -13,8 +13,19 @@ from .validity import check_recipe
 TRIAL_STATUSES = ("ok", "compile_error", "wrong", "timeout", "crash")
 
 #: Float fields of a trial; all must be finite and >= 0 when present (> 0: times and error_ref).
-TRIAL_FLOATS = ("median_ms", "p20_ms", "p80_ms", "tflops", "error_rel_l2", "error_max",
-                "sm_clock_mhz", "power_w", "energy_j", "tflop_per_j", "error_ref")
+TRIAL_FLOATS = (
+    "median_ms",
+    "p20_ms",
+    "p80_ms",
+    "tflops",
+    "error_rel_l2",
+    "error_max",
+    "sm_clock_mhz",
+    "power_w",
+    "energy_j",
+    "tflop_per_j",
+    "error_ref",
+)
 TRIAL_SHAPE = ("batch", "heads", "seqlen")
 #: Every trial field stored in a column of its own (message aside), as TrialResult and the table name it.
 TRIAL_COLUMNS = TRIAL_FLOATS + TRIAL_SHAPE + ("recipe",)
@@ -45,7 +56,7 @@ class TrialResult:
     energy_j: float | None = None
     tflop_per_j: float | None = None
     error_ref: float | None = None
-    message: str = ""        # compile error text, traceback tail: stored as data, never executed
+    message: str = ""  # compile error text, traceback tail: stored as data, never executed
     batch: int | None = None
     heads: int | None = None
     seqlen: int | None = None
@@ -56,8 +67,11 @@ class TrialResult:
             raise ValueError(f"status: {short_repr(self.status)} is not one of {list(TRIAL_STATUSES)}")
         for name in TRIAL_FLOATS:
             # plain floats: equal results compare equal, and numpy scalars bind to any driver
-            object.__setattr__(self, name, optional_float(name, getattr(self, name),
-                                                          positive=name.endswith("_ms") or name == "error_ref"))
+            object.__setattr__(
+                self,
+                name,
+                optional_float(name, getattr(self, name), positive=name.endswith("_ms") or name == "error_ref"),
+            )
         if self.status == "ok" and self.median_ms is None:
             raise ValueError("median_ms: a trial with status 'ok' needs its median time")
         for name in TRIAL_SHAPE:
@@ -92,8 +106,8 @@ class BestEntry:
     heads: int | None = None
     seqlen: int | None = None
     sm_clock_mhz: float | None = None
-    recipe: str | None = None          # the trial's recipe (canonical JSON; None: the plain recipe)
-    error_ref: float | None = None     # the trial's reference error on the same inputs, if measured
+    recipe: str | None = None  # the trial's recipe (canonical JSON; None: the plain recipe)
+    error_ref: float | None = None  # the trial's reference error on the same inputs, if measured
 
     @property
     def error_ratio(self) -> float | None:

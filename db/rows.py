@@ -119,38 +119,63 @@ def problem_id(session: Session, key: ProblemKey) -> int:
     return row.id
 
 
-def variant_id(session: Session, *, backend: str, config: KernelConfig, source_hash: str,
-               generator_version: str) -> int:
+def variant_id(
+    session: Session, *, backend: str, config: KernelConfig, source_hash: str, generator_version: str
+) -> int:
     """The variant of this generated source; the first config recorded for a hash is kept (configs
     that differ only in fields the source does not depend on emit the same kernel)."""
-    found = session.execute(select(VariantModel.id, raw(VariantModel.config_json)).where(
-        VariantModel.backend == backend, VariantModel.source_hash == source_hash)).first()
+    found = session.execute(
+        select(VariantModel.id, raw(VariantModel.config_json)).where(
+            VariantModel.backend == backend, VariantModel.source_hash == source_hash
+        )
+    ).first()
     if found is not None:
         try:
             stored = KernelConfig.from_json(found.config_json)
         except ConfigError:
             stored = None
-        if stored is None or (stored.dtype, stored.head_dim_qk, stored.head_dim_v) != \
-                (config.dtype, config.head_dim_qk, config.head_dim_v):
+        if stored is None or (stored.dtype, stored.head_dim_qk, stored.head_dim_v) != (
+            config.dtype,
+            config.head_dim_qk,
+            config.head_dim_v,
+        ):
             raise VariantConflict(f"source_hash {source_hash} is already stored for another kernel")
         return found.id
-    row = VariantModel(backend=backend, config_json=config.to_json(), source_hash=source_hash,
-                       generator_version=generator_version)
+    row = VariantModel(
+        backend=backend, config_json=config.to_json(), source_hash=source_hash, generator_version=generator_version
+    )
     session.add(row)
     session.flush()
     return row.id
 
 
-def offer_best(session: Session, *, environment: int, problem: int, variant: int, trial: int,
-               median_ms: float, tflops: float | None, error_rel_l2: float | None, provenance: str,
-               now: datetime) -> str:
+def offer_best(
+    session: Session,
+    *,
+    environment: int,
+    problem: int,
+    variant: int,
+    trial: int,
+    median_ms: float,
+    tflops: float | None,
+    error_rel_l2: float | None,
+    provenance: str,
+    now: datetime,
+) -> str:
     """Make this trial the best of (environment, problem) if it is strictly faster.
     Returns "new", "replaced" or "kept". The row is locked (PostgreSQL) so racing writers
     compare against the latest committed best and never overwrite a faster one."""
     where = (BestModel.environment_id == environment, BestModel.problem_id == problem)
     current = session.execute(select(raw(BestModel.median_ms)).where(*where).with_for_update()).first()
-    values = dict(variant_id=variant, trial_id=trial, median_ms=median_ms, tflops=tflops,
-                  error_rel_l2=error_rel_l2, provenance=provenance, updated_at=now)
+    values = dict(
+        variant_id=variant,
+        trial_id=trial,
+        median_ms=median_ms,
+        tflops=tflops,
+        error_rel_l2=error_rel_l2,
+        provenance=provenance,
+        updated_at=now,
+    )
     if current is None:
         session.execute(insert(BestModel).values(environment_id=environment, problem_id=problem, **values))
         return "new"

@@ -37,8 +37,10 @@ _PG_RETRY_STATES = {"40001", "40P01", "55P03"}
 
 #: Python modules of the PostgreSQL drivers SQLAlchemy may ask for, and what provides ours.
 POSTGRES_DRIVERS = {"psycopg", "psycopg2", "pg8000", "asyncpg"}
-POSTGRES_HINT = ('the PostgreSQL driver is not installed: pip install "zyfa-tune[postgres]" '
-                 '(psycopg 3; name it in the URL: postgresql+psycopg://...)')
+POSTGRES_HINT = (
+    'the PostgreSQL driver is not installed: pip install "zyfa-tune[postgres]" '
+    "(psycopg 3; name it in the URL: postgresql+psycopg://...)"
+)
 
 T = TypeVar("T")
 
@@ -86,8 +88,12 @@ def resolve_target(target: str | os.PathLike | None) -> Target:
         except ArgumentError as exc:
             raise DatabaseError(f"not a database URL: {exc}") from None
         database = url.database or ""
-        if url.get_backend_name() == "sqlite" and database not in ("", ":memory:") \
-                and not database.startswith("file:") and not url.query:
+        if (
+            url.get_backend_name() == "sqlite"
+            and database not in ("", ":memory:")
+            and not database.startswith("file:")
+            and not url.query
+        ):
             return _file_target(Path(database))
         return Target(url=url, path=None)
     return _file_target(Path(os.fspath(target)))
@@ -103,8 +109,9 @@ def make_engine(target: Target, *, readonly: bool, wal: bool = True) -> Engine:
     (exported files: one self-contained file that also opens from a read-only directory)."""
     url = target.url
     if target.is_sqlite and target.path is not None and readonly:
-        url = URL.create("sqlite", database="file:" + quote(str(target.path), safe="/"),
-                         query={"mode": "ro", "uri": "true"})
+        url = URL.create(
+            "sqlite", database="file:" + quote(str(target.path), safe="/"), query={"mode": "ro", "uri": "true"}
+        )
     try:
         engine = create_engine(url)
     except (ArgumentError, ImportError) as exc:  # unknown dialect, driver not installed
@@ -117,7 +124,7 @@ def make_engine(target: Target, *, readonly: bool, wal: bool = True) -> Engine:
 
 
 def driver_hint(exc: BaseException) -> str:
-    """"; <what to install>" when `exc` (or what caused it) is a missing PostgreSQL driver, else ""."""
+    """ "; <what to install>" when `exc` (or what caused it) is a missing PostgreSQL driver, else ""."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

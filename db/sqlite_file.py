@@ -52,8 +52,9 @@ def inspect_file(path: Path) -> FileState:
             return FileState(exists=True, version=None)
         if META_TABLE not in tables:
             listed = ", ".join(sorted(tables)[:5])
-            raise DatabaseCorruptError(f"{path}: an SQLite database, but not a zyfa-tune one "
-                                       f"(no {META_TABLE} table; has {listed})")
+            raise DatabaseCorruptError(
+                f"{path}: an SQLite database, but not a zyfa-tune one (no {META_TABLE} table; has {listed})"
+            )
         found = con.execute(f"SELECT value FROM {META_TABLE} WHERE key = 'schema_version'").fetchall()
         return FileState(exists=True, version=parse_version(found, str(path)))
     except sqlite3.Error as exc:
@@ -80,13 +81,15 @@ def _check_header(path: Path, size: int) -> None:
     if page_size < 512 or page_size & (page_size - 1):
         raise DatabaseCorruptError(f"{path}: damaged SQLite header (page size {page_size})")
     if size % page_size:
-        raise DatabaseCorruptError(f"{path}: truncated SQLite file ({size} bytes is not a whole "
-                                   f"number of {page_size}-byte pages)")
+        raise DatabaseCorruptError(
+            f"{path}: truncated SQLite file ({size} bytes is not a whole number of {page_size}-byte pages)"
+        )
     pages = int.from_bytes(header[28:32], "big")
     header_valid = header[24:28] == header[92:96]  # the in-header size is trusted only then
     if header_valid and pages and size < pages * page_size:
-        raise DatabaseCorruptError(f"{path}: truncated SQLite file ({size} bytes, header says "
-                                   f"{pages} pages of {page_size})")
+        raise DatabaseCorruptError(
+            f"{path}: truncated SQLite file ({size} bytes, header says {pages} pages of {page_size})"
+        )
 
 
 def connect_readonly(path: Path) -> sqlite3.Connection:

@@ -39,12 +39,19 @@ E, P, V, T, B = EnvironmentModel, ProblemModel, VariantModel, TrialModel, BestMo
 class Store:
     """A tuning database. Use `open_store()` to get one; close it (or use `with`)."""
 
-    def __init__(self, engine: Engine, target: Target, *, readonly: bool, version: int = SCHEMA_VERSION,
-                 allow_simulated: bool = True):
+    def __init__(
+        self,
+        engine: Engine,
+        target: Target,
+        *,
+        readonly: bool,
+        version: int = SCHEMA_VERSION,
+        allow_simulated: bool = True,
+    ):
         self._engine = engine
         self._target = target
         self.readonly = readonly
-        self.version = version     # older than SCHEMA_VERSION only when read-only (see migrations.py)
+        self.version = version  # older than SCHEMA_VERSION only when read-only (see migrations.py)
         self.allow_simulated = allow_simulated
         self.url: str = target.url_text  # password masked
         self._closed = False
@@ -65,9 +72,18 @@ class Store:
             self._engine.dispose()
 
     # ---- writing ------------------------------------------------------------------------------
-    def record_trial(self, fingerprint: Fingerprint, key: ProblemKey, config: KernelConfig,
-                     result: TrialResult, *, backend: str | None = None, source_hash: str,
-                     study: str | None = None, provenance: str | None = None) -> int:
+    def record_trial(
+        self,
+        fingerprint: Fingerprint,
+        key: ProblemKey,
+        config: KernelConfig,
+        result: TrialResult,
+        *,
+        backend: str | None = None,
+        source_hash: str,
+        study: str | None = None,
+        provenance: str | None = None,
+    ) -> int:
         """Store one trial (and its environment/problem/variant rows if new); if it is "ok" and
         faster than the current best of (fingerprint, key), it becomes the best. One transaction.
         Returns the trial's id. The variant's backend column is the config's backend (`backend`,
@@ -89,31 +105,58 @@ class Store:
         self._check_simulated(fingerprint)
         now = rows.utc_now()
         if provenance is None:
-            provenance = (f"study={study or '-'} host={socket.gethostname()} "
-                          f"{now.isoformat(timespec='seconds')}Z")
+            provenance = f"study={study or '-'} host={socket.gethostname()} {now.isoformat(timespec='seconds')}Z"
         provenance = text("provenance", provenance, max_len=rows.MAX_PROVENANCE_CHARS, clean=True)
 
         def work(session: Session) -> int:
             env = rows.environment_id(session, fingerprint)
             problem = rows.problem_id(session, key)
-            variant = rows.variant_id(session, backend=backend, config=config, source_hash=source_hash,
-                                      generator_version=fingerprint.generator_version)
-            trial = T(environment_id=env, problem_id=problem, variant_id=variant, status=result.status,
-                      message=rows.clip_message(result.message), study=study, provenance=provenance,
-                      created_at=now, **{f: getattr(result, f) for f in TRIAL_COLUMNS})
+            variant = rows.variant_id(
+                session,
+                backend=backend,
+                config=config,
+                source_hash=source_hash,
+                generator_version=fingerprint.generator_version,
+            )
+            trial = T(
+                environment_id=env,
+                problem_id=problem,
+                variant_id=variant,
+                status=result.status,
+                message=rows.clip_message(result.message),
+                study=study,
+                provenance=provenance,
+                created_at=now,
+                **{f: getattr(result, f) for f in TRIAL_COLUMNS},
+            )
             session.add(trial)
             session.flush()
             if result.status == "ok":
-                rows.offer_best(session, environment=env, problem=problem, variant=variant, trial=trial.id,
-                                median_ms=result.median_ms, tflops=result.tflops,
-                                error_rel_l2=result.error_rel_l2, provenance=provenance, now=now)
+                rows.offer_best(
+                    session,
+                    environment=env,
+                    problem=problem,
+                    variant=variant,
+                    trial=trial.id,
+                    median_ms=result.median_ms,
+                    tflops=result.tflops,
+                    error_rel_l2=result.error_rel_l2,
+                    provenance=provenance,
+                    now=now,
+                )
             return trial.id
 
         return self._write("record_trial", work)
 
     # ---- reading ------------------------------------------------------------------------------
-    def best_entries(self, *, gpu_name: str | None = None, head_dims: tuple[int, int] | None = None,
-                     dtype: str | None = None, api: str | None = None) -> list[BestEntry]:
+    def best_entries(
+        self,
+        *,
+        gpu_name: str | None = None,
+        head_dims: tuple[int, int] | None = None,
+        dtype: str | None = None,
+        api: str | None = None,
+    ) -> list[BestEntry]:
         """Best entries, optionally of one GPU model / (head_dim_qk, head_dim_v) / dtype / API, ordered
         by GPU, dtype, head dims, problem class."""
         where = []
@@ -132,8 +175,17 @@ class Store:
             where += [P.head_dim_qk == qk, P.head_dim_v == v]
         if dtype is not None:
             where.append(P.dtype == dtype)
-        order = (E.gpu_name, E.digest, P.dtype, P.head_dim_qk, P.head_dim_v, P.causal, P.gqa_group,
-                 P.seqlen_bucket, P.bh_bucket)
+        order = (
+            E.gpu_name,
+            E.digest,
+            P.dtype,
+            P.head_dim_qk,
+            P.head_dim_v,
+            P.causal,
+            P.gqa_group,
+            P.seqlen_bucket,
+            P.bh_bucket,
+        )
         return self._best(where, order)
 
     def fastest_within(self, max_error: float) -> list[BestEntry]:
@@ -142,13 +194,18 @@ class Store:
         every kernel that passed the study's gate, not only the overall fastest (a multi-objective
         study keeps the whole front). Rows as `best_entries` (provenance and time of the trial)."""
         max_error = finite_float("max_error", max_error, positive=True)
-        cols = _entry_columns(T, T.created_at, self.version) + [rows.raw(T.environment_id, "env_id"),
-                                                  rows.raw(T.problem_id, "problem_id")]
-        stmt = (select(*cols).join_from(T, E, T.environment_id == E.id).join(P, T.problem_id == P.id)
-                .join(V, T.variant_id == V.id)
-                .where(T.status == "ok", T.error_rel_l2.is_not(None), T.error_rel_l2 <= max_error,
-                       T.median_ms > 0)
-                .order_by(T.environment_id, T.problem_id, T.median_ms, T.id))
+        cols = _entry_columns(T, T.created_at, self.version) + [
+            rows.raw(T.environment_id, "env_id"),
+            rows.raw(T.problem_id, "problem_id"),
+        ]
+        stmt = (
+            select(*cols)
+            .join_from(T, E, T.environment_id == E.id)
+            .join(P, T.problem_id == P.id)
+            .join(V, T.variant_id == V.id)
+            .where(T.status == "ok", T.error_rel_l2.is_not(None), T.error_rel_l2 <= max_error, T.median_ms > 0)
+            .order_by(T.environment_id, T.problem_id, T.median_ms, T.id)
+        )
         out, seen = [], set()
         for r, entry in self._entries(stmt, "trials within an error budget"):
             if (r["env_id"], r["problem_id"]) not in seen:  # the fastest valid trial per class
@@ -161,8 +218,9 @@ class Store:
         where = _key_where(key, self.version)
         return [] if where is None else self._best(where, (B.median_ms,))
 
-    def trials(self, *, key: ProblemKey | None = None, status: str | None = None,
-               limit: int | None = None) -> list[dict[str, Any]]:
+    def trials(
+        self, *, key: ProblemKey | None = None, status: str | None = None, limit: int | None = None
+    ) -> list[dict[str, Any]]:
         """Trials as dicts (newest first): every trial field, plus study, provenance, created_at (UTC),
         backend, config_json (unvalidated text), source_hash, fingerprint_digest, gpu_name and the
         problem key's fields."""
@@ -171,16 +229,34 @@ class Store:
         if where is None:
             return []
         new = self.version >= 4  # an older file lacks the recipe, error_ref and api columns: None / "fp8"
-        names = [n for n in ("id", "status", *TRIAL_COLUMNS, "message", "study", "provenance", "created_at")
-                 if new or n not in TRIAL_V4]
-        cols = ([rows.raw(getattr(T, n)) for n in names]
-                + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash),
-                   rows.raw(E.digest, "fingerprint_digest"), rows.raw(E.gpu_name)]
-                + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS if new or n != "api"])
-        stmt = (select(*cols).join_from(T, E, T.environment_id == E.id).join(P, T.problem_id == P.id)
-                .join(V, T.variant_id == V.id).where(*where).order_by(T.id.desc()).limit(limit))
-        found = self._read("trials", lambda s: [{**dict.fromkeys(TRIAL_V4), "api": "fp8", **r._mapping}
-                                                for r in s.execute(stmt)])
+        names = [
+            n
+            for n in ("id", "status", *TRIAL_COLUMNS, "message", "study", "provenance", "created_at")
+            if new or n not in TRIAL_V4
+        ]
+        cols = (
+            [rows.raw(getattr(T, n)) for n in names]
+            + [
+                rows.raw(V.backend),
+                rows.raw(V.config_json),
+                rows.raw(V.source_hash),
+                rows.raw(E.digest, "fingerprint_digest"),
+                rows.raw(E.gpu_name),
+            ]
+            + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS if new or n != "api"]
+        )
+        stmt = (
+            select(*cols)
+            .join_from(T, E, T.environment_id == E.id)
+            .join(P, T.problem_id == P.id)
+            .join(V, T.variant_id == V.id)
+            .where(*where)
+            .order_by(T.id.desc())
+            .limit(limit)
+        )
+        found = self._read(
+            "trials", lambda s: [{**dict.fromkeys(TRIAL_V4), "api": "fp8", **r._mapping} for r in s.execute(stmt)]
+        )
         for r in found:  # informational listing: values that do not convert are shown as stored
             with contextlib.suppress(ValueError):
                 r["created_at"] = rows.aware(rows.as_utc("created_at", r["created_at"]))
@@ -196,8 +272,14 @@ class Store:
         return int(self._read("count_trials", lambda s: s.scalar(stmt)))
 
     # ---- moving rows between databases ---------------------------------------------------------
-    def export(self, path: str | os.PathLike, *, gpu_name: str | None = None,
-               head_dims: tuple[int, int] | None = None, best_only: bool = True) -> int:
+    def export(
+        self,
+        path: str | os.PathLike,
+        *,
+        gpu_name: str | None = None,
+        head_dims: tuple[int, int] | None = None,
+        best_only: bool = True,
+    ) -> int:
         """Write a NEW self-contained SQLite file (rollback journal, no WAL: it can be shipped and
         opened read-only) with the best entries (and their trials), or with every trial if not
         `best_only`, filtered by GPU model and head dims. Never overwrites an existing file.
@@ -207,8 +289,9 @@ class Store:
             raise DatabaseError(f"{dest}: already exists; export writes a new file and never overwrites")
         if not dest.parent.is_dir():
             raise DatabaseError(f"{dest}: its folder does not exist")
-        source = self._read("export", lambda s: transfer.read_source(
-            s, gpu_name=gpu_name, head_dims=head_dims, best_only=best_only))
+        source = self._read(
+            "export", lambda s: transfer.read_source(s, gpu_name=gpu_name, head_dims=head_dims, best_only=best_only)
+        )
         for row, reason in source.rejected:
             warnings.warn(f"{self._target.display}: export skips {row}: {reason}", RuntimeWarning, stacklevel=2)
         source.rejected = []
@@ -216,8 +299,9 @@ class Store:
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}.tmp")
         try:
             with _open(resolve_target(tmp), readonly=False, create=True, wal=False) as out:
-                trials, best = transfer.write_rows(out._engine, f"{dest}: export", source, report,
-                                                   provenance_prefix=None)
+                trials, best = transfer.write_rows(
+                    out._engine, f"{dest}: export", source, report, provenance_prefix=None
+                )
             _publish(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
@@ -241,10 +325,16 @@ class Store:
             report = ImportReport()
             rows_in = src._read("import_from", transfer.read_source)
             if not self.allow_simulated:
-                transfer.drop_simulated(rows_in, f"kept out of {self._target.display} "
-                                                 "(open it with allow_simulated=True to take them)")
-            transfer.write_rows(self._engine, f"{self._target.display}: import_from", rows_in, report,
-                                provenance_prefix=f"imported from {name}")
+                transfer.drop_simulated(
+                    rows_in, f"kept out of {self._target.display} (open it with allow_simulated=True to take them)"
+                )
+            transfer.write_rows(
+                self._engine,
+                f"{self._target.display}: import_from",
+                rows_in,
+                report,
+                provenance_prefix=f"imported from {name}",
+            )
             return report
         finally:
             if owned:
@@ -255,7 +345,8 @@ class Store:
         if fingerprint.simulated and not self.allow_simulated:
             raise DatabaseError(
                 f"{self._target.display}: refusing a simulated ({fingerprint.runner}) result: the default "
-                f"database feeds the dispatcher; record elsewhere, or open it with allow_simulated=True")
+                f"database feeds the dispatcher; record elsewhere, or open it with allow_simulated=True"
+            )
 
     def _check_writable(self, op: str) -> None:
         if self._closed:
@@ -273,9 +364,15 @@ class Store:
         return run_transaction(reading(self._engine), work, where=f"{self._target.display}: {op}")
 
     def _best(self, where: list, order: tuple) -> list[BestEntry]:
-        stmt = (select(*_entry_columns(B, B.updated_at, self.version)).join_from(B, E, B.environment_id == E.id)
-                .join(P, B.problem_id == P.id).join(V, B.variant_id == V.id).outerjoin(T, B.trial_id == T.id)
-                .where(*where).order_by(*order, B.median_ms))
+        stmt = (
+            select(*_entry_columns(B, B.updated_at, self.version))
+            .join_from(B, E, B.environment_id == E.id)
+            .join(P, B.problem_id == P.id)
+            .join(V, B.variant_id == V.id)
+            .outerjoin(T, B.trial_id == T.id)
+            .where(*where)
+            .order_by(*order, B.median_ms)
+        )
         return [entry for _, entry in self._entries(stmt, "best entries")]
 
     def _entries(self, stmt, what: str) -> list[tuple[dict[str, Any], BestEntry]]:
@@ -286,8 +383,9 @@ class Store:
             try:
                 out.append((r, _best_entry(r)))
             except ValueError as exc:
-                warnings.warn(f"{self._target.display}: skipping a damaged row of {what}: {exc}",
-                              RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"{self._target.display}: skipping a damaged row of {what}: {exc}", RuntimeWarning, stacklevel=4
+                )
         return out
 
 
@@ -297,14 +395,17 @@ def _entry_columns(timed, stamp, version: int) -> list:
     best table, or a trial) with `stamp` as its time, the trial's shape, SM clock, status and time,
     and from version 4 its recipe and reference error."""
     fingerprint = [n for n in rows.FINGERPRINT_FIELDS if n != "runner" or version >= 3]
-    return ([rows.raw(getattr(E, n)) for n in fingerprint]
-            + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS if n != "api" or version >= 4]
-            + ([rows.raw(getattr(T, n)) for n in TRIAL_V4] if version >= 4 else [])
-            + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash)]
-            + [rows.raw(getattr(timed, n)) for n in ("median_ms", "tflops", "error_rel_l2", "provenance")]
-            + [rows.raw(stamp, "updated_at")]
-            + [rows.raw(getattr(T, n)) for n in TRIAL_SHAPE] + [rows.raw(T.sm_clock_mhz)]
-            + [rows.raw(T.status, "trial_status"), rows.raw(T.median_ms, "trial_median_ms")])
+    return (
+        [rows.raw(getattr(E, n)) for n in fingerprint]
+        + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS if n != "api" or version >= 4]
+        + ([rows.raw(getattr(T, n)) for n in TRIAL_V4] if version >= 4 else [])
+        + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash)]
+        + [rows.raw(getattr(timed, n)) for n in ("median_ms", "tflops", "error_rel_l2", "provenance")]
+        + [rows.raw(stamp, "updated_at")]
+        + [rows.raw(getattr(T, n)) for n in TRIAL_SHAPE]
+        + [rows.raw(T.sm_clock_mhz)]
+        + [rows.raw(T.status, "trial_status"), rows.raw(T.median_ms, "trial_median_ms")]
+    )
 
 
 def _best_entry(r: dict[str, Any]) -> BestEntry:
@@ -313,20 +414,32 @@ def _best_entry(r: dict[str, Any]) -> BestEntry:
     key = rows.key_from(r)
     backend, source_hash = validity.check_kernel_ids(r["backend"], r["source_hash"])
     validity.check_config_matches(validity.variant_config(backend, r["config_json"]), key)
-    median_ms, tflops = validity.check_best(key, median_ms=r["median_ms"], tflops=r["tflops"],
-                                            trial_status=r["trial_status"], trial_median_ms=r["trial_median_ms"])
+    median_ms, tflops = validity.check_best(
+        key,
+        median_ms=r["median_ms"],
+        tflops=r["tflops"],
+        trial_status=r["trial_status"],
+        trial_median_ms=r["trial_median_ms"],
+    )
     recipe = validity.check_recipe(r.get("recipe"))
     validity.check_recipe_fits(key, recipe)
     error_ref = r.get("error_ref")
     return BestEntry(
-        recipe=recipe, error_ref=None if error_ref is None else finite_float("error_ref", error_ref, positive=True),
-        fingerprint=rows.fingerprint_from(r), key=key, backend=backend, config_json=r["config_json"],
-        source_hash=source_hash, median_ms=median_ms, tflops=tflops,
+        recipe=recipe,
+        error_ref=None if error_ref is None else finite_float("error_ref", error_ref, positive=True),
+        fingerprint=rows.fingerprint_from(r),
+        key=key,
+        backend=backend,
+        config_json=r["config_json"],
+        source_hash=source_hash,
+        median_ms=median_ms,
+        tflops=tflops,
         error_rel_l2=optional_float("error_rel_l2", r["error_rel_l2"]),
         provenance=text("provenance", r["provenance"] or "", max_len=rows.MAX_PROVENANCE_CHARS, clean=True),
         updated_at=rows.aware(rows.as_utc("updated_at", r["updated_at"])),
         sm_clock_mhz=_clock_or_none(r["sm_clock_mhz"]),
-        **{n: _shape_or_none(r[n]) for n in TRIAL_SHAPE})
+        **{n: _shape_or_none(r[n]) for n in TRIAL_SHAPE},
+    )
 
 
 def _shape_or_none(value: Any) -> int | None:
@@ -381,8 +494,13 @@ def _publish(tmp: Path, dest: Path) -> None:
         os.rename(tmp, dest)
 
 
-def open_store(target: str | os.PathLike | None = None, *, readonly: bool = False,
-               create: bool = True, allow_simulated: bool = False) -> Store:
+def open_store(
+    target: str | os.PathLike | None = None,
+    *,
+    readonly: bool = False,
+    create: bool = True,
+    allow_simulated: bool = False,
+) -> Store:
     """Open (and if needed create or upgrade) a tuning database.
 
     target: None -> default_db_path(); a filesystem path -> that SQLite file; a string containing
@@ -404,8 +522,15 @@ def open_store(target: str | os.PathLike | None = None, *, readonly: bool = Fals
     return _open(resolved, readonly=readonly, create=create, allow_simulated=allow_simulated or not is_default)
 
 
-def _open(target: Target, *, readonly: bool, create: bool, wal: bool = True,
-          allow_old: bool = False, allow_simulated: bool = True) -> Store:
+def _open(
+    target: Target,
+    *,
+    readonly: bool,
+    create: bool,
+    wal: bool = True,
+    allow_old: bool = False,
+    allow_simulated: bool = True,
+) -> Store:
     if target.path is not None:
         # decide on the untouched file first: opening it through the engine switches it to WAL
         state = inspect_file(target.path)
@@ -417,8 +542,7 @@ def _open(target: Target, *, readonly: bool, create: bool, wal: bool = True,
             backup(target.path, state.version)
     engine = make_engine(target, readonly=readonly, wal=wal)
     try:
-        version = ensure_schema(engine, where=target.display, readonly=readonly, create=create,
-                                allow_old=allow_old)
+        version = ensure_schema(engine, where=target.display, readonly=readonly, create=create, allow_old=allow_old)
     except BaseException:
         engine.dispose()
         raise

@@ -48,7 +48,7 @@ class _Variant:
 @dataclass(frozen=True)
 class _Trial:
     src_id: Any
-    refs: tuple            # (environment_id, problem_id, variant_id) in the source
+    refs: tuple  # (environment_id, problem_id, variant_id) in the source
     fingerprint: Fingerprint
     key: ProblemKey
     variant: _Variant
@@ -74,8 +74,9 @@ class SourceRows:
 
 
 # ---- reading ----------------------------------------------------------------------------------
-def read_source(session: Session, *, gpu_name: str | None = None,
-                head_dims: tuple[int, int] | None = None, best_only: bool = False) -> SourceRows:
+def read_source(
+    session: Session, *, gpu_name: str | None = None, head_dims: tuple[int, int] | None = None, best_only: bool = False
+) -> SourceRows:
     """Read and validate every row; keep the trials/best of the given GPU model and head dims
     (all if None), and with `best_only` only the best entries and the trials they point to."""
     out = SourceRows()
@@ -96,8 +97,9 @@ def read_source(session: Session, *, gpu_name: str | None = None,
     best = valid("best", partial(_best, trials=trials))
 
     def wanted(t: _Trial) -> bool:
-        return ((gpu_name is None or t.fingerprint.gpu_name == gpu_name)
-                and (head_dims is None or (t.key.head_dim_qk, t.key.head_dim_v) == tuple(head_dims)))
+        return (gpu_name is None or t.fingerprint.gpu_name == gpu_name) and (
+            head_dims is None or (t.key.head_dim_qk, t.key.head_dim_v) == tuple(head_dims)
+        )
 
     out.best = [b for b in best.values() if wanted(b.trial)]
     out.trials = [b.trial for b in out.best] if best_only else [t for t in trials.values() if wanted(t)]
@@ -106,19 +108,21 @@ def read_source(session: Session, *, gpu_name: str | None = None,
 
 def drop_simulated(source: SourceRows, why: str) -> None:
     """Move the rows measured by a simulating runner (`Fingerprint.simulated`) to the rejected."""
+
     def simulated(t: _Trial, desc: str) -> bool:
         if t.fingerprint.simulated:
             source.rejected.append((desc, f"simulated ({t.fingerprint.runner}): {why}"))
         return t.fingerprint.simulated
 
     source.trials = [t for t in source.trials if not simulated(t, f"trials row id={short_repr(t.src_id)}")]
-    source.best = [b for b in source.best if not simulated(b.trial, f"best row of trial id={short_repr(b.trial.src_id)}")]
+    source.best = [
+        b for b in source.best if not simulated(b.trial, f"best row of trial id={short_repr(b.trial.src_id)}")
+    ]
 
 
 def _read_table(session: Session, table: str) -> list[dict[str, Any]]:
     """All rows of `table`, raw, with only the columns the source has (version 1 lacks some)."""
-    model = {m.__tablename__: m for m in (EnvironmentModel, ProblemModel, VariantModel, TrialModel,
-                                           BestModel)}[table]
+    model = {m.__tablename__: m for m in (EnvironmentModel, ProblemModel, VariantModel, TrialModel, BestModel)}[table]
     present = {c["name"] for c in inspect(session.connection()).get_columns(table)}
     cols = [rows.raw(c) for c in model.__table__.columns if c.name in present]
     stmt = select(*cols).select_from(model.__table__)
@@ -138,8 +142,10 @@ def _variant(r: dict[str, Any]) -> _Variant:
         backend=backend,
         config=validity.variant_config(backend, r["config_json"]),
         source_hash=source_hash,
-        generator_version=text("generator_version", r["generator_version"], max_len=64, allow_empty=False,
-                               pattern=VERSION_PATTERN))
+        generator_version=text(
+            "generator_version", r["generator_version"], max_len=64, allow_empty=False, pattern=VERSION_PATTERN
+        ),
+    )
 
 
 def _ref(kind: str, table: dict[Any, Any], value: Any) -> Any:
@@ -154,26 +160,37 @@ def _trial(r: dict[str, Any], *, envs, problems, variants) -> _Trial:
     variant = _ref("variant_id", variants, r["variant_id"])
     validity.check_config_matches(variant.config, key)
     message = "" if r.get("message") is None else r["message"]
-    result = TrialResult(status=r["status"], message=message,
-                         **{n: r.get(n) for n in TRIAL_COLUMNS})
+    result = TrialResult(status=r["status"], message=message, **{n: r.get(n) for n in TRIAL_COLUMNS})
     validity.check_timing(key, result.median_ms, result.tflops)
     validity.check_recipe_fits(key, result.recipe)
-    return _Trial(src_id=r["id"], refs=(r["environment_id"], r["problem_id"], r["variant_id"]),
-                  fingerprint=fp, key=key, variant=variant, result=result,
-                  study=optional_text("study", r.get("study")),
-                  provenance=text("provenance", r.get("provenance") or "", max_len=rows.MAX_PROVENANCE_CHARS,
-                                  clean=True),
-                  created_at=rows.as_utc("created_at", r.get("created_at")))
+    return _Trial(
+        src_id=r["id"],
+        refs=(r["environment_id"], r["problem_id"], r["variant_id"]),
+        fingerprint=fp,
+        key=key,
+        variant=variant,
+        result=result,
+        study=optional_text("study", r.get("study")),
+        provenance=text("provenance", r.get("provenance") or "", max_len=rows.MAX_PROVENANCE_CHARS, clean=True),
+        created_at=rows.as_utc("created_at", r.get("created_at")),
+    )
 
 
 def _best(r: dict[str, Any], *, trials) -> _Best:
     trial = _ref("trial_id", trials, r["trial_id"])
     if (r["environment_id"], r["problem_id"], r["variant_id"]) != trial.refs:
         raise ValueError("environment/problem/variant differ from its trial's")
-    validity.check_best(trial.key, median_ms=r["median_ms"], tflops=r.get("tflops"),
-                        trial_status=trial.result.status, trial_median_ms=trial.result.median_ms)
-    return _Best(trial=trial, provenance=text("provenance", r.get("provenance") or "",
-                                              max_len=rows.MAX_PROVENANCE_CHARS, clean=True))
+    validity.check_best(
+        trial.key,
+        median_ms=r["median_ms"],
+        tflops=r.get("tflops"),
+        trial_status=trial.result.status,
+        trial_median_ms=trial.result.median_ms,
+    )
+    return _Best(
+        trial=trial,
+        provenance=text("provenance", r.get("provenance") or "", max_len=rows.MAX_PROVENANCE_CHARS, clean=True),
+    )
 
 
 def _row_id(table: str, r: dict[str, Any]) -> Any:
@@ -183,8 +200,10 @@ def _row_id(table: str, r: dict[str, Any]) -> Any:
 
 def _describe(table: str, r: dict[str, Any]) -> str:
     if table == "best":
-        return (f"best row environment_id={short_repr(r.get('environment_id'))} "
-                f"problem_id={short_repr(r.get('problem_id'))}")
+        return (
+            f"best row environment_id={short_repr(r.get('environment_id'))} "
+            f"problem_id={short_repr(r.get('problem_id'))}"
+        )
     return f"{table} row id={short_repr(r.get('id'))}"
 
 
@@ -193,8 +212,9 @@ def _reason(exc: BaseException) -> str:
 
 
 # ---- writing ----------------------------------------------------------------------------------
-def write_rows(engine: Engine, where: str, source: SourceRows, report: ImportReport, *,
-               provenance_prefix: str | None) -> tuple[int, int]:
+def write_rows(
+    engine: Engine, where: str, source: SourceRows, report: ImportReport, *, provenance_prefix: str | None
+) -> tuple[int, int]:
     """Write validated rows into `engine`'s database in short transactions; fills `report`
     (rejections of `source` included). Returns (trials written, best entries new or replaced)."""
     report.rejected.extend(source.rejected)
@@ -202,7 +222,8 @@ def write_rows(engine: Engine, where: str, source: SourceRows, report: ImportRep
     written = 0
     for chunk in _chunks(source.trials):
         mapped, conflicts, n = run_transaction(
-            engine, partial(_write_trials, chunk=chunk, prefix=provenance_prefix), where=where)
+            engine, partial(_write_trials, chunk=chunk, prefix=provenance_prefix), where=where
+        )
         ids.update(mapped)
         report.rejected.extend(conflicts)
         report.accepted += len(mapped)
@@ -213,7 +234,8 @@ def write_rows(engine: Engine, where: str, source: SourceRows, report: ImportRep
     now = rows.utc_now()
     for chunk in _chunks(source.best):
         outcomes = run_transaction(
-            engine, partial(_write_best, chunk=chunk, ids=ids, prefix=provenance_prefix, now=now), where=where)
+            engine, partial(_write_best, chunk=chunk, ids=ids, prefix=provenance_prefix, now=now), where=where
+        )
         for desc, outcome in outcomes:
             if outcome == "rejected":
                 report.rejected.append((desc, "its trial was rejected"))
@@ -228,15 +250,23 @@ def write_rows(engine: Engine, where: str, source: SourceRows, report: ImportRep
 
 def _chunks(items: Sequence) -> Iterator[Sequence]:
     for i in range(0, len(items), CHUNK):
-        yield items[i:i + CHUNK]
+        yield items[i : i + CHUNK]
 
 
 def _refs(session: Session, t: _Trial) -> tuple[int, int, int]:
     """Target ids of a trial's environment, problem and variant (created if missing)."""
     v = t.variant
-    return (rows.environment_id(session, t.fingerprint), rows.problem_id(session, t.key),
-            rows.variant_id(session, backend=v.backend, config=v.config, source_hash=v.source_hash,
-                            generator_version=v.generator_version))
+    return (
+        rows.environment_id(session, t.fingerprint),
+        rows.problem_id(session, t.key),
+        rows.variant_id(
+            session,
+            backend=v.backend,
+            config=v.config,
+            source_hash=v.source_hash,
+            generator_version=v.generator_version,
+        ),
+    )
 
 
 def _write_trials(session: Session, *, chunk: Sequence[_Trial], prefix: str | None):
@@ -249,16 +279,32 @@ def _write_trials(session: Session, *, chunk: Sequence[_Trial], prefix: str | No
         except rows.VariantConflict as exc:
             conflicts.append((f"trials row id={short_repr(t.src_id)}", str(exc)))
             continue
-        median = TrialModel.median_ms.is_(None) if t.result.median_ms is None \
-            else TrialModel.median_ms == t.result.median_ms
-        existing = session.scalar(select(TrialModel.id).where(
-            TrialModel.environment_id == env, TrialModel.problem_id == problem,
-            TrialModel.variant_id == variant, TrialModel.created_at == t.created_at, median).limit(1))
+        median = (
+            TrialModel.median_ms.is_(None) if t.result.median_ms is None else TrialModel.median_ms == t.result.median_ms
+        )
+        existing = session.scalar(
+            select(TrialModel.id)
+            .where(
+                TrialModel.environment_id == env,
+                TrialModel.problem_id == problem,
+                TrialModel.variant_id == variant,
+                TrialModel.created_at == t.created_at,
+                median,
+            )
+            .limit(1)
+        )
         if existing is None:
-            row = TrialModel(environment_id=env, problem_id=problem, variant_id=variant, status=t.result.status,
-                             message=rows.clip_message(t.result.message), study=t.study,
-                             provenance=rows.join_provenance(prefix, t.provenance), created_at=t.created_at,
-                             **{n: getattr(t.result, n) for n in TRIAL_COLUMNS})
+            row = TrialModel(
+                environment_id=env,
+                problem_id=problem,
+                variant_id=variant,
+                status=t.result.status,
+                message=rows.clip_message(t.result.message),
+                study=t.study,
+                provenance=rows.join_provenance(prefix, t.provenance),
+                created_at=t.created_at,
+                **{n: getattr(t.result, n) for n in TRIAL_COLUMNS},
+            )
             session.add(row)
             session.flush()
             existing = row.id
@@ -267,8 +313,9 @@ def _write_trials(session: Session, *, chunk: Sequence[_Trial], prefix: str | No
     return mapped, conflicts, written
 
 
-def _write_best(session: Session, *, chunk: Sequence[_Best], ids: dict[Any, int], prefix: str | None,
-                now: datetime) -> list[tuple[str, str]]:
+def _write_best(
+    session: Session, *, chunk: Sequence[_Best], ids: dict[Any, int], prefix: str | None, now: datetime
+) -> list[tuple[str, str]]:
     outcomes = []
     for b in chunk:
         desc = f"best row of trial id={short_repr(b.trial.src_id)}"
@@ -278,8 +325,21 @@ def _write_best(session: Session, *, chunk: Sequence[_Best], ids: dict[Any, int]
             continue
         env, problem, variant = _refs(session, b.trial)
         r = b.trial.result
-        outcomes.append((desc, rows.offer_best(
-            session, environment=env, problem=problem, variant=variant, trial=trial_id,
-            median_ms=r.median_ms, tflops=r.tflops, error_rel_l2=r.error_rel_l2,
-            provenance=rows.join_provenance(prefix, b.provenance), now=now)))
+        outcomes.append(
+            (
+                desc,
+                rows.offer_best(
+                    session,
+                    environment=env,
+                    problem=problem,
+                    variant=variant,
+                    trial=trial_id,
+                    median_ms=r.median_ms,
+                    tflops=r.tflops,
+                    error_rel_l2=r.error_rel_l2,
+                    provenance=rows.join_provenance(prefix, b.provenance),
+                    now=now,
+                ),
+            )
+        )
     return outcomes

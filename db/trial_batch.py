@@ -21,14 +21,22 @@ from .records import TrialResult
 from .store import Store
 
 
-def record_trials(store: Store, fingerprint: Fingerprint, config: KernelConfig,
-                  results: Sequence[tuple[ProblemKey, TrialResult]], *, source_hash: str,
-                  study: str | None = None, provenance: str | None = None) -> list[int]:
+def record_trials(
+    store: Store,
+    fingerprint: Fingerprint,
+    config: KernelConfig,
+    results: Sequence[tuple[ProblemKey, TrialResult]],
+    *,
+    source_hash: str,
+    study: str | None = None,
+    provenance: str | None = None,
+) -> list[int]:
     """`Store.record_trial` for each (key, result), committed as one transaction; the trials' ids."""
     works: list[Callable[[Session], Any]] = []
     collecting = copy.copy(store)  # the same engine; its writes are collected instead of run
     collecting._write = lambda op, work: works.append(work)  # type: ignore[method-assign]
     for key, result in results:
-        collecting.record_trial(fingerprint, key, config, result, source_hash=source_hash, study=study,
-                                provenance=provenance)
+        collecting.record_trial(
+            fingerprint, key, config, result, source_hash=source_hash, study=study, provenance=provenance
+        )
     return store._write("record_trials", lambda session: [work(session) for work in works])

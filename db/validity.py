@@ -45,8 +45,10 @@ def min_plausible_ms(key: ProblemKey) -> float:
 def check_timing(key: ProblemKey, median_ms: float | None, tflops: float | None) -> None:
     """ValueError naming the field if a measured time or throughput is physically impossible."""
     if median_ms is not None and median_ms < min_plausible_ms(key):
-        raise ValueError(f"median_ms: {median_ms:.3g} ms for {key} implies more than {MAX_TFLOPS:.0f} "
-                         f"TFLOP/s (at least {min_plausible_ms(key):.3g} ms on any Hopper GPU)")
+        raise ValueError(
+            f"median_ms: {median_ms:.3g} ms for {key} implies more than {MAX_TFLOPS:.0f} "
+            f"TFLOP/s (at least {min_plausible_ms(key):.3g} ms on any Hopper GPU)"
+        )
     if tflops is not None and tflops > MAX_TFLOPS:
         raise ValueError(f"tflops: {tflops:.4g} is more than any Hopper GPU can do ({MAX_TFLOPS:.0f})")
 
@@ -55,14 +57,15 @@ def check_config_matches(config: KernelConfig, key: ProblemKey) -> None:
     got = (config.dtype, config.head_dim_qk, config.head_dim_v)
     want = (key.dtype, key.head_dim_qk, key.head_dim_v)
     if got != want:
-        raise ValueError(f"config is for {got[0]} {got[1]}/{got[2]} but the problem is "
-                         f"{want[0]} {want[1]}/{want[2]}")
+        raise ValueError(f"config is for {got[0]} {got[1]}/{got[2]} but the problem is {want[0]} {want[1]}/{want[2]}")
 
 
 def check_kernel_ids(backend: Any, source_hash: Any) -> tuple[str, str]:
     """A variant's backend name and source hash, checked."""
-    return (text("backend", backend, max_len=32, allow_empty=False, pattern=BACKEND_PATTERN),
-            text("source_hash", source_hash, max_len=64, allow_empty=False, pattern=SOURCE_HASH_PATTERN))
+    return (
+        text("backend", backend, max_len=32, allow_empty=False, pattern=BACKEND_PATTERN),
+        text("source_hash", source_hash, max_len=64, allow_empty=False, pattern=SOURCE_HASH_PATTERN),
+    )
 
 
 def variant_config(backend: Any, config_json: Any) -> KernelConfig:
@@ -97,12 +100,15 @@ def check_recipe(value: Any) -> str | None:
 def check_recipe_fits(key: ProblemKey, recipe: str | None) -> None:
     """The FP8 API times kernels on plainly quantised codes: only the bf16 API's trials have a recipe."""
     if recipe is not None and key.api != "bf16":
-        raise ValueError(f"recipe: {short_repr(recipe)} on a problem of api {key.api!r}; only api 'bf16' "
-                         f"trials quantise with a recipe")
+        raise ValueError(
+            f"recipe: {short_repr(recipe)} on a problem of api {key.api!r}; only api 'bf16' "
+            f"trials quantise with a recipe"
+        )
 
 
-def check_best(key: ProblemKey, *, median_ms: Any, tflops: Any, trial_status: Any,
-               trial_median_ms: Any) -> tuple[float, float | None]:
+def check_best(
+    key: ProblemKey, *, median_ms: Any, tflops: Any, trial_status: Any, trial_median_ms: Any
+) -> tuple[float, float | None]:
     """A best row against the trial it names: the trial exists, is "ok", has the same median, and the
     time is possible. Returns (median_ms, tflops) as plain floats."""
     median_ms = finite_float("median_ms", median_ms, positive=True)
@@ -112,7 +118,6 @@ def check_best(key: ProblemKey, *, median_ms: Any, tflops: Any, trial_status: An
     if trial_status != "ok":
         raise ValueError(f"does not match its trial (status {trial_status!r}, not 'ok')")
     if trial_median_ms != median_ms:
-        raise ValueError(f"does not match its trial (median_ms {median_ms!r}, the trial's "
-                         f"{trial_median_ms!r})")
+        raise ValueError(f"does not match its trial (median_ms {median_ms!r}, the trial's {trial_median_ms!r})")
     check_timing(key, median_ms, tflops)
     return median_ms, tflops

@@ -24,6 +24,23 @@ def emit(config: KernelConfig) -> EmittedKernel:
     return backend_of(config).emit(config)
 
 
-__all__ = ["BACKENDS", "HOPPER", "Backend", "Target", "backend_of", "CHOICES", "GENERATOR_VERSION", "GLUON_HEAD_DIMS", "HEAD_DIMS", "ConfigError", "KernelConfig",
-           "EmittedKernel", "emit", "gluon_o_parts", "gluon_registers", "head_chunks",
-           "o_in_p_tile", "p_tiles"]
+__all__ = [
+    "BACKENDS",
+    "HOPPER",
+    "Backend",
+    "Target",
+    "backend_of",
+    "CHOICES",
+    "GENERATOR_VERSION",
+    "GLUON_HEAD_DIMS",
+    "HEAD_DIMS",
+    "ConfigError",
+    "KernelConfig",
+    "EmittedKernel",
+    "emit",
+    "gluon_o_parts",
+    "gluon_registers",
+    "head_chunks",
+    "o_in_p_tile",
+    "p_tiles",
+]

@@ -144,8 +144,19 @@ def ptxas_log(ptx: str, capability: int = 90) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        run = subprocess.run([_tool("ptxas"), f"-arch=sm_{capability}a", "-v", "--warn-on-spills", str(src),
-                              "-o", str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+        run = subprocess.run(
+            [
+                _tool("ptxas"),
+                f"-arch=sm_{capability}a",
+                "-v",
+                "--warn-on-spills",
+                str(src),
+                "-o",
+                str(Path(tmp) / "k.cubin"),
+            ],
+            capture_output=True,
+            text=True,
+        )
     return run.stdout + run.stderr
 
 
@@ -155,8 +166,11 @@ def serialised_wgmma(ptx: str) -> str | None:
     the precompile pool runs it while the GPU measures the previous trial, not the worker."""
     path = memo_path("ptxas", hashlib.sha256(ptx.encode()).hexdigest()[:32])
     kept = read_memo(path)
-    if isinstance(kept, dict) and set(kept) == {"serialised"} and (kept["serialised"] is None
-                                                                   or isinstance(kept["serialised"], str)):
+    if (
+        isinstance(kept, dict)
+        and set(kept) == {"serialised"}
+        and (kept["serialised"] is None or isinstance(kept["serialised"], str))
+    ):
         return kept["serialised"]
     match = _SERIALISED_WGMMA.search(ptxas_log(ptx))
     verdict = match.group(0).strip() if match else None
@@ -173,8 +187,9 @@ def _tool(name: str) -> str:
     return str(path)
 
 
-def compile_for_target(kernel: EmittedKernel, *, causal: bool = True, capability: int = 90,
-                       descales: bool = True) -> CompiledArtifacts:
+def compile_for_target(
+    kernel: EmittedKernel, *, causal: bool = True, capability: int = 90, descales: bool = True
+) -> CompiledArtifacts:
     """Compile the kernel for `capability` (default sm_90a) with no GPU present.
 
     Integer arguments that a real launch marks as multiples of 16 (strides, with contiguous
@@ -206,13 +221,14 @@ def compile_for_target(kernel: EmittedKernel, *, causal: bool = True, capability
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     module = load_module(kernel)
     compiled = triton.compile(
-        src, target=GPUTarget("cuda", capability, 32),
-        options={"num_warps": module.NUM_WARPS, "num_stages": module.NUM_STAGES, "maxnreg": module.MAXNREG})
+        src,
+        target=GPUTarget("cuda", capability, 32),
+        options={"num_warps": module.NUM_WARPS, "num_stages": module.NUM_STAGES, "maxnreg": module.MAXNREG},
+    )
     return artifacts(compiled)
 
 
-def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int,
-                   descales: bool = True) -> CompiledArtifacts:
+def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int, descales: bool = True) -> CompiledArtifacts:
     """The Gluon kernel for sm_<capability>a: descriptors typed from the config's blocks (their
     shared layouts are what the launcher builds); its integers are never specialised (gluon_sm90.emit's
     UNSPECIALISED), so plain i32 is exactly what a launch compiles."""
@@ -229,8 +245,9 @@ def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int,
     sig, constexprs, attrs = _scalar_signature(names, causal, descales)
     sig.update({n: descriptor_type(*blocks[n]) for n in blocks})
     src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": load_module(kernel).NUM_WARPS})
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", capability, 32), options={"num_warps": load_module(kernel).NUM_WARPS}
+    )
     return artifacts(compiled)
 
 
@@ -267,9 +284,15 @@ def artifacts(compiled) -> CompiledArtifacts:
     """What a Triton CompiledKernel holds for the CPU checks: its IR, PTX, cubin, SASS and resources."""
     cubin = compiled.asm["cubin"]
     sass, usage = _disassemble(cubin)
-    return CompiledArtifacts(ttgir=compiled.asm["ttgir"], ptx=compiled.asm["ptx"], cubin=cubin, sass=sass,
-                             registers=usage["REG"], spill_bytes=usage["LOCAL"] + usage["STACK"],
-                             shared_bytes=int(compiled.metadata.shared))
+    return CompiledArtifacts(
+        ttgir=compiled.asm["ttgir"],
+        ptx=compiled.asm["ptx"],
+        cubin=cubin,
+        sass=sass,
+        registers=usage["REG"],
+        spill_bytes=usage["LOCAL"] + usage["STACK"],
+        shared_bytes=int(compiled.metadata.shared),
+    )
 
 
 def _disassemble(cubin: bytes) -> tuple[str, dict[str, int]]:

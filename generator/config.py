@@ -70,15 +70,56 @@ CHOICES: dict[str, tuple] = {
 }
 
 #: Fields only the Gluon backend reads: a Triton config keeps them at their defaults.
-GLUON_FIELDS = ("ping_pong", "overlap", "q_stages", "v_permute", "persistent", "producer_regs", "ex2_fence",
-                "exp2_poly", "exp2_poly_degree", "skip_rescale", "turn_barrier", "pv_defer",
-                "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                "qk_acc", "k_perm", "qk_async", "lean_mufu", "lean_ref", "lean_floor")
+GLUON_FIELDS = (
+    "ping_pong",
+    "overlap",
+    "q_stages",
+    "v_permute",
+    "persistent",
+    "producer_regs",
+    "ex2_fence",
+    "exp2_poly",
+    "exp2_poly_degree",
+    "skip_rescale",
+    "turn_barrier",
+    "pv_defer",
+    "p_carry",
+    "lane_sums",
+    "late_rescale",
+    "o_split",
+    "half_block",
+    "o_through_p",
+    "l2_group_mib",
+    "qk_acc",
+    "k_perm",
+    "qk_async",
+    "lean_mufu",
+    "lean_ref",
+    "lean_floor",
+)
 #: Fields added after configs were stored in shipped databases: written to JSON only away from their
 #: default, so every earlier config keeps its JSON (and so its database rows).
-LATE_FIELDS = ("exp2_poly", "exp2_poly_degree", "skip_rescale", "v_layout", "turn_barrier", "pv_defer",
-               "p_carry", "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-               "qk_acc", "k_perm", "qk_async", "lean_mufu", "lean_ref", "lean_floor")
+LATE_FIELDS = (
+    "exp2_poly",
+    "exp2_poly_degree",
+    "skip_rescale",
+    "v_layout",
+    "turn_barrier",
+    "pv_defer",
+    "p_carry",
+    "lane_sums",
+    "late_rescale",
+    "o_split",
+    "half_block",
+    "o_through_p",
+    "l2_group_mib",
+    "qk_acc",
+    "k_perm",
+    "qk_async",
+    "lean_mufu",
+    "lean_ref",
+    "lean_floor",
+)
 #: Fields only the launch reads (the persistent grid's tile table), not the kernel's code: configs that
 #: differ only in them differ in the source's header line alone (the config, so each is its own
 #: database variant: variants are keyed by source hash), and Triton compiles the kernel function once.
@@ -307,8 +348,7 @@ class KernelConfig:
             expected = type(allowed[0])
             # bool is an int subclass: reject it explicitly so True never passes as 1.
             if type(value) is not expected:
-                raise ConfigError(
-                    f"{f.name}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
+                raise ConfigError(f"{f.name}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
             if value not in allowed:
                 raise ConfigError(f"{f.name}: {value!r} is not one of {list(allowed)}")
         self._check_combination()
@@ -317,8 +357,10 @@ class KernelConfig:
         for name in TRITON_FIELDS if self.backend == "gluon" else GLUON_FIELDS:
             value, default = getattr(self, name), _DEFAULTS[name]
             if value != default:
-                raise ConfigError(f"{name}={value!r}: not a field of backend={self.backend!r}; it must keep "
-                                  f"its default {default!r} (one kernel, one config)")
+                raise ConfigError(
+                    f"{name}={value!r}: not a field of backend={self.backend!r}; it must keep "
+                    f"its default {default!r} (one kernel, one config)"
+                )
         why = gluon_conflict(vars(self), _DEFAULTS) if self.backend == "gluon" else triton_conflict(vars(self))
         if why:
             raise ConfigError(why)
@@ -371,15 +413,27 @@ class KernelConfig:
     def summary(self) -> str:
         """One line for tables (what `zyfa-tune best` and `zyfa-tune bench` print)."""
         if self.backend == "gluon":
-            on = [name for name, flag in (("pingpong", self.ping_pong), ("overlap", self.overlap),
-                                          ("vperm", self.v_permute), ("persistent", self.persistent),
-                                          ("naturalV", self.v_layout == "natural"),
-                                          ("named", self.turn_barrier == "named"), ("defer", self.pv_defer),
-                                          ("packedP", self.p_carry == "e4m3"),
-                                          ("smemP", self.p_carry == "smem"), ("smemP2", self.p_carry == "smem2"),
-                                          ("laneSums", self.lane_sums), ("oSplit", self.o_split),
-                                          ("halfBlock", self.half_block), ("oThroughP", self.o_through_p),
-                                          ("balanced", self.q_order == "balanced")) if flag]
+            on = [
+                name
+                for name, flag in (
+                    ("pingpong", self.ping_pong),
+                    ("overlap", self.overlap),
+                    ("vperm", self.v_permute),
+                    ("persistent", self.persistent),
+                    ("naturalV", self.v_layout == "natural"),
+                    ("named", self.turn_barrier == "named"),
+                    ("defer", self.pv_defer),
+                    ("packedP", self.p_carry == "e4m3"),
+                    ("smemP", self.p_carry == "smem"),
+                    ("smemP2", self.p_carry == "smem2"),
+                    ("laneSums", self.lane_sums),
+                    ("oSplit", self.o_split),
+                    ("halfBlock", self.half_block),
+                    ("oThroughP", self.o_through_p),
+                    ("balanced", self.q_order == "balanced"),
+                )
+                if flag
+            ]
             softmax = self.softmax + (f" poly{self.exp2_poly}/8d{self.exp2_poly_degree}" if self.exp2_poly else "")
             softmax += " rowsum=mma" if self.rowsum == "mma" and self.softmax == "exact" else ""
             softmax += " codeSums" if self.rowsum == "rounded" and self.softmax == "lean" else ""
@@ -390,10 +444,14 @@ class KernelConfig:
             softmax += " refMax" if self.lean_ref == "max" else ""
             softmax += " floor" if self.lean_floor else ""
             group = f" L2group{self.l2_group_mib}MiB" if self.l2_group_mib != _DEFAULTS["l2_group_mib"] else ""
-            return (f"gluon {softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
-                    f"{'+'.join(on) or 'plain'}{group}")
-        return (f"{self.softmax} {self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} "
-                f"{self.loads}/{self.v_layout} rowsum={self.rowsum}")
+            return (
+                f"gluon {softmax} {self.block_m}x{self.block_n} s{self.num_stages} q{self.q_stages} "
+                f"{'+'.join(on) or 'plain'}{group}"
+            )
+        return (
+            f"{self.softmax} {self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages} "
+            f"{self.loads}/{self.v_layout} rowsum={self.rowsum}"
+        )
 
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(KernelConfig)}

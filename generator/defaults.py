@@ -26,15 +26,24 @@ def default_config(dtype: str, head_dim_qk: int, head_dim_v: int, backend: str =
     GLUON_HEAD_DIMS)."""
     if backend == "gluon":  # head_dim_v 256: a 64 x 256 fp32 accumulator leaves registers for 64-key blocks
         wide = head_dim_v > 128
-        return KernelConfig(backend="gluon", dtype=dtype, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v,
-                            block_m=128, block_n=64 if wide else 128, num_stages=2 if wide else 3,
-                            q_order="balanced", p_scale_log2=8)
+        return KernelConfig(
+            backend="gluon",
+            dtype=dtype,
+            head_dim_qk=head_dim_qk,
+            head_dim_v=head_dim_v,
+            block_m=128,
+            block_n=64 if wide else 128,
+            num_stages=2 if wide else 3,
+            q_order="balanced",
+            p_scale_log2=8,
+        )
     big = max(head_dim_qk, head_dim_v) > 128
     dims = dict(head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, block_n=64 if big else 128)
     if dtype == "fp8":  # query blocks in launch order: the fp8 studies preferred it (1.02-1.23x)
         return KernelConfig(dtype="fp8", q_order="forward", **dims)
-    return KernelConfig(dtype="bf16", block_m=128, num_warps=8, num_stages=2, p_scale_log2=0,
-                        v_layout="natural", **dims)
+    return KernelConfig(
+        dtype="bf16", block_m=128, num_warps=8, num_stages=2, p_scale_log2=0, v_layout="natural", **dims
+    )
 
 
 def fallback_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
@@ -46,7 +55,8 @@ def fallback_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConf
     there untuned."""
     if dtype == "fp8" and (head_dim_qk, head_dim_v) == (128, 128):
         return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(
-            block_n=256, num_stages=2, ping_pong=False, q_stages=2, p_carry="smem2", lane_sums=True, half_block=True)
+            block_n=256, num_stages=2, ping_pong=False, q_stages=2, p_carry="smem2", lane_sums=True, half_block=True
+        )
     return default_config(dtype, head_dim_qk, head_dim_v)
 
 

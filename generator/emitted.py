@@ -25,8 +25,12 @@ def emitted(config: KernelConfig, source: str, kernel_name: str = KERNEL_NAME) -
     """Wrap a module source; its hash (first 16 hex digits of SHA-256) names the kernel everywhere
     (cache file, database variant, Triton's own cache). `kernel_name`: the kernel function's name, which
     asks generator/ptx_pass.py for its pass where it ends so (`kernel_name_of`)."""
-    return EmittedKernel(config=config, source=source, source_hash=hashlib.sha256(source.encode()).hexdigest()[:16],
-                         kernel_name=kernel_name)
+    return EmittedKernel(
+        config=config,
+        source=source,
+        source_hash=hashlib.sha256(source.encode()).hexdigest()[:16],
+        kernel_name=kernel_name,
+    )
 
 
 def kernel_name_of(config: KernelConfig) -> str:

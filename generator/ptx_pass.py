@@ -20,8 +20,10 @@ import re
 #: the kernel-name suffix that asks for the pass (generator/gluon_sm90/emit.py names qk_async kernels with it)
 QK_ASYNC_SUFFIX = "_qk_async"
 
-_WAIT = re.compile(r"[ \t]*// begin inline asm\n[ \t]*// wait for regs:[^\n]*\n[ \t]*wgmma\.wait_group\.sync\.aligned "
-                   r"(\d+);\n[ \t]*// end inline asm\n")
+_WAIT = re.compile(
+    r"[ \t]*// begin inline asm\n[ \t]*// wait for regs:[^\n]*\n[ \t]*wgmma\.wait_group\.sync\.aligned "
+    r"(\d+);\n[ \t]*// end inline asm\n"
+)
 _SPLIT = re.compile(r"[ \t]*mov\.b32[ \t]+\{(%rs\d+), (%rs\d+)\}, %r\d+;\n")
 _MMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.(\w+)\.")
 #: an f16 accumulator's split has one mov per 32-bit register: at least m64n16 (4 per thread)
@@ -41,7 +43,7 @@ def async_f16_qk(ptx: str) -> tuple[str, int]:
         if wait.start() < pos or wait.group(1) != "0":
             continue
         mmas = list(_MMA.finditer(ptx, pos, wait.start()))
-        if not mmas or mmas[-1].group(1) != "f16" or "wgmma.commit_group" not in ptx[mmas[-1].end():wait.start()]:
+        if not mmas or mmas[-1].group(1) != "f16" or "wgmma.commit_group" not in ptx[mmas[-1].end() : wait.start()]:
             continue
         splits, end = [], wait.end()
         while split := _SPLIT.match(ptx, end):
@@ -52,12 +54,15 @@ def async_f16_qk(ptx: str) -> tuple[str, int]:
         following = _WAIT.search(ptx, end)
         if following is None or following.group(1) != "1":
             continue
-        between = ptx[end:following.start()]
+        between = ptx[end : following.start()]
         halves = [h for s in splits for h in s.groups()]
-        if "wgmma.wait_group" in between or "wgmma.mma_async" not in between or \
-                any(re.search(re.escape(h) + r"(?!\d)", between) for h in halves):
+        if (
+            "wgmma.wait_group" in between
+            or "wgmma.mma_async" not in between
+            or any(re.search(re.escape(h) + r"(?!\d)", between) for h in halves)
+        ):
             continue
-        out += [ptx[pos:wait.start()], between, following.group(0), "".join(s.group(0) for s in splits)]
+        out += [ptx[pos : wait.start()], between, following.group(0), "".join(s.group(0) for s in splits)]
         pos = following.end()
         changed += 1
     out.append(ptx[pos:])
@@ -71,9 +76,12 @@ def _ptx_stage(make_ptx):
         if name.endswith(QK_ASYNC_SUFFIX):
             ptx, changed = async_f16_qk(ptx)
             if not changed:
-                raise PtxPassError(f"{name}: qk_async found no f16 QK^T wait followed by PV's issue to move "
-                                   "(a kernel shape generator/ptx_pass.py does not know)")
+                raise PtxPassError(
+                    f"{name}: qk_async found no f16 QK^T wait followed by PV's issue to move "
+                    "(a kernel shape generator/ptx_pass.py does not know)"
+                )
         return ptx
+
     stage._zyfa_ptx_pass = True
     return stage
 
@@ -94,6 +102,7 @@ def install() -> None:
             prev(backend, stages, options, language, capability)
         if "ptx" in stages and not getattr(stages["ptx"], "_zyfa_ptx_pass", False):
             stages["ptx"] = _ptx_stage(stages["ptx"])
+
     hook._zyfa_ptx_pass = True
     knobs.add_stages_inspection_hook = hook
 

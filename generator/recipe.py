@@ -14,10 +14,10 @@ from .config import ConfigError
 
 #: allowed values of each recipe field
 RECIPE_CHOICES: dict[str, tuple] = {
-    "hadamard": (False, True),            # rotate Q and K by one orthonormal Hadamard matrix (QK^T unchanged)
-    "smooth_k": (False, True),            # subtract K's token mean (softmax unchanged)
+    "hadamard": (False, True),  # rotate Q and K by one orthonormal Hadamard matrix (QK^T unchanged)
+    "smooth_k": (False, True),  # subtract K's token mean (softmax unchanged)
     "v_rounding": ("nearest", "balanced"),  # V's codes to nearest, or balanced along the keys
-    "v_layout": ("natural", "k_major"),   # V codes as given, or written keys-fastest (no V^T copy later)
+    "v_layout": ("natural", "k_major"),  # V codes as given, or written keys-fastest (no V^T copy later)
 }
 
 
@@ -44,8 +44,11 @@ class Recipe:
 
     def summary(self) -> str:
         parts = [name for name in ("hadamard", "smooth_k") if getattr(self, name)]
-        parts += [f"{name}={getattr(self, name)}" for name in ("v_rounding", "v_layout")
-                  if getattr(self, name) != RECIPE_CHOICES[name][0]]
+        parts += [
+            f"{name}={getattr(self, name)}"
+            for name in ("v_rounding", "v_layout")
+            if getattr(self, name) != RECIPE_CHOICES[name][0]
+        ]
         return " ".join(parts) or "plain"
 
     def to_json(self) -> str:

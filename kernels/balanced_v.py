@@ -15,8 +15,18 @@ import triton.language as tl
 
 from .fastlaunch import run
 
-__all__ = ["BALANCE_COST_CAP", "BALANCE_FIXED", "BALANCE_KEYS", "BALANCE_ROW_BITS", "BALANCE_SKIP", "BALANCE_STEPS",
-           "BALANCE_WEIGHT_MAX", "WEIGHT_SAMPLES", "balance_weights", "balanced_codes"]
+__all__ = [
+    "BALANCE_COST_CAP",
+    "BALANCE_FIXED",
+    "BALANCE_KEYS",
+    "BALANCE_ROW_BITS",
+    "BALANCE_SKIP",
+    "BALANCE_STEPS",
+    "BALANCE_WEIGHT_MAX",
+    "WEIGHT_SAMPLES",
+    "balance_weights",
+    "balanced_codes",
+]
 
 #: balanced rounding (V): keys per block whose rounding errors are made to cancel, per channel
 BALANCE_KEYS = 16
@@ -32,7 +42,7 @@ BALANCE_SKIP = 4
 BALANCE_ROW_BITS = 20
 #: errors are summed as int32 in units of 2^-22 (|error| <= 16, half e4m3's step at 448: a block's sum
 #: stays under 2^30), exactly, so that the GPU and the CPU agree bitwise
-BALANCE_FIXED = 2.0 ** 22
+BALANCE_FIXED = 2.0**22
 #: sort key (uint32) of a code that cannot move: above every candidate's whichever way bit 31 is turned
 BALANCE_DEAD = 0x7FFFFFFF
 #: a step's winner is a candidate if its key less the direction bit is below this (a cost under 32.0's bits)
@@ -41,7 +51,7 @@ BALANCE_CANDIDATE = 0x42000000
 #: under 2^30 (|d| + it, an int32); a block's error sum reaches 2^29 units only with codes near 448 all erring alike
 BALANCE_COST_CAP = 256.0
 #: kappa is at most this (`balance_weights`; finite, so kappa times a cost of 0, a tie, is 0)
-BALANCE_WEIGHT_MAX = 2.0 ** 20
+BALANCE_WEIGHT_MAX = 2.0**20
 _BALANCE_COST_CAP = tl.constexpr(BALANCE_COST_CAP)
 _BALANCE_FIXED = tl.constexpr(BALANCE_FIXED)
 _BALANCE_SKIP = tl.constexpr(BALANCE_SKIP)
@@ -74,15 +84,15 @@ def balance_weights(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | Non
     its q heads' mean."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
     (step_q, nq), (step_k, nk) = _weight_sample(sq), _weight_sample(sk)
     if q.device.type == "cuda":  # one launch (the torch ops below cost ~0.3 ms of host time a call)
         return _balance_weights_gpu(q, k, scale, step_q, nq, step_k, nk)
-    qs = q[:, ::step_q][:, :nq].permute(0, 2, 1, 3)   # (b, h, nq, d)
-    ks = k[:, ::step_k][:, :nk].permute(0, 2, 3, 1)   # (b, hk, d, nk)
+    qs = q[:, ::step_q][:, :nq].permute(0, 2, 1, 3)  # (b, h, nq, d)
+    ks = k[:, ::step_k][:, :nk].permute(0, 2, 3, 1)  # (b, hk, d, nk)
     # float32 scores: rows with means of hundreds (channel outliers) keep their spread
     scores = torch.matmul(qs.float().reshape(b, hk, (h // hk) * nq, d), ks.float())
-    sigma2 = scores.var(dim=3, unbiased=False).view(b, hk, h // hk, nq).mean(dim=3) * scale ** 2
+    sigma2 = scores.var(dim=3, unbiased=False).view(b, hk, h // hk, nq).mean(dim=3) * scale**2
     kappa = torch.expm1(sigma2.clamp(0.0, _SIGMA2_MAX)).mean(dim=2)
     return kappa.nan_to_num(BALANCE_WEIGHT_MAX).clamp(0.0, BALANCE_WEIGHT_MAX)
 
@@ -93,14 +103,32 @@ def _weight_sample(n: int) -> tuple[int, int]:
     return step, min(WEIGHT_SAMPLES, -(-n // step))
 
 
-def _balance_weights_gpu(q: torch.Tensor, k: torch.Tensor, scale: float, step_q: int, nq: int, step_k: int,
-                         nk: int) -> torch.Tensor:
+def _balance_weights_gpu(
+    q: torch.Tensor, k: torch.Tensor, scale: float, step_q: int, nq: int, step_k: int, nk: int
+) -> torch.Tensor:
     """`balance_weights` on a GPU: `_kappa_kernel`, one program per (batch, kv head)."""
     b, _, h, d = q.shape
     hk = k.shape[2]
     out = torch.empty(b, hk, dtype=torch.float32, device=q.device)
-    args = (q, k, out, nq, nk, step_q * q.stride(1), step_k * k.stride(1), q.stride(0), q.stride(2), q.stride(3),
-            k.stride(0), k.stride(2), k.stride(3), h // hk, hk, d, float(scale) ** 2)
+    args = (
+        q,
+        k,
+        out,
+        nq,
+        nk,
+        step_q * q.stride(1),
+        step_k * k.stride(1),
+        q.stride(0),
+        q.stride(2),
+        q.stride(3),
+        k.stride(0),
+        k.stride(2),
+        k.stride(3),
+        h // hk,
+        hk,
+        d,
+        float(scale) ** 2,
+    )
     consts = dict(BQ=_KAPPA_ROWS, BK=_KAPPA_KEYS)
     run(("balance_weights",), _kappa_kernel, (b, hk), args, consts, dict(num_warps=4, num_stages=1), q.device.index)
     return out
@@ -116,8 +144,27 @@ _BALANCE_WEIGHT_MAX = tl.constexpr(BALANCE_WEIGHT_MAX)
 
 
 @triton.jit
-def _kappa_kernel(Q, K, OUT, NQ, NK, SQ_STEP, SK_STEP, sqb, sqh, sqd, skb, skh, skd, GROUP, HK, D, scale2,
-                  BQ: tl.constexpr, BK: tl.constexpr):
+def _kappa_kernel(
+    Q,
+    K,
+    OUT,
+    NQ,
+    NK,
+    SQ_STEP,
+    SK_STEP,
+    sqb,
+    sqh,
+    sqd,
+    skb,
+    skh,
+    skd,
+    GROUP,
+    HK,
+    D,
+    scale2,
+    BQ: tl.constexpr,
+    BK: tl.constexpr,
+):
     """kappa of one (batch, kv head) as `balance_weights`: per q head of the group the mean over NQ sampled
     queries (every SQ_STEP-th element row) of the variance of their float32 scores against NK sampled keys,
     times scale2; expm1 of it clamped; the group's mean, NaN to the cap, clamped to [0, cap]. The scores come
@@ -140,12 +187,18 @@ def _kappa_kernel(Q, K, OUT, NQ, NK, SQ_STEP, SK_STEP, sqb, sqh, sqd, skb, skh, 
                 keys = k0 + keys0
                 kmask = keys < NK
                 acc = tl.zeros([BQ, BK], dtype=tl.float32)
-                for c0 in range(0, D, _KAPPA_COLS):   # (not unrolled: 256 columns would spill)
+                for c0 in range(0, D, _KAPPA_COLS):  # (not unrolled: 256 columns would spill)
                     cols = c0 + tl.arange(0, _KAPPA_COLS)
-                    qt = tl.load(q_head + rows[:, None].to(tl.int64) * SQ_STEP + cols[None, :] * sqd,
-                                 mask=qmask[:, None] & (cols[None, :] < D), other=0.0)
-                    kt = tl.load(k_head + keys[None, :].to(tl.int64) * SK_STEP + cols[:, None] * skd,
-                                 mask=kmask[None, :] & (cols[:, None] < D), other=0.0)
+                    qt = tl.load(
+                        q_head + rows[:, None].to(tl.int64) * SQ_STEP + cols[None, :] * sqd,
+                        mask=qmask[:, None] & (cols[None, :] < D),
+                        other=0.0,
+                    )
+                    kt = tl.load(
+                        k_head + keys[None, :].to(tl.int64) * SK_STEP + cols[:, None] * skd,
+                        mask=kmask[None, :] & (cols[:, None] < D),
+                        other=0.0,
+                    )
                     acc = tl.dot(qt.to(tl.float32), kt.to(tl.float32), acc, input_precision="tf32x3")
                 nc = tl.minimum(NK - k0, BK).to(tl.float32)
                 mc = tl.sum(tl.where(kmask[None, :], acc, 0.0), axis=1) / nc
@@ -177,7 +230,7 @@ def _e4m3_step(y: torch.Tensor) -> torch.Tensor:
     binade 2^E, whichever of the two is y's nearest (below a power of two the step is the lower binade's).
     `_balanced_keys` computes it the same way, from y's exponent bits."""
     binade = (y.view(torch.int32) & 0x7F800000).view(torch.float32)
-    return torch.clamp_min(binade * 0.125, 2.0 ** -9)
+    return torch.clamp_min(binade * 0.125, 2.0**-9)
 
 
 def _free_keys(rows: torch.Tensor) -> torch.Tensor:
@@ -187,7 +240,7 @@ def _free_keys(rows: torch.Tensor) -> torch.Tensor:
     the block's sum. `_amax_kernel` computes the same from the same rows."""
     top = rows.amax(dim=2, keepdim=True)
     e = ((top.view(torch.int32) >> 23) & 0xFF).clamp_min(BALANCE_ROW_BITS + 1)
-    unit = ((127 + BALANCE_ROW_BITS + 127 - e) << 23).view(torch.float32)      # 2^(BALANCE_ROW_BITS - (e - 127))
+    unit = ((127 + BALANCE_ROW_BITS + 127 - e) << 23).view(torch.float32)  # 2^(BALANCE_ROW_BITS - (e - 127))
     fixed = (rows * unit).to(torch.int32)
     return fixed * (BALANCE_SKIP * BALANCE_KEYS) >= fixed.sum(dim=2, keepdim=True, dtype=torch.int32)
 
@@ -223,32 +276,32 @@ def balanced_codes(y: torch.Tensor, x: torch.Tensor | None = None, weight: torch
     yb[:, :s] = y
     yb = yb.view(b, n // BALANCE_KEYS, BALANCE_KEYS, h, d)
     qf = yb.to(torch.float8_e4m3fn).float()
-    ef = yb - qf                                         # the nearest code's error (exact)
+    ef = yb - qf  # the nearest code's error (exact)
     step = _e4m3_step(yb)
-    alt = torch.copysign(qf + torch.copysign(step, ef), yb)   # the other neighbour (exact; a zero signed as y)
+    alt = torch.copysign(qf + torch.copysign(step, ef), yb)  # the other neighbour (exact; a zero signed as y)
     err = (ef * BALANCE_FIXED).to(torch.int32)
-    k = ((step.view(torch.int32) >> 23) & 0xFF) - 118    # step = 2^(k - 9), k in [0, 14]
-    cost = (step - 2 * ef.abs()).view(torch.int32)     # >= 0 (|ef| <= step / 2): its bits order as it does
+    k = ((step.view(torch.int32) >> 23) & 0xFF) - 118  # step = 2^(k - 9), k in [0, 14]
+    cost = (step - 2 * ef.abs()).view(torch.int32)  # >= 0 (|ef| <= step / 2): its bits order as it does
     pos = torch.arange(BALANCE_KEYS, dtype=torch.int32, device=y.device).view(1, 1, BALANCE_KEYS, 1, 1)
     key = (ef.view(torch.int32) & -(1 << 31)) | (cost & -256) | (k << 4) | pos
     rows = torch.zeros(b, n, h, dtype=torch.float32, device=y.device)
     rows[:, :s] = (y if x is None else x).float().abs().amax(dim=3)
     free = _free_keys(rows.view(b, n // BALANCE_KEYS, BALANCE_KEYS, h, 1)) & (ef != 0)
-    key = torch.where(free, key, BALANCE_DEAD).to(torch.int64) & 0xFFFFFFFF     # uint32, in int64
+    key = torch.where(free, key, BALANCE_DEAD).to(torch.int64) & 0xFFFFFFFF  # uint32, in int64
     total = err.sum(dim=2, keepdim=True, dtype=torch.int32)
     kappa = torch.zeros(b, h, dtype=torch.float32, device=y.device) if weight is None else weight.float()
     kappa = kappa.view(b, 1, 1, h, 1)
-    above = [torch.zeros_like(total, dtype=torch.int64) for _ in range(2)]     # per direction: last winner + 1
-    moved = torch.zeros_like(total, dtype=torch.int64)                          # a bit per position
+    above = [torch.zeros_like(total, dtype=torch.int64) for _ in range(2)]  # per direction: last winner + 1
+    moved = torch.zeros_like(total, dtype=torch.int64)  # a bit per position
     for _ in range(BALANCE_STEPS):
-        neg = total < 0            # wanted: codes whose error is below zero (bit 31), whose move raises the sum
+        neg = total < 0  # wanted: codes whose error is below zero (bit 31), whose move raises the sum
         c = torch.where(neg, above[1], above[0])
         least = ((key + torch.where(neg, 1 << 31, 0) - c) & 0xFFFFFFFF).amin(dim=2, keepdim=True)
-        win = (least + c) & 0xFFFFFFFF           # the winner's key less its direction bit
+        win = (least + c) & 0xFFFFFFFF  # the winner's key less its direction bit
         # (a channel whose only unfrozen codes are this direction's earlier winners takes a wrapped one again:
         # valid, it moves only the sum, no code: no candidate is left in either direction)
         valid = win < BALANCE_CANDIDATE
-        dk = torch.ones_like(total) << (((win >> 4) & 15) + 13).to(torch.int32)   # the winner's |d|
+        dk = torch.ones_like(total) << (((win >> 4) & 15) + 13).to(torch.int32)  # the winner's |d|
         apply = valid & (((dk + _weighed_cost(win, kappa)) >> 1) < total.abs())
         total = total + torch.where(apply, torch.where(neg, dk, -dk), 0)
         c = torch.where(valid, win + 1, c)
@@ -270,9 +323,9 @@ def _balanced_keys(y, free, kappa):
     qf = y.to(tl.float8e4nv).to(tl.float32)
     ef = y - qf
     binade = (y.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    step = tl.maximum(binade * 0.125, 0.001953125)                           # _e4m3_step
+    step = tl.maximum(binade * 0.125, 0.001953125)  # _e4m3_step
     sbits = step.to(tl.int32, bitcast=True)
-    alt = (qf + (sbits | (ef.to(tl.int32, bitcast=True) & SIGN)).to(tl.float32, bitcast=True))   # + copysign
+    alt = qf + (sbits | (ef.to(tl.int32, bitcast=True) & SIGN)).to(tl.float32, bitcast=True)  # + copysign
     alt = (alt.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & SIGN)).to(tl.float32, bitcast=True)
     err = (ef * _BALANCE_FIXED).to(tl.int32)
     cost = (step - 2.0 * tl.abs(ef)).to(tl.int32, bitcast=True)
@@ -288,7 +341,7 @@ def _balanced_keys(y, free, kappa):
     for _ in tl.static_range(_BALANCE_STEPS):
         neg = total < 0
         c = tl.where(neg, above1, above0)
-        off = (total & SIGN).to(tl.uint32, bitcast=True) - c      # bit 31 turned so that the wanted are below
+        off = (total & SIGN).to(tl.uint32, bitcast=True) - c  # bit 31 turned so that the wanted are below
         win = tl.min(key + off[:, None], axis=1) + c
         valid = win < _BALANCE_CANDIDATE
         dk = 1 << (((win >> 4) & 15).to(tl.int32) + 13)

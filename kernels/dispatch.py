@@ -62,12 +62,12 @@ class Choice:
     """Which config runs for a problem, and why (`zyfa_tune.explain` returns this)."""
 
     config: KernelConfig
-    source: str                 # "exact" | "nearest" | "other-device" | "default" | "forced"
-    key: object                 # zyfa_tune.db.ProblemKey
+    source: str  # "exact" | "nearest" | "other-device" | "default" | "forced"
+    key: object  # zyfa_tune.db.ProblemKey
     database: str | None = None
-    tuned_key: object | None = None   # the key of the entry used (differs from `key` when nearest)
-    tuned_on: str | None = None       # GPU name of the entry used
-    tflops: float | None = None       # as measured when tuned
+    tuned_key: object | None = None  # the key of the entry used (differs from `key` when nearest)
+    tuned_on: str | None = None  # GPU name of the entry used
+    tflops: float | None = None  # as measured when tuned
     detail: str = ""
 
 
@@ -82,7 +82,7 @@ class _Entry:
     provenance: str
     simulated: bool
     recipe: Recipe = PLAIN
-    error_ratio: float | None = None   # error_rel_l2 / error_ref, where both were measured
+    error_ratio: float | None = None  # error_rel_l2 / error_ref, where both were measured
 
 
 @dataclass(frozen=True)
@@ -102,28 +102,49 @@ class Dispatcher:
         self.layers = [str(p) for p in (databases if databases is not None else default_layers())]
         self.error_budget = _checked_budget("error_budget", error_budget)
         self._entries: list[list[_Entry]] | None = None
-        self._bf16: list[list[_Entry]] | None = None    # the bf16 API's entries, per layer
+        self._bf16: list[list[_Entry]] | None = None  # the bf16 API's entries, per layer
         self._cache: dict[tuple, Choice] = {}
         self._recipes: dict[tuple, RecipeChoice] = {}
         self._fast: dict[tuple, KernelConfig] = {}
         self._fast_bf16: dict[tuple, tuple[Recipe, KernelConfig | None]] = {}
         self._lock = threading.Lock()
 
-    def config_for(self, dtype: str, dqk: int, dv: int, causal: bool, batch: int, heads: int, kv_heads: int,
-                   seqlen: int, device_index: int) -> KernelConfig:
+    def config_for(
+        self,
+        dtype: str,
+        dqk: int,
+        dv: int,
+        causal: bool,
+        batch: int,
+        heads: int,
+        kv_heads: int,
+        seqlen: int,
+        device_index: int,
+    ) -> KernelConfig:
         """The per-call path: one dict lookup on the raw shape once it has been seen."""
         raw = (dtype, dqk, dv, causal, batch, heads, kv_heads, seqlen, device_index)
         cfg = self._fast.get(raw)
         if cfg is None:
-            cfg = self.choose(problem_key(dtype, dqk, dv, causal, batch, heads, kv_heads, seqlen),
-                              device_key(device_index)).config
+            cfg = self.choose(
+                problem_key(dtype, dqk, dv, causal, batch, heads, kv_heads, seqlen), device_key(device_index)
+            ).config
             if len(self._fast) > 65536:  # unbounded shape streams: start over rather than grow
                 self._fast.clear()
             self._fast[raw] = cfg
         return cfg
 
-    def attention_choice(self, dqk: int, dv: int, causal: bool, batch: int, heads: int, kv_heads: int,
-                         seqlen: int, device_index: int, error_budget: float) -> tuple[Recipe, KernelConfig | None]:
+    def attention_choice(
+        self,
+        dqk: int,
+        dv: int,
+        causal: bool,
+        batch: int,
+        heads: int,
+        kv_heads: int,
+        seqlen: int,
+        device_index: int,
+        error_budget: float,
+    ) -> tuple[Recipe, KernelConfig | None]:
         """The bf16 API's per-call path: (recipe, config), config None for the FP8 API's own choice
         (see the module doc). One dict lookup on the raw shape and budget once seen."""
         raw = (dqk, dv, causal, batch, heads, kv_heads, seqlen, device_index, error_budget)
@@ -157,11 +178,20 @@ class Dispatcher:
             return []
         out = []
         for row in rows:  # validated by the store: the config and recipe parse, the config fits the key
-            out.append(_Entry(key=row.key, device_key=row.fingerprint.device_key(),
-                              config=KernelConfig.from_json(row.config_json), median_ms=row.median_ms,
-                              tflops=row.tflops, database=path, provenance=row.provenance,
-                              simulated=row.fingerprint.simulated, error_ratio=row.error_ratio,
-                              recipe=PLAIN if row.recipe is None else Recipe.from_json(row.recipe)))
+            out.append(
+                _Entry(
+                    key=row.key,
+                    device_key=row.fingerprint.device_key(),
+                    config=KernelConfig.from_json(row.config_json),
+                    median_ms=row.median_ms,
+                    tflops=row.tflops,
+                    database=path,
+                    provenance=row.provenance,
+                    simulated=row.fingerprint.simulated,
+                    error_ratio=row.error_ratio,
+                    recipe=PLAIN if row.recipe is None else Recipe.from_json(row.recipe),
+                )
+            )
         log.debug("loaded %d tuned entries from %s", len(out), path)
         return out
 
@@ -173,12 +203,22 @@ class Dispatcher:
             with self._lock:
                 choice = self._cache.get(cache_key) or self._resolve(key, device_key)
                 self._cache[cache_key] = choice
-            log.debug("dispatch %s on %s -> %s (%s) %s", key, device_key[0], choice.source,
-                      choice.database or "built-in", choice.detail)
+            log.debug(
+                "dispatch %s on %s -> %s (%s) %s",
+                key,
+                device_key[0],
+                choice.source,
+                choice.database or "built-in",
+                choice.detail,
+            )
             if choice.source == "other-device":
-                warnings.warn(f"zyfa_tune: no tuned kernel for {key} on {device_key[0]} "
-                              f"(generator {device_key[2]}); using one tuned on {choice.tuned_on} "
-                              f"from {choice.database}", RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"zyfa_tune: no tuned kernel for {key} on {device_key[0]} "
+                    f"(generator {device_key[2]}); using one tuned on {choice.tuned_on} "
+                    f"from {choice.database}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
         return choice
 
     def choose_recipe(self, key, device_key: tuple[str, str, str], error_budget: float) -> RecipeChoice:
@@ -189,24 +229,38 @@ class Dispatcher:
         if found is None:
             with self._lock:
                 self._load()
-                layers = [[e for e in layer if e.error_ratio is not None and e.error_ratio <= error_budget]
-                          for layer in self._bf16 or []]
+                layers = [
+                    [e for e in layer if e.error_ratio is not None and e.error_ratio <= error_budget]
+                    for layer in self._bf16 or []
+                ]
                 hit = self._find(key, device_key, layers)
             if hit is None:
-                found = RecipeChoice(PLAIN, None, f"no bf16-API entry within error budget {error_budget:g} x the "
-                                                  "reference's error: the plain recipe and the FP8 API's kernel")
+                found = RecipeChoice(
+                    PLAIN,
+                    None,
+                    f"no bf16-API entry within error budget {error_budget:g} x the "
+                    "reference's error: the plain recipe and the FP8 API's kernel",
+                )
             else:
                 entry, choice = hit
-                found = RecipeChoice(entry.recipe, choice, f"{choice.source} bf16-API entry, error "
-                                     f"{entry.error_ratio:.3g} x the reference's (budget {error_budget:g})")
+                found = RecipeChoice(
+                    entry.recipe,
+                    choice,
+                    f"{choice.source} bf16-API entry, error "
+                    f"{entry.error_ratio:.3g} x the reference's (budget {error_budget:g})",
+                )
             self._recipes[cache_key] = found
         return found
 
     def _resolve(self, key, device_key) -> Choice:
         hit = self._find(key, device_key, self._load())
         if hit is None:
-            return Choice(config=fallback_config(key.dtype, key.head_dim_qk, key.head_dim_v), source="default",
-                          key=key, detail="no tuned entry for these head dims on this architecture")
+            return Choice(
+                config=fallback_config(key.dtype, key.head_dim_qk, key.head_dim_v),
+                source="default",
+                key=key,
+                detail="no tuned entry for these head dims on this architecture",
+            )
         return hit[1]
 
     def _find(self, key, device_key, layers: list[list[_Entry]]) -> tuple[_Entry, Choice] | None:
@@ -216,22 +270,36 @@ class Dispatcher:
         found = _pick(key, [[e for e in layer if e.device_key == device_key] for layer in layers])
         foreign = found is None
         if foreign:  # same architecture, another GPU model or generator version
-            found = _pick(key, [[e for e in layer if e.device_key[1] == device_key[1] and e.device_key != device_key]
-                                for layer in layers])
+            found = _pick(
+                key,
+                [
+                    [e for e in layer if e.device_key[1] == device_key[1] and e.device_key != device_key]
+                    for layer in layers
+                ],
+            )
         if found is None:
             return None
         how, entry = found
         budget = "" if self.error_budget is None else f" (error budget {self.error_budget:g})"
-        return entry, Choice(config=entry.config, source="other-device" if foreign else how, key=key,
-                             database=entry.database, tuned_key=entry.key, tuned_on=entry.device_key[0],
-                             tflops=entry.tflops, detail=f"{how} match{budget}; {entry.provenance}")
+        return entry, Choice(
+            config=entry.config,
+            source="other-device" if foreign else how,
+            key=key,
+            database=entry.database,
+            tuned_key=entry.key,
+            tuned_on=entry.device_key[0],
+            tflops=entry.tflops,
+            detail=f"{how} match{budget}; {entry.provenance}",
+        )
 
 
 def _distance(a, b) -> float:
     """How far two keys of the same dtype/head dims/causality are: log2 steps of the buckets."""
-    return (abs(math.log2(a.seqlen_bucket) - math.log2(b.seqlen_bucket))
-            + 0.5 * abs(math.log2(a.bh_bucket) - math.log2(b.bh_bucket))
-            + (0.25 if a.gqa_group != b.gqa_group else 0.0))
+    return (
+        abs(math.log2(a.seqlen_bucket) - math.log2(b.seqlen_bucket))
+        + 0.5 * abs(math.log2(a.bh_bucket) - math.log2(b.bh_bucket))
+        + (0.25 if a.gqa_group != b.gqa_group else 0.0)
+    )
 
 
 def _pick(key, layers: Iterable[list[_Entry]]) -> tuple[str, _Entry] | None:
@@ -246,8 +314,13 @@ def _pick(key, layers: Iterable[list[_Entry]]) -> tuple[str, _Entry] | None:
     for rank, layer in enumerate(layers):
         for e in layer:
             k = e.key
-            if (k.dtype, k.head_dim_qk, k.head_dim_v, k.causal, k.api) != \
-                    (key.dtype, key.head_dim_qk, key.head_dim_v, key.causal, key.api):
+            if (k.dtype, k.head_dim_qk, k.head_dim_v, k.causal, k.api) != (
+                key.dtype,
+                key.head_dim_qk,
+                key.head_dim_v,
+                key.causal,
+                key.api,
+            ):
                 continue
             cand = (_distance(k, key), rank, e.median_ms, e)
             if best is None or cand[:3] < best[:3]:
@@ -329,12 +402,22 @@ def dispatcher() -> Dispatcher:
     return d
 
 
-def problem_key(dtype: str, dqk: int, dv: int, causal: bool, batch: int, heads: int, kv_heads: int, seqlen: int,
-                api: str = "fp8"):
+def problem_key(
+    dtype: str, dqk: int, dv: int, causal: bool, batch: int, heads: int, kv_heads: int, seqlen: int, api: str = "fp8"
+):
     from zyfa_tune.db import ProblemKey
 
-    return ProblemKey.from_shape(dtype=dtype, head_dim_qk=dqk, head_dim_v=dv, causal=causal, batch=batch,
-                                 heads=heads, kv_heads=kv_heads, seqlen=seqlen, api=api)
+    return ProblemKey.from_shape(
+        dtype=dtype,
+        head_dim_qk=dqk,
+        head_dim_v=dv,
+        causal=causal,
+        batch=batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        seqlen=seqlen,
+        api=api,
+    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -38,9 +38,15 @@ def arg_class(a) -> object:
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     # host TensorDescriptor (Triton's, or Gluon's with its shared layout)
-    return (a.base.dtype, a.base.data_ptr() % 16 == 0, tuple(a.block_shape),
-            tuple(x % 16 == 0 for x in a.shape), tuple(x % 16 == 0 for x in a.strides), a.padding,
-            getattr(a, "layout", None))
+    return (
+        a.base.dtype,
+        a.base.data_ptr() % 16 == 0,
+        tuple(a.block_shape),
+        tuple(x % 16 == 0 for x in a.shape),
+        tuple(x % 16 == 0 for x in a.strides),
+        a.padding,
+        getattr(a, "layout", None),
+    )
 
 
 def run(head: tuple, fn, grid: tuple, args: tuple, constexprs: dict, options: dict, device: int):
@@ -143,8 +149,22 @@ class RawLaunch:
 
     def __call__(self, grid: tuple[int, int, int], device: int, args: tuple) -> None:
         """Launch on `grid`; the caller checked that no launch hook is set (`hooks_set`)."""
-        self.launch(grid[0], grid[1], grid[2], _stream_getter()(device), self.function, self.cooperative, self.pdl,
-                    None, None, self.packed_metadata, None, None, None, *args)
+        self.launch(
+            grid[0],
+            grid[1],
+            grid[2],
+            _stream_getter()(device),
+            self.function,
+            self.cooperative,
+            self.pdl,
+            None,
+            None,
+            self.packed_metadata,
+            None,
+            None,
+            None,
+            *args,
+        )
 
 
 class Bound:
@@ -176,8 +196,13 @@ def raw_launch(compiled) -> RawLaunch | None:
         if code.co_name != "inner" or not launcher.__closure__:
             return None
         launcher = dict(zip(code.co_freevars, (c.cell_contents for c in launcher.__closure__))).get("launcher")
-    if not callable(launcher) or getattr(launcher, "__code__", None) is not None \
-            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+    if (
+        not callable(launcher)
+        or getattr(launcher, "__code__", None) is not None
+        or getattr(run, "global_scratch_size", 1)
+        or getattr(run, "profile_scratch_size", 1)
+    ):
         return None  # not a C function, or scratch memory to allocate per launch
-    return RawLaunch(launcher, compiled.function, compiled.packed_metadata, bool(run.launch_cooperative_grid),
-                     bool(run.launch_pdl))
+    return RawLaunch(
+        launcher, compiled.function, compiled.packed_metadata, bool(run.launch_cooperative_grid), bool(run.launch_pdl)
+    )

@@ -54,15 +54,19 @@ def group_bounds(n_kv: int, kv_per_group: int, even: bool) -> tuple[int, ...]:
     return tuple(i * size + min(i, larger) for i in range(n_groups + 1))
 
 
-def _greedy(bounds: tuple[int, ...], n_h: int, group: int, n_m: int, cost: list[float],
-            programs: int) -> tuple[list[list[int]], float]:
+def _greedy(
+    bounds: tuple[int, ...], n_h: int, group: int, n_m: int, cost: list[float], programs: int
+) -> tuple[list[list[int]], float]:
     """Each group's tiles, longest query blocks first, each to the program with the least work so far:
     (the programs' lists, the largest load)."""
     heap = [(0.0, p) for p in range(programs)]
     lists: list[list[int]] = [[] for _ in range(programs)]
     for first, last in zip(bounds, bounds[1:]):
-        heads = [kv // (n_h // group) * n_h + (kv % (n_h // group)) * group + g
-                 for kv in range(first, last) for g in range(group)]
+        heads = [
+            kv // (n_h // group) * n_h + (kv % (n_h // group)) * group + g
+            for kv in range(first, last)
+            for g in range(group)
+        ]
         for mb in range(n_m - 1, -1, -1):
             for bh in heads:
                 load, p = heapq.heappop(heap)
@@ -72,8 +76,20 @@ def _greedy(bounds: tuple[int, ...], n_h: int, group: int, n_m: int, cost: list[
 
 
 @functools.lru_cache(maxsize=16)
-def schedule(n_b: int, n_h: int, group: int, n_m: int, sq: int, sk: int, block_m: int, block_n: int, causal: bool,
-             kv_bytes_per_key: int, programs: int, l2_group_bytes: int) -> tuple[tuple[int, ...], ...]:
+def schedule(
+    n_b: int,
+    n_h: int,
+    group: int,
+    n_m: int,
+    sq: int,
+    sk: int,
+    block_m: int,
+    block_n: int,
+    causal: bool,
+    kv_bytes_per_key: int,
+    programs: int,
+    l2_group_bytes: int,
+) -> tuple[tuple[int, ...], ...]:
     """The tiles (forward numbers bh * n_m + mb) of each program of a q_order="balanced" kernel.
 
     Tiles are listed by groups of (batch, kv head) whose K and V fit in l2_group_bytes together (the
@@ -108,8 +124,10 @@ def tile_table(key: tuple, device: torch.device) -> torch.Tensor:
     tiles], on `device`; made once per shape and device and kept (a launch only passes its pointer,
     so CUDA graphs replay it). Its first use cannot be inside CUDA graph capture (a host copy)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("q_order='balanced': the tile schedule of a new shape is copied to the GPU on its "
-                           "first call; make one call of this shape before CUDA graph capture")
+        raise RuntimeError(
+            "q_order='balanced': the tile schedule of a new shape is copied to the GPU on its "
+            "first call; make one call of this shape before CUDA graph capture"
+        )
     lists = schedule(*key)
     offsets = [0, *itertools.accumulate(map(len, lists))]
     return torch.tensor(offsets + [t for x in lists for t in x], dtype=torch.int32, device=device)
@@ -131,23 +149,29 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch
     else:
         dv, skv = v.shape[2], v.shape[3]
         if v_keys_permuted(config) and skv % 32:
-            raise ValueError(f"v: V^T has {skv} keys; v_permute needs the 32-padded copy of "
-                             f"transpose_v(v, permute=True)")
+            raise ValueError(
+                f"v: V^T has {skv} keys; v_permute needs the 32-padded copy of transpose_v(v, permute=True)"
+            )
         if v.stride(3) != 1 or v.stride(1) != dv * v.stride(2) or v.stride(0) != hk * v.stride(1):
-            raise ValueError(f"v: V^T strides {v.stride()} are not those of a (B, Hkv, D, keys) buffer with "
-                             f"keys contiguous")
+            raise ValueError(
+                f"v: V^T strides {v.stride()} are not those of a (B, Hkv, D, keys) buffer with keys contiguous"
+            )
         v_view = (v, [b * hk * dv, skv], [v.stride(2), 1])
     blocks = descriptor_blocks(config)
     if len(blocks["desc_o"][1]) == 4:  # a padded O tile (wider than dv): (B, Sq, H, dv), its box clipped at dv
         o_view = (out, [b, sq, h, dv], [sq * h * dv, h * dv, dv, 1])
     else:
         o_view = (out, [b, sq, h * dv], [sq * h * dv, h * dv, 1])
-    views = {"desc_q": (q, [b * sq, h * d], [q.stride(1), 1]),
-             "desc_k": k_view(k) if config.k_perm else (k, [b * sk, hk * d], [k.stride(1), 1]),
-             "desc_v": v_view,
-             "desc_o": o_view}
-    return [TensorDescriptor(*views[DESCRIPTOR_TENSOR[name][1]], block, descriptor_layout(dtype, block))
-            for name, (dtype, block) in blocks.items()]
+    views = {
+        "desc_q": (q, [b * sq, h * d], [q.stride(1), 1]),
+        "desc_k": k_view(k) if config.k_perm else (k, [b * sk, hk * d], [k.stride(1), 1]),
+        "desc_v": v_view,
+        "desc_o": o_view,
+    }
+    return [
+        TensorDescriptor(*views[DESCRIPTOR_TENSOR[name][1]], block, descriptor_layout(dtype, block))
+        for name, (dtype, block) in blocks.items()
+    ]
 
 
 def v_keys_permuted(config: KernelConfig) -> bool:
@@ -163,8 +187,10 @@ def k_view(k: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
     where K does: a box past it is zero-filled like any other)."""
     b, sk, hk, d = k.shape
     if sk % 16:
-        raise ValueError(f"k: {sk} keys; k_perm reads K in 16-key groups and needs a multiple of 16 "
-                         f"(kernels.launch.for_v_layout keeps k_perm off for such a K)")
+        raise ValueError(
+            f"k: {sk} keys; k_perm reads K in 16-key groups and needs a multiple of 16 "
+            f"(kernels.launch.for_v_layout keeps k_perm off for such a K)"
+        )
     rs = k.stride(1)
     return k, [b * sk // 16, 2, 4, 2, hk * d], [16 * rs, 2 * rs, 4 * rs, rs, 1]
 
@@ -172,9 +198,16 @@ def k_view(k: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
 #: descriptor -> (index of its tensor in (q, k, v, out), the view it is built on): a 192-key
 #: block's second key part (desc_kb, desc_vb) and o_split's second O part (desc_vc, desc_oc) are
 #: other boxes on K's / V^T's / O's view
-DESCRIPTOR_TENSOR = {"desc_q": (0, "desc_q"), "desc_k": (1, "desc_k"), "desc_kb": (1, "desc_k"),
-                     "desc_v": (2, "desc_v"), "desc_vb": (2, "desc_v"), "desc_vc": (2, "desc_v"),
-                     "desc_o": (3, "desc_o"), "desc_oc": (3, "desc_o")}
+DESCRIPTOR_TENSOR = {
+    "desc_q": (0, "desc_q"),
+    "desc_k": (1, "desc_k"),
+    "desc_kb": (1, "desc_k"),
+    "desc_v": (2, "desc_v"),
+    "desc_vb": (2, "desc_v"),
+    "desc_vc": (2, "desc_v"),
+    "desc_o": (3, "desc_o"),
+    "desc_oc": (3, "desc_o"),
+}
 
 
 def descriptor_owners(config: KernelConfig) -> tuple[int, ...]:
@@ -182,26 +215,64 @@ def descriptor_owners(config: KernelConfig) -> tuple[int, ...]:
     return tuple(DESCRIPTOR_TENSOR[name][0] for name in descriptor_blocks(config))
 
 
-def arguments(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              sm_scale_log2: float, causal: bool, q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
-              v_descale: torch.Tensor | None, sms: int) -> tuple[tuple, tuple, dict]:
+def arguments(
+    config: KernelConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    sm_scale_log2: float,
+    causal: bool,
+    q_descale: torch.Tensor | None,
+    k_descale: torch.Tensor | None,
+    v_descale: torch.Tensor | None,
+    sms: int,
+) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, options) of one call (v as `descriptors` takes it); `sms` sizes
     the persistent grid."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dv = v.shape[3] if config.v_layout == "natural" else v.shape[2]
     if (d, k.shape[3], dv) != (config.head_dim_qk, config.head_dim_qk, config.head_dim_v):
-        raise ValueError(f"q/k/v: head dims {d}/{k.shape[3]}/{dv}; this Gluon kernel is built for "
-                         f"{config.head_dim_qk}/{config.head_dim_qk}/{config.head_dim_v}")
+        raise ValueError(
+            f"q/k/v: head dims {d}/{k.shape[3]}/{dv}; this Gluon kernel is built for "
+            f"{config.head_dim_qk}/{config.head_dim_qk}/{config.head_dim_v}"
+        )
     n_m = math.ceil(sq / config.block_m)
     tiles = n_m * b * h
     ds0, ds1 = q_descale.stride() if q_descale is not None else (0, 0)
-    args = (*descriptors(config, q, k, v, out), q_descale, k_descale, v_descale, ds0, ds1,
-            h, h // hk, hk, sq, sk, n_m, tiles, float(sm_scale_log2))
+    args = (
+        *descriptors(config, q, k, v, out),
+        q_descale,
+        k_descale,
+        v_descale,
+        ds0,
+        ds1,
+        h,
+        h // hk,
+        hk,
+        sq,
+        sk,
+        n_m,
+        tiles,
+        float(sm_scale_log2),
+    )
     programs = grid_size(config.persistent, tiles, sms)
     if config.q_order == "balanced":
-        key = (b, h, h // hk, n_m, sq, sk, config.block_m, config.block_n, bool(causal),
-               config.head_dim_qk + config.head_dim_v, programs, config.l2_group_mib << 20)
+        key = (
+            b,
+            h,
+            h // hk,
+            n_m,
+            sq,
+            sk,
+            config.block_m,
+            config.block_n,
+            bool(causal),
+            config.head_dim_qk + config.head_dim_v,
+            programs,
+            config.l2_group_mib << 20,
+        )
         args += (tile_table(key, q.device),)
     options = dict(CAUSAL=bool(causal), num_warps=NUM_WARPS)
     return (programs,), args, options

@@ -37,7 +37,7 @@ def hadamard_matrix(dim: int, device: torch.device | str = "cpu", dtype: torch.d
     """Orthonormal (dim x dim) rotation: Sylvester-Hadamard blocks of the largest power of two
     dividing `dim` on the diagonal (96 -> three 32 x 32 blocks)."""
     block = rotation_block(dim)
-    h = torch.block_diag(*[_sylvester(block) / block ** 0.5] * (dim // block))
+    h = torch.block_diag(*[_sylvester(block) / block**0.5] * (dim // block))
     return h.to(device=device, dtype=dtype)
 
 
@@ -70,4 +70,3 @@ def _columns(x, R, c0, inv_sqrt, DP: tl.constexpr, BN: tl.constexpr, ROTATE: tl.
         return acc * inv_sqrt
     else:
         return x.to(tl.float32)
-

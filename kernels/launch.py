@@ -14,8 +14,18 @@ from zyfa_tune.generator.build import jit_function
 from . import fastlaunch, gluon_launch
 from .transpose import bind_transpose, k_major_view, transpose_v
 
-__all__ = ["BoundLaunch", "bind", "compiled_kernels", "emitted", "for_v_layout", "forget", "kernel", "launch",
-           "prepare", "transpose_v"]
+__all__ = [
+    "BoundLaunch",
+    "bind",
+    "compiled_kernels",
+    "emitted",
+    "for_v_layout",
+    "forget",
+    "kernel",
+    "launch",
+    "prepare",
+    "transpose_v",
+]
 
 LOG2E = 1.4426950408889634
 
@@ -34,10 +44,18 @@ def kernel(config: KernelConfig):
     return jit_function(emitted(config))
 
 
-def launch(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-           softmax_scale: float, causal: bool,
-           q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-           v_descale: torch.Tensor | None = None) -> torch.Tensor:
+def launch(
+    config: KernelConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Launch `config` on validated inputs (last dims contiguous) into `out` (bf16).
 
     Descales are all None or all contiguous float32 (batch, kv_heads) tensors.
@@ -62,13 +80,19 @@ def for_v_layout(config: KernelConfig, v: torch.Tensor) -> KernelConfig:
         return config.replace(v_layout="transposed")
     if config.k_perm and v.shape[1] % 16:
         return config.replace(k_perm=False)
-    if config.backend == "gluon" and config.v_permute and not config.k_perm and v.shape[1] % 16 == 0 \
-            and k_major_view(v) is not None:
+    if (
+        config.backend == "gluon"
+        and config.v_permute
+        and not config.k_perm
+        and v.shape[1] % 16 == 0
+        and k_major_view(v) is not None
+    ):
         return config.replace(k_perm=True)
     return config
 
 
 # ---- launch fast path (kernels/fastlaunch.py) ---------------------------------------------------
+
 
 def compiled_kernels(config: KernelConfig) -> list:
     """The CompiledKernels launched so far for `config` (one per specialisation and device)."""
@@ -83,14 +107,22 @@ def forget(config: KernelConfig) -> None:
 def run_prepared(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int):
     """Launch `prepare`'s (grid, args, options) through the fast path; returns the CompiledKernel that ran."""
     causal = options["CAUSAL"]
-    return fastlaunch.run((config, causal), kernel(config), grid, args, {"CAUSAL": causal},
-                          {k: v for k, v in options.items() if k != "CAUSAL"}, device)
+    return fastlaunch.run(
+        (config, causal),
+        kernel(config),
+        grid,
+        args,
+        {"CAUSAL": causal},
+        {k: v for k, v in options.items() if k != "CAUSAL"},
+        device,
+    )
 
 
 # ---- bound launches ------------------------------------------------------------------------------
 # `flash_attn_func` calls with the same shapes, strides, dtypes and device differ only in their data
 # pointers. A BoundLaunch holds everything else (grid, scalar arguments, the CompiledKernel chosen by
 # the specialisation key) and rebuilds per call only what holds a pointer: the TMA descriptors.
+
 
 class BoundLaunch:
     """`config` launched on one argument layout; call it with new tensors of that same layout.
@@ -108,19 +140,38 @@ class BoundLaunch:
 
     __slots__ = ("compiled", "programs", "device", "transpose", "specs", "out_arg", "strides", "tail", "raw", "tma")
 
-    def __init__(self, compiled, programs: int, device: int, transpose, specs: tuple | None, out_arg: bool,
-                 strides: tuple, tail: tuple):
+    def __init__(
+        self,
+        compiled,
+        programs: int,
+        device: int,
+        transpose,
+        specs: tuple | None,
+        out_arg: bool,
+        strides: tuple,
+        tail: tuple,
+    ):
         self.compiled, self.programs, self.device = compiled, programs, device
         self.transpose, self.specs, self.out_arg, self.strides, self.tail = transpose, specs, out_arg, strides, tail
         # descriptors encoded once per pointer, handed to Triton's C launcher (kernels/fastlaunch.py)
         meta = getattr(getattr(compiled, "metadata", None), "tensordesc_meta", None)
         self.raw = fastlaunch.raw_launch(compiled) if specs and meta and len(meta) == len(specs) else None
-        self.tma = None if self.raw is None else tuple(
-            (i, fastlaunch.TmaArgs(cls, fields, m)) for (i, cls, fields), m in zip(specs, meta))
+        self.tma = (
+            None
+            if self.raw is None
+            else tuple((i, fastlaunch.TmaArgs(cls, fields, m)) for (i, cls, fields), m in zip(specs, meta))
+        )
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
-                 v_descale: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        q_descale: torch.Tensor | None,
+        k_descale: torch.Tensor | None,
+        v_descale: torch.Tensor | None,
+    ) -> torch.Tensor:
         if self.transpose is not None:
             v = self.transpose(v)
         if self.raw is not None and not fastlaunch.hooks_set():
@@ -139,14 +190,24 @@ class BoundLaunch:
             inputs = [q, k, v, *self.strides]
         if self.out_arg:
             inputs.append(out)
-        fastlaunch.launch_compiled(self.compiled, (self.programs,), self.device,
-                                   (*inputs, q_descale, k_descale, v_descale, *self.tail))
+        fastlaunch.launch_compiled(
+            self.compiled, (self.programs,), self.device, (*inputs, q_descale, k_descale, v_descale, *self.tail)
+        )
         return out
 
 
-def bind(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-         softmax_scale: float, causal: bool, q_descale: torch.Tensor | None = None,
-         k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None) -> BoundLaunch | None:
+def bind(
+    config: KernelConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+) -> BoundLaunch | None:
     """Launch like `launch` and return a BoundLaunch for later calls with this layout, or None where
     this layout needs a hidden copy (unaligned or padded rows for TMA) and so no fast path."""
     grid, args, options = prepare(config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale)
@@ -166,8 +227,9 @@ def bind(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if transpose is k_major_view:  # a descriptor needs only the base pointer: V's own, no view per call
         transpose = None
     if not tma:  # pointers: q, k, v, 9 strides, out, descales, tail
-        return BoundLaunch(compiled, grid[0], device, transpose, None, True, tuple(args[3:12]),
-                           (*args[16:], options["CAUSAL"]))
+        return BoundLaunch(
+            compiled, grid[0], device, transpose, None, True, tuple(args[3:12]), (*args[16:], options["CAUSAL"])
+        )
     if gluon:  # descriptors of q, k (both key parts), v, out; descales; tail
         owners = gluon_launch.descriptor_owners(config)
     else:  # prepare's descriptors, in _descriptor_specs' order; out; descales; tail
@@ -178,10 +240,20 @@ def bind(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return BoundLaunch(compiled, grid[0], device, transpose, specs, not gluon, (), (*args[skip:], options["CAUSAL"]))
 
 
-def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            softmax_scale: float, causal: bool, q_descale: torch.Tensor | None = None,
-            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None, *,
-            sms: int | None = None):
+def prepare(
+    config: KernelConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    *,
+    sms: int | None = None,
+):
     """Grid, positional arguments and launch options of one call (makes the V^T copy if needed).
     `sms` sizes a persistent grid (default: the device's SM count; the target's reference count, HOPPER.sm_count, for tensors not on a GPU)."""
     b, sq, h, _ = q.shape
@@ -197,8 +269,19 @@ def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
             sms = gluon_launch.sm_count(q.device.index) if q.device.type == "cuda" else gluon_launch.DEFAULT_SMS
         permuted = gluon_launch.v_keys_permuted(config)
         v = _tma_ready(v) if config.v_layout == "natural" else transpose_v(v, permuted)
-        return gluon_launch.arguments(config, _tma_ready(q), _tma_ready(k), v, out,
-                                      float(softmax_scale) * LOG2E, causal, q_descale, k_descale, v_descale, sms)
+        return gluon_launch.arguments(
+            config,
+            _tma_ready(q),
+            _tma_ready(k),
+            v,
+            out,
+            float(softmax_scale) * LOG2E,
+            causal,
+            q_descale,
+            k_descale,
+            v_descale,
+            sms,
+        )
     # no descales: None specialises the kernel to skip them (no tensor to allocate, so a first
     # call inside CUDA graph capture is safe)
     ds0, ds1 = q_descale.stride() if q_descale is not None else (0, 0)
@@ -211,13 +294,41 @@ def prepare(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     else:
         vrow = v.stride(2) if config.v_layout == "transposed" else v.stride(1)
         vhead = v.stride(1) if config.v_layout == "transposed" else v.stride(2)
-        inputs = (q, k, v, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                  v.stride(0), vrow, vhead)
-    args = (*inputs, out, q_descale, k_descale, v_descale,
-            out.stride(0), out.stride(1), out.stride(2), ds0, ds1,
-            h, h // hk, sq, sk, n_m, float(softmax_scale) * LOG2E)
-    options = dict(CAUSAL=bool(causal), num_warps=config.num_warps, num_stages=config.num_stages,
-                   maxnreg=config.maxnreg or None)
+        inputs = (
+            q,
+            k,
+            v,
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k.stride(0),
+            k.stride(1),
+            k.stride(2),
+            v.stride(0),
+            vrow,
+            vhead,
+        )
+    args = (
+        *inputs,
+        out,
+        q_descale,
+        k_descale,
+        v_descale,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        ds0,
+        ds1,
+        h,
+        h // hk,
+        sq,
+        sk,
+        n_m,
+        float(softmax_scale) * LOG2E,
+    )
+    options = dict(
+        CAUSAL=bool(causal), num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg or None
+    )
     return (n_m * b * h,), args, options
 
 
@@ -231,8 +342,10 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _descriptor_widths(config: KernelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Distinct head-dim chunk widths of Q/K and of V, widest first (one descriptor each)."""
+
     def widths(dim: int) -> tuple[int, ...]:
         return tuple(sorted({w for _, w in head_chunks(dim)}, reverse=True))
+
     return widths(config.head_dim_qk), widths(config.head_dim_v)
 
 
@@ -259,8 +372,10 @@ def _descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torc
     if config.v_layout != "transposed":
         v = _tma_ready(v)
     qkv = (q, k, v)
-    return [TensorDescriptor(qkv[i], shape, strides, block) for i, shape, strides, block in
-            _descriptor_specs(config, q, k, v)]
+    return [
+        TensorDescriptor(qkv[i], shape, strides, block)
+        for i, shape, strides, block in _descriptor_specs(config, q, k, v)
+    ]
 
 
 def _unchecked_descriptor(base: torch.Tensor, cls: type, fields: dict):

@@ -31,12 +31,8 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from .balanced_v import (
-    _BALANCE_KEYS,
-    _BALANCE_ROW_BITS,
-    _BALANCE_SKIP,
     BALANCE_COST_CAP,
     BALANCE_FIXED,
     BALANCE_KEYS,
@@ -45,27 +41,36 @@ from .balanced_v import (
     BALANCE_STEPS,
     BALANCE_WEIGHT_MAX,
     WEIGHT_SAMPLES,
-    _balanced_keys,
     balance_weights,
     balanced_codes,
 )
 from .fastlaunch import Bound, run
-from .hadamard import _columns, _pm1_matrix, hadamard_matrix, rotation_block
+from .hadamard import _pm1_matrix, hadamard_matrix, rotation_block
+from .quantize_passes import AMAX_FLOOR, E4M3_MAX, INV_E4M3_MAX, _amax_kernel, _codes_kernel
 from .transpose import padded_keys, transpose_v
 
-__all__ = ["AMAX_FLOOR", "BALANCE_COST_CAP", "BALANCE_FIXED", "BALANCE_KEYS", "BALANCE_ROW_BITS", "BALANCE_SKIP",
-           "BALANCE_STEPS", "BALANCE_WEIGHT_MAX", "E4M3_MAX", "INV_E4M3_MAX", "KERNEL_DTYPES", "WEIGHT_SAMPLES",
-           "balance_weights", "balanced_codes", "hadamard_matrix", "quantize_heads", "quantize_heads_reference",
-           "quantize_tensors", "rotation_block"]
+__all__ = [
+    "AMAX_FLOOR",
+    "BALANCE_COST_CAP",
+    "BALANCE_FIXED",
+    "BALANCE_KEYS",
+    "BALANCE_ROW_BITS",
+    "BALANCE_SKIP",
+    "BALANCE_STEPS",
+    "BALANCE_WEIGHT_MAX",
+    "E4M3_MAX",
+    "INV_E4M3_MAX",
+    "KERNEL_DTYPES",
+    "WEIGHT_SAMPLES",
+    "balance_weights",
+    "balanced_codes",
+    "hadamard_matrix",
+    "quantize_heads",
+    "quantize_heads_reference",
+    "quantize_tensors",
+    "rotation_block",
+]
 
-E4M3_MAX = 448.0
-_E4M3_MAX = tl.constexpr(E4M3_MAX)
-#: descale = max(amax, 1e-12) times the float32 reciprocal of 448 (what torch's CUDA division by a scalar
-#: computes; written out so that the CPU path, whose division by a scalar is exact, gives the same descales)
-INV_E4M3_MAX = float(torch.tensor(1.0) / torch.tensor(E4M3_MAX))
-_INV_E4M3_MAX = tl.constexpr(INV_E4M3_MAX)
-AMAX_FLOOR = 1e-12
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 #: rows x padded head dim per program (4096 values: 32 a thread at four warps), at most 32 rows (at
 #: hd64, 64-row blocks made ptxas spill the centred amax pass at 64 registers)
 TILE = 4096
@@ -81,9 +86,14 @@ _TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 KERNEL_DTYPES = tuple(_TERMS)
 
 
-def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = False,
-                             mean: torch.Tensor | None = None, balance: bool = False,
-                             weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_heads_reference(
+    x: torch.Tensor,
+    kv_heads: int,
+    rotate: bool = False,
+    mean: torch.Tensor | None = None,
+    balance: bool = False,
+    weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, S, H, D) floating -> (e4m3 codes (B, S, H, D), float32 descales (B, kv_heads)), one scale
     per kv head shared by its GQA group, in torch ops. `mean` (B, kv_heads, D) float32 is subtracted
     first (K smoothing), then the rows are rotated by `hadamard_matrix(D)` if `rotate`; `balance`
@@ -98,7 +108,7 @@ def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = Fals
     descale = xf.abs().amax(dim=(1, 3, 4)).clamp_min(AMAX_FLOOR) * INV_E4M3_MAX  # (b, kv_heads)
     scale = 1.0 / descale
     codes = (xf * scale.view(b, 1, kv_heads, 1, 1)).clamp(-E4M3_MAX, E4M3_MAX).view(b, s, h, d)
-    if balance:   # kappa per (batch, kv head), each of its heads'
+    if balance:  # kappa per (batch, kv head), each of its heads'
         weight = None if weight is None else weight.repeat_interleave(h // kv_heads, dim=1)
         codes = balanced_codes(codes, xf.view(b, s, h, d), weight)
     else:
@@ -106,17 +116,26 @@ def quantize_heads_reference(x: torch.Tensor, kv_heads: int, rotate: bool = Fals
     return codes, descale.contiguous()
 
 
-def quantize_heads(x: torch.Tensor, kv_heads: int, rotate: bool = False,
-                   mean: torch.Tensor | None = None, balance: bool = False,
-                   weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_heads(
+    x: torch.Tensor,
+    kv_heads: int,
+    rotate: bool = False,
+    mean: torch.Tensor | None = None,
+    balance: bool = False,
+    weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_heads_reference`'s result; on a GPU by the two passes below."""
     codes, descales = quantize_tensors(((x, rotate, mean),), kv_heads, balance_last=balance, balance_weight=weight)
     return codes[0], descales[0]
 
 
-def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
-                     balance_last: bool = False,
-                     balance_weight: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def quantize_tensors(
+    items,
+    kv_heads: int,
+    k_major_last: bool = False,
+    balance_last: bool = False,
+    balance_weight: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(codes, descales) of each (x, rotate, mean) in `items` (at most three tensors of one batch size
     and kv head count), as `quantize_heads`. `k_major_last`: the last tensor's codes are written
     keys-fastest, a (B, S, H, D) view of a (B, H, D, Sp) buffer (Sp: S padded to 16 bytes, what
@@ -135,11 +154,15 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
     last = len(items) - 1
     b = items[0][0].shape[0]
     if balance_weight is not None and (balance_weight.shape != (b, kv_heads) or balance_weight.dtype != torch.float32):
-        raise ValueError(f"balance_weight: expected float32 ({b}, {kv_heads}), got {balance_weight.dtype} "
-                         f"{tuple(balance_weight.shape)}")
+        raise ValueError(
+            f"balance_weight: expected float32 ({b}, {kv_heads}), got {balance_weight.dtype} "
+            f"{tuple(balance_weight.shape)}"
+        )
     if items[0][0].device.type != "cuda":
-        out = [quantize_heads_reference(x, kv_heads, rotate, mean, balance_last and i == last, balance_weight)
-               for i, (x, rotate, mean) in enumerate(items)]
+        out = [
+            quantize_heads_reference(x, kv_heads, rotate, mean, balance_last and i == last, balance_weight)
+            for i, (x, rotate, mean) in enumerate(items)
+        ]
         codes = [c for c, _ in out]
         if k_major_last:
             codes[-1] = transpose_v(codes[-1]).permute(0, 3, 1, 2)
@@ -148,24 +171,51 @@ def quantize_tensors(items, kv_heads: int, k_major_last: bool = False,
         raise ValueError(f"items: at most {MAX_SEGMENTS} tensors a call, got {len(items)}")
     xs = [x if x.dtype in KERNEL_DTYPES else x.float() for x, _, _ in items]
     means = [None if m is None else m.contiguous() for _, _, m in items]
-    key = (kv_heads, xs[0].device.index, bool(k_major_last), bool(balance_last), *((x.shape, x.stride(), x.dtype, bool(r), m is not None,
-                                            x.data_ptr() % 16 == 0, m is None or m.data_ptr() % 16 == 0)
-                                           for x, (_, r, _), m in zip(xs, items, means)))
+    key = (
+        kv_heads,
+        xs[0].device.index,
+        bool(k_major_last),
+        bool(balance_last),
+        *(
+            (
+                x.shape,
+                x.stride(),
+                x.dtype,
+                bool(r),
+                m is not None,
+                x.data_ptr() % 16 == 0,
+                m is None or m.data_ptr() % 16 == 0,
+            )
+            for x, (_, r, _), m in zip(xs, items, means)
+        ),
+    )
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) >= PLAN_LIMIT:
             _plans.clear()
-        plan = _plans[key] = _Plan(xs, [bool(r) for _, r, _ in items], [m is not None for m in means], kv_heads,
-                                   last if k_major_last else -1, last if balance_last else -1)
+        plan = _plans[key] = _Plan(
+            xs,
+            [bool(r) for _, r, _ in items],
+            [m is not None for m in means],
+            kv_heads,
+            last if k_major_last else -1,
+            last if balance_last else -1,
+        )
     amax = torch.zeros(len(xs) * b * kv_heads, dtype=torch.float32, device=xs[0].device)
     descales = torch.empty(len(xs), b, kv_heads, dtype=torch.float32, device=xs[0].device)
     codes = [_codes_buffer(x, k_major_last and i == len(xs) - 1) for i, x in enumerate(xs)]
-    free = weight = amax   # (placeholders where nothing is balanced)
+    free = weight = amax  # (placeholders where nothing is balanced)
     if balance_last:  # which keys of each block may move, pass 1 to pass 2 (every entry written by pass 1)
-        free = torch.empty(b * xs[-1].shape[2] * (padded_keys(xs[-1].shape[1], False) // BALANCE_KEYS),
-                           dtype=torch.int32, device=xs[0].device)
-        weight = (torch.zeros(b, kv_heads, dtype=torch.float32, device=xs[0].device) if balance_weight is None
-                  else balance_weight.contiguous())
+        free = torch.empty(
+            b * xs[-1].shape[2] * (padded_keys(xs[-1].shape[1], False) // BALANCE_KEYS),
+            dtype=torch.int32,
+            device=xs[0].device,
+        )
+        weight = (
+            torch.zeros(b, kv_heads, dtype=torch.float32, device=xs[0].device)
+            if balance_weight is None
+            else balance_weight.contiguous()
+        )
     plan(xs, means, amax, descales, codes, free, weight)
     return codes, list(descales.unbind(0))
 
@@ -176,8 +226,9 @@ def _codes_buffer(x: torch.Tensor, k_major: bool) -> torch.Tensor:
     if not k_major:
         return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     b, s, h, d = x.shape
-    return torch.empty(b, h, d, padded_keys(s, False), dtype=torch.float8_e4m3fn,
-                       device=x.device)[..., :s].permute(0, 3, 1, 2)
+    return torch.empty(b, h, d, padded_keys(s, False), dtype=torch.float8_e4m3fn, device=x.device)[..., :s].permute(
+        0, 3, 1, 2
+    )
 
 
 #: tensors one launch can take (Q, K and V)
@@ -194,18 +245,27 @@ class _Plan:
 
     __slots__ = ("groups",)
 
-    def __init__(self, xs: list, rotates: list, centres: list, kv_heads: int, k_major: int = -1,
-                 balanced: int = -1):
+    def __init__(self, xs: list, rotates: list, centres: list, kv_heads: int, k_major: int = -1, balanced: int = -1):
         by_kind: dict[tuple, list[int]] = {}
         for i, (x, r, c) in enumerate(zip(xs, rotates, centres)):
             bal = i == balanced  # alone, as a centred tensor (its mean is one argument): its tiles are its own
             by_kind.setdefault((x.shape[3], x.dtype, x.stride(3), r, c, bal, i if c or bal else -1), []).append(i)
         # (items keep their order in a group, so the K-major tensor, the last item, is its group's last)
-        self.groups = [_Group(xs, members, kv_heads, r, c, members[-1] == k_major, bal)
-                       for (_, _, _, r, c, bal, _), members in by_kind.items()]
+        self.groups = [
+            _Group(xs, members, kv_heads, r, c, members[-1] == k_major, bal)
+            for (_, _, _, r, c, bal, _), members in by_kind.items()
+        ]
 
-    def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list,
-                 free: torch.Tensor, weight: torch.Tensor) -> None:
+    def __call__(
+        self,
+        xs: list,
+        means: list,
+        amax: torch.Tensor,
+        descales: torch.Tensor,
+        codes: list,
+        free: torch.Tensor,
+        weight: torch.Tensor,
+    ) -> None:
         for group in self.groups:
             group(xs, means, amax, descales, codes, free, weight)
 
@@ -217,45 +277,96 @@ class _Group:
 
     __slots__ = ("members", "grid", "tail", "consts", "options", "head", "amax_pass", "codes_pass")
 
-    def __init__(self, xs: list, members: list[int], kv_heads: int, rotate: bool, centre: bool,
-                 last_k_major: bool = False, balanced: bool = False):
+    def __init__(
+        self,
+        xs: list,
+        members: list[int],
+        kv_heads: int,
+        rotate: bool,
+        centre: bool,
+        last_k_major: bool = False,
+        balanced: bool = False,
+    ):
         x0 = xs[members[0]]
         b, d = x0.shape[0], x0.shape[3]
         block_s, dp, bn, warps = _tiles(d, rotate, balanced)
-        starts, fields = [0], []   # per segment: S, H, GROUP, stride_b, stride_s, stride_h
+        starts, fields = [0], []  # per segment: S, H, GROUP, stride_b, stride_s, stride_h
         for i in members:
             x = xs[i]
             starts.append(starts[-1] + triton.cdiv(x.shape[1], block_s) * b * x.shape[2])
             fields.append((x.shape[1], x.shape[2], x.shape[2] // kv_heads, *x.stride()[:3]))
-        pad = MAX_SEGMENTS - len(members)   # unused segments repeat the first
+        pad = MAX_SEGMENTS - len(members)  # unused segments repeat the first
         self.members = tuple(members + members[:1] * pad)
         fields += fields[:1] * pad
         self.grid = (starts[-1],)
-        self.tail = (starts[1], starts[min(2, len(members))],            # P1, P2: where segments 1, 2 start
-                     *(i * b * kv_heads for i in self.members),              # F0, F1, F2: their first scales
-                     *(f[k] for k in range(6) for f in fields), x0.stride(3), d, rotation_block(d) ** -0.5,
-                     padded_keys(xs[members[-1]].shape[1], False))  # SKP: the K-major buffer's key stride
-        self.consts = dict(NSEG=len(members), DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate,
-                           TERMS=3 if centre else _TERMS[x0.dtype], LAST_K_MAJOR=bool(last_k_major),
-                           BALANCED=bool(balanced))
+        self.tail = (
+            starts[1],
+            starts[min(2, len(members))],  # P1, P2: where segments 1, 2 start
+            *(i * b * kv_heads for i in self.members),  # F0, F1, F2: their first scales
+            *(f[k] for k in range(6) for f in fields),
+            x0.stride(3),
+            d,
+            rotation_block(d) ** -0.5,
+            padded_keys(xs[members[-1]].shape[1], False),
+        )  # SKP: the K-major buffer's key stride
+        self.consts = dict(
+            NSEG=len(members),
+            DP=dp,
+            BN=bn,
+            BLOCK_S=block_s,
+            CENTER=centre,
+            ROTATE=rotate,
+            TERMS=3 if centre else _TERMS[x0.dtype],
+            LAST_K_MAJOR=bool(last_k_major),
+            BALANCED=bool(balanced),
+        )
         self.options = dict(num_warps=warps, num_stages=1)
         self.head = (d, str(x0.dtype), centre, rotate, bool(last_k_major), bool(balanced))
         self.amax_pass = self.codes_pass = None
 
-    def __call__(self, xs: list, means: list, amax: torch.Tensor, descales: torch.Tensor, codes: list,
-                 free: torch.Tensor, weight: torch.Tensor) -> None:
+    def __call__(
+        self,
+        xs: list,
+        means: list,
+        amax: torch.Tensor,
+        descales: torch.Tensor,
+        codes: list,
+        free: torch.Tensor,
+        weight: torch.Tensor,
+    ) -> None:
         x0 = xs[self.members[0]]
         r = _pm1_matrix(x0.shape[3], x0.device) if self.consts["ROTATE"] else x0
         m = means[self.members[0]] if self.consts["CENTER"] else x0
         ins = (*(xs[i] for i in self.members), r, m, amax, free)
         outs = (descales, *(codes[i] for i in self.members))
-        if self.amax_pass is None:   # first call: compile through Triton's path, then launch directly
+        if self.amax_pass is None:  # first call: compile through Triton's path, then launch directly
             dev = x0.device.index
-            self.amax_pass = Bound(run(("quantize_amax", *self.head), _amax_kernel, self.grid, (*ins, *self.tail),
-                                       self.consts, self.options, dev), self.grid, dev)
-            self.codes_pass = Bound(run(("quantize_codes", *self.head), _codes_kernel, self.grid,
-                                        (*ins, weight, *outs, *self.tail), self.consts, self.options, dev),
-                                    self.grid, dev)
+            self.amax_pass = Bound(
+                run(
+                    ("quantize_amax", *self.head),
+                    _amax_kernel,
+                    self.grid,
+                    (*ins, *self.tail),
+                    self.consts,
+                    self.options,
+                    dev,
+                ),
+                self.grid,
+                dev,
+            )
+            self.codes_pass = Bound(
+                run(
+                    ("quantize_codes", *self.head),
+                    _codes_kernel,
+                    self.grid,
+                    (*ins, weight, *outs, *self.tail),
+                    self.consts,
+                    self.options,
+                    dev,
+                ),
+                self.grid,
+                dev,
+            )
         else:
             self.amax_pass((*ins, *self.tail, *self.consts.values()))
             self.codes_pass((*ins, weight, *outs, *self.tail, *self.consts.values()))
@@ -270,186 +381,3 @@ def _tiles(d: int, rotate: bool, balanced: bool = False) -> tuple[int, int, int,
     if balanced:
         return BALANCE_KEYS, dp, dp, max(1, dp // 32)
     return max(16, min(32, TILE // dp)), dp, dp, NUM_WARPS
-
-
-
-@triton.jit
-def _pick(seg, a0, a1, a2, NSEG: tl.constexpr):
-    """The value of segment `seg` of a scalar passed once per segment."""
-    v = a0
-    if NSEG > 1:
-        v = tl.where(seg >= 1, a1, v)
-    if NSEG > 2:
-        v = tl.where(seg >= 2, a2, v)
-    return v
-
-
-@triton.jit
-def _program_rows(X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2,
-                  SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D,
-                  NSEG: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr, CENTER: tl.constexpr,
-                  LOAD: tl.constexpr = True):
-    """This program's tensor (segment: programs [0, P1) the first, [P1, P2) the second, then the
-    third) and its rows there (a one-dimensional grid, row blocks of one head after another: no grid
-    dimension limits batch x heads), the head dim padded to DP with zeros (as are rows past S);
-    centred (float32) with CENTER, else in the input's dtype. Returns (rows, segment, batch, head,
-    index of the (batch, kv head) in the amax and descale buffers, first row, S, H, GROUP, the block's
-    first row's address and the row stride). LOAD=False: the rows are not loaded (x is 0; BALANCED loads
-    its keys one by one)."""
-    pid = tl.program_id(0)
-    seg = 0
-    if NSEG > 1:
-        seg = (pid >= P1).to(tl.int32)
-    if NSEG > 2:
-        seg += (pid >= P2).to(tl.int32)
-    pid -= _pick(seg, 0, P1, P2, NSEG)
-    S = _pick(seg, S0, S1, S2, NSEG)
-    H = _pick(seg, H0, H1, H2, NSEG)
-    GROUP = _pick(seg, G0, G1, G2, NSEG)
-    blocks = tl.cdiv(S, BLOCK_S)
-    bh = pid // blocks
-    b = bh // H
-    h = bh % H
-    kv = _pick(seg, F0, F1, F2, NSEG) + b * (H // GROUP) + h // GROUP
-    s0 = (pid % blocks) * BLOCK_S
-    rows = s0 + tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, DP)
-    ok = (rows < S)[:, None] & (cols < D)[None, :]
-    stride_s = _pick(seg, SS0, SS1, SS2, NSEG)
-    src = _pick(seg, X0, X1, X2, NSEG) + b.to(tl.int64) * _pick(seg, SB0, SB1, SB2, NSEG) \
-        + h.to(tl.int64) * _pick(seg, SH0, SH1, SH2, NSEG) + s0.to(tl.int64) * stride_s
-    x = 0.0
-    if LOAD:
-        x = tl.load(src + tl.arange(0, BLOCK_S)[:, None] * stride_s + cols[None, :] * stride_d, mask=ok, other=0.0)
-    if CENTER:  # (a centred segment is alone in its launch: its kv index is its own)
-        mean = tl.load(MEAN + (kv - F0) * D + cols, mask=cols < D, other=0.0)
-        x = tl.where(ok, x.to(tl.float32) - mean[None, :], 0.0)
-    return x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s
-
-
-
-#: the segment starts and buffer offsets are not specialised on: one compiled kernel for any of them
-_SEGMENT_ARGS = ["P1", "P2", "F0", "F1", "F2"]
-
-
-@triton.jit
-def _free_slot(b, h, H, s0, SKP):
-    """Where the mask of the block of keys from s0 of (batch b, head h) sits in FREE: (B, H, SKP / 16)."""
-    return (b.to(tl.int64) * H + h) * (SKP // _BALANCE_KEYS) + s0 // _BALANCE_KEYS
-
-
-@triton.jit(do_not_specialize=_SEGMENT_ARGS)
-def _amax_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2,
-                 SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
-                 NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
-                 CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr,
-                 BALANCED: tl.constexpr):
-    x, seg, b, h, kv, s0, S, H, GROUP, _, _ = _program_rows(
-        X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
-        SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER)
-    if ROTATE:
-        m = 0.0
-        for c0 in range(0, DP, BN):
-            m = tl.maximum(m, tl.max(tl.abs(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS))))
-    elif BALANCED:  # and which keys may move (`_free_keys`; rows past S are 0), a bit each, for pass 2
-        rows = tl.max(tl.abs(x.to(tl.float32)), axis=1)
-        m = tl.max(rows)
-        e = tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 0xFF, _BALANCE_ROW_BITS + 1)
-        fixed = (rows * ((254 + _BALANCE_ROW_BITS - e) << 23).to(tl.float32, bitcast=True)).to(tl.int32)
-        ok = fixed * (_BALANCE_SKIP * _BALANCE_KEYS) >= tl.sum(fixed)
-        mask = tl.sum(tl.where(ok, 1 << tl.arange(0, BLOCK_S), 0))
-        tl.store(FREE + _free_slot(b, h, H, s0, SKP), mask)
-    else:
-        m = tl.max(tl.abs(x.to(tl.float32)))
-    tl.atomic_max(AMAX + kv, m, sem="relaxed")  # m >= 0: the result does not depend on the order
-
-
-@triton.jit(do_not_specialize=_SEGMENT_ARGS)
-def _codes_kernel(X0, X1, X2, R, MEAN, AMAX, FREE, WEIGHT, DESCALE, OUT0, OUT1, OUT2, P1, P2, F0, F1, F2, S0, S1, S2,
-                  H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2, SH0, SH1, SH2, stride_d, D, inv_sqrt, SKP,
-                  NSEG: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, BLOCK_S: tl.constexpr,
-                  CENTER: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, LAST_K_MAJOR: tl.constexpr,
-                  BALANCED: tl.constexpr):
-    """The codes of a block of rows. LAST_K_MAJOR: the last segment's go keys-fastest into its (B, H, D,
-    SKP) buffer (V for the FP8 kernels' V^T, written by this pass instead of a copy after it).
-    BALANCED: rounded as `balanced_codes` (V, alone in its launch, never rotated: one block of keys
-    a program, BN = DP), kappa WEIGHT (B, kv heads) float32."""
-    x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s = _program_rows(
-        X0, X1, X2, MEAN, P1, P2, F0, F1, F2, S0, S1, S2, H0, H1, H2, G0, G1, G2, SB0, SB1, SB2, SS0, SS1, SS2,
-        SH0, SH1, SH2, stride_d, D, NSEG, DP, BLOCK_S, CENTER, not BALANCED)
-    descale = tl.maximum(tl.load(AMAX + kv), _AMAX_FLOOR) * _INV_E4M3_MAX  # as the reference
-    if (s0 == 0) & (h % GROUP == 0):
-        tl.store(DESCALE + kv, descale)
-    scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), descale)
-    out = _pick(seg, OUT0, OUT1, OUT2, NSEG)
-    k_major = False
-    if LAST_K_MAJOR:
-        k_major = seg == NSEG - 1
-    if BALANCED:  # keys one by one into registers, each thread all 16 keys of its channels (_balanced_keys)
-        cols = tl.arange(0, DP)
-        keys = tl.arange(0, _BALANCE_KEYS)
-        free = tl.load(FREE + _free_slot(b, h, H, s0, SKP))
-        kappa = tl.load(WEIGHT + b.to(tl.int64) * (H // GROUP) + h // GROUP)   # its (batch, kv head)'s
-        y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, scale, DP), free, kappa)
-        y8 = y8.to(tl.float8e4nv)
-        ok = (cols < D)[:, None] & (s0 + keys < S)[None, :]
-        if k_major:
-            tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[:, None]) * SKP + s0 + keys[None, :], y8, mask=ok)
-        else:
-            tl.store(out + ((b.to(tl.int64) * S + s0) * H + h) * D + keys[None, :] * (H * D) + cols[:, None], y8,
-                     mask=ok)
-    else:
-        _plain_codes(x, R, inv_sqrt, scale, out, s0, S, D, b, h, H, SKP, k_major, DP, BN, ROTATE, TERMS, BLOCK_S)
-
-
-@triton.jit
-def _plain_codes(x, R, inv_sqrt, scale, out, s0, S, D, b, h, H, SKP, k_major, DP: tl.constexpr,
-                 BN: tl.constexpr, ROTATE: tl.constexpr, TERMS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Each code the nearest e4m3 of its (rotated) value times the scale, BN columns at a time."""
-    rows = s0 + tl.arange(0, BLOCK_S)
-    dst = out + ((b.to(tl.int64) * S + s0) * H + h) * D + tl.arange(0, BLOCK_S)[:, None] * (H * D)
-    for c0 in range(0, DP, BN):
-        y = tl.clamp(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS) * scale, -_E4M3_MAX, _E4M3_MAX)
-        cols = c0 + tl.arange(0, BN)
-        ok = (rows < S)[:, None] & (cols < D)[None, :]
-        y8 = y.to(tl.float8e4nv)
-        if k_major:
-            tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[None, :]) * SKP + rows[:, None], y8, mask=ok)
-        else:
-            tl.store(dst + cols[None, :], y8, mask=ok)
-
-
-@triton.jit
-def _key_row(src, stride_s, coff, n, cmask, scale, k: tl.constexpr):
-    """Key k of the block (k < n, else 0) times the scale, clamped to e4m3's range: [DP] float32."""
-    x = tl.load(src + k * stride_s + coff, mask=cmask & (k < n), other=0.0)
-    return tl.clamp(x.to(tl.float32) * scale, -_E4M3_MAX, _E4M3_MAX)
-
-
-@triton.jit
-def _keys2(src, stride_s, coff, n, cmask, scale, k: tl.constexpr, step: tl.constexpr):
-    return tl.join(_key_row(src, stride_s, coff, n, cmask, scale, k),
-                   _key_row(src, stride_s, coff, n, cmask, scale, k + step))
-
-
-@triton.jit
-def _keys4(src, stride_s, coff, n, cmask, scale, k: tl.constexpr, step: tl.constexpr):
-    return tl.join(_keys2(src, stride_s, coff, n, cmask, scale, k, 2 * step),
-                   _keys2(src, stride_s, coff, n, cmask, scale, k + step, 2 * step))
-
-
-@triton.jit
-def _keys8(src, stride_s, coff, n, cmask, scale, k: tl.constexpr, step: tl.constexpr):
-    return tl.join(_keys4(src, stride_s, coff, n, cmask, scale, k, 2 * step),
-                   _keys4(src, stride_s, coff, n, cmask, scale, k + step, 2 * step))
-
-
-@triton.jit
-def _load_keys(src, stride_s, coff, n, cmask, scale, DP: tl.constexpr):
-    """The block's 16 keys as (DP, 16) float32, each thread all 16 keys of its channels: tl.join puts its new
-    dimension inside each thread, and joining keys k and k + step at every level (odd keys last) makes the
-    row-major reshape the keys' order, so every reduction over the keys stays in registers and a K-major store
-    is one 16-byte run per channel."""
-    keys = tl.join(_keys8(src, stride_s, coff, n, cmask, scale, 0, 2),
-                   _keys8(src, stride_s, coff, n, cmask, scale, 1, 2))
-    return tl.reshape(keys, [DP, _BALANCE_KEYS])

@@ -34,8 +34,21 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _transpose_v_kernel(V, VT, stride_vb, stride_vs, stride_vh, stride_vd, SEQ_K, SEQ_KP, HKV,
-                        DIM: tl.constexpr, PERMUTE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def _transpose_v_kernel(
+    V,
+    VT,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    SEQ_K,
+    SEQ_KP,
+    HKV,
+    DIM: tl.constexpr,
+    PERMUTE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid_k = tl.program_id(0)
     bh = tl.program_id(1)
     pid_d = tl.program_id(2)
@@ -47,11 +60,17 @@ def _transpose_v_kernel(V, VT, stride_vb, stride_vs, stride_vh, stride_vd, SEQ_K
         keys = slots
     dims = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     src = V + (bh // HKV).to(tl.int64) * stride_vb + (bh % HKV) * stride_vh
-    tile = tl.load(src + keys[:, None] * stride_vs + dims[None, :] * stride_vd,
-                   mask=(keys < SEQ_K)[:, None] & (dims < DIM)[None, :], other=0.0)
+    tile = tl.load(
+        src + keys[:, None] * stride_vs + dims[None, :] * stride_vd,
+        mask=(keys < SEQ_K)[:, None] & (dims < DIM)[None, :],
+        other=0.0,
+    )
     dst = VT + bh.to(tl.int64) * DIM * SEQ_KP
-    tl.store(dst + dims[:, None] * SEQ_KP + slots[None, :], tl.trans(tile),
-             mask=(dims < DIM)[:, None] & (slots < SEQ_KP)[None, :])
+    tl.store(
+        dst + dims[:, None] * SEQ_KP + slots[None, :],
+        tl.trans(tile),
+        mask=(dims < DIM)[:, None] & (slots < SEQ_KP)[None, :],
+    )
 
 
 def transpose_v(v: torch.Tensor, permute: bool = False) -> torch.Tensor:
@@ -70,7 +89,7 @@ def transpose_v(v: torch.Tensor, permute: bool = False) -> torch.Tensor:
         b, sk, hk, d = v.shape
         out = torch.empty(b, hk, d, padded_keys(sk, permute), dtype=v.dtype, device=v.device)
         _launch(v, out, permute)
-    return out if permute else out[..., :v.shape[1]]
+    return out if permute else out[..., : v.shape[1]]
 
 
 def bind_transpose(v: torch.Tensor, permute: bool) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -81,22 +100,30 @@ def bind_transpose(v: torch.Tensor, permute: bool) -> Callable[[torch.Tensor], t
     b, sk, hk, d = v.shape
     out = torch.empty(b, hk, d, padded_keys(sk, permute), dtype=v.dtype, device=v.device)
     grid, args, constexprs = _arguments(v, out, permute)
-    return _BoundTranspose(_launch(v, out, permute), grid, v.device.index, tuple(out.shape), v.dtype,
-                           (*args[2:], *constexprs.values()), None if permute else sk)
+    return _BoundTranspose(
+        _launch(v, out, permute),
+        grid,
+        v.device.index,
+        tuple(out.shape),
+        v.dtype,
+        (*args[2:], *constexprs.values()),
+        None if permute else sk,
+    )
 
 
 class _BoundTranspose:
     __slots__ = ("launch", "shape", "dtype", "tail", "keys")
 
-    def __init__(self, compiled, grid: tuple, device: int, shape: tuple, dtype: torch.dtype, tail: tuple,
-                 keys: int | None):
+    def __init__(
+        self, compiled, grid: tuple, device: int, shape: tuple, dtype: torch.dtype, tail: tuple, keys: int | None
+    ):
         self.launch = Bound(compiled, grid, device)
         self.shape, self.dtype, self.tail, self.keys = shape, dtype, tail, keys
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype, device=v.device)
         self.launch((v, out, *self.tail))
-        return out if self.keys is None else out[..., :self.keys]
+        return out if self.keys is None else out[..., : self.keys]
 
 
 def k_major_view(v: torch.Tensor) -> torch.Tensor | None:
@@ -104,8 +131,14 @@ def k_major_view(v: torch.Tensor) -> torch.Tensor | None:
     b, sk, hk, dv = v.shape
     vt = v.permute(0, 2, 3, 1)
     row = vt.stride(2)
-    if vt.stride(3) == 1 and (row * v.element_size()) % 16 == 0 and row >= sk and vt.stride(1) == dv * row \
-            and vt.stride(0) == hk * dv * row and v.data_ptr() % 16 == 0:
+    if (
+        vt.stride(3) == 1
+        and (row * v.element_size()) % 16 == 0
+        and row >= sk
+        and vt.stride(1) == dv * row
+        and vt.stride(0) == hk * dv * row
+        and v.data_ptr() % 16 == 0
+    ):
         return vt
     return None
 
@@ -127,8 +160,15 @@ def _arguments(v: torch.Tensor, out: torch.Tensor, permute: bool) -> tuple[tuple
 def _launch(v: torch.Tensor, out: torch.Tensor, permute: bool):
     """Write V^T of `v` into `out` (B, Hkv, D, Skp) contiguous; returns the CompiledKernel."""
     grid, args, constexprs = _arguments(v, out, permute)
-    return run(("transpose_v", v.shape[3], bool(permute)), _transpose_v_kernel, grid, args, constexprs,
-               dict(num_warps=NUM_WARPS), v.device.index)
+    return run(
+        ("transpose_v", v.shape[3], bool(permute)),
+        _transpose_v_kernel,
+        grid,
+        args,
+        constexprs,
+        dict(num_warps=NUM_WARPS),
+        v.device.index,
+    )
 
 
 def transpose_v_reference(v: torch.Tensor, permute: bool = False) -> torch.Tensor:

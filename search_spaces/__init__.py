@@ -45,7 +45,23 @@ def get_space(dtype: str) -> SearchSpace:
     return space
 
 
-__all__ = ["Param", "SearchSpace", "FAMILIES", "get_space", "FP8_CAUSAL", "BF16_CAUSAL", "SMEM_LIMIT",
-           "smem_estimate", "register_estimate", "gluon_smem_estimate", "gluon_register_estimate",
-           "static_infeasibility", "RECIPE_PARAMS", "SEED_RECIPES", "suggest_recipe", "recipe_options",
-           "recipe_from_options", "recipe_neighbours"]
+__all__ = [
+    "Param",
+    "SearchSpace",
+    "FAMILIES",
+    "get_space",
+    "FP8_CAUSAL",
+    "BF16_CAUSAL",
+    "SMEM_LIMIT",
+    "smem_estimate",
+    "register_estimate",
+    "gluon_smem_estimate",
+    "gluon_register_estimate",
+    "static_infeasibility",
+    "RECIPE_PARAMS",
+    "SEED_RECIPES",
+    "suggest_recipe",
+    "recipe_options",
+    "recipe_from_options",
+    "recipe_neighbours",
+]

@@ -10,11 +10,11 @@ from .params import BLOCK_N, TILE_PARAMS, Param, rowsum_param, scale_per_tile
 from .space import SearchSpace
 
 PARAMS = TILE_PARAMS + (
-    scale_per_tile(BLOCK_N),                            # Optuna "scale_per_tile": scale_block 0 / block_n
+    scale_per_tile(BLOCK_N),  # Optuna "scale_per_tile": scale_block 0 / block_n
     rowsum_param(("fp32", "rounded", "mma")),
     Param("q_order", ("forward", "heavy_first")),
     Param("loads", ("tma", "pointer")),
-    Param("v_layout", ("natural",)),                    # bf16 wgmma reads V (keys, dim) as is: no copy
+    Param("v_layout", ("natural",)),  # bf16 wgmma reads V (keys, dim) as is: no copy
 )
 
 SPACE = SearchSpace("bf16-causal", "bf16", PARAMS)

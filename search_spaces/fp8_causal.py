@@ -57,58 +57,118 @@ def decode_lean_mufu(value: int, fields) -> int:
     return value if value and fields["lean_fold"] == "fma" and not lean_mufu_conflict(fields) else 0
 
 
-PARAMS = (backend_param(),
-          gluon_tile("block_m", (64, 128, 192)),     # Gluon 192: three consumer warpgroups (FA3's hd64 tile)
-          gluon_tile("block_n", BLOCK_N + (192,)),   # Gluon 192: a 128- and a 64-key part, with overlap
-          *(p for p in TILE_PARAMS if p.name not in ("block_m", "block_n")),
-    Param("softmax", ("exact", "lean"),                 # both backends (Gluon lean: overlap + v_permute)
-          decode=lambda v, f: "exact" if _exact_only_block(f) else v),
+PARAMS = (
+    backend_param(),
+    gluon_tile("block_m", (64, 128, 192)),  # Gluon 192: three consumer warpgroups (FA3's hd64 tile)
+    gluon_tile("block_n", BLOCK_N + (192,)),  # Gluon 192: a 128- and a 64-key part, with overlap
+    *(p for p in TILE_PARAMS if p.name not in ("block_m", "block_n")),
+    Param(
+        "softmax",
+        ("exact", "lean"),  # both backends (Gluon lean: overlap + v_permute)
+        decode=lambda v, f: "exact" if _exact_only_block(f) else v,
+    ),
     lean_only("lean_fold", ("fma", "sub_fma", "corrected", "centered")),  # only under softmax="lean"
-    lean_only("lean_clamp", ("imax", "fmax", "sat")),   # only under softmax="lean"
-    lean_only("lean_pack", ("prmt", "bfi")),            # only under softmax="lean"
+    lean_only("lean_clamp", ("imax", "fmax", "sat")),  # only under softmax="lean"
+    lean_only("lean_pack", ("prmt", "bfi")),  # only under softmax="lean"
     Param("p_scale_log2", (6, 7, 8)),
-    triton_only(scale_per_tile(BLOCK_N)),               # Optuna "scale_per_tile": scale_block 0 / block_n
-    rowsum_param(("fp32", "rounded", "mma")),           # "fp32" under lean -> "rounded"; Gluon exact: "fp32" / "mma"
-    Param("q_order", ("forward", "heavy_first", "balanced"),  # "balanced": Gluon (persistent) only
-          decode=lambda v, f: f["q_order"] if v == "balanced" and f["backend"] != "gluon" else v),
+    triton_only(scale_per_tile(BLOCK_N)),  # Optuna "scale_per_tile": scale_block 0 / block_n
+    rowsum_param(("fp32", "rounded", "mma")),  # "fp32" under lean -> "rounded"; Gluon exact: "fp32" / "mma"
+    Param(
+        "q_order",
+        ("forward", "heavy_first", "balanced"),  # "balanced": Gluon (persistent) only
+        decode=lambda v, f: f["q_order"] if v == "balanced" and f["backend"] != "gluon" else v,
+    ),
     triton_only(Param("loads", ("tma", "pointer"))),
-    Param("v_layout", ("transposed", "natural"),     # Gluon lean P and 192-key blocks read V^T: "transposed"
-          decode=lambda v, f: "transposed" if f["backend"] == "gluon" and (f["softmax"] == "lean"
-                                                                          or _exact_only_block(f)) else v),
+    Param(
+        "v_layout",
+        ("transposed", "natural"),  # Gluon lean P and 192-key blocks read V^T: "transposed"
+        decode=lambda v, f: (
+            "transposed" if f["backend"] == "gluon" and (f["softmax"] == "lean" or _exact_only_block(f)) else v
+        ),
+    ),
     gluon_only("ping_pong", (True, False), one_consumer=False),  # consumer warpgroups alternate wgmma issue
     gluon_only("overlap", (True, False), forced=("softmax", "lean", True)),  # softmax(j) while PV(j-1) runs
-    Param("pv_defer", (False, True), only_if=("backend", "gluon"),  # plain: PV(j-1) paired with QK^T(j)
-          decode=lambda v, f: v and not pv_defer_conflict(f)),
-    gluon_only("q_stages", (1, 2)),                     # Q ring: 2 prefetches the next tile's Q
-    gluon_only("v_permute", (True, False), unless=("v_layout", "natural"), default=False,  # key-permuted V^T
-               forced=("softmax", "lean", True)),
+    Param(
+        "pv_defer",
+        (False, True),
+        only_if=("backend", "gluon"),  # plain: PV(j-1) paired with QK^T(j)
+        decode=lambda v, f: v and not pv_defer_conflict(f),
+    ),
+    gluon_only("q_stages", (1, 2)),  # Q ring: 2 prefetches the next tile's Q
+    gluon_only(
+        "v_permute",
+        (True, False),
+        unless=("v_layout", "natural"),
+        default=False,  # key-permuted V^T
+        forced=("softmax", "lean", True),
+    ),
     gluon_only("persistent", (True, False), unless=("q_order", "balanced")),  # grid = min(SMs, tiles)
     gluon_only("l2_group_mib", (16, 32, 8, 64), needs=(("q_order", "balanced"),)),  # launch only: tile table's groups
     gluon_only("producer_regs", (24, 40, 56), one_consumer=24),  # setmaxnreg split: consumers get the rest
     gluon_only("ex2_fence", (False, True), needs=(("overlap", True), ("rowsum", "fp32"))),  # exps before PV wait
-    gluon_only("skip_rescale", (False, True)),          # a warp whose row maxima stayed skips O's rescale
+    gluon_only("skip_rescale", (False, True)),  # a warp whose row maxima stayed skips O's rescale
     gluon_only("turn_barrier", ("mbarrier", "named"), needs=(("ping_pong", True),)),  # ping-pong token
     gluon_only("late_rescale", (False, True), needs=(("overlap", True),)),  # O rescaled after the PV wait
-    Param("p_carry", ("f32", "e4m3", "smem2"), only_if=("backend", "gluon"),  # P packed, or via two smem tiles
-          decode=decode_p_carry),
-    Param("lane_sums", (False, True), only_if=("backend", "gluon"),  # row sums per lane, reduced in the epilogue
-          decode=lambda v, f: v and not lane_sums_conflict(f)),
-    Param("o_split", (False, True), only_if=("backend", "gluon"),  # hd96: O in 64 + 32 columns, not padded to 128
-          decode=lambda v, f: v and not o_split_conflict(f)),
-    Param("half_block", (False, True), only_if=("backend", "gluon"),  # a half-empty first block halved
-          decode=lambda v, f: v and not half_block_conflict(f)),
-    Param("o_through_p", (False, True), only_if=("backend", "gluon"),  # output in chunks through the P tiles
-          decode=lambda v, f: v and not o_through_p_conflict(f)),
-    Param("qk_acc", ("f32", "f16"), only_if=("backend", "gluon"),  # lean P on f16 scores (two per instruction)
-          decode=lambda v, f: "f32" if qk_acc_conflict(f) else v),
-    Param("qk_async", (False, True), only_if=("backend", "gluon"),  # f16 QK^T's wait behind PV(j-1)'s issue
-          decode=lambda v, f: v and not qk_async_conflict(f)),
-    Param("lean_ref", ("grid", "max"), only_if=("backend", "gluon"),  # the f16 fold's line on the row's maximum
-          decode=lambda v, f: "grid" if v != "grid" and lean_ref_conflict(f) else v),
-    Param("lean_floor", (False, True), only_if=("backend", "gluon"),  # e4m3's subnormal codes by a second line
-          decode=lambda v, f: v and not lean_floor_conflict(f)),
-    Param("lean_mufu", (0, 1, 2), only_if=("backend", "gluon"),  # of four linear-fold pairs, so many by the MUFU
-          decode=decode_lean_mufu),
+    Param(
+        "p_carry",
+        ("f32", "e4m3", "smem2"),
+        only_if=("backend", "gluon"),  # P packed, or via two smem tiles
+        decode=decode_p_carry,
+    ),
+    Param(
+        "lane_sums",
+        (False, True),
+        only_if=("backend", "gluon"),  # row sums per lane, reduced in the epilogue
+        decode=lambda v, f: v and not lane_sums_conflict(f),
+    ),
+    Param(
+        "o_split",
+        (False, True),
+        only_if=("backend", "gluon"),  # hd96: O in 64 + 32 columns, not padded to 128
+        decode=lambda v, f: v and not o_split_conflict(f),
+    ),
+    Param(
+        "half_block",
+        (False, True),
+        only_if=("backend", "gluon"),  # a half-empty first block halved
+        decode=lambda v, f: v and not half_block_conflict(f),
+    ),
+    Param(
+        "o_through_p",
+        (False, True),
+        only_if=("backend", "gluon"),  # output in chunks through the P tiles
+        decode=lambda v, f: v and not o_through_p_conflict(f),
+    ),
+    Param(
+        "qk_acc",
+        ("f32", "f16"),
+        only_if=("backend", "gluon"),  # lean P on f16 scores (two per instruction)
+        decode=lambda v, f: "f32" if qk_acc_conflict(f) else v,
+    ),
+    Param(
+        "qk_async",
+        (False, True),
+        only_if=("backend", "gluon"),  # f16 QK^T's wait behind PV(j-1)'s issue
+        decode=lambda v, f: v and not qk_async_conflict(f),
+    ),
+    Param(
+        "lean_ref",
+        ("grid", "max"),
+        only_if=("backend", "gluon"),  # the f16 fold's line on the row's maximum
+        decode=lambda v, f: "grid" if v != "grid" and lean_ref_conflict(f) else v,
+    ),
+    Param(
+        "lean_floor",
+        (False, True),
+        only_if=("backend", "gluon"),  # e4m3's subnormal codes by a second line
+        decode=lambda v, f: v and not lean_floor_conflict(f),
+    ),
+    Param(
+        "lean_mufu",
+        (0, 1, 2),
+        only_if=("backend", "gluon"),  # of four linear-fold pairs, so many by the MUFU
+        decode=decode_lean_mufu,
+    ),
 )
 
 
@@ -146,8 +206,12 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
         twins.append(config.replace(half_block=True))
     two_tiles = {**vars(config), "p_carry": "smem2"}
     # (not lean P's: through the tiles 0.92x its float32 carry at hd128 16K)
-    if config.overlap and config.p_carry in ("f32", "e4m3") and config.softmax == "exact" \
-            and not packed_p_conflict(two_tiles):
+    if (
+        config.overlap
+        and config.p_carry in ("f32", "e4m3")
+        and config.softmax == "exact"
+        and not packed_p_conflict(two_tiles)
+    ):
         twin = config.replace(p_carry="smem2")  # with its half-empty first blocks halved where that applies
         twins.append(twin.replace(half_block=True) if not half_block_conflict(vars(twin)) else twin)
     if config.p_carry == "smem2" and not config.o_through_p and not o_through_p_conflict(vars(config)):
@@ -171,7 +235,11 @@ def field_twins(config: KernelConfig) -> list[KernelConfig]:
 
 #: Enqueued right after the Triton default (where statically feasible): seeds.SEEDS, the lean P ones only for a
 #: study whose gate admits lean P's error (tune.LOOSE_GATE, or --multi-objective).
-SPACE = SearchSpace("fp8-causal", "fp8", PARAMS,
-                    extra_seeds=tuple(s.build for s in SEEDS if not s.loose),
-                    winner_twins=field_twins,
-                    loose_seeds=tuple(s.build for s in SEEDS if s.loose))
+SPACE = SearchSpace(
+    "fp8-causal",
+    "fp8",
+    PARAMS,
+    extra_seeds=tuple(s.build for s in SEEDS if not s.loose),
+    winner_twins=field_twins,
+    loose_seeds=tuple(s.build for s in SEEDS if s.loose),
+)

@@ -100,6 +100,7 @@ class Param:
 
 # ---- declaration helpers used by the family modules (one line per field) ---------------------
 
+
 def lean_only(name: str, choices: tuple) -> Param:
     """A lean P instruction-sequence field: matters only under softmax="lean"."""
     return Param(name, choices, only_if=("softmax", "lean"))
@@ -108,21 +109,28 @@ def lean_only(name: str, choices: tuple) -> Param:
 def scale_per_tile(block_n_choices: tuple) -> Param:
     """scale_block searched as the boolean "scale_per_tile": False -> 0, True -> block_n (the
     Triton backend takes one extra exponent per key tile), so no suggestion is ever invalid."""
-    return Param("scale_block", (0,) + tuple(block_n_choices), label="scale_per_tile", options=(False, True),
-                 decode=lambda on, f: f["block_n"] if on else 0,
-                 encode=lambda value, config: value != 0)
+    return Param(
+        "scale_block",
+        (0,) + tuple(block_n_choices),
+        label="scale_per_tile",
+        options=(False, True),
+        decode=lambda on, f: f["block_n"] if on else 0,
+        encode=lambda value, config: value != 0,
+    )
 
 
 def rowsum_param(choices: tuple = ("fp32", "rounded", "mma")) -> Param:
     """rowsum; under softmax="lean" (no unrounded probabilities) a suggested "fp32" becomes "rounded".
     The Gluon backend sums by "fp32" or "mma" under exact softmax (a suggested "rounded", the sum
     "mma" computes, becomes "mma"), and by "mma" or "rounded" (its codes decoded) under lean."""
+
     def decode(v, f):
         if f["backend"] == "gluon":
             if f["softmax"] == "lean":
                 return "mma" if v == "mma" else "rounded"
             return "mma" if v != "fp32" else "fp32"
         return "rounded" if v == "fp32" and f["softmax"] == "lean" else v
+
     return Param("rowsum", choices, decode=decode)
 
 
@@ -138,9 +146,16 @@ def triton_only(param: Param) -> Param:
     return param.only_under("backend", "triton")
 
 
-def gluon_only(name: str, choices: tuple, *, one_consumer: Any = None,
-               needs: tuple[tuple[str, Any], ...] = (), unless: tuple[str, Any] | None = None,
-               default: Any = None, forced: tuple[str, Any, Any] | None = None) -> Param:
+def gluon_only(
+    name: str,
+    choices: tuple,
+    *,
+    one_consumer: Any = None,
+    needs: tuple[tuple[str, Any], ...] = (),
+    unless: tuple[str, Any] | None = None,
+    default: Any = None,
+    forced: tuple[str, Any, Any] | None = None,
+) -> Param:
     """A Gluon schedule field (KernelConfig's GLUON_FIELDS). `one_consumer`: the field's only value
     with one consumer warpgroup (block_m=64) for a field that exists with two (ping_pong: False).
     `needs` ((field, value), ...) / `unless` (field, value): the field keeps the family default (or
@@ -148,6 +163,7 @@ def gluon_only(name: str, choices: tuple, *, one_consumer: Any = None,
     (ex2_fence: only with overlap=True and rowsum="fp32"; v_permute: False with v_layout="natural").
     `forced` (field, value, this field's value): the one value this field can take when that field
     has that value (Gluon lean P runs only overlapped, on key-permuted V^T)."""
+
     def decode(v, f):
         if one_consumer is not None and f["block_m"] <= 64:
             return one_consumer
@@ -155,6 +171,7 @@ def gluon_only(name: str, choices: tuple, *, one_consumer: Any = None,
             return forced[2]
         ok = all(f[field] == value for field, value in needs) and (unless is None or f[unless[0]] != unless[1])
         return v if ok else f[name] if default is None else default
+
     return Param(name, choices, decode=decode, only_if=("backend", "gluon"))
 
 
@@ -179,11 +196,11 @@ def check_params(params: tuple[Param, ...]) -> None:
             raise ValueError(f"{p.name!r} is declared twice")
         names.add(p.name)
         keys.add(p.key)
-        if not p.choices or any(v not in CHOICES[p.name] or type(v) is not type(CHOICES[p.name][0])
-                                for v in p.choices):
+        if not p.choices or any(v not in CHOICES[p.name] or type(v) is not type(CHOICES[p.name][0]) for v in p.choices):
             raise ValueError(f"{p.name}: choices {list(p.choices)} are not all in {list(CHOICES[p.name])}")
         if len(set(p.suggest_choices)) != len(p.suggest_choices) or not all(
-                type(v) in _PLAIN for v in p.suggest_choices):
+            type(v) in _PLAIN for v in p.suggest_choices
+        ):
             raise ValueError(f"{p.key}: Optuna choices must be distinct plain values: {list(p.suggest_choices)}")
         if p.only_if is not None and p.only_if[0] not in FIELDS:
             raise ValueError(f"{p.name}: only_if names an unknown field {p.only_if[0]!r}")
@@ -191,7 +208,7 @@ def check_params(params: tuple[Param, ...]) -> None:
 
 #: Tile, warp, pipeline and register parameters shared by every family (one line each). Under
 #: backend="gluon" block_m counts consumer warpgroups (64 rows each) and num_stages the K/V ring.
-BLOCK_N = (64, 128, 256)   # 256: Gluon without overlap (its fastest exact hd128 kernels)
+BLOCK_N = (64, 128, 256)  # 256: Gluon without overlap (its fastest exact hd128 kernels)
 TILE_PARAMS = (
     Param("block_m", (64, 128)),
     Param("block_n", BLOCK_N),

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     import optuna
 
 #: One searched parameter per recipe field, plain recipe values first.
-RECIPE_PARAMS: tuple[Param, ...] = tuple(Param(name, choices, label=f"recipe_{name}")
-                                         for name, choices in RECIPE_CHOICES.items())
+RECIPE_PARAMS: tuple[Param, ...] = tuple(
+    Param(name, choices, label=f"recipe_{name}") for name, choices in RECIPE_CHOICES.items()
+)
 #: Recipes worth measuring first with each seed kernel: plain (the FP8 API's, hence the reference
 #: point) and K-major V codes (the quantiser writes V as the FP8 kernels read it: no V^T copy).
 SEED_RECIPES = (PLAIN, Recipe(v_layout="k_major"))
@@ -53,5 +54,9 @@ def recipe_options(recipe: Recipe) -> dict[str, Any]:
 
 def recipe_neighbours(recipe: Recipe) -> list[Recipe]:
     """The recipes one field away from `recipe`, in parameter order (the tuner's local moves)."""
-    return [Recipe(**{**recipe.quantize_kwargs(), p.name: value})
-            for p in RECIPE_PARAMS for value in p.choices if value != getattr(recipe, p.name)]
+    return [
+        Recipe(**{**recipe.quantize_kwargs(), p.name: value})
+        for p in RECIPE_PARAMS
+        for value in p.choices
+        if value != getattr(recipe, p.name)
+    ]

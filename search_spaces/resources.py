@@ -186,49 +186,82 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     acc = 64 * dp // 128
     scores = 64 * c.block_n // 128
     # (two P tiles: P(j) is stored as the softmax makes it, before the PV(j-1) wait, and carried in no register)
-    carried = (0 if not (c.overlap or c.pv_defer) or p_tiles(c) == 2
-               else scores // 4 if c.v_permute else scores + 16)
+    carried = 0 if not (c.overlap or c.pv_defer) or p_tiles(c) == 2 else scores // 4 if c.v_permute else scores + 16
     other_dim = GLUON_OTHER_DIM_REGISTERS if c.overlap and c.v_permute and dp != 128 and not c.o_split else 0
     three_split_o = c.o_split and c.block_m == 192  # (o_split's own terms for three consumers)
-    split_o = ((GLUON_SPLIT_O_F32_THREE_REGISTERS if three_split_o and c.overlap and c.p_carry == "f32" else 0)
-               + (GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS if three_split_o and not c.v_permute else 0))
+    split_o = (GLUON_SPLIT_O_F32_THREE_REGISTERS if three_split_o and c.overlap and c.p_carry == "f32" else 0) + (
+        GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS if three_split_o and not c.v_permute else 0
+    )
     defer_mma = GLUON_DEFER_MMA_REGISTERS if c.pv_defer and c.rowsum == "mma" else 0
     two_tile_mma = GLUON_TWO_TILE_MMA_REGISTERS if p_tiles(c) == 2 and acc + scores >= 192 and c.rowsum == "mma" else 0
-    three = 0 if c.block_m != 192 or dp < 128 else (
-        GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS if p_tiles(c) == 2 and c.rowsum == "fp32"
-        else GLUON_THREE_CONSUMER_REGISTERS)
+    three = (
+        0
+        if c.block_m != 192 or dp < 128
+        else (
+            GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS
+            if p_tiles(c) == 2 and c.rowsum == "fp32"
+            else GLUON_THREE_CONSUMER_REGISTERS
+        )
+    )
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and (c.overlap or c.block_m == 192) else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
-    wide_plain = (GLUON_WIDE_PLAIN_REGISTERS + (GLUON_WIDE_PLAIN_MMA_REGISTERS if c.rowsum == "mma" else 0)
-                  if dp == 256 and c.block_n >= 128 and not (c.overlap or c.pv_defer) else 0)
+    wide_plain = (
+        GLUON_WIDE_PLAIN_REGISTERS + (GLUON_WIDE_PLAIN_MMA_REGISTERS if c.rowsum == "mma" else 0)
+        if dp == 256 and c.block_n >= 128 and not (c.overlap or c.pv_defer)
+        else 0
+    )
     if c.pv_defer and c.block_n == 256:  # peak at the softmax: no P in flight beside the scores, O in place
         return acc + scores + defer_mma + table + GLUON_SPLIT_DEFER_REGISTERS + GLUON_REGISTER_OVERHEAD
-    return (acc + scores + carried + other_dim + three + split + mla + defer_mma + two_tile_mma + table + split_o
-            + wide_plain + GLUON_REGISTER_OVERHEAD)
+    return (
+        acc
+        + scores
+        + carried
+        + other_dim
+        + three
+        + split
+        + mla
+        + defer_mma
+        + two_tile_mma
+        + table
+        + split_o
+        + wide_plain
+        + GLUON_REGISTER_OVERHEAD
+    )
 
 
 def gluon_infeasibility(c: KernelConfig) -> str | None:
     """Why a Gluon config cannot compile to a usable kernel (TMA boxes, shared memory, registers per
     role: the consumers' setmaxnreg share), or None."""
     if c.block_n & (c.block_n - 1) and c.block_n != 192:
-        return (f"TMA: block_n={c.block_n} must be a power of two (the V^T box is [128, block_n]) or 192 "
-                f"(128 + 64 key parts)")
+        return (
+            f"TMA: block_n={c.block_n} must be a power of two (the V^T box is [128, block_n]) or 192 "
+            f"(128 + 64 key parts)"
+        )
     smem = gluon_smem_estimate(c)
     if smem > HOPPER.shared_memory_bytes:
-        return (f"shared memory: about {smem} B (Q ring {c.q_stages}, K/V ring {c.num_stages} x {c.block_n} keys, "
-                f"output tiles) > {HOPPER.shared_memory_bytes} B (227 KiB)")
+        return (
+            f"shared memory: about {smem} B (Q ring {c.q_stages}, K/V ring {c.num_stages} x {c.block_n} keys, "
+            f"output tiles) > {HOPPER.shared_memory_bytes} B (227 KiB)"
+        )
     consumer, producer = gluon_registers(c)
-    if c.v_layout == "natural" and producer < NATURAL_V_PRODUCER_REGS and (
-            c.block_m > 64 or c.block_n > 128 or c.head_dim_v > 128 or c.q_order == "balanced"):
-        return (f"registers: the producer warpgroup transposes V (v_layout='natural') and spills at "
-                f"producer_regs={producer} (block_m={c.block_m}, block_n={c.block_n}, head_dim_v="
-                f"{c.head_dim_v}, q_order={c.q_order!r}); it needs {NATURAL_V_PRODUCER_REGS}")
+    if (
+        c.v_layout == "natural"
+        and producer < NATURAL_V_PRODUCER_REGS
+        and (c.block_m > 64 or c.block_n > 128 or c.head_dim_v > 128 or c.q_order == "balanced")
+    ):
+        return (
+            f"registers: the producer warpgroup transposes V (v_layout='natural') and spills at "
+            f"producer_regs={producer} (block_m={c.block_m}, block_n={c.block_n}, head_dim_v="
+            f"{c.head_dim_v}, q_order={c.q_order!r}); it needs {NATURAL_V_PRODUCER_REGS}"
+        )
     need = gluon_register_estimate(c)
     if need > consumer:
-        return (f"registers: a consumer warpgroup needs about {need} per thread (accumulator, scores"
-                f"{', carried P' if c.overlap or c.pv_defer else ''}) > its {consumer} (producer_regs={c.producer_regs}): "
-                f"it would spill")
+        return (
+            f"registers: a consumer warpgroup needs about {need} per thread (accumulator, scores"
+            f"{', carried P' if c.overlap or c.pv_defer else ''}) > its {consumer} (producer_regs={c.producer_regs}): "
+            f"it would spill"
+        )
     return None
 
 
@@ -242,19 +275,25 @@ def static_infeasibility(c: KernelConfig) -> str | None:
         # statistics then go through shared memory each tile). Measured on the H200 (B=2, H=32,
         # S=4096, causal) it ran 1.6-3.0x slower than the same config with 64 rows x 4 warps or
         # 128 rows x 8 warps, both dtypes, head dims 64, 128 and 256: pruned, as FA3/FA4 do.
-        return (f"wgmma: block_m={c.block_m} with num_warps={c.num_warps} gives a warpgroup fewer than 64 "
-                f"query rows (block_m must be a multiple of {wg_rows}, one 64-row slice per warpgroup)")
+        return (
+            f"wgmma: block_m={c.block_m} with num_warps={c.num_warps} gives a warpgroup fewer than 64 "
+            f"query rows (block_m must be a multiple of {wg_rows}, one 64-row slice per warpgroup)"
+        )
     min_n = 32 if c.dtype == "fp8" else 16
     if c.block_n % 16 or c.block_n < min_n:
-        return (f"wgmma: block_n={c.block_n} must be a multiple of 16 and >= {min_n} for {c.dtype} "
-                f"(the k dimension of P@V)")
+        return (
+            f"wgmma: block_n={c.block_n} must be a multiple of 16 and >= {min_n} for {c.dtype} (the k dimension of P@V)"
+        )
     smem = smem_estimate(c)
     if smem > HOPPER.shared_memory_bytes:
-        return (f"shared memory: about {smem} B (Q, {c.num_stages} stages of K and V"
-                f"{', ones tile' if c.rowsum == 'mma' else ''}) > {HOPPER.shared_memory_bytes} B (227 KiB)")
+        return (
+            f"shared memory: about {smem} B (Q, {c.num_stages} stages of K and V"
+            f"{', ones tile' if c.rowsum == 'mma' else ''}) > {HOPPER.shared_memory_bytes} B (227 KiB)"
+        )
     regs, limit = register_estimate(c), register_limit(c)
     if regs > limit:
-        return (f"registers: about {regs} per thread (accumulators, scores, P) > "
-                f"{'maxnreg=' + str(c.maxnreg) if c.maxnreg else str(HOPPER.max_registers)}: it would spill")
+        return (
+            f"registers: about {regs} per thread (accumulators, scores, P) > "
+            f"{'maxnreg=' + str(c.maxnreg) if c.maxnreg else str(HOPPER.max_registers)}: it would spill"
+        )
     return None
-

@@ -27,8 +27,7 @@ def _gluon(dtype: str, head_dim_qk: int, head_dim_v: int, **fields) -> KernelCon
 
 
 def gluon_default_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
-    """The untuned Gluon schedule; its balanced tile order runs 1.04-1.05x round robin at 4K-16K (the same output).
-    """
+    """The untuned Gluon schedule; its balanced tile order runs 1.04-1.05x round robin at 4K-16K (the same output)."""
     return _gluon(dtype, head_dim_qk, head_dim_v)
 
 
@@ -37,15 +36,24 @@ def gluon_wide_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelCo
 
     A 64 x 256 fp32 score tile leaves no registers for a P carried across steps: no intra-warpgroup
     overlap (the two consumer warpgroups overlap each other instead), no ping-pong, a Q ring of 2."""
-    return _gluon(dtype, head_dim_qk, head_dim_v, block_n=256, num_stages=2, overlap=False, ping_pong=False,
-                  q_stages=2)
+    return _gluon(dtype, head_dim_qk, head_dim_v, block_n=256, num_stages=2, overlap=False, ping_pong=False, q_stages=2)
 
 
 def gluon_lanes_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """The 256-key kernel with per-lane row sums (1.015x at hd128 8K / 16K) and its half-empty first block run
     as half a block (+3.2% / +1.6% at 4K / 8K, the same output)."""
-    return _gluon(dtype, head_dim_qk, head_dim_v, block_n=256, num_stages=2, overlap=False, ping_pong=False,
-                  q_stages=2, lane_sums=True, half_block=True)
+    return _gluon(
+        dtype,
+        head_dim_qk,
+        head_dim_v,
+        block_n=256,
+        num_stages=2,
+        overlap=False,
+        ping_pong=False,
+        q_stages=2,
+        lane_sums=True,
+        half_block=True,
+    )
 
 
 def gluon_smem2_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
@@ -54,15 +62,26 @@ def gluon_smem2_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
 
     No register holds P while the next softmax runs (p_carry="smem2"), which is what lets a 256-key block
     overlap; the output tile lives in the first P tile."""
-    return _gluon(dtype, head_dim_qk, head_dim_v, block_n=256, num_stages=2, ping_pong=False, q_stages=2,
-                  p_carry="smem2", lane_sums=True, half_block=True)
+    return _gluon(
+        dtype,
+        head_dim_qk,
+        head_dim_v,
+        block_n=256,
+        num_stages=2,
+        ping_pong=False,
+        q_stages=2,
+        p_carry="smem2",
+        lane_sums=True,
+        half_block=True,
+    )
 
 
 def gluon_smem2_narrow_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """The two-P-tile overlap on 128-key blocks with ping-pong: it fits 192/128 (213 KB of shared memory, no
     spills at any producer split), where the 256-key one needs 255 KB."""
-    return _gluon(dtype, head_dim_qk, head_dim_v, block_n=128, num_stages=3, p_carry="smem2", lane_sums=True,
-                  half_block=True)
+    return _gluon(
+        dtype, head_dim_qk, head_dim_v, block_n=128, num_stages=3, p_carry="smem2", lane_sums=True, half_block=True
+    )
 
 
 def gluon_smem2_chunked_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
@@ -72,9 +91,17 @@ def gluon_smem2_chunked_config(dtype: str, head_dim_qk: int, head_dim_v: int) ->
     o_through_p applies where the 64 x head_dim_v output tile does not fit one 128-key P tile and
     head_dim_v is a power of two (128, 256); elsewhere this is `gluon_smem2_narrow_config`."""
     through_p = head_dim_v in (128, 256)
-    return _gluon(dtype, head_dim_qk, head_dim_v, block_n=128,
-                  num_stages=2 if through_p and head_dim_qk + head_dim_v > 320 else 3,
-                  p_carry="smem2", lane_sums=True, half_block=True, o_through_p=through_p)
+    return _gluon(
+        dtype,
+        head_dim_qk,
+        head_dim_v,
+        block_n=128,
+        num_stages=2 if through_p and head_dim_qk + head_dim_v > 320 else 3,
+        p_carry="smem2",
+        lane_sums=True,
+        half_block=True,
+        o_through_p=through_p,
+    )
 
 
 def gluon_packed_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
@@ -99,8 +126,9 @@ def gluon_three_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
     if (head_dim_qk, head_dim_v) == (96, 96):
         return _gluon(dtype, head_dim_qk, head_dim_v, block_m=192, o_split=True, p_carry="e4m3", late_rescale=True)
     if max(head_dim_qk, head_dim_v) > 64:
-        raise ConfigError(f"three consumer warpgroups are seeded at head dims <= 64 and 96, not "
-                          f"{head_dim_qk}/{head_dim_v}")
+        raise ConfigError(
+            f"three consumer warpgroups are seeded at head dims <= 64 and 96, not {head_dim_qk}/{head_dim_v}"
+        )
     return _gluon(dtype, head_dim_qk, head_dim_v, block_m=192, ping_pong=False, rowsum="mma", skip_rescale=True)
 
 
@@ -111,11 +139,13 @@ def gluon_defer_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelC
     Head dim 256 only."""
     if (head_dim_qk, head_dim_v) != (256, 256):
         raise ConfigError(f"the pv_defer seed is measured at head dim 256/256, not {head_dim_qk}/{head_dim_v}")
-    return _gluon(dtype, head_dim_qk, head_dim_v, block_n=128, num_stages=2, overlap=False, pv_defer=True,
-                  p_carry="e4m3")
+    return _gluon(
+        dtype, head_dim_qk, head_dim_v, block_n=128, num_stages=2, overlap=False, pv_defer=True, p_carry="e4m3"
+    )
 
 
 # ---- lean P: ~1.35x the exact error (linear fold) or about FA3's; for a loose gate ------------------------
+
 
 def gluon_lean_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
     """Lean P on the Gluon default (one FMA per score writes the e4m3 code of 2^x; row sum by an MMA against
@@ -129,9 +159,22 @@ def gluon_lean_smem2_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Ke
 
     The code sums need no row-sum MMA (which cost the exact kernel of this structure 9-11%); the
     saturating clamp (an FFMA instead of an integer max) schedules into a shorter step (+0.8-4.4%)."""
-    return _gluon(dtype, head_dim_qk, head_dim_v, block_n=256, num_stages=2, q_stages=2, p_carry="smem2",
-                  lane_sums=True, softmax="lean", rowsum="rounded", lean_clamp="sat", p_scale_log2=7,
-                  producer_regs=56, skip_rescale=True)
+    return _gluon(
+        dtype,
+        head_dim_qk,
+        head_dim_v,
+        block_n=256,
+        num_stages=2,
+        q_stages=2,
+        p_carry="smem2",
+        lane_sums=True,
+        softmax="lean",
+        rowsum="rounded",
+        lean_clamp="sat",
+        p_scale_log2=7,
+        producer_regs=56,
+        skip_rescale=True,
+    )
 
 
 def gluon_lean_f16_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
@@ -140,9 +183,22 @@ def gluon_lean_f16_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Kern
 
     Probabilities at 2^8, not 2^7: lean's lowest codes then sit an octave further from the row maximum,
     which takes the error on inputs with outlier entries from 1.05x FA3's to 1.02x at the same speed."""
-    return _gluon(dtype, head_dim_qk, head_dim_v, block_n=256, num_stages=2, q_stages=2, p_carry="smem2",
-                  lane_sums=True, softmax="lean", rowsum="rounded", lean_clamp="sat", producer_regs=56,
-                  skip_rescale=True, qk_acc="f16")
+    return _gluon(
+        dtype,
+        head_dim_qk,
+        head_dim_v,
+        block_n=256,
+        num_stages=2,
+        q_stages=2,
+        p_carry="smem2",
+        lane_sums=True,
+        softmax="lean",
+        rowsum="rounded",
+        lean_clamp="sat",
+        producer_regs=56,
+        skip_rescale=True,
+        qk_acc="f16",
+    )
 
 
 def gluon_lean_f16_async_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
@@ -151,9 +207,22 @@ def gluon_lean_f16_async_config(dtype: str, head_dim_qk: int, head_dim_v: int) -
 
     The two go together: with the synchronous wait a 24-register producer runs 0.88x, with qk_async 56
     registers gain nothing."""
-    return _gluon(dtype, head_dim_qk, head_dim_v, block_n=256, num_stages=2, q_stages=2, p_carry="smem2",
-                  lane_sums=True, softmax="lean", rowsum="rounded", lean_clamp="sat", skip_rescale=True,
-                  qk_acc="f16", qk_async=True)
+    return _gluon(
+        dtype,
+        head_dim_qk,
+        head_dim_v,
+        block_n=256,
+        num_stages=2,
+        q_stages=2,
+        p_carry="smem2",
+        lane_sums=True,
+        softmax="lean",
+        rowsum="rounded",
+        lean_clamp="sat",
+        skip_rescale=True,
+        qk_acc="f16",
+        qk_async=True,
+    )
 
 
 def gluon_lean_max_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
@@ -164,10 +233,24 @@ def gluon_lean_max_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Kern
     `gluon_lean_f16_async_config` with lean_ref="max", sized to fit shared memory: 256-key blocks up to
     hd128, 128-key blocks beyond, and at hd256 one Q stage with the output stored through the P tiles."""
     width = head_dim_qk + head_dim_v
-    return _gluon(dtype, head_dim_qk, head_dim_v, block_n=256 if width <= 256 else 128, num_stages=2,
-                  q_stages=1 if width > 384 else 2, o_through_p=width > 384, p_carry="smem2", lane_sums=True,
-                  softmax="lean", rowsum="rounded", lean_clamp="sat", skip_rescale=True, qk_acc="f16",
-                  qk_async=True, lean_ref="max")
+    return _gluon(
+        dtype,
+        head_dim_qk,
+        head_dim_v,
+        block_n=256 if width <= 256 else 128,
+        num_stages=2,
+        q_stages=1 if width > 384 else 2,
+        o_through_p=width > 384,
+        p_carry="smem2",
+        lane_sums=True,
+        softmax="lean",
+        rowsum="rounded",
+        lean_clamp="sat",
+        skip_rescale=True,
+        qk_acc="f16",
+        qk_async=True,
+        lean_ref="max",
+    )
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,15 @@ log = logging.getLogger("zyfa_tune.search_spaces")
 class SearchSpace:
     """The searched parameters of one kernel family; see the module doc for how trials map."""
 
-    def __init__(self, family: str, dtype: str, params: Sequence[Param],
-                 extra_seeds: Sequence[Callable[[str, int, int], KernelConfig]] = (),
-                 winner_twins: Callable[[KernelConfig], Sequence[KernelConfig]] = lambda config: (),
-                 loose_seeds: Sequence[Callable[[str, int, int], KernelConfig]] = ()):
+    def __init__(
+        self,
+        family: str,
+        dtype: str,
+        params: Sequence[Param],
+        extra_seeds: Sequence[Callable[[str, int, int], KernelConfig]] = (),
+        winner_twins: Callable[[KernelConfig], Sequence[KernelConfig]] = lambda config: (),
+        loose_seeds: Sequence[Callable[[str, int, int], KernelConfig]] = (),
+    ):
         if dtype not in CHOICES["dtype"]:
             raise ValueError(f"dtype: {dtype!r} is not one of {list(CHOICES['dtype'])}")
         self.family = family
@@ -104,8 +109,10 @@ class SearchSpace:
             raise ValueError(f"{self.family}: config is not a point of this space: {exc}") from exc
         if again != target:
             diff = sorted(k for k, v in target.all_fields().items() if getattr(again, k) != v)
-            raise ValueError(f"{self.family}: config is not a point of this space: {diff} are not searched "
-                             f"here and differ from the default")
+            raise ValueError(
+                f"{self.family}: config is not a point of this space: {diff} are not searched "
+                f"here and differ from the default"
+            )
         return out
 
     def _from_options(self, options: Mapping[str, Any], head_dim_qk: int, head_dim_v: int) -> KernelConfig:
@@ -147,8 +154,9 @@ class SearchSpace:
             return f"{self.family} searches dtype {self.dtype!r}, not {config.dtype!r}"
         return static_infeasibility(config)
 
-    def seeds(self, head_dim_qk: int, head_dim_v: int, *, winners: Iterable[KernelConfig] = (),
-              loose: bool = False) -> list[KernelConfig]:
+    def seeds(
+        self, head_dim_qk: int, head_dim_v: int, *, winners: Iterable[KernelConfig] = (), loose: bool = False
+    ) -> list[KernelConfig]:
         """Known-good configs to enqueue first: the default, the family's extra seeds (`extra_seeds`:
         the Gluon backend's default where it implements the head dims), then `winners` (configs a
         tuning database holds as best, in the caller's order: most problem classes won first), then
@@ -183,8 +191,9 @@ class SearchSpace:
             out.append(config)
         return out
 
-    def _made(self, makers: Sequence[Callable[[str, int, int], KernelConfig]], head_dim_qk: int,
-              head_dim_v: int) -> list[KernelConfig]:
+    def _made(
+        self, makers: Sequence[Callable[[str, int, int], KernelConfig]], head_dim_qk: int, head_dim_v: int
+    ) -> list[KernelConfig]:
         """The configs these seed makers build for the head dims (a maker raising ConfigError does not
         implement them and is left out)."""
         out = []

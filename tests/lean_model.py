@@ -155,7 +155,7 @@ def lean_y(fold: str, s: float, a: float, b: float, clamp: str = "imax") -> floa
     t = fma_f32(s, a, b)
     if fold == "corrected":  # x - c*frac(x)*(1-frac(x)), written from the PTX semantics
         x = max_f32(t, -64.0)
-        floor_magic = round_down_f32(Fraction(x) + Fraction(MAGIC))       # add.rm.f32
+        floor_magic = round_down_f32(Fraction(x) + Fraction(MAGIC))  # add.rm.f32
         neg_frac = round_f32(Fraction(f32(floor_magic - MAGIC)) - Fraction(x))  # sub.f32 twice
         u = fma_f32(neg_frac, neg_frac, neg_frac)
         t = fma_f32(u, f32(LEAN_CORRECTION), x)
@@ -251,7 +251,7 @@ def _execute(text: str, regs: dict[str, int]) -> int:
             val = 0
             for half in (0, 16):
                 x_ = f16_from_bits((srcs[0] >> half) & 0xFFFF)
-                val |= f16_bits(f16(2.0 ** x_) if x_ < 16 else math.inf) << half
+                val |= f16_bits(f16(2.0**x_) if x_ < 16 else math.inf) << half
         elif op == "add.u32":
             val = srcs[0] + srcs[1]
         elif op == "shr.b32":
@@ -260,8 +260,11 @@ def _execute(text: str, regs: dict[str, int]) -> int:
             val = bits(round_down_f32(sum(Fraction(from_bits(v)) for v in srcs)))
         elif op == "sub.f32":
             a_, b_ = (from_bits(v) for v in srcs)
-            val = bits(f32(a_ - b_) if not (math.isfinite(a_) and math.isfinite(b_))
-                       else round_f32(Fraction(a_) - Fraction(b_)))
+            val = bits(
+                f32(a_ - b_)
+                if not (math.isfinite(a_) and math.isfinite(b_))
+                else round_f32(Fraction(a_) - Fraction(b_))
+            )
         elif op == "max.s32":
             val = max(from_bits_s32(v) for v in srcs)
         elif op == "max.f32":
@@ -336,8 +339,9 @@ def run_f16_asm(text: str, inputs: list[int]) -> int:
     return _execute(text, {f"${i + 1}": v for i, v in enumerate(inputs)})
 
 
-def f16_row(scale: float, n: float, p_offset: int = 7, fold: str = "fma",
-            ref: str = "grid") -> tuple[float, float, float]:
+def f16_row(
+    scale: float, n: float, p_offset: int = 7, fold: str = "fma", ref: str = "grid"
+) -> tuple[float, float, float]:
     """A row's f16 a and b as the kernel makes them (gluon_sm90/softmax.py `_f16_fold`), with f32 scale (qk_scale 2^e)
     and its maximum m as n: the grid index ceil(8 m + center) for the one-FMA folds, 8 m itself for
     "corrected" and for ref "max" (no grid; the line lowered by LEAN_MAX_CENTER). a = f16(scale 8/128); b = t_top - m / 16 - 2^-11 in float32, lowered by |b| 2^-10,
@@ -352,17 +356,18 @@ def f16_row(scale: float, n: float, p_offset: int = 7, fold: str = "fma",
     m = f32((n - center) / 8 if fold in ONE_FMA_FOLDS and ref == "grid" else n / 8)
     t_max_ab = Fraction(m) / Fraction(scale) * Fraction(a)  # the maximum's s a
     if f16_reversed(fold):
-        room = (125 - E4M3_ONE_CODE - 8 * p_offset) / SAT_SCALE - 2.0 ** -11
+        room = (125 - E4M3_ONE_CODE - 8 * p_offset) / SAT_SCALE - 2.0**-11
         v = fma_f32(m, a_mul, f32(float(1 - t_top)))
-        b = f16(max(v, fma_f32(abs(v), 2.0 ** -10, fma_f32(m, a_mul, f32(float(1 - t_top) - room)))))
+        b = f16(max(v, fma_f32(abs(v), 2.0**-10, fma_f32(m, a_mul, f32(float(1 - t_top) - room)))))
         return -a, b, float(128 * (t_max_ab + 1 - Fraction(b) - t_top))
-    v = fma_f32(m, -a_mul, f32(float(t_top) - 2.0 ** -11))
-    b = f16(fma_f32(abs(v), -(2.0 ** -10), v))
+    v = fma_f32(m, -a_mul, f32(float(t_top) - 2.0**-11))
+    b = f16(fma_f32(abs(v), -(2.0**-10), v))
     return a, b, float(128 * (t_max_ab + Fraction(b) - t_top))
 
 
-def f16_codes(s: list[float], scale: float, n: float, p_offset: int = 7, fold: str = "fma", ref: str = "grid",
-              floor: bool = False) -> list[int]:
+def f16_codes(
+    s: list[float], scale: float, n: float, p_offset: int = 7, fold: str = "fma", ref: str = "grid", floor: bool = False
+) -> list[int]:
     """The kernel's codes of f16 scores s of a row (f16_row's a and b; with floor, gluon_sm90/softmax.py `_f16_fold`'s
     a2 = f16(scale slope / 128) and b2 = f16(k2 - m slope / 128) of the second line): f16_fold_asm on each pair
     and f16_pack_asm on each four."""
@@ -403,8 +408,16 @@ def ref_row(rng, ref: str, p_offset: int, lo: float = -6.0, floor: bool = False)
     return codes, xp, fold_center("fma", ref) - shift
 
 
-def f16_mufu_codes(s: list[float], scale: float, n: float, mufu: int, p_offset: int = 7, fold: str = "corrected",
-                   ref: str = "grid", floor: bool = False) -> list[int]:
+def f16_mufu_codes(
+    s: list[float],
+    scale: float,
+    n: float,
+    mufu: int,
+    p_offset: int = 7,
+    fold: str = "corrected",
+    ref: str = "grid",
+    floor: bool = False,
+) -> list[int]:
     """The kernel's codes of f16 scores s of a row (a multiple of 8) with lean_mufu=mufu: f16_mufu_asm on each
     eight (a and b of the fold's row, f16_row, and its other row operands as gluon_sm90/softmax.py `_f16_fold` makes them:
     corrected, a2 = -16 a and b2 = 9 - 8 - 16 b; the linear fold with floor its second line's a3, b3 as
@@ -418,7 +431,10 @@ def f16_mufu_codes(s: list[float], scale: float, n: float, mufu: int, p_offset: 
         rows = []
     if floor:
         k2 = f32((LEAN_FLOOR_SLOPE * (p_offset - LEAN_FLOOR_AT) + 8.0 - center) / SAT_SCALE)
-        rows += [f16(f32(scale * f32(LEAN_FLOOR_SLOPE / SAT_SCALE))), f16(fma_f32(m, -LEAN_FLOOR_SLOPE / SAT_SCALE, k2))]
+        rows += [
+            f16(f32(scale * f32(LEAN_FLOOR_SLOPE / SAT_SCALE))),
+            f16(fma_f32(m, -LEAN_FLOOR_SLOPE / SAT_SCALE, k2)),
+        ]
     pair = lambda x, y: f16_bits(x) | (f16_bits(y) << 16)
     text, codes = f16_mufu_asm(mufu, fold, floor), []
     for i in range(0, len(s), 2 * MUFU_GROUP):
@@ -431,19 +447,26 @@ def f16_mufu_codes(s: list[float], scale: float, n: float, mufu: int, p_offset: 
         for r in (0, 1):  # the kernel packs register r (an even 8-key chunk) with r + 2 (the odd one, same row)
             y0, y1 = ys[r], ys[r + 2]
             word = run_f16_asm(f16_pack_asm(), [y0 & 0xFFFF, y0 >> 16, y1 & 0xFFFF, y1 >> 16])
-            group[2 * r: 2 * r + 2] = [word & 0xFF, (word >> 8) & 0xFF]
-            group[2 * r + 4: 2 * r + 6] = [(word >> 16) & 0xFF, word >> 24]
+            group[2 * r : 2 * r + 2] = [word & 0xFF, (word >> 8) & 0xFF]
+            group[2 * r + 4 : 2 * r + 6] = [(word >> 16) & 0xFF, word >> 24]
         codes += group
     return codes
 
 
-def mufu_share(got: list[int], folded: list[int], s: list[float], scale: float, m: float, xs: list[float],
-               mufu: int, p_offset: int) -> float:
+def mufu_share(
+    got: list[int], folded: list[int], s: list[float], scale: float, m: float, xs: list[float], mufu: int, p_offset: int
+) -> float:
     """Checks f16_mufu_codes' codes `got` of scores s at x = xs against `folded` (the fold alone) and the correctly
     rounded e4m3 of 2^(s scale - m + P): the folded pairs unchanged, the MUFU's at most a code off; returns the
     MUFU's share of exact codes in the normal range (x + P >= -6), which must beat the fold's."""
-    want = [int(torch.tensor(2.0 ** (si * scale - m + p_offset), dtype=torch.float64)
-                .to(torch.float8_e4m3fn).view(torch.uint8)) for si in s]
+    want = [
+        int(
+            torch.tensor(2.0 ** (si * scale - m + p_offset), dtype=torch.float64)
+            .to(torch.float8_e4m3fn)
+            .view(torch.uint8)
+        )
+        for si in s
+    ]
     on_mufu = [i for i in range(len(s)) if i % 8 >= 2 * (MUFU_GROUP - mufu)]
     normal = [i for i in on_mufu if xs[i] + p_offset >= -6]
     assert all(got[i] == folded[i] for i in range(len(s)) if i not in set(on_mufu))
@@ -458,15 +481,16 @@ def e4m3_values(codes) -> np.ndarray:
     return torch.from_numpy(np.asarray(codes, dtype=np.uint8)).view(torch.float8_e4m3fn).double().numpy()
 
 
-def asm_codes(fold: str, scores, scale: float = 1.0, ref: float = 0.0, clamp: str = "imax",
-              pack: str = "prmt") -> np.ndarray:
+def asm_codes(
+    fold: str, scores, scale: float = 1.0, ref: float = 0.0, clamp: str = "imax", pack: str = "prmt"
+) -> np.ndarray:
     """The codes the generator's lean PTX (lean_p_asm, interpreted) makes of float32 `scores` of one row
     whose (a, b) are fold_operands(fold, scale, ref, clamp): what the kernel computes for them."""
     text = lean_p_asm(fold, clamp, pack)
     a, b = fold_operands(fold, scale, ref, clamp)
     out: list[int] = []
     for i in range(0, len(scores), 4):
-        chunk = [f32(float(v)) for v in scores[i:i + 4]]
+        chunk = [f32(float(v)) for v in scores[i : i + 4]]
         word = run_lean_asm(text, chunk + [-math.inf] * (4 - len(chunk)) + [a] * 4 + [b] * 4)
         out += [(word >> (8 * k)) & 0xFF for k in range(len(chunk))]
     return np.array(out, dtype=np.uint8)

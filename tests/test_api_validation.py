@@ -34,6 +34,7 @@ def qkv(b=2, sq=16, sk=16, h=4, hk=2, dqk=64, dv=64, dtype=BF16):
 
 # ---- 1. reachable with CPU tensors: q's own checks, in order ---------------------------------
 
+
 def test_q_not_a_tensor():
     _, k, v = qkv()
     for bad in (None, [[1.0]], np.zeros((1, 16, 4, 64), dtype=np.float32), 1.0):
@@ -48,8 +49,9 @@ def test_q_wrong_rank(shape):
         flash_attn_func(torch.zeros(shape, dtype=BF16), k, v)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.int8,
-                                   torch.float8_e5m2, torch.uint8])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.float64, torch.int8, torch.float8_e5m2, torch.uint8]
+)
 def test_q_unsupported_dtype(dtype):
     _, k, v = qkv()
     with pytest.raises(TypeError, match=r"^q: dtype .* is not supported"):
@@ -77,7 +79,8 @@ def test_all_problems_in_one_error_device_last():
         "v: dtype torch.float8_e4m3fn differs from q's torch.bfloat16",
         "softmax_scale: expected a positive finite number, got -1.0",
         "causal: expected bool, got int",
-        "q: tensor is on cpu; zyfa_tune kernels run on CUDA devices"]
+        "q: tensor is on cpu; zyfa_tune kernels run on CUDA devices",
+    ]
     with pytest.raises(TypeError, match="^k: expected a torch.Tensor, got str\nq: tensor is on cpu"):
         flash_attn_func(q, "not a tensor", v)
     with pytest.raises(ValueError, match="^q: expected 4 dims") as info:  # also a bad dtype: rank first
@@ -86,6 +89,7 @@ def test_all_problems_in_one_error_device_last():
 
 
 # ---- 2. checks that relate the arguments (CPU tensors as they are), and past validation (cpu_ok) ----
+
 
 @pytest.fixture
 def cpu_ok(monkeypatch):
@@ -162,8 +166,7 @@ def test_v_shape_mismatch(vshape):
         flash_attn_func(q, k, torch.zeros(vshape, dtype=BF16))
 
 
-@pytest.mark.parametrize("scale", [0, 0.0, -1, -0.125, math.nan, math.inf, -math.inf, "x", True, False,
-                                   [0.125]])
+@pytest.mark.parametrize("scale", [0, 0.0, -1, -0.125, math.nan, math.inf, -math.inf, "x", True, False, [0.125]])
 def test_bad_softmax_scale(scale):
     q, k, v = qkv()
     with pytest.raises((TypeError, ValueError), match="^softmax_scale: expected a positive finite number"):
@@ -184,13 +187,16 @@ def test_descales_with_bf16(which):
         flash_attn_func(q, k, v, **{which: torch.ones(2, 2)})
 
 
-@pytest.mark.parametrize("bad,exc,match", [
-    (torch.ones(2, 4), ValueError, r"expected shape \(batch, kv_heads\) = \(2, 2\), got \(2, 4\)"),
-    (torch.ones(2), ValueError, r"expected shape \(batch, kv_heads\)"),
-    (torch.ones(2, 2, dtype=torch.int32), TypeError, "expected a floating dtype"),
-    ([[1.0, 1.0], [1.0, 1.0]], TypeError, "expected a torch.Tensor of shape"),
-    (torch.ones(2, 2, device="meta"), ValueError, "on meta, but q is on cpu"),
-])
+@pytest.mark.parametrize(
+    "bad,exc,match",
+    [
+        (torch.ones(2, 4), ValueError, r"expected shape \(batch, kv_heads\) = \(2, 2\), got \(2, 4\)"),
+        (torch.ones(2), ValueError, r"expected shape \(batch, kv_heads\)"),
+        (torch.ones(2, 2, dtype=torch.int32), TypeError, "expected a floating dtype"),
+        ([[1.0, 1.0], [1.0, 1.0]], TypeError, "expected a torch.Tensor of shape"),
+        (torch.ones(2, 2, device="meta"), ValueError, "on meta, but q is on cpu"),
+    ],
+)
 @pytest.mark.parametrize("which", ["q_descale", "k_descale", "v_descale"])
 def test_bad_fp8_descales(which, bad, exc, match):
     q, k, v = qkv(dtype=FP8)
@@ -216,14 +222,18 @@ def test_descale_values_are_checked_on_the_host(which, value):
     q, k, v = qkv(dtype=FP8)
     bad = torch.ones(2, 2, dtype=torch.float64)
     bad[1, 0] = value
-    with pytest.raises(ValueError, match=rf"^{which}: descales must be finite and positive; 1 of 4 are not "
-                                         rf"\(the first: .* at \(batch, kv_head\) = \(1, 0\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{which}: descales must be finite and positive; 1 of 4 are not "
+        rf"\(the first: .* at \(batch, kv_head\) = \(1, 0\)\)",
+    ):
         flash_attn_func(q, k, v, **{which: bad})
     with pytest.raises(ValueError, match="^q: tensor is on cpu"):  # finite positive ones pass
         flash_attn_func(q, k, v, **{which: torch.full((2, 2), 1e-3)})
 
 
 # ---- quantize_fp8 ----------------------------------------------------------------------------
+
 
 def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """(b, h, sq, sk) float64 QK^T with the GQA head mapping."""
@@ -294,8 +304,9 @@ def test_quantize_non_contiguous_inputs(inputs):
     a = quantize_fp8(q, k, v)
     b = quantize_fp8(qt, kt, v)
     for x, y in zip(a, b):
-        assert torch.equal(x.view(torch.uint8) if x.dtype == FP8 else x,
-                           y.contiguous().view(torch.uint8) if y.dtype == FP8 else y)
+        assert torch.equal(
+            x.view(torch.uint8) if x.dtype == FP8 else x, y.contiguous().view(torch.uint8) if y.dtype == FP8 else y
+        )
 
 
 @pytest.mark.parametrize("outlier", [False, True])
@@ -328,7 +339,7 @@ def test_hadamard_matrix_orthonormal(dim):
     torch.testing.assert_close(h @ h.T, torch.eye(dim, dtype=torch.float64), rtol=0, atol=1e-12)
     block = dim & -dim  # entries are +-1/sqrt(block) inside the diagonal blocks, 0 outside
     nonzero = h.abs() > 0
-    assert torch.allclose(h.abs()[nonzero], torch.tensor(block ** -0.5, dtype=torch.float64))
+    assert torch.allclose(h.abs()[nonzero], torch.tensor(block**-0.5, dtype=torch.float64))
     assert int(nonzero.sum()) == block * dim
     h32 = hadamard_matrix(dim)
     assert h32.dtype == torch.float32
@@ -382,8 +393,11 @@ def test_quantize_k_major_v(sk):
     from zyfa_tune.kernels.launch import transpose_v
 
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(2, sk, 4, 64, generator=g), torch.randn(2, sk, 2, 64, generator=g), \
-        torch.randn(2, sk, 2, 96, generator=g)
+    q, k, v = (
+        torch.randn(2, sk, 4, 64, generator=g),
+        torch.randn(2, sk, 2, 64, generator=g),
+        torch.randn(2, sk, 2, 96, generator=g),
+    )
     nat = quantize_fp8(q, k, v)
     km = quantize_fp8(q, k, v, v_layout="k_major")
     v8, v8k = nat[2], km[2]
@@ -411,8 +425,11 @@ def test_k_major_v_passes_validation_uncopied(monkeypatch):
     from zyfa_tune.generator.defaults import default_config
 
     g = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(1, 32, 2, 64, generator=g), torch.randn(1, 32, 2, 64, generator=g), \
-        torch.randn(1, 32, 2, 64, generator=g)
+    q, k, v = (
+        torch.randn(1, 32, 2, 64, generator=g),
+        torch.randn(1, 32, 2, 64, generator=g),
+        torch.randn(1, 32, 2, 64, generator=g),
+    )
     q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, v_layout="k_major")
     flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd, config=default_config("fp8", 64, 64))
     assert seen["v"] is v8
@@ -427,15 +444,19 @@ def test_smooth_k_is_exact_and_helps_channel_outliers():
     from zyfa_tune.tuning.inputs import make_qkv
     from zyfa_tune.tuning.reference import attention_reference
 
-    q, k, v = make_qkv("outliers", batch=1, seqlen=256, heads=4, kv_heads=2, head_dim_qk=128, head_dim_v=64,
-                       seed=3, device="cpu")
+    q, k, v = make_qkv(
+        "outliers", batch=1, seqlen=256, heads=4, kv_heads=2, head_dim_qk=128, head_dim_v=64, seed=3, device="cpu"
+    )
     ref = attention_reference(q.double(), k.double(), v.double(), causal=True)
     ks = k.double() - k.double().mean(dim=1, keepdim=True)
     assert rel_l2(attention_reference(q.double(), ks, v.double(), causal=True), ref) < 1e-12
 
     def quant_error(**kw):
         q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, **kw)
-        return rel_l2(attention_reference(dequantize_fp8(q8, qd), dequantize_fp8(k8, kd), dequantize_fp8(v8, vd), causal=True), ref)
+        return rel_l2(
+            attention_reference(dequantize_fp8(q8, qd), dequantize_fp8(k8, kd), dequantize_fp8(v8, vd), causal=True),
+            ref,
+        )
 
     plain, smooth = quant_error(), quant_error(smooth_k=True)
     assert smooth < plain / 4, (plain, smooth)

@@ -46,26 +46,29 @@ def test_torch_compile_fullgraph_traces_a_block_through_the_op():
     assert any("zyfa_tune.attention" in t for t in targets), targets
 
 
-@pytest.mark.parametrize("args, kwargs, exc, match", [
-    (lambda: _qkv(device="cpu"), {}, ValueError, "q: tensor is on cpu"),
-    (lambda: (_qkv()[0], _qkv(torch.float16)[1], _qkv()[2]), {}, TypeError, "k: dtype torch.float16 differs"),
-    (lambda: (*_qkv()[:2], _qkv(torch.float16)[2]), {}, TypeError, "v: dtype torch.float16 differs"),
-    (lambda: _qkv(torch.float8_e4m3fn), {}, TypeError, "q: dtype .*flash_attn_func"),
-    (lambda: _qkv(torch.float32), {}, TypeError, "q: dtype torch.float32 is not supported"),
-    (lambda: _qkv(d=80), {}, ValueError, "q: head_dim 80 is not supported"),
-    (lambda: _qkv(h=6, hk=4), {}, ValueError, "k: kv_heads=4 must divide"),
-    (lambda: (_qkv()[0], _qkv(s=32)[1], _qkv()[2]), {}, ValueError, "v: shape"),
-    (lambda: (_qkv()[0][0], *_qkv()[1:]), {}, ValueError, "q: expected 4 dims"),
-    (lambda: ("q", *_qkv()[1:]), {}, TypeError, "q: expected a torch.Tensor"),
-    (lambda: _qkv(), {"causal": 1}, TypeError, "causal: expected bool"),
-    (lambda: _qkv(), {"softmax_scale": -1.0}, ValueError, "softmax_scale"),
-    (lambda: _qkv(), {"error_budget": 0.0}, ValueError, "error_budget"),
-    (lambda: _qkv(), {"error_budget": -1}, ValueError, "error_budget"),
-    (lambda: _qkv(), {"error_budget": math.nan}, ValueError, "error_budget"),
-    (lambda: _qkv(), {"error_budget": math.inf}, ValueError, "error_budget"),
-    (lambda: _qkv(), {"error_budget": True}, ValueError, "error_budget"),
-    (lambda: _qkv(), {"error_budget": "1"}, ValueError, "error_budget"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, exc, match",
+    [
+        (lambda: _qkv(device="cpu"), {}, ValueError, "q: tensor is on cpu"),
+        (lambda: (_qkv()[0], _qkv(torch.float16)[1], _qkv()[2]), {}, TypeError, "k: dtype torch.float16 differs"),
+        (lambda: (*_qkv()[:2], _qkv(torch.float16)[2]), {}, TypeError, "v: dtype torch.float16 differs"),
+        (lambda: _qkv(torch.float8_e4m3fn), {}, TypeError, "q: dtype .*flash_attn_func"),
+        (lambda: _qkv(torch.float32), {}, TypeError, "q: dtype torch.float32 is not supported"),
+        (lambda: _qkv(d=80), {}, ValueError, "q: head_dim 80 is not supported"),
+        (lambda: _qkv(h=6, hk=4), {}, ValueError, "k: kv_heads=4 must divide"),
+        (lambda: (_qkv()[0], _qkv(s=32)[1], _qkv()[2]), {}, ValueError, "v: shape"),
+        (lambda: (_qkv()[0][0], *_qkv()[1:]), {}, ValueError, "q: expected 4 dims"),
+        (lambda: ("q", *_qkv()[1:]), {}, TypeError, "q: expected a torch.Tensor"),
+        (lambda: _qkv(), {"causal": 1}, TypeError, "causal: expected bool"),
+        (lambda: _qkv(), {"softmax_scale": -1.0}, ValueError, "softmax_scale"),
+        (lambda: _qkv(), {"error_budget": 0.0}, ValueError, "error_budget"),
+        (lambda: _qkv(), {"error_budget": -1}, ValueError, "error_budget"),
+        (lambda: _qkv(), {"error_budget": math.nan}, ValueError, "error_budget"),
+        (lambda: _qkv(), {"error_budget": math.inf}, ValueError, "error_budget"),
+        (lambda: _qkv(), {"error_budget": True}, ValueError, "error_budget"),
+        (lambda: _qkv(), {"error_budget": "1"}, ValueError, "error_budget"),
+    ],
+)
 def test_bad_arguments_name_the_argument(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         attention(*args(), **kwargs)
@@ -96,7 +99,7 @@ def test_the_recipe_without_bf16_api_entries_is_the_plain_one(monkeypatch):
     monkeypatch.setattr(dispatch, "_dispatcher", dispatch.Dispatcher([dispatch.TUNED_DIR / "h200.db"]))
     monkeypatch.setattr(dispatch, "device_key", lambda index: ("NVIDIA H200", "9.0", dispatch.GENERATOR_VERSION))
     q, k, v = _qkv()
-    assert recipe_for(q, k, v, True, 1.0) == (PLAIN, None)   # the FP8 API's kernel on plain codes
+    assert recipe_for(q, k, v, True, 1.0) == (PLAIN, None)  # the FP8 API's kernel on plain codes
 
 
 def test_explain_attention_names_recipe_and_kernel_on_meta_tensors():

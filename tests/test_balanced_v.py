@@ -53,11 +53,11 @@ def test_codes_are_neighbours_and_block_sums_shrink(s):
     assert got.shape == y.shape and got.dtype == FP8
     lo = torch.minimum(near.float(), got.float())
     hi = torch.maximum(near.float(), got.float())
-    assert ((lo <= y) & (y <= hi) | (got.float() == near.float())).all()   # the other side of y, or unchanged
+    assert ((lo <= y) & (y <= hi) | (got.float() == near.float())).all()  # the other side of y, or unchanged
     moved = got.view(torch.uint8) != near.view(torch.uint8)
     assert 0.03 < moved.float().mean() < 0.3
     step = (got.view(torch.uint8).to(torch.int16) - near.view(torch.uint8).to(torch.int16)).abs()
-    assert (step[moved] == 1).all()   # one e4m3 step (same sign: y is never rounded across zero here)
+    assert (step[moved] == 1).all()  # one e4m3 step (same sign: y is never rounded across zero here)
     before, after = _block_sums(y, near).abs(), _block_sums(y, got).abs()
     assert (after <= before + 1e-9).all()
     assert after.mean() < 0.35 * before.mean()
@@ -79,12 +79,13 @@ def _greedy_block(ys: list[float], frees: list[bool], kappa: float = 0.0) -> lis
     for i, (y, q) in enumerate(zip(ys, near)):
         e = f32(y - q)
         if frees[i] and e != 0:
-            binade = 2.0 ** (struct.unpack("<I", struct.pack("<f", abs(y)))[0] >> 23 & 0xFF) / 2 ** 127
-            step = max(binade / 8, 2.0 ** -9)
+            binade = 2.0 ** (struct.unpack("<I", struct.pack("<f", abs(y)))[0] >> 23 & 0xFF) / 2**127
+            step = max(binade / 8, 2.0**-9)
             cost = _f32_bits(f32(step - 2 * abs(e))) & ~0xFF
             cands.append((cost, i, -1 if e < 0 else 1, step))
-    weighed = lambda c: int(min(f32(f32(kappa) * struct.unpack("<f", struct.pack("<i", c))[0]), BALANCE_COST_CAP)
-                            * BALANCE_FIXED)
+    weighed = lambda c: int(
+        min(f32(f32(kappa) * struct.unpack("<f", struct.pack("<i", c))[0]), BALANCE_COST_CAP) * BALANCE_FIXED
+    )
     total = sum(int(f32(y - q) * BALANCE_FIXED) for y, q in zip(ys, near))
     for _ in range(BALANCE_STEPS):
         # the sum grows when an error below zero (a code above y) moves to the code below y: +step
@@ -108,20 +109,20 @@ def test_codes_are_the_stated_greedy(seed, kappa):
     and a partial last block whose channels run out of candidates included."""
     y = _scaled((1, 44, 1, 24), seed=seed)
     y[0, 3] *= 0.05
-    y[0, 20:24] *= 2 ** -8   # subnormal e4m3 steps, codes next to zero
-    y[0, 32:42:3] *= 0.1     # a partial last block (12 keys) with frozen keys: few candidates a channel
+    y[0, 20:24] *= 2**-8  # subnormal e4m3 steps, codes next to zero
+    y[0, 32:42:3] *= 0.1  # a partial last block (12 keys) with frozen keys: few candidates a channel
     got = balanced_codes(y, weight=torch.tensor([[kappa]]))[0, :, 0].float()
     if kappa:  # the weight changes codes
         assert not torch.equal(got, balanced_codes(y)[0, :, 0].float())
     for b0 in range(0, 44, BALANCE_KEYS):
-        block = y[0, b0:b0 + BALANCE_KEYS, 0]
+        block = y[0, b0 : b0 + BALANCE_KEYS, 0]
         rows = block.abs().amax(dim=1).tolist()
-        unit = 2.0 ** (BALANCE_ROW_BITS - (math.frexp(max(rows))[1] - 1))   # 2^-20 of the largest's binade
+        unit = 2.0 ** (BALANCE_ROW_BITS - (math.frexp(max(rows))[1] - 1))  # 2^-20 of the largest's binade
         fixed = [int(r * unit) for r in rows]
         frees = [f * BALANCE_SKIP * BALANCE_KEYS >= sum(fixed) for f in fixed]
         for c in range(y.shape[3]):
             want = _greedy_block(block[:, c].tolist(), frees, kappa)
-            assert got[b0:b0 + BALANCE_KEYS, c].tolist() == want, (b0, c)   # (-0.0 == 0.0)
+            assert got[b0 : b0 + BALANCE_KEYS, c].tolist() == want, (b0, c)  # (-0.0 == 0.0)
 
 
 def test_a_small_key_keeps_its_nearest_codes():
@@ -149,12 +150,14 @@ def test_an_outlier_entry_does_not_freeze_its_block():
 
 def test_exact_values_and_zeros_stay():
     y = torch.zeros(1, 32, 1, 16)
-    y[0, 5, 0, :] = torch.tensor([448.0, -448.0, 1.0, -0.5, 2 ** -9, 0.0] + [3.0] * 10)
+    y[0, 5, 0, :] = torch.tensor([448.0, -448.0, 1.0, -0.5, 2**-9, 0.0] + [3.0] * 10)
     assert torch.equal(balanced_codes(y).view(torch.uint8), y.to(FP8).view(torch.uint8))
 
 
-@pytest.mark.parametrize("family,most", [("gaussian", 0.97), ("flat", 0.75), ("rope", 0.98), ("sink", 0.998),
-                                         ("peaky", 1.0), ("entry_outliers", 0.997)])
+@pytest.mark.parametrize(
+    "family,most",
+    [("gaussian", 0.97), ("flat", 0.75), ("rope", 0.98), ("sink", 0.998), ("peaky", 1.0), ("entry_outliers", 0.997)],
+)
 def test_attention_error_falls_or_stays(family, most):
     """Input quantisation alone (float64 attention on the dequantised inputs against float64 on the raw
     ones, B=1 S=1024 H=2 hd128): balanced V below nearest V by the family's margin, never above; and the
@@ -163,20 +166,31 @@ def test_attention_error_falls_or_stays(family, most):
     q, k, v = make_qkv(family, batch=1, seqlen=1024, heads=2, kv_heads=2, head_dim_qk=128, head_dim_v=128, seed=0)
     ref = attention_reference(q, k, v, causal=True)
     errs = {}
-    for name, opts in (("nearest", {}), ("kappa 0", dict(v_rounding="balanced", v_weight=0.0)),
-                       ("balanced", dict(v_rounding="balanced"))):
+    for name, opts in (
+        ("nearest", {}),
+        ("kappa 0", dict(v_rounding="balanced", v_weight=0.0)),
+        ("balanced", dict(v_rounding="balanced")),
+    ):
         out = quantize_fp8(q, k, v, **opts)
-        errs[name] = rel_l2(attention_reference(*(dequantize_fp8(x, d) for x, d in zip(out[:3], out[3:])),
-                                                causal=True), ref)
+        errs[name] = rel_l2(
+            attention_reference(*(dequantize_fp8(x, d) for x, d in zip(out[:3], out[3:])), causal=True), ref
+        )
     assert errs["balanced"] <= most * errs["nearest"], errs
     assert errs["balanced"] <= 1.0005 * errs["kappa 0"], errs
     if family == "peaky":
         assert errs["kappa 0"] > 1.001 * errs["nearest"], errs
-        assert abs(errs["balanced"] - errs["nearest"]) < 1e-5 * errs["nearest"], errs   # ties alone move
+        assert abs(errs["balanced"] - errs["nearest"]) < 1e-5 * errs["nearest"], errs  # ties alone move
 
 
-@pytest.mark.parametrize("family,lo,hi", [("gaussian", 1.6, 1.85), ("flat", 0.03, 0.05), ("rope", 2.4, 3.0),
-                                          ("peaky", BALANCE_WEIGHT_MAX, BALANCE_WEIGHT_MAX)])
+@pytest.mark.parametrize(
+    "family,lo,hi",
+    [
+        ("gaussian", 1.6, 1.85),
+        ("flat", 0.03, 0.05),
+        ("rope", 2.4, 3.0),
+        ("peaky", BALANCE_WEIGHT_MAX, BALANCE_WEIGHT_MAX),
+    ],
+)
 def test_balance_weights_follow_the_score_spread(family, lo, hi):
     """kappa = exp(sigma^2) - 1 of the scores' spread along a row: Gaussian inputs have sigma 1 at hd128 (e - 1),
     flat ones sigma 0.2, peaky ones sigma 8 (the cap); one per (batch, kv head), a GQA group's mean."""
@@ -189,7 +203,7 @@ def test_balance_weights_follow_the_score_spread(family, lo, hi):
     if family == "gaussian":
         torch.testing.assert_close(small, torch.expm1(torch.log1p(w) / 128), rtol=2e-3, atol=0)
     # GQA: the mean of the q heads' kappas, each from its own rows
-    one = torch.stack([balance_weights(q[:, :, i:i + 1], k[:, :, i // 2:i // 2 + 1])[:, 0] for i in range(4)], 1)
+    one = torch.stack([balance_weights(q[:, :, i : i + 1], k[:, :, i // 2 : i // 2 + 1])[:, 0] for i in range(4)], 1)
     torch.testing.assert_close(w, one.view(2, 2, 2).mean(2), rtol=1e-5, atol=0)
 
 

@@ -35,9 +35,17 @@ def dequantised_sdpa(x: Inputs) -> Bound:
     args, kw = x.args("fp8")
     q, k, v = (a.float() * x.scales[i] for i, a in enumerate(args))
     assert all(torch.all(kw[f"{n}_descale"] == float(kw[f"{n}_descale"][0, 0])) for n in "qkv")
-    return Bound(*boxed(lambda: torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-        enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)))
+    return Bound(
+        *boxed(
+            lambda: torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                enable_gqa=q.shape[2] != k.shape[2],
+            ).transpose(1, 2)
+        )
+    )
 
 
 def broken(x: Inputs) -> Bound:
@@ -46,10 +54,14 @@ def broken(x: Inputs) -> Bound:
 
 # ---- parsing -----------------------------------------------------------------------------------
 
+
 def test_shapes_from_flags():
     shapes = shapes_from(128, None, "4096,8192,16384")
-    assert [(s.batch, s.seqlen, s.heads, s.kv_heads) for s in shapes] == [(4, 4096, 32, 32), (2, 8192, 32, 32),
-                                                                         (1, 16384, 32, 32)]
+    assert [(s.batch, s.seqlen, s.heads, s.kv_heads) for s in shapes] == [
+        (4, 4096, 32, 32),
+        (2, 8192, 32, 32),
+        (1, 16384, 32, 32),
+    ]
     one = shapes_from(192, 128, "1024,2048", "2x16", kv_heads=4)
     assert [(s.head_dim_v, s.batch, s.heads, s.kv_heads) for s in one] == [(128, 2, 16, 4)] * 2
     per = shapes_from(64, None, "1024,2048", "3x8,1x8")
@@ -65,8 +77,9 @@ def test_shapes_from_flags():
 
 
 def test_parse_shape_and_peers():
-    assert parse_shape("192,128,2,8192,16") == BenchShape(head_dim_qk=192, head_dim_v=128, batch=2,
-                                                                 seqlen=8192, heads=16, kv_heads=16)
+    assert parse_shape("192,128,2,8192,16") == BenchShape(
+        head_dim_qk=192, head_dim_v=128, batch=2, seqlen=8192, heads=16, kv_heads=16
+    )
     assert parse_shape("128,128,1,4096,32,8").kv_heads == 8
     assert parse_shape("128,128,1,4096,32").label == "128/128 B=1 S=4096 H=32"
     with pytest.raises(ValueError, match="--shape"):
@@ -104,8 +117,12 @@ def test_systems_come_from_the_registry_ours_first_and_only_where_they_run():
     square = BenchShape(head_dim_qk=128, head_dim_v=128, batch=1, seqlen=1024, heads=8, kv_heads=8)
     wide = BenchShape(head_dim_qk=192, head_dim_v=128, batch=1, seqlen=1024, heads=8, kv_heads=8)
     assert [(s.name, s.kind) for s in systems_for(square, ours, bf16)] == [
-        ("ours-bf16", "ours"), ("w", "forced"), ("fa3-bf16", "peer"), ("sdpa-cudnn-bf16", "peer"),
-        ("sdpa-flash-bf16", "peer")]
+        ("ours-bf16", "ours"),
+        ("w", "forced"),
+        ("fa3-bf16", "peer"),
+        ("sdpa-cudnn-bf16", "peer"),
+        ("sdpa-flash-bf16", "peer"),
+    ]
     assert [s.name for s in systems_for(wide, ours, bf16)] == ["ours-bf16", "w", "fa3-bf16"]
 
 
@@ -121,15 +138,17 @@ def test_plan_rejects_bad_forced_configs_before_measuring():
 
 # ---- measuring on the CPU ----------------------------------------------------------------------
 
+
 def test_measure_shape_on_cpu_rows_errors_and_flops():
     shape = BenchShape(head_dim_qk=64, head_dim_v=64, batch=1, seqlen=256, heads=4, kv_heads=2)
-    systems = [MATH,
-               System("dequant-fp8", "peer", "fp8", dequantised_sdpa),
-               System("missing", "peer", "fp8", broken),
-               Ours(OursSpec("ours-bf16", "bf16"))]  # CUDA only: fails cleanly
+    systems = [
+        MATH,
+        System("dequant-fp8", "peer", "fp8", dequantised_sdpa),
+        System("missing", "peer", "fp8", broken),
+        Ours(OursSpec("ours-bf16", "bf16")),
+    ]  # CUDA only: fails cleanly
     seen = []
-    rows = measure_shape(shape, systems, seed=0, reps=5, rotate=2, device="cpu", timer=fake_timer,
-                               on_row=seen.append)
+    rows = measure_shape(shape, systems, seed=0, reps=5, rotate=2, device="cpu", timer=fake_timer, on_row=seen.append)
     assert seen == rows and [r.system for r in rows] == ["sdpa-math-bf16", "dequant-fp8", "missing", "ours-bf16"]
     sdpa, fp8, missing, ours = rows
     assert fake_timer.calls == 2  # both input sets timed
@@ -144,8 +163,9 @@ def test_measure_shape_on_cpu_rows_errors_and_flops():
 
 
 def test_inputs_share_one_quantisation():
-    x = Inputs.random(BenchShape(head_dim_qk=64, head_dim_v=64, batch=2, seqlen=128, heads=4, kv_heads=4),
-                            seed=3, device="cpu")
+    x = Inputs.random(
+        BenchShape(head_dim_qk=64, head_dim_v=64, batch=2, seqlen=128, heads=4, kv_heads=4), seed=3, device="cpu"
+    )
     _, kw = x.args("fp8")
     assert set(kw) == {"q_descale", "k_descale", "v_descale"}
     assert kw["q_descale"].shape == (2, 4) and float(kw["q_descale"][0, 0]) == pytest.approx(x.scales[0])
@@ -175,9 +195,11 @@ def test_native_quantisation_and_input_families():
     want = quantize_fp8(*x.raw, v_rounding="balanced")[2]
     assert torch.equal(balanced[0][2].view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(balanced[0][0].view(torch.uint8), plain[0][0].view(torch.uint8))
-    kappa0 = x.args("fp8", (("balanced_v", True), ("v_weight", 0.0)))[0][2]   # --ours ...,v_weight=0
-    assert torch.equal(kappa0.view(torch.uint8), quantize_fp8(*x.raw, v_rounding="balanced", v_weight=0.0)[2].view(torch.uint8))
-    assert not torch.equal(kappa0.view(torch.uint8), balanced[0][2].view(torch.uint8))   # the estimated kappa's differ
+    kappa0 = x.args("fp8", (("balanced_v", True), ("v_weight", 0.0)))[0][2]  # --ours ...,v_weight=0
+    assert torch.equal(
+        kappa0.view(torch.uint8), quantize_fp8(*x.raw, v_rounding="balanced", v_weight=0.0)[2].view(torch.uint8)
+    )
+    assert not torch.equal(kappa0.view(torch.uint8), balanced[0][2].view(torch.uint8))  # the estimated kappa's differ
     assert torch.equal(x.reference("fp8"), attention_reference(*x.raw, causal=True))
     assert torch.equal(x.reference("bf16"), x.reference("fp8"))
     gauss = Inputs.random(shape, seed=1, device="cpu")
@@ -198,7 +220,7 @@ def test_end_to_end_mode_quantises_inside_each_call(monkeypatch):
     monkeypatch.setattr(zq, "quantize_fp8", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     seen = []
     run = x.call("fp8", (("balanced_v", True),), lambda *a, **kw: seen.append((a, kw)))
-    assert calls == []          # nothing quantised until the call
+    assert calls == []  # nothing quantised until the call
     run()
     run()
     assert len(calls) == 2 and calls[0]["v_rounding"] == "balanced"
@@ -212,8 +234,7 @@ def test_end_to_end_mode_quantises_inside_each_call(monkeypatch):
     assert seen[-1][0][0] is x.q16 and len(calls) == 3
     assert torch.equal(x.reference("fp8"), attention_reference(*x.raw, causal=True))
     shapes = (shape,)
-    BenchPlan(shapes=shapes, ours=parse_ours("b:balanced_v=true", ["fp8"]), peers=("fa3-fp8",),
-                    quant="end-to-end")
+    BenchPlan(shapes=shapes, ours=parse_ours("b:balanced_v=true", ["fp8"]), peers=("fa3-fp8",), quant="end-to-end")
     with pytest.raises(ValueError, match="cudnn-fp8"):
         BenchPlan(shapes=shapes, ours=(), peers=("cudnn-fp8",), quant="end-to-end")
 
@@ -223,10 +244,14 @@ def test_quantisation_options_parse_and_need_native_mode():
     assert smooth.overrides is None and smooth.quant == (("smooth_k", True),)  # the dispatcher's kernel
     (bal,) = parse_ours("b:balanced_v=true,k_major_v=true", ["fp8"])
     assert dict(bal.quant) == {"balanced_v": True, "k_major_v": True}
-    (kappa,) = parse_ours("b:balanced_v=true,v_weight=0", ["fp8"])   # kappa 0: balanced V without the kappa weighting
+    (kappa,) = parse_ours("b:balanced_v=true,v_weight=0", ["fp8"])  # kappa 0: balanced V without the kappa weighting
     assert dict(kappa.quant) == {"balanced_v": True, "v_weight": 0.0}
-    for bad, match in (("v_weight=1", "add balanced_v=true"), ("balanced_v=true,v_weight=-2", "a number >= 0"),
-                       ("balanced_v=true,v_weight=nan", "a number >= 0"), ("balanced_v=true,v_weight=yes", "a number")):
+    for bad, match in (
+        ("v_weight=1", "add balanced_v=true"),
+        ("balanced_v=true,v_weight=-2", "a number >= 0"),
+        ("balanced_v=true,v_weight=nan", "a number >= 0"),
+        ("balanced_v=true,v_weight=yes", "a number"),
+    ):
         with pytest.raises(ValueError, match=match):
             parse_ours(bad, ["fp8"])
     (both,) = parse_ours("dtype=fp8,num_stages=2,hadamard=true", ["fp8", "bf16"])
@@ -246,6 +271,7 @@ def test_quantisation_options_parse_and_need_native_mode():
 
 
 # ---- results, table, plot ----------------------------------------------------------------------
+
 
 def test_json_round_trip(tmp_path):
     res = sample_result()
@@ -291,8 +317,10 @@ def test_a_borrowed_kernel_says_whose_in_the_row_and_the_table(tmp_path):
     from zyfa_tune.kernels.dispatch import Choice
 
     def key(s, bh, gqa=1):
-        return ProblemKey(dtype="fp8", head_dim_qk=192, head_dim_v=128, causal=True, gqa_group=gqa,
-                          seqlen_bucket=s, bh_bucket=bh)
+        return ProblemKey(
+            dtype="fp8", head_dim_qk=192, head_dim_v=128, causal=True, gqa_group=gqa, seqlen_bucket=s, bh_bucket=bh
+        )
+
     cfg = default_config("fp8", 192, 128, "gluon")
     own = key(32768, 16)
     assert borrowed_from(Choice(cfg, "exact", own, tuned_key=own)) is None
@@ -301,11 +329,32 @@ def test_a_borrowed_kernel_says_whose_in_the_row_and_the_table(tmp_path):
     assert near == "tuned at seqlen<=16384 B*H<=16"
     other = Choice(cfg, "other-device", own, tuned_key=key(32768, 16, gqa=2), tuned_on="NVIDIA H100 80GB HBM3")
     assert borrowed_from(other) == "tuned at seqlen<=32768 B*H<=16 gqa=2 on NVIDIA H100 80GB HBM3"
-    row = BenchRow(shape="192/128 B=1 S=32768 H=16", system="ours-fp8", kind="ours", dtype="fp8", dqk=192,
-                         dv=128, b=1, s=32768, h=16, hk=16, tflops=1023.2, median_ms=5.4, rel_l2=0.02,
-                         config=cfg.to_json(), source="nearest", entry=near)
-    res = BenchResult(date="2026-12-02T10:00:00+00:00", gpu={"name": "NVIDIA H200"}, gpu_after={},
-                            environment={}, settings={}, rows=(row,))
+    row = BenchRow(
+        shape="192/128 B=1 S=32768 H=16",
+        system="ours-fp8",
+        kind="ours",
+        dtype="fp8",
+        dqk=192,
+        dv=128,
+        b=1,
+        s=32768,
+        h=16,
+        hk=16,
+        tflops=1023.2,
+        median_ms=5.4,
+        rel_l2=0.02,
+        config=cfg.to_json(),
+        source="nearest",
+        entry=near,
+    )
+    res = BenchResult(
+        date="2026-12-02T10:00:00+00:00",
+        gpu={"name": "NVIDIA H200"},
+        gpu_after={},
+        environment={},
+        settings={},
+        rows=(row,),
+    )
     res.save(tmp_path / "r.json")
     assert BenchResult.load(tmp_path / "r.json").rows[0].entry == near
     console = Console(width=300, record=True)
@@ -326,15 +375,26 @@ def test_several_input_families_in_one_run(tmp_path):
         with pytest.raises(ValueError, match="input_family"):
             BenchPlan(shapes=(shape,), ours=(), peers=(), input_family=bad)
     systems = [MATH]
-    rows = [r for fam in plan.families
-            for r in measure_shape(shape, systems, seed=0, reps=5, device="cpu", timer=fake_timer,
-                                         input_family=fam)]
+    rows = [
+        r
+        for fam in plan.families
+        for r in measure_shape(shape, systems, seed=0, reps=5, device="cpu", timer=fake_timer, input_family=fam)
+    ]
     assert [r.family for r in rows] == ["gaussian", "outliers"]
     assert rows[0].rel_l2 != rows[1].rel_l2  # different inputs
     slow = dataclasses.replace(rows[1], system="ours-bf16", kind="ours", tflops=rows[1].tflops / 2)
-    result = BenchResult(date="2026-12-01T10:00:00+00:00", gpu={"name": "NVIDIA H200"}, gpu_after={},
-                               environment={}, settings={"input_family": plan.input_family}, rows=(*rows, slow))
-    assert set(bench_report.best_peer(result.rows)) == {(shape.label, "bf16", "gaussian"), (shape.label, "bf16", "outliers")}
+    result = BenchResult(
+        date="2026-12-01T10:00:00+00:00",
+        gpu={"name": "NVIDIA H200"},
+        gpu_after={},
+        environment={},
+        settings={"input_family": plan.input_family},
+        rows=(*rows, slow),
+    )
+    assert set(bench_report.best_peer(result.rows)) == {
+        (shape.label, "bf16", "gaussian"),
+        (shape.label, "bf16", "outliers"),
+    }
     console = Console(width=250, record=True)
     console.print(bench_report.results_table(result))
     text = console.export_text()
@@ -366,8 +426,22 @@ def test_plot_lines_per_system_and_batch():
     lines = bench_report._lines(panels[(128, 128, 32, 32, "")])
     assert list(lines) == ["ours-fp8", "lean", "fa3-fp8"]  # ours first; the failed peer has no line
     assert [p.s for p in lines["ours-fp8"]] == [4096, 8192, 16384]
-    extra = [*rows, BenchRow(shape="128/128 B=2 S=4096 H=32", system="fa3-fp8", kind="peer", dtype="fp8",
-                                   dqk=128, dv=128, b=2, s=4096, h=32, hk=32, tflops=800.0)]
+    extra = [
+        *rows,
+        BenchRow(
+            shape="128/128 B=2 S=4096 H=32",
+            system="fa3-fp8",
+            kind="peer",
+            dtype="fp8",
+            dqk=128,
+            dv=128,
+            b=2,
+            s=4096,
+            h=32,
+            hk=32,
+            tflops=800.0,
+        ),
+    ]
     assert "fa3-fp8 B=2" in bench_report._lines(bench_report._panels(extra)[(128, 128, 32, 32, "")])
     assert "NVIDIA H200 · fp8 · hd · causal · 2026-12-01" == bench_report._title(sample_result(), "hd")
 
@@ -392,11 +466,14 @@ def test_bench_without_gpu_exits_with_a_message(monkeypatch, capsys):
         bench_run.run(BenchPlan(shapes=shapes_from(128, None, "1024"), ours=(), peers=()))
 
 
-@pytest.mark.parametrize("argv,systems", [
-    ([], ["ours-fp8"]),
-    (["--no-dispatch", "--ours", "w:backend=gluon,block_n=256"], ["w"]),
-    (["--no-dispatch", "--peers", "fa3-fp8"], []),
-])
+@pytest.mark.parametrize(
+    "argv,systems",
+    [
+        ([], ["ours-fp8"]),
+        (["--no-dispatch", "--ours", "w:backend=gluon,block_n=256"], ["w"]),
+        (["--no-dispatch", "--peers", "fa3-fp8"], []),
+    ],
+)
 def test_bench_plan_has_the_dispatcher_pick_unless_no_dispatch(monkeypatch, argv, systems):
     """What `zyfa-tune bench` would measure (its plan, caught before measuring): --no-dispatch leaves
     flash_attn_func's own pick out, so that one system can run alone (under ncu)."""
@@ -420,14 +497,36 @@ def test_bench_bad_arguments_exit_2(tmp_path, capsys):
 
 # ---- GPU ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_bench_on_gpu(tmp_path, dtype):
     out = tmp_path / "r.json"
     peers = "sdpa-flash-bf16" if dtype == "bf16" else "none"
-    rc = cli.main(["bench", "--dtype", dtype, "--head-dim", "128", "--seqlens", "1024,2048", "--batch-heads", "1x8",
-                   "--peers", peers, "--ours", "fwd:q_order=forward", "--reps", "5", "--warm", "0.2",
-                   "--json", str(out), *(["--energy-s", "1", "--ceiling"] if dtype == "fp8" else [])])
+    rc = cli.main(
+        [
+            "bench",
+            "--dtype",
+            dtype,
+            "--head-dim",
+            "128",
+            "--seqlens",
+            "1024,2048",
+            "--batch-heads",
+            "1x8",
+            "--peers",
+            peers,
+            "--ours",
+            "fwd:q_order=forward",
+            "--reps",
+            "5",
+            "--warm",
+            "0.2",
+            "--json",
+            str(out),
+            *(["--energy-s", "1", "--ceiling"] if dtype == "fp8" else []),
+        ]
+    )
     assert rc == 0
     res = BenchResult.load(out)
     ours = [r for r in res.rows if r.kind != "peer"]

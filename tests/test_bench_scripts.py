@@ -45,10 +45,17 @@ def digest(path: Path) -> str:
 
 # ---- sampler_compare.py ------------------------------------------------------------------------
 
+
 def test_curve_reached_within_two_percent():
     sc = script("sampler_compare")
-    c = sc.Curve("tpe", "s", ("B=1 S=8", "geo"), ((None, 90.0, 97.0, 99.0, 100.0), (None, None, None, None, None)),
-                 ("FAIL", "COMPLETE", "COMPLETE", "COMPLETE", "COMPLETE"), 1.0)
+    c = sc.Curve(
+        "tpe",
+        "s",
+        ("B=1 S=8", "geo"),
+        ((None, 90.0, 97.0, 99.0, 100.0), (None, None, None, None, None)),
+        ("FAIL", "COMPLETE", "COMPLETE", "COMPLETE", "COMPLETE"),
+        1.0,
+    )
     assert c.final == (100.0, None)
     assert c.reached() == (4, None)  # 99 >= 0.98 * 100 at trial 4
     assert c.reached(0.05) == (3, None)
@@ -57,8 +64,20 @@ def test_curve_reached_within_two_percent():
 def test_sampler_compare_on_replay(tmp_path, capsys):
     sc = script("sampler_compare")
     out = tmp_path / "cmp.json"
-    rc = sc.main(["--runner", "replay", "--trials", "6", "--seqlens", "4096,16384", "--workdir", str(tmp_path / "w"),
-                  "--json", str(out)])
+    rc = sc.main(
+        [
+            "--runner",
+            "replay",
+            "--trials",
+            "6",
+            "--seqlens",
+            "4096,16384",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "within 2%" in text and "tpe B=4 S=4096" in text and "random B=1 S=16384" in text
@@ -82,6 +101,7 @@ def test_sampler_compare_on_replay(tmp_path, capsys):
 
 # ---- ship_db.py --------------------------------------------------------------------------------
 
+
 def test_ship_db_argument_checks(tmp_path):
     ship = script("ship_db")
     assert ship.parse_head_dims("64,192/128") == ((64, 64), (192, 128))
@@ -93,8 +113,9 @@ def test_ship_db_argument_checks(tmp_path):
         ship.families(("fp16",), ((128, 128),))
     assert len(ship.families(ship.DTYPES, ship.HEAD_DIMS)) == 10
     assert ship.Family("fp8", 192, 128).heads == 16 and ship.Family("bf16", 256, 256).heads == 32
-    spec = ship.Family("bf16", 64, 64).spec(trials=3, storage="a.db", study_storage="j", runner="gpu",
-                                            gpus=(None,), timeout_s=10.0, seed=0)
+    spec = ship.Family("bf16", 64, 64).spec(
+        trials=3, storage="a.db", study_storage="j", runner="gpu", gpus=(None,), timeout_s=10.0, seed=0
+    )
     assert [(s.batch, s.seqlen, s.heads) for s in spec.shapes] == [(4, 4096, 32), (2, 8192, 32), (1, 16384, 32)]
     assert spec.name == "ship-bf16-64x64" and spec.causal
     assert ship.main(["--out", str(tmp_path / "no" / "x.db"), "--runner", "replay", "--head-dims", "128"]) == 2
@@ -105,8 +126,20 @@ def test_ship_db_argument_checks(tmp_path):
 def test_ship_db_on_replay_exports_only_the_best(tmp_path, capsys):
     ship = script("ship_db")
     out, work = tmp_path / "h200.db", tmp_path / "work"
-    argv = ["--out", str(out), "--runner", "replay", "--dtypes", "fp8", "--head-dims", "128", "--trials", "3",
-            "--workdir", str(work)]
+    argv = [
+        "--out",
+        str(out),
+        "--runner",
+        "replay",
+        "--dtypes",
+        "fp8",
+        "--head-dims",
+        "128",
+        "--trials",
+        "3",
+        "--workdir",
+        str(work),
+    ]
     assert ship.main(argv) == 0
     with open_store(out, readonly=True, create=False) as store:
         best = store.best_entries()
@@ -117,8 +150,9 @@ def test_ship_db_on_replay_exports_only_the_best(tmp_path, capsys):
     with open_store(work / "tuning.db", readonly=True, create=False) as store:
         assert store.count_trials() > exported_trials == len(best)  # only the best entries' trials
     # the dispatcher picks the exported entries
-    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=32,
-                                kv_heads=32, seqlen=8192)
+    key = ProblemKey.from_shape(
+        dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=32, kv_heads=32, seqlen=8192
+    )
     device = simulation_fingerprint(f"replay:{SHIPPED}").device_key()
     choice = dispatch.Dispatcher([str(out)]).choose(key, device)
     assert choice.source == "exact"
@@ -137,6 +171,7 @@ def test_ship_db_on_replay_exports_only_the_best(tmp_path, capsys):
 
 
 # ---- peers.py ----------------------------------------------------------------------------------
+
 
 def test_peers_wrapper_adds_its_default_shapes_and_dtypes():
     peers = script("peers")
@@ -166,6 +201,7 @@ def test_schedule_constants_script_sets_and_restores_the_schedule():
 
 
 # ---- pipe_rates.py ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", list(script("pipe_rates").BODIES))  # every body the script can time
 def test_pipe_rate_bodies_compile_to_the_instructions_they_time(name):
@@ -227,6 +263,7 @@ def test_pipe_rates_rejects_what_it_cannot_lay_out():
 
 # ---- p_scale_error.py ----------------------------------------------------------------------------
 
+
 def _head(seqlen: int, seed: int) -> tuple:
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(seqlen, 128, generator=g, dtype=torch.float64) for _ in range(3))
@@ -267,6 +304,7 @@ def test_p_scale_error_rejects_blocks_that_do_not_tile(capsys):
 
 # ---- lean_offset_error.py ------------------------------------------------------------------------
 
+
 def test_lean_offset_emulation_pins_the_codes_and_the_maximum():
     """The emulated lean codes: 2^P's code at the maximum for offsets under half a code (one less past it),
     the fold's line below, the floor's codes within one of correct rounding on e4m3's subnormals; its online
@@ -280,10 +318,12 @@ def test_lean_offset_emulation_pins_the_codes_and_the_maximum():
     plain, floor = codes(lo.lean_p(x, 0.45, False)), codes(lo.lean_p(x, 0.45, True))
     assert plain[2:] == [0, 0, 0, 0] and floor[4:] == [0, 0]
     assert abs(floor[2] - 4) <= 1 and abs(floor[3] - 2) <= 1  # 2^-7 = 4 x 2^-9, 2^-8 = 2 x 2^-9 (subnormal codes)
-    keys = torch.linspace(-6.0, 0.0, 64, dtype=torch.float64) - 0.01   # lean_mufu: pairs 3, 7, ... correctly rounded
+    keys = torch.linspace(-6.0, 0.0, 64, dtype=torch.float64) - 0.01  # lean_mufu: pairs 3, 7, ... correctly rounded
     mixed, exact = codes(lo.lean_p(keys, 0.45, False, mufu=1)), codes(torch.exp2(keys + lo.P))
-    assert all((mixed[i] == exact[i]) if (i // 2) % 4 == 3 else (mixed[i] == plain_k) for i, plain_k in
-               enumerate(codes(lo.lean_p(keys, 0.45, False))))
+    assert all(
+        (mixed[i] == exact[i]) if (i // 2) % 4 == 3 else (mixed[i] == plain_k)
+        for i, plain_k in enumerate(codes(lo.lean_p(keys, 0.45, False)))
+    )
     q, k, v = _head(300, 3)
     ref = attention_reference(q[None, :, None], k[None, :, None], v[None, :, None], causal=True)[0, :, 0]
     assert rel_l2(lo.online_attention(q, k, v, "fa3"), ref) < 0.03

@@ -35,6 +35,7 @@ def test_rounds_interleave_systems_in_rotated_order_and_pool_their_samples():
         def bind(x: Inputs) -> Bound:
             bound = MATH.prepare(x)
             return Bound(lambda: (order.append(name), bound.call()), bound.output)
+
         return System(name, "peer", "bf16", bind)
 
     def timer(calls, warmup, reps):
@@ -44,23 +45,43 @@ def test_rounds_interleave_systems_in_rotated_order_and_pool_their_samples():
         timer.seen.append(name)
         base = {"a": 1.0, "b": 2.0, "c": 3.0}[name] + len(timer.seen) * 0.01  # slower each block
         return Timing(median_ms=base, p20_ms=base, p80_ms=base, min_ms=base, reps=reps, samples_ms=(base,) * reps)
+
     timer.seen = []
 
-    rows = measure_shape(shape, [system(n, 0) for n in "abc"], seed=0, reps=30, rounds=3, device="cpu",
-                               timer=timer)
+    rows = measure_shape(shape, [system(n, 0) for n in "abc"], seed=0, reps=30, rounds=3, device="cpu", timer=timer)
     assert timer.seen == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert [r.reps for r in rows] == [30, 30, 30]
-    assert rows[0].median_ms == pytest.approx(1.0 + 0.06)  # its blocks are the 1st, 6th and 8th: the median is the 6th's
+    assert rows[0].median_ms == pytest.approx(
+        1.0 + 0.06
+    )  # its blocks are the 1st, 6th and 8th: the median is the 6th's
     assert rows[0].min_ms == pytest.approx(1.01) and rows[2].median_ms == pytest.approx(3.05)
 
 
 def test_pooled_timing():
     from zyfa_tune.tuning.timing import pooled
 
-    a = Timing(median_ms=1.0, p20_ms=1.0, p80_ms=1.0, min_ms=1.0, reps=2, sm_clock_mhz=1800.0, power_w=None,
-               energy_j_per_call=2.0, samples_ms=(1.0, 1.0))
-    b = Timing(median_ms=3.0, p20_ms=3.0, p80_ms=3.0, min_ms=3.0, reps=6, sm_clock_mhz=1600.0, power_w=500.0,
-               energy_j_per_call=None, samples_ms=(2.0, 3.0, 3.0, 3.0, 3.0, 4.0))
+    a = Timing(
+        median_ms=1.0,
+        p20_ms=1.0,
+        p80_ms=1.0,
+        min_ms=1.0,
+        reps=2,
+        sm_clock_mhz=1800.0,
+        power_w=None,
+        energy_j_per_call=2.0,
+        samples_ms=(1.0, 1.0),
+    )
+    b = Timing(
+        median_ms=3.0,
+        p20_ms=3.0,
+        p80_ms=3.0,
+        min_ms=3.0,
+        reps=6,
+        sm_clock_mhz=1600.0,
+        power_w=500.0,
+        energy_j_per_call=None,
+        samples_ms=(2.0, 3.0, 3.0, 3.0, 3.0, 4.0),
+    )
     t = pooled([a, b])
     assert t.reps == 8 and t.median_ms == 3.0 and t.min_ms == 1.0 and len(t.samples_ms) == 8
     assert t.sm_clock_mhz == pytest.approx((1800 * 2 + 1600 * 6) / 8)
@@ -71,6 +92,7 @@ def test_pooled_timing():
 
 
 # ---- energy windows and the FP8 GEMM ceiling ---------------------------------------------------
+
 
 class FakeEvent:
     def __init__(self, log):
@@ -90,7 +112,7 @@ def test_sustain_keeps_batches_queued_until_the_window_ends():
         return clock[0]
 
     def launch():
-        clock[0] += 0.25   # each batch's launch + the waits take a quarter second of host time here
+        clock[0] += 0.25  # each batch's launch + the waits take a quarter second of host time here
         log.append("launch")
         events.append(FakeEvent(log))
         return events[-1]
@@ -99,7 +121,7 @@ def test_sustain_keeps_batches_queued_until_the_window_ends():
 
     batches, elapsed = sustain(launch, 1.0, now=now, depth=2)
     assert batches == 4 and elapsed == pytest.approx(1.0) and all(e.done for e in events)
-    assert log[:4] == ["launch"] * 3 + ["sync"]   # the first wait comes once 3 batches are queued
+    assert log[:4] == ["launch"] * 3 + ["sync"]  # the first wait comes once 3 batches are queued
     with pytest.raises(ValueError):
         sustain(launch, 0.0)
 
@@ -107,11 +129,13 @@ def test_sustain_keeps_batches_queued_until_the_window_ends():
 def test_energy_window_is_reported_only_when_long_enough():
     from zyfa_tune.tuning import timing
 
-    e = timing._window(1000.0, 3000.0, 2.0, 400)      # 2 J over 2 s, 400 calls
-    assert e.joules == pytest.approx(2.0) and e.power_w == pytest.approx(1.0) and e.joules_per_call == pytest.approx(5e-3)
-    assert timing._window(1000.0, 1600.0, 0.04, 20) is None            # a 40 ms timing block: noise
-    assert timing._window(1000.0, 1000.0, 2.0, 20) is None             # the counter did not move
-    assert timing._window(None, 1000.0, 2.0, 20) is None               # no NVML
+    e = timing._window(1000.0, 3000.0, 2.0, 400)  # 2 J over 2 s, 400 calls
+    assert (
+        e.joules == pytest.approx(2.0) and e.power_w == pytest.approx(1.0) and e.joules_per_call == pytest.approx(5e-3)
+    )
+    assert timing._window(1000.0, 1600.0, 0.04, 20) is None  # a 40 ms timing block: noise
+    assert timing._window(1000.0, 1000.0, 2.0, 20) is None  # the counter did not move
+    assert timing._window(None, 1000.0, 2.0, 20) is None  # no NVML
     with pytest.raises(ValueError, match="1.0 s"):
         timing.sustained_energy([lambda: None], seconds=0.5)
 
@@ -138,8 +162,7 @@ def test_energy_windows_give_tflop_per_j_and_power():
         return Energy(calls=1000, seconds=seconds, joules=500.0, sm_clock_mhz=1700.0)
 
     systems = [System(n, "peer", "bf16", MATH.prepare) for n in ("a", "b")]
-    a, b = measure_shape(shape, systems, seed=0, reps=5, device="cpu", timer=fake_timer, energy_s=2.0,
-                               energy=energy)
+    a, b = measure_shape(shape, systems, seed=0, reps=5, device="cpu", timer=fake_timer, energy_s=2.0, energy=energy)
     assert seen == [(1, 2.0, 2.0), (1, 2.0, 2.0)]  # the window is told the timed median
     assert a.energy_j_per_call == pytest.approx(0.5) and a.power_w == pytest.approx(250.0)
     assert a.tflop_per_j == pytest.approx(shape.flops / 0.5 / 1e12)
@@ -163,8 +186,10 @@ def test_gemm_ceiling_record_and_table_share():
     it, bf16 rows none; it survives the JSON round trip, and a run without one has no such column."""
     from rich.console import Console
 
-    blocks = [Timing(median_ms=1.0, p20_ms=1.0, p80_ms=1.0, min_ms=1.0, reps=5, samples_ms=(1.0,) * 5),
-              Timing(median_ms=1.2, p20_ms=1.2, p80_ms=1.2, min_ms=1.2, reps=5, samples_ms=(1.2,) * 5)]
+    blocks = [
+        Timing(median_ms=1.0, p20_ms=1.0, p80_ms=1.0, min_ms=1.0, reps=5, samples_ms=(1.0,) * 5),
+        Timing(median_ms=1.2, p20_ms=1.2, p80_ms=1.2, min_ms=1.2, reps=5, samples_ms=(1.2,) * 5),
+    ]
     c = bench_run.gemm_ceiling(blocks, n=1000)
     assert c["tflops"] == pytest.approx(2e9 / 1.1e-3 / 1e12) and c["m"] == 1000 and c["reps"] == 10
     res = dataclasses.replace(sample_result(), ceiling=dict(c, tflops=1000.0))

@@ -22,12 +22,13 @@ from zyfa_tune.generator.defaults import default_config
 SM90_SMEM_LIMIT = 232448
 HEAD_PAIRS = [(64, 64), (96, 96), (128, 128), (192, 128), (256, 256)]
 BASE = default_config("fp8", 128, 128)
-SOFTMAX_ROWSUM = [("exact", "fp32"), ("exact", "rounded"), ("exact", "mma"),
-                  ("lean", "rounded"), ("lean", "mma")]
+SOFTMAX_ROWSUM = [("exact", "fp32"), ("exact", "rounded"), ("exact", "mma"), ("lean", "rounded"), ("lean", "mma")]
 LEAN_VARIANTS = list(itertools.product(CHOICES["lean_fold"], CHOICES["lean_clamp"], CHOICES["lean_pack"]))
 #: SASS of the fp32 -> e4m3 conversion of P (the exact path's cvt.rn.satfinite.e4m3x2.f32)
 E4M3_CVT = "F2FP.SATFINITE.E4M3"
-LEAN_BLOCK_RE = re.compile(r"// begin inline asm\s*\{\s*\.reg \.b32 r0, r1, r2, r3[^;]*;(.*?)\}\s*// end inline asm", re.S)
+LEAN_BLOCK_RE = re.compile(
+    r"// begin inline asm\s*\{\s*\.reg \.b32 r0, r1, r2, r3[^;]*;(.*?)\}\s*// end inline asm", re.S
+)
 
 
 def lean(fold="fma", clamp="imax", pack="prmt", rowsum="rounded") -> KernelConfig:
@@ -51,17 +52,22 @@ def compiled():
         if key not in cache:
             art = compile_for_target(emit(cfg), causal=causal)
             cache[key] = art
-            print(f"\n  {describe(cfg, causal)}: regs={art.registers} spill={art.spill_bytes}"
-                  f" smem={art.shared_bytes} MUFU.EX2={art.count('MUFU.EX2')}"
-                  f" QGMMA={art.count('QGMMA')} HGMMA={art.count('HGMMA')}", end="")
+            print(
+                f"\n  {describe(cfg, causal)}: regs={art.registers} spill={art.spill_bytes}"
+                f" smem={art.shared_bytes} MUFU.EX2={art.count('MUFU.EX2')}"
+                f" QGMMA={art.count('QGMMA')} HGMMA={art.count('HGMMA')}",
+                end="",
+            )
         return cache[key]
 
     return get
 
 
 def describe(cfg: KernelConfig, causal: bool = True) -> str:
-    text = (f"{cfg.dtype} {cfg.head_dim_qk}/{cfg.head_dim_v} bm{cfg.block_m} bn{cfg.block_n}"
-            f" w{cfg.num_warps} s{cfg.num_stages} {cfg.softmax}/{cfg.rowsum}")
+    text = (
+        f"{cfg.dtype} {cfg.head_dim_qk}/{cfg.head_dim_v} bm{cfg.block_m} bn{cfg.block_n}"
+        f" w{cfg.num_warps} s{cfg.num_stages} {cfg.softmax}/{cfg.rowsum}"
+    )
     if cfg.softmax == "lean":
         text += f" {cfg.lean_fold}/{cfg.lean_clamp}/{cfg.lean_pack}"
     if cfg.scale_block:
@@ -189,8 +195,14 @@ def test_lean_scale_block_forward(compiled):
     check_lean_softmax(art, cfg)
 
 
-@pytest.mark.parametrize("loads,v_layout", [(l, v) for l, v in itertools.product(CHOICES["loads"], CHOICES["v_layout"])
-                                            if (l, v) != (BASE.loads, BASE.v_layout)])
+@pytest.mark.parametrize(
+    "loads,v_layout",
+    [
+        (l, v)
+        for l, v in itertools.product(CHOICES["loads"], CHOICES["v_layout"])
+        if (l, v) != (BASE.loads, BASE.v_layout)
+    ],
+)
 def test_load_variants(compiled, loads, v_layout):
     """The other load paths of the default FP8 config compile (they are search-space points, not
     defaults: spills are reported by the print, not failed on)."""

@@ -36,14 +36,23 @@ def valid_with(field: str, value) -> KernelConfig:
         changes["p_carry"] = "smem2"
     if field == "l2_group_mib":
         changes["q_order"] = "balanced"
-    if ((field == "qk_acc" and value == "f16") or (field == "qk_async" and value) or (field == "lean_ref" and value != "grid")
-            or (field == "lean_floor" and value)):
+    if (
+        (field == "qk_acc" and value == "f16")
+        or (field == "qk_async" and value)
+        or (field == "lean_ref" and value != "grid")
+        or (field == "lean_floor" and value)
+    ):
         changes.update(softmax="lean", rowsum="rounded", p_carry="smem2", lean_clamp="sat", qk_acc="f16")
     if field == "lean_mufu" and value:
-        changes.update(softmax="lean", rowsum="rounded", p_carry="smem2", lean_clamp="sat", qk_acc="f16",
-                       lean_fold="corrected")
-    if field in GLUON_FIELDS or (field, value) in (("backend", "gluon"), ("block_m", 192), ("block_n", 192),
-                                                   ("q_order", "balanced")):
+        changes.update(
+            softmax="lean", rowsum="rounded", p_carry="smem2", lean_clamp="sat", qk_acc="f16", lean_fold="corrected"
+        )
+    if field in GLUON_FIELDS or (field, value) in (
+        ("backend", "gluon"),
+        ("block_m", 192),
+        ("block_n", 192),
+        ("q_order", "balanced"),
+    ):
         return GLUON.replace(**changes)
     if field == "softmax" and value == "lean":
         changes["rowsum"] = "rounded"
@@ -55,6 +64,7 @@ def valid_with(field: str, value) -> KernelConfig:
 
 
 # ---- accepted values ------------------------------------------------------------------------
+
 
 def test_defaults_are_valid():
     cfg = KernelConfig()
@@ -75,14 +85,19 @@ def test_every_choice_is_accepted(field, value):
     assert type(getattr(cfg, field)) is type(value)
 
 
-@pytest.mark.parametrize("values,broken", [
-    (dict(softmax="lean", rowsum="rounded"), dict(rowsum="fp32")),
-    (dict(softmax="lean", rowsum="mma", lean_fold="sub_fma", lean_clamp="fmax", lean_pack="bfi"),
-     dict(dtype="bf16", p_scale_log2=0)),
-    (dict(dtype="bf16", p_scale_log2=0, rowsum="mma"), dict(p_scale_log2=8)),
-    (dict(block_n=64, scale_block=64), dict(block_n=128)),
-    (dict(block_n=256, scale_block=256, block_m=64, num_warps=4), dict(scale_block=128)),
-])
+@pytest.mark.parametrize(
+    "values,broken",
+    [
+        (dict(softmax="lean", rowsum="rounded"), dict(rowsum="fp32")),
+        (
+            dict(softmax="lean", rowsum="mma", lean_fold="sub_fma", lean_clamp="fmax", lean_pack="bfi"),
+            dict(dtype="bf16", p_scale_log2=0),
+        ),
+        (dict(dtype="bf16", p_scale_log2=0, rowsum="mma"), dict(p_scale_log2=8)),
+        (dict(block_n=64, scale_block=64), dict(block_n=128)),
+        (dict(block_n=256, scale_block=256, block_m=64, num_warps=4), dict(scale_block=128)),
+    ],
+)
 def test_valid_combinations_and_their_nearest_invalid_one(values, broken):
     """A combination the rules allow keeps its values and round-trips; one field more breaks a rule."""
     cfg = KernelConfig(**values)
@@ -95,28 +110,59 @@ def test_valid_combinations_and_their_nearest_invalid_one(values, broken):
 
 # ---- rejected values ------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field,value", [
-    ("block_m", 32), ("block_m", 512), ("block_m", 0), ("block_m", -128), ("block_m", 129),
-    ("block_n", 16), ("block_n", 512),
-    ("head_dim_qk", 80), ("head_dim_qk", 0), ("head_dim_v", 512), ("head_dim_v", -64),
-    ("num_warps", 2), ("num_warps", 32),
-    ("num_stages", 0), ("num_stages", 6),
-    ("p_scale_log2", -1), ("p_scale_log2", 9), ("p_scale_log2", 2**64),
-    ("scale_block", 16), ("scale_block", 512),
-])
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_m", 32),
+        ("block_m", 512),
+        ("block_m", 0),
+        ("block_m", -128),
+        ("block_m", 129),
+        ("block_n", 16),
+        ("block_n", 512),
+        ("head_dim_qk", 80),
+        ("head_dim_qk", 0),
+        ("head_dim_v", 512),
+        ("head_dim_v", -64),
+        ("num_warps", 2),
+        ("num_warps", 32),
+        ("num_stages", 0),
+        ("num_stages", 6),
+        ("p_scale_log2", -1),
+        ("p_scale_log2", 9),
+        ("p_scale_log2", 2**64),
+        ("scale_block", 16),
+        ("scale_block", 512),
+    ],
+)
 def test_out_of_range_int_rejected(field, value):
     with pytest.raises(ConfigError, match=rf"^{field}: {value!r} is not one of"):
         KernelConfig(**{field: value})
 
 
-@pytest.mark.parametrize("field,value", [
-    ("block_m", "128"), ("block_m", 128.0), ("block_m", True), ("block_m", None),
-    ("block_m", np.int64(128)), ("block_m", [128]),
-    ("num_warps", 8.0), ("head_dim_qk", "128"),
-    # bool is an int subclass and True == 1 is inside range(0, 9): must still be refused
-    ("p_scale_log2", True), ("p_scale_log2", False), ("scale_block", False), ("num_stages", True),
-    ("softmax", None), ("softmax", 1), ("softmax", b"exact"), ("dtype", ["fp8"]),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_m", "128"),
+        ("block_m", 128.0),
+        ("block_m", True),
+        ("block_m", None),
+        ("block_m", np.int64(128)),
+        ("block_m", [128]),
+        ("num_warps", 8.0),
+        ("head_dim_qk", "128"),
+        # bool is an int subclass and True == 1 is inside range(0, 9): must still be refused
+        ("p_scale_log2", True),
+        ("p_scale_log2", False),
+        ("scale_block", False),
+        ("num_stages", True),
+        ("softmax", None),
+        ("softmax", 1),
+        ("softmax", b"exact"),
+        ("dtype", ["fp8"]),
+    ],
+)
 def test_wrong_type_rejected(field, value):
     with pytest.raises(ConfigError, match=rf"^{field}: expected (int|str), got"):
         KernelConfig(**{field: value})
@@ -131,27 +177,41 @@ def test_str_subclass_rejected():
         KernelConfig(softmax=Sneaky("exact"))
 
 
-@pytest.mark.parametrize("field,value", [
-    ("dtype", "fp16"), ("dtype", "FP8"), ("dtype", "e4m3"), ("dtype", ""),
-    ("softmax", "EXACT"), ("softmax", "exact "), ("softmax", "fast"),
-    ("lean_fold", "fma2"), ("lean_clamp", "max"), ("lean_pack", "shf"),
-    ("rowsum", "fp16"), ("q_order", "backward"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("dtype", "fp16"),
+        ("dtype", "FP8"),
+        ("dtype", "e4m3"),
+        ("dtype", ""),
+        ("softmax", "EXACT"),
+        ("softmax", "exact "),
+        ("softmax", "fast"),
+        ("lean_fold", "fma2"),
+        ("lean_clamp", "max"),
+        ("lean_pack", "shf"),
+        ("rowsum", "fp16"),
+        ("q_order", "backward"),
+    ],
+)
 def test_unknown_enum_rejected(field, value):
     with pytest.raises(ConfigError, match=rf"^{field}: .* is not one of"):
         KernelConfig(**{field: value})
 
 
-@pytest.mark.parametrize("field,value", [
-    ("softmax", "exact\nimport os"),
-    ("dtype", "fp8'); import os; #"),
-    ("lean_pack", "prmt;\n}"),
-    ("lean_fold", 'fma", "=r"); __import__("os").system("id"); ("'),
-    ("lean_clamp", "imax;\nst.global.u32 [0], 0;"),
-    ("rowsum", "fp32\n    import os"),
-    ("q_order", "forward # "),
-    ("dtype", "bf16\x00"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("softmax", "exact\nimport os"),
+        ("dtype", "fp8'); import os; #"),
+        ("lean_pack", "prmt;\n}"),
+        ("lean_fold", 'fma", "=r"); __import__("os").system("id"); ("'),
+        ("lean_clamp", "imax;\nst.global.u32 [0], 0;"),
+        ("rowsum", "fp32\n    import os"),
+        ("q_order", "forward # "),
+        ("dtype", "bf16\x00"),
+    ],
+)
 def test_injection_strings_rejected(field, value):
     with pytest.raises(ConfigError, match=rf"^{field}: .* is not one of"):
         KernelConfig(**{field: value})
@@ -160,6 +220,7 @@ def test_injection_strings_rejected(field, value):
 
 
 # ---- combination rules ----------------------------------------------------------------------
+
 
 def test_lean_needs_fp8():
     with pytest.raises(ConfigError, match=r"softmax='lean'.*dtype='fp8'"):
@@ -196,6 +257,7 @@ def test_replace_revalidates():
 
 # ---- from_dict / from_json ------------------------------------------------------------------
 
+
 def test_from_dict_unknown_keys():
     with pytest.raises(ConfigError, match=r"unknown config fields: \['evil'\]"):
         KernelConfig.from_dict({"block_m": 128, "evil": 1})
@@ -216,7 +278,7 @@ def test_from_dict_validates_values():
     assert KernelConfig.from_dict({"block_m": 64}).block_m == 64
 
 
-@pytest.mark.parametrize("text", ["", "{", "not json", "{'block_m': 128}", "{\"block_m\": 128,}", None])
+@pytest.mark.parametrize("text", ["", "{", "not json", "{'block_m': 128}", '{"block_m": 128,}', None])
 def test_from_json_invalid(text):
     with pytest.raises(ConfigError, match="config is not valid JSON"):
         KernelConfig.from_json(text)
@@ -228,16 +290,19 @@ def test_from_json_deeply_nested(text):
         KernelConfig.from_json(text)
 
 
-@pytest.mark.parametrize("text,match", [
-    ("[1, 2]", "config must be a mapping"),
-    ('"fp8"', "config must be a mapping"),
-    ("null", "config must be a mapping"),
-    ('{"block_m": 128.0}', "^block_m: expected int, got float"),
-    ('{"block_m": true}', "^block_m: expected int, got bool"),
-    ('{"p_scale_log2": 1e0}', "^p_scale_log2: expected int, got float"),
-    ('{"softmax": ["exact"]}', "^softmax: expected str, got list"),
-    ('{"dtype": "fp8", "dtype2": "x"}', "unknown config fields"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("[1, 2]", "config must be a mapping"),
+        ('"fp8"', "config must be a mapping"),
+        ("null", "config must be a mapping"),
+        ('{"block_m": 128.0}', "^block_m: expected int, got float"),
+        ('{"block_m": true}', "^block_m: expected int, got bool"),
+        ('{"p_scale_log2": 1e0}', "^p_scale_log2: expected int, got float"),
+        ('{"softmax": ["exact"]}', "^softmax: expected str, got list"),
+        ('{"dtype": "fp8", "dtype2": "x"}', "unknown config fields"),
+    ],
+)
 def test_from_json_bad_content(text, match):
     with pytest.raises(ConfigError, match=match):
         KernelConfig.from_json(text)
@@ -253,12 +318,35 @@ def test_config_error_is_value_error():
 
 ROUND_TRIP = [
     KernelConfig(),
-    KernelConfig(dtype="bf16", p_scale_log2=0, head_dim_qk=192, head_dim_v=128, block_n=64,
-                 num_stages=2, rowsum="mma", q_order="forward"),
-    KernelConfig(softmax="lean", rowsum="rounded", lean_fold="sub_fma", lean_clamp="fmax",
-                 lean_pack="bfi", p_scale_log2=5, block_n=64, scale_block=64),
-    GLUON.replace(ping_pong=False, overlap=False, q_stages=2, v_permute=False, persistent=False, producer_regs=40,
-                  q_order="heavy_first"),
+    KernelConfig(
+        dtype="bf16",
+        p_scale_log2=0,
+        head_dim_qk=192,
+        head_dim_v=128,
+        block_n=64,
+        num_stages=2,
+        rowsum="mma",
+        q_order="forward",
+    ),
+    KernelConfig(
+        softmax="lean",
+        rowsum="rounded",
+        lean_fold="sub_fma",
+        lean_clamp="fmax",
+        lean_pack="bfi",
+        p_scale_log2=5,
+        block_n=64,
+        scale_block=64,
+    ),
+    GLUON.replace(
+        ping_pong=False,
+        overlap=False,
+        q_stages=2,
+        v_permute=False,
+        persistent=False,
+        producer_regs=40,
+        q_order="heavy_first",
+    ),
     GLUON.replace(rowsum="mma"),
     GLUON.replace(exp2_poly=3, exp2_poly_degree=2),
 ]
@@ -288,9 +376,11 @@ def test_round_trip(cfg):
 
 def test_gluon_json_of_shipped_rows_is_unchanged():
     """The exact Gluon JSON the shipped database holds (before rowsum="mma" and exp2_poly existed)."""
-    shipped = ('{"backend":"gluon","block_m":128,"block_n":128,"dtype":"fp8","ex2_fence":false,"head_dim_qk":128,'
-               '"head_dim_v":128,"num_stages":3,"overlap":true,"p_scale_log2":8,"persistent":false,"ping_pong":false,'
-               '"producer_regs":24,"q_order":"forward","q_stages":1,"v_permute":true}')
+    shipped = (
+        '{"backend":"gluon","block_m":128,"block_n":128,"dtype":"fp8","ex2_fence":false,"head_dim_qk":128,'
+        '"head_dim_v":128,"num_stages":3,"overlap":true,"p_scale_log2":8,"persistent":false,"ping_pong":false,'
+        '"producer_regs":24,"q_order":"forward","q_stages":1,"v_permute":true}'
+    )
     cfg = KernelConfig.from_json(shipped)
     assert cfg.to_json() == shipped
     assert '"rowsum":"mma"' in cfg.replace(rowsum="mma").to_json()

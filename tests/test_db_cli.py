@@ -32,14 +32,17 @@ def test_without_a_database_the_shipped_one_is_shown(capsys, tmp_path, command):
     rc, out = run(capsys, command)
     assert rc == 0
     assert "h200.db" in out and "shipped" in out and "NVIDIA H200" in out
-    assert not (tmp_path / "cache").exists()          # nothing created at the default path
+    assert not (tmp_path / "cache").exists()  # nothing created at the default path
 
 
-@pytest.mark.parametrize("url, words", [
-    ("nosuchdialect://user:secret@host/db", ["nosuchdialect"]),
-    ("postgresql://user:secret@localhost/db", ['pip install "zyfa-tune[postgres]"']),
-    ("://", ["URL"]),
-])
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("nosuchdialect://user:secret@host/db", ["nosuchdialect"]),
+        ("postgresql://user:secret@localhost/db", ['pip install "zyfa-tune[postgres]"']),
+        ("://", ["URL"]),
+    ],
+)
 def test_a_bad_storage_url_is_one_line(capsys, url, words):
     rc, out = run(capsys, "show", "--storage", url)
     assert rc == 2
@@ -51,10 +54,24 @@ def test_a_bad_storage_url_is_one_line(capsys, url, words):
 
 
 def test_a_bad_study_storage_url_is_one_line(capsys, tmp_path):
-    rc, out = run(capsys, "tune", "--head-dim", "128", "--seqlens", "4096", "--trials", "1", "--runner", "simulate",
-                  "--storage", str(tmp_path / "t.db"), "--study-storage", "postgresql://u:secret@localhost/x")
-    errors = [line[line.index("error:"):] for line in out.splitlines() if "error:" in line]  # (after the
-    assert rc == 2 and len(errors) == 1 and "Traceback" not in out, out                # live display)
+    rc, out = run(
+        capsys,
+        "tune",
+        "--head-dim",
+        "128",
+        "--seqlens",
+        "4096",
+        "--trials",
+        "1",
+        "--runner",
+        "simulate",
+        "--storage",
+        str(tmp_path / "t.db"),
+        "--study-storage",
+        "postgresql://u:secret@localhost/x",
+    )
+    errors = [line[line.index("error:") :] for line in out.splitlines() if "error:" in line]  # (after the
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in out, out  # live display)
     assert 'pip install "zyfa-tune[postgres]"' in errors[0] and "secret" not in out
 
 
@@ -66,13 +83,13 @@ def test_counts_agree_with_what_was_done(capsys, tmp_path):
         record(s, 1.0, cfg=config(num_stages=2))
         record(s, 1.0, k=key(d=64), cfg=config(64, num_stages=2))
     with open_store(theirs) as s:
-        record(s, 0.5, cfg=config(num_stages=4))                          # replaces ours
-        record(s, 3.0, k=key(d=64), cfg=config(64, num_stages=4))         # ours is kept
-        record(s, 2.0, k=key(seqlen=4096), cfg=config(block_n=64))        # new
-        record(s, 2.0, fp=fingerprint(H100), cfg=config(num_stages=3))    # new (another GPU)
-        record(s, 2.5, k=key(seqlen=16384), cfg=config(num_stages=3))     # will be damaged
+        record(s, 0.5, cfg=config(num_stages=4))  # replaces ours
+        record(s, 3.0, k=key(d=64), cfg=config(64, num_stages=4))  # ours is kept
+        record(s, 2.0, k=key(seqlen=4096), cfg=config(block_n=64))  # new
+        record(s, 2.0, fp=fingerprint(H100), cfg=config(num_stages=3))  # new (another GPU)
+        record(s, 2.5, k=key(seqlen=16384), cfg=config(num_stages=3))  # will be damaged
     con = sqlite3.connect(theirs)
-    with con:   # one damaged trial (and so its best row) is rejected
+    with con:  # one damaged trial (and so its best row) is rejected
         con.execute("UPDATE trials SET median_ms = -1 WHERE median_ms = 2.5")
     con.close()
     rc, out = run(capsys, "import", str(theirs), "--storage", str(ours))
@@ -97,14 +114,20 @@ def test_stored_text_is_printed_literally(capsys, tmp_path):
     path = tmp_path / "t.db"
     gpu = "[/]NVIDIA [bold red]H200"
     with open_store(path) as s:
-        s.record_trial(fingerprint(gpu), key(), config(), TrialResult("ok", median_ms=1.0),
-                       source_hash="abcdef12", provenance="[link=http://x]click[/link] [/]")
+        s.record_trial(
+            fingerprint(gpu),
+            key(),
+            config(),
+            TrialResult("ok", median_ms=1.0),
+            source_hash="abcdef12",
+            provenance="[link=http://x]click[/link] [/]",
+        )
     for command in ("show", "best"):
         rc, out = run(capsys, command, "--storage", str(path))
         assert rc == 0, out
         assert gpu in out and "[link=http://x]click[/link] [/]" in out
     con = sqlite3.connect(path)
-    with con:   # a GPU name written by hand: its rejection reason quotes it
+    with con:  # a GPU name written by hand: its rejection reason quotes it
         con.execute("UPDATE environments SET gpu_name = '[/]evil' || char(27) || '[2J'")
     con.close()
     rc, out = run(capsys, "import", str(path), "--storage", str(tmp_path / "into.db"))
@@ -116,6 +139,7 @@ def test_version_and_defaults_in_help(capsys):
         cli.main(["--version"])
     assert done.value.code == 0
     from importlib.metadata import version
+
     assert version("zyfa-tune") in capsys.readouterr().out
     for command in ("show", "best", "export", "import", "verify"):
         with pytest.raises(SystemExit):

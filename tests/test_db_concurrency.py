@@ -11,18 +11,17 @@ from test_db_support import key, many_trials, process_worker, record
 
 from zyfa_tune.db import open_store
 
-pytest_plugins = ["test_db_support"]   # fixtures: target (sqlite + postgres), pg_url
+pytest_plugins = ["test_db_support"]  # fixtures: target (sqlite + postgres), pg_url
 
 N = 200
 
 
 def test_two_processes_one_sqlite_file(tmp_path):
     path = str(tmp_path / "shared.db")
-    open_store(path).close()   # both workers then open the same existing file
+    open_store(path).close()  # both workers then open the same existing file
     ctx = multiprocessing.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(2)
-    workers = [ctx.Process(target=process_worker, args=(path, N, w, 17 + 50 * w, barrier, queue))
-               for w in (1, 2)]
+    workers = [ctx.Process(target=process_worker, args=(path, N, w, 17 + 50 * w, barrier, queue)) for w in (1, 2)]
     for p in workers:
         p.start()
     fastest = min(queue.get(timeout=120) for _ in workers)
@@ -42,6 +41,7 @@ def test_two_processes_one_sqlite_file(tmp_path):
 def test_threads_share_one_store(target):
     threads, results = 4, {}
     with open_store(target) as s:
+
         def work(w: int) -> None:
             results[w] = many_trials(s, 50, offset=w, fastest_at=w * 3)
 
@@ -61,7 +61,7 @@ def test_threads_with_a_store_each(tmp_path):
     results = {}
 
     def work(w: int) -> None:
-        with open_store(path) as s:   # racing to create the file as well
+        with open_store(path) as s:  # racing to create the file as well
             results[w] = many_trials(s, 40, offset=w, fastest_at=w)
 
     pool = [threading.Thread(target=work, args=(w,)) for w in range(1, 5)]

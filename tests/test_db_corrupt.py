@@ -61,14 +61,14 @@ def test_damaged_header(good):
 @pytest.mark.parametrize("cut", ["half", "mid-page"])
 def test_truncated(good, cut):
     data = good.read_bytes()
-    keep = len(data) // PAGE // 2 * PAGE if cut == "half" else 5000   # whole pages / mid-page
+    keep = len(data) // PAGE // 2 * PAGE if cut == "half" else 5000  # whole pages / mid-page
     refused(write(good, data[:keep]), match="truncated")
 
 
 @pytest.mark.parametrize("page", [1, 3, 6, 10])
 def test_damaged_page_fails_quick_check(good, page):
     data = bytearray(good.read_bytes())
-    data[page * PAGE:(page + 1) * PAGE] = bytes(range(256)) * (PAGE // 256)
+    data[page * PAGE : (page + 1) * PAGE] = bytes(range(256)) * (PAGE // 256)
     err = refused(write(good, bytes(data)))
     assert "quick_check" in str(err) or "malformed" in str(err)
 
@@ -101,7 +101,7 @@ def test_empty_file_and_empty_sqlite_database_are_created_fresh(tmp_path):
     with open_store(empty) as s:
         record(s, 1.0)
     blank = tmp_path / "blank.db"
-    sqlite3.connect(blank).execute("PRAGMA user_version = 7").connection.close()   # SQLite, no tables
+    sqlite3.connect(blank).execute("PRAGMA user_version = 7").connection.close()  # SQLite, no tables
     with open_store(blank) as s:
         assert s.count_trials() == 0
         record(s, 1.0)

@@ -11,7 +11,7 @@ from test_db_support import config, fake_hash, fingerprint, key, record, sha256
 
 from zyfa_tune.db import SCHEMA_VERSION, DatabaseCorruptError, DatabaseError, TrialResult, migrations, open_store
 
-pytest_plugins = ["test_db_support"]   # fixtures: target (sqlite + postgres), pg_url
+pytest_plugins = ["test_db_support"]  # fixtures: target (sqlite + postgres), pg_url
 
 #: Version 1 of the schema, written out by hand: trials has no energy_j / tflop_per_j yet.
 V1_SCHEMA = """
@@ -61,20 +61,28 @@ def make_v1(path) -> None:
     con = sqlite3.connect(path)
     with con:
         con.executescript(V1_SCHEMA)
-        con.execute("INSERT INTO environments VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (fp.digest(), *[v for n, v in fp.to_dict().items() if n != "runner"]))
-        con.execute("INSERT INTO problems VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
-                    tuple(v for n, v in k.to_dict().items() if n != "api"))
-        con.execute("INSERT INTO variants VALUES (1, 'triton', ?, ?, ?)",
-                    (cfg.to_json(), fake_hash(cfg), fp.generator_version))
-        trial = ("INSERT INTO trials (environment_id, problem_id, variant_id, status, median_ms, tflops, power_w, "
-                 "message, batch, heads, seqlen, study, provenance, created_at) "
-                 "VALUES (1, 1, 1, ?, ?, 420.5, 650.0, ?, 2, 32, 8192, 'v1-study', 'study=v1 host=old', ?)")
+        con.execute(
+            "INSERT INTO environments VALUES (1, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (fp.digest(), *[v for n, v in fp.to_dict().items() if n != "runner"]),
+        )
+        con.execute(
+            "INSERT INTO problems VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
+            tuple(v for n, v in k.to_dict().items() if n != "api"),
+        )
+        con.execute(
+            "INSERT INTO variants VALUES (1, 'triton', ?, ?, ?)", (cfg.to_json(), fake_hash(cfg), fp.generator_version)
+        )
+        trial = (
+            "INSERT INTO trials (environment_id, problem_id, variant_id, status, median_ms, tflops, power_w, "
+            "message, batch, heads, seqlen, study, provenance, created_at) "
+            "VALUES (1, 1, 1, ?, ?, 420.5, 650.0, ?, 2, 32, 8192, 'v1-study', 'study=v1 host=old', ?)"
+        )
         con.execute(trial, ("ok", 1.25, "", "2026-11-01 10:00:00.000000"))
         con.execute(trial, ("wrong", 0.5, "rel. L2 too large", "2026-11-01 10:01:00.000000"))
         con.execute(trial, ("compile_error", None, "ptxas: out of registers", "2026-11-01 10:02:00.000000"))
-        con.execute("INSERT INTO best VALUES (1, 1, 1, 1, 1.25, 420.5, NULL, 'study=v1 host=old', "
-                    "'2026-11-01 10:00:00.000000')")
+        con.execute(
+            "INSERT INTO best VALUES (1, 1, 1, 1, 1.25, 420.5, NULL, 'study=v1 host=old', '2026-11-01 10:00:00.000000')"
+        )
     con.close()
 
 
@@ -116,9 +124,13 @@ def test_v1_file_is_upgraded_in_place_with_a_backup(tmp_path):
         (failed,) = s.trials(status="compile_error")
         assert failed["message"] == "ptxas: out of registers" and failed["energy_j"] is None
         # version-2 columns work
-        s.record_trial(fingerprint(), key(), config(num_stages=3),
-                       TrialResult("ok", median_ms=1.0, energy_j=0.02, tflop_per_j=1.5),
-                       source_hash=fake_hash(config(num_stages=3)))
+        s.record_trial(
+            fingerprint(),
+            key(),
+            config(num_stages=3),
+            TrialResult("ok", median_ms=1.0, energy_j=0.02, tflop_per_j=1.5),
+            source_hash=fake_hash(config(num_stages=3)),
+        )
         assert s.trials(limit=1)[0]["tflop_per_j"] == 1.5 and s.best_entries()[0].median_ms == 1.0
     assert version_of(path) == str(SCHEMA_VERSION) == "4"
     assert {"energy_j", "tflop_per_j"} <= columns(path) and "runner" in columns(path, "environments")
@@ -131,7 +143,7 @@ def test_v1_file_is_upgraded_in_place_with_a_backup(tmp_path):
     finally:
         engine.dispose()
     backup = tmp_path / "old.db.v1.bak"
-    assert backup.exists() and dump(backup) == v1_dump   # same schema and rows as before the upgrade
+    assert backup.exists() and dump(backup) == v1_dump  # same schema and rows as before the upgrade
     assert version_of(backup) == "1" and "energy_j" not in columns(backup)
     with open_store(path) as s:  # already current: no second backup
         assert s.count_trials() == 4
@@ -170,7 +182,7 @@ def test_postgres_v1_is_upgraded(pg_url):
         record(s, 1.0)
     engine = create_engine(pg_url)
     try:
-        with engine.begin() as conn:   # turn it into a version-1 database
+        with engine.begin() as conn:  # turn it into a version-1 database
             conn.exec_driver_sql("ALTER TABLE trials DROP COLUMN energy_j, DROP COLUMN tflop_per_j")
             conn.exec_driver_sql("ALTER TABLE environments DROP COLUMN runner")
             conn.exec_driver_sql("UPDATE zyfa_meta SET value = '1' WHERE key = 'schema_version'")

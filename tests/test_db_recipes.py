@@ -19,7 +19,7 @@ from zyfa_tune.db import SCHEMA_VERSION, ProblemKey, TrialResult, migrations, op
 from zyfa_tune.generator import ConfigError
 from zyfa_tune.generator.recipe import PLAIN, Recipe
 
-pytest_plugins = ["test_db_support"]   # fixtures: target (sqlite + postgres), pg_url
+pytest_plugins = ["test_db_support"]  # fixtures: target (sqlite + postgres), pg_url
 
 FANCY = Recipe(hadamard=True, smooth_k=True, v_rounding="balanced", v_layout="k_major")
 
@@ -48,14 +48,14 @@ def test_problem_key_api():
     with pytest.raises(ValueError, match="api"):
         dataclasses.replace(key(), api="fp16")
     with pytest.raises(ValueError, match="api"):
-        dataclasses.replace(key(dtype="bf16"), api="bf16")   # the bf16 API runs FP8 kernels
+        dataclasses.replace(key(dtype="bf16"), api="bf16")  # the bf16 API runs FP8 kernels
 
 
 def test_trial_result_recipe_and_error_ref_are_checked():
     r = TrialResult("ok", median_ms=1.0, recipe=FANCY, error_ref=0.02)
     assert r.recipe == FANCY.to_json() and Recipe.from_json(r.recipe) == FANCY
     assert TrialResult("ok", median_ms=1.0, recipe=FANCY.to_json()) == r.__class__("ok", median_ms=1.0, recipe=FANCY)
-    assert TrialResult("ok", median_ms=1.0, recipe=PLAIN).recipe is None       # one way to store plain
+    assert TrialResult("ok", median_ms=1.0, recipe=PLAIN).recipe is None  # one way to store plain
     assert TrialResult("ok", median_ms=1.0, recipe=PLAIN.to_json()).recipe is None
     for bad in ('{"hadamard": "yes"}', '{"rotate": true}', "not json", "", 7):
         with pytest.raises(ValueError, match="recipe"):
@@ -69,15 +69,15 @@ def test_trial_result_recipe_and_error_ref_are_checked():
 
 def test_round_trip_per_api(target, tmp_path):
     with open_store(target) as s:
-        record(s, 1.0, error_rel_l2=0.020)                                   # FP8 API, plain
+        record(s, 1.0, error_rel_l2=0.020)  # FP8 API, plain
         record(s, 1.2, k=bf16_key(), error_rel_l2=0.018, error_ref=0.021, recipe=FANCY)
         record(s, 1.1, k=bf16_key(), cfg=config(num_stages=3), error_rel_l2=0.030, error_ref=0.021)
-        with pytest.raises(ValueError, match="recipe"):                      # the FP8 API has no recipe
+        with pytest.raises(ValueError, match="recipe"):  # the FP8 API has no recipe
             record(s, 0.5, recipe=FANCY)
         best = {b.key.api: b for b in s.best_entries()}
         assert set(best) == {"fp8", "bf16"} and best["fp8"].median_ms == 1.0
         assert best["fp8"].recipe is None and best["fp8"].error_ref is None and best["fp8"].error_ratio is None
-        assert best["bf16"].median_ms == 1.1 and best["bf16"].recipe is None        # fastest, plain recipe
+        assert best["bf16"].median_ms == 1.1 and best["bf16"].recipe is None  # fastest, plain recipe
         assert best["bf16"].error_ratio == pytest.approx(0.030 / 0.021)
         assert [b.key.api for b in s.best_entries(api="bf16")] == ["bf16"]
         assert [b.median_ms for b in s.best_for(bf16_key())] == [1.1]
@@ -85,14 +85,19 @@ def test_round_trip_per_api(target, tmp_path):
         assert within["bf16"].recipe == FANCY.to_json() and within["bf16"].error_ref == 0.021
         rows = s.trials(key=bf16_key())
         assert [(t["api"], t["recipe"], t["error_ref"]) for t in rows] == [
-            ("bf16", None, 0.021), ("bf16", FANCY.to_json(), 0.021)]
+            ("bf16", None, 0.021),
+            ("bf16", FANCY.to_json(), 0.021),
+        ]
         assert s.count_trials(key=key()) == 1 and s.count_trials(key=bf16_key()) == 2
         s.export(tmp_path / "out.db", best_only=False)
     with open_store(tmp_path / "copy.db") as c:
         report = c.import_from(tmp_path / "out.db")
         assert not report.rejected and report.added == 3
         assert {(t["api"], t["recipe"], t["error_ref"]) for t in c.trials()} == {
-            ("fp8", None, None), ("bf16", None, 0.021), ("bf16", FANCY.to_json(), 0.021)}
+            ("fp8", None, None),
+            ("bf16", None, 0.021),
+            ("bf16", FANCY.to_json(), 0.021),
+        }
         assert {b.key.api: b.median_ms for b in c.best_entries()} == {"fp8": 1.0, "bf16": 1.1}
 
 
@@ -100,17 +105,17 @@ def test_v3_file_reads_as_is_and_upgrades(tmp_path):
     path = tmp_path / "v3.db"
     make_v3(path)
     assert version_of(path) == "3" and "api" not in columns(path, "problems")
-    with open_store(path, readonly=True) as s:      # read as it is: every problem is "fp8", no recipe
+    with open_store(path, readonly=True) as s:  # read as it is: every problem is "fp8", no recipe
         (best,) = s.best_entries()
         assert best.key == key() and best.recipe is None and best.error_ref is None
         assert s.best_for(bf16_key()) == [] and s.best_entries(api="bf16") == []
         assert s.count_trials(key=key()) == 3 and s.count_trials(key=bf16_key()) == 0
         assert {t["api"] for t in s.trials()} == {"fp8"} and s.trials()[0]["recipe"] is None
     assert version_of(path) == "3"
-    with open_store(path) as s:                     # writable: upgraded, rows and ids kept
+    with open_store(path) as s:  # writable: upgraded, rows and ids kept
         assert s.version == SCHEMA_VERSION == 4
         assert [b.median_ms for b in s.best_entries()] == [1.25] and s.count_trials() == 3
-        record(s, 0.9, k=bf16_key(), recipe=FANCY, error_rel_l2=0.01, error_ref=0.02)   # a new problem row
+        record(s, 0.9, k=bf16_key(), recipe=FANCY, error_rel_l2=0.01, error_ref=0.02)  # a new problem row
         record(s, 1.0)
         assert {b.key.api: b.median_ms for b in s.best_entries()} == {"fp8": 1.0, "bf16": 0.9}
     assert version_of(path) == "4" and (tmp_path / "v3.db.v3.bak").exists()
@@ -121,7 +126,7 @@ def test_v3_file_reads_as_is_and_upgrades(tmp_path):
     finally:
         con.close()
     engine = create_engine(f"sqlite:///{path}")
-    try:   # the model and the upgraded file agree on every table's columns and on the problem key
+    try:  # the model and the upgraded file agree on every table's columns and on the problem key
         insp = inspect(engine)
         for table in migrations.Base.metadata.sorted_tables:
             assert {c["name"] for c in insp.get_columns(table.name)} == set(table.columns.keys()), table.name
@@ -173,8 +178,8 @@ def test_crafted_recipes_are_rejected(tmp_path):
         ref = record(s, 0.8, k=bf16_key(seqlen=16384), cfg=config(num_stages=4), error_ref=0.02)
     con = sqlite3.connect(path)
     with con:
-        con.execute("UPDATE trials SET recipe = '{\"hadamard\": \"yes; import os\"}' WHERE id = ?", (bad,))
-        con.execute("UPDATE trials SET recipe = ? WHERE id = ?", (FANCY.to_json(), fp8))   # not on the FP8 API
+        con.execute('UPDATE trials SET recipe = \'{"hadamard": "yes; import os"}\' WHERE id = ?', (bad,))
+        con.execute("UPDATE trials SET recipe = ? WHERE id = ?", (FANCY.to_json(), fp8))  # not on the FP8 API
         con.execute("UPDATE trials SET error_ref = -1.0 WHERE id = ?", (ref,))
     con.close()
     with open_store(tmp_path / "target.db") as t:
@@ -186,9 +191,10 @@ def test_crafted_recipes_are_rejected(tmp_path):
         assert [t["id"] for t in t.trials()] == [1] and good == 1
     with open_store(path, readonly=True) as s, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert [b.key.seqlen_bucket for b in s.best_entries()] == [8192]       # the others are skipped
-        skipped = [str(w.message).partition("best entries: ")[2] for w in caught
-                   if "skipping a damaged row" in str(w.message)]
+        assert [b.key.seqlen_bucket for b in s.best_entries()] == [8192]  # the others are skipped
+        skipped = [
+            str(w.message).partition("best entries: ")[2] for w in caught if "skipping a damaged row" in str(w.message)
+        ]
         assert len(skipped) == 3 and sum("recipe" in m for m in skipped) == 2, skipped
 
 
@@ -197,12 +203,14 @@ def test_postgres_v3_is_upgraded(pg_url):
         record(s, 1.0)
     engine = create_engine(pg_url)
     try:
-        with engine.begin() as conn:   # turn it into a version-3 database
+        with engine.begin() as conn:  # turn it into a version-3 database
             conn.exec_driver_sql("ALTER TABLE trials DROP COLUMN recipe, DROP COLUMN error_ref")
             conn.exec_driver_sql("ALTER TABLE problems DROP CONSTRAINT uq_problems_key")
             conn.exec_driver_sql("ALTER TABLE problems DROP COLUMN api")
-            conn.exec_driver_sql("ALTER TABLE problems ADD CONSTRAINT uq_problems_key UNIQUE "
-                                 "(dtype, head_dim_qk, head_dim_v, causal, gqa_group, seqlen_bucket, bh_bucket)")
+            conn.exec_driver_sql(
+                "ALTER TABLE problems ADD CONSTRAINT uq_problems_key UNIQUE "
+                "(dtype, head_dim_qk, head_dim_v, causal, gqa_group, seqlen_bucket, bh_bucket)"
+            )
             conn.exec_driver_sql("UPDATE zyfa_meta SET value = '3' WHERE key = 'schema_version'")
         with open_store(pg_url, readonly=True) as s:
             assert [b.key.api for b in s.best_entries()] == ["fp8"]
@@ -212,4 +220,3 @@ def test_postgres_v3_is_upgraded(pg_url):
         assert "api" in {c["name"] for c in inspect(engine).get_columns("problems")}
     finally:
         engine.dispose()
-

@@ -22,15 +22,32 @@ H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 
 
 def fingerprint(gpu: str = H200, *, driver: str = "580.159.04", cc: str = "9.0") -> Fingerprint:
-    return Fingerprint(gpu_name=gpu, compute_capability=cc, sm_count=132, memory_bytes=150_000_000_000,
-                       driver=driver, cuda="13.0", torch="2.13.0", triton="3.6.0",
-                       generator_version=GENERATOR_VERSION)
+    return Fingerprint(
+        gpu_name=gpu,
+        compute_capability=cc,
+        sm_count=132,
+        memory_bytes=150_000_000_000,
+        driver=driver,
+        cuda="13.0",
+        torch="2.13.0",
+        triton="3.6.0",
+        generator_version=GENERATOR_VERSION,
+    )
 
 
-def key(seqlen: int = 8192, *, d: int = 128, dtype: str = "fp8", batch: int = 2, heads: int = 32,
-        kv_heads: int = 8) -> ProblemKey:
-    return ProblemKey.from_shape(dtype=dtype, head_dim_qk=d, head_dim_v=d, causal=True, batch=batch,
-                                 heads=heads, kv_heads=kv_heads, seqlen=seqlen)
+def key(
+    seqlen: int = 8192, *, d: int = 128, dtype: str = "fp8", batch: int = 2, heads: int = 32, kv_heads: int = 8
+) -> ProblemKey:
+    return ProblemKey.from_shape(
+        dtype=dtype,
+        head_dim_qk=d,
+        head_dim_v=d,
+        causal=True,
+        batch=batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        seqlen=seqlen,
+    )
 
 
 def config(d: int = 128, dtype: str = "fp8", **changes) -> KernelConfig:
@@ -43,12 +60,26 @@ def fake_hash(cfg: KernelConfig) -> str:
     return hashlib.sha256(cfg.to_json().encode()).hexdigest()[:16]
 
 
-def record(store, ms: float | None, *, status: str = "ok", fp: Fingerprint | None = None,
-           k: ProblemKey | None = None, cfg: KernelConfig | None = None, **result) -> int:
+def record(
+    store,
+    ms: float | None,
+    *,
+    status: str = "ok",
+    fp: Fingerprint | None = None,
+    k: ProblemKey | None = None,
+    cfg: KernelConfig | None = None,
+    **result,
+) -> int:
     k = k or key()
     cfg = cfg or config(k.head_dim_qk, k.dtype, num_stages=2)
-    return store.record_trial(fp or fingerprint(), k, cfg, TrialResult(status=status, median_ms=ms, **result),
-                              source_hash=fake_hash(cfg), study="test")
+    return store.record_trial(
+        fp or fingerprint(),
+        k,
+        cfg,
+        TrialResult(status=status, median_ms=ms, **result),
+        source_hash=fake_hash(cfg),
+        study="test",
+    )
 
 
 def sha256(path: str | os.PathLike) -> str:
@@ -63,8 +94,14 @@ def many_trials(store, n: int, *, offset: int = 0, fastest_at: int | None = None
         if i == fastest_at:
             ms = 0.25 + offset / 1e6
         cfg = config(num_stages=1 + i % 4, block_n=64 if i % 8 >= 4 else 128)
-        store.record_trial(fingerprint(), key(), cfg, TrialResult(status="ok", median_ms=ms),
-                           source_hash=fake_hash(cfg), study=f"worker{offset}")
+        store.record_trial(
+            fingerprint(),
+            key(),
+            cfg,
+            TrialResult(status="ok", median_ms=ms),
+            source_hash=fake_hash(cfg),
+            study=f"worker{offset}",
+        )
         fastest = min(fastest, ms)
     return fastest
 
@@ -82,8 +119,7 @@ def pg_url():
     """A fresh, empty PostgreSQL database for this test (dropped afterwards)."""
     base = os.environ.get(PG_ENV)
     if not base:
-        pytest.skip(f"{PG_ENV} is not set: no PostgreSQL server to test against "
-                    f"(.ci/run starts one and sets it)")
+        pytest.skip(f"{PG_ENV} is not set: no PostgreSQL server to test against (.ci/run starts one and sets it)")
     from sqlalchemy import create_engine, make_url
 
     url = make_url(base)

@@ -48,6 +48,7 @@ def everywhere_rejected(path, tmp_path, reason: str) -> None:
 
 # ---- a best entry whose trial failed -----------------------------------------------------------
 
+
 @pytest.mark.parametrize("status", ["crash", "wrong", "timeout"])
 def test_a_best_row_whose_trial_failed_is_never_served(tmp_path, status):
     path = tmp_path / "t.db"
@@ -67,6 +68,7 @@ def test_a_best_row_with_another_time_than_its_trial_is_never_served(tmp_path):
 
 
 # ---- impossible timings ------------------------------------------------------------------------
+
 
 def test_the_timing_bound_admits_real_hopper_measurements():
     # the shipped H200 database: every entry is a real measurement and must pass
@@ -104,17 +106,26 @@ def test_an_impossible_time_in_a_file_is_refused_everywhere(tmp_path):
 
 # ---- simulated measurements --------------------------------------------------------------------
 
+
 def replay_fp() -> Fingerprint:
-    return Fingerprint(gpu_name="replay (no GPU)", compute_capability="9.0", sm_count=132, memory_bytes=1,
-                       driver="none", cuda="none", torch="none", triton="none",
-                       generator_version=fingerprint().generator_version)
+    return Fingerprint(
+        gpu_name="replay (no GPU)",
+        compute_capability="9.0",
+        sm_count=132,
+        memory_bytes=1,
+        driver="none",
+        cuda="none",
+        torch="none",
+        triton="none",
+        generator_version=fingerprint().generator_version,
+    )
 
 
 def test_a_simulated_fingerprint_is_marked_and_cannot_pose_as_a_gpu():
     assert replay_fp().runner == "replay" and replay_fp().simulated
     assert not fingerprint().simulated and fingerprint().runner == "gpu"
     with pytest.raises(ValueError, match="runner"):
-        Fingerprint(**dict(fingerprint().to_dict(), runner="replay"))   # names a real GPU
+        Fingerprint(**dict(fingerprint().to_dict(), runner="replay"))  # names a real GPU
     # the mark does not change the digest of real environments (they are found by it)
     assert fingerprint().digest() == Fingerprint(**fingerprint().to_dict()).digest()
 
@@ -128,7 +139,7 @@ def test_simulated_results_are_never_served_to_a_gpu(tmp_path):
         assert sim.fingerprint.runner == "replay"
     d = dispatch.Dispatcher([str(path)])
     with pytest.warns(RuntimeWarning, match="tuned on NVIDIA H100"):
-        choice = d.choose(key(), H200_DEVICE)          # same architecture: never the replay entry
+        choice = d.choose(key(), H200_DEVICE)  # same architecture: never the replay entry
     assert choice.tuned_on == H100
     # the simulated device itself (CPU pipelines) gets its own entries back
     assert d.choose(key(), replay_fp().device_key()).source == "exact"
@@ -139,10 +150,10 @@ def test_simulated_rows_stay_out_of_the_default_database(tmp_path, monkeypatch):
     with open_store() as s:
         with pytest.raises(DatabaseError, match="allow_simulated"):
             record(s, 0.5, fp=replay_fp())
-        record(s, 0.5)                                  # a GPU's results are welcome
+        record(s, 0.5)  # a GPU's results are welcome
         assert s.count_trials() == 1
     other = tmp_path / "sim.db"
-    with open_store(other) as s:                        # any other database takes them
+    with open_store(other) as s:  # any other database takes them
         record(s, 0.5, fp=replay_fp(), k=key(seqlen=4096))
     with open_store(tmp_path / "default.db") as s:
         report = s.import_from(other)
@@ -157,13 +168,17 @@ def test_legacy_simulated_rows_are_marked_by_the_upgrade(tmp_path):
     """A version-2 file whose replay results carry no mark: read as is, it is already recognised;
     upgraded, its environments row records the runner."""
     from test_db_migration import columns, version_of
+
     path = tmp_path / "v2.db"
     with open_store(path) as s:
         record(s, 0.5, fp=replay_fp())
-    tamper(path, "ALTER TABLE environments DROP COLUMN runner",
-           "UPDATE zyfa_meta SET value = '2' WHERE key = 'schema_version'")
+    tamper(
+        path,
+        "ALTER TABLE environments DROP COLUMN runner",
+        "UPDATE zyfa_meta SET value = '2' WHERE key = 'schema_version'",
+    )
     assert "runner" not in columns(path, "environments")
-    with open_store(path, readonly=True) as s:          # version 2 still opens read-only (shipped files)
+    with open_store(path, readonly=True) as s:  # version 2 still opens read-only (shipped files)
         assert [e.fingerprint.runner for e in s.best_entries()] == ["replay"]
     assert served(path) == "default"
     with open_store(path) as s:
@@ -176,15 +191,22 @@ def test_legacy_simulated_rows_are_marked_by_the_upgrade(tmp_path):
 
 # ---- text --------------------------------------------------------------------------------------
 
+
 def test_clean_text_strips_ansi_and_control_characters():
     assert clean_text("\x1b[31mred\x1b[0m\x1b]0;title\x07ok") == "redok"
     assert clean_text("a\x00b\nc\td\x85e\x9b31mf\u2028g") == "a b c d ef g"
-    assert clean_text("[bold red]x[/]") == "[bold red]x[/]"    # markup is the display's business
+    assert clean_text("[bold red]x[/]") == "[bold red]x[/]"  # markup is the display's business
 
 
 def test_control_characters_are_stripped_when_written(tmp_path):
     with open_store(tmp_path / "t.db") as s:
-        s.record_trial(fingerprint(), key(), config(), TrialResult("crash", message="boom\x1b[2J\x07\nline 2"),
-                       source_hash=fake_hash(config()), provenance="by \x1b[31mme\x1b[0m")
+        s.record_trial(
+            fingerprint(),
+            key(),
+            config(),
+            TrialResult("crash", message="boom\x1b[2J\x07\nline 2"),
+            source_hash=fake_hash(config()),
+            provenance="by \x1b[31mme\x1b[0m",
+        )
         (t,) = s.trials()
     assert t["message"] == "boom  line 2" and t["provenance"] == "by me"

@@ -18,13 +18,30 @@ H200 = ("NVIDIA H200", "9.0", GENERATOR_VERSION)
 
 
 def fingerprint(gpu="NVIDIA H200", cc="9.0", gen=GENERATOR_VERSION) -> Fingerprint:
-    return Fingerprint(gpu_name=gpu, compute_capability=cc, sm_count=132, memory_bytes=150_000_000_000,
-                       driver="580.159.04", cuda="13.0", torch="2.11.0", triton="3.6.0", generator_version=gen)
+    return Fingerprint(
+        gpu_name=gpu,
+        compute_capability=cc,
+        sm_count=132,
+        memory_bytes=150_000_000_000,
+        driver="580.159.04",
+        cuda="13.0",
+        torch="2.11.0",
+        triton="3.6.0",
+        generator_version=gen,
+    )
 
 
 def key(seqlen=8192, batch=2, heads=32, kv_heads=32, dtype="fp8", d=128, causal=True) -> ProblemKey:
-    return ProblemKey.from_shape(dtype=dtype, head_dim_qk=d, head_dim_v=d, causal=causal, batch=batch,
-                                 heads=heads, kv_heads=kv_heads, seqlen=seqlen)
+    return ProblemKey.from_shape(
+        dtype=dtype,
+        head_dim_qk=d,
+        head_dim_v=d,
+        causal=causal,
+        batch=batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        seqlen=seqlen,
+    )
 
 
 def cfg(**changes) -> KernelConfig:
@@ -32,22 +49,28 @@ def cfg(**changes) -> KernelConfig:
 
 
 def record(store, k, c, ms, fp=None, error=0.02, status="ok"):
-    store.record_trial(fp or fingerprint(), k, c, TrialResult(status=status, median_ms=ms, tflops=1.0 / ms,
-                                                                error_rel_l2=error),
-                       source_hash=emit(c).source_hash, study="test")
+    store.record_trial(
+        fp or fingerprint(),
+        k,
+        c,
+        TrialResult(status=status, median_ms=ms, tflops=1.0 / ms, error_rel_l2=error),
+        source_hash=emit(c).source_hash,
+        study="test",
+    )
 
 
 @pytest.fixture
 def db(tmp_path):
     def make(name="a.db"):
         return open_store(tmp_path / name)
+
     return make
 
 
 def test_exact_match(db):
     with db() as s:
         record(s, key(8192), cfg(num_stages=2), 1.0)
-        record(s, key(8192), cfg(num_stages=4), 0.5)   # faster: the best
+        record(s, key(8192), cfg(num_stages=4), 0.5)  # faster: the best
         record(s, key(16384), cfg(block_n=64), 0.7)
         path = s.url
     d = dispatch.Dispatcher([path.replace("sqlite:///", "")])
@@ -99,7 +122,7 @@ def test_default_when_nothing_matches(tmp_path):
 
 def test_layers_user_first(db):
     with db("user.db") as u:
-        record(u, key(8192), cfg(num_stages=2), 5.0)   # slower, but the user's layer wins
+        record(u, key(8192), cfg(num_stages=2), 5.0)  # slower, but the user's layer wins
         user = str(u.url).replace("sqlite:///", "")
     with db("shipped.db") as s:
         record(s, key(8192), cfg(num_stages=4), 1.0)
@@ -117,9 +140,12 @@ def test_invalid_stored_config_never_reaches_the_generator(db, monkeypatch):
         path = str(s.url).replace("sqlite:///", "")
     # tamper with the stored config text behind the store's back
     import sqlite3
+
     con = sqlite3.connect(path)
-    con.execute("UPDATE variants SET config_json = ?",
-                ('{"dtype": "fp8\\nimport os; os.system(\\"echo pwned\\")", "head_dim_qk": 128}',))
+    con.execute(
+        "UPDATE variants SET config_json = ?",
+        ('{"dtype": "fp8\\nimport os; os.system(\\"echo pwned\\")", "head_dim_qk": 128}',),
+    )
     con.commit()
     con.close()
     emitted = []
@@ -182,13 +208,14 @@ def test_set_databases_and_env_layers(tmp_path, monkeypatch):
 
 # ---- error budget: the fastest kernel within a rel. L2 error, among those that passed the gate ----
 
+
 def test_error_budget_picks_the_fastest_kernel_within_it(db):
     lean = cfg(softmax="lean", rowsum="mma")
     with db() as s:
-        record(s, key(8192), cfg(num_stages=2), 1.0, error=0.020)   # slow, accurate
-        record(s, key(8192), lean, 0.8, error=0.028)                 # fast, less accurate
+        record(s, key(8192), cfg(num_stages=2), 1.0, error=0.020)  # slow, accurate
+        record(s, key(8192), lean, 0.8, error=0.028)  # fast, less accurate
         record(s, key(8192), cfg(num_stages=4), 0.5, error=0.5, status="wrong")  # failed its gate: never
-        record(s, key(16384), cfg(block_n=64), 0.7, error=0.030)    # nothing within 0.025 here
+        record(s, key(16384), cfg(block_n=64), 0.7, error=0.030)  # nothing within 0.025 here
         assert [e.config_json for e in s.fastest_within(0.025)] == [cfg(num_stages=2).to_json()]
         assert {e.config_json for e in s.fastest_within(0.05)} == {lean.to_json(), cfg(block_n=64).to_json()}
         assert s.fastest_within(0.01) == []

@@ -25,9 +25,14 @@ def bf16(k):
 
 
 def record(store, k, c, ms, *, error=0.02, error_ref=None, recipe=None):
-    store.record_trial(fingerprint(), k, c, TrialResult("ok", median_ms=ms, tflops=1.0 / ms, error_rel_l2=error,
-                                                        error_ref=error_ref, recipe=recipe),
-                       source_hash=emit(c).source_hash, study="test")
+    store.record_trial(
+        fingerprint(),
+        k,
+        c,
+        TrialResult("ok", median_ms=ms, tflops=1.0 / ms, error_rel_l2=error, error_ref=error_ref, recipe=recipe),
+        source_hash=emit(c).source_hash,
+        study="test",
+    )
 
 
 @pytest.fixture
@@ -42,6 +47,7 @@ def layers(tmp_path):
                 write(s)
             paths.append(path)
         return dispatch.Dispatcher(paths)
+
     return make
 
 
@@ -50,22 +56,30 @@ def fp8_entry(s):
 
 
 def test_a_faster_bf16_entry_within_the_budget_wins(layers):
-    d = layers(lambda s: (fp8_entry(s), record(s, bf16(key()), cfg(num_stages=4), 0.8, error=0.018,
-                                               error_ref=0.02, recipe=FANCY)))
+    d = layers(
+        lambda s: (
+            fp8_entry(s),
+            record(s, bf16(key()), cfg(num_stages=4), 0.8, error=0.018, error_ref=0.02, recipe=FANCY),
+        )
+    )
     rc = d.choose_recipe(bf16(key()), H200, 1.0)
     assert rc.recipe == FANCY and rc.kernel.config == cfg(num_stages=4) and rc.kernel.source == "exact"
     assert "0.9 x the reference" in rc.detail
-    assert d.choose(key(), H200).config == cfg(num_stages=2)     # the FP8 API keeps its own entry
+    assert d.choose(key(), H200).config == cfg(num_stages=2)  # the FP8 API keeps its own entry
 
 
 def test_an_entry_over_the_budget_is_skipped_and_a_larger_budget_admits_it(layers):
-    d = layers(lambda s: (fp8_entry(s), record(s, bf16(key()), cfg(num_stages=4), 0.6, error=0.03,
-                                               error_ref=0.02, recipe=SMOOTH)))
+    d = layers(
+        lambda s: (
+            fp8_entry(s),
+            record(s, bf16(key()), cfg(num_stages=4), 0.6, error=0.03, error_ref=0.02, recipe=SMOOTH),
+        )
+    )
     tight = d.choose_recipe(bf16(key()), H200, 1.0)
     assert tight.recipe == PLAIN and tight.kernel is None and "within error budget 1" in tight.detail
     loose = d.choose_recipe(bf16(key()), H200, 2.0)
     assert loose.recipe == SMOOTH and loose.kernel.config == cfg(num_stages=4)
-    assert d.choose_recipe(bf16(key()), H200, 1.5).recipe == SMOOTH       # ratio 1.5: at the budget
+    assert d.choose_recipe(bf16(key()), H200, 1.5).recipe == SMOOTH  # ratio 1.5: at the budget
 
 
 def test_an_entry_without_a_reference_error_is_never_chosen(layers):
@@ -81,18 +95,19 @@ def test_no_bf16_entries_gives_the_plain_recipe_and_the_fp8_entry(layers):
 
 
 def test_nearest_and_layer_rules_apply_to_bf16_entries(layers):
-    d = layers(lambda s: record(s, bf16(key(16384)), cfg(num_stages=4), 0.9, error_ref=0.02, recipe=FANCY),
-               lambda s: record(s, bf16(key()), cfg(num_stages=3), 0.5, error_ref=0.02, recipe=SMOOTH))
-    exact = d.choose_recipe(bf16(key()), H200, 1.0)       # exact in the second layer beats nearest in the first
+    d = layers(
+        lambda s: record(s, bf16(key(16384)), cfg(num_stages=4), 0.9, error_ref=0.02, recipe=FANCY),
+        lambda s: record(s, bf16(key()), cfg(num_stages=3), 0.5, error_ref=0.02, recipe=SMOOTH),
+    )
+    exact = d.choose_recipe(bf16(key()), H200, 1.0)  # exact in the second layer beats nearest in the first
     assert exact.recipe == SMOOTH and exact.kernel.source == "exact"
     near = d.choose_recipe(bf16(key(32768)), H200, 1.0)
     assert near.kernel.source == "nearest" and near.kernel.tuned_key == bf16(key(16384))
-    assert d.choose(key(), H200).source == "default"      # bf16-API entries never serve the FP8 API
+    assert d.choose(key(), H200).source == "default"  # bf16-API entries never serve the FP8 API
 
 
 def test_attention_choice_is_cached_per_shape_and_budget(layers, monkeypatch):
-    d = layers(lambda s: record(s, bf16(key()), cfg(num_stages=4), 0.6, error=0.03, error_ref=0.02,
-                                recipe=SMOOTH))
+    d = layers(lambda s: record(s, bf16(key()), cfg(num_stages=4), 0.6, error=0.03, error_ref=0.02, recipe=SMOOTH))
     monkeypatch.setattr(dispatch, "device_key", lambda index: H200)
     assert d.attention_choice(128, 128, True, 2, 32, 32, 8192, 0, 1.0) == (PLAIN, None)
     assert d.attention_choice(128, 128, True, 2, 32, 32, 8192, 0, 2.0) == (SMOOTH, cfg(num_stages=4))
@@ -101,8 +116,12 @@ def test_attention_choice_is_cached_per_shape_and_budget(layers, monkeypatch):
 
 
 def test_explain_attention_reports_recipe_kernel_and_why(layers, monkeypatch):
-    d = layers(lambda s: (fp8_entry(s), record(s, bf16(key()), cfg(num_stages=4), 0.6, error=0.03,
-                                               error_ref=0.02, recipe=SMOOTH)))
+    d = layers(
+        lambda s: (
+            fp8_entry(s),
+            record(s, bf16(key()), cfg(num_stages=4), 0.6, error=0.03, error_ref=0.02, recipe=SMOOTH),
+        )
+    )
     monkeypatch.setattr(dispatch, "_dispatcher", d)
     q = torch.empty(2, 8192, 32, 128, dtype=torch.bfloat16, device="meta")
     plain = explain_attention(q, q, q, gpu="NVIDIA H200")

@@ -48,8 +48,15 @@ NAMED = {
     "default": KernelConfig(),
     "bf16": KernelConfig(dtype="bf16", p_scale_log2=0, head_dim_qk=96, head_dim_v=96),
     "lean_mma_sb": KernelConfig(softmax="lean", rowsum="mma", scale_block=128, q_order="forward"),
-    "lean_sub_fmax_bfi": KernelConfig(softmax="lean", rowsum="rounded", lean_fold="sub_fma",
-                                      lean_clamp="fmax", lean_pack="bfi", head_dim_qk=192, block_n=64),
+    "lean_sub_fmax_bfi": KernelConfig(
+        softmax="lean",
+        rowsum="rounded",
+        lean_fold="sub_fma",
+        lean_clamp="fmax",
+        lean_pack="bfi",
+        head_dim_qk=192,
+        block_n=64,
+    ),
 }
 
 
@@ -57,7 +64,7 @@ def code_only(source: str) -> str:
     """The source without its module docstring (which records the config as JSON)."""
     tree = ast.parse(source)
     assert isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant)
-    return "\n".join(source.splitlines()[tree.body[0].end_lineno:])
+    return "\n".join(source.splitlines()[tree.body[0].end_lineno :])
 
 
 def module_constant(source: str, name: str):
@@ -68,6 +75,7 @@ def module_constant(source: str, name: str):
 
 
 # ---- determinism and hashing ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", NAMED)
 def test_emit_is_deterministic(name):
@@ -122,6 +130,7 @@ def test_emit_rejects_non_config():
 
 # ---- source well-formedness ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("cfg", SAMPLE[:40] + list(NAMED.values()))
 def test_source_parses_and_records_config(cfg):
     src = emit(cfg).source
@@ -130,7 +139,7 @@ def test_source_parses_and_records_config(cfg):
     doc = ast.get_docstring(tree)
     config_lines = [ln for ln in doc.splitlines() if ln.startswith("config: ")]
     assert len(config_lines) == 1
-    assert KernelConfig.from_json(config_lines[0][len("config: "):]) == cfg
+    assert KernelConfig.from_json(config_lines[0][len("config: ") :]) == cfg
     assert module_constant(src, "NUM_WARPS") == cfg.num_warps
     assert module_constant(src, "NUM_STAGES") == cfg.num_stages
     assert module_constant(src, "BLOCK_M") == cfg.block_m
@@ -190,6 +199,7 @@ def test_only_needed_code_is_emitted(cfg):
 
 # ---- head chunks -----------------------------------------------------------------------------
 
+
 def test_head_chunks_examples():
     assert head_chunks(96) == [(0, 64), (64, 32)]
     assert head_chunks(192) == [(0, 128), (128, 64)]
@@ -210,6 +220,7 @@ def test_head_chunks_properties(dim):
 
 
 # ---- lean asm text ---------------------------------------------------------------------------
+
 
 def asm_ops(text: str) -> list[str]:
     return [ln.split()[0] for ln in text.splitlines()[2:-1]]
@@ -255,8 +266,9 @@ def test_lean_asm_variants_differ_and_constraints():
     assert all(texts[("centered", *v[1:])] == texts[("fma", *v[1:])] for v in distinct if v[0] == "fma")
     assert LEAN_P_CONSTRAINTS == "=r," + ",".join(["f"] * 12)
     for backend in ("triton", "gluon"):
-        lean = default_config("fp8", 128, 128, backend).replace(softmax="lean",
-                                                                 rowsum="rounded" if backend == "triton" else "mma")
+        lean = default_config("fp8", 128, 128, backend).replace(
+            softmax="lean", rowsum="rounded" if backend == "triton" else "mma"
+        )
         plain, centered = emit(lean).source, emit(lean.replace(lean_fold="centered")).source
         assert plain != centered and ("0.4375" in centered) and ("0.4375" not in plain)
 

@@ -66,7 +66,7 @@ def test_polynomial_lanes_compute_2_to_the_x(degree):
     xs += [0.0] * (-len(xs) % PACK)
     worst = 0.0
     for i in range(0, len(xs), PACK):
-        chunk = xs[i:i + PACK]
+        chunk = xs[i : i + PACK]
         for x, y in zip(chunk, run_exp2_asm(text, chunk)):
             rel = abs(y / 2.0**x - 1.0)
             worst = max(worst, rel)

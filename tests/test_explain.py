@@ -34,8 +34,9 @@ def meta(b=4, s=16384, h=8, hk=8, dqk=128, dv=128, dtype=BF16):
 def test_meta_shape_gets_its_tuned_kernel():
     choice = explain(*meta(), gpu=H200)
     assert choice.source == "exact" and choice.database.endswith("h200.db")
-    assert choice.key == ProblemKey.from_shape(dtype="bf16", head_dim_qk=128, head_dim_v=128, causal=True, batch=4,
-                                               heads=8, kv_heads=8, seqlen=16384)
+    assert choice.key == ProblemKey.from_shape(
+        dtype="bf16", head_dim_qk=128, head_dim_v=128, causal=True, batch=4, heads=8, kv_heads=8, seqlen=16384
+    )
     assert (choice.config.dtype, choice.config.head_dim_qk, choice.config.head_dim_v) == ("bf16", 128, 128)
     assert choice.tuned_on == H200
 

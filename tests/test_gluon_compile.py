@@ -38,8 +38,11 @@ from zyfa_tune.search_spaces.seeds import gluon_three_config, gluon_wide_config
 compiled_fixture = pytest.fixture(scope="module", name="compiled")(compile_each_once)
 
 
-@pytest.mark.parametrize("cfg", CASES, ids=lambda c: "-".join(
-    f"{k}={v}" for k, v in c.all_fields().items() if v != getattr(GLUON, k)) or "seed")
+@pytest.mark.parametrize(
+    "cfg",
+    CASES,
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.all_fields().items() if v != getattr(GLUON, k)) or "seed",
+)
 def test_space_configs_compile_cleanly(cfg, compiled):
     assert SPACE.feasible(cfg) is None
     check_usable(compiled(cfg), cfg)
@@ -54,8 +57,11 @@ def test_non_causal_and_descale_free_specialisations(compiled):
 def test_schedule_shows_in_the_sass(compiled):
     """The seed overlaps: two wgmmas in flight per step (QK^T(j), PV(j-1)) need twice the QGMMAs of
     the plain schedule; the key permutation removes the shuffles that feed P to the PV wgmma."""
-    seed, plain, unpermuted = compiled(GLUON), compiled(GLUON.replace(overlap=False)), \
-        compiled(GLUON.replace(v_permute=False))
+    seed, plain, unpermuted = (
+        compiled(GLUON),
+        compiled(GLUON.replace(overlap=False)),
+        compiled(GLUON.replace(v_permute=False)),
+    )
     assert seed.count("QGMMA") >= 2 * plain.count("QGMMA")
     assert seed.count("SHFL") < unpermuted.count("SHFL")
     assert seed.count("F2FP.SATFINITE.E4M3") > 0  # P rounded to e4m3 next to its wgmma
@@ -76,8 +82,11 @@ def test_hd96_q_and_k_in_32_column_parts_and_o_padded_or_split(compiled):
     store per consumer (clipped at 96 columns); o_split makes it an m64n64 and an m64n32 wgmma, one
     more V^T box and two 3-D output stores."""
     ref, pad, split = compiled(GLUON), compiled(HD96), compiled(HD96_SPLIT)
-    load, store3, store4 = ("cp.async.bulk.tensor.2d.shared::cluster.global", "cp.async.bulk.tensor.3d.global.shared",
-                            "cp.async.bulk.tensor.4d.global.shared")
+    load, store3, store4 = (
+        "cp.async.bulk.tensor.2d.shared::cluster.global",
+        "cp.async.bulk.tensor.3d.global.shared",
+        "cp.async.bulk.tensor.4d.global.shared",
+    )
     assert pad.ptx.count(load) == ref.ptx.count(load) + 4 and split.ptx.count(load) == ref.ptx.count(load) + 5
     assert pad.ptx.count(store4) == ref.ptx.count(store3) and pad.ptx.count(store3) == 0
     assert split.ptx.count(store3) == 2 * ref.ptx.count(store3) and split.ptx.count(store4) == 0
@@ -164,11 +173,15 @@ def test_k_perm_loads_k_in_5d_boxes_and_leaves_the_step_alone(cfg, compiled):
     assert art.spill_bytes == 0 and art.serialised_wgmma is None
 
 
-@pytest.mark.parametrize("cfg,consumers", [
-    (gluon_wide_config("fp8", 128, 128), 2),     # two consumer warpgroups, no ping-pong
-    (gluon_three_config("fp8", 64, 64), 3),      # three (192-row tiles: 4096 = 21 x 192 + 64)
-    (GLUON, 0),                                  # ping-pong: the turns need every consumer's wgmmas
-], ids=["wide", "three-hd64", "ping-pong"])
+@pytest.mark.parametrize(
+    "cfg,consumers",
+    [
+        (gluon_wide_config("fp8", 128, 128), 2),  # two consumer warpgroups, no ping-pong
+        (gluon_three_config("fp8", 64, 64), 3),  # three (192-row tiles: 4096 = 21 x 192 + 64)
+        (GLUON, 0),  # ping-pong: the turns need every consumer's wgmmas
+    ],
+    ids=["wide", "three-hd64", "ping-pong"],
+)
 def test_consumers_past_the_end_only_pass_their_blocks_on(cfg, consumers, compiled):
     """A consumer whose 64 rows all lie past the queries' end (the partial last block of a tile)
     computes nothing: it waits for each of the tile's K / V stages and releases it, so that the
@@ -199,31 +212,39 @@ def test_named_turn_barriers_replace_the_mbarrier_turns(compiled):
 #: The static estimate must reject exactly the configs that spill (the full 36-config sweep it was
 #: fitted on is described in search_spaces/resources.py).
 CALIBRATION = [
-    (dict(v_permute=False, producer_regs=56), True),           # 232 needed > 224: spills 24 B
-    (dict(v_permute=False), False),                            # 232 <= 240
-    (dict(block_n=256, num_stages=2), True),                   # 248 > 240: spills, wgmma serialised
+    (dict(v_permute=False, producer_regs=56), True),  # 232 needed > 224: spills 24 B
+    (dict(v_permute=False), False),  # 232 <= 240
+    (dict(block_n=256, num_stages=2), True),  # 248 > 240: spills, wgmma serialised
     (dict(block_n=256, num_stages=2, block_m=64, ping_pong=False, q_order="heavy_first"), False),  # 248 <= 256
     (dict(block_n=256, num_stages=2, block_m=64, ping_pong=False), True),  # + its tile table: 264 > 256, 8 B
     (dict(block_n=256, num_stages=2, overlap=False, producer_regs=56), False),  # no P carried: 216
     # head dims 64 and 256 (GLUON_OTHER_DIM_REGISTERS)
-    (dict(head_dim_qk=64, head_dim_v=64, block_n=256, num_stages=2), False),                     # 228 <= 240
-    (dict(head_dim_qk=64, head_dim_v=64, block_n=256, num_stages=2, producer_regs=56), True),    # 228 > 224: 8 B
+    (dict(head_dim_qk=64, head_dim_v=64, block_n=256, num_stages=2), False),  # 228 <= 240
+    (dict(head_dim_qk=64, head_dim_v=64, block_n=256, num_stages=2, producer_regs=56), True),  # 228 > 224: 8 B
     (dict(head_dim_qk=256, head_dim_v=256, block_n=64, num_stages=2, producer_regs=56), False),  # 204 <= 224
     (dict(head_dim_qk=256, head_dim_v=256, block_n=64, num_stages=2, v_permute=False, producer_regs=40), False),
-    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2), True),                   # 244 > 240: 48 B
-    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False), False),   # 240 <= 240
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2), True),  # 244 > 240: 48 B
+    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False), False),  # 240 <= 240
     # (GLUON_WIDE_PLAIN_REGISTERS: that plain step spills below 240 per consumer, and with the row-sum MMA)
-    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, ping_pong=False,
-          producer_regs=40), True),                                                             # 240 > 232: 8 B
+    (
+        dict(
+            head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, ping_pong=False, producer_regs=40
+        ),
+        True,
+    ),  # 240 > 232: 8 B
     (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, rowsum="mma"), True),  # 248: 24 B
     # three consumers at 160 registers (GLUON_THREE_CONSUMER_REGISTERS)
     (dict(block_m=192, num_stages=2, ping_pong=False, overlap=False, v_permute=False), True),  # 176 > 160: 80 B
-    (dict(block_m=192, block_n=64, num_stages=2), False),                                        # 152 <= 160
+    (dict(block_m=192, block_n=64, num_stages=2), False),  # 152 <= 160
     # ... nor where P goes through two shared tiles with fp32 row sums (160), unless the producer takes 56
     # (152 each: 512 B); with the row-sum MMA 176: 48 B
     (dict(block_m=192, p_carry="smem2", lane_sums=True, half_block=True), False),
-    (dict(block_m=192, p_carry="smem2", half_block=True, o_through_p=True, q_stages=2, num_stages=2,
-          producer_regs=56), True),
+    (
+        dict(
+            block_m=192, p_carry="smem2", half_block=True, o_through_p=True, q_stages=2, num_stages=2, producer_regs=56
+        ),
+        True,
+    ),
     (dict(block_m=192, p_carry="smem2", half_block=True, o_through_p=True, rowsum="mma"), True),
     # 192-key blocks (128 + 64 key parts) with overlap (GLUON_SPLIT_REGISTERS): 232 <= 240; 232 > 224
     # at producer_regs=56 (40 B); without the key permutation 320
@@ -233,52 +254,136 @@ CALIBRATION = [
     # three consumers need them without overlap too (hd64, 176 > 160: 80 B)
     (dict(head_dim_qk=64, head_dim_v=64, block_m=192, block_n=192, num_stages=4, overlap=False), True),
     # 192/128 (GLUON_MLA_MMA_REGISTERS): one consumer, 256-key blocks, overlap; the row-sum MMA tips it
-    (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2, q_order="heavy_first"),
-     False),                                                                                           # 248
+    (
+        dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2, q_order="heavy_first"),
+        False,
+    ),  # 248
     (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2), True),  # table: 264, 8 B
-    (dict(head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2, rowsum="mma",
-          q_order="heavy_first"), True),                                                               # 264
+    (
+        dict(
+            head_dim_qk=192, block_m=64, ping_pong=False, block_n=256, num_stages=2, rowsum="mma", q_order="heavy_first"
+        ),
+        True,
+    ),  # 264
     # pv_defer: P(j-1) in flight under QK^T(j) like overlap's carried P
-    (dict(overlap=False, pv_defer=True), False),                                                           # 168
+    (dict(overlap=False, pv_defer=True), False),  # 168
     (dict(block_n=192, num_stages=3, ping_pong=False, overlap=False, pv_defer=True, rowsum="mma"), False),  # 208
     # 256 keys: two 128-key parts, the second QK^T after the PV wait, O rescaled in place
     # (GLUON_SPLIT_DEFER_REGISTERS)
-    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True), False),   # 224
-    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True, skip_rescale=True,
-          rowsum="mma"), False),                                                                           # 240
-    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True, skip_rescale=True,
-          rowsum="mma", producer_regs=40), True),                                                          # 240 > 232: 16 B
+    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True), False),  # 224
+    (
+        dict(
+            block_n=256,
+            num_stages=2,
+            ping_pong=False,
+            q_stages=2,
+            overlap=False,
+            pv_defer=True,
+            skip_rescale=True,
+            rowsum="mma",
+        ),
+        False,
+    ),  # 240
+    (
+        dict(
+            block_n=256,
+            num_stages=2,
+            ping_pong=False,
+            q_stages=2,
+            overlap=False,
+            pv_defer=True,
+            skip_rescale=True,
+            rowsum="mma",
+            producer_regs=40,
+        ),
+        True,
+    ),  # 240 > 232: 16 B
     (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, pv_defer=True), False),  # 232
-    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, pv_defer=True,
-          rowsum="mma"), True),                                                                 # 248 > 240: 32 B
-    (dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, pv_defer=True,
-          producer_regs=56), True),                                                             # 232 > 224: 128 B
+    (
+        dict(head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, pv_defer=True, rowsum="mma"),
+        True,
+    ),  # 248 > 240: 32 B
+    (
+        dict(
+            head_dim_qk=256, head_dim_v=256, block_n=128, num_stages=2, overlap=False, pv_defer=True, producer_regs=56
+        ),
+        True,
+    ),  # 232 > 224: 128 B
     # head dim 96: padded O (128 columns) at three consumers; O in two parts (o_split) at three
     # consumers with P packed or not (GLUON_SPLIT_O_F32_THREE_REGISTERS), 256-key overlapped blocks
-    (dict(head_dim_qk=96, head_dim_v=96, block_m=192, p_carry="e4m3"), True),                # 192 > 160: 152 B
-    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, p_carry="e4m3"), False),            # 152
+    (dict(head_dim_qk=96, head_dim_v=96, block_m=192, p_carry="e4m3"), True),  # 192 > 160: 152 B
+    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, p_carry="e4m3"), False),  # 152
     (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, ping_pong=False), True),  # 168: 24 B
     (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_n=256, num_stages=2, p_carry="e4m3"), False),  # 232
-    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, overlap=False, rowsum="mma", num_stages=4),
-     False),                                                                                          # 136
-    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, overlap=False, v_permute=False, rowsum="mma",
-          num_stages=4), True),                                                                       # 168: 8 B
+    (
+        dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_m=192, overlap=False, rowsum="mma", num_stages=4),
+        False,
+    ),  # 136
+    (
+        dict(
+            head_dim_qk=96,
+            head_dim_v=96,
+            o_split=True,
+            block_m=192,
+            overlap=False,
+            v_permute=False,
+            rowsum="mma",
+            num_stages=4,
+        ),
+        True,
+    ),  # 168: 8 B
     # two P tiles at 256 keys (no P in registers: 216) with the row-sum MMA (GLUON_TWO_TILE_MMA_REGISTERS),
     # exact and lean
-    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, p_carry="smem2"), False),              # 216
+    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, p_carry="smem2"), False),  # 216
     (dict(block_n=256, num_stages=2, ping_pong=False, p_carry="smem2", rowsum="mma"), True),  # 248: 48 B
     (dict(block_n=256, num_stages=2, ping_pong=False, p_carry="smem2", softmax="lean", rowsum="mma"), True),  # 32 B
     # lean P summing its decoded codes per lane instead (no row-sum MMA): fits, with and without ping-pong
-    (dict(block_n=256, num_stages=2, ping_pong=False, p_carry="smem2", softmax="lean", rowsum="rounded",
-          lane_sums=True, half_block=True), False),
-    (dict(block_n=256, num_stages=2, q_stages=2, p_carry="smem2", softmax="lean", rowsum="rounded", lane_sums=True,
-          producer_regs=56, skip_rescale=True, p_scale_log2=7), False),
+    (
+        dict(
+            block_n=256,
+            num_stages=2,
+            ping_pong=False,
+            p_carry="smem2",
+            softmax="lean",
+            rowsum="rounded",
+            lane_sums=True,
+            half_block=True,
+        ),
+        False,
+    ),
+    (
+        dict(
+            block_n=256,
+            num_stages=2,
+            q_stages=2,
+            p_carry="smem2",
+            softmax="lean",
+            rowsum="rounded",
+            lane_sums=True,
+            producer_regs=56,
+            skip_rescale=True,
+            p_scale_log2=7,
+        ),
+        False,
+    ),
     # and at hd256 on 128-key blocks with the output through the P tiles (the same 192 registers of
     # accumulator and scores; without ping-pong 8 bytes spilled too, left to the compile check)
-    (dict(head_dim_qk=256, head_dim_v=256, num_stages=2, p_carry="smem2", o_through_p=True, lane_sums=True),
-     False),                                                                                          # 228
-    (dict(head_dim_qk=256, head_dim_v=256, num_stages=2, p_carry="smem2", o_through_p=True, rowsum="mma",
-          late_rescale=True), True),                                                           # 260: 32 B
+    (
+        dict(head_dim_qk=256, head_dim_v=256, num_stages=2, p_carry="smem2", o_through_p=True, lane_sums=True),
+        False,
+    ),  # 228
+    (
+        dict(
+            head_dim_qk=256,
+            head_dim_v=256,
+            num_stages=2,
+            p_carry="smem2",
+            o_through_p=True,
+            rowsum="mma",
+            late_rescale=True,
+        ),
+        True,
+    ),  # 260: 32 B
 ]
 
 

@@ -31,10 +31,19 @@ from zyfa_tune.search_spaces.seeds import gluon_lanes_config, gluon_wide_config
 compiled_fixture = pytest.fixture(scope="module", name="compiled")(compile_each_once)
 
 
-@pytest.mark.parametrize("changes,causal", [
-    ({}, True), ({}, False), (dict(p_scale_log2=0), True), (dict(block_n=64), True),
-    (dict(block_m=64, ping_pong=False), True), (dict(v_permute=False), True), (dict(producer_regs=56), True),
-], ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    "changes,causal",
+    [
+        ({}, True),
+        ({}, False),
+        (dict(p_scale_log2=0), True),
+        (dict(block_n=64), True),
+        (dict(block_m=64, ping_pong=False), True),
+        (dict(v_permute=False), True),
+        (dict(producer_regs=56), True),
+    ],
+    ids=lambda x: str(x),
+)
 def test_ex2_fence_puts_every_exponential_before_the_pv_wait(changes, causal, compiled):
     """ptxas hoists the PV wait above part of the softmax's exponentials;
     ex2_fence (a barrier on the row sums right before the wait) keeps all of them before it, in every
@@ -44,12 +53,15 @@ def test_ex2_fence_puts_every_exponential_before_the_pv_wait(changes, causal, co
     cfg = plain_cfg.replace(ex2_fence=True)
     plain, fenced = compiled(plain_cfg, causal), compiled(cfg, causal)
     check_usable(fenced, cfg)
-    consumers, exps = cfg.block_m // 64, cfg.block_n // 2 + 2   # P and the two rows' rescale factors
+    consumers, exps = cfg.block_m // 64, cfg.block_n // 2 + 2  # P and the two rows' rescale factors
     plain_loops, fenced_loops = (overlapped_step_loops(a.sass, cfg.block_n) for a in (plain, fenced))
-    assert len(fenced_loops) == len(plain_loops) == 2 * consumers   # masked and unmasked steps
-    print(f"\n  EX2 after the PV wait, off -> on: {[exponentials_after_pv_wait(b) for b in plain_loops]} -> "
-          f"{[exponentials_after_pv_wait(b) for b in fenced_loops]} (of {exps}); instructions per step "
-          f"{[len(b) for b in plain_loops]} -> {[len(b) for b in fenced_loops]}", end="")
+    assert len(fenced_loops) == len(plain_loops) == 2 * consumers  # masked and unmasked steps
+    print(
+        f"\n  EX2 after the PV wait, off -> on: {[exponentials_after_pv_wait(b) for b in plain_loops]} -> "
+        f"{[exponentials_after_pv_wait(b) for b in fenced_loops]} (of {exps}); instructions per step "
+        f"{[len(b) for b in plain_loops]} -> {[len(b) for b in fenced_loops]}",
+        end="",
+    )
     for body, plain_body in zip(fenced_loops, plain_loops):
         assert sum("MUFU.EX2" in t for t in body) == exps
         assert exponentials_after_pv_wait(body) == 0
@@ -76,9 +88,14 @@ def test_ex2_fence_barrier_per_consumer_of_three(compiled):
     assert art.spill_bytes == 0
 
 
-@pytest.mark.parametrize("cfg", [GLUON.replace(rowsum="mma"),
-                                 GLUON.replace(block_n=192, num_stages=3, ping_pong=False, skip_rescale=True,
-                                               rowsum="mma")], ids=["128", "192"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GLUON.replace(rowsum="mma"),
+        GLUON.replace(block_n=192, num_stages=3, ping_pong=False, skip_rescale=True, rowsum="mma"),
+    ],
+    ids=["128", "192"],
+)
 def test_ex2_fence_with_the_row_sum_mma_ors_the_probabilities(cfg, compiled):
     """With rowsum="mma" ptxas puts (nearly) every exponential after the PV wait; ex2_fence then ORs
     all of a thread's probabilities into the predicate of its barrier (one per key part), which puts
@@ -86,7 +103,7 @@ def test_ex2_fence_with_the_row_sum_mma_ors_the_probabilities(cfg, compiled):
     fenced_cfg = cfg.replace(ex2_fence=True)
     plain, fenced = compiled(cfg), compiled(fenced_cfg)
     check_usable(fenced, fenced_cfg)
-    exps = (64 * cfg.block_n) // 128 + 2   # P and the two rows' rescale factors
+    exps = (64 * cfg.block_n) // 128 + 2  # P and the two rows' rescale factors
     loops = [(b, p) for b, p in zip(overlapped_loops(fenced.sass, exps), overlapped_loops(plain.sass, exps))]
     assert len(loops) == 2 * cfg.block_m // 64  # masked and unmasked steps, every consumer
     for body, plain_body in loops:
@@ -98,10 +115,15 @@ def test_ex2_fence_with_the_row_sum_mma_ors_the_probabilities(cfg, compiled):
     check_usable(compiled(lean), lean)
 
 
-@pytest.mark.parametrize("changes", [dict(), dict(block_n=192, num_stages=3, ping_pong=False, rowsum="mma"),
-                                     dict(block_n=256, num_stages=2, q_stages=2, ping_pong=False, rowsum="mma",
-                                          skip_rescale=True)],
-                         ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(),
+        dict(block_n=192, num_stages=3, ping_pong=False, rowsum="mma"),
+        dict(block_n=256, num_stages=2, q_stages=2, ping_pong=False, rowsum="mma", skip_rescale=True),
+    ],
+    ids=lambda x: str(x),
+)
 def test_pv_defer_pairs_the_products_and_waits_once(changes, compiled):
     """pv_defer: in every step loop QK^T(j) and PV(j-1) are issued in one burst, then one wait(0),
     and every exponential of the step comes after it (the softmax is not under an MMA, unlike
@@ -111,18 +133,18 @@ def test_pv_defer_pairs_the_products_and_waits_once(changes, compiled):
     art = compiled(cfg)
     check_usable(art, cfg)
     parts = 2 if emit_gluon.key_parts(cfg)[1] else 1
-    qk = 4 * parts                                  # hd128: 4 k-steps per key part
+    qk = 4 * parts  # hd128: 4 k-steps per key part
     loops = overlapped_step_loops(art.sass, cfg.block_n, qk + cfg.block_n // 32 * (2 if cfg.rowsum == "mma" else 1))
-    assert len(loops) == 2 * (cfg.block_m // 64)   # masked and unmasked steps of each consumer
+    assert len(loops) == 2 * (cfg.block_m // 64)  # masked and unmasked steps of each consumer
     for body in loops:
         mma = [i for i, t in enumerate(body) if "QGMMA" in t]
         waits = [i for i, t in enumerate(body) if "WARPGROUP.DEPBAR" in t]
         inside = [w for w in waits if mma[0] < w < mma[-1]]
         if parts == 1:
-            assert not inside                      # one burst of wgmmas
+            assert not inside  # one burst of wgmmas
         else:
             assert len(inside) == 1 and body[inside[0]].endswith("gsb0, 0x1")
-            assert sum("QGMMA" in t for t in body[inside[0]:]) == 4  # the second part's k-steps
+            assert sum("QGMMA" in t for t in body[inside[0] :]) == 4  # the second part's k-steps
         assert exponentials_after_pv_wait(body) == sum("MUFU.EX2" in t for t in body)
 
 
@@ -167,13 +189,13 @@ def test_double_smem_p_is_published_under_qk_and_stored_under_pv(compiled):
     next step's rescale). The single tile's step fences before issuing anything."""
     cfg = SMEM2_CASES[0]
     loops = overlapped_step_loops(compiled(cfg).sass, cfg.block_n)
-    assert len(loops) == 2 * (cfg.block_m // 64)   # masked and unmasked steps of each consumer
+    assert len(loops) == 2 * (cfg.block_m // 64)  # masked and unmasked steps of each consumer
     for body in loops:
         fence = next(i for i, t in enumerate(body) if "FENCE.VIEW.ASYNC" in t)
         mma = [i for i, t in enumerate(body) if "QGMMA" in t]
         assert ["64x256" in body[i] for i in mma] == [i < fence for i in mma] and sum(i < fence for i in mma) == 4
         waits = [i for i, t in enumerate(body) if "WARPGROUP.DEPBAR" in t]
-        assert len(waits) == 2 and sum("STSM" in t for t in body[waits[0]:waits[1]]) >= 8
+        assert len(waits) == 2 and sum("STSM" in t for t in body[waits[0] : waits[1]]) >= 8
         assert exponentials_after_pv_wait(body) <= 2
     single = SMEM_CASES[0]
     for body in overlapped_step_loops(compiled(single).sass, single.block_n):
@@ -240,10 +262,14 @@ def test_half_block_on_shared_p_halves_the_first_softmax_only(cfg, compiled):
     assert h.count("QGMMA") == w.count("QGMMA")
     added = h.count("MUFU.EX2") - w.count("MUFU.EX2")
     assert abs(added - consumers * (64 * cfg.block_n // 2 // 128 + 2)) <= 4 * consumers
-    per_loop = [(sum("QGMMA" in t for t in b), sum("MUFU.EX2" in t for t in b))
-                for b in overlapped_step_loops(h.sass, cfg.block_n)]
-    assert per_loop and per_loop == [(sum("QGMMA" in t for t in b), sum("MUFU.EX2" in t for t in b))
-                                     for b in overlapped_step_loops(w.sass, cfg.block_n)]
+    per_loop = [
+        (sum("QGMMA" in t for t in b), sum("MUFU.EX2" in t for t in b))
+        for b in overlapped_step_loops(h.sass, cfg.block_n)
+    ]
+    assert per_loop and per_loop == [
+        (sum("QGMMA" in t for t in b), sum("MUFU.EX2" in t for t in b))
+        for b in overlapped_step_loops(w.sass, cfg.block_n)
+    ]
     assert compiled(cfg, causal=False).sass == compiled(whole, causal=False).sass
 
 

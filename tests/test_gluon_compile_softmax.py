@@ -115,8 +115,11 @@ def test_lean_p_has_no_exponentials_per_score(cfg, compiled):
     exact = compiled(GLUON)
     check_usable(art, cfg)
     assert art.count("MUFU.EX2") <= 16 < exact.count("MUFU.EX2")
-    clamp = {"imax": "max.s32 r0, r0, 1262485504;", "fmax": "max.f32 r0, r0, 0f4B400000;",
-             "sat": "fma.rn.f32 r0, r0, 0f43000000, 0f4B400000;"}[cfg.lean_clamp]
+    clamp = {
+        "imax": "max.s32 r0, r0, 1262485504;",
+        "fmax": "max.f32 r0, r0, 0f4B400000;",
+        "sat": "fma.rn.f32 r0, r0, 0f43000000, 0f4B400000;",
+    }[cfg.lean_clamp]
     packs = art.ptx.count(clamp)  # one per pack of four scores
     assert packs > 0 and art.ptx.count("prmt.b32 r0" if cfg.lean_pack == "prmt" else "bfi.b32 r0") >= packs
     assert art.ptx.count("m64n8k32.f32.e4m3.e4m3") == art.ptx.count("m64n128k32.f32.e4m3.e4m3") // 2
@@ -157,9 +160,15 @@ def test_lean_sat_clamp_is_one_saturating_fma_per_code(fold, compiled):
     assert art.count("QGMMA") == imax.count("QGMMA")
 
 
-@pytest.mark.parametrize("cfg", [GLUON.replace(rowsum="mma"), WINNER.replace(rowsum="mma"),
-                                 WINNER.replace(rowsum="mma", overlap=False, block_m=64, block_n=64)],
-                         ids=["seed", "winner", "plain"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GLUON.replace(rowsum="mma"),
+        WINNER.replace(rowsum="mma"),
+        WINNER.replace(rowsum="mma", overlap=False, block_m=64, block_n=64),
+    ],
+    ids=["seed", "winner", "plain"],
+)
 def test_exact_rowsum_mma_replaces_the_row_sum_adds(cfg, compiled):
     """rowsum="mma" under exact softmax: the float32 row sum (one FADD per score) is gone, an m64n8
     FP8 wgmma per PV sums the e4m3-rounded probabilities instead; the exponentials stay."""
@@ -185,8 +194,9 @@ def test_exp2_poly_moves_exponentials_to_the_fma_pipe(share, degree, compiled):
     assert art.count("FFMA") >= ref.count("FFMA") + 0.9 * degree * per_score * share // 8
 
 
-@pytest.mark.parametrize("cfg", [WINNER, HD64.replace(ping_pong=False), HD256.replace(ping_pong=False)],
-                         ids=["hd128", "hd64", "hd256"])
+@pytest.mark.parametrize(
+    "cfg", [WINNER, HD64.replace(ping_pong=False), HD256.replace(ping_pong=False)], ids=["hd128", "hd64", "hd256"]
+)
 def test_skip_rescale_branches_around_the_multiplies(cfg, compiled):
     """skip_rescale: each of the three rescale sites of each consumer becomes a warp vote and a
     uniform branch over the same FMULs (none removed, none added: the O registers are tied)."""
@@ -208,8 +218,9 @@ def test_lane_sums_leave_the_row_sum_shuffles_to_the_epilogue(compiled):
     assert abs(after.count("MUFU.EX2") - before.count("MUFU.EX2")) <= 4 and after.spill_bytes == 0
 
 
-@pytest.mark.parametrize("cfg", QK_ASYNC_CASES,
-                         ids=lambda c: f"hd{c.head_dim_qk}-{c.lean_fold}-p{c.producer_regs}{'-kperm' * c.k_perm}")
+@pytest.mark.parametrize(
+    "cfg", QK_ASYNC_CASES, ids=lambda c: f"hd{c.head_dim_qk}-{c.lean_fold}-p{c.producer_regs}{'-kperm' * c.k_perm}"
+)
 def test_qk_async_issues_pv_behind_the_f16_qk_without_waiting(cfg, compiled):
     """qk_async: in the step loop the f16 QK^T(j) QGMMAs are followed by PV(j-1)'s with no wait between (the
     twin waits for QK^T first), then one wait for QK^T and, at the end, one for PV: the float32-score kernels'

@@ -30,9 +30,15 @@ DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
 
 # ---- validation -------------------------------------------------------------------------------
 
+
 def test_gluon_default_is_the_spike_schedule():
     assert (GLUON.backend, GLUON.block_m, GLUON.block_n, GLUON.num_stages, GLUON.q_order) == (
-        "gluon", 128, 128, 3, "balanced")
+        "gluon",
+        128,
+        128,
+        3,
+        "balanced",
+    )
     assert GLUON.ping_pong and GLUON.overlap and GLUON.v_permute and GLUON.persistent and GLUON.q_stages == 1
     assert gluon_registers(GLUON) == (240, 24)
     assert KernelConfig.from_json(GLUON.to_json()) == GLUON
@@ -50,95 +56,190 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     other = next(v for v in CHOICES[field] if v != DEFAULTS[field])
     with pytest.raises(ConfigError, match=rf"^{field}={other!r}: not a field of backend='triton'"):
         KernelConfig(**{field: other})
-    needs = {"exp2_poly": 4} if field == "exp2_poly_degree" else {"overlap": False} if field == "pv_defer" else \
-        {"q_order": "heavy_first"} if field == "persistent" else \
-        {"head_dim_qk": 96, "head_dim_v": 96} if field == "o_split" else \
-        {"overlap": False} if field == "half_block" else {"p_carry": "smem2"} if field == "o_through_p" else \
-        F16_NEEDS if field == "qk_acc" else dict(F16_NEEDS, qk_acc="f16") if field == "qk_async" else \
-        dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected") if field == "lean_mufu" else \
-        dict(F16_NEEDS, qk_acc="f16") if field in ("lean_ref", "lean_floor") else {}
+    needs = (
+        {"exp2_poly": 4}
+        if field == "exp2_poly_degree"
+        else {"overlap": False}
+        if field == "pv_defer"
+        else {"q_order": "heavy_first"}
+        if field == "persistent"
+        else {"head_dim_qk": 96, "head_dim_v": 96}
+        if field == "o_split"
+        else {"overlap": False}
+        if field == "half_block"
+        else {"p_carry": "smem2"}
+        if field == "o_through_p"
+        else F16_NEEDS
+        if field == "qk_acc"
+        else dict(F16_NEEDS, qk_acc="f16")
+        if field == "qk_async"
+        else dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected")
+        if field == "lean_mufu"
+        else dict(F16_NEEDS, qk_acc="f16")
+        if field in ("lean_ref", "lean_floor")
+        else {}
+    )
     assert getattr(GLUON.replace(**needs, **{field: other}), field) == other  # a Gluon config takes it
 
 
-@pytest.mark.parametrize("changes,match", [
-    (dict(dtype="bf16", p_scale_log2=0), r"^dtype='bf16': backend='gluon' emits FP8"),
-    (dict(head_dim_qk=96, head_dim_v=64),
-     r"^head_dim_qk=96, head_dim_v=64: backend='gluon' implements the head-dim pairs \['64/64', '96/96', '128/128', "
-     r"'192/128', '256/256'\] only"),
-    (dict(head_dim_v=64), r"^head_dim_qk=128, head_dim_v=64: backend='gluon' implements the head-dim pairs"),
-    (dict(head_dim_qk=128, head_dim_v=192), r"^head_dim_qk=128, head_dim_v=192: backend='gluon' implements"),
-    (dict(block_m=256), r"^block_m=256: .*block_m must be 64, 128 or 192"),
-    (dict(o_split=True), r"^o_split=True splits a 96-column O into 64 \+ 32 columns: it needs head_dim_v=96, not 128"),
-    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_n=192), r"^o_split=True is built for blocks of one key"),
-    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, v_layout="natural", v_permute=False),
-     r"^o_split=True reads the V\^T copy in two row boxes"),
-    (dict(num_stages=1), r"^num_stages=1: the Gluon K/V ring needs at least 2 stages"),
-    (dict(block_m=64), r"^ping_pong=True needs two or three consumer warpgroups"),
-    (dict(rowsum="mma", ex2_fence=True, v_permute=False), r"^ex2_fence=True with rowsum='mma' fences on the float32 "
-                                                           r"probabilities carried to the next step, which needs "
-                                                           r"v_permute=True"),
-    (dict(exp2_poly=3, softmax="lean", rowsum="mma"), r"^exp2_poly=3: the polynomial replaces exact-softmax"),
-    (dict(exp2_poly_degree=2), r"^exp2_poly_degree=2: no polynomial with exp2_poly=0"),
-    (dict(rowsum="rounded"), r"^rowsum='rounded': the exact Gluon kernel sums"),
-    (dict(block_m=64, ping_pong=False, producer_regs=40), r"^producer_regs=40: with one consumer warpgroup"),
-    (dict(overlap=False, ex2_fence=True), r"^ex2_fence=True needs overlap=True"),
-    (dict(v_layout="natural"), r"^v_layout='natural' with backend='gluon' writes V\^T in key order: it needs "
-                               r"v_permute=False"),
-    (dict(overlap=False, p_carry="e4m3"), r"^p_carry='e4m3' is how P is carried from one step to the next: it needs "
-                                          r"overlap=True or pv_defer=True"),
-    (dict(v_permute=False, p_carry="e4m3"), r"^p_carry='e4m3' packs P as the A operand's .* it needs v_permute=True"),
-    (dict(rowsum="mma", ex2_fence=True, p_carry="e4m3"), r"^p_carry='e4m3' with ex2_fence=True and rowsum='mma'"),
-    (dict(overlap=False, pv_defer=True, p_carry="smem"), r"^p_carry='smem' hands P\(j\) to the PV wgmma issued with "
-                                                         r"QK\^T\(j\+1\) through shared memory: it needs overlap=True"),
-    (dict(v_permute=False, p_carry="smem"), r"^p_carry='smem' packs P as the A operand's .* it needs v_permute=True"),
-    (dict(block_n=192, p_carry="smem"), r"^p_carry='smem' holds one key part's P tile: it needs block_n a power "),
-    (dict(rowsum="mma", lane_sums=True), r"^lane_sums=True keeps float32 row sums per lane, .* not softmax='exact' "
-                                         r"with rowsum='mma'"),
-    (dict(softmax="lean", rowsum="mma", lane_sums=True), r"^lane_sums=True .* not softmax='lean' with rowsum='mma'"),
-    (dict(softmax="lean", rowsum="fp32"), r"^rowsum='fp32': Gluon lean P sums .* \('mma'\) or by decoding"),
-    (dict(softmax="lean", rowsum="rounded"), r"^rowsum='rounded' with softmax='lean' decodes the packed e4m3 codes"),
-    (dict(softmax="lean", rowsum="rounded", p_carry="e4m3", ex2_fence=True),
-     r"^ex2_fence=True fences .* rowsum='rounded' under lean P has neither"),
-    (dict(block_n=192, lane_sums=True), r"^lane_sums=True sums one key part's scores per lane"),
-    (dict(block_n=256, overlap=False, pv_defer=True, lane_sums=True), r"^lane_sums=True sums one key part's"),
-    (dict(ex2_fence=True, lane_sums=True), r"^lane_sums=True with ex2_fence=True"),
-    (dict(half_block=True), r"^half_block=True halves a first block: .* the plain schedule \(overlap=False\) or P "
-                            r"in shared memory \(p_carry 'smem' or 'smem2'\)"),
-    (dict(p_carry="e4m3", half_block=True), r"^half_block=True halves a first block: it needs pv_defer=False"),
-    (dict(overlap=False, pv_defer=True, half_block=True), r"^half_block=True halves a first block"),
-    (dict(overlap=False, block_n=192, half_block=True), r"^half_block=True halves a first block"),
-    (dict(overlap=False, block_n=64, half_block=True), r"^half_block=True halves a first block"),
-    (dict(p_carry="smem", block_n=64, half_block=True), r"^half_block=True halves a first block"),
-    (dict(lean_mufu=2), r"^lean_mufu=2: a share of the f16 fold's pairs from the MUFU; it needs "
-                        r"softmax='lean', qk_acc='f16' and lean_fold 'corrected' or 'fma', not softmax='exact'"),
-    (dict(F16_NEEDS, qk_acc="f16", lean_fold="centered", lean_mufu=1),
-     r"^lean_mufu=1: .* not softmax='lean', qk_acc='f16', lean_fold='centered'"),
-    (dict(lean_ref="max"), r"^lean_ref='max': the linear f16 fold's line on the row's own maximum; it needs "
-                           r"softmax='lean', qk_acc='f16' and lean_fold='fma' .* not softmax='exact'"),
-    (dict(F16_NEEDS, qk_acc="f16", lean_fold="centered", lean_ref="max"), r"^lean_ref='max': .* lean_fold='centered'"),
-    (dict(F16_NEEDS, lean_ref="max"), r"^lean_ref='max': .* qk_acc='f32'"),
-    (dict(lean_floor=True), r"^lean_floor=True: a second line beside the linear f16 fold; it needs softmax='lean', "
-                            r"qk_acc='f16' and lean_fold 'fma' or 'centered', not softmax='exact'"),
-    (dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected", lean_floor=True), r"^lean_floor=True: .* lean_fold='corrected'"),
-    (dict(o_through_p=True), r"^o_through_p=True stores O through the warpgroup's two P tiles: it needs "
-                             r"p_carry='smem2'"),
-    (dict(p_carry="smem", o_through_p=True), r"^o_through_p=True stores O through .* p_carry='smem2'"),
-    (dict(head_dim_qk=96, head_dim_v=96, p_carry="smem2", o_through_p=True),
-     r"^o_through_p=True stores O in column chunks of its own width: head_dim_v=96 is padded to 128"),
-    (dict(head_dim_qk=96, head_dim_v=96, o_split=True, p_carry="smem2", o_through_p=True),
-     r"^o_through_p=True stores O through .* one O part"),
-    (dict(block_n=256, num_stages=2, p_carry="smem2", o_through_p=True),
-     r"^o_through_p=True: at block_n=256 the 64 x 128 output tile already lives in the first P tile"),
-    (dict(head_dim_qk=256, head_dim_v=256, block_n=64, p_carry="smem2", o_through_p=True),
-     r"^o_through_p=True at block_n=64: 256 columns would take 8 chunks of 32; at most 4"),
-    (dict(qk_acc="f16"), r"^qk_acc='f16' is built for lean P .* it needs softmax='lean'"),
-    (dict(F16_NEEDS, lean_clamp="imax", qk_acc="f16"), r"^qk_acc='f16' folds as .* not lean_fold='fma', "
-                                                        r"lean_clamp='imax'"),
-    (dict(F16_NEEDS, lean_fold="sub_fma", qk_acc="f16"), r"^qk_acc='f16' folds as .* lean_fold='sub_fma'"),
-    (dict(F16_NEEDS, p_carry="smem", qk_acc="f16"), r"^qk_acc='f16' is built on the two-P-tile step: it needs "
-                                                    r"p_carry='smem2', not 'smem'"),
-    (dict(F16_NEEDS, half_block=True, qk_acc="f16"), r"^half_block=True with qk_acc='f16'"),
-])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(dtype="bf16", p_scale_log2=0), r"^dtype='bf16': backend='gluon' emits FP8"),
+        (
+            dict(head_dim_qk=96, head_dim_v=64),
+            r"^head_dim_qk=96, head_dim_v=64: backend='gluon' implements the head-dim pairs \['64/64', '96/96', '128/128', "
+            r"'192/128', '256/256'\] only",
+        ),
+        (dict(head_dim_v=64), r"^head_dim_qk=128, head_dim_v=64: backend='gluon' implements the head-dim pairs"),
+        (dict(head_dim_qk=128, head_dim_v=192), r"^head_dim_qk=128, head_dim_v=192: backend='gluon' implements"),
+        (dict(block_m=256), r"^block_m=256: .*block_m must be 64, 128 or 192"),
+        (
+            dict(o_split=True),
+            r"^o_split=True splits a 96-column O into 64 \+ 32 columns: it needs head_dim_v=96, not 128",
+        ),
+        (
+            dict(head_dim_qk=96, head_dim_v=96, o_split=True, block_n=192),
+            r"^o_split=True is built for blocks of one key",
+        ),
+        (
+            dict(head_dim_qk=96, head_dim_v=96, o_split=True, v_layout="natural", v_permute=False),
+            r"^o_split=True reads the V\^T copy in two row boxes",
+        ),
+        (dict(num_stages=1), r"^num_stages=1: the Gluon K/V ring needs at least 2 stages"),
+        (dict(block_m=64), r"^ping_pong=True needs two or three consumer warpgroups"),
+        (
+            dict(rowsum="mma", ex2_fence=True, v_permute=False),
+            r"^ex2_fence=True with rowsum='mma' fences on the float32 "
+            r"probabilities carried to the next step, which needs "
+            r"v_permute=True",
+        ),
+        (dict(exp2_poly=3, softmax="lean", rowsum="mma"), r"^exp2_poly=3: the polynomial replaces exact-softmax"),
+        (dict(exp2_poly_degree=2), r"^exp2_poly_degree=2: no polynomial with exp2_poly=0"),
+        (dict(rowsum="rounded"), r"^rowsum='rounded': the exact Gluon kernel sums"),
+        (dict(block_m=64, ping_pong=False, producer_regs=40), r"^producer_regs=40: with one consumer warpgroup"),
+        (dict(overlap=False, ex2_fence=True), r"^ex2_fence=True needs overlap=True"),
+        (
+            dict(v_layout="natural"),
+            r"^v_layout='natural' with backend='gluon' writes V\^T in key order: it needs "
+            r"v_permute=False",
+        ),
+        (
+            dict(overlap=False, p_carry="e4m3"),
+            r"^p_carry='e4m3' is how P is carried from one step to the next: it needs "
+            r"overlap=True or pv_defer=True",
+        ),
+        (
+            dict(v_permute=False, p_carry="e4m3"),
+            r"^p_carry='e4m3' packs P as the A operand's .* it needs v_permute=True",
+        ),
+        (dict(rowsum="mma", ex2_fence=True, p_carry="e4m3"), r"^p_carry='e4m3' with ex2_fence=True and rowsum='mma'"),
+        (
+            dict(overlap=False, pv_defer=True, p_carry="smem"),
+            r"^p_carry='smem' hands P\(j\) to the PV wgmma issued with "
+            r"QK\^T\(j\+1\) through shared memory: it needs overlap=True",
+        ),
+        (
+            dict(v_permute=False, p_carry="smem"),
+            r"^p_carry='smem' packs P as the A operand's .* it needs v_permute=True",
+        ),
+        (dict(block_n=192, p_carry="smem"), r"^p_carry='smem' holds one key part's P tile: it needs block_n a power "),
+        (
+            dict(rowsum="mma", lane_sums=True),
+            r"^lane_sums=True keeps float32 row sums per lane, .* not softmax='exact' "
+            r"with rowsum='mma'",
+        ),
+        (
+            dict(softmax="lean", rowsum="mma", lane_sums=True),
+            r"^lane_sums=True .* not softmax='lean' with rowsum='mma'",
+        ),
+        (dict(softmax="lean", rowsum="fp32"), r"^rowsum='fp32': Gluon lean P sums .* \('mma'\) or by decoding"),
+        (
+            dict(softmax="lean", rowsum="rounded"),
+            r"^rowsum='rounded' with softmax='lean' decodes the packed e4m3 codes",
+        ),
+        (
+            dict(softmax="lean", rowsum="rounded", p_carry="e4m3", ex2_fence=True),
+            r"^ex2_fence=True fences .* rowsum='rounded' under lean P has neither",
+        ),
+        (dict(block_n=192, lane_sums=True), r"^lane_sums=True sums one key part's scores per lane"),
+        (dict(block_n=256, overlap=False, pv_defer=True, lane_sums=True), r"^lane_sums=True sums one key part's"),
+        (dict(ex2_fence=True, lane_sums=True), r"^lane_sums=True with ex2_fence=True"),
+        (
+            dict(half_block=True),
+            r"^half_block=True halves a first block: .* the plain schedule \(overlap=False\) or P "
+            r"in shared memory \(p_carry 'smem' or 'smem2'\)",
+        ),
+        (dict(p_carry="e4m3", half_block=True), r"^half_block=True halves a first block: it needs pv_defer=False"),
+        (dict(overlap=False, pv_defer=True, half_block=True), r"^half_block=True halves a first block"),
+        (dict(overlap=False, block_n=192, half_block=True), r"^half_block=True halves a first block"),
+        (dict(overlap=False, block_n=64, half_block=True), r"^half_block=True halves a first block"),
+        (dict(p_carry="smem", block_n=64, half_block=True), r"^half_block=True halves a first block"),
+        (
+            dict(lean_mufu=2),
+            r"^lean_mufu=2: a share of the f16 fold's pairs from the MUFU; it needs "
+            r"softmax='lean', qk_acc='f16' and lean_fold 'corrected' or 'fma', not softmax='exact'",
+        ),
+        (
+            dict(F16_NEEDS, qk_acc="f16", lean_fold="centered", lean_mufu=1),
+            r"^lean_mufu=1: .* not softmax='lean', qk_acc='f16', lean_fold='centered'",
+        ),
+        (
+            dict(lean_ref="max"),
+            r"^lean_ref='max': the linear f16 fold's line on the row's own maximum; it needs "
+            r"softmax='lean', qk_acc='f16' and lean_fold='fma' .* not softmax='exact'",
+        ),
+        (
+            dict(F16_NEEDS, qk_acc="f16", lean_fold="centered", lean_ref="max"),
+            r"^lean_ref='max': .* lean_fold='centered'",
+        ),
+        (dict(F16_NEEDS, lean_ref="max"), r"^lean_ref='max': .* qk_acc='f32'"),
+        (
+            dict(lean_floor=True),
+            r"^lean_floor=True: a second line beside the linear f16 fold; it needs softmax='lean', "
+            r"qk_acc='f16' and lean_fold 'fma' or 'centered', not softmax='exact'",
+        ),
+        (
+            dict(F16_NEEDS, qk_acc="f16", lean_fold="corrected", lean_floor=True),
+            r"^lean_floor=True: .* lean_fold='corrected'",
+        ),
+        (
+            dict(o_through_p=True),
+            r"^o_through_p=True stores O through the warpgroup's two P tiles: it needs "
+            r"p_carry='smem2'",
+        ),
+        (dict(p_carry="smem", o_through_p=True), r"^o_through_p=True stores O through .* p_carry='smem2'"),
+        (
+            dict(head_dim_qk=96, head_dim_v=96, p_carry="smem2", o_through_p=True),
+            r"^o_through_p=True stores O in column chunks of its own width: head_dim_v=96 is padded to 128",
+        ),
+        (
+            dict(head_dim_qk=96, head_dim_v=96, o_split=True, p_carry="smem2", o_through_p=True),
+            r"^o_through_p=True stores O through .* one O part",
+        ),
+        (
+            dict(block_n=256, num_stages=2, p_carry="smem2", o_through_p=True),
+            r"^o_through_p=True: at block_n=256 the 64 x 128 output tile already lives in the first P tile",
+        ),
+        (
+            dict(head_dim_qk=256, head_dim_v=256, block_n=64, p_carry="smem2", o_through_p=True),
+            r"^o_through_p=True at block_n=64: 256 columns would take 8 chunks of 32; at most 4",
+        ),
+        (dict(qk_acc="f16"), r"^qk_acc='f16' is built for lean P .* it needs softmax='lean'"),
+        (
+            dict(F16_NEEDS, lean_clamp="imax", qk_acc="f16"),
+            r"^qk_acc='f16' folds as .* not lean_fold='fma', "
+            r"lean_clamp='imax'",
+        ),
+        (dict(F16_NEEDS, lean_fold="sub_fma", qk_acc="f16"), r"^qk_acc='f16' folds as .* lean_fold='sub_fma'"),
+        (
+            dict(F16_NEEDS, p_carry="smem", qk_acc="f16"),
+            r"^qk_acc='f16' is built on the two-P-tile step: it needs "
+            r"p_carry='smem2', not 'smem'",
+        ),
+        (dict(F16_NEEDS, half_block=True, qk_acc="f16"), r"^half_block=True with qk_acc='f16'"),
+    ],
+)
 def test_bad_gluon_combinations_name_the_field(changes, match):
     with pytest.raises(ConfigError, match=match):
         GLUON.replace(**changes)
@@ -188,7 +289,10 @@ def test_output_through_p_tiles_is_stored_only_when_set_and_chunks_by_tile():
     assert o_chunks(hd256) == (64, 4) and o_in_p_tile(hd256)
     assert o_chunks(hd256.replace(o_through_p=False)) == (256, 1) and not o_in_p_tile(hd256.replace(o_through_p=False))
     mla = hd256.replace(head_dim_qk=192, head_dim_v=128)
-    assert o_chunks(mla) == (64, 2) and o_chunks(GLUON.replace(block_n=64, p_carry="smem2", o_through_p=True)) == (32, 4)
+    assert o_chunks(mla) == (64, 2) and o_chunks(GLUON.replace(block_n=64, p_carry="smem2", o_through_p=True)) == (
+        32,
+        4,
+    )
     wide = GLUON.replace(block_n=256, num_stages=2, p_carry="smem2")
     assert o_in_p_tile(wide) and o_chunks(wide) == (128, 1)  # fits whole in one tile: no chunks
 
@@ -219,8 +323,14 @@ def test_three_consumer_warpgroups():
 
 
 def test_gluon_values_are_type_checked():
-    for field, bad in (("ping_pong", 1), ("overlap", "true"), ("q_stages", True), ("producer_regs", 32),
-                       ("backend", "ptx"), ("v_permute", None)):
+    for field, bad in (
+        ("ping_pong", 1),
+        ("overlap", "true"),
+        ("q_stages", True),
+        ("producer_regs", 32),
+        ("backend", "ptx"),
+        ("v_permute", None),
+    ):
         with pytest.raises(ConfigError, match=rf"^{field}: "):
             GLUON.replace(**{field: bad})
 
@@ -243,6 +353,7 @@ def test_unsupported_head_dims_never_reach_a_launch():
 
 
 # ---- serialisation and the shipped database ---------------------------------------------------
+
 
 def test_json_holds_the_backends_own_fields():
     triton = json.loads(default_config("fp8", 128, 128).to_json())
@@ -281,17 +392,33 @@ def test_every_shipped_row_parses_to_the_same_json_and_source_hash():
 def test_store_records_the_configs_backend(tmp_path):
     from zyfa_tune.db import Fingerprint, ProblemKey
 
-    fp = Fingerprint(gpu_name="H200", compute_capability="9.0", sm_count=132, memory_bytes=1, driver="d",
-                     cuda="c", torch="t", triton="3.6.0", generator_version="0.1.0")
-    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=32,
-                                kv_heads=32, seqlen=8192)
+    fp = Fingerprint(
+        gpu_name="H200",
+        compute_capability="9.0",
+        sm_count=132,
+        memory_bytes=1,
+        driver="d",
+        cuda="c",
+        torch="t",
+        triton="3.6.0",
+        generator_version="0.1.0",
+    )
+    key = ProblemKey.from_shape(
+        dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=32, kv_heads=32, seqlen=8192
+    )
     with open_store(tmp_path / "t.db") as store:
         store.record_trial(fp, key, GLUON, TrialResult("ok", median_ms=1.0), source_hash=emit(GLUON).source_hash)
-        store.record_trial(fp, key, default_config("fp8", 128, 128), TrialResult("ok", median_ms=2.0),
-                           source_hash=emit(default_config("fp8", 128, 128)).source_hash)
+        store.record_trial(
+            fp,
+            key,
+            default_config("fp8", 128, 128),
+            TrialResult("ok", median_ms=2.0),
+            source_hash=emit(default_config("fp8", 128, 128)).source_hash,
+        )
         with pytest.raises(ValueError, match="^backend: 'triton' differs from the config's backend 'gluon'"):
-            store.record_trial(fp, key, GLUON, TrialResult("ok", median_ms=1.0), backend="triton",
-                               source_hash=emit(GLUON).source_hash)
+            store.record_trial(
+                fp, key, GLUON, TrialResult("ok", median_ms=1.0), backend="triton", source_hash=emit(GLUON).source_hash
+            )
         best = store.best_for(key)
         assert [(b.backend, KernelConfig.from_json(b.config_json)) for b in best] == [("gluon", GLUON)]
         assert sorted(t["backend"] for t in store.trials()) == ["gluon", "triton"]
@@ -299,18 +426,23 @@ def test_store_records_the_configs_backend(tmp_path):
 
 # ---- defaults and overrides -------------------------------------------------------------------
 
+
 def test_overrides_pick_the_named_backends_default():
     assert config_with("fp8", 128, 128, {"backend": "gluon"}) == GLUON
     assert config_with("fp8", 128, 128, {"backend": "gluon", "ping_pong": False}) == GLUON.replace(ping_pong=False)
-    assert config_with("fp8", 128, 128, {"block_m": 128, "num_warps": 8}) == \
-        default_config("fp8", 128, 128).replace(block_m=128, num_warps=8)
+    assert config_with("fp8", 128, 128, {"block_m": 128, "num_warps": 8}) == default_config("fp8", 128, 128).replace(
+        block_m=128, num_warps=8
+    )
     with pytest.raises(ConfigError, match="^num_warps=8: not a field of backend='gluon'"):
         config_with("fp8", 128, 128, {"backend": "gluon", "num_warps": 8})
     texts = ("128", "-1", "true", "False", "gluon", " 7 ")
     assert [parse_value(t) for t in texts] == [128, -1, True, False, "gluon", 7]
     # --set items, --ours / --enqueue comma lists: one parser
-    assert parse_changes(["backend=gluon", " ping_pong = false , block_n=256,", ""], "--set") == \
-        {"backend": "gluon", "ping_pong": False, "block_n": 256}
+    assert parse_changes(["backend=gluon", " ping_pong = false , block_n=256,", ""], "--set") == {
+        "backend": "gluon",
+        "ping_pong": False,
+        "block_n": 256,
+    }
     for bad in ("backend", "=gluon", "a=1,b"):
         with pytest.raises(ConfigError, match="^--set: expected key=value"):
             parse_changes([bad], "--set")
@@ -326,6 +458,7 @@ def test_bench_ours_backend_gluon_is_the_gluon_default():
 
 
 # ---- search space -----------------------------------------------------------------------------
+
 
 def test_space_seeds_the_gluon_default_right_after_the_triton_default():
     space = get_space("fp8")
@@ -384,10 +517,20 @@ def test_seed_databases_may_hold_gluon_winners(tmp_path):
     """A database whose best fp8 128 entry is a Gluon kernel seeds that kernel (as a point of the space)."""
     from zyfa_tune.db import Fingerprint, ProblemKey
 
-    fp = Fingerprint(gpu_name="H200", compute_capability="9.0", sm_count=132, memory_bytes=1, driver="d",
-                     cuda="c", torch="t", triton="3.6.0", generator_version="0.1.0")
-    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=1, heads=32,
-                                kv_heads=32, seqlen=16384)
+    fp = Fingerprint(
+        gpu_name="H200",
+        compute_capability="9.0",
+        sm_count=132,
+        memory_bytes=1,
+        driver="d",
+        cuda="c",
+        torch="t",
+        triton="3.6.0",
+        generator_version="0.1.0",
+    )
+    key = ProblemKey.from_shape(
+        dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=1, heads=32, kv_heads=32, seqlen=16384
+    )
     winner = GLUON.replace(q_stages=2, producer_regs=40)
     with open_store(tmp_path / "s.db") as store:
         store.record_trial(fp, key, winner, TrialResult("ok", median_ms=1.0), source_hash=emit(winner).source_hash)
@@ -397,21 +540,33 @@ def test_seed_databases_may_hold_gluon_winners(tmp_path):
 
 # ---- the dispatcher chooses between backends by measured speed alone ----------------------------
 
+
 @pytest.mark.parametrize("gluon_ms,winner", [(0.5, "gluon"), (2.0, "triton")])
 def test_dispatcher_picks_the_faster_backend(tmp_path, gluon_ms, winner):
     from zyfa_tune.db import Fingerprint, ProblemKey
     from zyfa_tune.generator import GENERATOR_VERSION
     from zyfa_tune.kernels import dispatch
 
-    fp = Fingerprint(gpu_name="NVIDIA H200", compute_capability="9.0", sm_count=132, memory_bytes=1, driver="d",
-                     cuda="c", torch="t", triton="3.6.0", generator_version=GENERATOR_VERSION)
-    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=32,
-                                kv_heads=32, seqlen=8192)
+    fp = Fingerprint(
+        gpu_name="NVIDIA H200",
+        compute_capability="9.0",
+        sm_count=132,
+        memory_bytes=1,
+        driver="d",
+        cuda="c",
+        torch="t",
+        triton="3.6.0",
+        generator_version=GENERATOR_VERSION,
+    )
+    key = ProblemKey.from_shape(
+        dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=32, kv_heads=32, seqlen=8192
+    )
     triton = default_config("fp8", 128, 128)
     with open_store(tmp_path / "d.db") as store:
         for cfg, ms in ((triton, 1.0), (GLUON, gluon_ms)):
-            store.record_trial(fp, key, cfg, TrialResult("ok", median_ms=ms, tflops=1.0 / ms),
-                               source_hash=emit(cfg).source_hash)
+            store.record_trial(
+                fp, key, cfg, TrialResult("ok", median_ms=ms, tflops=1.0 / ms), source_hash=emit(cfg).source_hash
+            )
     choice = dispatch.Dispatcher([str(tmp_path / "d.db")]).choose(key, ("NVIDIA H200", "9.0", GENERATOR_VERSION))
     assert choice.source == "exact" and choice.config.backend == winner
 

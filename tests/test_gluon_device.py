@@ -18,8 +18,12 @@ from zyfa_tune.generator.gluon_sm90 import device
 from zyfa_tune.search_spaces.seeds import gluon_lean_f16_config, gluon_smem2_chunked_config
 
 #: a few configs whose entry kernels differ (consumers, V layout, key parts, P tiles, f16 scores)
-CONFIGS = [GLUON, *neighbours()[1:6], gluon_lean_f16_config("fp8", 128, 128),
-           gluon_smem2_chunked_config("fp8", 192, 128)]
+CONFIGS = [
+    GLUON,
+    *neighbours()[1:6],
+    gluon_lean_f16_config("fp8", 128, 128),
+    gluon_smem2_chunked_config("fp8", 192, 128),
+]
 #: module constants the host side reads (kernels/launch.py), not the kernel
 HOST_CONSTANTS = {"NUM_WARPS", "PERSISTENT", "KERNEL_NAME"}
 
@@ -93,8 +97,8 @@ def test_every_name_read_is_defined(config):
 
 def schedule_constants(source: str) -> set[str]:
     """The names of the constants the emitter writes into `source` (between its marker and the entry)."""
-    schedule = source[source.index("# ---- this kernel's schedule"):]
-    return top_level_names(schedule[:schedule.index("@gluon.jit")])
+    schedule = source[source.index("# ---- this kernel's schedule") :]
+    return top_level_names(schedule[: schedule.index("@gluon.jit")])
 
 
 def test_constants_emitted_are_read():

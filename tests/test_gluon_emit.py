@@ -28,20 +28,25 @@ from zyfa_tune.search_spaces.seeds import (
 
 #: the Gluon seed, one variant per value of every field the space searches for it, a sample of
 #: the space's points, and P through shared memory (not searched), with a 128- and a 64-byte swizzle
-VARIANTS = neighbours() + sampled(20) + [GLUON.replace(p_carry="smem"),
-                                         default_config("fp8", 256, 256, "gluon").replace(p_carry="smem"),
-                                         GLUON.replace(p_carry="smem2"), gluon_smem2_config("fp8", 128, 128),
-                                         gluon_smem2_chunked_config("fp8", 256, 256),
-                                         gluon_smem2_chunked_config("fp8", 192, 128),
-                                         gluon_lean_f16_config("fp8", 128, 128),
-                                         *(gluon_lean_f16_config("fp8", 128, 128).replace(lean_fold="corrected",
-                                                                                          lean_mufu=k) for k in (1, 2)),
-                                         gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max", lean_mufu=1),
-                                         gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max", lean_floor=True,
-                                                                                        lean_mufu=2),
-                                         gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max"),
-                                         gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max", lean_floor=True),
-                                         gluon_lean_f16_config("fp8", 128, 128).replace(lean_floor=True)]
+VARIANTS = (
+    neighbours()
+    + sampled(20)
+    + [
+        GLUON.replace(p_carry="smem"),
+        default_config("fp8", 256, 256, "gluon").replace(p_carry="smem"),
+        GLUON.replace(p_carry="smem2"),
+        gluon_smem2_config("fp8", 128, 128),
+        gluon_smem2_chunked_config("fp8", 256, 256),
+        gluon_smem2_chunked_config("fp8", 192, 128),
+        gluon_lean_f16_config("fp8", 128, 128),
+        *(gluon_lean_f16_config("fp8", 128, 128).replace(lean_fold="corrected", lean_mufu=k) for k in (1, 2)),
+        gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max", lean_mufu=1),
+        gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max", lean_floor=True, lean_mufu=2),
+        gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max"),
+        gluon_lean_f16_config("fp8", 128, 128).replace(lean_ref="max", lean_floor=True),
+        gluon_lean_f16_config("fp8", 128, 128).replace(lean_floor=True),
+    ]
+)
 
 
 def constants(source: str) -> dict:
@@ -61,7 +66,7 @@ def constants(source: str) -> dict:
 
 def code_only(source: str) -> str:
     tree = ast.parse(source)
-    return "\n".join(source.splitlines()[tree.body[0].end_lineno:])
+    return "\n".join(source.splitlines()[tree.body[0].end_lineno :])
 
 
 def test_emit_dispatches_on_backend():
@@ -112,7 +117,7 @@ def test_source_carries_the_config(cfg):
     tree = ast.parse(src)
     compile(tree, "<emitted>", "exec")
     (line,) = [ln for ln in ast.get_docstring(tree).splitlines() if ln.startswith("config: ")]
-    assert KernelConfig.from_json(line[len("config: "):]) == cfg
+    assert KernelConfig.from_json(line[len("config: ") :]) == cfg
     c = constants(src)
     host = {"NUM_WARPS": 4, "PERSISTENT": cfg.persistent, "KERNEL_NAME": KERNEL_NAME}
     own = constants(device.source())  # the device code's own (E4M3X4_ASM)
@@ -126,12 +131,18 @@ def test_constants_mean_the_config(cfg):
     """Each constant says what its field means: shapes, the key / column / O parts (powers of two that
     add up to the block and head dims), the register split, and which variant is on."""
     k = emit_gluon.schedule_constants(cfg)
-    assert (k["BLOCK_M"], k["BLOCK_N"], k["HEAD_QK"], k["HEAD_D"]) == (cfg.block_m, cfg.block_n, cfg.head_dim_qk,
-                                                                      cfg.head_dim_v)
+    assert (k["BLOCK_M"], k["BLOCK_N"], k["HEAD_QK"], k["HEAD_D"]) == (
+        cfg.block_m,
+        cfg.block_n,
+        cfg.head_dim_qk,
+        cfg.head_dim_v,
+    )
     assert k["NUM_CONSUMERS"] == cfg.block_m // 64 and k["STAGES"] == cfg.num_stages
     # key parts: one, or two powers of two adding up to the block
     assert k["SPLIT"] == split_block(cfg) == (k["BN_B"] > 0)
-    assert k["BN_A"] + k["BN_B"] == cfg.block_n and power_of_two(k["BN_A"]) and (k["BN_B"] == 0 or power_of_two(k["BN_B"]))
+    assert (
+        k["BN_A"] + k["BN_B"] == cfg.block_n and power_of_two(k["BN_A"]) and (k["BN_B"] == 0 or power_of_two(k["BN_B"]))
+    )
     # Q / K column parts and O columns: powers of two covering the head dims
     assert k["QK_PARTS"] * k["QK_W"] == cfg.head_dim_qk and power_of_two(k["QK_W"])
     if cfg.o_split:
@@ -175,8 +186,8 @@ def test_lean_and_exact_seeds():
     lean = emit_gluon.schedule_constants(gluon_lean_config("fp8", 128, 128))
     f16 = emit_gluon.schedule_constants(gluon_lean_f16_config("fp8", 128, 128))
     assert not exact["LEAN"] and exact["LEAN_ASM"] == "" and not exact["LEAN_FMA"] and exact["LEAN_CENTER"] == 0.0
-    assert lean["LEAN"] and "cvt" not in lean["LEAN_ASM"] and lean["LEAN_MAGIC"] == 1.5 * 2 ** 23
-    assert f16["F16_S"] and f16["LEAN"] and 0 < f16["Q_HEADROOM"] * 2 ** 15 <= 448.0
+    assert lean["LEAN"] and "cvt" not in lean["LEAN_ASM"] and lean["LEAN_MAGIC"] == 1.5 * 2**23
+    assert f16["F16_S"] and f16["LEAN"] and 0 < f16["Q_HEADROOM"] * 2**15 <= 448.0
 
 
 def test_structural_seeds():
@@ -212,8 +223,12 @@ def test_entry_kernel(cfg):
     assert entry.count("(_consumer, (") == cfg.block_m // 64 and entry.count("(_producer, (") == 1
     assert entry.count("CONSUMER_REGS, ") == cfg.block_m // 64 - 1 and "PRODUCER_REGS]" in entry
     params = [a.arg for a in funcs[KERNEL_NAME].args.args]
-    assert params == (list(emit_gluon.descriptor_blocks(cfg)) + list(emit_gluon.SCALAR_PARAMS)
-                      + list(emit_gluon.tile_params(cfg)) + ["CAUSAL"])
+    assert params == (
+        list(emit_gluon.descriptor_blocks(cfg))
+        + list(emit_gluon.SCALAR_PARAMS)
+        + list(emit_gluon.tile_params(cfg))
+        + ["CAUSAL"]
+    )
 
 
 def strings(src: str) -> set[str]:
@@ -221,7 +236,9 @@ def strings(src: str) -> set[str]:
     tree = ast.parse(src)
     first = tree.body[0]
     doc = first.value if isinstance(first, ast.Expr) else None
-    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and n is not doc}
+    return {
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and n is not doc
+    }
 
 
 def constant_strings(cfg: KernelConfig) -> set[str]:

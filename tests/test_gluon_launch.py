@@ -31,8 +31,9 @@ def tensors(b=2, sq=1000, sk=1000, h=8, hk=2, seed=0, descales=True):
 
 
 @pytest.mark.parametrize("persistent", [True, False])
-@pytest.mark.parametrize("b,sq,sk,h,hk", [(2, 1000, 1000, 8, 2), (1, 1, 1, 2, 2), (1, 300, 100, 4, 1),
-                                           (4, 8192, 8192, 32, 32)])
+@pytest.mark.parametrize(
+    "b,sq,sk,h,hk", [(2, 1000, 1000, 8, 2), (1, 1, 1, 2, 2), (1, 300, 100, 4, 1), (4, 8192, 8192, 32, 32)]
+)
 def test_prepare_gluon(persistent, b, sq, sk, h, hk):
     cfg = GLUON.replace(persistent=persistent, q_order="balanced" if persistent else "heavy_first")
     q, k, v, out, ds = tensors(b, sq, sk, h, hk)
@@ -55,8 +56,10 @@ def test_prepare_gluon(persistent, b, sq, sk, h, hk):
     vt = a["desc_v"].base
     skp = padded_keys(sk, True)
     assert a["desc_v"].shape == [b * hk * 128, skp] and vt.shape == (b, hk, 128, skp)
-    assert torch.equal(vt.view(torch.uint8)[..., :32][..., key_permutation(32).argsort()][..., :min(sk, 32)],
-                       v.permute(0, 2, 3, 1).view(torch.uint8)[..., :min(sk, 32)])
+    assert torch.equal(
+        vt.view(torch.uint8)[..., :32][..., key_permutation(32).argsort()][..., : min(sk, 32)],
+        v.permute(0, 2, 3, 1).view(torch.uint8)[..., : min(sk, 32)],
+    )
     assert (a["QD"], a["KD"], a["VD"]) == ds and (a["stride_db"], a["stride_dh"]) == ds[0].stride()
     assert (a["H"], a["GROUP"], a["HKV"], a["SEQ_Q"], a["SEQ_K"]) == (h, h // hk, hk, sq, sk)
     assert (a["N_M_BLOCKS"], a["N_TILES"]) == (-(-sq // 128), tiles)
@@ -65,13 +68,14 @@ def test_prepare_gluon(persistent, b, sq, sk, h, hk):
         table = a["TILE_TABLE"].tolist()
         p = grid[0]
         assert a["TILE_TABLE"].dtype == torch.int32 and table[0] == 0 and table[p] == tiles
-        assert sorted(table[p + 1:]) == list(range(tiles))
+        assert sorted(table[p + 1 :]) == list(range(tiles))
         assert all(table[i] <= table[i + 1] for i in range(p))
 
 
 @pytest.mark.parametrize("mib", [16, 32, 8, 64])
-@pytest.mark.parametrize("b,h,group,seqlen", [(4, 32, 1, 4096), (2, 32, 1, 8192), (1, 32, 4, 16384), (3, 5, 5, 1000),
-                                              (1, 16, 1, 16384)])
+@pytest.mark.parametrize(
+    "b,h,group,seqlen", [(4, 32, 1, 4096), (2, 32, 1, 8192), (1, 32, 4, 16384), (3, 5, 5, 1000), (1, 16, 1, 16384)]
+)
 def test_balanced_schedule(b, h, group, seqlen, mib):
     """Every tile once; no program more than 1% above the mean work (2% with 8 MiB groups, which leave
     the greedy fewer tiles to even out with; round robin: 3-9%); each program
@@ -81,7 +85,9 @@ def test_balanced_schedule(b, h, group, seqlen, mib):
     lists = gluon_launch.schedule(b, h, group, n_m, seqlen, seqlen, 128, 256, True, 256, programs, mib << 20)
     tiles = b * h * n_m
     assert sorted(t for x in lists for t in x) == list(range(tiles))
-    cost = lambda t: gluon_launch.block_count(t % n_m, 128, 256, seqlen, seqlen, True) + gluon_launch.TILE_OVERHEAD_BLOCKS
+    cost = lambda t: (
+        gluon_launch.block_count(t % n_m, 128, 256, seqlen, seqlen, True) + gluon_launch.TILE_OVERHEAD_BLOCKS
+    )
     loads = [sum(map(cost, x)) for x in lists]
     mean = sum(loads) / programs
     if tiles >= 8 * programs:
@@ -94,10 +100,13 @@ def test_balanced_schedule(b, h, group, seqlen, mib):
 
     def in_group_order(bounds):  # every program meets the groups in order; all start in the first
         group_of = lambda t: bisect.bisect_right(bounds, kv_of(t)) - 1
-        return all([group_of(t) for t in x] == sorted(group_of(t) for t in x) for x in lists) and \
-            {group_of(x[0]) for x in lists if x} == {0}
-    assert in_group_order(gluon_launch.group_bounds(b * hkv, per_group, even=False)) or \
-        in_group_order(gluon_launch.group_bounds(b * hkv, per_group, even=True))
+        return all([group_of(t) for t in x] == sorted(group_of(t) for t in x) for x in lists) and {
+            group_of(x[0]) for x in lists if x
+        } == {0}
+
+    assert in_group_order(gluon_launch.group_bounds(b * hkv, per_group, even=False)) or in_group_order(
+        gluon_launch.group_bounds(b * hkv, per_group, even=True)
+    )
 
 
 def test_even_groups_where_a_short_last_group_would_leave_a_tail():
@@ -106,8 +115,10 @@ def test_even_groups_where_a_short_last_group_would_leave_a_tail():
     model (measured 3.4% slower than 32 MiB's table). Groups of even sizes (3, 3, 3, 3, 2, 2)
     are taken where their largest load is smaller; elsewhere the table is the chunked one, unchanged."""
     n_m, kv_bytes = 16384 // 128, 320
-    cost = [gluon_launch.block_count(mb, 128, 128, 16384, 16384, True) + gluon_launch.TILE_OVERHEAD_BLOCKS
-            for mb in range(n_m)]
+    cost = [
+        gluon_launch.block_count(mb, 128, 128, 16384, 16384, True) + gluon_launch.TILE_OVERHEAD_BLOCKS
+        for mb in range(n_m)
+    ]
     assert gluon_launch.group_bounds(16, 3, even=False) == (0, 3, 6, 9, 12, 15, 16)
     assert gluon_launch.group_bounds(16, 3, even=True) == (0, 3, 6, 9, 12, 14, 16)
     assert gluon_launch.group_bounds(32, 6, even=True) == (0, 6, 12, 17, 22, 27, 32)  # larger groups first
@@ -115,14 +126,16 @@ def test_even_groups_where_a_short_last_group_would_leave_a_tail():
     def worst(lists):
         loads = [sum(cost[t % n_m] for t in x) for x in lists]
         return max(loads) / (sum(loads) / len(loads))
+
     chunked, _ = gluon_launch._greedy(gluon_launch.group_bounds(16, 3, even=False), 16, 1, n_m, cost, 132)
     assert worst(chunked) > 1.04
     table = gluon_launch.schedule(1, 16, 1, n_m, 16384, 16384, 128, 128, True, kv_bytes, 132, 16 << 20)
     assert worst(table) < 1.005
     # 32 MiB: groups of 6, 6, 4 are as good as 6, 5, 5 or better: the chunked table stays
     chunked32, _ = gluon_launch._greedy(gluon_launch.group_bounds(16, 6, even=False), 16, 1, n_m, cost, 132)
-    assert gluon_launch.schedule(1, 16, 1, n_m, 16384, 16384, 128, 128, True, kv_bytes, 132, 32 << 20) == \
-        tuple(tuple(x) for x in chunked32)
+    assert gluon_launch.schedule(1, 16, 1, n_m, 16384, 16384, 128, 128, True, kv_bytes, 132, 32 << 20) == tuple(
+        tuple(x) for x in chunked32
+    )
 
 
 def test_l2_group_is_a_launch_field():
@@ -210,6 +223,7 @@ def test_prepare_gluon_rejects_what_it_cannot_launch():
 
 # ---- BoundLaunch: the fast path passes what prepare builds ------------------------------------
 
+
 class Recorder:
     """Stands in for a CompiledKernel: records what `run` gets."""
 
@@ -229,7 +243,7 @@ class Recorder:
 def recorded(monkeypatch):
     rec = Recorder()
     monkeypatch.setattr(launch, "run_prepared", lambda *a, **k: rec)
-    monkeypatch.setattr(fastlaunch, "_stream_getter", lambda: (lambda device: "stream"))
+    monkeypatch.setattr(fastlaunch, "_stream_getter", lambda: lambda device: "stream")
     monkeypatch.setattr(launch, "bind_transpose", lambda v, permute: lambda x: transpose_v(x, permute))
     return rec
 
@@ -243,11 +257,17 @@ def same_argument(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("config", [GLUON, GLUON.replace(v_permute=False, persistent=False, q_order="heavy_first"),
-                                    default_config("fp8", 128, 128),
-                                    default_config("fp8", 128, 128).replace(loads="pointer"),
-                                    default_config("fp8", 128, 128).replace(v_layout="natural")],
-                         ids=["gluon", "gluon-plain-v", "triton-tma", "triton-pointer", "triton-natural-v"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        GLUON,
+        GLUON.replace(v_permute=False, persistent=False, q_order="heavy_first"),
+        default_config("fp8", 128, 128),
+        default_config("fp8", 128, 128).replace(loads="pointer"),
+        default_config("fp8", 128, 128).replace(v_layout="natural"),
+    ],
+    ids=["gluon", "gluon-plain-v", "triton-tma", "triton-pointer", "triton-natural-v"],
+)
 @pytest.mark.parametrize("descales", [True, False])
 def test_bound_launch_passes_what_prepare_builds(config, descales, recorded):
     q, k, v, out, ds = tensors(seed=1, descales=descales)
@@ -255,7 +275,7 @@ def test_bound_launch_passes_what_prepare_builds(config, descales, recorded):
     assert bound is not None
     q2, k2, v2, out2, ds2 = tensors(seed=2, descales=descales)  # same layout, new data
     bound(q2, k2, v2, out2, *ds2)
-    (grid, full), = recorded.calls
+    ((grid, full),) = recorded.calls
     pgrid, args, options = launch.prepare(config, q2, k2, v2, out2, 0.1, True, *ds2)
     expected = (*args, options["CAUSAL"])
     assert grid == (pgrid[0], 1, 1) and len(full) == len(expected)
@@ -264,6 +284,7 @@ def test_bound_launch_passes_what_prepare_builds(config, descales, recorded):
 
 
 # ---- BoundLaunch's raw path: descriptors encoded once per pointer, Triton's C launcher direct -----
+
 
 class FakeDriver:
     """Stands in for Triton's active driver: `fill_tma_descriptor` returns a token of its arguments."""
@@ -299,14 +320,21 @@ class LauncherKernel:
 
         from triton.backends.nvidia.driver import wrap_handle_tensordesc
 
-        meta = [dict(swizzle=128, elem_size=1, elem_type=i, block_size=[64 + i, 128], fp4_padded=False)
-                for i in range(n_desc)]
+        meta = [
+            dict(swizzle=128, elem_size=1, elem_type=i, block_size=[64 + i, 128], fp4_padded=False)
+            for i in range(n_desc)
+        ]
         self.metadata = SimpleNamespace(tensordesc_meta=meta)
         signature = {i: ("tensordesc<fp8e4nv[64, 128]>" if i < n_desc else "i32") for i in range(n_args)}
         self.c_calls = []
         wrapped = wrap_handle_tensordesc(CLauncher(self.c_calls), signature, meta)
-        self.run = SimpleNamespace(launch=wrapped, global_scratch_size=0, profile_scratch_size=0,
-                                   launch_cooperative_grid=False, launch_pdl=False)
+        self.run = SimpleNamespace(
+            launch=wrapped,
+            global_scratch_size=0,
+            profile_scratch_size=0,
+            launch_cooperative_grid=False,
+            launch_pdl=False,
+        )
         self.run.__call__ = None
 
     def launch_metadata(self, *args):
@@ -316,14 +344,15 @@ class LauncherKernel:
         self.run.launch(g0, g1, g2, stream, function, False, False, None, None, *args)
 
 
-@pytest.mark.parametrize("config", [GLUON.replace(v_permute=False), default_config("fp8", 128, 128)],
-                         ids=["gluon", "triton-tma"])
+@pytest.mark.parametrize(
+    "config", [GLUON.replace(v_permute=False), default_config("fp8", 128, 128)], ids=["gluon", "triton-tma"]
+)
 def test_raw_launch_passes_what_triton_would(config, monkeypatch):
     from triton.runtime import driver
 
     fake = FakeDriver()
     monkeypatch.setattr(driver, "_active", fake)
-    monkeypatch.setattr(fastlaunch, "_stream_getter", lambda: (lambda device: 7))
+    monkeypatch.setattr(fastlaunch, "_stream_getter", lambda: lambda device: 7)
     monkeypatch.setattr(launch, "bind_transpose", lambda v, permute: lambda x: transpose_v(x, permute))
     q, k, v, out, ds = tensors(seed=1)
     _, args, options = launch.prepare(config, q, k, v, out, 0.1, True, *ds)
@@ -363,7 +392,7 @@ def test_raw_launch_encodes_once_per_pointer(monkeypatch):
 
     fake = FakeDriver()
     monkeypatch.setattr(driver, "_active", fake)
-    monkeypatch.setattr(fastlaunch, "_stream_getter", lambda: (lambda device: 7))
+    monkeypatch.setattr(fastlaunch, "_stream_getter", lambda: lambda device: 7)
     config = GLUON.replace(v_permute=False)
     q, k, v, out, ds = tensors(sq=1024, sk=1024, seed=1)
     v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # K-major: read in place, no copy
@@ -380,8 +409,11 @@ def test_raw_launch_encodes_once_per_pointer(monkeypatch):
     assert [a[1] for a in first if isinstance(a, tuple)] == [t.data_ptr() for t in (q, k, v, out)]
     out2 = torch.empty_like(out)
     bound(q, k, v, out2, *ds)
-    assert fake.fills == 5 and kern.c_calls[-1][first.index(next(a for a in first if isinstance(a, tuple)
-                                                                  and a[1] == out.data_ptr()))][1] == out2.data_ptr()
+    assert (
+        fake.fills == 5
+        and kern.c_calls[-1][first.index(next(a for a in first if isinstance(a, tuple) and a[1] == out.data_ptr()))][1]
+        == out2.data_ptr()
+    )
     monkeypatch.setattr(fastlaunch, "TMA_CACHE_LIMIT", 2)
     bound(q, k, v, torch.empty_like(out), *ds)  # the out slot's cache is full: it starts over
     assert len(bound.tma[3][1].encoded) == 1
@@ -412,8 +444,9 @@ def test_raw_launch_not_used_with_hooks_or_scratch(monkeypatch):
 def test_output_box_is_one_chunk_with_the_output_through_p_tiles(through_p):
     """o_through_p (hd256, 128-key blocks, two P tiles): the output descriptor's box is one chunk of
     64 columns (what a P tile holds), on the same (B, Sq, H*256) view; the kernel stores 4 per row block."""
-    cfg = default_config("fp8", 256, 256, "gluon").replace(block_n=128, num_stages=2, p_carry="smem2",
-                                                                o_through_p=through_p)
+    cfg = default_config("fp8", 256, 256, "gluon").replace(
+        block_n=128, num_stages=2, p_carry="smem2", o_through_p=through_p
+    )
     b, sq, h = 1, 300, 2
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, sq, h, 256, generator=g).to(FP8) for _ in range(3))
@@ -435,13 +468,15 @@ def test_fast_path_compiles_again_for_other_constexprs_or_options(monkeypatch):
             def compile_and_launch(*args, **kw):
                 compiled.append(kw)
                 return f"kernel{len(compiled)}"
+
             return compile_and_launch
 
     monkeypatch.setattr(fastlaunch, "_compiled", {})
     monkeypatch.setattr(fastlaunch, "launch_compiled", lambda c, grid, device, full: launched.append((c, full)))
     x = torch.zeros(16)
-    run = lambda nseg, warps=4: fastlaunch.run(("quantize_amax", 128), Fn(), (1,), (x, 7), {"NSEG": nseg},
-                                               {"num_warps": warps}, 0)
+    run = lambda nseg, warps=4: fastlaunch.run(
+        ("quantize_amax", 128), Fn(), (1,), (x, 7), {"NSEG": nseg}, {"num_warps": warps}, 0
+    )
     assert [run(1), run(3), run(3, warps=8)] == ["kernel1", "kernel2", "kernel3"]
     assert [kw["NSEG"] for kw in compiled] == [1, 3, 3]
     assert run(1) == "kernel1" and run(3) == "kernel2"

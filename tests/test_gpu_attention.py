@@ -28,8 +28,12 @@ def _configs(dtype, dqk, dv):
     if dtype == "bf16":
         return {"exact": base}
     lean = base.replace(softmax="lean", rowsum="rounded")
-    return {"exact": base, "lean": lean, "lean-centered": lean.replace(lean_fold="centered"),
-            "lean-centered-sat": lean.replace(lean_fold="centered", lean_clamp="sat")}
+    return {
+        "exact": base,
+        "lean": lean,
+        "lean-centered": lean.replace(lean_fold="centered"),
+        "lean-centered-sat": lean.replace(lean_fold="centered", lean_clamp="sat"),
+    }
 
 
 def _check(b, sq, sk, h, hk, dqk, dv, dtype, causal=True, seed=0):
@@ -78,7 +82,7 @@ def test_every_output_element_written():
 def test_error_within_fa3():
     """Exact mode: rel. L2 within 1.1x FA3's on the same FP8 inputs."""
     fa3 = pytest.importorskip("fa3_fwd_interface")
-    for (dqk, dv) in HEAD_DIMS:
+    for dqk, dv in HEAD_DIMS:
         for s in (1000, 4096):
             args, kw = _inputs(1, s, s, 8, 8, dqk, dv, "fp8", 11)
             ref = attention_reference(*args, causal=True, **kw)

@@ -56,18 +56,26 @@ class _Block(torch.nn.Module):
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split([self.heads * self.hd, self.kv_heads * self.hd,
-                                                 self.kv_heads * self.hd], dim=-1)
-        a = self.attn(q.view(b, s, self.heads, self.hd), k.view(b, s, self.kv_heads, self.hd),
-                      v.view(b, s, self.kv_heads, self.hd))
+        q, k, v = self.qkv(self.norm1(x)).split(
+            [self.heads * self.hd, self.kv_heads * self.hd, self.kv_heads * self.hd], dim=-1
+        )
+        a = self.attn(
+            q.view(b, s, self.heads, self.hd),
+            k.view(b, s, self.kv_heads, self.hd),
+            v.view(b, s, self.kv_heads, self.hd),
+        )
         x = x + self.o(a.reshape(b, s, -1))
         return x + self.mlp(self.norm2(x))
 
 
 def _sdpa(q, k, v):
     g = q.shape[2] // k.shape[2]
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(g, 2).transpose(1, 2),
-                                       v.repeat_interleave(g, 2).transpose(1, 2), is_causal=True)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.repeat_interleave(g, 2).transpose(1, 2),
+        v.repeat_interleave(g, 2).transpose(1, 2),
+        is_causal=True,
+    )
     return o.transpose(1, 2)
 
 

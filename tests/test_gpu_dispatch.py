@@ -20,13 +20,18 @@ pytestmark = pytest.mark.gpu
 def tuned_db(tmp_path, monkeypatch):
     """A database holding one tuned fp8 hd128 entry for this GPU, installed as the only layer."""
     cfg = default_config("fp8", 128, 128).replace(softmax="lean", rowsum="rounded", num_stages=2)
-    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=8,
-                                kv_heads=8, seqlen=2048)
+    key = ProblemKey.from_shape(
+        dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=8, kv_heads=8, seqlen=2048
+    )
     with open_store(tmp_path / "t.db") as store:
-        store.record_trial(current_fingerprint(), key, cfg,
-                           TrialResult(status="ok", median_ms=0.1, tflops=100.0, error_rel_l2=0.03,
-                                       batch=2, heads=8, seqlen=2048),
-                           source_hash=emit(cfg).source_hash, study="gpu-test")
+        store.record_trial(
+            current_fingerprint(),
+            key,
+            cfg,
+            TrialResult(status="ok", median_ms=0.1, tflops=100.0, error_rel_l2=0.03, batch=2, heads=8, seqlen=2048),
+            source_hash=emit(cfg).source_hash,
+            study="gpu-test",
+        )
     monkeypatch.setattr(dispatch, "_dispatcher", dispatch.Dispatcher([str(tmp_path / "t.db")]))
     return cfg
 
@@ -76,10 +81,17 @@ def test_launch_fast_path_matches_first_launch():
         assert rel_l2(again, attention_reference(*args, **kw)) < 0.03
 
 
-@pytest.mark.parametrize("dtype,dqk,dv,variant", [
-    ("fp8", 128, 128, {}), ("fp8", 128, 128, dict(loads="pointer")), ("fp8", 64, 64, dict(v_layout="natural")),
-    ("bf16", 128, 128, {}), ("bf16", 192, 128, {}), ("fp8", 256, 256, dict(loads="pointer", v_layout="natural")),
-])
+@pytest.mark.parametrize(
+    "dtype,dqk,dv,variant",
+    [
+        ("fp8", 128, 128, {}),
+        ("fp8", 128, 128, dict(loads="pointer")),
+        ("fp8", 64, 64, dict(v_layout="natural")),
+        ("bf16", 128, 128, {}),
+        ("bf16", 192, 128, {}),
+        ("fp8", 256, 256, dict(loads="pointer", v_layout="natural")),
+    ],
+)
 def test_fast_path_equals_checked_path(dtype, dqk, dv, variant, monkeypatch):
     """Later calls with one layout take the bound launch; they must equal a fresh checked call bitwise,
     for new data, for the descales passed, and for a view with an unaligned pointer (checked path)."""
@@ -101,7 +113,7 @@ def test_fast_path_equals_checked_path(dtype, dqk, dv, variant, monkeypatch):
         assert rel_l2(fast, attention_reference(*args, **kw)) < (0.05 if dtype == "fp8" else 0.01)
     q, k, v = args
     buf = torch.empty(q.numel() * q.element_size() + 16, dtype=torch.uint8, device=q.device)
-    q_odd = buf[8:8 + q.numel() * q.element_size()].view(q.dtype).view(q.shape)
+    q_odd = buf[8 : 8 + q.numel() * q.element_size()].view(q.dtype).view(q.shape)
     q_odd.copy_(q)
     assert q_odd.data_ptr() % 16 and q_odd.stride() == q.stride()
     assert torch.equal(flash_attn_func(q_odd, k, v, config=cfg, **kw), checked)

@@ -30,13 +30,26 @@ from zyfa_tune.tuning.verify import make_inputs
 
 pytestmark = pytest.mark.gpu
 
+
 @pytest.mark.parametrize("fold", LEAN_BOUNDS)
-@pytest.mark.parametrize("sq,sk,causal", [(1, 1, True), (17, 17, True), (1000, 1000, True), (4096, 4096, True),
-                                          (300, 100, True), (1000, 1536, False)])
+@pytest.mark.parametrize(
+    "sq,sk,causal",
+    [(1, 1, True), (17, 17, True), (1000, 1000, True), (4096, 4096, True), (300, 100, True), (1000, 1536, False)],
+)
 def test_lean_p(fold, sq, sk, causal):
     bound, factor = LEAN_BOUNDS[fold]
-    check(LEAN.replace(lean_fold=fold), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128,
-          bound=bound, fa3_factor=factor)
+    check(
+        LEAN.replace(lean_fold=fold),
+        2,
+        sq,
+        sk,
+        4,
+        2,
+        causal=causal,
+        vs_fa3=min(sq, sk) >= 128,
+        bound=bound,
+        fa3_factor=factor,
+    )
 
 
 def test_lean_p_bitwise_stable_and_fast_path():
@@ -48,13 +61,17 @@ def test_lean_p_bitwise_stable_and_fast_path():
 
 #: 2^x on the FMA pipe for a share of the scores (generator/asm/exp2_poly.py): float32 within 9e-5 / 2e-3
 #: of 2^x, so the error is the exact kernel's (the share of exactly rounded codes: tests/test_exp2_poly.py)
-POLY = {f"{share}-d{degree}": GLUON.replace(exp2_poly=share, exp2_poly_degree=degree)
-        for share, degree in ((1, 3), (3, 3), (3, 2), (8, 3), (8, 2))}
+POLY = {
+    f"{share}-d{degree}": GLUON.replace(exp2_poly=share, exp2_poly_degree=degree)
+    for share, degree in ((1, 3), (3, 3), (3, 2), (8, 3), (8, 2))
+}
 
 
 @pytest.mark.parametrize("name", POLY)
-@pytest.mark.parametrize("sq,sk,causal", [(1, 1, True), (17, 17, True), (1000, 1000, True), (4096, 4096, True),
-                                          (300, 100, True), (1000, 1536, False)])
+@pytest.mark.parametrize(
+    "sq,sk,causal",
+    [(1, 1, True), (17, 17, True), (1000, 1000, True), (4096, 4096, True), (300, 100, True), (1000, 1536, False)],
+)
 def test_exp2_poly(name, sq, sk, causal):
     exact = check(GLUON, 2, sq, sk, 4, 2, causal=causal, vs_fa3=False)
     out = check(POLY[name], 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128)
@@ -78,8 +95,11 @@ def test_packed_p_equals_the_float32_carry(name, sq, sk, causal):
 
 #: lean P's codes made where the softmax folds the scores and carried packed (in registers, through one
 #: shared-memory tile, through two with a halved first block) instead of made next to the PV wgmma
-LEAN_CARRIES = {"e4m3": dict(p_carry="e4m3"), "smem": dict(p_carry="smem"),
-                "smem2-half": dict(p_carry="smem2", half_block=True)}
+LEAN_CARRIES = {
+    "e4m3": dict(p_carry="e4m3"),
+    "smem": dict(p_carry="smem"),
+    "smem2-half": dict(p_carry="smem2", half_block=True),
+}
 
 
 @pytest.mark.parametrize("name", LEAN_CARRIES)
@@ -98,10 +118,13 @@ def test_lean_codes_carried_packed_equal_the_float32_carry(name, sq, sk, causal)
 #: in f16, then float32) beside the same kernel's row-sum MMA: per row or per lane, with the codes in
 #: registers, through one shared tile, through two (with a halved first block, whose exact step sums
 #: float32), and the 256-key two-tile kernel
-CODE_SUMS = {"e4m3": dict(p_carry="e4m3"), "smem": dict(p_carry="smem"),
-             "smem2-half": dict(p_carry="smem2", half_block=True),
-             "smem2-half-lanes": dict(p_carry="smem2", half_block=True, lane_sums=True),
-             "256-lanes": dict(gluon_smem2_config("fp8", 128, 128).replace(q_stages=1).to_dict(), lane_sums=True)}
+CODE_SUMS = {
+    "e4m3": dict(p_carry="e4m3"),
+    "smem": dict(p_carry="smem"),
+    "smem2-half": dict(p_carry="smem2", half_block=True),
+    "smem2-half-lanes": dict(p_carry="smem2", half_block=True, lane_sums=True),
+    "256-lanes": dict(gluon_smem2_config("fp8", 128, 128).replace(q_stages=1).to_dict(), lane_sums=True),
+}
 
 
 @pytest.mark.parametrize("name", CODE_SUMS)
@@ -119,9 +142,13 @@ def test_lean_code_sums_match_the_row_sum_mma(name, sq, sk, causal):
 #: clamp "sat" (a saturating FMA instead of the integer max) beside its "imax" twin: the same codes
 #: but where 8x + 56 is within 2^-18 of a half-integer (tests/test_lean_numerics.py), for each fold
 #: under the row-sum MMA and for the 256-key two-tile kernel with code sums
-SAT_TWINS = {**{fold: LEAN.replace(lean_fold=fold) for fold in LEAN_BOUNDS},
-             **{f"256-codes-{fold}": LEAN.replace(**CODE_SUMS["256-lanes"], rowsum="rounded", lean_fold=fold)
-                for fold in ("fma", "centered")}}
+SAT_TWINS = {
+    **{fold: LEAN.replace(lean_fold=fold) for fold in LEAN_BOUNDS},
+    **{
+        f"256-codes-{fold}": LEAN.replace(**CODE_SUMS["256-lanes"], rowsum="rounded", lean_fold=fold)
+        for fold in ("fma", "centered")
+    },
+}
 
 
 @pytest.mark.parametrize("name", SAT_TWINS)
@@ -129,8 +156,18 @@ SAT_TWINS = {**{fold: LEAN.replace(lean_fold=fold) for fold in LEAN_BOUNDS},
 def test_lean_sat_clamp_matches_imax(name, sq, sk, causal):
     cfg = SAT_TWINS[name]
     bound, factor = LEAN_BOUNDS[cfg.lean_fold]
-    out = check(cfg.replace(lean_clamp="sat"), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128,
-                bound=bound, fa3_factor=factor)
+    out = check(
+        cfg.replace(lean_clamp="sat"),
+        2,
+        sq,
+        sk,
+        4,
+        2,
+        causal=causal,
+        vs_fa3=min(sq, sk) >= 128,
+        bound=bound,
+        fa3_factor=factor,
+    )
     args, kw = make_inputs("fp8", 128, 128, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=0)
     twin = flash_attn_func(*args, causal=causal, config=cfg, **kw)
     # a few tens of the ~4M codes of a case move by one (ties within 2^-18), each moving its row by <~0.5%
@@ -141,12 +178,15 @@ def test_lean_sat_clamp_matches_imax(name, sq, sk, causal):
 #: quantised as FA3's are (Q's maximum at 448, where f16 scores would overflow but for the kernel's
 #: rescale of Q's rows): the 256-key two-tile lean kernel with code sums (each one-FMA fold, and the corrected
 #: fold: its f16 form against the float32 one), and at head dims 64 and 96 (three 32-column Q parts)
-F16_TWINS = {"256-codes-fma": gluon_lean_smem2_config("fp8", 128, 128),
-             "256-codes-centered": gluon_lean_smem2_config("fp8", 128, 128).replace(lean_fold="centered"),
-             "256-codes-corrected": gluon_lean_smem2_config("fp8", 128, 128).replace(lean_fold="corrected"),
-             "hd64": gluon_lean_smem2_config("fp8", 64, 64), "hd96": gluon_lean_smem2_config("fp8", 96, 96),
-             # the qk_async seed's register split (a 24-register producer)
-             "256-codes-fma-p24": gluon_lean_smem2_config("fp8", 128, 128).replace(producer_regs=24)}
+F16_TWINS = {
+    "256-codes-fma": gluon_lean_smem2_config("fp8", 128, 128),
+    "256-codes-centered": gluon_lean_smem2_config("fp8", 128, 128).replace(lean_fold="centered"),
+    "256-codes-corrected": gluon_lean_smem2_config("fp8", 128, 128).replace(lean_fold="corrected"),
+    "hd64": gluon_lean_smem2_config("fp8", 64, 64),
+    "hd96": gluon_lean_smem2_config("fp8", 96, 96),
+    # the qk_async seed's register split (a 24-register producer)
+    "256-codes-fma-p24": gluon_lean_smem2_config("fp8", 128, 128).replace(producer_regs=24),
+}
 
 
 @pytest.mark.parametrize("name", F16_TWINS)
@@ -158,11 +198,22 @@ def test_f16_scores_match_float32_scores(name, sq, sk, causal):
     cfg = F16_TWINS[name]
     bound, factor = LEAN_BOUNDS[cfg.lean_fold]
     if cfg.lean_fold == "corrected":  # u = 1 - t at the row's own maximum: FA3's error (0.98-1.00x;
-        factor = 1.03                 # folding t at the 1/8-grid maximum was 1.08x)
-    out = check(cfg.replace(qk_acc="f16"), 2, sq, sk, 4, 2, causal=causal, vs_fa3=min(sq, sk) >= 128,
-                bound=bound, fa3_factor=factor)
-    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
-                           seqlen_k=sk, seed=0)
+        factor = 1.03  # folding t at the 1/8-grid maximum was 1.08x)
+    out = check(
+        cfg.replace(qk_acc="f16"),
+        2,
+        sq,
+        sk,
+        4,
+        2,
+        causal=causal,
+        vs_fa3=min(sq, sk) >= 128,
+        bound=bound,
+        fa3_factor=factor,
+    )
+    args, kw = make_inputs(
+        "fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=0
+    )
     twin = flash_attn_func(*args, causal=causal, config=cfg, **kw)
     print(f" f16 vs f32 scores: {rel_l2(out, twin):.3e}", end="")
     # (1.3-1.6e-2 measured at 1000-4096 keys; up to 2.0e-2 with b's margin, which
@@ -176,23 +227,33 @@ def test_qk_async_is_bitwise_its_synchronous_twin(name, sq, sk, causal):
     """qk_async (generator/ptx_pass.py) only moves QK^T's wait behind PV(j-1)'s issue: the same instructions
     on the same values, so the same output bits as the f16-score kernel that waits first."""
     cfg = F16_TWINS[name].replace(qk_acc="f16")
-    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq,
-                           seqlen_k=sk, seed=3)
+    args, kw = make_inputs(
+        "fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=3
+    )
     out = flash_attn_func(*args, causal=causal, config=cfg.replace(qk_async=True), **kw)
     twin = flash_attn_func(*args, causal=causal, config=cfg, **kw)
     assert torch.isfinite(out).all() and torch.equal(out, twin)
 
 
-@pytest.mark.parametrize("family,smooth_k,factor", [("sink", False, 1.05), ("peaky", False, 1.05), ("rope", False, 1.05),
-                                                     ("outliers", False, 1.35), ("outliers", True, 1.05)])
+@pytest.mark.parametrize(
+    "family,smooth_k,factor",
+    [
+        ("sink", False, 1.05),
+        ("peaky", False, 1.05),
+        ("rope", False, 1.05),
+        ("outliers", False, 1.35),
+        ("outliers", True, 1.05),
+    ],
+)
 def test_f16_scores_on_activation_like_inputs(family, smooth_k, factor):
     """An attention sink, peaky rows and RoPE: no overflow, the float32-score kernel's error within 5%. Channel
     outliers (a per-channel bias: logits of hundreds) cost f16 scores their 11-bit precision: 1.28x the error
     as measured, unless K is smoothed (quantize_fp8(smooth_k=True), the remedy for that
     family anyway), which takes the bias, and the large logits, out."""
     err, err32 = f16_family_errors(F16_TWINS["256-codes-fma"], family, 2048, 1, smooth_k)
-    print(f"\n{family} smooth_k={smooth_k}: f16 scores {err:.4e}, float32 scores {err32:.4e} ({err / err32:.3f}x)",
-          end="")
+    print(
+        f"\n{family} smooth_k={smooth_k}: f16 scores {err:.4e}, float32 scores {err32:.4e} ({err / err32:.3f}x)", end=""
+    )
     assert err <= factor * err32
 
 
@@ -206,8 +267,9 @@ def test_f16_scores_stay_finite_on_logits_of_thousands(family, fold, p_offset):
     twin's error here (smooth_k takes the bias out: test above)."""
     cfg = F16_TWINS[f"256-codes-{fold}"].replace(p_scale_log2=p_offset)
     err, err32 = f16_family_errors(cfg, family, 4096, 2)
-    print(f"\n{family} {fold} P={p_offset}: f16 scores {err:.4e}, float32 scores {err32:.4e} ({err / err32:.3f}x)",
-          end="")
+    print(
+        f"\n{family} {fold} P={p_offset}: f16 scores {err:.4e}, float32 scores {err32:.4e} ({err / err32:.3f}x)", end=""
+    )
     assert err <= 2.5 * err32
 
 
@@ -216,8 +278,11 @@ def test_f16_scores_stay_finite_on_logits_of_thousands(family, fold, p_offset):
 REF_BASE = gluon_lean_f16_async_config("fp8", 128, 128)
 
 
-REF_CASES = {"max": dict(lean_ref="max"), "max-floor": dict(lean_ref="max", lean_floor=True),
-             "grid-floor": dict(lean_floor=True)}
+REF_CASES = {
+    "max": dict(lean_ref="max"),
+    "max-floor": dict(lean_ref="max", lean_floor=True),
+    "grid-floor": dict(lean_floor=True),
+}
 
 
 @pytest.mark.parametrize("name", REF_CASES)
@@ -243,8 +308,11 @@ def test_lean_ref_max_and_floor_on_activation_like_inputs(family):
     both stay finite on logits of thousands (llm, outliers)."""
     at_max, grid = family_errors(REF_BASE.replace(lean_ref="max"), REF_BASE, family, 4096, 2)
     floor, _ = family_errors(REF_BASE.replace(lean_ref="max", lean_floor=True), REF_BASE, family, 4096, 2)
-    print(f"\n{family}: grid {grid:.4e}, max {at_max:.4e} ({at_max / grid:.3f}x), max+floor {floor:.4e} "
-          f"({floor / grid:.3f}x)", end="")
+    print(
+        f"\n{family}: grid {grid:.4e}, max {at_max:.4e} ({at_max / grid:.3f}x), max+floor {floor:.4e} "
+        f"({floor / grid:.3f}x)",
+        end="",
+    )
     assert at_max <= (1.2 if family == "peaky" else 1.005) * grid
     assert floor <= 1.005 * at_max
 

@@ -23,8 +23,13 @@ from zyfa_tune.tuning.verify import make_inputs
 pytestmark = pytest.mark.gpu
 
 #: (batch, seqlen_q, seqlen_k, heads, kv_heads, causal): ragged, GQA, non-causal, fewer tiles than SMs
-BALANCE_SHAPES = [(2, 1000, 1000, 8, 8, True), (1, 777, 1500, 8, 2, True), (3, 4096, 4096, 4, 4, True),
-                  (2, 600, 900, 4, 4, False), (1, 130, 130, 2, 1, True)]
+BALANCE_SHAPES = [
+    (2, 1000, 1000, 8, 8, True),
+    (1, 777, 1500, 8, 2, True),
+    (3, 4096, 4096, 4, 4, True),
+    (2, 600, 900, 4, 4, False),
+    (1, 130, 130, 2, 1, True),
+]
 
 
 @pytest.mark.parametrize("name", ["seed", "wide", "256-defer"])
@@ -32,12 +37,14 @@ BALANCE_SHAPES = [(2, 1000, 1000, 8, 8, True), (1, 777, 1500, 8, 2, True), (3, 4
 def test_balanced_schedule_is_round_robin_reordered(name, shape):
     """q_order="balanced" only changes which program runs a tile and when: every tile is computed by
     the same code, so the output is bitwise that of round robin (heavy first)."""
-    cfg = {"seed": GLUON, "wide": gluon_wide_config("fp8", 128, 128),
-           "256-defer": gluon_defer_config("fp8", 256, 256)}[name]
+    cfg = {"seed": GLUON, "wide": gluon_wide_config("fp8", 128, 128), "256-defer": gluon_defer_config("fp8", 256, 256)}[
+        name
+    ]
     assert cfg.q_order == "balanced"
     b, sq, sk, h, hk, causal = shape
-    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=b, heads=h, kv_heads=hk, seqlen=sq,
-                           seqlen_k=sk, seed=5)
+    args, kw = make_inputs(
+        "fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=b, heads=h, kv_heads=hk, seqlen=sq, seqlen_k=sk, seed=5
+    )
     balanced = flash_attn_func(*args, causal=causal, config=cfg, **kw)
     assert torch.equal(balanced, flash_attn_func(*args, causal=causal, config=cfg.replace(q_order="heavy_first"), **kw))
 
@@ -50,13 +57,27 @@ def test_l2_group_only_moves_tiles(name):
 
     cfg = GLUON if name == "seed" else gluon_smem2_chunked_config("fp8", 192, 128)
     assert cfg.q_order == "balanced"
-    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=1, heads=16, kv_heads=16, seqlen=8192,
-                           seed=6)
+    args, kw = make_inputs("fp8", cfg.head_dim_qk, cfg.head_dim_v, batch=1, heads=16, kv_heads=16, seqlen=8192, seed=6)
     base = flash_attn_func(*args, causal=True, config=cfg, **kw)
     for mib in (8, 32, 64):
         assert torch.equal(flash_attn_func(*args, causal=True, config=cfg.replace(l2_group_mib=mib), **kw), base)
-    tables = {gluon_launch.schedule(1, 16, 1, 8192 // cfg.block_m, 8192, 8192, cfg.block_m, cfg.block_n, True,
-                                    cfg.head_dim_qk + cfg.head_dim_v, 132, mib << 20) for mib in (8, 16, 32)}
+    tables = {
+        gluon_launch.schedule(
+            1,
+            16,
+            1,
+            8192 // cfg.block_m,
+            8192,
+            8192,
+            cfg.block_m,
+            cfg.block_n,
+            True,
+            cfg.head_dim_qk + cfg.head_dim_v,
+            132,
+            mib << 20,
+        )
+        for mib in (8, 16, 32)
+    }
     assert len(tables) == 3  # K and V 2-2.5 MiB a head: groups of 3-4, 6-8 and 12-16 heads
 
 
@@ -104,8 +125,7 @@ def test_dispatcher_natural_winner_with_k_major_v(tmp_path, monkeypatch):
     natural = CONFIGS["natural"]
     dispatch_from(tmp_path, monkeypatch, ((natural, 0.01),), 1, 512)
     args, kw = make_inputs("fp8", 128, 128, batch=1, heads=8, kv_heads=8, seqlen=500, seed=10)
-    km_args, km_kw = make_inputs("fp8", 128, 128, batch=1, heads=8, kv_heads=8, seqlen=500, seed=10,
-                                 v_layout="k_major")
+    km_args, km_kw = make_inputs("fp8", 128, 128, batch=1, heads=8, kv_heads=8, seqlen=500, seed=10, v_layout="k_major")
     assert explain(*args, **kw).config == natural
     twin = explain(*km_args, **km_kw)
     assert twin.config == natural.replace(v_layout="transposed") and "K-major" in twin.detail
@@ -120,12 +140,18 @@ def test_dispatcher_natural_winner_with_k_major_v(tmp_path, monkeypatch):
 #: key-relabelling kernels whose relabelling can move to K (k_perm): the dispatcher's 16K exact pick (256
 #: keys, two P tiles, ping-pong, producer 56), the same with a halved first block, the seed (float32 carry,
 #: 128 keys), 192-key blocks (two K boxes), lean P on f16 scores, and hd64 / 192-128 / 256
-K_PERM = {"256-pick": gluon_smem2_config("fp8", 128, 128).replace(half_block=False, ping_pong=True, producer_regs=56,
-                                                                   skip_rescale=True, p_scale_log2=7, lane_sums=False),
-          "smem2-half": gluon_smem2_config("fp8", 128, 128), "seed": GLUON,
-          "split": CONFIGS["split-mma-skip"],
-          "lean-f16": gluon_lean_smem2_config("fp8", 128, 128).replace(qk_acc="f16", p_scale_log2=8),
-          "hd64": PACKED["64-three"], "192/128": PACKED["192/128"], "hd256": gluon_defer_config("fp8", 256, 256)}
+K_PERM = {
+    "256-pick": gluon_smem2_config("fp8", 128, 128).replace(
+        half_block=False, ping_pong=True, producer_regs=56, skip_rescale=True, p_scale_log2=7, lane_sums=False
+    ),
+    "smem2-half": gluon_smem2_config("fp8", 128, 128),
+    "seed": GLUON,
+    "split": CONFIGS["split-mma-skip"],
+    "lean-f16": gluon_lean_smem2_config("fp8", 128, 128).replace(qk_acc="f16", p_scale_log2=8),
+    "hd64": PACKED["64-three"],
+    "192/128": PACKED["192/128"],
+    "hd256": gluon_defer_config("fp8", 256, 256),
+}
 
 
 #: (seqlen_q, seqlen_k, causal) with Sk a multiple of 16: one group, ragged causal, non-causal with more keys, 4K
@@ -144,8 +170,9 @@ def test_k_perm_reads_k_major_v_as_stored(name, sq, sk, causal, monkeypatch):
     lean = cfg.softmax == "lean"
     bound, factor = LEAN_BOUNDS["fma"] if lean else (FP8_BOUND, 1.1)
     d, dv = cfg.head_dim_qk, cfg.head_dim_v
-    args, kw = make_inputs("fp8", d, dv, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=11,
-                           v_layout="k_major")
+    args, kw = make_inputs(
+        "fp8", d, dv, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=11, v_layout="k_major"
+    )
     ref = attention_reference(*args, causal=causal, **kw)
     twin = flash_attn_func(*args, causal=causal, config=cfg, **kw)  # forced: the permuted V^T copy
     copies = []
@@ -161,8 +188,13 @@ def test_k_perm_reads_k_major_v_as_stored(name, sq, sk, causal, monkeypatch):
     assert not copies, "a V^T copy was made for a K-major V"
     plans = list(api._plans.values())
     assert len(plans) == 1 and plans[0].launch.transpose is None  # V's own bytes on the fast path too
-    theirs = fa3_error(*make_inputs("fp8", d, dv, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=11),
-                       ref, causal) if min(sq, sk) >= 128 and (d, dv) == (128, 128) else None
+    theirs = (
+        fa3_error(
+            *make_inputs("fp8", d, dv, batch=2, heads=4, kv_heads=2, seqlen=sq, seqlen_k=sk, seed=11), ref, causal
+        )
+        if min(sq, sk) >= 128 and (d, dv) == (128, 128)
+        else None
+    )
     print(f" k_perm {err:.4e} twin {rel_l2(twin, ref):.4e}" + (f" FA3 {theirs:.4e}" if theirs else ""), end="")
     if theirs is not None:
         assert err <= factor * theirs
@@ -175,8 +207,9 @@ def test_dispatcher_picks_the_k_perm_twin_for_k_major_v(tmp_path, monkeypatch):
     dispatch_from(tmp_path, monkeypatch, ((win, 0.05),), 1, 2048)
     for sk, twin in ((2048, True), (2040, False)):
         args, kw = make_inputs("fp8", 128, 128, batch=1, heads=8, kv_heads=8, seqlen=sk, seed=12)
-        km_args, km_kw = make_inputs("fp8", 128, 128, batch=1, heads=8, kv_heads=8, seqlen=sk, seed=12,
-                                     v_layout="k_major")
+        km_args, km_kw = make_inputs(
+            "fp8", 128, 128, batch=1, heads=8, kv_heads=8, seqlen=sk, seed=12, v_layout="k_major"
+        )
         assert explain(*args, **kw).config == win
         choice = explain(*km_args, **km_kw)
         assert choice.config == (win.replace(k_perm=True) if twin else win), choice

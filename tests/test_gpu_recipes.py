@@ -36,14 +36,15 @@ def test_recipe_probe_gates_the_whole_call_against_the_reference(recipe):
     probe = make_recipe_probe(128, 128, recipe, gate=1.25, **SHAPE)
     q, k, v = probe.args
     assert q.dtype == torch.bfloat16 and probe.error_ref > 0 and probe.error_limit == 1.25 * probe.error_ref
-    assert torch.equal(probe.reference, attention_reference(q, k, v, causal=True))   # unquantised inputs
+    assert torch.equal(probe.reference, attention_reference(q, k, v, causal=True))  # unquantised inputs
     verdict = check_config(cfg, probe, reps=5)
     assert verdict.ok, verdict.reason
-    assert verdict.error_rel_l2 == pytest.approx(rel_l2(run_recipe(q, k, v, True, 128 ** -0.5, recipe, cfg),
-                                                         probe.reference), rel=1e-6)
-    if recipe.v_layout == "k_major":   # the kernel runs as V's layout reads it
+    assert verdict.error_rel_l2 == pytest.approx(
+        rel_l2(run_recipe(q, k, v, True, 128**-0.5, recipe, cfg), probe.reference), rel=1e-6
+    )
+    if recipe.v_layout == "k_major":  # the kernel runs as V's layout reads it
         assert probe.runs(cfg.replace(v_layout="natural")).v_layout == "transposed"
-    if _fa3() is None:                 # the reference is the exact default kernel on plain codes
+    if _fa3() is None:  # the reference is the exact default kernel on plain codes
         plain = make_recipe_probe(128, 128, PLAIN, **SHAPE)
         assert rel_l2(_call(cfg, plain)(), plain.reference) == pytest.approx(probe.error_ref, rel=1e-6)
 
@@ -73,21 +74,26 @@ def test_worker_times_quantiser_and_kernel_and_records_the_recipe():
 
 def test_attention_runs_a_tuned_bf16_entry(tmp_path):
     cfg = default_config("fp8", 128, 128).replace(num_stages=2)
-    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=1, heads=8,
-                                kv_heads=8, seqlen=2048, api="bf16")
+    key = ProblemKey.from_shape(
+        dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=1, heads=8, kv_heads=8, seqlen=2048, api="bf16"
+    )
     with open_store(tmp_path / "t.db") as s:
-        s.record_trial(current_fingerprint(0), key, cfg,
-                       TrialResult("ok", median_ms=1.0, error_rel_l2=0.018, error_ref=0.02, recipe=FANCY),
-                       source_hash=emit(cfg).source_hash)
+        s.record_trial(
+            current_fingerprint(0),
+            key,
+            cfg,
+            TrialResult("ok", median_ms=1.0, error_rel_l2=0.018, error_ref=0.02, recipe=FANCY),
+            source_hash=emit(cfg).source_hash,
+        )
     dispatch.set_databases([tmp_path / "t.db"])
     try:
         g = torch.Generator(device="cuda").manual_seed(3)
         q, k, v = (torch.randn(1, 2048, 8, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
         chosen = dispatch.dispatcher().attention_choice(128, 128, True, 1, 8, 8, 2048, 0, 1.0)
         assert chosen == (FANCY, cfg)
-        assert torch.equal(attention(q, k, v), run_recipe(q, k, v, True, 128 ** -0.5, FANCY, cfg))
+        assert torch.equal(attention(q, k, v), run_recipe(q, k, v, True, 128**-0.5, FANCY, cfg))
         # the same entry is over a tighter budget: the plain recipe and the FP8 API's kernel run
         assert dispatch.dispatcher().choose_recipe(key, dispatch.device_key(0), 0.5).recipe == PLAIN
-        assert torch.equal(attention(q, k, v, error_budget=0.5), run_recipe(q, k, v, True, 128 ** -0.5, PLAIN, None))
+        assert torch.equal(attention(q, k, v, error_budget=0.5), run_recipe(q, k, v, True, 128**-0.5, PLAIN, None))
     finally:
         dispatch.set_databases(None)

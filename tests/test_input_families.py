@@ -16,7 +16,7 @@ from zyfa_tune.db import open_store
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.tuning.inputs import FAMILIES, FAMILY_NAMES, Family, Outliers, Rope, apply_rope, make_qkv
 from zyfa_tune.tuning.reference import attention_reference
-from zyfa_tune.tuning.tuner import TuneSpec
+from zyfa_tune.tuning.spec import TuneSpec
 from zyfa_tune.tuning.verify import make_inputs
 from zyfa_tune.tuning.worker import Shape, Task, Worker
 
@@ -62,6 +62,7 @@ def channel_ratio(x: torch.Tensor) -> torch.Tensor:
 
 # ---- every family --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_deterministic_per_seed_with_gqa_shapes(family):
     q, k, v = qkv(family, seed=3, seqlen_k=300)
@@ -79,17 +80,20 @@ def test_gaussian_is_the_former_default_and_make_inputs_quantises():
     expected = [torch.randn(*shape, generator=g) for shape in ((2, 64, 4, 64), (2, 64, 2, 64), (2, 64, 2, 32))]
     got = make_qkv(batch=2, seqlen=64, heads=4, kv_heads=2, head_dim_qk=64, head_dim_v=32, seed=7)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    (q8, k8, v8), kw = make_inputs("fp8", 64, 32, batch=2, heads=4, kv_heads=2, seqlen=64, seed=7, device="cpu",
-                                   family="outliers")
+    (q8, k8, v8), kw = make_inputs(
+        "fp8", 64, 32, batch=2, heads=4, kv_heads=2, seqlen=64, seed=7, device="cpu", family="outliers"
+    )
     assert q8.dtype == torch.float8_e4m3fn and kw["k_descale"].shape == (2, 2)
     _, k, _ = make_qkv("outliers", batch=2, seqlen=64, heads=4, kv_heads=2, head_dim_qk=64, head_dim_v=32, seed=7)
     assert torch.allclose(kw["k_descale"], k.abs().amax(dim=(1, 3)) / 448.0)  # one outlier sets the scale
-    (qb, _, _), none = make_inputs("bf16", 64, 32, batch=1, heads=2, kv_heads=2, seqlen=8, seed=0, device="cpu",
-                                   family="peaky")
+    (qb, _, _), none = make_inputs(
+        "bf16", 64, 32, batch=1, heads=2, kv_heads=2, seqlen=8, seed=0, device="cpu", family="peaky"
+    )
     assert qb.dtype == torch.bfloat16 and none == {}
 
 
 # ---- the defining statistics ---------------------------------------------------------------------
+
 
 def test_outlier_channels_are_20_to_100x_fixed_per_seed_and_shared_by_q_and_k():
     q, k, v = qkv("outliers", batch=2)
@@ -162,6 +166,7 @@ def test_llm_outliers_sit_in_low_frequency_rope_pairs():
 
 # ---- validation ----------------------------------------------------------------------------------
 
+
 def test_bad_arguments_name_themselves(tmp_path):
     names = str(list(FAMILY_NAMES))
     with pytest.raises(ValueError, match=r"family: 'lognormal' is not one of \['gaussian'"):
@@ -196,6 +201,7 @@ def test_bad_arguments_name_themselves(tmp_path):
 
 # ---- from the CLI to the worker, the probe cache and the database --------------------------------
 
+
 def test_cli_flag_reaches_the_task_and_the_provenance(tmp_path, monkeypatch):
     seen: list[Task] = []
     run = Worker.run
@@ -206,8 +212,23 @@ def test_cli_flag_reaches_the_task_and_the_provenance(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Worker, "run", spy)
     storage, journal = str(tmp_path / "t.db"), str(tmp_path / "s.journal")
-    argv = ["tune", "--head-dim", "128", "--seqlens", "4096", "--trials", "2", "--runner", f"simulate:{SHIPPED}",
-            "--storage", storage, "--study-storage", journal, "--timeout", "60"]
+    argv = [
+        "tune",
+        "--head-dim",
+        "128",
+        "--seqlens",
+        "4096",
+        "--trials",
+        "2",
+        "--runner",
+        f"simulate:{SHIPPED}",
+        "--storage",
+        storage,
+        "--study-storage",
+        journal,
+        "--timeout",
+        "60",
+    ]
     assert cli.main(argv + ["--input-family", "sink"]) == 0
     assert seen and all(t.input_family == "sink" and t.inputs is None for t in seen)
     with open_store(storage, readonly=True, create=False) as store:

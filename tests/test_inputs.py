@@ -11,7 +11,8 @@ import torch
 
 from zyfa_tune.db import open_store
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.tuning.tuner import Tuner, TuneSpec
+from zyfa_tune.tuning.spec import TuneSpec
+from zyfa_tune.tuning.tuner import Tuner
 from zyfa_tune.tuning.verify import load_activations
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
@@ -38,14 +39,26 @@ def test_safetensors(tmp_path):
     assert torch.equal(load_activations(tmp_path / "a.safetensors")[2], v)
 
 
-@pytest.mark.parametrize("content,match", [
-    ({"q": torch.zeros(1, 2, 2, 128), "k": torch.zeros(1, 2, 2, 128)}, "lacks"),
-    ({"q": torch.zeros(2, 2, 128), "k": torch.zeros(1, 2, 2, 128), "v": torch.zeros(1, 2, 2, 128)}, "4-dim"),
-    ({"q": torch.zeros(1, 2, 3, 128), "k": torch.zeros(1, 2, 2, 128), "v": torch.zeros(1, 2, 2, 128)}, "inconsistent"),
-    ({"q": torch.zeros(1, 2, 2, 128, dtype=torch.int32), "k": torch.zeros(1, 2, 2, 128),
-      "v": torch.zeros(1, 2, 2, 128)}, "floating"),
-    ([torch.zeros(1)], "dict with q, k, v"),
-])
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ({"q": torch.zeros(1, 2, 2, 128), "k": torch.zeros(1, 2, 2, 128)}, "lacks"),
+        ({"q": torch.zeros(2, 2, 128), "k": torch.zeros(1, 2, 2, 128), "v": torch.zeros(1, 2, 2, 128)}, "4-dim"),
+        (
+            {"q": torch.zeros(1, 2, 3, 128), "k": torch.zeros(1, 2, 2, 128), "v": torch.zeros(1, 2, 2, 128)},
+            "inconsistent",
+        ),
+        (
+            {
+                "q": torch.zeros(1, 2, 2, 128, dtype=torch.int32),
+                "k": torch.zeros(1, 2, 2, 128),
+                "v": torch.zeros(1, 2, 2, 128),
+            },
+            "floating",
+        ),
+        ([torch.zeros(1)], "dict with q, k, v"),
+    ],
+)
 def test_bad_files_name_the_problem(tmp_path, content, match):
     torch.save(content, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match=match):
@@ -76,9 +89,17 @@ def test_wrong_suffix_and_missing_file(tmp_path):
 def test_tuning_on_captured_inputs_uses_their_shape(tmp_path):
     q, k, v = qkv(b=2, s=4096, h=8, hk=2)
     torch.save({"q": q, "k": k, "v": v}, tmp_path / "acts.pt")
-    spec = TuneSpec(dtype="fp8", head_dim_qk=128, head_dim_v=128, inputs=str(tmp_path / "acts.pt"), trials=3,
-                    storage=str(tmp_path / "t.db"), study_storage=str(tmp_path / "s.journal"),
-                    runner=f"simulate:{SHIPPED}", timeout_s=60.0)
+    spec = TuneSpec(
+        dtype="fp8",
+        head_dim_qk=128,
+        head_dim_v=128,
+        inputs=str(tmp_path / "acts.pt"),
+        trials=3,
+        storage=str(tmp_path / "t.db"),
+        study_storage=str(tmp_path / "s.journal"),
+        runner=f"simulate:{SHIPPED}",
+        timeout_s=60.0,
+    )
     (shape,) = spec.shapes
     assert (shape.batch, shape.seqlen, shape.heads, shape.kv_heads) == (2, 4096, 8, 2)
     Tuner(spec).run()
@@ -89,5 +110,6 @@ def test_tuning_on_captured_inputs_uses_their_shape(tmp_path):
     with pytest.raises(ValueError, match="head dims"):
         TuneSpec(dtype="fp8", head_dim_qk=64, head_dim_v=64, inputs=str(tmp_path / "acts.pt"), trials=1)
     with pytest.raises(ValueError, match="one or the other"):
-        TuneSpec(dtype="fp8", head_dim_qk=128, head_dim_v=128, inputs=str(tmp_path / "acts.pt"),
-                 seqlens=(4096,), trials=1)
+        TuneSpec(
+            dtype="fp8", head_dim_qk=128, head_dim_v=128, inputs=str(tmp_path / "acts.pt"), seqlens=(4096,), trials=1
+        )

@@ -28,7 +28,7 @@ def box_rows(k: torch.Tensor, row0: int, keys: int) -> torch.Tensor:
     assert base is k and shape[0] * 16 == k.shape[0] * k.shape[1]
     rows = torch.arange(k.shape[0] * k.shape[1] * k.stride(1), dtype=torch.int64) // k.stride(1)
     view = torch.as_strided(rows, [shape[0], 2, 4, 2], strides[:4])
-    return view[row0 // 16:(row0 + keys) // 16].reshape(-1)
+    return view[row0 // 16 : (row0 + keys) // 16].reshape(-1)
 
 
 @pytest.mark.parametrize("b,sk,hk,d", [(1, 256, 1, 128), (2, 512, 4, 64), (3, 48, 2, 192)])
@@ -80,7 +80,8 @@ def test_the_twin_runs_where_v_is_k_major_and_keys_come_in_16s(sk):
     for cfg in (PICK, lean):
         assert for_v_layout(cfg, natural) == cfg
         assert for_v_layout(cfg, k_major) == (cfg.replace(k_perm=True) if sk % 16 == 0 else cfg)
-        assert for_v_layout(cfg.replace(k_perm=True), natural if sk % 16 == 0 else k_major) == \
-            (cfg.replace(k_perm=True) if sk % 16 == 0 else cfg)  # forced off only where it cannot run
+        assert for_v_layout(cfg.replace(k_perm=True), natural if sk % 16 == 0 else k_major) == (
+            cfg.replace(k_perm=True) if sk % 16 == 0 else cfg
+        )  # forced off only where it cannot run
     unpermuted = default_config("fp8", 128, 128, "gluon").replace(v_permute=False)
     assert for_v_layout(unpermuted, k_major) == unpermuted  # no relabelling to move

@@ -22,9 +22,11 @@ PACKAGE = "zyfa_tune"
 #: layer of each top-level part of the package (a higher layer may import a lower one, never back)
 LAYERS = {
     "generator": 0,
-    "search_spaces": 1, "db": 1,
+    "search_spaces": 1,
+    "db": 1,
     "kernels": 2,
-    "api": 3, "quantize": 3,
+    "api": 3,
+    "quantize": 3,
     "attention": 4,
     "tuning": 5,
     "bench": 6,

@@ -48,18 +48,19 @@ def test_f16_fold_codes_match_the_float32_fold(fold):
     moves a score across a rounding boundary: never more than one code apart, the same code for ~97% (96.7% fma, 97.9% centered)."""
     rng = np.random.default_rng(7)
     p_offset, total, equal = 7, 0, 0
-    for scale in (f32(LOG2E / math.sqrt(128)), f32(LOG2E / math.sqrt(128) * 2.0 ** 7 / 3.0), 0.37):
+    for scale in (f32(LOG2E / math.sqrt(128)), f32(LOG2E / math.sqrt(128) * 2.0**7 / 3.0), 0.37):
         for ref in (*rng.uniform(-20.0, 20.0, size=6), *rng.uniform(-200.0, 200.0, size=2)):
             n = math.ceil(8 * ref + fold_center(fold))  # the grid index of a row maximum ref (log2 units)
             ref_g = (n - fold_center(fold)) / 8
             _, b, shift = f16_row(scale, n, p_offset, fold)
-            assert -(1 / 16 + 3 / 16 * abs(b) + abs(ref_g) / 256) < shift <= 2.0 ** -12, (scale, ref, b, shift)
+            assert -(1 / 16 + 3 / 16 * abs(b) + abs(ref_g) / 256) < shift <= 2.0**-12, (scale, ref, b, shift)
             x = rng.uniform(-14.0, 0.0, size=64)
             s = [f16((xi + ref_g) / scale) for xi in x]
             got = f16_codes(s, scale, n, p_offset, fold)
             for si, c in zip(s, got):
-                want = intended_code(Fraction(si) * Fraction(scale) - Fraction(ref_g) + p_offset
-                                     + Fraction(shift) / 8, fold)
+                want = intended_code(
+                    Fraction(si) * Fraction(scale) - Fraction(ref_g) + p_offset + Fraction(shift) / 8, fold
+                )
                 assert abs(c - min(want, 255)) <= 1, (scale, ref, si, c, want)
                 total, equal = total + 1, equal + (c == want)
     assert equal / total >= 0.96, equal / total
@@ -104,8 +105,14 @@ def test_f16_corrected_fold_matches_correct_rounding():
     def share(fold: str, m: float) -> float:
         s = [f16((x + m) / scale) for x in xs]
         got, shift = f16_codes(s, scale, 8 * m, p_offset, fold), f16_row(scale, 8 * m, p_offset, fold)[2]
-        want = [int(torch.tensor(2.0 ** (si * scale - m + p_offset + shift / 8), dtype=torch.float64)
-                    .to(torch.float8_e4m3fn).view(torch.uint8)) for si in s]
+        want = [
+            int(
+                torch.tensor(2.0 ** (si * scale - m + p_offset + shift / 8), dtype=torch.float64)
+                .to(torch.float8_e4m3fn)
+                .view(torch.uint8)
+            )
+            for si in s
+        ]
         assert fold != "corrected" or max(abs(got[i] - want[i]) for i in normal) <= 1
         return sum(got[i] == want[i] for i in normal) / len(normal)
 
@@ -129,8 +136,14 @@ def test_f16_corrected_fold_is_exact_at_the_top_of_a_row():
         row_max = f32(max(s) * scale)  # the kernel's maximum: max(s) * qk_scale in float32
         got = f16_codes(s, scale, 8.0 * row_max, p_offset, "corrected")
         shift = f16_row(scale, 8.0 * row_max, p_offset, "corrected")[2]
-        want = [int(torch.tensor(2.0 ** (si * scale - row_max + p_offset + shift / 8), dtype=torch.float64)
-                    .to(torch.float8_e4m3fn).view(torch.uint8)) for si in s]
+        want = [
+            int(
+                torch.tensor(2.0 ** (si * scale - row_max + p_offset + shift / 8), dtype=torch.float64)
+                .to(torch.float8_e4m3fn)
+                .view(torch.uint8)
+            )
+            for si in s
+        ]
         assert got[s.index(max(s))] == E4M3_ONE_CODE + 8 * p_offset
         total, equal = total + len(s), equal + sum(g == w for g, w in zip(got, want))
     assert equal / total >= 0.97, equal / total
@@ -214,10 +227,10 @@ def test_f16_mufu_asm_shape():
         text = f16_mufu_asm(mufu)
         assert text.count("ex2.approx.f16x2") == mufu and text.count("shr.b32") == mufu and "cvt" not in text
         assert text.count("fma.rn.sat.f16x2 t, $") == MUFU_GROUP - mufu
-        linear = f16_mufu_asm(mufu, "fma", floor=True)   # the linear fold: two FMAs a pair and the floor's two
+        linear = f16_mufu_asm(mufu, "fma", floor=True)  # the linear fold: two FMAs a pair and the floor's two
         assert linear.count("ex2.approx.f16x2") == mufu and linear.count("max.f16x2") == MUFU_GROUP - mufu
-        assert linear.count("fma.rn.f16x2") == 2 * MUFU_GROUP   # the line t and e = 16 t + k a MUFU pair
-        assert ("$16" in linear) == (mufu < MUFU_GROUP)   # the floor line's a3 on the folded pairs only
+        assert linear.count("fma.rn.f16x2") == 2 * MUFU_GROUP  # the line t and e = 16 t + k a MUFU pair
+        assert ("$16" in linear) == (mufu < MUFU_GROUP)  # the floor line's a3 on the folded pairs only
     assert f16_mufu_constraints("fma", True).count("r") == 4 + 5 * MUFU_GROUP
     assert f16_mufu_constraints().count("r") == 4 + 5 * MUFU_GROUP
     with pytest.raises(ValueError):

@@ -75,7 +75,7 @@ def test_fma_fold_gives_round_8x_plus_56(scale, clamp, fold):
             code = code_from_y(lean_y(fold, s, a, b, clamp), clamp)
             if code != intended_code(x_exact, fold):
                 u = 8 * x_exact + E4M3_ONE_CODE - Fraction(fold_center(fold))
-                if clamp == "sat" and abs(u - (math.floor(u) + Fraction(1, 2))) <= Fraction(1, 2 ** 18):
+                if clamp == "sat" and abs(u - (math.floor(u) + Fraction(1, 2))) <= Fraction(1, 2**18):
                     near_tie += 1
                 else:
                     mismatches.append((ref, x, code, intended_code(x_exact, fold)))
@@ -94,7 +94,9 @@ def test_sat_clamp_codes_on_random_scores(fold):
         a_sat, b_sat = fold_operands(fold, scale, ref, "sat")
         for x in rng.uniform(-16.0, 8.0, size=n // 5):
             s = f32((x + ref) / scale)
-            differ += code_from_y(lean_y(fold, s, a, b), "imax") != code_from_y(lean_y(fold, s, a_sat, b_sat, "sat"), "sat")
+            differ += code_from_y(lean_y(fold, s, a, b), "imax") != code_from_y(
+                lean_y(fold, s, a_sat, b_sat, "sat"), "sat"
+            )
     assert differ <= 2
 
 
@@ -151,11 +153,17 @@ def test_masked_and_tiny_scores_give_code_zero(fold):
     # the largest probability of a row (x = 8 with p_scale_log2 = 8) gives code 120 = 256.0
     s = f32((8.0 + ref) / scale)
     y = lean_y(fold, s, a, b)
-    assert code_from_y(y, "imax") == code_from_y(y, "fmax") == code_from_y(lean_y(fold, s, a_sat, b_sat, "sat"), "sat") == 120
+    assert (
+        code_from_y(y, "imax")
+        == code_from_y(y, "fmax")
+        == code_from_y(lean_y(fold, s, a_sat, b_sat, "sat"), "sat")
+        == 120
+    )
 
 
-@pytest.mark.parametrize("fold,clamp,pack", list(itertools.product(
-    CHOICES["lean_fold"], CHOICES["lean_clamp"], CHOICES["lean_pack"])))
+@pytest.mark.parametrize(
+    "fold,clamp,pack", list(itertools.product(CHOICES["lean_fold"], CHOICES["lean_clamp"], CHOICES["lean_pack"]))
+)
 def test_lean_asm_text_packs_the_intended_codes(fold, clamp, pack):
     """Every variant of the emitted PTX writes the codes of its four scores into bytes 0..3."""
     text = lean_p_asm(fold, clamp, pack)
@@ -174,8 +182,10 @@ def test_lean_asm_text_packs_the_intended_codes(fold, clamp, pack):
         want = [code_from_y(lean_y(fold, s, a, b, clamp), clamp) for s, (a, b) in zip(scores, ab)]
         assert got == want, (trial, got, want)
         if fold in ONE_FMA_FOLDS:  # (random scores: no x within 2^-18 of a tie under "sat")
-            assert want == [intended_code(Fraction(s) * Fraction(scale) - Fraction(refs[r]), fold)
-                            if s != -math.inf else 0 for s, r in zip(scores, row_of_lane)]
+            assert want == [
+                intended_code(Fraction(s) * Fraction(scale) - Fraction(refs[r]), fold) if s != -math.inf else 0
+                for s, r in zip(scores, row_of_lane)
+            ]
 
 
 def test_share_of_codes_equal_to_correct_rounding():
@@ -207,9 +217,8 @@ def test_lean_relative_error_vs_exp2():
     x = x_grid(-6.0, 8.0)
     lean = e4m3_values(lean_codes(x))
     rel = np.abs(lean / 2.0**x - 1.0)
-    worst = 1.5 / 2.0**(7 / 16) - 1.0
-    print(f"\nlean max relative error vs 2^x on [-6, 8]: {rel.max():.4%} (bound {worst:.4%});"
-          f" mean {rel.mean():.3%}")
+    worst = 1.5 / 2.0 ** (7 / 16) - 1.0
+    print(f"\nlean max relative error vs 2^x on [-6, 8]: {rel.max():.4%} (bound {worst:.4%}); mean {rel.mean():.3%}")
     assert rel.max() <= worst + 1e-12
     assert rel.max() > 0.10  # the bound is attained (x = -6 + 7/16 + k is on the grid)
     assert (lean / 2.0**x).min() >= 2.0 ** (-1 / 16) - 1e-12  # at most 4.24% low (half a code down at f = 1/16)
@@ -257,8 +266,9 @@ def test_centered_fold_centres_the_error():
     assert LEAN_CENTER * 16 == int(LEAN_CENTER * 16)  # dyadic: the grid and b stay exact in float32
 
 
-@pytest.mark.parametrize("fold,clamp,pack", list(itertools.product(
-    CHOICES["lean_fold"], CHOICES["lean_clamp"], CHOICES["lean_pack"])))
+@pytest.mark.parametrize(
+    "fold,clamp,pack", list(itertools.product(CHOICES["lean_fold"], CHOICES["lean_clamp"], CHOICES["lean_pack"]))
+)
 def test_gluon_tail_gives_the_same_codes_as_the_triton_sequence(fold, clamp, pack):
     """The Gluon kernel folds in tensor code, one gl.fma(s, a, b) per score with the same per-row
     (a, b) (y under "fma", x = s*scale - ref otherwise), and lean_tail_asm finishes next to the PV
@@ -296,8 +306,10 @@ def test_code_sum_asm_is_the_sum_of_the_codes_within_three_f16_roundings():
     for trial in range(3000):
         hi = 127 if trial % 3 else 121  # all codes, or those of probabilities <= 2^8 (p_scale_log2 <= 8)
         codes = rng.integers(0, hi, size=16).astype(np.uint32)
-        words = [int(codes[4 * i] | codes[4 * i + 1] << 8 | codes[4 * i + 2] << 16 | codes[4 * i + 3] << 24)
-                 for i in range(4)]
+        words = [
+            int(codes[4 * i] | codes[4 * i + 1] << 8 | codes[4 * i + 2] << 16 | codes[4 * i + 3] << 24)
+            for i in range(4)
+        ]
         exact = float(e4m3_values(codes).sum())
         got = run_code_sum_asm(text, words)
         assert abs(got - exact) <= bound * exact + 1e-30

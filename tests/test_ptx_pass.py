@@ -13,8 +13,10 @@ from zyfa_tune.search_spaces.seeds import gluon_lean_f16_config, gluon_smem2_con
 
 
 def _wait(n: int, regs: str = "%r1,%r2,%r3,%r4") -> str:
-    return (f"\t// begin inline asm\n\t// wait for regs: {regs}\n\twgmma.wait_group.sync.aligned {n};\n"
-            "\t// end inline asm\n")
+    return (
+        f"\t// begin inline asm\n\t// wait for regs: {regs}\n\twgmma.wait_group.sync.aligned {n};\n"
+        "\t// end inline asm\n"
+    )
 
 
 def _mma(acc: str, d: str = "{%r1,%r2,%r3,%r4}") -> str:
@@ -28,9 +30,19 @@ BETWEEN = "\tmbarrier.try_wait.parity.shared.b64 complete, [%r9], %r8;\n\twgmma.
 def step(qk_acc: str = "f16", between: str = BETWEEN, next_wait: int = 1) -> str:
     """A two-P-tile step's shape: QK^T issued and waited for at once, its accumulator split, PV(j-1) issued,
     the wait for all but PV's group, then the softmax reading the halves."""
-    return ("\twgmma.fence.sync.aligned;\n" + _mma(qk_acc) + _mma(qk_acc) + "\twgmma.commit_group.sync.aligned;\n"
-            + _wait(0) + SPLITS + between + _mma("f32", "{%r20,%r21,%r22,%r23}")
-            + "\twgmma.commit_group.sync.aligned;\n" + _wait(next_wait, "%r20") + "\tmax.f16x2 %r30, %rs0, %rs2;\n")
+    return (
+        "\twgmma.fence.sync.aligned;\n"
+        + _mma(qk_acc)
+        + _mma(qk_acc)
+        + "\twgmma.commit_group.sync.aligned;\n"
+        + _wait(0)
+        + SPLITS
+        + between
+        + _mma("f32", "{%r20,%r21,%r22,%r23}")
+        + "\twgmma.commit_group.sync.aligned;\n"
+        + _wait(next_wait, "%r20")
+        + "\tmax.f16x2 %r30, %rs0, %rs2;\n"
+    )
 
 
 def test_the_wait_moves_behind_the_next_issue():
@@ -43,14 +55,17 @@ def test_the_wait_moves_behind_the_next_issue():
     assert sorted(out.splitlines()) == sorted(ptx.replace(_wait(0), "").splitlines())  # moved, nothing else
 
 
-@pytest.mark.parametrize("why, ptx", [
-    ("float32 accumulator", step(qk_acc="f32")),
-    ("a half read before the wait", step(between=BETWEEN + "\tmov.b32 %r40, {%rs2, %rs3};\n")),
-    ("a half read (the last)", step(between="\tadd.f16 %rs9, %rs7, %rs7;\n" + BETWEEN)),
-    ("another wait in between", step(between=_wait(0, "%r50") + BETWEEN)),
-    ("the next wait is for everything", step(next_wait=0)),
-    ("no issue in between", step().replace(_mma("f32", "{%r20,%r21,%r22,%r23}"), "")),
-])
+@pytest.mark.parametrize(
+    "why, ptx",
+    [
+        ("float32 accumulator", step(qk_acc="f32")),
+        ("a half read before the wait", step(between=BETWEEN + "\tmov.b32 %r40, {%rs2, %rs3};\n")),
+        ("a half read (the last)", step(between="\tadd.f16 %rs9, %rs7, %rs7;\n" + BETWEEN)),
+        ("another wait in between", step(between=_wait(0, "%r50") + BETWEEN)),
+        ("the next wait is for everything", step(next_wait=0)),
+        ("no issue in between", step().replace(_mma("f32", "{%r20,%r21,%r22,%r23}"), "")),
+    ],
+)
 def test_other_shapes_are_left_alone(why, ptx):
     assert async_f16_qk(ptx) == (ptx, 0), why
 

@@ -35,13 +35,24 @@ def _sm90_sass(kernel, sig: dict, constexprs: dict, attrs: dict, warps: int):
 
     from zyfa_tune.generator.build import _disassemble
 
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": 1})
+    compiled = triton.compile(
+        ASTSource(kernel, sig, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps, "num_stages": 1},
+    )
     return _disassemble(compiled.asm["cubin"])
 
 
-def _pass_sass(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool, segments: int = 3,
-             k_major: bool = False, balanced: bool = False):
+def _pass_sass(
+    kernel,
+    dim: int,
+    dtype: torch.dtype,
+    centre: bool,
+    rotate: bool,
+    segments: int = 3,
+    k_major: bool = False,
+    balanced: bool = False,
+):
     """`_sm90_sass` of a quantiser pass, specialised as a launch with these options specialises it."""
     block_s, dp, bn, warps = _tiles(dim, rotate, balanced)
     terms = 3 if centre else _TERMS[dtype]
@@ -50,24 +61,48 @@ def _pass_sass(kernel, dim: int, dtype: torch.dtype, centre: bool, rotate: bool,
     sig.update(AMAX="*fp32", FREE="*i32")
     if kernel is _codes_kernel:
         sig.update({f"OUT{i}": "*fp8e4nv" for i in range(3)}, DESCALE="*fp32", WEIGHT="*fp32")
-    constexprs = dict(stride_d=1, NSEG=segments, DP=dp, BN=bn, BLOCK_S=block_s, CENTER=centre, ROTATE=rotate,
-                      TERMS=terms, LAST_K_MAJOR=k_major, BALANCED=balanced)
+    constexprs = dict(
+        stride_d=1,
+        NSEG=segments,
+        DP=dp,
+        BN=bn,
+        BLOCK_S=block_s,
+        CENTER=centre,
+        ROTATE=rotate,
+        TERMS=terms,
+        LAST_K_MAJOR=k_major,
+        BALANCED=balanced,
+    )
     sig.update({name: "constexpr" for name in constexprs})
     # pointers, strides and sizes that are multiples of 16, as a launch on contiguous inputs specialises them
-    div16 = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if sig[name].startswith("*") or re.fullmatch(r"S[BSH]?\d|D|SKP", name)}
+    div16 = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if sig[name].startswith("*") or re.fullmatch(r"S[BSH]?\d|D|SKP", name)
+    }
     return _sm90_sass(kernel, sig, constexprs, div16, warps)
 
 
-@pytest.mark.parametrize("dim,dtype,centre,rotate,k_major,balanced", [
-    (128, torch.bfloat16, False, False, False, False), (128, torch.bfloat16, False, True, False, False),
-    (128, torch.float32, True, True, False, False), (96, torch.float16, False, True, False, False),
-    (64, torch.float32, False, True, False, False), (256, torch.bfloat16, True, True, False, False),
-    (192, torch.bfloat16, False, False, False, False), (64, torch.float16, True, False, False, False),
-    (128, torch.bfloat16, False, False, True, False), (64, torch.float16, False, False, True, False),
-    (128, torch.bfloat16, False, False, False, True), (128, torch.float32, False, False, True, True),
-    (64, torch.float16, False, False, False, True), (256, torch.bfloat16, False, False, True, True),
-    (96, torch.bfloat16, False, False, False, True)])
+@pytest.mark.parametrize(
+    "dim,dtype,centre,rotate,k_major,balanced",
+    [
+        (128, torch.bfloat16, False, False, False, False),
+        (128, torch.bfloat16, False, True, False, False),
+        (128, torch.float32, True, True, False, False),
+        (96, torch.float16, False, True, False, False),
+        (64, torch.float32, False, True, False, False),
+        (256, torch.bfloat16, True, True, False, False),
+        (192, torch.bfloat16, False, False, False, False),
+        (64, torch.float16, True, False, False, False),
+        (128, torch.bfloat16, False, False, True, False),
+        (64, torch.float16, False, False, True, False),
+        (128, torch.bfloat16, False, False, False, True),
+        (128, torch.float32, False, False, True, True),
+        (64, torch.float16, False, False, False, True),
+        (256, torch.bfloat16, False, False, True, True),
+        (96, torch.bfloat16, False, False, False, True),
+    ],
+)
 def test_kernels_compile_without_spills(dim, dtype, centre, rotate, k_major, balanced):
     """Both passes, for the head dims and input dtypes the API takes (a centred or balanced tensor alone
     in its launch, others as three segments, Q, K and V; V's codes also written keys-fastest, k_major,
@@ -118,7 +153,9 @@ def test_bf16_parts_add_up_to_the_rows_exactly(dtype, parts):
     bf16(x - hi - mid); each difference is exact in float32, and `parts` of them rebuild x."""
     g = torch.Generator().manual_seed(5)
     span = 14 if dtype == torch.float16 else 30  # finite in the dtype, subnormals included
-    x = (torch.randn(4096, generator=g) * torch.exp2(torch.randint(-span - 10, span, (4096,), generator=g).float())).to(dtype)
+    x = (torch.randn(4096, generator=g) * torch.exp2(torch.randint(-span - 10, span, (4096,), generator=g).float())).to(
+        dtype
+    )
     xf = x.float()
     hi = xf.to(torch.bfloat16)
     rest = xf - hi.float()
@@ -134,7 +171,7 @@ def test_pm1_blocks_are_the_rotation_times_sqrt_block():
     """The kernel's matrix (without a GPU: built the same way on the CPU) is hadamard_matrix * sqrt(block)."""
     for d in (64, 96, 128, 192, 256):
         block = rotation_block(d)
-        want = hadamard_matrix(d, dtype=torch.float64) * block ** 0.5
+        want = hadamard_matrix(d, dtype=torch.float64) * block**0.5
         assert torch.equal(_pm1_matrix(d, torch.device("cpu"))[:d, :d].double(), want.round())
 
 
@@ -173,13 +210,16 @@ def test_plan_groups_tensors_by_their_passes():
     assert [g.members for g in both] == [(0, 0, 0), (1, 1, 1), (2, 2, 2)]
     balanced = _Plan([q, k, v], [False] * 3, [False] * 3, hk, k_major=2, balanced=2).groups
     assert [(g.members, g.consts["BALANCED"], g.consts["LAST_K_MAJOR"], g.consts["BLOCK_S"]) for g in balanced] == [
-        ((0, 1, 0), False, False, rows), ((2, 2, 2), True, True, BALANCE_KEYS)]
+        ((0, 1, 0), False, False, rows),
+        ((2, 2, 2), True, True, BALANCE_KEYS),
+    ]
     v128 = torch.empty(b, 300, 3, 128)
     q192, k192 = torch.empty(b, 100, 6, 192), torch.empty(b, 300, 3, 192)
     assert [g.members for g in _Plan([q192, k192, v128], [False] * 3, [False] * 3, hk).groups] == [(0, 1, 0), (2, 2, 2)]
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
+
 
 def _ordinal(codes: torch.Tensor) -> torch.Tensor:
     """e4m3 codes as integers in the order of their values (+0 and -0 both 0)."""
@@ -191,8 +231,10 @@ def _codes_close(got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
     a, b = got.view(torch.uint8), want.view(torch.uint8)
     diff = _ordinal(got) - _ordinal(want)
     where = (a != b).nonzero()[:4].tolist()
-    what = (f"{int((a != b).sum())} of {a.numel()} codes differ, e.g. at {where}: "
-            f"{[(int(a[tuple(i)]), int(b[tuple(i)])) for i in where]}")
+    what = (
+        f"{int((a != b).sum())} of {a.numel()} codes differ, e.g. at {where}: "
+        f"{[(int(a[tuple(i)]), int(b[tuple(i)])) for i in where]}"
+    )
     if exact:
         assert torch.equal(a, b), what
         return
@@ -203,8 +245,10 @@ def _codes_close(got: torch.Tensor, want: torch.Tensor, exact: bool) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("shape,kv_heads", [((2, 1000, 8, 128), 2), ((1, 17, 2, 96), 1), ((1, 4100, 4, 256), 4),
-                                            ((3, 257, 6, 64), 3), ((1, 300, 2, 192), 1)])
+@pytest.mark.parametrize(
+    "shape,kv_heads",
+    [((2, 1000, 8, 128), 2), ((1, 17, 2, 96), 1), ((1, 4100, 4, 256), 4), ((3, 257, 6, 64), 3), ((1, 300, 2, 192), 1)],
+)
 @pytest.mark.parametrize("rotate,centre", [(False, False), (True, False), (False, True), (True, True)])
 def test_kernels_give_the_reference_codes(dtype, shape, kv_heads, rotate, centre):
     g = torch.Generator(device="cuda").manual_seed(sum(shape))
@@ -228,8 +272,9 @@ def test_kernels_give_the_reference_codes(dtype, shape, kv_heads, rotate, centre
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape,kv_heads", [((2, 1000, 8, 128), 2), ((1, 17, 2, 96), 1), ((1, 4100, 4, 256), 4),
-                                            ((3, 257, 6, 64), 3)])
+@pytest.mark.parametrize(
+    "shape,kv_heads", [((2, 1000, 8, 128), 2), ((1, 17, 2, 96), 1), ((1, 4100, 4, 256), 4), ((3, 257, 6, 64), 3)]
+)
 @pytest.mark.parametrize("weighed", [False, True])
 def test_balanced_codes_on_the_gpu_are_the_cpu_codes(dtype, shape, kv_heads, weighed):
     """V's balanced rounding (integer error sums; the codes pass, one 16-key block a program): a GPU gives
@@ -268,12 +313,19 @@ def test_quantize_fp8_on_the_gpu_is_the_cpu_arithmetic():
     scalar differs between the two, in the last bit of 2 of 4 descales here before)."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 700, h, 128, generator=g).to(torch.bfloat16) for h in (8, 2, 2))
-    for opts in ({}, dict(hadamard=True), dict(smooth_k=True), dict(hadamard=True, smooth_k=True),
-                 dict(v_layout="k_major"), dict(v_layout="k_major", hadamard=True),
-                 dict(v_layout="k_major", smooth_k=True), dict(v_rounding="balanced", v_weight=0.0),
-                 dict(v_rounding="balanced", v_layout="k_major", v_weight=1.7),
-                 dict(v_rounding="balanced", hadamard=True, v_weight=2.0),
-                 dict(v_rounding="balanced", smooth_k=True, v_layout="k_major", v_weight=0.5)):
+    for opts in (
+        {},
+        dict(hadamard=True),
+        dict(smooth_k=True),
+        dict(hadamard=True, smooth_k=True),
+        dict(v_layout="k_major"),
+        dict(v_layout="k_major", hadamard=True),
+        dict(v_layout="k_major", smooth_k=True),
+        dict(v_rounding="balanced", v_weight=0.0),
+        dict(v_rounding="balanced", v_layout="k_major", v_weight=1.7),
+        dict(v_rounding="balanced", hadamard=True, v_weight=2.0),
+        dict(v_rounding="balanced", smooth_k=True, v_layout="k_major", v_weight=0.5),
+    ):
         cpu = quantize_fp8(q, k, v, **opts)
         gpu = quantize_fp8(q.cuda(), k.cuda(), v.cuda(), **opts)
         exact = not opts.get("hadamard") and not opts.get("smooth_k")
@@ -296,10 +348,12 @@ def test_balance_weights_on_the_gpu():
     g = torch.Generator().manual_seed(6)
     for s, d, dtype in ((200, 96, torch.float16), (4099, 64, torch.float32)):
         q, k = (torch.randn(3, s, h, d, generator=g).to(dtype) for h in (4, 4))
-        torch.testing.assert_close(balance_weights(q.cuda(), k.cuda(), 0.3).cpu(), balance_weights(q, k, 0.3),
-                                   rtol=1e-4, atol=0)
-    q, k, _ = make_qkv("outliers", head_dim_qk=128, head_dim_v=128, seed=1, device="cpu", batch=1, seqlen=2048,
-                       heads=4, kv_heads=4)
+        torch.testing.assert_close(
+            balance_weights(q.cuda(), k.cuda(), 0.3).cpu(), balance_weights(q, k, 0.3), rtol=1e-4, atol=0
+        )
+    q, k, _ = make_qkv(
+        "outliers", head_dim_qk=128, head_dim_v=128, seed=1, device="cpu", batch=1, seqlen=2048, heads=4, kv_heads=4
+    )
     torch.testing.assert_close(balance_weights(q.cuda(), k.cuda()).cpu(), balance_weights(q, k), rtol=1e-4, atol=0)
     q, k, v = (torch.randn(2, 5000, h, 128, generator=g).to(torch.bfloat16) for h in (8, 2, 2))
     w = balance_weights(q.cuda(), k.cuda())

@@ -47,9 +47,9 @@ def rand(*shape, seed):
 
 CASES = [  # b, sq, sk, h, hk, dqk, dv
     (1, 9, 9, 1, 1, 8, 8),
-    (2, 7, 7, 4, 2, 16, 8),    # GQA
-    (1, 5, 11, 4, 1, 8, 12),   # MQA, more keys than queries
-    (2, 11, 5, 2, 2, 8, 8),    # more queries than keys: the first 6 rows see nothing (causal)
+    (2, 7, 7, 4, 2, 16, 8),  # GQA
+    (1, 5, 11, 4, 1, 8, 12),  # MQA, more keys than queries
+    (2, 11, 5, 2, 2, 8, 8),  # more queries than keys: the first 6 rows see nothing (causal)
     (1, 6, 1, 2, 1, 4, 4),
 ]
 
@@ -78,16 +78,18 @@ def test_bottom_right_causal_rows():
     # with more keys than queries, row 0 sees keys 0..sk-sq
     q2 = q[:, :2]
     out2 = attention_reference(q2, k, v, causal=True)
-    torch.testing.assert_close(out2[:, 0], attention_reference(q2[:, :1], k[:, :3], v[:, :3], causal=False)[:, 0],
-                               rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(
+        out2[:, 0], attention_reference(q2[:, :1], k[:, :3], v[:, :3], causal=False)[:, 0], rtol=1e-13, atol=1e-13
+    )
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_descales_and_scale(causal):
     b, sq, sk, h, hk = 2, 6, 8, 4, 2
     q, k, v = rand(b, sq, h, 16, seed=7), rand(b, sk, hk, 16, seed=8), rand(b, sk, hk, 8, seed=9)
-    qd, kd, vd = (torch.rand(b, hk, generator=torch.Generator().manual_seed(s), dtype=torch.float64) + 0.5
-                  for s in (10, 11, 12))
+    qd, kd, vd = (
+        torch.rand(b, hk, generator=torch.Generator().manual_seed(s), dtype=torch.float64) + 0.5 for s in (10, 11, 12)
+    )
     out = attention_reference(q, k, v, causal=causal, softmax_scale=0.3, q_descale=qd, k_descale=kd, v_descale=vd)
     want = naive_attention(q, k, v, causal, 0.3, qd, kd, vd)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)

@@ -33,14 +33,58 @@ FIELDS = {f.name for f in dataclasses.fields(KernelConfig)}
 D = default_config
 #: every field each family searches (one Param line each)
 FAMILY_FIELDS = {
-    "fp8-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "softmax", "lean_fold",
-                   "lean_clamp", "lean_pack", "p_scale_log2", "scale_block", "rowsum", "q_order", "loads",
-                   "v_layout", "backend", "ping_pong", "overlap", "q_stages", "v_permute", "persistent",
-                   "producer_regs", "ex2_fence", "skip_rescale", "turn_barrier", "pv_defer", "p_carry",
-                   "lane_sums", "late_rescale", "o_split", "half_block", "o_through_p", "l2_group_mib",
-                   "qk_acc", "qk_async", "lean_ref", "lean_floor", "lean_mufu"},  # exp2_poly: slower
-    "bf16-causal": {"block_m", "block_n", "num_warps", "num_stages", "maxnreg", "scale_block", "rowsum",
-                    "q_order", "loads", "v_layout"},
+    "fp8-causal": {
+        "block_m",
+        "block_n",
+        "num_warps",
+        "num_stages",
+        "maxnreg",
+        "softmax",
+        "lean_fold",
+        "lean_clamp",
+        "lean_pack",
+        "p_scale_log2",
+        "scale_block",
+        "rowsum",
+        "q_order",
+        "loads",
+        "v_layout",
+        "backend",
+        "ping_pong",
+        "overlap",
+        "q_stages",
+        "v_permute",
+        "persistent",
+        "producer_regs",
+        "ex2_fence",
+        "skip_rescale",
+        "turn_barrier",
+        "pv_defer",
+        "p_carry",
+        "lane_sums",
+        "late_rescale",
+        "o_split",
+        "half_block",
+        "o_through_p",
+        "l2_group_mib",
+        "qk_acc",
+        "qk_async",
+        "lean_ref",
+        "lean_floor",
+        "lean_mufu",
+    },  # exp2_poly: slower
+    "bf16-causal": {
+        "block_m",
+        "block_n",
+        "num_warps",
+        "num_stages",
+        "maxnreg",
+        "scale_block",
+        "rowsum",
+        "q_order",
+        "loads",
+        "v_layout",
+    },
 }
 
 
@@ -54,6 +98,7 @@ def ask_config(space: SearchSpace, s: optuna.Study, dqk: int, dv: int):
 
 
 # ---- declarations -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_params_are_fields_with_allowed_choices(family):
@@ -109,6 +154,7 @@ def test_get_space():
 
 # ---- suggestion -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_random_sampler_gives_valid_configs_or_reasons(family):
     space = FAMILIES[family]
@@ -145,12 +191,18 @@ def test_suggest_maps_to_valid_combinations():
     space = get_space("fp8")
     s = study()
     base = space.as_optuna_params(space.base(128, 128))
-    s.enqueue_trial({**base, "softmax": "lean", "rowsum": "fp32", "scale_per_tile": True, "block_n": 64,
-                     "lean_fold": "sub_fma"})
+    s.enqueue_trial(
+        {**base, "softmax": "lean", "rowsum": "fp32", "scale_per_tile": True, "block_n": 64, "lean_fold": "sub_fma"}
+    )
     s.enqueue_trial({**base, "softmax": "exact", "rowsum": "fp32", "lean_pack": "bfi"})
     _, lean = ask_config(space, s, 128, 128)
     assert (lean.softmax, lean.rowsum, lean.scale_block, lean.block_n, lean.lean_fold) == (
-        "lean", "rounded", 64, 64, "sub_fma")
+        "lean",
+        "rounded",
+        64,
+        64,
+        "sub_fma",
+    )
     _, exact = ask_config(space, s, 128, 128)
     assert (exact.rowsum, exact.lean_pack) == ("fp32", "prmt")  # irrelevant lean field: canonical value
 
@@ -172,8 +224,14 @@ def test_config_from():
     c = space.config_from({"block_m": 128, "num_warps": 8, "softmax": "lean", "rowsum": "mma"}, 64, 64)
     assert c == D("fp8", 64, 64).replace(block_m=128, num_warps=8, softmax="lean", rowsum="mma")
     assert space.config_from({}, 96, 96) == D("fp8", 96, 96)
-    for bad in ({"softmax": "lean", "rowsum": "fp32"}, {"scale_block": 32}, {"nonsense": 1},
-                {"dtype": "bf16"}, {"block_m": 96}, {"num_warps": True}):
+    for bad in (
+        {"softmax": "lean", "rowsum": "fp32"},
+        {"scale_block": 32},
+        {"nonsense": 1},
+        {"dtype": "bf16"},
+        {"block_m": 96},
+        {"num_warps": True},
+    ):
         with pytest.raises(ConfigError):
             space.config_from(bad, 128, 128)
     with pytest.raises(ConfigError):
@@ -181,6 +239,7 @@ def test_config_from():
 
 
 # ---- round trips ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_as_optuna_params_round_trip(family):
@@ -215,8 +274,7 @@ def test_as_optuna_params_non_points():
     s.enqueue_trial(fp8.as_optuna_params(odd))
     _, again = ask_config(fp8, s, 128, 128)
     assert again == fp8.canonical(odd) == base
-    for bad in (base.replace(block_m=256, num_warps=16), base.replace(p_scale_log2=3),
-                base.replace(maxnreg=128)):
+    for bad in (base.replace(block_m=256, num_warps=16), base.replace(p_scale_log2=3), base.replace(maxnreg=128)):
         with pytest.raises(ValueError, match="not one of the searched"):
             fp8.as_optuna_params(bad)
     with pytest.raises(ValueError, match="dtype"):
@@ -228,6 +286,7 @@ def test_as_optuna_params_non_points():
 
 
 # ---- decodes ----------------------------------------------------------------------------------
+
 
 def test_gluon_lean_rowsum_decodes_to_mma_or_the_code_sums():
     """Under Gluon lean P a suggested "mma" stays; "fp32" (no unrounded probabilities) and "rounded"
@@ -275,8 +334,9 @@ def test_p_carry_decode_judges_the_suggested_carry():
     """The fields so far hold the family default's p_carry; the decode must test the suggestion: a
     shared-memory carry on a 192-key block or without overlap becomes "f32", registers stay packed."""
     param = next(p for p in get_space("fp8").params if p.name == "p_carry")
-    base = dict(vars(D("fp8", 128, 128, "gluon")), softmax="exact", rowsum="fp32", overlap=True, v_permute=True,
-                p_carry="f32")
+    base = dict(
+        vars(D("fp8", 128, 128, "gluon")), softmax="exact", rowsum="fp32", overlap=True, v_permute=True, p_carry="f32"
+    )
     assert [param.to_field(v, base) for v in ("f32", "e4m3", "smem2")] == ["f32", "e4m3", "smem2"]
     assert param.to_field("smem2", dict(base, block_n=192)) == "f32"
     assert param.to_field("e4m3", dict(base, block_n=192)) == "e4m3"
@@ -309,16 +369,17 @@ def test_balanced_order_only_for_persistent_gluon():
 
 # ---- static feasibility -----------------------------------------------------------------------
 
+
 def test_feasibility_rules():
     fp8, bf16 = get_space("fp8"), get_space("bf16")
     base = fp8.base(128, 128)
     assert fp8.feasible(base) is None and bf16.feasible(bf16.base(256, 256)) is None
-    assert fp8.feasible(base.replace(num_warps=8)).startswith("wgmma")           # 64 rows, 2 warpgroups
+    assert fp8.feasible(base.replace(num_warps=8)).startswith("wgmma")  # 64 rows, 2 warpgroups
     assert fp8.feasible(base.replace(block_m=128, num_warps=16)).startswith("wgmma")
     assert fp8.feasible(base.replace(block_m=128, num_warps=8)) is None
-    assert fp8.feasible(base.replace(block_n=32, num_stages=2)) is None            # fp8 k=32 is fine
-    assert fp8.feasible(bf16.base(128, 128)).startswith("fp8-causal")            # other family
-    assert fp8.feasible(base.replace(block_m=128)).startswith("registers")       # 128x128 on 4 warps
+    assert fp8.feasible(base.replace(block_n=32, num_stages=2)) is None  # fp8 k=32 is fine
+    assert fp8.feasible(bf16.base(128, 128)).startswith("fp8-causal")  # other family
+    assert fp8.feasible(base.replace(block_m=128)).startswith("registers")  # 128x128 on 4 warps
     assert fp8.feasible(base.replace(maxnreg=128)).startswith("registers")
     assert fp8.feasible(base.replace(maxnreg=168)) is None
     r = bf16.feasible(bf16.base(256, 256).replace(block_n=128, num_stages=4))
@@ -335,24 +396,38 @@ def test_feasibility_rules():
 #: search_spaces/resources.py's docstrings, found no false rejection either.)
 CALIBRATION = [
     # config                                                                            est_smem real_smem est_reg reg spill
-    (D("fp8", 128, 128),                                                                 107520, 107520, 160, 191, 0),
-    (D("fp8", 64, 64).replace(block_m=128, num_warps=8, num_stages=4, loads="pointer",
-                              v_layout="natural", rowsum="mma"),                          51200,  49152, 128, 212, 0),
-    (D("fp8", 96, 96).replace(loads="pointer", v_layout="natural"),                       55296,  51200, 144, 247, 0),
-    (D("fp8", 192, 128),                                                                  74752,  74752, 120, 150, 0),
-    (D("fp8", 192, 128).replace(block_m=128, block_n=128, num_warps=8, num_stages=4),    189440, 189440, 160, 190, 0),
-    (D("fp8", 256, 256),                                                                 115712, 115712, 184, 216, 0),
-    (D("fp8", 256, 256).replace(block_m=128, block_n=128, num_warps=8, num_stages=4),    295936, 295936, 224, 236, 0),
-    (D("fp8", 256, 256).replace(block_m=128, block_n=128, rowsum="mma"),                 232448, 232448, 432, 255, 1440),
-    (D("fp8", 128, 128).replace(softmax="lean", rowsum="rounded", maxnreg=168,
-                                num_stages=2),                                            74752,  74752, 160, 156, 0),
-    (D("fp8", 128, 128).replace(block_m=128),                                            115712, 115712, 304, 255, 192),
-    (D("bf16", 64, 64).replace(num_warps=4, num_stages=3, rowsum="mma"),                 119808, 119808, 240, 254, 0),
-    (D("bf16", 128, 128),                                                                164864, 164864, 160, 188, 0),
-    (D("bf16", 192, 128).replace(block_n=128),                                           214016, 214016, 160, 193, 0),
-    (D("bf16", 256, 256),                                                                197632, 196640, 184, 217, 0),
-    (D("bf16", 256, 256).replace(num_stages=3),                                          263168, 263168, 184, 218, 0),
-    (D("bf16", 256, 256).replace(block_n=128, num_stages=4),                             590848, 590848, 224, 255, 24),
+    (D("fp8", 128, 128), 107520, 107520, 160, 191, 0),
+    (
+        D("fp8", 64, 64).replace(
+            block_m=128, num_warps=8, num_stages=4, loads="pointer", v_layout="natural", rowsum="mma"
+        ),
+        51200,
+        49152,
+        128,
+        212,
+        0,
+    ),
+    (D("fp8", 96, 96).replace(loads="pointer", v_layout="natural"), 55296, 51200, 144, 247, 0),
+    (D("fp8", 192, 128), 74752, 74752, 120, 150, 0),
+    (D("fp8", 192, 128).replace(block_m=128, block_n=128, num_warps=8, num_stages=4), 189440, 189440, 160, 190, 0),
+    (D("fp8", 256, 256), 115712, 115712, 184, 216, 0),
+    (D("fp8", 256, 256).replace(block_m=128, block_n=128, num_warps=8, num_stages=4), 295936, 295936, 224, 236, 0),
+    (D("fp8", 256, 256).replace(block_m=128, block_n=128, rowsum="mma"), 232448, 232448, 432, 255, 1440),
+    (
+        D("fp8", 128, 128).replace(softmax="lean", rowsum="rounded", maxnreg=168, num_stages=2),
+        74752,
+        74752,
+        160,
+        156,
+        0,
+    ),
+    (D("fp8", 128, 128).replace(block_m=128), 115712, 115712, 304, 255, 192),
+    (D("bf16", 64, 64).replace(num_warps=4, num_stages=3, rowsum="mma"), 119808, 119808, 240, 254, 0),
+    (D("bf16", 128, 128), 164864, 164864, 160, 188, 0),
+    (D("bf16", 192, 128).replace(block_n=128), 214016, 214016, 160, 193, 0),
+    (D("bf16", 256, 256), 197632, 196640, 184, 217, 0),
+    (D("bf16", 256, 256).replace(num_stages=3), 263168, 263168, 184, 218, 0),
+    (D("bf16", 256, 256).replace(block_n=128, num_stages=4), 590848, 590848, 224, 255, 24),
 ]
 
 
@@ -370,10 +445,15 @@ def compiled():
     return get
 
 
-@pytest.mark.parametrize("row", CALIBRATION, ids=lambda row: (
-    f"{row[0].dtype}-{row[0].head_dim_qk}/{row[0].head_dim_v}-{row[0].block_m}x{row[0].block_n}"
-    f"-w{row[0].num_warps}-s{row[0].num_stages}-{row[0].loads}-{row[0].v_layout}-{row[0].rowsum}"
-    f"-{row[0].softmax}-r{row[0].maxnreg}"))
+@pytest.mark.parametrize(
+    "row",
+    CALIBRATION,
+    ids=lambda row: (
+        f"{row[0].dtype}-{row[0].head_dim_qk}/{row[0].head_dim_v}-{row[0].block_m}x{row[0].block_n}"
+        f"-w{row[0].num_warps}-s{row[0].num_stages}-{row[0].loads}-{row[0].v_layout}-{row[0].rowsum}"
+        f"-{row[0].softmax}-r{row[0].maxnreg}"
+    ),
+)
 def test_feasibility_calibration(row, compiled):
     import triton
 
@@ -404,8 +484,7 @@ def test_calibration_covers_the_head_dims_tiles_and_limits():
     assert {(64, 64), (128, 128), (192, 128), (256, 256)} <= pairs
     assert {c.block_n for c in rows} == {64, 128} and {c.block_m for c in rows} == {64, 128}
     over = [r for r in CALIBRATION if r[2] > SMEM_LIMIT]
-    assert len(over) >= 2 and any(c.dtype == "bf16" and c.block_n == 128 and c.num_stages == 4
-                                  for c, *_ in over)
+    assert len(over) >= 2 and any(c.dtype == "bf16" and c.block_n == 128 and c.num_stages == 4 for c, *_ in over)
     assert any(r[2] <= SMEM_LIMIT and r[5] == 0 and r[2] > 0.9 * SMEM_LIMIT for r in CALIBRATION)
     assert SMEM_LIMIT == HOPPER.shared_memory_bytes == 232448
 
@@ -421,7 +500,8 @@ def test_neighbours_are_one_option_away_and_feasible(family):
         assert space.feasible(c) is None
         moved = {k for k, v in space.as_optuna_params(c).items() if v != start[k]}
         # one option changed; options it made irrelevant (or relevant) may follow it
-        assert moved and any(space._from_options({**start, k: space.as_optuna_params(c)[k]}, 128, 128) == c
-                             for k in moved)
+        assert moved and any(
+            space._from_options({**start, k: space.as_optuna_params(c)[k]}, 128, 128) == c for k in moved
+        )
     if family == "fp8-causal":  # both backends and lean P are reachable in one move from the Triton default
         assert {c.backend for c in near} == {"triton", "gluon"} and any(c.softmax == "lean" for c in near)

@@ -34,6 +34,7 @@ D = default_config
 
 # ---- the named seeds ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("seed", SEEDS, ids=lambda s: s.name)
 def test_each_named_seed_is_a_feasible_point_where_it_is_a_seed(seed):
     """Every seed builds a valid, statically feasible point of the FP8 space at each head-dim pair it lists,
@@ -74,12 +75,16 @@ def test_fallback_is_the_two_tile_seed_at_hd128():
 
 # ---- a space's seeds --------------------------------------------------------------------------
 
+
 def shipped_best(dtype: str, dqk: int, dv: int) -> list[KernelConfig]:
     from zyfa_tune.db import open_store
 
     with open_store(SEED_DATABASES[0], readonly=True, create=False) as store:
-        return [KernelConfig.from_json(e.config_json)
-                for e in store.best_entries(head_dims=(dqk, dv), dtype=dtype) if e.key.causal]
+        return [
+            KernelConfig.from_json(e.config_json)
+            for e in store.best_entries(head_dims=(dqk, dv), dtype=dtype)
+            if e.key.causal
+        ]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -106,8 +111,12 @@ def test_seeds_fp8_128_include_shipped_best():
     assert set(best) <= set(seeds)
     # the Triton default, then the Gluon default, its 256-key kernel and its one-launch natural-V twin,
     # then the database's
-    assert seeds[:4] == [D("fp8", 128, 128), D("fp8", 128, 128, "gluon"), gluon_wide_config("fp8", 128, 128),
-                         gluon_natural_config("fp8", 128, 128)]
+    assert seeds[:4] == [
+        D("fp8", 128, 128),
+        D("fp8", 128, 128, "gluon"),
+        gluon_wide_config("fp8", 128, 128),
+        gluon_natural_config("fp8", 128, 128),
+    ]
     assert seeds[3].v_layout == "natural" and not seeds[3].v_permute
     assert gluon_lanes_config("fp8", 128, 128) in seeds  # the 256-key kernel with per-lane row sums
     assert not any(c.block_m == 192 for c in seeds)  # three consumers: seeded at head dim 64 only
@@ -166,8 +175,11 @@ def test_field_twins_at_head_dim_96():
         return [t for t in field_twins(config) if t.kernel_config() != config.kernel_config()]
 
     wide96 = gluon_wide_config("fp8", 96, 96)
-    assert kernel_twins(wide96) == [wide96.replace(lane_sums=True), wide96.replace(o_split=True),
-                                   wide96.replace(half_block=True)]
+    assert kernel_twins(wide96) == [
+        wide96.replace(lane_sums=True),
+        wide96.replace(o_split=True),
+        wide96.replace(half_block=True),
+    ]
     lanes96 = wide96.replace(lane_sums=True)
     assert kernel_twins(lanes96) == [lanes96.replace(o_split=True), lanes96.replace(half_block=True)]
     assert kernel_twins(lanes96.replace(o_split=True, half_block=True)) == []
@@ -178,8 +190,11 @@ def test_field_twins_at_head_dim_96():
     # an overlapped winner gets its two-P-tile twin (not a pv_defer one, nor lean P)
     assert kernel_twins(D("fp8", 96, 96)) == []  # (the Triton default)
     seed96 = D("fp8", 96, 96, "gluon")
-    assert kernel_twins(seed96) == [seed96.replace(lane_sums=True), seed96.replace(o_split=True),
-                                   seed96.replace(p_carry="smem2", half_block=True)]
+    assert kernel_twins(seed96) == [
+        seed96.replace(lane_sums=True),
+        seed96.replace(o_split=True),
+        seed96.replace(p_carry="smem2", half_block=True),
+    ]
     # with P in shared memory a first block halves in the overlapped pipeline too
     two = seed96.replace(lane_sums=True, o_split=True, p_carry="smem2")
     assert kernel_twins(two) == [two.replace(half_block=True)]
@@ -236,7 +251,7 @@ def test_a_linear_f16_winner_has_its_max_reference_twin_and_others_never_sample_
 
     f16 = gluon_lean_f16_async_config("fp8", 128, 128)
     assert f16.lean_ref == "grid" and f16.replace(lean_ref="max") in field_twins(f16)
-    at_max = f16.replace(lean_ref="max")   # and its twin with a quarter of the pairs from the MUFU
+    at_max = f16.replace(lean_ref="max")  # and its twin with a quarter of the pairs from the MUFU
     assert at_max.replace(lean_mufu=1) in field_twins(at_max) and not any(t.lean_mufu for t in field_twins(f16))
     assert not any(t.lean_ref == "max" for t in field_twins(f16.replace(lean_fold="corrected")))
     assert not any(t.lean_ref == "max" for t in field_twins(gluon_smem2_config("fp8", 128, 128)))
@@ -270,7 +285,6 @@ def test_a_lean_winner_with_the_row_sum_mma_has_its_code_sum_twin():
         assert twin in field_twins(lean) and space.feasible(twin) is None
         space.as_optuna_params(twin)  # a point of the space
     assert not any(t.rowsum == "rounded" for t in field_twins(gluon_lean_config("fp8", 128, 128)))
-
 
 
 def test_a_balanced_winner_has_its_l2_group_twin():
@@ -350,8 +364,8 @@ def test_winners_are_seeded_in_order_for_their_own_problem_only():
     odd = D("fp8", 128, 128).replace(lean_pack="bfi")  # the Triton default with an irrelevant lean field
     other = [D("fp8", 64, 64, "gluon"), D("bf16", 128, 128), D("fp8", 128, 128).replace(maxnreg=128)]
     seeds = space.seeds(128, 128, winners=[b, a, b, odd, *other])
-    assert seeds[:len(plain)] == plain
-    added = seeds[len(plain):]
+    assert seeds[: len(plain)] == plain
+    added = seeds[len(plain) :]
     assert added[:2] == [b, a] and space.canonical(odd) not in added
     assert not any(c in added for c in other)
     assert [c for c in added[2:] if c not in field_twins(a) + field_twins(b)] == []

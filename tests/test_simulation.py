@@ -59,9 +59,13 @@ def test_every_choice_of_every_param_is_modelled(dtype):
 
 
 def test_the_tables_cover_every_value_the_generator_accepts():
-    tables = {"block_n": (simulation._BLOCK_N_SMALL, simulation._BLOCK_N_LARGE), "num_stages": (simulation._STAGES,),
-              "rowsum": (simulation._ROWSUM,), "block_m": tuple(simulation._BLOCK_M.values()),
-              **{name: (table,) for name, table in simulation._GLUON_FACTORS.items()}}
+    tables = {
+        "block_n": (simulation._BLOCK_N_SMALL, simulation._BLOCK_N_LARGE),
+        "num_stages": (simulation._STAGES,),
+        "rowsum": (simulation._ROWSUM,),
+        "block_m": tuple(simulation._BLOCK_M.values()),
+        **{name: (table,) for name, table in simulation._GLUON_FACTORS.items()},
+    }
     for name, of_field in tables.items():
         for table in of_field:
             assert set(CHOICES[name]) <= set(table), (name, table)

@@ -18,10 +18,20 @@ WIDE = gluon_wide_config("fp8", 128, 128)
 ADDR = 0x7F00_0000_0000
 
 
-@pytest.mark.parametrize("address,steps,error", [
-    (0, 16, ValueError), (ADDR + 2, 16, ValueError), (2**64, 16, ValueError), (ADDR, 0, ValueError),
-    (ADDR, 2**21, ValueError), (float(ADDR), 16, TypeError), (True, 16, TypeError), ("0x7f", 16, TypeError),
-    (ADDR, "16; ret;", TypeError)])
+@pytest.mark.parametrize(
+    "address,steps,error",
+    [
+        (0, 16, ValueError),
+        (ADDR + 2, 16, ValueError),
+        (2**64, 16, ValueError),
+        (ADDR, 0, ValueError),
+        (ADDR, 2**21, ValueError),
+        (float(ADDR), 16, TypeError),
+        (True, 16, TypeError),
+        ("0x7f", 16, TypeError),
+        (ADDR, "16; ret;", TypeError),
+    ],
+)
 def test_trace_buffer_is_validated(address, steps, error):
     with pytest.raises(error):
         TraceBuffer(address=address, steps=steps)
@@ -46,9 +56,16 @@ def test_untraced_source_differs_only_in_the_trace_constants():
     assert "TRACE = gl.constexpr(False)" in plain and "TRACE = gl.constexpr(True)" in traced
 
 
-@pytest.mark.parametrize("cfg", [WIDE, gluon_packed_config("fp8", 128, 128), gluon_three_config("fp8", 64, 64),
-                                 gluon_defer_config("fp8", 256, 256)],
-                         ids=["wide", "packed-overlap", "hd64-three-consumers", "hd256-pv-defer"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        WIDE,
+        gluon_packed_config("fp8", 128, 128),
+        gluon_three_config("fp8", 64, 64),
+        gluon_defer_config("fp8", 256, 256),
+    ],
+    ids=["wide", "packed-overlap", "hd64-three-consumers", "hd256-pv-defer"],
+)
 def test_stamps_compile_to_clock_reads_only_when_traced(cfg):
     plain = compile_for_target(emit(cfg), causal=True)
     traced = compile_for_target(emit(cfg, trace=TraceBuffer(address=ADDR, steps=64)), causal=True)
@@ -83,11 +100,15 @@ def test_phases_are_the_medians_between_consecutive_events():
         tl.sample(20)
 
 
-@pytest.mark.parametrize("lag,overlap", [
-    (37, 73 / 110),    # softmaxes [100, 210] and [137, 247]: 73 of warpgroup 0's 110 cycles side by side
-    (0, 1.0),          # lockstep
-    (250, 0.0),        # half a period apart: one softmax after the other
-    (450, 60 / 110)])  # warpgroup 1's softmax of the step before, [50, 160] on step s's clock, overlaps it
+@pytest.mark.parametrize(
+    "lag,overlap",
+    [
+        (37, 73 / 110),  # softmaxes [100, 210] and [137, 247]: 73 of warpgroup 0's 110 cycles side by side
+        (0, 1.0),  # lockstep
+        (250, 0.0),  # half a period apart: one softmax after the other
+        (450, 60 / 110),
+    ],
+)  # warpgroup 1's softmax of the step before, [50, 160] on step s's clock, overlaps it
 def test_interleave_measures_the_offset_and_the_softmaxes_side_by_side(lag, overlap):
     deltas = [10, 20, 30, 40, 50, 60, 70, 80]  # qk_done at 100, softmax_done at 210 in a 500-cycle step
     tl = from_stamps(WIDE, _raw(20, deltas, lag=lag).astype(np.int32))
@@ -110,8 +131,8 @@ def test_interleave_needs_a_second_warpgroup_and_whole_steps():
 
 def test_unrecorded_events_and_steps_are_skipped():
     raw = _raw(10, [5] * 8)
-    raw[:, :, EVENT_INDEX["pv_issued"]] = 0   # the overlapped step has no pv_issued
-    raw[:, 6:, :] = 0                         # steps past the end of the kernel
+    raw[:, :, EVENT_INDEX["pv_issued"]] = 0  # the overlapped step has no pv_issued
+    raw[:, 6:, :] = 0  # steps past the end of the kernel
     tl = from_stamps(WIDE, raw.astype(np.int32))
     assert EVENT_INDEX["pv_issued"] not in tl.events()
     phases = tl.phases(0)

@@ -36,13 +36,28 @@ def test_kernel_compiles_for_sm90(dim, permute):
 
     from zyfa_tune.generator.build import _disassemble
 
-    sig = {"V": "*fp8e4nv", "VT": "*fp8e4nv", "stride_vb": "i32", "stride_vs": "i32", "stride_vh": "i32",
-           "stride_vd": "constexpr", "SEQ_K": "i32", "SEQ_KP": "i32", "HKV": "i32",
-           "DIM": "constexpr", "PERMUTE": "constexpr", "BLOCK_K": "constexpr", "BLOCK_D": "constexpr"}
+    sig = {
+        "V": "*fp8e4nv",
+        "VT": "*fp8e4nv",
+        "stride_vb": "i32",
+        "stride_vs": "i32",
+        "stride_vh": "i32",
+        "stride_vd": "constexpr",
+        "SEQ_K": "i32",
+        "SEQ_KP": "i32",
+        "HKV": "i32",
+        "DIM": "constexpr",
+        "PERMUTE": "constexpr",
+        "BLOCK_K": "constexpr",
+        "BLOCK_D": "constexpr",
+    }
     constexprs = {"stride_vd": 1, "DIM": dim, "PERMUTE": permute, "BLOCK_K": BLOCK_K, "BLOCK_D": BLOCK_D}
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 7)}
-    ck = triton.compile(ASTSource(_transpose_v_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": NUM_WARPS})
+    ck = triton.compile(
+        ASTSource(_transpose_v_kernel, sig, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": NUM_WARPS},
+    )
     sass, usage = _disassemble(ck.asm["cubin"])
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0
     assert ck.metadata.shared > 0 and "STS" in sass and "LDS" in sass
@@ -94,8 +109,8 @@ def test_natural_config_given_k_major_v_runs_its_transposed_twin():
     v_km, v_rows = quantize_fp8(q, k, v, v_layout="k_major")[2], quantize_fp8(q, k, v)[2]
     natural = gluon_natural_config("fp8", 128, 128)
     assert for_v_layout(natural, v_km) == natural.replace(v_layout="transposed")
-    assert for_v_layout(natural, v_rows) is natural                        # V as given: the natural kernel
-    permuted = default_config("fp8", 128, 128, "gluon")                   # relabels keys: on K, given this V
+    assert for_v_layout(natural, v_rows) is natural  # V as given: the natural kernel
+    permuted = default_config("fp8", 128, 128, "gluon")  # relabels keys: on K, given this V
     assert for_v_layout(permuted, v_km) == permuted.replace(k_perm=True)  # (tests/test_k_perm.py)
     assert for_v_layout(permuted, v_rows) is permuted
     triton = default_config("fp8", 128, 128).replace(v_layout="natural")
@@ -105,6 +120,7 @@ def test_natural_config_given_k_major_v_runs_its_transposed_twin():
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4, 1024, 16, 128), (1, 1, 2, 128), (2, 17, 3, 96), (1, 4100, 2, 256)])
@@ -116,19 +132,24 @@ def test_kernel_equals_reference_bitwise(shape, permute, dtype):
     got = transpose_v(v, permute)
     want = transpose_v_reference(v, permute)
     if not permute:
-        want = want[..., :shape[1]]
+        want = want[..., : shape[1]]
     assert got.shape == want.shape and got.stride() == want.stride()
-    assert torch.equal(got.view(torch.uint8 if dtype == FP8 else torch.int16),
-                       want.view(torch.uint8 if dtype == FP8 else torch.int16))
+    assert torch.equal(
+        got.view(torch.uint8 if dtype == FP8 else torch.int16), want.view(torch.uint8 if dtype == FP8 else torch.int16)
+    )
     strided = v.transpose(1, 2).contiguous().transpose(1, 2)  # other strides: the same result
-    assert torch.equal(transpose_v(strided, permute).view(torch.uint8 if dtype == FP8 else torch.int16),
-                       got.view(torch.uint8 if dtype == FP8 else torch.int16))
+    assert torch.equal(
+        transpose_v(strided, permute).view(torch.uint8 if dtype == FP8 else torch.int16),
+        got.view(torch.uint8 if dtype == FP8 else torch.int16),
+    )
     bound = bind_transpose(v, permute)  # the fast path of a BoundLaunch
     v2 = torch.randn(*shape, device="cuda", generator=g).to(dtype)
     again = transpose_v_reference(v2, permute)
     out = bound(v2)
-    assert torch.equal(out.view(torch.uint8 if dtype == FP8 else torch.int16),
-                       (again if permute else again[..., :shape[1]]).view(torch.uint8 if dtype == FP8 else torch.int16))
+    assert torch.equal(
+        out.view(torch.uint8 if dtype == FP8 else torch.int16),
+        (again if permute else again[..., : shape[1]]).view(torch.uint8 if dtype == FP8 else torch.int16),
+    )
 
 
 @pytest.mark.gpu
@@ -152,7 +173,9 @@ def test_kernel_beats_the_torch_copy_and_launches_cheaply():
             host_us = (time.perf_counter() - t0) / 200 * 1e6
             torch.cuda.synchronize()
             gbps = 2 * v.numel() / (ours_ms * 1e-3) / 1e9
-            print(f"\ntranspose {shape} permute={permute}: {ours_ms * 1e3:.1f} us device ({gbps:.0f} GB/s; torch's "
-                  f"copy {torch_ms * 1e3:.1f} us), {host_us:.1f} us host per call")
+            print(
+                f"\ntranspose {shape} permute={permute}: {ours_ms * 1e3:.1f} us device ({gbps:.0f} GB/s; torch's "
+                f"copy {torch_ms * 1e3:.1f} us), {host_us:.1f} us host per call"
+            )
             assert ours_ms < torch_ms, (shape, permute, ours_ms, torch_ms)
             assert host_us < 200, (shape, permute, host_us)  # a compile or a sync per call costs milliseconds

@@ -21,16 +21,25 @@ import pytest
 from zyfa_tune.db import ProblemKey, open_store
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.search_spaces import get_space
-from zyfa_tune.tuning.tuner import Tuner, TuneSpec, parse_duration, simulation_fingerprint
+from zyfa_tune.tuning.spec import TuneSpec, parse_duration
+from zyfa_tune.tuning.tuner import Tuner, simulation_fingerprint
 from zyfa_tune.tuning.warm_start import study_seeds
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
 
 
 def spec(tmp_path, **kw) -> TuneSpec:
-    base = dict(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(8192,), trials=6,
-                storage=str(tmp_path / "tune.db"), study_storage=str(tmp_path / "study.journal"),
-                runner=f"simulate:{SHIPPED}", timeout_s=60.0)
+    base = dict(
+        dtype="fp8",
+        head_dim_qk=128,
+        head_dim_v=128,
+        seqlens=(8192,),
+        trials=6,
+        storage=str(tmp_path / "tune.db"),
+        study_storage=str(tmp_path / "study.journal"),
+        runner=f"simulate:{SHIPPED}",
+        timeout_s=60.0,
+    )
     base.update(kw)
     return TuneSpec(**base)
 
@@ -64,8 +73,9 @@ def test_loop_ends_with_a_best_entry_the_dispatcher_returns(tmp_path):
         best = store.best_entries()
     assert {e.key.seqlen_bucket for e in best} == {4096, 16384}
     d = dispatch.Dispatcher([s.storage])
-    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=1, heads=32,
-                                kv_heads=32, seqlen=16384)
+    key = ProblemKey.from_shape(
+        dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=1, heads=32, kv_heads=32, seqlen=16384
+    )
     choice = d.choose(key, simulation_fingerprint(s.runner).device_key())
     assert choice.source == "exact"
     fastest = min((e for e in best if e.key == key), key=lambda e: e.median_ms)
@@ -160,7 +170,8 @@ def test_injected_faults_are_recorded_and_the_study_goes_on(tmp_path, mode, stat
 
 _KILL_SCRIPT = textwrap.dedent("""
     import sys
-    from zyfa_tune.tuning.tuner import Tuner, TuneSpec
+    from zyfa_tune.tuning.tuner import Tuner
+    from zyfa_tune.tuning.spec import TuneSpec
     storage, journal, shipped, resume = sys.argv[1:5]
     Tuner(TuneSpec(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(8192,), trials=24, storage=storage,
                    study_storage=journal, runner="simulate:" + shipped, timeout_s=60.0, sampler="random",
@@ -181,6 +192,7 @@ def test_sigkill_and_resume_lose_and_repeat_nothing(tmp_path):
         time.sleep(1.0)
         if Path(journal).exists():
             from zyfa_tune.tuning.tuner import open_study_storage
+
             storage_obj = open_study_storage(journal)
             try:
                 st = optuna.load_study(study_name="fp8-128x128-causal", storage=storage_obj)
@@ -202,13 +214,21 @@ def test_sigkill_and_resume_lose_and_repeat_nothing(tmp_path):
     for number, cfg in finished_before.items():  # nothing finished was lost
         assert after[number].state.is_finished() and after[number].user_attrs.get("config") == cfg
     assert not any(t.state == optuna.trial.TrialState.RUNNING for t in st.trials)
-    requeued = {t.user_attrs["requeued_from"]: t.system_attrs["fixed_params"] for t in st.trials
-                if "requeued_from" in t.user_attrs}
+    requeued = {
+        t.user_attrs["requeued_from"]: t.system_attrs["fixed_params"]
+        for t in st.trials
+        if "requeued_from" in t.user_attrs
+    }
     assert set(requeued) == set(in_flight), "a trial killed in flight was not queued again"
     assert all(params.items() <= requeued[n].items() for n, params in in_flight.items())
-    measured = [t.user_attrs["config"] for t in st.trials
-                if t.state.is_finished() and "config" in t.user_attrs
-                and not t.user_attrs.get("duplicate") and not t.user_attrs.get("killed")]
+    measured = [
+        t.user_attrs["config"]
+        for t in st.trials
+        if t.state.is_finished()
+        and "config" in t.user_attrs
+        and not t.user_attrs.get("duplicate")
+        and not t.user_attrs.get("killed")
+    ]
     assert len(measured) == len(set(measured)), "a configuration was measured twice"
 
 
@@ -229,8 +249,13 @@ def test_lean_seed_only_where_the_gate_admits_it(tmp_path, kw, lean):
     tuner = Tuner(spec(tmp_path, **kw))
     study = tuner.open_study()
     queued = [t.system_attrs["fixed_params"] for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))]
-    makers = (gluon_lean_config, gluon_lean_smem2_config, gluon_lean_f16_config, gluon_lean_f16_async_config,
-              gluon_lean_max_config)
+    makers = (
+        gluon_lean_config,
+        gluon_lean_smem2_config,
+        gluon_lean_f16_config,
+        gluon_lean_f16_async_config,
+        gluon_lean_max_config,
+    )
     for make in makers:
         assert (tuner.space.as_optuna_params(make("fp8", 128, 128)) in queued) is lean
     assert len(queued) == len(study_seeds(tuner.space, 128, 128)) + len(makers) * lean
@@ -242,8 +267,9 @@ def test_enqueued_configs_run_first_and_bad_ones_are_named(tmp_path):
     from zyfa_tune.generator.defaults import config_with
 
     text = "backend=gluon,p_carry=smem2,half_block=true,late_rescale=true"
-    want = config_with("fp8", 128, 128, {"backend": "gluon", "p_carry": "smem2", "half_block": True,
-                                         "late_rescale": True})
+    want = config_with(
+        "fp8", 128, 128, {"backend": "gluon", "p_carry": "smem2", "half_block": True, "late_rescale": True}
+    )
     tuner = Tuner(spec(tmp_path, enqueue=(text,)))
     assert tuner.spec.enqueued == (tuner.space.canonical(want),)
     study = tuner.open_study()
@@ -258,10 +284,12 @@ def test_enqueued_configs_run_first_and_bad_ones_are_named(tmp_path):
     waiting = [t.system_attrs["fixed_params"] for t in st.get_trials(states=(optuna.trial.TrialState.WAITING,))]
     assert again.space.as_optuna_params(again.spec.enqueued[1]) in waiting
     assert waiting.count(again.space.as_optuna_params(want)) == 0  # asked above: not WAITING any more
-    for bad, match in (("backend=gluon,half_block", "expected key=value"),
-                       ("backend=gluon,no_such_field=1", "no_such_field"),
-                       ("block_m=96", "block_m"),
-                       ("backend=gluon,block_n=256,num_stages=4,q_stages=2", "does not fit")):
+    for bad, match in (
+        ("backend=gluon,half_block", "expected key=value"),
+        ("backend=gluon,no_such_field=1", "no_such_field"),
+        ("block_m=96", "block_m"),
+        ("backend=gluon,block_n=256,num_stages=4,q_stages=2", "does not fit"),
+    ):
         with pytest.raises(ValueError, match=match):
             spec(tmp_path, enqueue=(bad,))
     for not_a_list in ("backend=gluon", (1,)):
@@ -276,14 +304,32 @@ def test_cli_enqueue_is_the_first_trial(tmp_path, capsys):
     from zyfa_tune.tuning.tuner import _config_key
 
     journal = str(tmp_path / "s.journal")
-    argv = ["tune", "--head-dim", "128", "--seqlens", "8192", "--trials", "1", "--runner", f"simulate:{SHIPPED}",
-            "--storage", str(tmp_path / "t.db"), "--study-storage", journal, "--timeout", "60"]
+    argv = [
+        "tune",
+        "--head-dim",
+        "128",
+        "--seqlens",
+        "8192",
+        "--trials",
+        "1",
+        "--runner",
+        f"simulate:{SHIPPED}",
+        "--storage",
+        str(tmp_path / "t.db"),
+        "--study-storage",
+        journal,
+        "--timeout",
+        "60",
+    ]
     assert cli.main(argv + ["--enqueue", "backend=gluon,producer_regs=40,ping_pong=false"]) == 0
-    study = optuna.load_study(study_name="fp8-128x128-causal", storage=optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(journal)))
+    study = optuna.load_study(
+        study_name="fp8-128x128-causal",
+        storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(journal)),
+    )
     first = min((t for t in study.trials if t.state.is_finished()), key=lambda t: t.number)
-    want = get_space("fp8").canonical(config_with("fp8", 128, 128, {"backend": "gluon", "producer_regs": 40,
-                                                                     "ping_pong": False}))
+    want = get_space("fp8").canonical(
+        config_with("fp8", 128, 128, {"backend": "gluon", "producer_regs": 40, "ping_pong": False})
+    )
     assert first.user_attrs["config"] == _config_key(want)
     capsys.readouterr()
     assert cli.main(argv + ["--study", "other", "--enqueue", "backend=gluon,num_stages=9"]) == 2
@@ -293,10 +339,15 @@ def test_cli_enqueue_is_the_first_trial(tmp_path, capsys):
 def _shipped_best_configs(path: str, dqk: int, dv: int) -> list[str]:
     """The best entries' config text of fp8 causal (dqk, dv) in a database, fastest first (raw SQL)."""
     with sqlite3.connect(path) as db:
-        return [r[0] for r in db.execute(
-            "select v.config_json from best b join problems p on b.problem_id = p.id join variants v on "
-            "b.variant_id = v.id where p.dtype = 'fp8' and p.head_dim_qk = ? and p.head_dim_v = ? and p.causal = 1 "
-            "order by b.tflops desc", (dqk, dv))]
+        return [
+            r[0]
+            for r in db.execute(
+                "select v.config_json from best b join problems p on b.problem_id = p.id join variants v on "
+                "b.variant_id = v.id where p.dtype = 'fp8' and p.head_dim_qk = ? and p.head_dim_v = ? and p.causal = 1 "
+                "order by b.tflops desc",
+                (dqk, dv),
+            )
+        ]
 
 
 def test_warm_start_queues_the_stored_bests_once_fastest_first(tmp_path):
@@ -311,12 +362,11 @@ def test_warm_start_queues_the_stored_bests_once_fastest_first(tmp_path):
     want = list(dict.fromkeys(space.canonical(KernelConfig.from_json(c)).to_json() for c in stored))
     first = "backend=gluon,p_carry=smem2,half_block=true,late_rescale=true"
     tuner = Tuner(spec(tmp_path, head_dim_qk=192, head_dim_v=128, warm_start=(SHIPPED,), enqueue=(first,)))
-    assert [c.to_json() for c in tuner.spec.warm_configs] == [c for c in want
-                                                              if c != tuner.spec.enqueued[0].to_json()]
+    assert [c.to_json() for c in tuner.spec.warm_configs] == [c for c in want if c != tuner.spec.enqueued[0].to_json()]
     study = tuner.open_study()
     queued = [t.system_attrs["fixed_params"] for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,))]
     assert queued[0] == space.as_optuna_params(tuner.spec.enqueued[0])
-    assert queued[1:1 + len(tuner.spec.warm_configs)] == [space.as_optuna_params(c) for c in tuner.spec.warm_configs]
+    assert queued[1 : 1 + len(tuner.spec.warm_configs)] == [space.as_optuna_params(c) for c in tuner.spec.warm_configs]
     assert len(queued) == len({json.dumps(q, sort_keys=True) for q in queued})  # each once
     # a damaged copy: the fastest entry's config carries code, another names a block size outside the space
     bad = tmp_path / "bad.db"
@@ -325,15 +375,19 @@ def test_warm_start_queues_the_stored_bests_once_fastest_first(tmp_path):
         rows = db.execute(
             "select v.id, v.config_json from best b join problems p on b.problem_id = p.id join variants v on "
             "b.variant_id = v.id where p.dtype = 'fp8' and p.head_dim_qk = 192 and p.head_dim_v = 128 and "
-            "p.causal = 1 order by b.tflops desc").fetchall()
-        db.execute("update variants set config_json = ? where id = ?",
-                   (json.dumps({**json.loads(stored[0]), "block_m": "__import__('os').system('true')"}), rows[0][0]))
+            "p.causal = 1 order by b.tflops desc"
+        ).fetchall()
+        db.execute(
+            "update variants set config_json = ? where id = ?",
+            (json.dumps({**json.loads(stored[0]), "block_m": "__import__('os').system('true')"}), rows[0][0]),
+        )
     left = Tuner(spec(tmp_path, study_name="b", head_dim_qk=192, head_dim_v=128, warm_start=(str(bad),)))
     # every entry with that config is that variant (one or more shapes), so the config is gone from the
     # warm list, not kept by another variant
     assert all(vid == rows[0][0] for vid, text in rows if text == stored[0])
-    assert space.canonical(KernelConfig.from_json(stored[0])).to_json() not in \
-        [c.to_json() for c in left.spec.warm_configs]
+    assert space.canonical(KernelConfig.from_json(stored[0])).to_json() not in [
+        c.to_json() for c in left.spec.warm_configs
+    ]
     assert len(left.spec.warm_configs) == len(want) - 1
     with pytest.raises(ValueError, match="warm_start .*nowhere.db"):
         spec(tmp_path, warm_start=(str(tmp_path / "nowhere.db"),))
@@ -350,17 +404,39 @@ def test_cli_warm_start_is_the_shipped_database_unless_none(tmp_path, capsys, fl
     from zyfa_tune.tuning.tuner import _config_key
 
     journal = str(tmp_path / "s.journal")
-    argv = ["tune", "--head-dim", "192", "--head-dim-v", "128", "--seqlens", "8192", "--trials", "1", "--runner",
-            f"simulate:{SHIPPED}", "--storage", str(tmp_path / "t.db"), "--study-storage", journal, "--timeout", "60"]
+    argv = [
+        "tune",
+        "--head-dim",
+        "192",
+        "--head-dim-v",
+        "128",
+        "--seqlens",
+        "8192",
+        "--trials",
+        "1",
+        "--runner",
+        f"simulate:{SHIPPED}",
+        "--storage",
+        str(tmp_path / "t.db"),
+        "--study-storage",
+        journal,
+        "--timeout",
+        "60",
+    ]
     assert cli.main(argv + flag) == 0
     warm = flag != ["--warm-start", "none"]
     assert ("stored best config(s) of 192/128 fp8" in capsys.readouterr().out) is warm
-    study = optuna.load_study(study_name="fp8-192x128-causal", storage=optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(journal)))
+    study = optuna.load_study(
+        study_name="fp8-192x128-causal",
+        storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(journal)),
+    )
     first = min((t for t in study.trials if t.state.is_finished()), key=lambda t: t.number)
     space = get_space("fp8")
-    want = space.canonical(KernelConfig.from_json(_shipped_best_configs(SHIPPED, 192, 128)[0])) if warm \
+    want = (
+        space.canonical(KernelConfig.from_json(_shipped_best_configs(SHIPPED, 192, 128)[0]))
+        if warm
         else space.seeds(192, 128)[0]
+    )
     assert first.user_attrs["config"] == _config_key(want)
     if not warm:
         assert cli.main(argv + ["--study", "x", "--warm-start", "none", "--warm-start", "shipped"]) == 2

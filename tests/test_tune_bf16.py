@@ -31,7 +31,7 @@ SHAPE = Shape(1, 32, 32, 8192)
 
 def test_recipe_params_cover_every_recipe_and_round_trip():
     assert [p.name for p in RECIPE_PARAMS] == list(RECIPE_CHOICES)
-    assert all(p.key.startswith("recipe_") for p in RECIPE_PARAMS)   # the recipe's v_layout is not the kernel's
+    assert all(p.key.startswith("recipe_") for p in RECIPE_PARAMS)  # the recipe's v_layout is not the kernel's
     fancy = Recipe(hadamard=True, v_rounding="balanced", v_layout="k_major")
     assert recipe_from_options(recipe_options(fancy)) == fancy
     assert len(recipe_neighbours(PLAIN)) == len(RECIPE_CHOICES) and PLAIN not in recipe_neighbours(PLAIN)
@@ -49,7 +49,7 @@ def test_task_carries_api_and_recipe():
     assert t.recipe == fancy.to_json()
     assert Task("{}", (SHAPE,), api="bf16", recipe=PLAIN.to_json()).recipe is None
     with pytest.raises(ValueError, match="recipe"):
-        Task("{}", (SHAPE,), recipe=fancy)           # the FP8 API has no recipe
+        Task("{}", (SHAPE,), recipe=fancy)  # the FP8 API has no recipe
     with pytest.raises(ValueError, match="api"):
         Task("{}", (SHAPE,), api="fp16")
     with pytest.raises(ValueError, match="recipe"):
@@ -64,11 +64,13 @@ def test_the_model_times_quantiser_and_kernel_together():
     assert kernel["error_ref"] == whole["error_ref"] > 0
     balanced = synthetic_measurement(cfg, SHAPE, True, 1.25, Recipe(v_rounding="balanced"))
     assert balanced["median_ms"] > whole["median_ms"] and balanced["error_rel_l2"] < whole["error_rel_l2"]
-    natural = cfg.replace(v_layout="natural")   # K-major V codes let a natural-V kernel read V as it is
-    for c in (cfg, natural):                    # and save the V^T-reading kernel its copy
-        assert synthetic_measurement(c, SHAPE, True, 1.25, Recipe(v_layout="k_major"))["median_ms"] < \
-            synthetic_measurement(c, SHAPE, True, 1.25, PLAIN)["median_ms"]
-    tight = synthetic_measurement(cfg, SHAPE, True, 1.0, PLAIN)   # the default kernel is its own reference
+    natural = cfg.replace(v_layout="natural")  # K-major V codes let a natural-V kernel read V as it is
+    for c in (cfg, natural):  # and save the V^T-reading kernel its copy
+        assert (
+            synthetic_measurement(c, SHAPE, True, 1.25, Recipe(v_layout="k_major"))["median_ms"]
+            < synthetic_measurement(c, SHAPE, True, 1.25, PLAIN)["median_ms"]
+        )
+    tight = synthetic_measurement(cfg, SHAPE, True, 1.0, PLAIN)  # the default kernel is its own reference
     assert tight["status"] == "ok" and tight["error_rel_l2"] / tight["error_ref"] <= 1.0
 
 
@@ -78,11 +80,15 @@ def test_simulation_runner_answers_a_bf16_task():
 
     with open_store(SHIPPED, readonly=True) as store:
         row = next(r for r in store.trials(status="ok") if r["batch"] and r["heads"] and r["seqlen"])
-    cfg, shape = KernelConfig.from_json(row["config_json"]), Shape(row["batch"], row["heads"], row["heads"], row["seqlen"])
+    cfg, shape = (
+        KernelConfig.from_json(row["config_json"]),
+        Shape(row["batch"], row["heads"], row["heads"], row["seqlen"]),
+    )
     runner = SimulationRunner(SHIPPED)
     fp8 = runner.answer(cfg, shape, Task(cfg.to_json(), (shape,), causal=row["causal"]))
-    bf16 = runner.answer(cfg, shape, Task(cfg.to_json(), (shape,), causal=row["causal"], api="bf16",
-                                          recipe=Recipe(hadamard=True)))
+    bf16 = runner.answer(
+        cfg, shape, Task(cfg.to_json(), (shape,), causal=row["causal"], api="bf16", recipe=Recipe(hadamard=True))
+    )
     assert fp8["message"].startswith(f"simulate: stored trial #{row['id']}")
     assert "synthetic" in bf16["message"] and "recipe" in bf16["message"] and bf16["error_ref"] > 0
 
@@ -93,7 +99,7 @@ def test_bf16_api_study_records_recipes_and_the_dispatcher_serves_one(tmp_path):
     study = Tuner(s).run()
     params = [t.params for t in study.trials if t.state.is_finished()]
     assert all({p.key for p in RECIPE_PARAMS} <= set(p) for p in params)
-    first = study.trials[1]        # the seeds: the default kernel with each seed recipe
+    first = study.trials[1]  # the seeds: the default kernel with each seed recipe
     assert recipe_from_options(first.params) == SEED_RECIPES[1] and first.user_attrs["recipe"]
     with open_store(s.storage, readonly=True) as store:
         rows = store.trials()
@@ -102,14 +108,23 @@ def test_bf16_api_study_records_recipes_and_the_dispatcher_serves_one(tmp_path):
     assert any(r["recipe"] is not None for r in rows) and any(r["recipe"] is None for r in rows)
     assert [b.key.api for b in best] == ["bf16"] and best[0].error_ratio <= 1.0
     d = dispatch.Dispatcher([s.storage])
-    key = ProblemKey.from_shape(dtype="fp8", head_dim_qk=128, head_dim_v=128, causal=True, batch=2, heads=32,
-                                kv_heads=32, seqlen=8192, api="bf16")
+    key = ProblemKey.from_shape(
+        dtype="fp8",
+        head_dim_qk=128,
+        head_dim_v=128,
+        causal=True,
+        batch=2,
+        heads=32,
+        kv_heads=32,
+        seqlen=8192,
+        api="bf16",
+    )
     device = simulation_fingerprint(s.runner).device_key()
     chosen = d.choose_recipe(key, device, 1.0)
     assert chosen.kernel is not None and chosen.kernel.source == "exact"
     assert chosen.recipe == (PLAIN if best[0].recipe is None else Recipe.from_json(best[0].recipe))
     assert chosen.kernel.config.to_json() == best[0].config_json
-    assert d.choose(dataclasses.replace(key, api="fp8"), device).source == "default"   # the FP8 API: untuned
+    assert d.choose(dataclasses.replace(key, api="fp8"), device).source == "default"  # the FP8 API: untuned
 
 
 def test_bf16_api_needs_fp8_kernels(tmp_path):

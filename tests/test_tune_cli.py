@@ -19,8 +19,24 @@ SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
 
 
 def argv(tmp_path, *more: str) -> list[str]:
-    return ["tune", "--head-dim", "128", "--seqlens", "4096", "--trials", "2", "--storage", str(tmp_path / "t.db"),
-            "--study-storage", str(tmp_path / "s.journal"), "--timeout", "60", "--warm-start", "none", *more]
+    return [
+        "tune",
+        "--head-dim",
+        "128",
+        "--seqlens",
+        "4096",
+        "--trials",
+        "2",
+        "--storage",
+        str(tmp_path / "t.db"),
+        "--study-storage",
+        str(tmp_path / "s.journal"),
+        "--timeout",
+        "60",
+        "--warm-start",
+        "none",
+        *more,
+    ]
 
 
 def studies(tmp_path) -> set[str]:
@@ -40,9 +56,14 @@ def test_no_gpu_names_the_simulation_and_leaves_no_study(tmp_path, capsys, monke
     assert studies(tmp_path) == {"fp8-128x128-causal"}
 
 
-@pytest.mark.parametrize("gpus,words", [("0,2", "--gpus: GPU 2 not present (this machine has 2: 0, 1)"),
-                                        ("1,1", "--gpus: '1,1' names a GPU twice"),
-                                        ("x", "--gpus: expected comma-separated integers")])
+@pytest.mark.parametrize(
+    "gpus,words",
+    [
+        ("0,2", "--gpus: GPU 2 not present (this machine has 2: 0, 1)"),
+        ("1,1", "--gpus: '1,1' names a GPU twice"),
+        ("x", "--gpus: expected comma-separated integers"),
+    ],
+)
 def test_gpus_are_checked_against_the_gpus_present(tmp_path, capsys, monkeypatch, gpus, words):
     monkeypatch.setattr(tune_cmd, "_gpu_count", lambda: 2)
     assert cli.main(argv(tmp_path, "--gpus", gpus)) == 2

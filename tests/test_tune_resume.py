@@ -14,7 +14,8 @@ import pytest
 
 from zyfa_tune.db import open_store
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.tuning.tuner import Tuner, TuneSpec, open_study_storage
+from zyfa_tune.tuning.spec import TuneSpec
+from zyfa_tune.tuning.tuner import Tuner, open_study_storage
 from zyfa_tune.tuning.worker import WorkerError
 
 SHIPPED = str(Path(dispatch.TUNED_DIR) / "h200.db")
@@ -23,9 +24,18 @@ Waiting = optuna.trial.TrialState.WAITING
 
 
 def spec(tmp_path, **kw) -> TuneSpec:
-    base = dict(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(4096, 16384), trials=2,
-                storage=str(tmp_path / "tune.db"), study_storage=str(tmp_path / "study.journal"),
-                runner=f"simulate:{SHIPPED}", timeout_s=60.0, sampler="random")
+    base = dict(
+        dtype="fp8",
+        head_dim_qk=128,
+        head_dim_v=128,
+        seqlens=(4096, 16384),
+        trials=2,
+        storage=str(tmp_path / "tune.db"),
+        study_storage=str(tmp_path / "study.journal"),
+        runner=f"simulate:{SHIPPED}",
+        timeout_s=60.0,
+        sampler="random",
+    )
     base.update(kw)
     return TuneSpec(**base)
 
@@ -35,7 +45,8 @@ def spec(tmp_path, **kw) -> TuneSpec:
 _DIE_MID_TRIAL = textwrap.dedent("""
     import os, sys
     from zyfa_tune.db import rows
-    from zyfa_tune.tuning.tuner import Tuner, TuneSpec
+    from zyfa_tune.tuning.tuner import Tuner
+    from zyfa_tune.tuning.spec import TuneSpec
 
     real, calls = rows.problem_id, []
 
@@ -61,9 +72,11 @@ def test_a_kill_mid_trial_leaves_no_partial_rows_and_resume_measures_it_again(tm
     with open_store(s.storage, readonly=True, create=False) as store:
         assert store.trials() == []  # both shapes' rows or neither
     storage = open_study_storage(s.study_storage)
-    killed = {t.number: t.system_attrs["fixed_params"]
-              for t in optuna.load_study(study_name=STUDY, storage=storage).trials
-              if t.state == optuna.trial.TrialState.RUNNING}
+    killed = {
+        t.number: t.system_attrs["fixed_params"]
+        for t in optuna.load_study(study_name=STUDY, storage=storage).trials
+        if t.state == optuna.trial.TrialState.RUNNING
+    }
     assert len(killed) == 2  # the trial being written and the one asked ahead (both queued seeds)
 
     tuner = Tuner(s)
@@ -73,8 +86,9 @@ def test_a_kill_mid_trial_leaves_no_partial_rows_and_resume_measures_it_again(tm
     again = [t for t in study.get_trials(states=(Waiting,)) if "requeued_from" in t.user_attrs]
     assert {t.user_attrs["requeued_from"]: t.system_attrs["fixed_params"] for t in again} == killed
     for params in killed.values():  # not taken for a configuration measured before
-        assert not any(t.params == params for t in study.trials if t.state.is_finished()
-                       and not t.user_attrs.get("killed"))
+        assert not any(
+            t.params == params for t in study.trials if t.state.is_finished() and not t.user_attrs.get("killed")
+        )
 
     Tuner(spec(tmp_path, resume=True, trials=2)).run()
     with open_store(s.storage, readonly=True, create=False) as store:

@@ -16,8 +16,14 @@ from zyfa_tune.tuning.timing import Timing
 from zyfa_tune.tuning.verify import Verdict, verify_entry
 
 CONFIG = default_config("fp8", 128, 128)
-ENTRY = SimpleNamespace(config_json=CONFIG.to_json(), median_ms=0.030, batch=1, heads=16, seqlen=256,
-                        key=SimpleNamespace(gqa_group=1, bh_bucket=16, seqlen_bucket=256, causal=True))
+ENTRY = SimpleNamespace(
+    config_json=CONFIG.to_json(),
+    median_ms=0.030,
+    batch=1,
+    heads=16,
+    seqlen=256,
+    key=SimpleNamespace(gqa_group=1, bh_bucket=16, seqlen_bucket=256, causal=True),
+)
 
 
 @pytest.fixture
@@ -36,10 +42,12 @@ def timings(monkeypatch):
         def fake_replay(config, probe, **kw):
             calls.append(("replay", config))
             return replay
+
         monkeypatch.setattr(verify, "make_probe", lambda *a, **k: SimpleNamespace())
         monkeypatch.setattr(verify, "check_config", fake_check)
         monkeypatch.setattr(verify, "replay_ms", fake_replay)
         return calls
+
     return use
 
 
@@ -116,14 +124,26 @@ def test_an_entry_is_timed_in_a_fresh_worker_process_at_its_own_shape():
     with open_store(shipped, readonly=True, create=False) as store:
         entry = next(e for e in store.best_entries(dtype="fp8", head_dims=(256, 256)) if e.seqlen == 16384)
     assert verify.entry_shape(entry) == (entry.batch, entry.heads, entry.heads, 16384)
-    r = time_in_fresh_process(entry.config_json, Shape(*verify.entry_shape(entry)), causal=entry.key.causal,
-                              runner=f"simulate:{shipped}", timeout_s=120)
+    r = time_in_fresh_process(
+        entry.config_json,
+        Shape(*verify.entry_shape(entry)),
+        causal=entry.key.causal,
+        runner=f"simulate:{shipped}",
+        timeout_s=120,
+    )
     assert r.status == "ok" and r.median_ms == pytest.approx(entry.median_ms) and r.seqlen == 16384
 
 
 def test_a_bucket_without_a_recorded_shape_is_checked_at_its_largest():
-    entry = SimpleNamespace(**{**vars(ENTRY), "batch": None, "heads": None, "seqlen": None,
-                               "key": SimpleNamespace(gqa_group=4, bh_bucket=128, seqlen_bucket=8192, causal=True)})
+    entry = SimpleNamespace(
+        **{
+            **vars(ENTRY),
+            "batch": None,
+            "heads": None,
+            "seqlen": None,
+            "key": SimpleNamespace(gqa_group=4, bh_bucket=128, seqlen_bucket=8192, causal=True),
+        }
+    )
     assert verify.entry_shape(entry) == (2, 64, 16, 8192)
 
 
@@ -141,6 +161,7 @@ def test_an_invalid_stored_config_fails():
 
 def test_the_clock_cell_shows_this_timing_and_the_stored_one():
     from zyfa_tune.cli.db_cmds import _clocks
+
     assert _clocks(1838.4, 1980.0) == "1838 (1980)"
     assert _clocks(1980.0, None) == "1980"
     assert _clocks(None, 1980.0) == "- (1980)"
@@ -160,14 +181,17 @@ def test_verify_command_checks_only_the_entries_asked_for(tmp_path, monkeypatch)
 
     path = tmp_path / "t.db"
     with open_store(path) as s:
-        record(s, 1.0, sm_clock_mhz=1980.0)                           # fp8 128/128
-        record(s, 2.0, k=key(d=64), cfg=db_config(64))                # fp8 64/64
+        record(s, 1.0, sm_clock_mhz=1980.0)  # fp8 128/128
+        record(s, 2.0, k=key(d=64), cfg=db_config(64))  # fp8 64/64
         record(s, 3.0, k=key(dtype="bf16"), cfg=db_config(dtype="bf16"))
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(db, "current_fingerprint", lambda: fingerprint())
-    monkeypatch.setattr(verify, "verify_entry",
-                        lambda e, **kw: seen.append((e.key.dtype, e.key.head_dim_qk)) or Verdict(True, "", 0.02, 0.03, e.median_ms))
+    monkeypatch.setattr(
+        verify,
+        "verify_entry",
+        lambda e, **kw: seen.append((e.key.dtype, e.key.head_dim_qk)) or Verdict(True, "", 0.02, 0.03, e.median_ms),
+    )
     assert cli.main(["verify", "--storage", str(path), "--dtype", "fp8", "--head-dim", "64"]) == 0
     assert seen == [("fp8", 64)]
     seen.clear()

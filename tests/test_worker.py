@@ -61,6 +61,7 @@ def simulated():
 
 # ---- arguments ---------------------------------------------------------------------------------
 
+
 def test_task_and_runner_validation():
     with pytest.raises(ValueError, match="kv_heads"):
         Shape(batch=1, heads=32, kv_heads=5, seqlen=128)
@@ -73,12 +74,22 @@ def test_task_and_runner_validation():
     with pytest.raises(ValueError, match="gate"):
         Task(FP8.to_json(), (BIG,), gate=float("nan"))
     assert Task(FP8.to_json(), [BIG]).shapes == (BIG,)  # a list becomes a tuple
-    for bad in ("cpu", "replay:", "replay:/no/such.db", "fault:boom", "fault:hang@num_stages=7",
-                "fault:hang@colour=red", "fault:hang@seqlen=x"):
+    for bad in (
+        "cpu",
+        "replay:",
+        "replay:/no/such.db",
+        "fault:boom",
+        "fault:hang@num_stages=7",
+        "fault:hang@colour=red",
+        "fault:hang@seqlen=x",
+    ):
         with pytest.raises(ValueError, match="runner"):
             runners.parse_runner(bad)
-    assert runners.parse_runner("simulate") == runners.parse_runner(f"replay:{SHIPPED}") \
-        == runners.RunnerSpec("simulate", db=SHIPPED)  # "replay" is the simulation's older name
+    assert (
+        runners.parse_runner("simulate")
+        == runners.parse_runner(f"replay:{SHIPPED}")
+        == runners.RunnerSpec("simulate", db=SHIPPED)
+    )  # "replay" is the simulation's older name
     spec = runners.parse_runner("fault:hang@num_stages=4")
     assert (spec.fault, spec.field, spec.value, spec.db) == ("hang", "num_stages", "4", SHIPPED)
     with pytest.raises(ValueError, match="timeout_s"):
@@ -89,12 +100,16 @@ def test_task_and_runner_validation():
 
 # ---- faults ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode,status,words", [
-    ("raise", "crash", "ValueError: injected fault"),
-    ("hang", "timeout", "no answer within 5 s"),
-    ("exit", "crash", "exit code 17"),
-    ("segv", "crash", "SIGSEGV"),
-])
+
+@pytest.mark.parametrize(
+    "mode,status,words",
+    [
+        ("raise", "crash", "ValueError: injected fault"),
+        ("hang", "timeout", "no answer within 5 s"),
+        ("exit", "crash", "exit code 17"),
+        ("segv", "crash", "SIGSEGV"),
+    ],
+)
 def test_fault_gives_its_status_and_the_worker_goes_on(mode, status, words):
     # the fault hits the second shape only: the first keeps its (stored) result
     cfg = stored_trial(seqlen=4096)["config_json"]
@@ -123,6 +138,7 @@ def test_config_level_fault_spares_other_configs():
 
 
 # ---- simulation runner -------------------------------------------------------------------------
+
 
 def test_simulation_returns_the_stored_trial(simulated):
     row = stored_trial("fp8", (128, 128), 16384)
@@ -171,6 +187,7 @@ def test_compile_exceptions_are_compile_errors(monkeypatch):
     def fail(exc):
         def compile_for_target(kernel, causal=True):
             raise exc
+
         return compile_for_target
 
     monkeypatch.setattr(build, "compile_for_target", fail(PTXASError("ptxas fatal: too many resources")))
@@ -191,8 +208,13 @@ def test_compile_checks_are_kept_per_source_and_toolchain(tmp_path, monkeypatch)
 
     monkeypatch.setenv("ZYFA_TUNE_CACHE", str(tmp_path))
     calls = []
-    verdicts = {True: compile_check.CompileCheck(None, 168, 0, 1024), False: compile_check.CompileCheck("spills 8 bytes", 255, 8, 9)}
-    monkeypatch.setattr(compile_check, "_compile_check", lambda c, causal: calls.append((c, causal)) or verdicts[causal])
+    verdicts = {
+        True: compile_check.CompileCheck(None, 168, 0, 1024),
+        False: compile_check.CompileCheck("spills 8 bytes", 255, 8, 9),
+    }
+    monkeypatch.setattr(
+        compile_check, "_compile_check", lambda c, causal: calls.append((c, causal)) or verdicts[causal]
+    )
     assert compile_check.compile_check(FP8, True) == verdicts[True] and len(calls) == 1
     assert compile_check.compile_check(FP8, True) == verdicts[True] and len(calls) == 1  # read back
     assert compile_check.compile_check(FP8, False) == verdicts[False] and len(calls) == 2
@@ -201,8 +223,12 @@ def test_compile_checks_are_kept_per_source_and_toolchain(tmp_path, monkeypatch)
     compile_check.compile_check(other, True)
     assert len(calls) == 3
     (path,) = [p for p in (tmp_path / "checks").iterdir() if p.name.startswith(emit(FP8).source_hash + "-causal-")]
-    for damaged in ("{not json", '{"error": 5, "registers": 1, "spill_bytes": 0, "shared_bytes": 0}',
-                    '{"error": null, "registers": "1; import os", "spill_bytes": 0, "shared_bytes": 0}', "[]"):
+    for damaged in (
+        "{not json",
+        '{"error": 5, "registers": 1, "spill_bytes": 0, "shared_bytes": 0}',
+        '{"error": null, "registers": "1; import os", "spill_bytes": 0, "shared_bytes": 0}',
+        "[]",
+    ):
         path.write_text(damaged)
         assert compile_check.compile_check(FP8, True) == verdicts[True]
         assert compile_check.CompileCheck(**json.loads(path.read_text())) == verdicts[True]  # rewritten
@@ -247,8 +273,9 @@ def test_nvml_follows_the_visible_gpu(monkeypatch):
             return f"pci {bus.decode()}"
 
     nv = FakeNvml()
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d: NS(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: NS(pci_domain_id=0, pci_bus_id=0x3B, pci_device_id=0)
+    )
     assert timing._nvml_device(nv, 0) == "pci 00000000:3B:00.0"
 
     def no_pci(d):
@@ -272,12 +299,19 @@ def test_synthetic_model_is_near_the_measured_defaults():
 
 # ---- configs that must never run ---------------------------------------------------------------
 
+
 def test_invalid_config_text_is_a_compile_error_and_nothing_runs(simulated, tmp_path):
     marker = tmp_path / "pwned"
     payload = f"__import__('pathlib').Path({str(marker)!r}).touch()"
     injected = dict(FP8.to_dict(), softmax=f'exact"); {payload} #')
-    texts = [payload, json.dumps(injected), json.dumps(dict(FP8.to_dict(), evil=payload)),
-             json.dumps(dict(FP8.to_dict(), block_m=True)), "[]", ""]
+    texts = [
+        payload,
+        json.dumps(injected),
+        json.dumps(dict(FP8.to_dict(), evil=payload)),
+        json.dumps(dict(FP8.to_dict(), block_m=True)),
+        "[]",
+        "",
+    ]
     for text in texts:
         results = simulated.run(Task(text, (SMALL, BIG)))
         assert [r.status for r in results] == ["compile_error"] * 2, text
@@ -287,6 +321,7 @@ def test_invalid_config_text_is_a_compile_error_and_nothing_runs(simulated, tmp_
 
 
 # ---- process lifecycle -------------------------------------------------------------------------
+
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded")
 def test_close_is_idempotent_and_leaves_no_process():
@@ -363,6 +398,7 @@ def test_runner_that_cannot_start_is_a_worker_error():
 
 # ---- the real thing ----------------------------------------------------------------------------
 
+
 @pytest.mark.gpu
 def test_gpu_runner_statuses():
     shapes = (Shape(batch=1, heads=16, kv_heads=16, seqlen=4096), Shape(batch=2, heads=16, kv_heads=4, seqlen=2048))
@@ -375,8 +411,10 @@ def test_gpu_runner_statuses():
             assert (r.batch, r.heads, r.seqlen) == (s.batch, s.heads, s.seqlen)
             assert r.p20_ms <= r.median_ms <= r.p80_ms and r.tflops > 50
             assert 0 < r.error_rel_l2 < 0.05 and r.error_max > 0
-        print(f"\n  default fp8: {[round(r.tflops) for r in ok]} TFLOP/s, clock {ok[0].sm_clock_mhz} MHz, "
-              f"{ok[0].power_w} W, {ok[0].tflop_per_j} TFLOP/J, first task {first:.1f} s")
+        print(
+            f"\n  default fp8: {[round(r.tflops) for r in ok]} TFLOP/s, clock {ok[0].sm_clock_mhz} MHz, "
+            f"{ok[0].power_w} W, {ok[0].tflop_per_j} TFLOP/J, first task {first:.1f} s"
+        )
         spill = w.run(Task(SPILLS.to_json(), shapes, seed=1))
         assert [r.status for r in spill] == ["compile_error"] * 2 and "spills" in spill[0].message
         smem = w.run(Task(TOO_MUCH_SMEM.to_json(), shapes, seed=1))

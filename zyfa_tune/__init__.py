@@ -1,9 +1,9 @@
 """zyfa-tune: autotuned FP8/BF16 causal-prefill attention for NVIDIA Hopper.
 
-    from zyfa_tune import attention              # bf16 / fp16 in: quantised and run on FP8 kernels
-    out = attention(q, k, v, causal=True)
+from zyfa_tune import attention              # bf16 / fp16 in: quantised and run on FP8 kernels
+out = attention(q, k, v, causal=True)
 
-    from zyfa_tune import flash_attn_func, quantize_fp8   # FP8 in, FlashAttention-3's interface
+from zyfa_tune import flash_attn_func, quantize_fp8   # FP8 in, FlashAttention-3's interface
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -20,6 +20,19 @@ try:
     __version__ = version("zyfa-tune")
 except PackageNotFoundError:  # run from a source tree that was not installed
     __version__ = "0+unknown"
-__all__ = ["attention", "explain_attention", "flash_attn_func", "explain", "set_databases", "set_error_budget",
-           "quantize_fp8", "dequantize_fp8", "hadamard_matrix", "attention_reference", "KernelConfig",
-           "ConfigError", "Recipe", "__version__"]
+__all__ = [
+    "attention",
+    "explain_attention",
+    "flash_attn_func",
+    "explain",
+    "set_databases",
+    "set_error_budget",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "hadamard_matrix",
+    "attention_reference",
+    "KernelConfig",
+    "ConfigError",
+    "Recipe",
+    "__version__",
+]

@@ -35,16 +35,18 @@ def _on_cuda(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: tensor is on {t.device}; zyfa_tune kernels run on CUDA devices")
 
 
-def check_tensor(name: str, t: object, problems: ArgumentProblems, dtypes: tuple[torch.dtype, ...] = tuple(_DTYPES),
-               hint: str = "") -> bool:
+def check_tensor(
+    name: str, t: object, problems: ArgumentProblems, dtypes: tuple[torch.dtype, ...] = tuple(_DTYPES), hint: str = ""
+) -> bool:
     """Type, rank, dtype (one of `dtypes`; `hint` says where others go) and head dim of q, k or v on its own."""
     if not isinstance(t, torch.Tensor):
         problems.add(TypeError, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     elif t.dim() != 4:
-        problems.add(ValueError, f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        problems.add(
+            ValueError, f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}"
+        )
     elif t.dtype not in dtypes:
-        problems.add(TypeError, f"{name}: dtype {t.dtype} is not supported; use "
-                                f"{' or '.join(map(str, dtypes))}{hint}")
+        problems.add(TypeError, f"{name}: dtype {t.dtype} is not supported; use {' or '.join(map(str, dtypes))}{hint}")
     elif name != "k" and t.shape[3] not in HEAD_DIMS:  # (k's must equal q's)
         problems.add(ValueError, f"{name}: head_dim {t.shape[3]} is not supported; supported: {list(HEAD_DIMS)}")
     else:
@@ -64,15 +66,18 @@ def check_related(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problems: A
     b, _, h, dqk = q.shape
     sk, hk = k.shape[1], k.shape[2]
     if k.shape[0] == b and tuple(v.shape[:3]) != (b, sk, hk):
-        problems.add(ValueError, f"v: shape {tuple(v.shape)} must match k's (batch, seqlen_k, kv_heads) = {(b, sk, hk)}")
+        problems.add(
+            ValueError, f"v: shape {tuple(v.shape)} must match k's (batch, seqlen_k, kv_heads) = {(b, sk, hk)}"
+        )
     if k.shape[3] != dqk:
         problems.add(ValueError, f"k: head_dim {k.shape[3]} differs from q's {dqk}")
     if hk == 0 or h % hk:
         problems.add(ValueError, f"k: kv_heads={hk} must divide q's heads={h}")
 
 
-def _checked_descale(name: str, d: object, shape: tuple[int, int] | None, device: torch.device | None,
-                     problems: ArgumentProblems) -> torch.Tensor | None:
+def _checked_descale(
+    name: str, d: object, shape: tuple[int, int] | None, device: torch.device | None, problems: ArgumentProblems
+) -> torch.Tensor | None:
     """`d` as float32, or None after adding its problems; `shape` and `device` are q's where known."""
     if not isinstance(d, torch.Tensor):
         problems.add(TypeError, f"{name}: expected a torch.Tensor of shape (batch, kv_heads), got {type(d).__name__}")
@@ -103,11 +108,16 @@ def _check_descale_values(named: list[tuple[str, torch.Tensor]], on_cuda: bool, 
         bad = ~(torch.isfinite(d) & (d > 0))
         if bad.any():
             where = tuple(bad.nonzero()[0].tolist())
-            problems.add(ValueError, f"{name}: descales must be finite and positive; {int(bad.sum())} of "
-                                     f"{d.numel()} are not (the first: {d[where].item()} at (batch, kv_head) = {where})")
+            problems.add(
+                ValueError,
+                f"{name}: descales must be finite and positive; {int(bad.sum())} of "
+                f"{d.numel()} are not (the first: {d[where].item()} at (batch, kv_head) = {where})",
+            )
 
 
-def _prepare_descales(q, k, given: tuple, tensors_ok: list[bool], cuda_values: bool, problems: ArgumentProblems) -> tuple:
+def _prepare_descales(
+    q, k, given: tuple, tensors_ok: list[bool], cuda_values: bool, problems: ArgumentProblems
+) -> tuple:
     """The three descales as the kernels take them: all None, or contiguous float32 (batch, kv_heads)
     tensors with ones for those left out (three Nones where problems were found)."""
     if all(d is None for d in given):
@@ -116,8 +126,10 @@ def _prepare_descales(q, k, given: tuple, tensors_ok: list[bool], cuda_values: b
         problems.add(ValueError, "q_descale/k_descale/v_descale apply to float8_e4m3fn inputs only")
     related = all(tensors_ok)
     shape = (q.shape[0], k.shape[2]) if related else None
-    checked = [None if d is None else _checked_descale(name, d, shape, q.device if tensors_ok[0] else None, problems)
-               for name, d in zip(_DESCALES, given)]
+    checked = [
+        None if d is None else _checked_descale(name, d, shape, q.device if tensors_ok[0] else None, problems)
+        for name, d in zip(_DESCALES, given)
+    ]
     _check_descale_values([(n, c) for n, c in zip(_DESCALES, checked) if c is not None], cuda_values, problems)
     if not related or problems.found:
         return None, None, None
@@ -135,8 +147,20 @@ class _Problem:
     descales: tuple  # (q, k, v) contiguous float32 (batch, kv_heads) tensors, or three Nones
 
 
-def _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config=None, *,
-             cuda: bool = True, cuda_values: bool = False) -> _Problem:
+def _prepare(
+    q,
+    k,
+    v,
+    softmax_scale,
+    causal,
+    q_descale,
+    k_descale,
+    v_descale,
+    config=None,
+    *,
+    cuda: bool = True,
+    cuda_values: bool = False,
+) -> _Problem:
     """Validate the arguments of flash_attn_func / explain; every problem is reported at once, each
     naming its argument, and the device last (a CPU user sees what else is wrong first). `cuda`:
     the tensors must be on a CUDA device (explain takes meta tensors); `cuda_values`: read CUDA
@@ -146,8 +170,12 @@ def _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, co
     related = all(tensors_ok)
     if related:
         check_related(q, k, v, problems)
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
-                                      or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool)
+        or not isinstance(softmax_scale, (int, float))
+        or not math.isfinite(softmax_scale)
+        or softmax_scale <= 0
+    ):
         problems.add(ValueError, f"softmax_scale: expected a positive finite number, got {softmax_scale!r}")
     if not isinstance(causal, bool):
         problems.add(TypeError, f"causal: expected bool, got {type(causal).__name__}")
@@ -155,10 +183,16 @@ def _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, co
     descales = _prepare_descales(q, k, (q_descale, k_descale, v_descale), tensors_ok, cuda_values, problems)
     if config is not None and not isinstance(config, KernelConfig):
         problems.add(TypeError, f"config: expected a KernelConfig, got {type(config).__name__}")
-    elif config is not None and related \
-            and (config.dtype, config.head_dim_qk, config.head_dim_v) != (dtype, q.shape[3], v.shape[3]):
-        problems.add(ValueError, f"config: built for {config.dtype} {config.head_dim_qk}/{config.head_dim_v}, "
-                                 f"inputs are {dtype} {q.shape[3]}/{v.shape[3]}")
+    elif (
+        config is not None
+        and related
+        and (config.dtype, config.head_dim_qk, config.head_dim_v) != (dtype, q.shape[3], v.shape[3])
+    ):
+        problems.add(
+            ValueError,
+            f"config: built for {config.dtype} {config.head_dim_qk}/{config.head_dim_v}, "
+            f"inputs are {dtype} {q.shape[3]}/{v.shape[3]}",
+        )
     if cuda and tensors_ok[0]:  # k's and v's device is checked against q's above
         try:
             _on_cuda("q", q)
@@ -197,10 +231,19 @@ _plans: dict[tuple, _Plan] = {}
 _values_checked: set[tuple] = set()
 
 
-def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                    causal: bool = True, q_descale: torch.Tensor | None = None,
-                    k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
-                    *, config: KernelConfig | None = None, validate: bool = False) -> torch.Tensor:
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    *,
+    config: KernelConfig | None = None,
+    validate: bool = False,
+) -> torch.Tensor:
     """Attention forward like FlashAttention-3's `flash_attn_func`; returns the bf16 output.
 
     q: (batch, seqlen_q, heads, head_dim_qk); k: (batch, seqlen_k, kv_heads, head_dim_qk);
@@ -223,23 +266,49 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     NaN or inf.
     """
     try:  # the layout key: every argument property the checked path depends on except data pointers
-        key = (type(q), q.shape, q.stride(), q.dtype, q.device, type(k), k.shape, k.stride(), k.dtype, k.device,
-               type(v), v.shape, v.stride(), v.dtype, v.device, type(softmax_scale), softmax_scale,
-               type(causal), causal, config, dispatch.dispatcher(),
-               None if q_descale is None else (type(q_descale), q_descale.shape, q_descale.stride(),
-                                               q_descale.dtype, q_descale.device),
-               None if k_descale is None else (type(k_descale), k_descale.shape, k_descale.stride(),
-                                               k_descale.dtype, k_descale.device),
-               None if v_descale is None else (type(v_descale), v_descale.shape, v_descale.stride(),
-                                               v_descale.dtype, v_descale.device))
+        key = (
+            type(q),
+            q.shape,
+            q.stride(),
+            q.dtype,
+            q.device,
+            type(k),
+            k.shape,
+            k.stride(),
+            k.dtype,
+            k.device,
+            type(v),
+            v.shape,
+            v.stride(),
+            v.dtype,
+            v.device,
+            type(softmax_scale),
+            softmax_scale,
+            type(causal),
+            causal,
+            config,
+            dispatch.dispatcher(),
+            None
+            if q_descale is None
+            else (type(q_descale), q_descale.shape, q_descale.stride(), q_descale.dtype, q_descale.device),
+            None
+            if k_descale is None
+            else (type(k_descale), k_descale.shape, k_descale.stride(), k_descale.dtype, k_descale.device),
+            None
+            if v_descale is None
+            else (type(v_descale), v_descale.shape, v_descale.stride(), v_descale.dtype, v_descale.device),
+        )
         plan = None if validate is not False else _plans.get(key)
     except Exception:  # not tensors, unhashable values: the checked path names the problem
         key = plan = None
     # the kernels were specialised on 16-byte aligned pointers when the plan was made
-    if plan is not None and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15 and (
-            q_descale is None or not q_descale.data_ptr() & 15) and (
-            k_descale is None or not k_descale.data_ptr() & 15) and (
-            v_descale is None or not v_descale.data_ptr() & 15):
+    if (
+        plan is not None
+        and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+        and (q_descale is None or not q_descale.data_ptr() & 15)
+        and (k_descale is None or not k_descale.data_ptr() & 15)
+        and (v_descale is None or not v_descale.data_ptr() & 15)
+    ):
         out = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=plan.device)
         if plan.ones is not None:
             q_descale, k_descale, v_descale = (plan.ones if d is None else d for d in (q_descale, k_descale, v_descale))
@@ -250,8 +319,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     return _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config, validate)
 
 
-def _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config,
-                  validate: bool = False) -> torch.Tensor:
+def _checked_call(
+    key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config, validate: bool = False
+) -> torch.Tensor:
     """Validate, choose the kernel, launch; leave a _Plan for this layout when it needs no copies."""
     if not isinstance(validate, bool):
         raise TypeError(f"validate: expected bool, got {type(validate).__name__}")
@@ -268,8 +338,9 @@ def _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_d
         return out
     if sk == 0:
         return out.zero_()
-    chosen = config or for_v_layout(dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, b, h, hk, sq,
-                                                                     p.q.device.index), p.v)
+    chosen = config or for_v_layout(
+        dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, b, h, hk, sq, p.q.device.index), p.v
+    )
     with torch.cuda.device(p.q.device):
         bound = bind(chosen, p.q, p.k, p.v, out, p.softmax_scale, causal, *p.descales)
     given = (q_descale, k_descale, v_descale)
@@ -282,9 +353,18 @@ def _checked_call(key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_d
     return out
 
 
-def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-            causal: bool = True, q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-            v_descale: torch.Tensor | None = None, *, gpu: str | None = None) -> dispatch.Choice:
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    *,
+    gpu: str | None = None,
+) -> dispatch.Choice:
     """Which kernel `flash_attn_func` would run for these arguments, from which database, and why.
 
     Only shapes, strides and dtypes are read (a dispatch lookup: nothing is launched and no CUDA
@@ -319,5 +399,7 @@ def _device_key(gpu: str | None, device: torch.device) -> tuple[str, str, str]:
         return dispatch.device_key(device.index)
     if torch.cuda.is_available():
         return dispatch.device_key(torch.cuda.current_device())
-    raise ValueError(f"gpu: tensors on {device} name no GPU and none is visible; pass gpu=, a name as "
-                     "torch.cuda.get_device_name() gives it (e.g. 'NVIDIA H200')")
+    raise ValueError(
+        f"gpu: tensors on {device} name no GPU and none is visible; pass gpu=, a name as "
+        "torch.cuda.get_device_name() gives it (e.g. 'NVIDIA H200')"
+    )

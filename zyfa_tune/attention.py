@@ -27,8 +27,15 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16)
 _FP8_HINT = "; FP8 codes with their descales go to zyfa_tune.flash_attn_func"
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              softmax_scale: float | None = None, *, error_budget: float = 1.0) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    error_budget: float = 1.0,
+) -> torch.Tensor:
     """Attention forward from bf16 / fp16 inputs through FP8 kernels.
 
     q: (batch, seqlen_q, heads, head_dim_qk); k: (batch, seqlen_k, kv_heads, head_dim_qk);
@@ -60,9 +67,16 @@ class AttentionChoice:
         return f"{text}; {self.why}" if self.why else text
 
 
-def explain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                      softmax_scale: float | None = None, *, error_budget: float = 1.0,
-                      gpu: str | None = None) -> AttentionChoice:
+def explain_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    *,
+    error_budget: float = 1.0,
+    gpu: str | None = None,
+) -> AttentionChoice:
     """The recipe and kernel `attention` would run for these arguments, and why (no launch; meta
     tensors ask about a shape without a GPU, `gpu` naming the GPU as `zyfa_tune.explain` takes it)."""
     scale = _check(q, k, v, causal, softmax_scale, error_budget)
@@ -70,24 +84,34 @@ def explain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     chosen = dispatch.dispatcher().choose_recipe(_key(q, k, v, causal), device, float(error_budget))
     codes = [torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device) for t in (q, k, v)]
     if chosen.kernel is None:
-        return AttentionChoice(chosen.recipe, explain(*codes, softmax_scale=scale, causal=causal, gpu=gpu),
-                               chosen.detail)
+        return AttentionChoice(
+            chosen.recipe, explain(*codes, softmax_scale=scale, causal=causal, gpu=gpu), chosen.detail
+        )
     return AttentionChoice(chosen.recipe, chosen.kernel, chosen.detail)
 
 
-def recipe_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-               error_budget: float) -> tuple[Recipe, KernelConfig | None]:
+def recipe_for(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, error_budget: float
+) -> tuple[Recipe, KernelConfig | None]:
     """The recipe and kernel for these inputs (on their CUDA device): the fastest bf16-API entry of the
     tuning databases whose error is within `error_budget` x the reference's; else the plain recipe
     and None, i.e. `flash_attn_func`'s own choice on plainly quantised codes (the FP8 API's kernels,
     gated against the exact default kernel: at or below FA3-fp8's error)."""
     b, sq, h, dqk = q.shape
-    return dispatch.dispatcher().attention_choice(dqk, v.shape[3], causal, b, h, k.shape[2], sq, q.device.index,
-                                                  error_budget)
+    return dispatch.dispatcher().attention_choice(
+        dqk, v.shape[3], causal, b, h, k.shape[2], sq, q.device.index, error_budget
+    )
 
 
-def run_recipe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-               recipe: Recipe, config: KernelConfig | None) -> torch.Tensor:
+def run_recipe(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    recipe: Recipe,
+    config: KernelConfig | None,
+) -> torch.Tensor:
     """Quantise with `recipe` and run the FP8 kernel (`config`, as V's layout reads it; None: the
     dispatcher's choice): the whole call, as `attention` runs it and the tuner times it. bf16 output."""
     q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v, softmax_scale=softmax_scale, **recipe.quantize_kwargs())
@@ -102,16 +126,18 @@ def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
 
 
 @torch.library.custom_op("zyfa_tune::attention", mutates_args=(), device_types="cuda")
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-                  error_budget: float) -> torch.Tensor:
+def _attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float, error_budget: float
+) -> torch.Tensor:
     recipe, config = recipe_for(q, k, v, causal, error_budget)
     out = run_recipe(q, k, v, causal, softmax_scale, recipe, config)
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 @_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-      error_budget: float) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float, error_budget: float
+) -> torch.Tensor:
     return q.new_empty((*q.shape[:3], v.shape[3]))
 
 

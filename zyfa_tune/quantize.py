@@ -21,9 +21,17 @@ __all__ = ["E4M3_MAX", "V_ROUNDINGS", "dequantize_fp8", "hadamard_matrix", "quan
 V_ROUNDINGS = ("nearest", "balanced")
 
 
-def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bool = False,
-                 v_layout: str = "natural", smooth_k: bool = False, v_rounding: str = "nearest",
-                 softmax_scale: float | None = None, v_weight: float | None = None):
+def quantize_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    hadamard: bool = False,
+    v_layout: str = "natural",
+    smooth_k: bool = False,
+    v_rounding: str = "nearest",
+    softmax_scale: float | None = None,
+    v_weight: float | None = None,
+):
     """Return (q8, k8, v8, q_descale, k_descale, v_descale) for `flash_attn_func`.
 
     Inputs are (batch, seqlen, heads, dim) floating tensors of one dtype and device; descales are
@@ -66,8 +74,9 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
         if not t.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
         if t.numel() == 0:
-            raise ValueError(f"{name}: expected a non-empty tensor (each (batch, kv head) needs a scale), "
-                             f"got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: expected a non-empty tensor (each (batch, kv head) needs a scale), got shape {tuple(t.shape)}"
+            )
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
@@ -89,16 +98,22 @@ def quantize_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hadamard: bo
         raise ValueError(f"v_weight: expected a number in [0, {BALANCE_WEIGHT_MAX:g}] or None, got {v_weight!r}")
     weight = None
     if v_rounding == "balanced":
-        weight = (balance_weights(q, k, softmax_scale) if v_weight is None
-                  else torch.full((q.shape[0], hk), float(v_weight), dtype=torch.float32, device=q.device))
+        weight = (
+            balance_weights(q, k, softmax_scale)
+            if v_weight is None
+            else torch.full((q.shape[0], hk), float(v_weight), dtype=torch.float32, device=q.device)
+        )
     mean = None
     if smooth_k:  # (batch, kv_heads, dim), float32 like the rest of the arithmetic
         mean = (k if k.dtype in KERNEL_DTYPES else k.float()).mean(dim=1, dtype=torch.float32).contiguous()
-    (q8, k8, v8), (qd, kd, vd) = quantize_tensors(((q, hadamard, None), (k, hadamard, mean), (v, False, None)), hk,
-                                                  k_major_last=v_layout == "k_major",
-                                                  balance_last=v_rounding == "balanced", balance_weight=weight)
+    (q8, k8, v8), (qd, kd, vd) = quantize_tensors(
+        ((q, hadamard, None), (k, hadamard, mean), (v, False, None)),
+        hk,
+        k_major_last=v_layout == "k_major",
+        balance_last=v_rounding == "balanced",
+        balance_weight=weight,
+    )
     return q8, k8, v8, qd, kd, vd
-
 
 
 def dequantize_fp8(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:

@@ -45,15 +45,15 @@ def f32_hex(value: float) -> str:
 
 def _poly_lines(out: str, x: str, degree: int) -> list[str]:
     c = COEFFICIENTS[degree]
-    lines = [f"max.f32 x, {x}, {f32_hex(X_FLOOR)};",
-             f"add.rm.f32 j, x, {f32_hex(MAGIC)};",
-             f"sub.f32 f, j, {f32_hex(MAGIC)};",
-             "sub.f32 f, x, f;",
-             f"fma.rn.f32 p, f, {f32_hex(c[-1])}, {f32_hex(c[-2])};"]
+    lines = [
+        f"max.f32 x, {x}, {f32_hex(X_FLOOR)};",
+        f"add.rm.f32 j, x, {f32_hex(MAGIC)};",
+        f"sub.f32 f, j, {f32_hex(MAGIC)};",
+        "sub.f32 f, x, f;",
+        f"fma.rn.f32 p, f, {f32_hex(c[-1])}, {f32_hex(c[-2])};",
+    ]
     lines += [f"fma.rn.f32 p, p, f, {f32_hex(ck)};" for ck in reversed(c[:-2])]
-    lines += [f"fma.rn.f32 p, p, f, {f32_hex(1.0)};",
-              "shl.b32 j, j, 23;",
-              f"add.s32 {out}, p, j;"]
+    lines += [f"fma.rn.f32 p, p, f, {f32_hex(1.0)};", "shl.b32 j, j, 23;", f"add.s32 {out}, p, j;"]
     return lines
 
 

@@ -28,12 +28,14 @@ def fence_barrier(consumer: int) -> int:
 def row_sum_fence_asm(barrier: int) -> str:
     """PTX over a thread's two row sums ($2, $3, copied to $0, $1): bar.red.and on `barrier`."""
     _check_barrier(barrier)
-    return ("{ .reg .pred p, q;\n"
-            "setp.geu.f32 p, $2, 0f00000000;\n"
-            "setp.geu.and.f32 p, $3, 0f00000000, p;\n"
-            f"bar.red.and.pred q, {barrier}, 128, p;\n"
-            "mov.b32 $0, $2;\n"
-            "mov.b32 $1, $3; }")
+    return (
+        "{ .reg .pred p, q;\n"
+        "setp.geu.f32 p, $2, 0f00000000;\n"
+        "setp.geu.and.f32 p, $3, 0f00000000, p;\n"
+        f"bar.red.and.pred q, {barrier}, 128, p;\n"
+        "mov.b32 $0, $2;\n"
+        "mov.b32 $1, $3; }"
+    )
 
 
 #: row_sum_fence_asm's operands: two outputs, two inputs

@@ -47,6 +47,7 @@ MAGIC_BITS = 0x4B400000
 #: e4m3 code of 1.0 = (0 + bias 7) << 3.
 E4M3_ONE_CODE = 56
 
+
 def _f32_hex(value: float) -> str:
     import struct
 
@@ -93,8 +94,7 @@ def _code_line(i: int, clamp: str) -> str:
     """The fold's last FMA, from x (log2 units) in r{i}: y = 8x + magic + 56, or under "sat"
     t = sat((8x + 56) / SAT_SCALE)."""
     if clamp == "sat":
-        return (f"fma.rn.sat.f32 r{i}, r{i}, 0f{_f32_hex(8.0 / SAT_SCALE)}, "
-                f"0f{_f32_hex(E4M3_ONE_CODE / SAT_SCALE)};")
+        return f"fma.rn.sat.f32 r{i}, r{i}, 0f{_f32_hex(8.0 / SAT_SCALE)}, 0f{_f32_hex(E4M3_ONE_CODE / SAT_SCALE)};"
     return f"fma.rn.f32 r{i}, r{i}, 0f41000000, 0f{_f32_hex(MAGIC + E4M3_ONE_CODE)};"
 
 
@@ -105,25 +105,31 @@ def _fold_lines(fold: str, clamp: str) -> list[str]:
         return [f"fma.rn{sat}.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};" for i in range(4)]
     if fold == "sub_fma":
         # $5..$8 a = scale, $9..$12 b = -ref; then y = 8*t + (magic + 56)
-        return [line for i in range(4) for line in (
-            f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};", _code_line(i, clamp))]
+        return [
+            line for i in range(4) for line in (f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};", _code_line(i, clamp))
+        ]
     if fold == "corrected":
         # $5..$8 a = scale, $9..$12 b = -ref (as sub_fma); t, u are scratch registers
-        return [line for i in range(4) for line in (
-            f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};", *_correction_lines(i, clamp))]
+        return [
+            line
+            for i in range(4)
+            for line in (f"fma.rn.f32 r{i}, ${1 + i}, ${5 + i}, ${9 + i};", *_correction_lines(i, clamp))
+        ]
     raise ValueError(f"unknown lean fold {fold!r}")
 
 
 def _correction_lines(i: int, clamp: str) -> list[str]:
     """x in r{i} -> y = 8z + magic + 56 with z = x - c*f*(1-f), f = frac(x) (the corrected fold)."""
     magic = _f32_hex(MAGIC)
-    return [f"max.f32 r{i}, r{i}, 0f{_f32_hex(_X_FLOOR)};",
-            f"add.rm.f32 t, r{i}, 0f{magic};",          # magic + floor(x)
-            f"sub.f32 t, t, 0f{magic};",                # floor(x), exact
-            f"sub.f32 t, t, r{i};",                     # -f
-            "fma.rn.f32 u, t, t, t;",                   # f*f - f = -f(1-f)
-            f"fma.rn.f32 r{i}, u, 0f{_f32_hex(LEAN_CORRECTION)}, r{i};",  # z = x - c f(1-f)
-            _code_line(i, clamp)]                                          # y = 8z + magic + 56
+    return [
+        f"max.f32 r{i}, r{i}, 0f{_f32_hex(_X_FLOOR)};",
+        f"add.rm.f32 t, r{i}, 0f{magic};",  # magic + floor(x)
+        f"sub.f32 t, t, 0f{magic};",  # floor(x), exact
+        f"sub.f32 t, t, r{i};",  # -f
+        "fma.rn.f32 u, t, t, t;",  # f*f - f = -f(1-f)
+        f"fma.rn.f32 r{i}, u, 0f{_f32_hex(LEAN_CORRECTION)}, r{i};",  # z = x - c f(1-f)
+        _code_line(i, clamp),
+    ]  # y = 8z + magic + 56
 
 
 def _clamp_lines(clamp: str) -> list[str]:
@@ -139,13 +145,9 @@ def _clamp_lines(clamp: str) -> list[str]:
 def _pack_lines(pack: str) -> list[str]:
     if pack == "prmt":
         # {b,a} bytes are numbered 7..0 (a = 0..3): 0x0040 puts a.b0 in byte 0 and b.b0 in byte 1.
-        return ["prmt.b32 r0, r0, r1, 0x0040;",
-                "prmt.b32 r2, r2, r3, 0x0040;",
-                "prmt.b32 $0, r0, r2, 0x5410;"]
+        return ["prmt.b32 r0, r0, r1, 0x0040;", "prmt.b32 r2, r2, r3, 0x0040;", "prmt.b32 $0, r0, r2, 0x5410;"]
     if pack == "bfi":
-        return ["bfi.b32 r0, r1, r0, 8, 8;",
-                "bfi.b32 r0, r2, r0, 16, 8;",
-                "bfi.b32 $0, r3, r0, 24, 8;"]
+        return ["bfi.b32 r0, r1, r0, 8, 8;", "bfi.b32 r0, r2, r0, 16, 8;", "bfi.b32 $0, r3, r0, 24, 8;"]
     raise ValueError(f"unknown lean pack {pack!r}")
 
 
@@ -190,8 +192,13 @@ def code_sum_asm() -> str:
     body += [f"cvt.rn.f16x2.e4m3x2 h{i}, c{i};" for i in range(8)]
     body += [f"add.rn.f16x2 h{a}, h{a}, h{b};" for a, b in ((0, 1), (2, 3), (4, 5), (6, 7), (0, 2), (4, 6), (0, 4))]
     body += ["mov.b32 {lo, hi}, h0;", "cvt.f32.f16 flo, lo;", "cvt.f32.f16 fhi, hi;", "add.rn.f32 $0, flo, fhi;"]
-    regs = (".reg .b16 " + ", ".join(f"c{i}" for i in range(8)) + ", lo, hi;\n.reg .b32 "
-            + ", ".join(f"h{i}" for i in range(8)) + ";\n.reg .f32 flo, fhi;")
+    regs = (
+        ".reg .b16 "
+        + ", ".join(f"c{i}" for i in range(8))
+        + ", lo, hi;\n.reg .b32 "
+        + ", ".join(f"h{i}" for i in range(8))
+        + ";\n.reg .f32 flo, fhi;"
+    )
     return "{\n" + regs + "\n" + "\n".join(body) + "\n}"
 
 
@@ -265,27 +272,31 @@ def _f16_linear_lines(out: str, s: str, a: str, b: str, floor: tuple[str, str] |
     out; scratch t, c, m, r."""
     lines = [f"fma.rn.sat.f16x2 t, {s}, {a}, {b};"]
     lines += [f"fma.rn.f16x2 r, {s}, {floor[0]}, {floor[1]};", "max.f16x2 t, t, r;"] if floor else []
-    return lines + [f"mov.b32 c, {_f16x2_hex(SAT_SCALE)};",
-                    f"mov.b32 m, {_f16x2_hex(F16_BASE)};",
-                    f"fma.rn.f16x2 {out}, t, c, m;"]
+    return lines + [
+        f"mov.b32 c, {_f16x2_hex(SAT_SCALE)};",
+        f"mov.b32 m, {_f16x2_hex(F16_BASE)};",
+        f"fma.rn.f16x2 {out}, t, c, m;",
+    ]
 
 
 def _f16_corrected_lines(out: str, s: str, a: str, b: str) -> list[str]:
     """The corrected fold of one f16 pair (f16_fold_asm), from operands s, a, b into out; scratch t, c, m, r, f."""
-    return [f"fma.rn.sat.f16x2 t, {s}, {a}, {b};",     # u
-            f"mov.b32 c, {_f16x2_hex(16.0)};",
-            f"mov.b32 m, {_f16x2_hex(1023.5)};",
-            "fma.rn.f16x2 r, t, c, m;",          # 16 u + 1023.5, rounded to an integer (k + 1024)
-            "sub.f16x2 r, m, r;",                # -(k + 1/2), exact
-            "fma.rn.f16x2 f, t, c, r;",          # f = 16 u - k - 1/2
-            "neg.f16x2 r, f;",
-            f"mov.b32 m, {_f16x2_hex(0.25)};",
-            "fma.rn.f16x2 r, r, f, m;",          # 1/4 - f^2 = frac (1 - frac)
-            f"mov.b32 c, {_f16x2_hex(LEAN_CORRECTION / 16)};",
-            "fma.rn.sat.f16x2 t, r, c, t;",      # sat(u + (c / 16) frac (1 - frac))
-            f"mov.b32 c, {_f16x2_hex(-SAT_SCALE)};",
-            f"mov.b32 m, {_f16x2_hex(F16_BASE + SAT_SCALE)};",
-            f"fma.rn.f16x2 {out}, t, c, m;"]
+    return [
+        f"fma.rn.sat.f16x2 t, {s}, {a}, {b};",  # u
+        f"mov.b32 c, {_f16x2_hex(16.0)};",
+        f"mov.b32 m, {_f16x2_hex(1023.5)};",
+        "fma.rn.f16x2 r, t, c, m;",  # 16 u + 1023.5, rounded to an integer (k + 1024)
+        "sub.f16x2 r, m, r;",  # -(k + 1/2), exact
+        "fma.rn.f16x2 f, t, c, r;",  # f = 16 u - k - 1/2
+        "neg.f16x2 r, f;",
+        f"mov.b32 m, {_f16x2_hex(0.25)};",
+        "fma.rn.f16x2 r, r, f, m;",  # 1/4 - f^2 = frac (1 - frac)
+        f"mov.b32 c, {_f16x2_hex(LEAN_CORRECTION / 16)};",
+        "fma.rn.sat.f16x2 t, r, c, t;",  # sat(u + (c / 16) frac (1 - frac))
+        f"mov.b32 c, {_f16x2_hex(-SAT_SCALE)};",
+        f"mov.b32 m, {_f16x2_hex(F16_BASE + SAT_SCALE)};",
+        f"fma.rn.f16x2 {out}, t, c, m;",
+    ]
 
 
 #: P's exponent at u = 0 on the corrected fold's reversed line: x + P = 9 - 16 u (t = (8 (x + P) + 56) / 128)
@@ -335,13 +346,17 @@ def f16_mufu_asm(mufu: int, fold: str = "corrected", floor: bool = False) -> str
             if fold == "corrected":
                 lines += [f"fma.rn.f16x2 e, {s}, ${16 + i}, ${20 + i};"]
             else:
-                lines += [f"fma.rn.f16x2 e, {s}, {a}, {b};",
-                          f"mov.b32 c, {_f16x2_hex(16.0)};",
-                          f"mov.b32 m, {_f16x2_hex(F16_MUFU_LINEAR_K)};",
-                          "fma.rn.f16x2 e, e, c, m;"]
-            lines += ["ex2.approx.f16x2 e, e;",
-                      "add.u32 e, e, 0x00400040;",   # + half a code in each half
-                      f"shr.b32 {out}, e, 7;"]       # bytes 0, 2 <- the codes of keys 0, 1
+                lines += [
+                    f"fma.rn.f16x2 e, {s}, {a}, {b};",
+                    f"mov.b32 c, {_f16x2_hex(16.0)};",
+                    f"mov.b32 m, {_f16x2_hex(F16_MUFU_LINEAR_K)};",
+                    "fma.rn.f16x2 e, e, c, m;",
+                ]
+            lines += [
+                "ex2.approx.f16x2 e, e;",
+                "add.u32 e, e, 0x00400040;",  # + half a code in each half
+                f"shr.b32 {out}, e, 7;",
+            ]  # bytes 0, 2 <- the codes of keys 0, 1
         elif fold == "corrected":
             lines += _f16_corrected_lines(out, s, a, b)
         else:
@@ -366,7 +381,4 @@ def f16_pack_asm() -> str:
     """PTX for four `f16_fold_asm` results ($1..$4, keys 4a .. 4a + 3, as 16-bit registers; consecutive
     pairs share a 32-bit register in the accumulator) -> one register of four e4m3 codes: their low
     bytes, one PRMT."""
-    return ("{\n.reg .b32 a, b;\n"
-            "mov.b32 a, {$1, $2};\n"
-            "mov.b32 b, {$3, $4};\n"
-            "prmt.b32 $0, a, b, 0x6420;\n}")
+    return "{\n.reg .b32 a, b;\nmov.b32 a, {$1, $2};\nmov.b32 b, {$3, $4};\nprmt.b32 $0, a, b, 0x6420;\n}"

@@ -26,11 +26,13 @@ def rescale_asm(n: int, skip: bool = True) -> str:
     a0, a1 = (2 * n + r for r in ROW_REGISTERS)
     lines = ["{"]
     if skip:
-        lines += [".reg .pred p, q;",
-                  f"setp.ne.f32 p, ${a0}, 0f3F800000;",
-                  f"setp.ne.or.f32 p, ${a1}, 0f3F800000, p;",
-                  "vote.sync.any.pred q, p, 0xffffffff;",
-                  "@!q bra.uni SKIP;"]
+        lines += [
+            ".reg .pred p, q;",
+            f"setp.ne.f32 p, ${a0}, 0f3F800000;",
+            f"setp.ne.or.f32 p, ${a1}, 0f3F800000, p;",
+            "vote.sync.any.pred q, p, 0xffffffff;",
+            "@!q bra.uni SKIP;",
+        ]
     lines += [f"mul.f32 ${k}, ${k}, ${2 * n + k};" for k in range(n)]
     lines += ["SKIP:", "}"] if skip else ["}"]
     return "\n".join(lines)

@@ -66,8 +66,9 @@ def emit(config: KernelConfig, *, trace: TraceBuffer | None = None) -> EmittedKe
         raise ValueError(f"gluon_sm90.emit: config has backend={config.backend!r}")
     if trace is not None and not isinstance(trace, TraceBuffer):
         raise TypeError(f"emit(trace=...) takes a TraceBuffer, got {type(trace).__name__}")
-    return emitted(config, _header(config) + device.source() + _constants(config, trace) + _entry(config),
-                   kernel_name_of(config))
+    return emitted(
+        config, _header(config) + device.source() + _constants(config, trace) + _entry(config), kernel_name_of(config)
+    )
 
 
 def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
@@ -153,8 +154,21 @@ _GL_DTYPE = {"fp8": lambda gl: gl.float8e4nv, "bf16": lambda gl: gl.bfloat16}
 _TORCH_DTYPE = {"fp8": lambda torch: torch.float8_e4m3fn, "bf16": lambda torch: torch.bfloat16}
 
 #: Kernel parameters after the descriptors (the launcher passes them in this order).
-SCALAR_PARAMS = ("QD", "KD", "VD", "stride_db", "stride_dh", "H", "GROUP", "HKV", "SEQ_Q", "SEQ_K",
-                 "N_M_BLOCKS", "N_TILES", "sm_scale_log2")
+SCALAR_PARAMS = (
+    "QD",
+    "KD",
+    "VD",
+    "stride_db",
+    "stride_dh",
+    "H",
+    "GROUP",
+    "HKV",
+    "SEQ_Q",
+    "SEQ_K",
+    "N_M_BLOCKS",
+    "N_TILES",
+    "sm_scale_log2",
+)
 
 
 def tile_params(c: KernelConfig) -> tuple[str, ...]:
@@ -170,9 +184,11 @@ UNSPECIALISED = SCALAR_PARAMS[3:12]
 
 
 def _header(c: KernelConfig) -> str:
-    return (f'"""zyfa-tune generated kernel (generator {GENERATOR_VERSION}, Gluon backend). Do not edit.\n\n'
-            f"config: {c.to_json()}\n"
-            '"""\n')
+    return (
+        f'"""zyfa-tune generated kernel (generator {GENERATOR_VERSION}, Gluon backend). Do not edit.\n\n'
+        f"config: {c.to_json()}\n"
+        '"""\n'
+    )
 
 
 def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None) -> dict[str, object]:
@@ -182,56 +198,83 @@ def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None) -> dic
     consumers = int(c.block_m) // 64
     lean = c.softmax == "lean"
     values = [
-        ("BLOCK_M", int(c.block_m)), ("BLOCK_N", int(c.block_n)), ("HEAD_D", int(c.head_dim_v)), ("HEAD_QK", int(c.head_dim_qk)),
+        ("BLOCK_M", int(c.block_m)),
+        ("BLOCK_N", int(c.block_n)),
+        ("HEAD_D", int(c.head_dim_v)),
+        ("HEAD_QK", int(c.head_dim_qk)),
         # O's accumulator columns (a power of two: padded, or with O_SPLIT the first of two parts, O_W + O_C;
         # without, O_C is the width of an unused stand-in) and the wgmmas of one PV issue
-        ("O_W", gluon_o_parts(c)[0]), ("O_SPLIT", bool(c.o_split)), ("O_C", gluon_o_parts(c)[1] or 8),
+        ("O_W", gluon_o_parts(c)[0]),
+        ("O_SPLIT", bool(c.o_split)),
+        ("O_C", gluon_o_parts(c)[1] or 8),
         ("PV_GROUPS", (2 if key_parts(c)[1] else 1) * (2 if c.rowsum == "mma" else 1) + int(bool(c.o_split))),
-        ("QK_PARTS", int(c.head_dim_qk) // qk_part_width(c)), ("QK_W", qk_part_width(c)),
+        ("QK_PARTS", int(c.head_dim_qk) // qk_part_width(c)),
+        ("QK_W", qk_part_width(c)),
         ("Q_BOXES", int(c.block_m) // q_box_rows(c)),
-        ("STAGES", int(c.num_stages)), ("Q_STAGES", int(c.q_stages)), ("NUM_CONSUMERS", consumers),
-        ("OVERLAP", bool(c.overlap)), ("PINGPONG", bool(c.ping_pong)),
+        ("STAGES", int(c.num_stages)),
+        ("Q_STAGES", int(c.q_stages)),
+        ("NUM_CONSUMERS", consumers),
+        ("OVERLAP", bool(c.overlap)),
+        ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"),
-        ("BALANCED", c.q_order == "balanced"), ("V_PERM", bool(c.v_permute)), ("K_PERM", bool(c.k_perm)),
-        ("V_NATURAL", c.v_layout == "natural"), ("NAMED_TURNS", c.turn_barrier == "named"),
+        ("BALANCED", c.q_order == "balanced"),
+        ("V_PERM", bool(c.v_permute)),
+        ("K_PERM", bool(c.k_perm)),
+        ("V_NATURAL", c.v_layout == "natural"),
+        ("NAMED_TURNS", c.turn_barrier == "named"),
         ("PV_DEFER", bool(c.pv_defer)),
-        ("BN_A", key_parts(c)[0]), ("BN_B", key_parts(c)[1]), ("SPLIT", bool(key_parts(c)[1])),
-        ("P_OFFSET", float(int(c.p_scale_log2))), ("PACK_P", c.p_carry == "e4m3"),
-        ("P_SMEM", p_tiles(c) > 0), ("K_AHEAD", p_tiles(c) > 0),
+        ("BN_A", key_parts(c)[0]),
+        ("BN_B", key_parts(c)[1]),
+        ("SPLIT", bool(key_parts(c)[1])),
+        ("P_OFFSET", float(int(c.p_scale_log2))),
+        ("PACK_P", c.p_carry == "e4m3"),
+        ("P_SMEM", p_tiles(c) > 0),
+        ("K_AHEAD", p_tiles(c) > 0),
         # two P tiles per consumer (P(j) stored while PV(j-1) reads the other; published under QK^T(j+1))
-        ("P_DOUBLE", p_tiles(c) == 2), ("O_IN_P", o_in_p_tile(c)),
+        ("P_DOUBLE", p_tiles(c) == 2),
+        ("O_IN_P", o_in_p_tile(c)),
         # the output's stores per tile: O_CHUNKS of O_CHUNK columns (o_through_p: through both P tiles)
-        ("O_CHUNK", o_chunks(c)[0]), ("O_CHUNKS", o_chunks(c)[1]),
+        ("O_CHUNK", o_chunks(c)[0]),
+        ("O_CHUNKS", o_chunks(c)[1]),
         # the P tile's swizzle (bytes): a row of BLOCK_N e4m3, up to the 128-byte maximum
         ("P_SWIZZLE", min(128, int(c.block_n))),
-        ("LANE_SUMS", bool(c.lane_sums)), ("LATE_RESCALE", bool(c.late_rescale)),
+        ("LANE_SUMS", bool(c.lane_sums)),
+        ("LATE_RESCALE", bool(c.late_rescale)),
         # a first block whose upper half no row sees runs as a step of BLOCK_N / 2 keys (plain schedule)
         ("HALF_BLOCK", bool(c.half_block)),
-        ("CONSUMER_REGS", int(consumer_regs)), ("PRODUCER_REGS", int(producer_regs)),
+        ("CONSUMER_REGS", int(consumer_regs)),
+        ("PRODUCER_REGS", int(producer_regs)),
         # qk_acc="f16": f16 scores, lean P folded two per instruction, Q's rows scaled by _q_headroom so that
         # E4M3_MAX * sum|q| * Q_HEADROOM <= 1 (generator/asm/lean.py)
-        ("F16_S", c.qk_acc == "f16"), ("Q_HEADROOM", E4M3_MAX / F16_SCORE_BOUND),
+        ("F16_S", c.qk_acc == "f16"),
+        ("Q_HEADROOM", E4M3_MAX / F16_SCORE_BOUND),
         # qk_async: generator/ptx_pass.py drops the f16 QK^T's wait, so P(j-1)'s publication and O's rescale go
         # after QK^T(j)'s issue as in the float32-score step (without the pass they would wait for QK^T)
         ("QK_ASYNC", bool(c.qk_async)),
         ("F16_FOLD_ASM", f16_fold_asm(c.lean_fold, c.lean_floor) if c.qk_acc == "f16" else ""),
         # lean_floor: a second line for e4m3's subnormal codes (generator/asm/lean.py)
-        ("LEAN_FLOOR", bool(c.lean_floor)), ("LEAN_FLOOR_SLOPE", LEAN_FLOOR_SLOPE), ("LEAN_FLOOR_AT", LEAN_FLOOR_AT),
+        ("LEAN_FLOOR", bool(c.lean_floor)),
+        ("LEAN_FLOOR_SLOPE", LEAN_FLOOR_SLOPE),
+        ("LEAN_FLOOR_AT", LEAN_FLOOR_AT),
         ("F16_PACK_ASM", f16_pack_asm() if c.qk_acc == "f16" else ""),
         # lean_mufu: that many of every four pairs of the f16 fold take 2^x from the MUFU instead
         ("LEAN_MUFU", int(c.lean_mufu)),
         ("F16_MUFU_ASM", f16_mufu_asm(int(c.lean_mufu), c.lean_fold, c.lean_floor) if c.lean_mufu else ""),
-        ("F16_MUFU_CONSTRAINTS", f16_mufu_constraints(c.lean_fold, c.lean_floor)), ("F16_MUFU_TOP", F16_MUFU_TOP),
+        ("F16_MUFU_CONSTRAINTS", f16_mufu_constraints(c.lean_fold, c.lean_floor)),
+        ("F16_MUFU_TOP", F16_MUFU_TOP),
         # (f16 scores fold "corrected" on the one-FMA fold's row constant too: f16_fold_asm adds the correction,
         # on the reversed line u = 1 - t)
         ("F16_U", c.qk_acc == "f16" and f16_reversed(c.lean_fold)),
-        ("LEAN", lean), ("ROWSUM_MMA", c.rowsum == "mma"),
+        ("LEAN", lean),
+        ("ROWSUM_MMA", c.rowsum == "mma"),
         ("LEAN_FMA", lean and (c.lean_fold in ONE_FMA_FOLDS or c.qk_acc == "f16")),
-        ("LEAN_CENTER", fold_center(c.lean_fold, c.lean_ref) if lean else 0.0), ("LEAN_MAGIC", MAGIC),
+        ("LEAN_CENTER", fold_center(c.lean_fold, c.lean_ref) if lean else 0.0),
+        ("LEAN_MAGIC", MAGIC),
         # the row maximum on the one-FMA folds' 1/8 grid (b exact; measured better for the linear folds); the
         # corrected fold on f16 scores takes it as it is, so that the maximum's own code is exact
         ("LEAN_GRID", lean and c.lean_fold in ONE_FMA_FOLDS and c.lean_ref == "grid"),
-        ("LEAN_SAT", lean and c.lean_clamp == "sat"), ("LEAN_SAT_SCALE", SAT_SCALE),
+        ("LEAN_SAT", lean and c.lean_clamp == "sat"),
+        ("LEAN_SAT_SCALE", SAT_SCALE),
         # PTX from generator/asm/lean.py for validated enum values only (never text from a config)
         ("LEAN_ASM", lean_tail_asm(c.lean_fold, c.lean_clamp, c.lean_pack) if lean else ""),
         # lean P's row sum from its packed codes (rowsum="rounded"): generator/asm/lean.code_sum_asm
@@ -249,7 +292,9 @@ def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None) -> dic
         # ex2_fence (generator/asm/fence.py): one asm per consumer warpgroup (its own named barrier)
         *_fence_constants(c),
         # timeline stamps (generator/gluon_sm90/trace.py): a validated address and slot count only
-        ("TRACE", trace is not None), ("TRACE_STEPS", trace.steps if trace else 0), ("TRACE_EVENTS", len(EVENTS)),
+        ("TRACE", trace is not None),
+        ("TRACE_STEPS", trace.steps if trace else 0),
+        ("TRACE_EVENTS", len(EVENTS)),
         ("TRACE_ASM", clock_asm(trace, consumers, after_value=False) if trace else ""),
         ("TRACE_AFTER_ASM", clock_asm(trace, consumers, after_value=True) if trace else ""),
         *((f"EV_{name.upper()}", i) for i, name in enumerate(EVENTS)),
@@ -260,10 +305,13 @@ def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None) -> dic
 def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
     lines = ["", "", "# ---- this kernel's schedule (its config, resolved)"]
     lines += [f"{name} = gl.constexpr({value!r})" for name, value in schedule_constants(c, trace).items()]
-    lines += ["# host side: read by kernels/launch.py",
-              f"NUM_WARPS = {NUM_WARPS}",
-              f"PERSISTENT = {bool(c.persistent)!r}",
-              f"KERNEL_NAME = {kernel_name_of(c)!r}", ""]
+    lines += [
+        "# host side: read by kernels/launch.py",
+        f"NUM_WARPS = {NUM_WARPS}",
+        f"PERSISTENT = {bool(c.persistent)!r}",
+        f"KERNEL_NAME = {kernel_name_of(c)!r}",
+        "",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -274,9 +322,11 @@ def _rescale_constants(c: KernelConfig) -> list[tuple[str, object]]:
     for name, w in zip(("", "_C"), gluon_o_parts(c)):
         n = int(w) // 2
         on = rescale_in_place(c) and n > 0
-        out += [(f"RESCALE{name}_PACK", n or 1),
-                (f"RESCALE{name}_ASM", rescale_asm(n, skip=c.skip_rescale) if on else ""),
-                (f"RESCALE{name}_CONSTRAINTS", rescale_constraints(n) if on else "")]
+        out += [
+            (f"RESCALE{name}_PACK", n or 1),
+            (f"RESCALE{name}_ASM", rescale_asm(n, skip=c.skip_rescale) if on else ""),
+            (f"RESCALE{name}_CONSTRAINTS", rescale_constraints(n) if on else ""),
+        ]
     return out
 
 
@@ -287,12 +337,15 @@ def _fence_constants(c: KernelConfig) -> list[tuple[str, object]]:
     row_sums = c.ex2_fence and c.rowsum == "fp32"
     out: list[tuple[str, object]] = [
         ("ROW_SUM_FENCE_ASM", tuple(row_sum_fence_asm(fence_barrier(k)) for k in range(3)) if row_sums else none),
-        ("ROW_SUM_FENCE_CONSTRAINTS", ROW_SUM_FENCE_CONSTRAINTS)]
+        ("ROW_SUM_FENCE_CONSTRAINTS", ROW_SUM_FENCE_CONSTRAINTS),
+    ]
     for part, keys in zip("AB", key_parts(c)):
         n = int(keys) // 2  # float32 probabilities per thread: 64 rows x keys over 128 threads
         on = c.ex2_fence and c.rowsum == "mma" and n > 0
-        out += [(f"P_FENCE_{part}_ASM", tuple(p_fence_asm(n, fence_barrier(k)) for k in range(3)) if on else none),
-                (f"P_FENCE_{part}_CONSTRAINTS", p_fence_constraints(n) if on else "")]
+        out += [
+            (f"P_FENCE_{part}_ASM", tuple(p_fence_asm(n, fence_barrier(k)) for k in range(3)) if on else none),
+            (f"P_FENCE_{part}_CONSTRAINTS", p_fence_constraints(n) if on else ""),
+        ]
     return out
 
 
@@ -301,19 +354,23 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
     # schedule constants of every other config stay exactly as they were
     ones = "ones_bufs" if c.rowsum == "mma" else "None"
     onesb = "onesb_bufs" if c.rowsum == "mma" and key_parts(c)[1] else ones
-    return (f"({cid}, desc_o, desc_oc, q_bufs, k_bufs, v_bufs, vc_bufs, o_bufs, oc_bufs, q_ready, q_empty,\n"
-            "                    k_ready, k_empty, v_ready, v_empty, turn_bars, QD, KD, VD, stride_db, stride_dh,\n"
-            "                    sm_scale_log2, H, GROUP, SEQ_Q, SEQ_K,\n"
-            "                    N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
-            "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
-            f"{bool(c.ex2_fence)!r}, LEAN, {ones}, QK_PARTS,\n"
-            f"                    kb_bufs, vb_bufs, {onesb}, p_bufs)")
+    return (
+        f"({cid}, desc_o, desc_oc, q_bufs, k_bufs, v_bufs, vc_bufs, o_bufs, oc_bufs, q_ready, q_empty,\n"
+        "                    k_ready, k_empty, v_ready, v_empty, turn_bars, QD, KD, VD, stride_db, stride_dh,\n"
+        "                    sm_scale_log2, H, GROUP, SEQ_Q, SEQ_K,\n"
+        "                    N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
+        "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
+        f"{bool(c.ex2_fence)!r}, LEAN, {ones}, QK_PARTS,\n"
+        f"                    kb_bufs, vb_bufs, {onesb}, p_bufs)"
+    )
 
 
-_PRODUCER_ARGS = ("(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
-                  "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M,\n"
-                  "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST, HEAD_QK, QK_PARTS,\n"
-                  "                    v_raw, v_raw_ready, desc_kb, desc_vb, kb_bufs, vb_bufs, desc_vc, vc_bufs)")
+_PRODUCER_ARGS = (
+    "(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
+    "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M,\n"
+    "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST, HEAD_QK, QK_PARTS,\n"
+    "                    v_raw, v_raw_ready, desc_kb, desc_vb, kb_bufs, vb_bufs, desc_vc, vc_bufs)"
+)
 
 
 def _ones_lines(c: KernelConfig) -> list[str]:
@@ -321,11 +378,15 @@ def _ones_lines(c: KernelConfig) -> list[str]:
     (with 192-key blocks one of 8 x 128 and one of 8 x 64)."""
     if c.rowsum != "mma":
         return []
-    lines = ["    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BN_A], dtype)",
-             "    ones_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BN_A], ones_layout)"]
+    lines = [
+        "    ones_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BN_A], dtype)",
+        "    ones_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BN_A], ones_layout)",
+    ]
     if key_parts(c)[1]:
-        lines += ["    onesb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BN_B], dtype)",
-                  "    onesb_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BN_B], onesb_layout)"]
+        lines += [
+            "    onesb_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([8, BN_B], dtype)",
+            "    onesb_bufs = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, BN_B], onesb_layout)",
+        ]
     return lines
 
 
@@ -335,9 +396,11 @@ def _p_lines(c: KernelConfig) -> list[str]:
     if not p_tiles(c):
         return []
     tiles = "2 * NUM_CONSUMERS" if p_tiles(c) == 2 else "NUM_CONSUMERS"
-    return ["    p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=P_SWIZZLE, element_bitwidth=8,",
-            "                                                  rank=2)",
-            f"    p_bufs = gl.allocate_shared_memory(dtype, [{tiles}, 64, BLOCK_N], p_layout)"]
+    return [
+        "    p_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=P_SWIZZLE, element_bitwidth=8,",
+        "                                                  rank=2)",
+        f"    p_bufs = gl.allocate_shared_memory(dtype, [{tiles}, 64, BLOCK_N], p_layout)",
+    ]
 
 
 def _k_lines(c: KernelConfig) -> list[str]:
@@ -378,12 +441,14 @@ def _v_lines(c: KernelConfig) -> list[str]:
         if c.o_split:
             lines.append("    vc_bufs = gl.allocate_shared_memory(dtype, [STAGES, O_C, BN_A], desc_vc.layout)")
         return lines
-    return ["    vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([O_W, BLOCK_N], dtype)",
-            "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, O_W, BLOCK_N], vt_layout)",
-            "    v_raw = gl.allocate_shared_memory(dtype, [2, BLOCK_N, O_W], desc_v.layout)",
-            "    v_raw_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
-            "    mbarrier.init(v_raw_ready.index(0), count=1)",
-            "    mbarrier.init(v_raw_ready.index(1), count=1)"]
+    return [
+        "    vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([O_W, BLOCK_N], dtype)",
+        "    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, O_W, BLOCK_N], vt_layout)",
+        "    v_raw = gl.allocate_shared_memory(dtype, [2, BLOCK_N, O_W], desc_v.layout)",
+        "    v_raw_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())",
+        "    mbarrier.init(v_raw_ready.index(0), count=1)",
+        "    mbarrier.init(v_raw_ready.index(1), count=1)",
+    ]
 
 
 def _entry(c: KernelConfig) -> str:
@@ -394,47 +459,63 @@ def _entry(c: KernelConfig) -> str:
     # (1 warp; a warpgroup when it transposes V: the register split counts it as one either way)
     warps = "[" + "4, " * (consumers - 1) + ("4]" if c.v_layout == "natural" else "1]")
     regs = "[" + "CONSUMER_REGS, " * (consumers - 1) + "PRODUCER_REGS]"
-    return "\n".join([
-        "",
-        f"@gluon.jit(do_not_specialize={UNSPECIALISED!r})",
-        f"def {kernel_name_of(c)}({', '.join(descriptor_blocks(c))},",
-        f"                  {', '.join(SCALAR_PARAMS[:7])},",
-        f"                  {', '.join(SCALAR_PARAMS[7:] + tile_params(c))}, CAUSAL: gl.constexpr):",
-        "    dtype: gl.constexpr = gl.float8e4nv",
-        "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES * QK_PARTS * Q_BOXES, BLOCK_M // Q_BOXES, QK_W],",
-        "                                       desc_q.layout)",
-        *_k_lines(c),
-        *_v_lines(c),
-        "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_CHUNK], gl.bfloat16)",
-        *(["    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, O_W], o_layout)"]
-          if not o_in_p_tile(c) else []),
-        *(["    oc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_C], gl.bfloat16)",
-           "    oc_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, O_C], oc_layout)"]
-          if c.o_split else []),
-        *_ones_lines(c),
-        *_p_lines(c),
-        *([f"    o_bufs = p_bufs._reinterpret(gl.bfloat16, [{'2 * ' if c.o_through_p else ''}NUM_CONSUMERS, 64, "
-           "O_CHUNK], o_layout)"] if o_in_p_tile(c) else []),
-        "    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
-        "    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
-        "    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
-        "    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
-        "    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
-        "    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
-        "    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())",
-        *_stand_ins(c),
-        "    for i in gl.static_range(Q_STAGES):",
-        "        mbarrier.init(q_ready.index(i), count=1)",
-        "        mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)",
-        "    for i in gl.static_range(STAGES):",
-        "        mbarrier.init(k_ready.index(i), count=1)",
-        "        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)",
-        "        mbarrier.init(v_ready.index(i), count=1)",
-        "        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)",
-        "    for i in gl.static_range(NUM_CONSUMERS):",
-        "        mbarrier.init(turn_bars.index(i), count=1)",
-        "    gl.warp_specialize([",
-        *partitions,
-        f"    ], {warps}, {regs})",
-        "",
-    ])
+    return "\n".join(
+        [
+            "",
+            f"@gluon.jit(do_not_specialize={UNSPECIALISED!r})",
+            f"def {kernel_name_of(c)}({', '.join(descriptor_blocks(c))},",
+            f"                  {', '.join(SCALAR_PARAMS[:7])},",
+            f"                  {', '.join(SCALAR_PARAMS[7:] + tile_params(c))}, CAUSAL: gl.constexpr):",
+            "    dtype: gl.constexpr = gl.float8e4nv",
+            "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES * QK_PARTS * Q_BOXES, BLOCK_M // Q_BOXES, QK_W],",
+            "                                       desc_q.layout)",
+            *_k_lines(c),
+            *_v_lines(c),
+            "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_CHUNK], gl.bfloat16)",
+            *(
+                ["    o_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, O_W], o_layout)"]
+                if not o_in_p_tile(c)
+                else []
+            ),
+            *(
+                [
+                    "    oc_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_C], gl.bfloat16)",
+                    "    oc_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_CONSUMERS, 64, O_C], oc_layout)",
+                ]
+                if c.o_split
+                else []
+            ),
+            *_ones_lines(c),
+            *_p_lines(c),
+            *(
+                [
+                    f"    o_bufs = p_bufs._reinterpret(gl.bfloat16, [{'2 * ' if c.o_through_p else ''}NUM_CONSUMERS, 64, "
+                    "O_CHUNK], o_layout)"
+                ]
+                if o_in_p_tile(c)
+                else []
+            ),
+            "    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
+            "    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())",
+            "    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
+            "    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
+            "    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
+            "    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
+            "    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())",
+            *_stand_ins(c),
+            "    for i in gl.static_range(Q_STAGES):",
+            "        mbarrier.init(q_ready.index(i), count=1)",
+            "        mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)",
+            "    for i in gl.static_range(STAGES):",
+            "        mbarrier.init(k_ready.index(i), count=1)",
+            "        mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)",
+            "        mbarrier.init(v_ready.index(i), count=1)",
+            "        mbarrier.init(v_empty.index(i), count=NUM_CONSUMERS)",
+            "    for i in gl.static_range(NUM_CONSUMERS):",
+            "        mbarrier.init(turn_bars.index(i), count=1)",
+            "    gl.warp_specialize([",
+            *partitions,
+            f"    ], {warps}, {regs})",
+            "",
+        ]
+    )

@@ -20,17 +20,19 @@ from dataclasses import dataclass
 
 #: The points of a consumer step, in the order they occur (the overlapped step has no separate
 #: "pv_issued": PV(j-1) is issued with QK^T(j), at "issued").
-EVENTS = ("start",         # the step begins
-          "ready",         # its K (and V) block has landed and, with ping-pong, it is this warpgroup's turn
-          "qk_issued",     # QK^T(j)'s wgmmas issued (the overlapped step's P(j-1) publication and PV(j-1)
-                           # issue follow; with f16 scores the publication comes before "ready")
-          "issued",        # the step's wgmmas issued and the turn passed (overlapped step: with PV(j-1))
-          "qk_done",       # QK^T(j) finished (its wgmma wait returned)
-          "max_done",      # the row maxima of the block are known
-          "softmax_done",  # probabilities and row sums done
-          "pv_issued",     # plain step: PV(j) issued
-          "pv_done")       # the step's PV wgmma finished (not recorded by pv_defer steps, which wait
-                           # for PV(j-1) before their softmax)
+EVENTS = (
+    "start",  # the step begins
+    "ready",  # its K (and V) block has landed and, with ping-pong, it is this warpgroup's turn
+    "qk_issued",  # QK^T(j)'s wgmmas issued (the overlapped step's P(j-1) publication and PV(j-1)
+    # issue follow; with f16 scores the publication comes before "ready")
+    "issued",  # the step's wgmmas issued and the turn passed (overlapped step: with PV(j-1))
+    "qk_done",  # QK^T(j) finished (its wgmma wait returned)
+    "max_done",  # the row maxima of the block are known
+    "softmax_done",  # probabilities and row sums done
+    "pv_issued",  # plain step: PV(j) issued
+    "pv_done",
+)  # the step's PV wgmma finished (not recorded by pv_defer steps, which wait
+# for PV(j-1) before their softmax)
 EVENT_INDEX = {name: i for i, name in enumerate(EVENTS)}
 
 
@@ -38,6 +40,7 @@ EVENT_INDEX = {name: i for i, name in enumerate(EVENTS)}
 class TraceBuffer:
     """Where a traced kernel stores its clocks: a device address (int32 slots) and the steps per
     consumer warpgroup it has room for; later steps are not recorded."""
+
     address: int
     steps: int
 
@@ -61,12 +64,14 @@ def clock_asm(buffer: TraceBuffer, consumers: int, *, after_value: bool) -> str:
     is computed; else its output is the slot index, unused."""
     idx = "$2" if after_value else "$1"
     limit = buffer.slots(consumers)
-    return ("{ .reg .u32 c, b; .reg .pred p; .reg .u64 a;\n"
-            "mov.u32 c, %clock;\n"
-            "mov.u32 b, %ctaid.x;\n"
-            "setp.eq.u32 p, b, 0;\n"
-            f"setp.lt.and.u32 p, {idx}, {int(limit)}, p;\n"
-            f"mov.u64 a, {int(buffer.address)};\n"
-            f"mad.wide.u32 a, {idx}, 4, a;\n"
-            "@p st.global.u32 [a], c;\n"
-            "mov.b32 $0, $1; }")
+    return (
+        "{ .reg .u32 c, b; .reg .pred p; .reg .u64 a;\n"
+        "mov.u32 c, %clock;\n"
+        "mov.u32 b, %ctaid.x;\n"
+        "setp.eq.u32 p, b, 0;\n"
+        f"setp.lt.and.u32 p, {idx}, {int(limit)}, p;\n"
+        f"mov.u64 a, {int(buffer.address)};\n"
+        f"mad.wide.u32 a, {idx}, 4, a;\n"
+        "@p st.global.u32 [a], c;\n"
+        "mov.b32 $0, $1; }"
+    )

@@ -91,24 +91,32 @@ class _Emitter:
     def _signature(self) -> list[str]:
         c = self.c
         if c.loads == "tma":
-            descs = [f"desc_{t}_{w}" for t, chunks in (("q", self.qk_chunks), ("k", self.qk_chunks),
-                                                      ("v", self.v_chunks))
-                     for w in sorted({w for _, w in chunks}, reverse=True)]
+            descs = [
+                f"desc_{t}_{w}"
+                for t, chunks in (("q", self.qk_chunks), ("k", self.qk_chunks), ("v", self.v_chunks))
+                for w in sorted({w for _, w in chunks}, reverse=True)
+            ]
             inputs = ["    " + ", ".join(descs) + ","]
         else:
             vrow = "stride_vd" if c.v_layout == "transposed" else "stride_vs"
-            inputs = ["    Q, K, V,",
-                      "    stride_qb, stride_qs, stride_qh,",
-                      "    stride_kb, stride_ks, stride_kh,",
-                      f"    stride_vb, {vrow}, stride_vh,"]
-        return ["", "@triton.jit", f"def {KERNEL_NAME}("] + inputs + [
-            "    O, QD, KD, VD,",
-            "    stride_ob, stride_os, stride_oh,",
-            "    stride_db, stride_dh,",
-            "    H, GROUP, SEQ_Q, SEQ_K, N_M_BLOCKS, sm_scale_log2,",
-            "    CAUSAL: tl.constexpr,",
-            "):",
-        ]
+            inputs = [
+                "    Q, K, V,",
+                "    stride_qb, stride_qs, stride_qh,",
+                "    stride_kb, stride_ks, stride_kh,",
+                f"    stride_vb, {vrow}, stride_vh,",
+            ]
+        return (
+            ["", "@triton.jit", f"def {KERNEL_NAME}("]
+            + inputs
+            + [
+                "    O, QD, KD, VD,",
+                "    stride_ob, stride_os, stride_oh,",
+                "    stride_db, stride_dh,",
+                "    H, GROUP, SEQ_Q, SEQ_K, N_M_BLOCKS, sm_scale_log2,",
+                "    CAUSAL: tl.constexpr,",
+                "):",
+            ]
+        )
 
     def _prologue(self) -> list[str]:
         c = self.c
@@ -128,16 +136,20 @@ class _Emitter:
             "    d_off = b * stride_db + hk * stride_dh",
         ]
         if c.loads == "pointer":
-            lines += ["    q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh",
-                      "    k_base = K + b.to(tl.int64) * stride_kb + hk * stride_kh",
-                      "    v_base = V + b.to(tl.int64) * stride_vb + hk * stride_vh"]
+            lines += [
+                "    q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh",
+                "    k_base = K + b.to(tl.int64) * stride_kb + hk * stride_kh",
+                "    v_base = V + b.to(tl.int64) * stride_vb + hk * stride_vh",
+            ]
         if c.dtype == "fp8":  # QD is None (a compile-time constant) when no descales are given
-            lines += ["    if QD is None:",
-                      "        qk_scale = sm_scale_log2",
-                      "        v_descale = 1.0",
-                      "    else:",
-                      "        qk_scale = sm_scale_log2 * tl.load(QD + d_off) * tl.load(KD + d_off)",
-                      "        v_descale = tl.load(VD + d_off)"]
+            lines += [
+                "    if QD is None:",
+                "        qk_scale = sm_scale_log2",
+                "        v_descale = 1.0",
+                "    else:",
+                "        qk_scale = sm_scale_log2 * tl.load(QD + d_off) * tl.load(KD + d_off)",
+                "        v_descale = tl.load(VD + d_off)",
+            ]
         else:
             lines += ["    qk_scale = sm_scale_log2"]
         for i, (off, w) in enumerate(self.qk_chunks):
@@ -146,7 +158,8 @@ class _Emitter:
             else:
                 lines.append(
                     f"    q{i} = tl.load(q_base + offs_m[:, None] * stride_qs + ({off} + tl.arange(0, {w}))[None, :],"
-                    f" mask=row_ok[:, None], other=0.0)")
+                    f" mask=row_ok[:, None], other=0.0)"
+                )
         for i, (_, w) in enumerate(self.v_chunks):
             lines.append(f"    acc{i} = tl.zeros([{bm}, {w}], dtype=tl.float32)")
         lines += [
@@ -186,8 +199,9 @@ class _Emitter:
             if c.loads == "tma":  # V^T viewed (B*Hkv*Dv, Sk): keys past SEQ_K are zero-filled
                 return f"tl.trans(desc_v_{w}.load([(b * (H // GROUP) + hk) * {c.head_dim_v} + {off}, n0]))"
             mask = ", mask=(offs_k < SEQ_K)[None, :], other=0.0" if masked else ""
-            return (f"tl.trans(tl.load(v_base + ({off} + tl.arange(0, {w}))[:, None] * stride_vd"
-                    f" + offs_k[None, :]{mask}))")
+            return (
+                f"tl.trans(tl.load(v_base + ({off} + tl.arange(0, {w}))[:, None] * stride_vd + offs_k[None, :]{mask}))"
+            )
         if c.loads == "tma":
             return f"desc_v_{w}.load([b * SEQ_K + n0, hk * {c.head_dim_v} + {off}])"
         mask = ", mask=(offs_k < SEQ_K)[:, None], other=0.0" if masked else ""
@@ -204,32 +218,40 @@ class _Emitter:
             acc = "" if i == 0 else ", qk"
             L.append(f"{ind}qk = tl.dot(q{i}, tl.trans(k{i}){acc})")
         if masked:
-            L += [f"{ind}ok = (offs_k < SEQ_K)[None, :]",
-                  f"{ind}if CAUSAL:",
-                  f"{ind}    ok = ok & (offs_k[None, :] <= offs_m[:, None] + off)",
-                  f"{ind}qk = tl.where(ok, qk, float('-inf'))"]
-        L += [f"{ind}m_tile = tl.max(qk, 1) * qk_scale",
-              f"{ind}m_new = tl.maximum(m_i, m_tile)"]
+            L += [
+                f"{ind}ok = (offs_k < SEQ_K)[None, :]",
+                f"{ind}if CAUSAL:",
+                f"{ind}    ok = ok & (offs_k[None, :] <= offs_m[:, None] + off)",
+                f"{ind}qk = tl.where(ok, qk, float('-inf'))",
+            ]
+        L += [f"{ind}m_tile = tl.max(qk, 1) * qk_scale", f"{ind}m_new = tl.maximum(m_i, m_tile)"]
         center = fold_center(c.lean_fold) if self.lean else 0.0
         if self.lean and c.lean_fold in ONE_FMA_FOLDS:
             # b = magic + 56 - (8*ref + center) must be exact in fp32: keep the reference on its grid
             # (n - center) / 8 (the 1/8 grid for "fma").
-            L.append(f"{ind}m_new = tl.ceil(m_new * 8.0) * 0.125" if not center else
-                     f"{ind}m_new = tl.ceil(m_new * 8.0 + {center!r}) * 0.125 - {center / 8!r}")
+            L.append(
+                f"{ind}m_new = tl.ceil(m_new * 8.0) * 0.125"
+                if not center
+                else f"{ind}m_new = tl.ceil(m_new * 8.0 + {center!r}) * 0.125 - {center / 8!r}"
+            )
         ref = f"m_new - {c.p_scale_log2}.0"
         if c.scale_block:
             L.append(f"{ind}k_exp = tl.minimum(tl.floor(m_new - m_tile), {SCALE_EXP_CAP}.0)")
             ref += " - k_exp"
-        L += [f"{ind}ref = {ref}",
-              f"{ind}alpha = tl.math.exp2(ref_i - ref)"]
+        L += [f"{ind}ref = {ref}", f"{ind}alpha = tl.math.exp2(ref_i - ref)"]
         if self.lean:
             if c.lean_fold in ONE_FMA_FOLDS and c.lean_clamp == "sat":  # asm.lean.SAT_SCALE
-                L += [f"{ind}a = qk_scale * {8.0 / SAT_SCALE!r}",
-                      f"{ind}bias = ({float(E4M3_ONE_CODE)!r} - (8.0 * ref + {center!r})) * {1.0 / SAT_SCALE!r}"]
+                L += [
+                    f"{ind}a = qk_scale * {8.0 / SAT_SCALE!r}",
+                    f"{ind}bias = ({float(E4M3_ONE_CODE)!r} - (8.0 * ref + {center!r})) * {1.0 / SAT_SCALE!r}",
+                ]
             elif c.lean_fold in ONE_FMA_FOLDS:
-                L += [f"{ind}a = qk_scale * 8.0",
-                      f"{ind}bias = {MAGIC + E4M3_ONE_CODE!r} - 8.0 * ref" if not center else
-                      f"{ind}bias = {MAGIC + E4M3_ONE_CODE!r} - (8.0 * ref + {center!r})"]
+                L += [
+                    f"{ind}a = qk_scale * 8.0",
+                    f"{ind}bias = {MAGIC + E4M3_ONE_CODE!r} - 8.0 * ref"
+                    if not center
+                    else f"{ind}bias = {MAGIC + E4M3_ONE_CODE!r} - (8.0 * ref + {center!r})",
+                ]
             else:
                 L += [f"{ind}a = qk_scale", f"{ind}bias = -ref"]
             L.append(f"{ind}p = _lean_p(qk, a, bias[:, None])")
@@ -254,8 +276,12 @@ class _Emitter:
     def _loops(self) -> list[str]:
         bn = self.c.block_n
         stages = int(self.c.num_stages)
-        return ([f"    for n0 in tl.range(0, full_end, {bn}, num_stages={stages}):"] + self._tile(False)
-                + [f"    for n0 in tl.range(full_end, hi, {bn}, num_stages={stages}):"] + self._tile(True))
+        return (
+            [f"    for n0 in tl.range(0, full_end, {bn}, num_stages={stages}):"]
+            + self._tile(False)
+            + [f"    for n0 in tl.range(full_end, hi, {bn}, num_stages={stages}):"]
+            + self._tile(True)
+        )
 
     def _epilogue(self) -> list[str]:
         c = self.c
@@ -268,10 +294,10 @@ class _Emitter:
         for i, (off, w) in enumerate(self.v_chunks):
             lines.append(
                 f"    tl.store(o_base + offs_m[:, None] * stride_os + ({off} + tl.arange(0, {w}))[None, :],"
-                f" (acc{i} * inv_l[:, None]).to(tl.bfloat16), mask=row_ok[:, None])")
+                f" (acc{i} * inv_l[:, None]).to(tl.bfloat16), mask=row_ok[:, None])"
+            )
         return lines
 
     def source(self) -> str:
-        lines = (self._header() + self._signature() + self._prologue() + self._loops()
-                 + self._epilogue())
+        lines = self._header() + self._signature() + self._prologue() + self._loops() + self._epilogue()
         return "\n".join(lines) + "\n"

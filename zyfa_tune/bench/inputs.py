@@ -46,34 +46,53 @@ class Inputs:
     q8: torch.Tensor
     k8: torch.Tensor
     v8: torch.Tensor
-    scales: tuple[float, float, float]     # per-tensor q, k, v scales (dequantised = e4m3 * scale)
+    scales: tuple[float, float, float]  # per-tensor q, k, v scales (dequantised = e4m3 * scale)
     raw: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    timed_quant: bool = False              # end-to-end: FP8 systems quantise q16, k16, v16 in each call
+    timed_quant: bool = False  # end-to-end: FP8 systems quantise q16, k16, v16 in each call
     _native: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def random(cls, shape: BenchShape, seed: int, device: str = "cuda", family: str = "gaussian",
-               quant: str = "per-tensor") -> "Inputs":
+    def random(
+        cls, shape: BenchShape, seed: int, device: str = "cuda", family: str = "gaussian", quant: str = "per-tensor"
+    ) -> "Inputs":
         """`quant` (QUANT_MODES): beyond per-tensor, the float32 originals are kept for each system's own
         quantisation and the reference."""
         from zyfa_tune.tuning.inputs import make_qkv
 
-        q, k, v = make_qkv(family, batch=shape.batch, seqlen=shape.seqlen, heads=shape.heads,
-                           kv_heads=shape.kv_heads, head_dim_qk=shape.head_dim_qk, head_dim_v=shape.head_dim_v,
-                           seed=seed, device=device)
+        q, k, v = make_qkv(
+            family,
+            batch=shape.batch,
+            seqlen=shape.seqlen,
+            heads=shape.heads,
+            kv_heads=shape.kv_heads,
+            head_dim_qk=shape.head_dim_qk,
+            head_dim_v=shape.head_dim_v,
+            seed=seed,
+            device=device,
+        )
         q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
         (q8, qs), (k8, ks), (v8, vs) = (_quantise(t) for t in (q16, k16, v16))
-        return cls(shape, q16, k16, v16, q8, k8, v8, (qs, ks, vs), None if quant == "per-tensor" else (q, k, v),
-                   quant == "end-to-end")
+        return cls(
+            shape,
+            q16,
+            k16,
+            v16,
+            q8,
+            k8,
+            v8,
+            (qs, ks, vs),
+            None if quant == "per-tensor" else (q, k, v),
+            quant == "end-to-end",
+        )
 
     def descales(self) -> dict[str, torch.Tensor]:
         """FA3-style (batch, kv_heads) descales, all equal to the per-tensor scale."""
         b, hk = self.shape.batch, self.shape.kv_heads
-        return {f"{n}_descale": torch.full((b, hk), s, device=self.q16.device)
-                for n, s in zip("qkv", self.scales)}
+        return {f"{n}_descale": torch.full((b, hk), s, device=self.q16.device) for n, s in zip("qkv", self.scales)}
 
-    def args(self, dtype: str, quant: tuple[tuple[str, Any], ...] = ()) -> tuple[tuple[torch.Tensor, ...],
-                                                                                 dict[str, torch.Tensor]]:
+    def args(
+        self, dtype: str, quant: tuple[tuple[str, Any], ...] = ()
+    ) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
         """(q, k, v) and descale keywords as `flash_attn_func` and FA3 take them: in native mode FP8
         inputs are `quantize_fp8(raw, **quant)` (made once per option set)."""
         if dtype == "fp8" and self.raw is not None:
@@ -93,6 +112,7 @@ class Inputs:
             def quantise_and_run() -> Any:
                 args, kw = _quantize_fp8(x16, quant)
                 return fn(*args, **kw)
+
             return quantise_and_run
         args, kw = self.args(dtype, quant)
         return lambda: fn(*args, **kw)
@@ -122,4 +142,3 @@ def _quantize_fp8(x: tuple[torch.Tensor, ...], quant: tuple[tuple[str, Any], ...
 def _quantise(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     scale = float(x.float().abs().amax()) / E4M3_MAX
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
-

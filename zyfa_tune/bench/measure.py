@@ -31,11 +31,22 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"
 
 
-def measure_shape(shape: BenchShape, systems: Sequence[Peer], *, seed: int, reps: int, rotate: int = 1,
-                  rounds: int = 3, device: str = "cuda", timer: Callable[..., Any] | None = None,
-                  input_family: str = "gaussian", quant: str = "per-tensor", energy_s: float = 0.0,
-                  energy: Callable[..., Any] | None = None,
-                  on_row: Callable[[BenchRow], None] | None = None) -> list[BenchRow]:
+def measure_shape(
+    shape: BenchShape,
+    systems: Sequence[Peer],
+    *,
+    seed: int,
+    reps: int,
+    rotate: int = 1,
+    rounds: int = 3,
+    device: str = "cuda",
+    timer: Callable[..., Any] | None = None,
+    input_family: str = "gaussian",
+    quant: str = "per-tensor",
+    energy_s: float = 0.0,
+    energy: Callable[..., Any] | None = None,
+    on_row: Callable[[BenchRow], None] | None = None,
+) -> list[BenchRow]:
     """All systems on `rotate` fresh input sets of one shape (seeds seed, seed+1, ...). Each system
     runs once on the first set for its error against the float64 reference (computed once per
     dtype); then they are timed in `rounds` rounds of about reps / rounds calls each, every round in
@@ -50,15 +61,24 @@ def measure_shape(shape: BenchShape, systems: Sequence[Peer], *, seed: int, reps
     energy = energy or sustained_energy
     inputs = [Inputs.random(shape, seed + i, device, input_family, quant) for i in range(rotate)]
     refs: dict[str, torch.Tensor] = {}
-    base = dict(shape=shape.label, dqk=shape.head_dim_qk, dv=shape.head_dim_v, b=shape.batch, s=shape.seqlen,
-                h=shape.heads, hk=shape.kv_heads, family=input_family)
+    base = dict(
+        shape=shape.label,
+        dqk=shape.head_dim_qk,
+        dv=shape.head_dim_v,
+        b=shape.batch,
+        s=shape.seqlen,
+        h=shape.heads,
+        hk=shape.kv_heads,
+        family=input_family,
+    )
     rows: dict[int, BenchRow] = {}
     ready: dict[int, tuple[list[Bound], dict[str, float]]] = {}
 
     def failed(system: Peer, bound: list[Bound], exc: BaseException) -> BenchRow:
         info = dict(config=bound[0].config, source=bound[0].source, entry=bound[0].entry) if bound else {}
-        return BenchRow(**base, system=system.name, kind=system.kind, dtype=system.dtype, **info,
-                        error=_error_text(exc))
+        return BenchRow(
+            **base, system=system.name, kind=system.kind, dtype=system.dtype, **info, error=_error_text(exc)
+        )
 
     for i, system in enumerate(systems):
         bound: list[Bound] = []
@@ -78,7 +98,7 @@ def measure_shape(shape: BenchShape, systems: Sequence[Peer], *, seed: int, reps
     order = list(ready)
     per_round = max(5, -(-reps // max(1, rounds)))
     for r in range(max(1, rounds) if order else 0):
-        for i in order[r % len(order):] + order[:r % len(order)]:
+        for i in order[r % len(order) :] + order[: r % len(order)]:
             if i in rows:
                 continue
             try:
@@ -99,14 +119,28 @@ def measure_shape(shape: BenchShape, systems: Sequence[Peer], *, seed: int, reps
             bound, errors = ready[i]
             t, window = timings[i], windows.get(i)
             joules = window.joules_per_call if window else t.energy_j_per_call
-            rows[i] = BenchRow(**base, system=system.name, kind=system.kind, dtype=system.dtype, **errors,
-                               tflops=shape.flops / (t.median_ms * 1e-3) / 1e12, median_ms=t.median_ms,
-                               p20_ms=t.p20_ms, p80_ms=t.p80_ms, min_ms=t.min_ms, reps=t.reps,
-                               sm_clock_mhz=t.sm_clock_mhz, power_w=window.power_w if window else t.power_w,
-                               energy_j_per_call=joules, tflop_per_j=shape.flops / joules / 1e12 if joules else None,
-                               sustained_tflops=shape.flops * window.calls / window.seconds / 1e12 if window else None,
-                               sustained_clock_mhz=window.sm_clock_mhz if window else None,
-                               config=bound[0].config, source=bound[0].source, entry=bound[0].entry)
+            rows[i] = BenchRow(
+                **base,
+                system=system.name,
+                kind=system.kind,
+                dtype=system.dtype,
+                **errors,
+                tflops=shape.flops / (t.median_ms * 1e-3) / 1e12,
+                median_ms=t.median_ms,
+                p20_ms=t.p20_ms,
+                p80_ms=t.p80_ms,
+                min_ms=t.min_ms,
+                reps=t.reps,
+                sm_clock_mhz=t.sm_clock_mhz,
+                power_w=window.power_w if window else t.power_w,
+                energy_j_per_call=joules,
+                tflop_per_j=shape.flops / joules / 1e12 if joules else None,
+                sustained_tflops=shape.flops * window.calls / window.seconds / 1e12 if window else None,
+                sustained_clock_mhz=window.sm_clock_mhz if window else None,
+                config=bound[0].config,
+                source=bound[0].source,
+                entry=bound[0].entry,
+            )
         out_rows.append(rows[i])
         if on_row:
             on_row(rows[i])

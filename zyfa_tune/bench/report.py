@@ -26,8 +26,10 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib, an optional extra: pip install 'zyfa-tune[plot]' "
-                           "(or save --json here and draw it elsewhere with --from)") from None
+        raise RuntimeError(
+            "--plot needs matplotlib, an optional extra: pip install 'zyfa-tune[plot]' "
+            "(or save --json here and draw it elsewhere with --from)"
+        ) from None
 
 
 def best_peer(rows: Iterable[BenchRow]) -> dict[tuple[str, str, str | None], float]:
@@ -73,36 +75,63 @@ def results_table(result: BenchResult) -> Table:
     families = _families(result)
     inputs = ", ".join(families)
     quant = result.settings.get("quant", "per-tensor")
-    how = {"native": "each system quantises its own (error vs unquantised)",
-           "end-to-end": "each system quantises its own inside the timed call (quantiser + attention; error vs "
-                         "unquantised)"}.get(quant, "shared FP8 inputs")
+    how = {
+        "native": "each system quantises its own (error vs unquantised)",
+        "end-to-end": "each system quantises its own inside the timed call (quantiser + attention; error vs "
+        "unquantised)",
+    }.get(quant, "shared FP8 inputs")
     gemm = result.ceiling.get("tflops")
     gemm_mhz = result.ceiling.get("sm_clock_mhz")
-    caption = (f"FP8 GEMM ceiling: {gemm:.1f} TFLOP/s ({result.ceiling.get('system', 'FP8 GEMM')}, "
-               f"{result.ceiling.get('m')}^3, {_num(gemm_mhz, '.0f')} MHz)" if gemm else None)
+    caption = (
+        f"FP8 GEMM ceiling: {gemm:.1f} TFLOP/s ({result.ceiling.get('system', 'FP8 GEMM')}, "
+        f"{result.ceiling.get('m')}^3, {_num(gemm_mhz, '.0f')} MHz)"
+        if gemm
+        else None
+    )
     table = Table(title=f"zyfa-tune bench: {gpu}, causal, {result.date[:16]}, {inputs} inputs, {how}", caption=caption)
     # the GEMM runs power-limited (~1600 MHz), a timed attention row near 1980: per clock is the fair share
     ceiling_cols = (["of FP8 GEMM"] + (["per clock"] if gemm_mhz else [])) if gemm else []
-    columns = ["shape", "system", "TFLOP/s", "vs best peer"] + ceiling_cols + [
-        "median ms", "rel.L2", "SM MHz", "W", "TFLOP/J", "kernel"]
+    columns = (
+        ["shape", "system", "TFLOP/s", "vs best peer"]
+        + ceiling_cols
+        + ["median ms", "rel.L2", "SM MHz", "W", "TFLOP/J", "kernel"]
+    )
     for col in columns:
         table.add_column(col, overflow="fold", justify="left" if col in ("shape", "system", "kernel") else "right")
     peers = best_peer(result.rows)
     for r in result.rows:
         style = "bold" if r.kind != "peer" else None
         if r.error:
-            table.add_row(_shape(r, len(families) > 1), r.system, *["-"] * (len(columns) - 3), f"[red]{r.error}[/red]",
-                          style=style)
+            table.add_row(
+                _shape(r, len(families) > 1),
+                r.system,
+                *["-"] * (len(columns) - 3),
+                f"[red]{r.error}[/red]",
+                style=style,
+            )
             continue
         ref = peers.get((r.shape, r.dtype, r.family))
         share = [f"{r.tflops / gemm:.0%}" if r.tflops and r.dtype == "fp8" else "-"] if gemm else []
         if gemm and gemm_mhz:
-            share.append(f"{r.tflops / r.sm_clock_mhz / (gemm / gemm_mhz):.0%}"
-                         if r.tflops and r.dtype == "fp8" and r.sm_clock_mhz else "-")
-        table.add_row(_shape(r, len(families) > 1), r.system, _num(r.tflops, ".1f"),
-                      f"{r.tflops / ref:.2f}x" if ref and r.tflops else "-", *share,
-                      _num(r.median_ms, ".3f"), _num(r.rel_l2, ".2e"), _num(r.sm_clock_mhz, ".0f"),
-                      _num(r.power_w, ".0f"), _num(r.tflop_per_j, ".2f"), _kernel(r), style=style)
+            share.append(
+                f"{r.tflops / r.sm_clock_mhz / (gemm / gemm_mhz):.0%}"
+                if r.tflops and r.dtype == "fp8" and r.sm_clock_mhz
+                else "-"
+            )
+        table.add_row(
+            _shape(r, len(families) > 1),
+            r.system,
+            _num(r.tflops, ".1f"),
+            f"{r.tflops / ref:.2f}x" if ref and r.tflops else "-",
+            *share,
+            _num(r.median_ms, ".3f"),
+            _num(r.rel_l2, ".2e"),
+            _num(r.sm_clock_mhz, ".0f"),
+            _num(r.power_w, ".0f"),
+            _num(r.tflop_per_j, ".2f"),
+            _kernel(r),
+            style=style,
+        )
     return table
 
 
@@ -111,13 +140,20 @@ def row_line(r: BenchRow) -> str:
     shape = _shape(r, True)
     if r.error:
         return f"{shape:<28} {r.system:<22} ERROR {r.error}"
-    return (f"{shape:<28} {r.system:<22} {_num(r.tflops, '7.1f')} TFLOP/s  {_num(r.median_ms, '8.3f')} ms  "
-            f"relL2 {_num(r.rel_l2, '.3e')}  {_num(r.sm_clock_mhz, '.0f')} MHz  {_num(r.power_w, '.0f')} W"
-            + (f"  sustained {r.sustained_tflops:.1f} TFLOP/s at {_num(r.sustained_clock_mhz, '.0f')} MHz, "
-               f"{_num(r.tflop_per_j, '.2f')} TFLOP/J" if r.sustained_tflops else ""))
+    return (
+        f"{shape:<28} {r.system:<22} {_num(r.tflops, '7.1f')} TFLOP/s  {_num(r.median_ms, '8.3f')} ms  "
+        f"relL2 {_num(r.rel_l2, '.3e')}  {_num(r.sm_clock_mhz, '.0f')} MHz  {_num(r.power_w, '.0f')} W"
+        + (
+            f"  sustained {r.sustained_tflops:.1f} TFLOP/s at {_num(r.sustained_clock_mhz, '.0f')} MHz, "
+            f"{_num(r.tflop_per_j, '.2f')} TFLOP/J"
+            if r.sustained_tflops
+            else ""
+        )
+    )
 
 
 # ---- plot --------------------------------------------------------------------------------------
+
 
 def _seqlen_label(s: int) -> str:
     return f"{s // 1024}K" if s % 1024 == 0 else str(s)
@@ -145,10 +181,17 @@ def _lines(rows: list[BenchRow]) -> dict[str, list[BenchRow]]:
 def _style(kind: str, dtype: str, index: int) -> dict:
     dash = "-" if dtype == "fp8" else "--"
     if kind == "peer":
-        return dict(color=PEER_COLORS[index % len(PEER_COLORS)], lw=1.4, ls=dash, marker="s", ms=4, alpha=0.85,
-                    zorder=2)
-    return dict(color=OURS_COLORS[index % len(OURS_COLORS)], lw=3.0 if kind == "ours" else 2.0, ls=dash,
-                marker="o", ms=6, zorder=3)
+        return dict(
+            color=PEER_COLORS[index % len(PEER_COLORS)], lw=1.4, ls=dash, marker="s", ms=4, alpha=0.85, zorder=2
+        )
+    return dict(
+        color=OURS_COLORS[index % len(OURS_COLORS)],
+        lw=3.0 if kind == "ours" else 2.0,
+        ls=dash,
+        marker="o",
+        ms=6,
+        zorder=3,
+    )
 
 
 def _title(result: BenchResult, dims: str | None) -> str:
@@ -177,8 +220,12 @@ def plot(result: BenchResult, path: str | os.PathLike) -> Path:
         for label, points in _lines(rows).items():
             kind = points[0].kind
             group = "peer" if kind == "peer" else "ours"
-            ax.plot([p.s for p in points], [p.tflops for p in points], label=label,
-                    **_style(kind, points[0].dtype, counters[group]))
+            ax.plot(
+                [p.s for p in points],
+                [p.tflops for p in points],
+                label=label,
+                **_style(kind, points[0].dtype, counters[group]),
+            )
             counters[group] += 1
         seqlens = sorted({r.s for r in rows})
         ax.set_xscale("log", base=2)
@@ -194,7 +241,7 @@ def plot(result: BenchResult, path: str | os.PathLike) -> Path:
             ax.set_title(f"head dims {dqk}/{dv}, {heads}", fontsize="medium")
         else:
             ax.set_title(_title(result, f"head dims {dqk}/{dv}, {heads}"))
-    for ax in axes[len(panels):]:
+    for ax in axes[len(panels) :]:
         ax.set_visible(False)
     if len(panels) > 1:
         fig.suptitle(_title(result, None))

@@ -32,18 +32,18 @@ class BenchRow:
     min_ms: float | None = None
     reps: int | None = None
     sm_clock_mhz: float | None = None
-    power_w: float | None = None         # NVML: the energy window's mean power where one ran, else reads while timing
+    power_w: float | None = None  # NVML: the energy window's mean power where one ran, else reads while timing
     energy_j_per_call: float | None = None
     tflop_per_j: float | None = None
-    sustained_tflops: float | None = None      # over the energy window: at the clock the power limit allows
+    sustained_tflops: float | None = None  # over the energy window: at the clock the power limit allows
     sustained_clock_mhz: float | None = None
     rel_l2: float | None = None
     max_err: float | None = None
     config: str | None = None
     source: str | None = None
-    entry: str | None = None    # Bound.entry: which tuned problem class a borrowed kernel came from
+    entry: str | None = None  # Bound.entry: which tuned problem class a borrowed kernel came from
     error: str | None = None
-    family: str | None = None   # tuning.inputs family of the inputs (None where the run did not record it)
+    family: str | None = None  # tuning.inputs family of the inputs (None where the run did not record it)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BenchRow":
@@ -64,11 +64,11 @@ class BenchRow:
 
 @dataclass(frozen=True)
 class BenchResult:
-    date: str                            # ISO 8601, UTC
-    gpu: dict[str, Any]                  # NVML state before the run (tuning.timing.gpu_state)
+    date: str  # ISO 8601, UTC
+    gpu: dict[str, Any]  # NVML state before the run (tuning.timing.gpu_state)
     gpu_after: dict[str, Any]
-    environment: dict[str, Any]          # driver, CUDA, torch, Triton, generator version
-    settings: dict[str, Any]             # reps, seed, rotate, warm-up seconds
+    environment: dict[str, Any]  # driver, CUDA, torch, Triton, generator version
+    settings: dict[str, Any]  # reps, seed, rotate, warm-up seconds
     rows: tuple[BenchRow, ...]
     ceiling: dict[str, Any] = dataclasses.field(default_factory=dict)  # gemm_ceiling's, where measured
 
@@ -92,7 +92,12 @@ class BenchResult:
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
             raise ValueError(f"--from: {path} holds no 'rows' list; is it a zyfa-tune bench JSON?")
         rows = tuple(BenchRow.from_dict(r) for r in data["rows"])
-        return cls(date=str(data.get("date", "")), gpu=dict(data.get("gpu") or {}),
-                   gpu_after=dict(data.get("gpu_after") or {}), environment=dict(data.get("environment") or {}),
-                   settings=dict(data.get("settings") or {}), rows=rows, ceiling=dict(data.get("ceiling") or {}))
-
+        return cls(
+            date=str(data.get("date", "")),
+            gpu=dict(data.get("gpu") or {}),
+            gpu_after=dict(data.get("gpu_after") or {}),
+            environment=dict(data.get("environment") or {}),
+            settings=dict(data.get("settings") or {}),
+            rows=rows,
+            ceiling=dict(data.get("ceiling") or {}),
+        )

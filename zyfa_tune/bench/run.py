@@ -45,13 +45,13 @@ class BenchPlan:
     peers: tuple[str, ...]
     reps: int = 30
     seed: int = 0
-    rotate: int = 1          # input sets timed round-robin (>1 where inputs would sit in L2)
-    rounds: int = 3          # timing rounds over all systems of a shape, each in a rotated order
-    warm_s: float = 3.0      # seconds of bf16 GEMMs before the first timing
-    input_family: str = "gaussian"   # tuning.inputs families, comma-separated: every shape on each
-    quant: str = "per-tensor"        # QUANT_MODES
-    energy_s: float = 0.0            # seconds of back-to-back calls per system for TFLOP/J (0: none)
-    ceiling: bool = False            # also time the FP8 GEMM ceiling (gemm_ceiling) at the start and end
+    rotate: int = 1  # input sets timed round-robin (>1 where inputs would sit in L2)
+    rounds: int = 3  # timing rounds over all systems of a shape, each in a rotated order
+    warm_s: float = 3.0  # seconds of bf16 GEMMs before the first timing
+    input_family: str = "gaussian"  # tuning.inputs families, comma-separated: every shape on each
+    quant: str = "per-tensor"  # QUANT_MODES
+    energy_s: float = 0.0  # seconds of back-to-back calls per system for TFLOP/J (0: none)
+    ceiling: bool = False  # also time the FP8 GEMM ceiling (gemm_ceiling) at the start and end
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -70,14 +70,20 @@ class BenchPlan:
             raise ValueError(f"quant: {self.quant!r} is not one of {list(QUANT_MODES)}")
         quantised = [o.label for o in self.ours if o.quant]
         if quantised and self.quant == "per-tensor":
-            raise ValueError(f"--ours {quantised[0]}: quantisation options need --quant native or end-to-end "
-                             f"(per-tensor mode gives every FP8 system the same tensors)")
+            raise ValueError(
+                f"--ours {quantised[0]}: quantisation options need --quant native or end-to-end "
+                f"(per-tensor mode gives every FP8 system the same tensors)"
+            )
         if self.quant == "end-to-end" and "cudnn-fp8" in self.peers:
-            raise ValueError("peers: cudnn-fp8 is given per-tensor codes made outside its call; "
-                             "--quant end-to-end times each system's quantiser (FA3 and ours)")
+            raise ValueError(
+                "peers: cudnn-fp8 is given per-tensor codes made outside its call; "
+                "--quant end-to-end times each system's quantiser (FA3 and ours)"
+            )
         if self.energy_s and not MIN_ENERGY_WINDOW_S <= self.energy_s <= 60:
-            raise ValueError(f"energy_s: expected 0 (no energy window) or {MIN_ENERGY_WINDOW_S}-60 seconds "
-                             f"(NVML's counter is not trustworthy over shorter windows), got {self.energy_s}")
+            raise ValueError(
+                f"energy_s: expected 0 (no energy window) or {MIN_ENERGY_WINDOW_S}-60 seconds "
+                f"(NVML's counter is not trustworthy over shorter windows), got {self.energy_s}"
+            )
         for name, lo in (("reps", 5), ("rotate", 1), ("rounds", 1)):
             if getattr(self, name) < lo:
                 raise ValueError(f"{name}: expected >= {lo}, got {getattr(self, name)}")
@@ -121,8 +127,16 @@ def gemm_ceiling(timings: Sequence[Any], n: int = CEILING_N) -> dict[str, Any]:
     from zyfa_tune.tuning.timing import pooled
 
     t = pooled(timings)
-    return dict(system="torch._scaled_mm e4m3 x e4m3 -> bf16", m=n, n=n, k=n, median_ms=t.median_ms,
-                tflops=2.0 * n ** 3 / (t.median_ms * 1e-3) / 1e12, sm_clock_mhz=t.sm_clock_mhz, reps=t.reps)
+    return dict(
+        system="torch._scaled_mm e4m3 x e4m3 -> bf16",
+        m=n,
+        n=n,
+        k=n,
+        median_ms=t.median_ms,
+        tflops=2.0 * n**3 / (t.median_ms * 1e-3) / 1e12,
+        sm_clock_mhz=t.sm_clock_mhz,
+        reps=t.reps,
+    )
 
 
 def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> BenchResult:
@@ -131,8 +145,10 @@ def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> Be
     from zyfa_tune.tuning.timing import gpu_state, time_cuda, warm_gpu
 
     if not torch.cuda.is_available():
-        raise RuntimeError("bench: no CUDA device is visible; measuring needs the GPU "
-                           "(redraw a saved run without one: zyfa-tune bench --from results.json --plot out.png)")
+        raise RuntimeError(
+            "bench: no CUDA device is visible; measuring needs the GPU "
+            "(redraw a saved run without one: zyfa-tune bench --from results.json --plot out.png)"
+        )
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     before = gpu_state()
     warm_gpu(plan.warm_s)
@@ -141,15 +157,39 @@ def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> Be
     rows: list[BenchRow] = []
     for family in plan.families:
         for shape in plan.shapes:
-            rows += measure_shape(shape, systems_for(shape, plan.ours, plan.peers), seed=plan.seed, reps=plan.reps,
-                                  rotate=plan.rotate, rounds=plan.rounds, on_row=on_row, input_family=family,
-                                  quant=plan.quant, energy_s=plan.energy_s)
+            rows += measure_shape(
+                shape,
+                systems_for(shape, plan.ours, plan.peers),
+                seed=plan.seed,
+                reps=plan.reps,
+                rotate=plan.rotate,
+                rounds=plan.rounds,
+                on_row=on_row,
+                input_family=family,
+                quant=plan.quant,
+                energy_s=plan.energy_s,
+            )
             torch.cuda.empty_cache()
     if gemm:
         ceiling_blocks.append(time_cuda([gemm], warmup=3, reps=plan.reps))
-    settings = dict(reps=plan.reps, seed=plan.seed, rotate=plan.rotate, rounds=plan.rounds, warm_s=plan.warm_s,
-                    input_family=plan.input_family, quant=plan.quant, energy_s=plan.energy_s,
-                    peers=list(plan.peers), ours=[dataclasses.asdict(o) for o in plan.ours])
-    return BenchResult(date=date, gpu=before, gpu_after=gpu_state(), environment=environment(),
-                       settings=settings, rows=tuple(rows),
-                       ceiling=gemm_ceiling(ceiling_blocks) if ceiling_blocks else {})
+    settings = dict(
+        reps=plan.reps,
+        seed=plan.seed,
+        rotate=plan.rotate,
+        rounds=plan.rounds,
+        warm_s=plan.warm_s,
+        input_family=plan.input_family,
+        quant=plan.quant,
+        energy_s=plan.energy_s,
+        peers=list(plan.peers),
+        ours=[dataclasses.asdict(o) for o in plan.ours],
+    )
+    return BenchResult(
+        date=date,
+        gpu=before,
+        gpu_after=gpu_state(),
+        environment=environment(),
+        settings=settings,
+        rows=tuple(rows),
+        ceiling=gemm_ceiling(ceiling_blocks) if ceiling_blocks else {},
+    )

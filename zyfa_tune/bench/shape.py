@@ -35,8 +35,9 @@ class BenchShape(Shape):
     def flops(self) -> float:
         from zyfa_tune.tuning.timing import attention_flops
 
-        return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim_qk,
-                               self.head_dim_v, True)
+        return attention_flops(
+            self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim_qk, self.head_dim_v, True
+        )
 
 
 def _ints(text: str, what: str, sep: str = ",") -> tuple[int, ...]:
@@ -51,12 +52,14 @@ def parse_shape(text: str) -> BenchShape:
     v = _ints(text, "--shape")
     if len(v) not in (5, 6):
         raise ValueError(f"--shape: expected dqk,dv,batch,seqlen,heads[,kv_heads], got {text!r}")
-    return BenchShape(head_dim_qk=v[0], head_dim_v=v[1], batch=v[2], seqlen=v[3], heads=v[4],
-                      kv_heads=v[5] if len(v) == 6 else v[4])
+    return BenchShape(
+        head_dim_qk=v[0], head_dim_v=v[1], batch=v[2], seqlen=v[3], heads=v[4], kv_heads=v[5] if len(v) == 6 else v[4]
+    )
 
 
-def shapes_from(head_dim: int, head_dim_v: int | None, seqlens: str, batch_heads: str | None = None,
-                kv_heads: int | None = None) -> tuple[BenchShape, ...]:
+def shapes_from(
+    head_dim: int, head_dim_v: int | None, seqlens: str, batch_heads: str | None = None, kv_heads: int | None = None
+) -> tuple[BenchShape, ...]:
     """Shapes from `--seqlens 4096,8192` and `--batch-heads 4x32,2x32` (one BxH per seqlen, or one
     for all; default: B = 16384 tokens / S, H = 32)."""
     lens = _ints(seqlens, "--seqlens")
@@ -65,11 +68,14 @@ def shapes_from(head_dim: int, head_dim_v: int | None, seqlens: str, batch_heads
     if batch_heads:
         pairs = [_ints(item, "--batch-heads", "x") for item in batch_heads.split(",") if item.strip()]
         if any(len(p) != 2 for p in pairs) or len(pairs) not in (1, len(lens)):
-            raise ValueError(f"--batch-heads: expected BxH, one for all or one per seqlen ({len(lens)}), "
-                             f"got {batch_heads!r}")
+            raise ValueError(
+                f"--batch-heads: expected BxH, one for all or one per seqlen ({len(lens)}), got {batch_heads!r}"
+            )
         pairs = pairs * len(lens) if len(pairs) == 1 else pairs
     else:
         pairs = [(max(1, TOKENS // s), DEFAULT_HEADS) for s in lens]
     dv = head_dim_v or head_dim
-    return tuple(BenchShape(head_dim_qk=head_dim, head_dim_v=dv, batch=b, seqlen=s, heads=h, kv_heads=kv_heads or h)
-                 for s, (b, h) in zip(lens, pairs))
+    return tuple(
+        BenchShape(head_dim_qk=head_dim, head_dim_v=dv, batch=b, seqlen=s, heads=h, kv_heads=kv_heads or h)
+        for s, (b, h) in zip(lens, pairs)
+    )

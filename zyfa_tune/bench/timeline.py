@@ -34,6 +34,7 @@ DEFAULT_STEPS = 4096
 class Phase:
     """Cycles from one event of a step to the next recorded one (or, for the last, to the next
     step's first), over the steps where both were recorded."""
+
     start: str
     end: str
     median: float
@@ -49,6 +50,7 @@ class Interleave:
     ping-pong aims at half), and its softmax (QK^T done to softmax done) runs beside warpgroup 0's for
     `softmax_overlap` of the latter (median over steps; near 1: the two softmaxes in lockstep, contending
     for the MUFU and the issue slots; 0: strictly one after the other)."""
+
     warpgroup: int
     offset: float
     offset_share: float
@@ -61,6 +63,7 @@ class Timeline:
     """clocks[warpgroup, step, event]: SM clock (cycles, unwrapped, from the first stamp), -1 where
     not recorded. traced_ms / plain_ms: median device time of the traced launch and of the same kernel
     without stamps on the same inputs (None when not timed)."""
+
     config: KernelConfig
     clocks: np.ndarray
     traced_ms: float | None = None
@@ -107,8 +110,11 @@ class Timeline:
                 continue
             offsets.append(b[s, start] - a[s, start])
             lo, hi = a[s, done], a[s, end]
-            beside = sum(max(0, min(hi, b[t, end]) - max(lo, b[t, done]))  # its softmaxes of steps s-1..s+1
-                         for t in range(max(0, s - 1), min(n, s + 2)) if min(b[t, done], b[t, end]) >= 0)
+            beside = sum(
+                max(0, min(hi, b[t, end]) - max(lo, b[t, done]))  # its softmaxes of steps s-1..s+1
+                for t in range(max(0, s - 1), min(n, s + 2))
+                if min(b[t, done], b[t, end]) >= 0
+            )
             overlaps.append(beside / (hi - lo))
         if not offsets:
             raise ValueError(f"interleave: no step recorded whole by warpgroups 0 and {warpgroup}")
@@ -122,20 +128,29 @@ class Timeline:
         if not 0 <= step < self.clocks.shape[1] or self.clocks[0, step, ev[0]] < 0:
             raise ValueError(f"sample: warpgroup 0 recorded no {EVENTS[ev[0]]!r} at step {step}")
         ref = self.clocks[0, step, ev[0]]
-        return [(w, s, {EVENTS[e]: int(self.clocks[w, s, e] - ref) for e in ev if self.clocks[w, s, e] >= 0})
-                for s in range(step, min(step + count, self.clocks.shape[1]))
-                for w in range(self.clocks.shape[0])]
+        return [
+            (w, s, {EVENTS[e]: int(self.clocks[w, s, e] - ref) for e in ev if self.clocks[w, s, e] >= 0})
+            for s in range(step, min(step + count, self.clocks.shape[1]))
+            for w in range(self.clocks.shape[0])
+        ]
 
 
 def _phase(start: str, end: str, cycles: np.ndarray) -> Phase:
     if cycles.size == 0:
         return Phase(start, end, float("nan"), float("nan"), float("nan"), 0)
-    return Phase(start, end, float(np.median(cycles)), float(np.percentile(cycles, 10)),
-                 float(np.percentile(cycles, 90)), int(cycles.size))
+    return Phase(
+        start,
+        end,
+        float(np.median(cycles)),
+        float(np.percentile(cycles, 10)),
+        float(np.percentile(cycles, 90)),
+        int(cycles.size),
+    )
 
 
-def from_stamps(config: KernelConfig, raw: np.ndarray, *, traced_ms: float | None = None,
-                plain_ms: float | None = None) -> Timeline:
+def from_stamps(
+    config: KernelConfig, raw: np.ndarray, *, traced_ms: float | None = None, plain_ms: float | None = None
+) -> Timeline:
     """Raw int32 stamps (warpgroup, step, event), 0 = not recorded, as a Timeline: the 32-bit SM
     clock read unsigned and unwrapped (it wraps every ~2 s at 1.98 GHz, so once at most per launch)."""
     t = raw.astype(np.int64) & 0xFFFFFFFF
@@ -147,11 +162,22 @@ def from_stamps(config: KernelConfig, raw: np.ndarray, *, traced_ms: float | Non
     return Timeline(config, np.where(seen, t - t[seen].min(), -1), traced_ms, plain_ms)
 
 
-def record(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-           softmax_scale: float | None = None, q_descale: torch.Tensor | None = None,
-           k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
-           steps: int = DEFAULT_STEPS, warmup: int = 3, timed_reps: int = 20,
-           out: torch.Tensor | None = None) -> Timeline:
+def record(
+    config: KernelConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    steps: int = DEFAULT_STEPS,
+    warmup: int = 3,
+    timed_reps: int = 20,
+    out: torch.Tensor | None = None,
+) -> Timeline:
     """Launch `config`'s traced twin on (q, k, v) (the layout `flash_attn_func` takes; FP8 inputs with
     their descales) `warmup` times, then once more into a cleared buffer; returns that launch's
     timeline. With timed_reps > 0 the traced launch and the same kernel without stamps are first timed
@@ -197,5 +223,6 @@ def record(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         torch.cuda.synchronize(q.device)
     finally:
         fastlaunch.forget(traced.source_hash)
-    return from_stamps(config, buf.view(consumers, steps, len(EVENTS)).cpu().numpy(), traced_ms=traced_ms,
-                       plain_ms=plain_ms)
+    return from_stamps(
+        config, buf.view(consumers, steps, len(EVENTS)).cpu().numpy(), traced_ms=traced_ms, plain_ms=plain_ms
+    )

@@ -1,16 +1,16 @@
 """`zyfa-tune` command line: one module per group of commands, each registering its own parsers.
 
-    zyfa-tune tune    --head-dim 96 [--dtype fp8] --seqlens 2048,8192 [--trials N | --time 15m] [--gpus 0,1|all]
-    zyfa-tune compile [--dtype fp8] [--head-dim 128] [--set key=val ...]   # no GPU needed
-    zyfa-tune check   [--dtype fp8] [--head-dim 128] [--seqlen 4096]        # GPU: vs float64
-    zyfa-tune timeline [--head-dim 128] [--set key=val ...] [--seqlen 8192]  # GPU: where a step's cycles go
-    zyfa-tune show    [--storage DB]            # what a database holds
-    zyfa-tune best    [--storage DB] [--gpu NAME] [--head-dim D]
-    zyfa-tune export  OUT.db [--storage DB] [--gpu NAME] [--head-dim D] [--all-trials]
-    zyfa-tune import  SRC.db [--storage DB]     # alias: merge; keeps the faster entry per key
-    zyfa-tune verify  [--storage DB] [--margin 0.1] [--dtype D] [--head-dim N]   # GPU: re-check best kernels
-    zyfa-tune bench   [--dtype fp8] [--head-dim 128] --seqlens 4096,8192 [--peers ...] [--json F] [--plot F.png]
-    zyfa-tune bench   --from results.json --plot out.png      # redraw a saved run, no GPU needed
+zyfa-tune tune    --head-dim 96 [--dtype fp8] --seqlens 2048,8192 [--trials N | --time 15m] [--gpus 0,1|all]
+zyfa-tune compile [--dtype fp8] [--head-dim 128] [--set key=val ...]   # no GPU needed
+zyfa-tune check   [--dtype fp8] [--head-dim 128] [--seqlen 4096]        # GPU: vs float64
+zyfa-tune timeline [--head-dim 128] [--set key=val ...] [--seqlen 8192]  # GPU: where a step's cycles go
+zyfa-tune show    [--storage DB]            # what a database holds
+zyfa-tune best    [--storage DB] [--gpu NAME] [--head-dim D]
+zyfa-tune export  OUT.db [--storage DB] [--gpu NAME] [--head-dim D] [--all-trials]
+zyfa-tune import  SRC.db [--storage DB]     # alias: merge; keeps the faster entry per key
+zyfa-tune verify  [--storage DB] [--margin 0.1] [--dtype D] [--head-dim N]   # GPU: re-check best kernels
+zyfa-tune bench   [--dtype fp8] [--head-dim 128] --seqlens 4096,8192 [--peers ...] [--json F] [--plot F.png]
+zyfa-tune bench   --from results.json --plot out.png      # redraw a saved run, no GPU needed
 """
 
 from __future__ import annotations
@@ -44,8 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zyfa-tune", description="Autotuned FP8/BF16 attention for Hopper")
     ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     # every command's --help shows each option's default
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=functools.partial(
-        argparse.ArgumentParser, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    sub = ap.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, formatter_class=argparse.ArgumentDefaultsHelpFormatter),
+    )
     for group in GROUPS:
         group.register(sub)
     args = ap.parse_args(argv)

@@ -21,8 +21,11 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_storage_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--storage", default=None,
-                   help="database path or SQLAlchemy URL (default: $ZYFA_TUNE_DB or the user cache file)")
+    p.add_argument(
+        "--storage",
+        default=None,
+        help="database path or SQLAlchemy URL (default: $ZYFA_TUNE_DB or the user cache file)",
+    )
 
 
 def plain(value: object) -> Text:

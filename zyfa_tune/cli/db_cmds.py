@@ -28,15 +28,26 @@ def _read_store(args: argparse.Namespace):
     storage = args.storage
     if storage is None and not default_db_path().exists():
         storage = TUNED_DIR / "h200.db"
-        console.print(plain(f"no tuning database at {default_db_path()} yet: showing the shipped "
-                            f"database {storage}"))
+        console.print(plain(f"no tuning database at {default_db_path()} yet: showing the shipped database {storage}"))
     return open_store(storage, readonly=True, create=False)
 
 
 def _best_table(entries, title: str) -> Table:
     table = Table(title=plain(title))
-    for col in ("GPU", "dtype", "dqk/dv", "causal", "group", "seqlen<=", "B*H<=", "ms", "TFLOP/s", "rel.L2",
-                "config", "provenance"):
+    for col in (
+        "GPU",
+        "dtype",
+        "dqk/dv",
+        "causal",
+        "group",
+        "seqlen<=",
+        "B*H<=",
+        "ms",
+        "TFLOP/s",
+        "rel.L2",
+        "config",
+        "provenance",
+    ):
         table.add_column(col, overflow="fold")
     for e in entries:
         k = e.key
@@ -44,10 +55,20 @@ def _best_table(entries, title: str) -> Table:
             summary = plain(KernelConfig.from_json(e.config_json).summary())
         except ConfigError as exc:
             summary = Text.assemble(("invalid: ", "red"), plain(exc))
-        table.add_row(plain(e.fingerprint.gpu_name), k.dtype, f"{k.head_dim_qk}/{k.head_dim_v}", str(k.causal),
-                      str(k.gqa_group), str(k.seqlen_bucket), str(k.bh_bucket), f"{e.median_ms:.3f}",
-                      f"{e.tflops:.0f}" if e.tflops else "-",
-                      f"{e.error_rel_l2:.2e}" if e.error_rel_l2 is not None else "-", summary, plain(e.provenance))
+        table.add_row(
+            plain(e.fingerprint.gpu_name),
+            k.dtype,
+            f"{k.head_dim_qk}/{k.head_dim_v}",
+            str(k.causal),
+            str(k.gqa_group),
+            str(k.seqlen_bucket),
+            str(k.bh_bucket),
+            f"{e.median_ms:.3f}",
+            f"{e.tflops:.0f}" if e.tflops else "-",
+            f"{e.error_rel_l2:.2e}" if e.error_rel_l2 is not None else "-",
+            summary,
+            plain(e.provenance),
+        )
     return table
 
 
@@ -92,9 +113,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     with _store(args) as store:
         report = store.import_from(args.source)
-    console.print(plain(f"trials: {report.added} added, {report.present} already present; best entries: "
-                        f"{report.new} new, {report.replaced} replaced, {report.kept} kept (ours as fast "
-                        f"or faster); rejected {len(report.rejected)} rows"))
+    console.print(
+        plain(
+            f"trials: {report.added} added, {report.present} already present; best entries: "
+            f"{report.new} new, {report.replaced} replaced, {report.kept} kept (ours as fast "
+            f"or faster); rejected {len(report.rejected)} rows"
+        )
+    )
     if report.rejected:
         table = Table(title=f"rejected rows ({len(report.rejected)})")
         table.add_column("row", overflow="fold")
@@ -123,8 +148,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 2
     here = current_fingerprint().device_key()
     with _store(args, readonly=True) as store:
-        entries = [e for e in store.best_entries(head_dims=head_dims(args), dtype=args.dtype)
-                   if e.fingerprint.device_key() == here]
+        entries = [
+            e
+            for e in store.best_entries(head_dims=head_dims(args), dtype=args.dtype)
+            if e.fingerprint.device_key() == here
+        ]
     table = Table(title=plain(f"verify on {here[0]}: {len(entries)} entries"))
     for col in ("problem", "stored ms", "now ms", "slowdown", "SM MHz now (stored)", "rel.L2", "verdict"):
         table.add_column(col)
@@ -132,13 +160,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for e in entries:
         r = verify_entry(e, max_slowdown=args.margin, fresh_ms=_fresh_process_ms)
         failed += not r.ok
-        table.add_row(str(e.key), f"{e.median_ms:.3f}", f"{r.median_ms:.3f}" if r.median_ms else "-",
-                      f"{r.slowdown:+.1%}" if r.slowdown is not None else "-",
-                      # (mean NVML clocks while timed: a slow reading at a sagging clock is the card's)
-                      _clocks(r.timing.sm_clock_mhz if r.timing else None, e.sm_clock_mhz),
-                      f"{r.error_rel_l2:.2e}" if r.error_rel_l2 is not None else "-",
-                      (f"[green]ok[/green] ({r.reason})" if r.reason else "[green]ok[/green]") if r.ok
-                      else f"[red]{r.reason}[/red]")
+        table.add_row(
+            str(e.key),
+            f"{e.median_ms:.3f}",
+            f"{r.median_ms:.3f}" if r.median_ms else "-",
+            f"{r.slowdown:+.1%}" if r.slowdown is not None else "-",
+            # (mean NVML clocks while timed: a slow reading at a sagging clock is the card's)
+            _clocks(r.timing.sm_clock_mhz if r.timing else None, e.sm_clock_mhz),
+            f"{r.error_rel_l2:.2e}" if r.error_rel_l2 is not None else "-",
+            (f"[green]ok[/green] ({r.reason})" if r.reason else "[green]ok[/green]")
+            if r.ok
+            else f"[red]{r.reason}[/red]",
+        )
     console.print(table)
     return 1 if failed else 0
 

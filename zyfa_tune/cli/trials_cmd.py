@@ -22,8 +22,9 @@ def _study_storage(args: argparse.Namespace) -> str:
         raise ValueError("--study: give the study's name (as `zyfa-tune tune` printed it), or --study-storage")
     target = default_study_storage(args.study)
     if not os.path.isfile(target):
-        raise ValueError(f"--study: no study {args.study!r} in the default place ({target}); "
-                         f"give --study-storage where it was tuned")
+        raise ValueError(
+            f"--study: no study {args.study!r} in the default place ({target}); give --study-storage where it was tuned"
+        )
     return target
 
 
@@ -40,8 +41,10 @@ def cmd_trials(args: argparse.Namespace) -> int:
     names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
     name = args.study if args.study is not None else (names[0] if len(names) == 1 else None)
     if name is None or name not in names:
-        raise ValueError(f"--study: {args.study or '(not given)'} is not a study in {target}; it holds "
-                         f"{', '.join(names) or 'no study'}")
+        raise ValueError(
+            f"--study: {args.study or '(not given)'} is not a study in {target}; it holds "
+            f"{', '.join(names) or 'no study'}"
+        )
     rows = trial_rows(optuna.load_study(study_name=name, storage=storage), outcomes)
     table = Table(title=f"{name}: {len(rows)} trial(s)" + (f" ({args.status})" if args.status else ""))
     for col in ("#", "status", "TFLOP/s", "message"):
@@ -56,10 +59,17 @@ def cmd_trials(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     p = sub.add_parser("trials", help="list a study's trials: status, value and why each failed")
     p.add_argument("--study", default=None, help="study name (as `zyfa-tune tune` printed it)")
-    p.add_argument("--study-storage", default=None, help="Optuna storage: RDB URL or journal file "
-                                                         "(default: the study's journal in the user cache)")
-    p.add_argument("--status", default=None, metavar="S,...",
-                   help="only these outcomes, as the status column shows them (e.g. crash,timeout,compile_error; "
-                        "default: all but the queued ones, 'waiting')")
+    p.add_argument(
+        "--study-storage",
+        default=None,
+        help="Optuna storage: RDB URL or journal file (default: the study's journal in the user cache)",
+    )
+    p.add_argument(
+        "--status",
+        default=None,
+        metavar="S,...",
+        help="only these outcomes, as the status column shows them (e.g. crash,timeout,compile_error; "
+        "default: all but the queued ones, 'waiting')",
+    )
     p.add_argument("--full", action="store_true", help="whole messages (default: the line that says what failed)")
     p.set_defaults(fn=cmd_trials)

@@ -43,12 +43,16 @@ def _check_gpus(gpus: tuple[int | None, ...], runner: str) -> None:
         return
     present = _gpu_count()
     if present == 0:
-        raise ValueError("--runner gpu: no CUDA GPU is visible on this machine; --runner simulate runs the "
-                         "tuning loop on the CPU (simulated numbers: for trying the loop, not for choosing kernels)")
+        raise ValueError(
+            "--runner gpu: no CUDA GPU is visible on this machine; --runner simulate runs the "
+            "tuning loop on the CPU (simulated numbers: for trying the loop, not for choosing kernels)"
+        )
     missing = [str(g) for g in gpus if g is not None and g >= present]
     if missing:
-        raise ValueError(f"--gpus: GPU {', '.join(missing)} not present (this machine has {present}: "
-                         f"{', '.join(map(str, range(present)))})")
+        raise ValueError(
+            f"--gpus: GPU {', '.join(missing)} not present (this machine has {present}: "
+            f"{', '.join(map(str, range(present)))})"
+        )
 
 
 def _gpu_count() -> int:
@@ -92,7 +96,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from zyfa_tune.tuning.runners import parse_runner
-    from zyfa_tune.tuning.tuner import Progress, Tuner, TuneSpec, best_per_shape, parse_duration
+    from zyfa_tune.tuning.spec import Progress, TuneSpec, parse_duration
+    from zyfa_tune.tuning.tuner import Tuner, best_per_shape
 
     runner, gpus = args.runner, _gpus(args.gpus)
     _check_gpus(gpus, runner)  # a bad runner is named here too, before anything else is checked
@@ -103,18 +108,35 @@ def cmd_tune(args: argparse.Namespace) -> int:
         # the default database feeds the dispatcher: simulated results go beside it, not into it
         storage = str(default_db_path().with_name("simulated.db"))
         console.print(f"runner {runner} simulates its measurements: results go to {storage} (--storage to choose)")
-    spec = TuneSpec(dtype=args.dtype, head_dim_qk=args.head_dim, head_dim_v=args.head_dim_v or args.head_dim,
-                    seqlens=() if args.inputs else int_list(args.seqlens, "--seqlens"), heads=args.heads, kv_heads=args.kv_heads,
-                    batches=int_list(args.batches, "--batches") if args.batches else None,
-                    causal=not args.non_causal, trials=args.trials,
-                    time_budget_s=parse_duration(args.time) if args.time else None, gpus=gpus,
-                    storage=storage, study_storage=args.study_storage, study_name=args.study,
-                    resume=args.resume, sampler=args.sampler, multi_objective=args.multi_objective,
-                    runner=runner, timeout_s=args.timeout, seed=args.seed, inputs=args.inputs,
-                    input_family=args.input_family, precompile=args.precompile, api=args.api,
-                    gate=args.gate if args.gate is not None else 1.0 if args.api == "bf16" else 1.25,
-                    enqueue=tuple(args.enqueue or ()),
-                    warm_start=_warm_start(args.warm_start))
+    spec = TuneSpec(
+        dtype=args.dtype,
+        head_dim_qk=args.head_dim,
+        head_dim_v=args.head_dim_v or args.head_dim,
+        seqlens=() if args.inputs else int_list(args.seqlens, "--seqlens"),
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        batches=int_list(args.batches, "--batches") if args.batches else None,
+        causal=not args.non_causal,
+        trials=args.trials,
+        time_budget_s=parse_duration(args.time) if args.time else None,
+        gpus=gpus,
+        storage=storage,
+        study_storage=args.study_storage,
+        study_name=args.study,
+        resume=args.resume,
+        sampler=args.sampler,
+        multi_objective=args.multi_objective,
+        runner=runner,
+        timeout_s=args.timeout,
+        seed=args.seed,
+        inputs=args.inputs,
+        input_family=args.input_family,
+        precompile=args.precompile,
+        api=args.api,
+        gate=args.gate if args.gate is not None else 1.0 if args.api == "bf16" else 1.25,
+        enqueue=tuple(args.enqueue or ()),
+        warm_start=_warm_start(args.warm_start),
+    )
 
     def render(p: Progress) -> Table:
         t = Table(title=f"zyfa-tune {spec.name}: {len(spec.gpus)} worker(s), runner={spec.runner}")
@@ -132,26 +154,32 @@ def cmd_tune(args: argparse.Namespace) -> int:
         return t
 
     if spec.warm_start:
-        console.print(f"warm start: {len(spec.warm_configs)} stored best config(s) of {spec.head_dim_qk}/"
-                      f"{spec.head_dim_v} {spec.dtype} from {', '.join(spec.warm_start)} measured first")
+        console.print(
+            f"warm start: {len(spec.warm_configs)} stored best config(s) of {spec.head_dim_qk}/"
+            f"{spec.head_dim_v} {spec.dtype} from {', '.join(spec.warm_start)} measured first"
+        )
     tuner = Tuner(spec)
-    with _quiet_optuna(), Live(render(tuner.progress), console=console, refresh_per_second=2,
-                               transient=False) as live:
+    with _quiet_optuna(), Live(render(tuner.progress), console=console, refresh_per_second=2, transient=False) as live:
         tuner.on_progress = lambda p: live.update(render(p))
         study = tuner.run()
     _print_failures(study)
-    console.print(f"study storage: {tuner.study_storage}  (optuna-dashboard {tuner.study_storage}; "
-                  f"zyfa-tune trials --study {spec.name} --study-storage {tuner.study_storage})")
+    console.print(
+        f"study storage: {tuner.study_storage}  (optuna-dashboard {tuner.study_storage}; "
+        f"zyfa-tune trials --study {spec.name} --study-storage {tuner.study_storage})"
+    )
     table = Table(title="best kernel per shape (tuning database) vs the untuned kernel")
     for col in ("shape", "best TFLOP/s", "untuned TFLOP/s", "speed-up", "best config"):
         table.add_column(col, overflow="fold")
     for row in best_per_shape(spec):
         sh, best, dflt = row["shape"], row["best"], row["untuned_tflops"]
         best_tf = best.tflops if best else None
-        table.add_row(f"B={sh.batch} S={sh.seqlen} H={sh.heads}/{sh.kv_heads}",
-                      f"{best_tf:.1f}" if best_tf else "-", f"{dflt:.1f}" if dflt else "-",
-                      f"{best_tf / dflt:.2f}x" if best_tf and dflt else "-",
-                      _described(best))
+        table.add_row(
+            f"B={sh.batch} S={sh.seqlen} H={sh.heads}/{sh.kv_heads}",
+            f"{best_tf:.1f}" if best_tf else "-",
+            f"{dflt:.1f}" if dflt else "-",
+            f"{best_tf / dflt:.2f}x" if best_tf and dflt else "-",
+            _described(best),
+        )
     console.print(table)
     return 0
 
@@ -187,13 +215,21 @@ def register(sub) -> None:
     p.add_argument("--head-dim", type=int, required=True, help="head dim of Q and K (and V unless --head-dim-v)")
     p.add_argument("--head-dim-v", type=int, default=None, help="head dim of V where it differs (e.g. 192/128)")
     p.add_argument("--seqlens", default="4096,8192,16384", help="comma list of sequence lengths")
-    p.add_argument("--inputs", default=None, metavar="FILE",
-                   help="tune on captured activations: a .pt or .safetensors file of q, k, v (batch, seqlen, heads, dim)")
+    p.add_argument(
+        "--inputs",
+        default=None,
+        metavar="FILE",
+        help="tune on captured activations: a .pt or .safetensors file of q, k, v (batch, seqlen, heads, dim)",
+    )
     from zyfa_tune.tuning.inputs import FAMILY_NAMES
 
-    p.add_argument("--input-family", default="gaussian", metavar="NAME",
-                   help=f"activation-like random inputs for the accuracy gate: {', '.join(FAMILY_NAMES)} "
-                        "(docs/design.md; default gaussian)")
+    p.add_argument(
+        "--input-family",
+        default="gaussian",
+        metavar="NAME",
+        help=f"activation-like random inputs for the accuracy gate: {', '.join(FAMILY_NAMES)} "
+        "(docs/design.md; default gaussian)",
+    )
     p.add_argument("--heads", type=int, default=32, help="query heads of the tuned shapes")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (GQA; default: = heads)")
     p.add_argument("--batches", default=None, help="one batch size per seqlen (default: 16384 tokens / seqlen)")
@@ -207,29 +243,51 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue an existing study")
     p.add_argument("--sampler", choices=["tpe", "random"], default="tpe", help="Optuna sampler")
     p.add_argument("--multi-objective", action="store_true", help="Pareto front over (TFLOP/s, error)")
-    p.add_argument("--api", choices=["fp8", "bf16"], default="fp8",
-                   help="what is timed: fp8 (default; flash_attn_func, the kernel alone on plainly quantised FP8 "
-                        "codes) or bf16 (attention(): bf16 inputs, the quantiser's recipe searched beside the "
-                        "kernel, quantiser and kernel timed together; FP8 kernels)")
-    p.add_argument("--gate", type=float, default=None,
-                   help="accuracy gate: a kernel passes with rel. L2 error <= GATE x the reference's on the same "
-                        "inputs (FA3-fp8's where fa3_fwd_interface imports, else the exact default kernel's on "
-                        "plain codes; default 1.25 for --api fp8, where lean P measures ~1.35 and a gate >= 1.4 "
-                        "also seeds the lean kernel; 1.0 for --api bf16, attention()'s default error budget)")
-    p.add_argument("--runner", default="gpu",
-                   help="gpu (default) | simulate[:<db>]: the loop without a GPU, for trying it out and for tests "
-                        "(real sm_90a compiles; stored measurements of the database, by default the shipped one, "
-                        "else a synthetic model: never a basis for choosing kernels); 'replay' is an older name "
-                        "for simulate")
+    p.add_argument(
+        "--api",
+        choices=["fp8", "bf16"],
+        default="fp8",
+        help="what is timed: fp8 (default; flash_attn_func, the kernel alone on plainly quantised FP8 "
+        "codes) or bf16 (attention(): bf16 inputs, the quantiser's recipe searched beside the "
+        "kernel, quantiser and kernel timed together; FP8 kernels)",
+    )
+    p.add_argument(
+        "--gate",
+        type=float,
+        default=None,
+        help="accuracy gate: a kernel passes with rel. L2 error <= GATE x the reference's on the same "
+        "inputs (FA3-fp8's where fa3_fwd_interface imports, else the exact default kernel's on "
+        "plain codes; default 1.25 for --api fp8, where lean P measures ~1.35 and a gate >= 1.4 "
+        "also seeds the lean kernel; 1.0 for --api bf16, attention()'s default error budget)",
+    )
+    p.add_argument(
+        "--runner",
+        default="gpu",
+        help="gpu (default) | simulate[:<db>]: the loop without a GPU, for trying it out and for tests "
+        "(real sm_90a compiles; stored measurements of the database, by default the shipped one, "
+        "else a synthetic model: never a basis for choosing kernels); 'replay' is an older name "
+        "for simulate",
+    )
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per trial before the worker is killed")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (and sampler)")
-    p.add_argument("--precompile", action="store_true",
-                   help="compile the next trial's kernel in a separate process while the GPU measures")
-    p.add_argument("--enqueue", action="append", metavar="KEY=VAL,...",
-                   help="measure this config first (fields changed from the head dims' default, as in "
-                        "bench --ours; repeatable; also with --resume)")
-    p.add_argument("--warm-start", action="append", metavar="DB",
-                   help="measure first (after --enqueue) the best configs this tuning database (path or URL; "
-                        "'shipped': the one shipped with zyfa-tune, the default) holds for these head dims on "
-                        "any shape; repeatable; 'none' for no warm start")
+    p.add_argument(
+        "--precompile",
+        action="store_true",
+        help="compile the next trial's kernel in a separate process while the GPU measures",
+    )
+    p.add_argument(
+        "--enqueue",
+        action="append",
+        metavar="KEY=VAL,...",
+        help="measure this config first (fields changed from the head dims' default, as in "
+        "bench --ours; repeatable; also with --resume)",
+    )
+    p.add_argument(
+        "--warm-start",
+        action="append",
+        metavar="DB",
+        help="measure first (after --enqueue) the best configs this tuning database (path or URL; "
+        "'shipped': the one shipped with zyfa-tune, the default) holds for these head dims on "
+        "any shape; repeatable; 'none' for no warm start",
+    )
     p.set_defaults(fn=cmd_tune)

@@ -44,9 +44,12 @@ def compile_check(config: KernelConfig, causal: bool) -> CompileCheck:
 
 def _is_check(data: Any) -> bool:
     """Whether a kept memo has CompileCheck's fields and types (else it is redone)."""
-    return (isinstance(data, dict) and set(data) == {f.name for f in fields(CompileCheck)}
-            and (data["error"] is None or isinstance(data["error"], str))
-            and all(data[k] is None or type(data[k]) is int for k in ("registers", "spill_bytes", "shared_bytes")))
+    return (
+        isinstance(data, dict)
+        and set(data) == {f.name for f in fields(CompileCheck)}
+        and (data["error"] is None or isinstance(data["error"], str))
+        and all(data[k] is None or type(data[k]) is int for k in ("registers", "spill_bytes", "shared_bytes"))
+    )
 
 
 def _compile_check(config: KernelConfig, causal: bool) -> CompileCheck:
@@ -62,13 +65,22 @@ def _compile_check(config: KernelConfig, causal: bool) -> CompileCheck:
     except Exception as exc:
         return CompileCheck(exception_text(exc, with_traceback=not isinstance(exc, ConfigError)))
     if art.spill_bytes > 0:
-        return CompileCheck(f"spills {art.spill_bytes} bytes (local memory per thread; {art.registers} registers)",
-                            art.registers, art.spill_bytes, art.shared_bytes)
+        return CompileCheck(
+            f"spills {art.spill_bytes} bytes (local memory per thread; {art.registers} registers)",
+            art.registers,
+            art.spill_bytes,
+            art.shared_bytes,
+        )
     if art.serialised_wgmma:
-        return CompileCheck(f"ptxas serialises the wgmmas: {art.serialised_wgmma}", art.registers, art.spill_bytes,
-                            art.shared_bytes)
+        return CompileCheck(
+            f"ptxas serialises the wgmmas: {art.serialised_wgmma}", art.registers, art.spill_bytes, art.shared_bytes
+        )
     limit = HOPPER.shared_memory_bytes
     if art.shared_bytes > limit:
-        return CompileCheck(str(OutOfResources(art.shared_bytes, limit, "shared memory")),
-                            art.registers, art.spill_bytes, art.shared_bytes)
+        return CompileCheck(
+            str(OutOfResources(art.shared_bytes, limit, "shared memory")),
+            art.registers,
+            art.spill_bytes,
+            art.shared_bytes,
+        )
     return CompileCheck(None, art.registers, art.spill_bytes, art.shared_bytes)

@@ -44,10 +44,13 @@ PROBE_CACHE = 6
 def _finite(x: float | None) -> float | None:
     return float(x) if x is not None and math.isfinite(x) else None
 
+
 _CUDA_ERROR = re.compile(
     r"CUDA error|CUDA_ERROR|cudaError|CUDA driver|Triton Error \[CUDA\]|illegal memory access|"
     r"illegal instruction|misaligned address|unspecified launch failure|launch timed out|"
-    r"device-side assert|out of memory|CUBLAS_STATUS|CUDNN_STATUS|uncorrectable ECC", re.I)
+    r"device-side assert|out of memory|CUBLAS_STATUS|CUDNN_STATUS|uncorrectable ECC",
+    re.I,
+)
 
 
 def is_cuda_error(exc: BaseException) -> bool:
@@ -65,10 +68,12 @@ def _compiler_dirs() -> tuple[str, ...]:
     from zyfa_tune.generator.build import cache_dir
 
     root = Path(triton.__file__).parent
-    return (str(root / "compiler") + os.sep,                           # triton.compile, module load checks
-            str(root / "backends" / "nvidia" / "compiler.py"),          # ttir..cubin stages, ptxas
-            str(Path(generator.__file__).parent) + os.sep,              # emission, import of the source
-            str(cache_dir() / "kernels") + os.sep)                      # the emitted kernel module itself
+    return (
+        str(root / "compiler") + os.sep,  # triton.compile, module load checks
+        str(root / "backends" / "nvidia" / "compiler.py"),  # ttir..cubin stages, ptxas
+        str(Path(generator.__file__).parent) + os.sep,  # emission, import of the source
+        str(cache_dir() / "kernels") + os.sep,
+    )  # the emitted kernel module itself
 
 
 def is_compile_error(exc: BaseException) -> bool:
@@ -92,9 +97,11 @@ class GpuRunner:
         import torch
 
         if not torch.cuda.is_available():
-            raise RuntimeError("runner 'gpu': no CUDA device is visible in the worker "
-                               f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); without "
-                               "a GPU, runner 'simulate' (--runner simulate) runs the tuning loop on the CPU")
+            raise RuntimeError(
+                "runner 'gpu': no CUDA device is visible in the worker "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); without "
+                "a GPU, runner 'simulate' (--runner simulate) runs the tuning loop on the CPU"
+            )
         self.torch = torch
         torch.cuda.set_device(0)
         self._probes: OrderedDict[tuple, Any] = OrderedDict()
@@ -103,16 +110,35 @@ class GpuRunner:
         from zyfa_tune.generator.recipe import PLAIN, Recipe
         from zyfa_tune.tuning.verify import make_probe, make_recipe_probe
 
-        key = (shape, config.dtype, config.head_dim_qk, config.head_dim_v, task.causal, task.seed, task.gate,
-               task.inputs, task.input_family, task.api, task.recipe)
+        key = (
+            shape,
+            config.dtype,
+            config.head_dim_qk,
+            config.head_dim_v,
+            task.causal,
+            task.seed,
+            task.gate,
+            task.inputs,
+            task.input_family,
+            task.api,
+            task.recipe,
+        )
         probe = self._probes.get(key)
         if probe is None:
             while len(self._probes) >= PROBE_CACHE:
                 self._probes.popitem(last=False)
                 self.torch.cuda.empty_cache()
-            where = dict(batch=shape.batch, heads=shape.heads, kv_heads=shape.kv_heads, seqlen=shape.seqlen,
-                         causal=task.causal, seed=task.seed, gate=task.gate, inputs=task.inputs,
-                         family=task.input_family)
+            where = dict(
+                batch=shape.batch,
+                heads=shape.heads,
+                kv_heads=shape.kv_heads,
+                seqlen=shape.seqlen,
+                causal=task.causal,
+                seed=task.seed,
+                gate=task.gate,
+                inputs=task.inputs,
+                family=task.input_family,
+            )
             if task.api == "bf16":
                 recipe = PLAIN if task.recipe is None else Recipe.from_json(task.recipe)
                 probe = make_recipe_probe(config.head_dim_qk, config.head_dim_v, recipe, **where)
@@ -197,14 +223,27 @@ class GpuRunner:
         err, emax = _finite(v.error_rel_l2), _finite(getattr(v, "error_max", None))
         error_ref = _finite(error_ref) or None  # (a reference error of 0 cannot scale a gate)
         if not v.ok:
-            return dict(status="wrong", error_rel_l2=err, error_max=emax, error_ref=error_ref,
-                        message=f"{v.reason} (limit = gate {task.gate:g} x the reference's error)")
+            return dict(
+                status="wrong",
+                error_rel_l2=err,
+                error_max=emax,
+                error_ref=error_ref,
+                message=f"{v.reason} (limit = gate {task.gate:g} x the reference's error)",
+            )
         t = v.timing
         flops = task_flops(config.head_dim_qk, config.head_dim_v, shape, task.causal)
         energy = _finite(t.energy_j_per_call) if t is not None else None
-        return dict(status="ok", median_ms=v.median_ms, p20_ms=t.p20_ms if t else None,
-                    p80_ms=t.p80_ms if t else None, tflops=flops / (v.median_ms * 1e-3) / 1e12,
-                    error_rel_l2=err, error_max=emax, error_ref=error_ref,
-                    sm_clock_mhz=_finite(t.sm_clock_mhz) if t else None,
-                    power_w=_finite(t.power_w) if t else None, energy_j=energy or None,
-                    tflop_per_j=flops / 1e12 / energy if energy else None)
+        return dict(
+            status="ok",
+            median_ms=v.median_ms,
+            p20_ms=t.p20_ms if t else None,
+            p80_ms=t.p80_ms if t else None,
+            tflops=flops / (v.median_ms * 1e-3) / 1e12,
+            error_rel_l2=err,
+            error_max=emax,
+            error_ref=error_ref,
+            sm_clock_mhz=_finite(t.sm_clock_mhz) if t else None,
+            power_w=_finite(t.power_w) if t else None,
+            energy_j=energy or None,
+            tflop_per_j=flops / 1e12 / energy if energy else None,
+        )

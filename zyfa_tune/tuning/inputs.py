@@ -72,29 +72,29 @@ import torch
 
 @dataclass(frozen=True)
 class Outliers:
-    channels: int = 4                          # outlier channels per kv head
+    channels: int = 4  # outlier channels per kv head
     ratio: tuple[float, float] = (20.0, 100.0)  # channel RMS / ordinary channel RMS, log-uniform
-    score_std: float = 0.5                     # key-varying score std the outlier channels add
+    score_std: float = 0.5  # key-varying score std the outlier channels add
 
 
 @dataclass(frozen=True)
 class Sink:
-    score: float = 10.0        # mean score of key 0 (other scores have std 1)
-    spread: float = 0.25       # relative std of that score over queries
-    value_scale: float = 0.1   # v_0 is multiplied by this
+    score: float = 10.0  # mean score of key 0 (other scores have std 1)
+    spread: float = 0.25  # relative std of that score over queries
+    value_scale: float = 0.1  # v_0 is multiplied by this
 
 
 @dataclass(frozen=True)
 class Rope:
-    base: float = 500000.0     # rotary frequency base (Llama 3: 500000; Llama 2: 10000)
-    locality: float = 2.0      # score of the shared pre-RoPE component at distance 0
-    offset: int = 0            # position of key 0
+    base: float = 500000.0  # rotary frequency base (Llama 3: 500000; Llama 2: 10000)
+    locality: float = 2.0  # score of the shared pre-RoPE component at distance 0
+    offset: int = 0  # position of key 0
 
 
 @dataclass(frozen=True)
 class EntryOutliers:
-    rate: float = 1e-3   # share of entries of q, k and v with an outlier
-    std: float = 10.0    # the outlier's std (N(0, 100) in the FA3 paper), added to the N(0, 1) entry
+    rate: float = 1e-3  # share of entries of q, k and v with an outlier
+    std: float = 10.0  # the outlier's std (N(0, 100) in the FA3 paper), added to the N(0, 1) entry
 
 
 @dataclass(frozen=True)
@@ -111,18 +111,29 @@ class Family:
     entry_outliers: EntryOutliers | None = None  # added to the token noise first
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("gaussian", "i.i.d. N(0, 1) q, k, v (score std 1)"),
-    Family("outliers", "a few fixed channels of Q and K 20-100x larger", outliers=Outliers()),
-    Family("sink", "key 0 is an attention sink with a small value", sink=Sink()),
-    Family("rope", "RoPE-rotated Q and K with a shared direction (recency)", rope=Rope()),
-    Family("peaky", "low temperature: score std 8, a few keys dominate", score_std=8.0),
-    Family("flat", "high temperature: score std 0.2, near-uniform rows", score_std=0.2),
-    Family("llm", "outliers in low-frequency RoPE channels + RoPE + sink", outliers=Outliers(), sink=Sink(),
-           rope=Rope()),
-    Family("entry_outliers", "FA3's test: N(0,1) + N(0,100) x Bernoulli(0.001) entries of Q, K, V",
-           entry_outliers=EntryOutliers()),
-)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("gaussian", "i.i.d. N(0, 1) q, k, v (score std 1)"),
+        Family("outliers", "a few fixed channels of Q and K 20-100x larger", outliers=Outliers()),
+        Family("sink", "key 0 is an attention sink with a small value", sink=Sink()),
+        Family("rope", "RoPE-rotated Q and K with a shared direction (recency)", rope=Rope()),
+        Family("peaky", "low temperature: score std 8, a few keys dominate", score_std=8.0),
+        Family("flat", "high temperature: score std 0.2, near-uniform rows", score_std=0.2),
+        Family(
+            "llm",
+            "outliers in low-frequency RoPE channels + RoPE + sink",
+            outliers=Outliers(),
+            sink=Sink(),
+            rope=Rope(),
+        ),
+        Family(
+            "entry_outliers",
+            "FA3's test: N(0,1) + N(0,100) x Bernoulli(0.001) entries of Q, K, V",
+            entry_outliers=EntryOutliers(),
+        ),
+    )
+}
 FAMILY_NAMES: tuple[str, ...] = tuple(FAMILIES)
 
 
@@ -138,20 +149,39 @@ def check_input_family(name: object, captured: str | None, what: str = "family")
     captured activations (a file replaces the generated inputs; a family would be ignored)."""
     check_family(name, what)
     if captured is not None and name != "gaussian":
-        raise ValueError(f"{what}: {name!r} generates inputs, but captured inputs ({captured}) are used instead; "
-                         f"give one or the other")
+        raise ValueError(
+            f"{what}: {name!r} generates inputs, but captured inputs ({captured}) are used instead; "
+            f"give one or the other"
+        )
     return name
 
 
-def make_qkv(family: str | Family = "gaussian", *, batch: int, seqlen: int, heads: int, kv_heads: int,
-             head_dim_qk: int, head_dim_v: int, seed: int, seqlen_k: int | None = None,
-             device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_qkv(
+    family: str | Family = "gaussian",
+    *,
+    batch: int,
+    seqlen: int,
+    heads: int,
+    kv_heads: int,
+    head_dim_qk: int,
+    head_dim_v: int,
+    seed: int,
+    seqlen_k: int | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 q (batch, seqlen, heads, dqk), k (batch, seqlen_k, kv_heads, dqk), v (..., dv) of
     `family` (a name in FAMILIES or a custom Family) on `device`, the same for the same arguments."""
     fam = FAMILIES[check_family(family)] if not isinstance(family, Family) else family
     sk = seqlen if seqlen_k is None else seqlen_k
-    for name, value in (("batch", batch), ("seqlen", seqlen), ("seqlen_k", sk), ("heads", heads),
-                        ("kv_heads", kv_heads), ("head_dim_qk", head_dim_qk), ("head_dim_v", head_dim_v)):
+    for name, value in (
+        ("batch", batch),
+        ("seqlen", seqlen),
+        ("seqlen_k", sk),
+        ("heads", heads),
+        ("kv_heads", kv_heads),
+        ("head_dim_qk", head_dim_qk),
+        ("head_dim_v", head_dim_v),
+    ):
         if type(value) is not int or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
     if heads % kv_heads:
@@ -223,8 +253,7 @@ def _structure(seed: int, component: str, head: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def _unit_rows(seed: int, component: str, kv_heads: int, dim: int,
-               avoid: torch.Tensor | None = None) -> torch.Tensor:
+def _unit_rows(seed: int, component: str, kv_heads: int, dim: int, avoid: torch.Tensor | None = None) -> torch.Tensor:
     """(kv_heads, dim) fixed random unit vectors, one per kv head, zero where `avoid` is set."""
     x = torch.stack([torch.randn(dim, generator=_structure(seed, component, h)) for h in range(kv_heads)])
     if avoid is not None:
@@ -246,8 +275,9 @@ def _outlier_layout(o: Outliers, seed: int, head: int, dim: int, low_frequency: 
     return channels, mags, signs
 
 
-def _add_outliers(q: torch.Tensor, k: torch.Tensor, o: Outliers, seed: int, group: int, *,
-                  low_frequency: bool) -> torch.Tensor:
+def _add_outliers(
+    q: torch.Tensor, k: torch.Tensor, o: Outliers, seed: int, group: int, *, low_frequency: bool
+) -> torch.Tensor:
     """In place: per kv head, `o.channels` channels get a bias s * m (Q keeps its noise; K's noise
     shrinks so that the key-varying score part the outliers add has std o.score_std). Returns the
     (kv_heads, dim) mask of the channels the biases reach (with RoPE, both channels of each pair)."""
@@ -284,8 +314,16 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.T
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def _add_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Sink, seed: int, group: int,
-              g: torch.Generator, avoid: torch.Tensor) -> None:
+def _add_sink(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    s: Sink,
+    seed: int,
+    group: int,
+    g: torch.Generator,
+    avoid: torch.Tensor,
+) -> None:
     """In place: queries' u component -> a (1 + spread z), key 0's -> c, other keys' -> 0. u avoids
     the outlier channels: projecting their large biases out would leak them into every channel."""
     kv_heads, dim = k.shape[2], k.shape[3]

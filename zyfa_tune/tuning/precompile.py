@@ -52,9 +52,12 @@ def compile_for_gpu(config_json: str, shapes: Sequence[tuple[int, int, int, int]
         k = torch.empty(b, s, hk, cfg.head_dim_qk, dtype=dt, device="meta")
         v = torch.empty(b, s, hk, cfg.head_dim_v, dtype=dt, device="meta")
         out = torch.empty(b, s, h, cfg.head_dim_v, dtype=torch.bfloat16, device="meta")
-        ds = [torch.empty(b, hk, dtype=torch.float32, device="meta") for _ in range(3)] if cfg.dtype == "fp8" \
+        ds = (
+            [torch.empty(b, hk, dtype=torch.float32, device="meta") for _ in range(3)]
+            if cfg.dtype == "fp8"
             else [None] * 3
-        grid, args, options = prepare(cfg, q, k, v, out, cfg.head_dim_qk ** -0.5, causal, *ds)
+        )
+        grid, args, options = prepare(cfg, q, k, v, out, cfg.head_dim_qk**-0.5, causal, *ds)
         compiled = kernel(cfg).warmup(*args, grid=grid, **options)
         if compiled is not None:  # the worker's ptxas check, answered here (kept per PTX text)
             serialised_wgmma(compiled.asm["ptx"])
@@ -79,8 +82,14 @@ class _Server:
     interpreter rather than multiprocessing: spawn would re-run the user's main script in it."""
 
     def __init__(self, env: dict[str, str]):
-        self.proc = subprocess.Popen([sys.executable, "-m", "zyfa_tune.tuning.precompile"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "zyfa_tune.tuning.precompile"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
 
     def compile(self, job: dict) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -100,11 +109,18 @@ class _Server:
 class Precompiler:
     """Compile processes fed by a queue; `submit` never raises and never blocks."""
 
-    def __init__(self, runner: str, shapes: Sequence[tuple[int, int, int, int]], causal: bool, *,
-                 processes: int = 1, gpu: int | None = None, compile_fn: CompileFn | None = None):
+    def __init__(
+        self,
+        runner: str,
+        shapes: Sequence[tuple[int, int, int, int]],
+        causal: bool,
+        *,
+        processes: int = 1,
+        gpu: int | None = None,
+        compile_fn: CompileFn | None = None,
+    ):
         fn = compile_fn or compile_fn_for(runner)
-        self._job = dict(fn=f"{fn.__module__}:{fn.__qualname__}", shapes=[list(s) for s in shapes],
-                         causal=bool(causal))
+        self._job = dict(fn=f"{fn.__module__}:{fn.__qualname__}", shapes=[list(s) for s in shapes], causal=bool(causal))
         self.submitted: list[str] = []
         self.compiled: list[str] = []
         self.failed: list[str] = []
@@ -114,8 +130,10 @@ class Precompiler:
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         self._servers: list[_Server] = []
-        self._threads = [threading.Thread(target=self._serve, args=(env,), daemon=True, name=f"zyfa-precompile{i}")
-                         for i in range(max(1, processes))]
+        self._threads = [
+            threading.Thread(target=self._serve, args=(env,), daemon=True, name=f"zyfa-precompile{i}")
+            for i in range(max(1, processes))
+        ]
         for t in self._threads:
             t.start()
 

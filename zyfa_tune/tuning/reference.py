@@ -10,10 +10,17 @@ from zyfa_tune.quantize import dequantize
 _CHUNK = 1024
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                        softmax_scale: float | None = None,
-                        q_descale: torch.Tensor | None = None, k_descale: torch.Tensor | None = None,
-                        v_descale: torch.Tensor | None = None) -> torch.Tensor:
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Float64 attention on (batch, seqlen, heads, dim) inputs, on the inputs' device.
 
     Descales are (batch, kv_heads) float tensors multiplied into the dequantised inputs, as in
@@ -23,7 +30,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     b, sq, h, dqk = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     group = h // hk
-    scale = dqk ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = dqk**-0.5 if softmax_scale is None else float(softmax_scale)
     qf, kf, vf = dequantize(q, q_descale), dequantize(k, k_descale), dequantize(v, v_descale)
     out = torch.zeros(b, sq, h, dv, dtype=torch.float64, device=q.device)
     key_idx = torch.arange(sk, device=q.device)
@@ -38,7 +45,6 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
             p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
             out[:, r0:r1, hi] = torch.einsum("bqk,bkd->bqd", p, vh)
     return out
-
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -38,8 +38,8 @@ def shipped_db() -> str:
 
 @dataclass(frozen=True)
 class RunnerSpec:
-    kind: str                 # "gpu" | "simulate" | "fault"
-    db: str | None = None     # the simulation's database (fault: its fallback's)
+    kind: str  # "gpu" | "simulate" | "fault"
+    db: str | None = None  # the simulation's database (fault: its fallback's)
     fault: str | None = None
     field: str | None = None  # fault only where this KernelConfig / Shape field == value (None: always)
     value: str | None = None
@@ -54,8 +54,10 @@ def parse_runner(text: object) -> RunnerSpec:
     name, colon, path = text.partition(":")
     if name in SIMULATE_NAMES:
         if colon and not path:
-            raise ValueError(f"runner: '{name}:' needs a database path, e.g. {name}:kernels/tuned/h200.db "
-                             f"(or '{name}' alone for the shipped one)")
+            raise ValueError(
+                f"runner: '{name}:' needs a database path, e.g. {name}:kernels/tuned/h200.db "
+                f"(or '{name}' alone for the shipped one)"
+            )
         path = path or shipped_db()
         if not os.path.isfile(path):
             raise ValueError(f"runner: {name} database {path!r} does not exist")

@@ -43,10 +43,30 @@ from zyfa_tune.generator.recipe import PLAIN, Recipe
 from .compile_check import CompileCheck, compile_check
 from .task import Reporter, Shape, Task, exception_text, tail, task_flops
 
-_TRIAL_FLOATS = ("median_ms", "p20_ms", "p80_ms", "tflops", "error_rel_l2", "error_max", "sm_clock_mhz",
-                 "power_w", "energy_j", "tflop_per_j", "error_ref")
-_KEY_FIELDS = ("dtype", "head_dim_qk", "head_dim_v", "causal", "gqa_group", "seqlen_bucket", "bh_bucket", "api",
-               "recipe")
+_TRIAL_FLOATS = (
+    "median_ms",
+    "p20_ms",
+    "p80_ms",
+    "tflops",
+    "error_rel_l2",
+    "error_max",
+    "sm_clock_mhz",
+    "power_w",
+    "energy_j",
+    "tflop_per_j",
+    "error_ref",
+)
+_KEY_FIELDS = (
+    "dtype",
+    "head_dim_qk",
+    "head_dim_v",
+    "causal",
+    "gqa_group",
+    "seqlen_bucket",
+    "bh_bucket",
+    "api",
+    "recipe",
+)
 
 
 class SimulationRunner:
@@ -70,15 +90,33 @@ class SimulationRunner:
             self._by_json.setdefault((canonical, key), []).append(row)
         self._compiled: dict[tuple[KernelConfig, bool], CompileCheck] = {}
 
-    def stored(self, config: KernelConfig, source_hash: str, shape: Shape, causal: bool, api: str = "fp8",
-               recipe: str | None = None) -> dict | None:
+    def stored(
+        self,
+        config: KernelConfig,
+        source_hash: str,
+        shape: Shape,
+        causal: bool,
+        api: str = "fp8",
+        recipe: str | None = None,
+    ) -> dict | None:
         from zyfa_tune.db import ProblemKey
 
-        pk = ProblemKey.from_shape(dtype=config.dtype, head_dim_qk=config.head_dim_qk,
-                                   head_dim_v=config.head_dim_v, causal=causal, batch=shape.batch,
-                                   heads=shape.heads, kv_heads=shape.kv_heads, seqlen=shape.seqlen, api=api)
+        pk = ProblemKey.from_shape(
+            dtype=config.dtype,
+            head_dim_qk=config.head_dim_qk,
+            head_dim_v=config.head_dim_v,
+            causal=causal,
+            batch=shape.batch,
+            heads=shape.heads,
+            kv_heads=shape.kv_heads,
+            seqlen=shape.seqlen,
+            api=api,
+        )
         key = tuple(getattr(pk, k) for k in _KEY_FIELDS[:-1]) + (recipe,)
-        found = {r["id"]: r for r in self._by_hash.get((source_hash, key), []) + self._by_json.get((config.to_json(), key), [])}
+        found = {
+            r["id"]: r
+            for r in self._by_hash.get((source_hash, key), []) + self._by_json.get((config.to_json(), key), [])
+        }
         if not found:
             return None
         exact = (shape.batch, shape.heads, shape.seqlen)
@@ -87,14 +125,20 @@ class SimulationRunner:
         msg = f"simulate: stored trial #{row['id']} ({row['gpu_name']}, {row['study'] or 'no study'})"
         if (row["batch"], row["heads"], row["seqlen"]) != exact:
             if row["batch"] and row["heads"] and row["seqlen"]:
-                then = task_flops(config.head_dim_qk, config.head_dim_v,
-                                  Shape(row["batch"], row["heads"], row["heads"], row["seqlen"]), causal)
+                then = task_flops(
+                    config.head_dim_qk,
+                    config.head_dim_v,
+                    Shape(row["batch"], row["heads"], row["heads"], row["seqlen"]),
+                    causal,
+                )
                 ratio = task_flops(config.head_dim_qk, config.head_dim_v, shape, causal) / then
                 for f in ("median_ms", "p20_ms", "p80_ms", "energy_j"):
                     if out[f] is not None:
                         out[f] *= ratio
-                msg += (f", measured at B={row['batch']} H={row['heads']} S={row['seqlen']}: "
-                        f"times scaled by the FLOP ratio {ratio:.3g}")
+                msg += (
+                    f", measured at B={row['batch']} H={row['heads']} S={row['seqlen']}: "
+                    f"times scaled by the FLOP ratio {ratio:.3g}"
+                )
             else:
                 msg += ", measured at an unrecorded shape of the same class"
         if row["message"]:
@@ -135,10 +179,11 @@ class SimulationRunner:
 
 # ---- the synthetic model -----------------------------------------------------------------------
 
+
 def unit_hash(*parts: object) -> float:
     """A deterministic number in [0, 1) from `parts` (same in every process and run)."""
     digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2.0 ** 64
+    return int.from_bytes(digest[:8], "big") / 2.0**64
 
 
 def _interp(x: float, points: list[tuple[float, float]]) -> float:
@@ -153,11 +198,13 @@ def _interp(x: float, points: list[tuple[float, float]]) -> float:
 #: Triton kernels: the peak at head dim 128 (TFLOP/s before the seqlen saturation), placed so the
 #: default configs land near the H200 numbers of the shipped database; then one factor per field.
 _PEAK = {"fp8": 826.0, "bf16": 500.0}
-_HEAD = {"fp8": [(64, 0.74), (96, 0.75), (128, 1.0), (160, 1.07), (256, 1.04)],
-         "bf16": [(64, 0.95), (96, 0.98), (128, 1.0), (160, 0.92), (256, 1.1)]}
+_HEAD = {
+    "fp8": [(64, 0.74), (96, 0.75), (128, 1.0), (160, 1.07), (256, 1.04)],
+    "bf16": [(64, 0.95), (96, 0.98), (128, 1.0), (160, 0.92), (256, 1.1)],
+}
 _BLOCK_M = {"fp8": {64: 1.0, 128: 0.95, 192: 0.86, 256: 0.78}, "bf16": {64: 0.86, 128: 1.0, 192: 0.92, 256: 0.84}}
-_BLOCK_N_SMALL = {32: 0.72, 64: 0.9, 128: 1.0, 192: 0.95, 256: 0.9}    # head dims <= 128
-_BLOCK_N_LARGE = {32: 0.8, 64: 1.0, 128: 0.93, 192: 0.84, 256: 0.75}   # larger head dims
+_BLOCK_N_SMALL = {32: 0.72, 64: 0.9, 128: 1.0, 192: 0.95, 256: 0.9}  # head dims <= 128
+_BLOCK_N_LARGE = {32: 0.8, 64: 1.0, 128: 0.93, 192: 0.84, 256: 0.75}  # larger head dims
 _STAGES = {1: 0.72, 2: 0.93, 3: 1.0, 4: 0.98, 5: 0.95}
 _ROWSUM = {"fp32": 1.0, "rounded": 0.995, "mma": 0.8}
 _ERROR = {"fp8": 0.0210, "bf16": 0.00210}
@@ -236,8 +283,12 @@ def synthetic_error(config: KernelConfig, shape: Shape, causal: bool) -> float:
 
 #: The recipe's effect on the error of the whole call (factors; V's part of the error falls by about a
 #: third with balanced rounding; a rotation and K smoothing help on outliers, a little on Gaussians).
-RECIPE_ERROR = {"hadamard": {False: 1.0, True: 0.96}, "smooth_k": {False: 1.0, True: 0.98},
-                "v_rounding": {"nearest": 1.0, "balanced": 0.85}, "v_layout": {"natural": 1.0, "k_major": 1.0}}
+RECIPE_ERROR = {
+    "hadamard": {False: 1.0, True: 0.96},
+    "smooth_k": {False: 1.0, True: 0.98},
+    "v_rounding": {"nearest": 1.0, "balanced": 0.85},
+    "v_layout": {"natural": 1.0, "k_major": 1.0},
+}
 #: Quantiser cost: ms per element of Q, K and V in one pass (0.347 ms for 16K tokens x 32 heads x 128
 #: on the H100), the extra share of each option, and a V^T copy per element of V.
 _QUANT_MS_PER_ELEMENT = 0.347 / (3 * 16384 * 32 * 128)
@@ -249,13 +300,17 @@ def quantiser_ms(shape: Shape, head_dim_qk: int, head_dim_v: int, recipe: Recipe
     """Modelled time of `quantize_fp8` with `recipe` on Q, K and V of `shape`."""
     tokens = shape.batch * shape.seqlen
     elements = tokens * (shape.heads * head_dim_qk + shape.kv_heads * (head_dim_qk + head_dim_v))
-    extra = (_QUANT_EXTRA["hadamard"] * recipe.hadamard + _QUANT_EXTRA["smooth_k"] * recipe.smooth_k
-             + _QUANT_EXTRA["balanced"] * (recipe.v_rounding == "balanced"))
+    extra = (
+        _QUANT_EXTRA["hadamard"] * recipe.hadamard
+        + _QUANT_EXTRA["smooth_k"] * recipe.smooth_k
+        + _QUANT_EXTRA["balanced"] * (recipe.v_rounding == "balanced")
+    )
     return elements * _QUANT_MS_PER_ELEMENT * (1.0 + extra)
 
 
-def synthetic_measurement(config: KernelConfig, shape: Shape, causal: bool, gate: float,
-                          recipe: Recipe | None = None) -> dict[str, Any]:
+def synthetic_measurement(
+    config: KernelConfig, shape: Shape, causal: bool, gate: float, recipe: Recipe | None = None
+) -> dict[str, Any]:
     """TrialResult fields of the synthetic model for one shape (deterministic): the kernel alone, or
     with a `recipe` (the bf16 API) quantiser and kernel together."""
     from zyfa_tune.generator.defaults import default_config
@@ -265,21 +320,35 @@ def synthetic_measurement(config: KernelConfig, shape: Shape, causal: bool, gate
     if recipe is not None and recipe.v_layout == "k_major" and config.v_layout == "natural":
         runs = config.replace(v_layout="transposed")  # the twin reading K-major V as it is
     err = synthetic_error(config, shape, causal)
-    for name, table in ([] if recipe is None else RECIPE_ERROR.items()):
+    for name, table in [] if recipe is None else RECIPE_ERROR.items():
         err *= table[getattr(recipe, name)]
     if not err <= gate * error_ref:
-        return dict(status="wrong", error_rel_l2=err, error_max=err * 12.0, error_ref=error_ref,
-                    message=f"simulate: synthetic: error {err:.3e} > {gate * error_ref:.3e} (gate {gate:g} x the "
-                            "default config's)")
+        return dict(
+            status="wrong",
+            error_rel_l2=err,
+            error_max=err * 12.0,
+            error_ref=error_ref,
+            message=f"simulate: synthetic: error {err:.3e} > {gate * error_ref:.3e} (gate {gate:g} x the "
+            "default config's)",
+        )
     flops = task_flops(config.head_dim_qk, config.head_dim_v, shape, causal)
     median = flops / (synthetic_tflops(runs, shape, causal) * 1e12) * 1e3
     if recipe is not None:  # (the kernel's model includes the V^T copy natural codes need)
         if runs.v_layout == "transposed" and recipe.v_layout == "k_major":
-            median -= min(0.5 * median, shape.batch * shape.seqlen * shape.kv_heads * config.head_dim_v
-                          * _COPY_MS_PER_ELEMENT)
+            median -= min(
+                0.5 * median, shape.batch * shape.seqlen * shape.kv_heads * config.head_dim_v * _COPY_MS_PER_ELEMENT
+            )
         median += quantiser_ms(shape, config.head_dim_qk, config.head_dim_v, recipe)
     tflops = flops / (median * 1e-3) / 1e12
-    return dict(status="ok", median_ms=median, p20_ms=median * 0.996, p80_ms=median * 1.006, tflops=tflops,
-                error_rel_l2=err, error_max=err * 12.0, error_ref=error_ref,
-                message="simulate: synthetic (no stored trial of this kernel for this problem class; a model of "
-                        "the config's fields" + ("" if recipe is None else " and the recipe") + ", not a measurement)")
+    return dict(
+        status="ok",
+        median_ms=median,
+        p20_ms=median * 0.996,
+        p80_ms=median * 1.006,
+        tflops=tflops,
+        error_rel_l2=err,
+        error_max=err * 12.0,
+        error_ref=error_ref,
+        message="simulate: synthetic (no stored trial of this kernel for this problem class; a model of "
+        "the config's fields" + ("" if recipe is None else " and the recipe") + ", not a measurement)",
+    )

@@ -40,17 +40,17 @@ class Shape:
 
 @dataclass(frozen=True)
 class Task:
-    config_json: str          # KernelConfig.to_json(); the child re-validates it with from_json
+    config_json: str  # KernelConfig.to_json(); the child re-validates it with from_json
     shapes: tuple[Shape, ...]
     causal: bool = True
-    seed: int = 0             # input seed (fresh inputs per study/shape)
-    gate: float = 1.25        # error gate vs the exact default (kernels.verify.DEFAULT_ERROR_GATE)
+    seed: int = 0  # input seed (fresh inputs per study/shape)
+    gate: float = 1.25  # error gate vs the exact default (kernels.verify.DEFAULT_ERROR_GATE)
     reps: int = 20
-    inputs: str | None = None # captured activations (.pt / .safetensors) instead of random inputs
+    inputs: str | None = None  # captured activations (.pt / .safetensors) instead of random inputs
     input_family: str = "gaussian"  # random inputs' family (zyfa_tune.tuning.inputs)
-    api: str = "fp8"          # "fp8": the kernel alone on plainly quantised codes; "bf16": the whole
-                              # call from bf16 inputs, quantiser (with `recipe`) and kernel, one timing
-    recipe: str | None = None # generator.recipe.Recipe JSON (bf16 API only; None: the plain recipe)
+    api: str = "fp8"  # "fp8": the kernel alone on plainly quantised codes; "bf16": the whole
+    # call from bf16 inputs, quantiser (with `recipe`) and kernel, one timing
+    recipe: str | None = None  # generator.recipe.Recipe JSON (bf16 API only; None: the plain recipe)
 
     def __post_init__(self) -> None:
         if self.inputs is not None and (type(self.inputs) is not str or not os.path.isfile(self.inputs)):
@@ -66,8 +66,12 @@ class Task:
             raise ValueError(f"causal: expected bool, got {type(self.causal).__name__}")
         if type(self.seed) is not int or not 0 <= self.seed < 2**63:
             raise ValueError(f"seed: expected an int in [0, 2**63), got {self.seed!r}")
-        if isinstance(self.gate, bool) or not isinstance(self.gate, (int, float)) \
-                or not math.isfinite(self.gate) or self.gate <= 0:
+        if (
+            isinstance(self.gate, bool)
+            or not isinstance(self.gate, (int, float))
+            or not math.isfinite(self.gate)
+            or self.gate <= 0
+        ):
             raise ValueError(f"gate: expected a positive finite number, got {self.gate!r}")
         object.__setattr__(self, "gate", float(self.gate))
         strict_int("reps", self.reps, lo=1)

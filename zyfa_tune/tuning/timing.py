@@ -69,9 +69,17 @@ def pooled(timings: Sequence[Timing]) -> Timing:
         pairs = [(getattr(t, attr), t.reps) for t in timings if getattr(t, attr) is not None]
         return sum(v * n for v, n in pairs) / sum(n for _, n in pairs) if pairs else None
 
-    return Timing(median_ms=statistics.median(samples), p20_ms=q[0], p80_ms=q[3], min_ms=samples[0],
-                  reps=sum(t.reps for t in timings), sm_clock_mhz=mean("sm_clock_mhz"), power_w=mean("power_w"),
-                  energy_j_per_call=mean("energy_j_per_call"), samples_ms=tuple(samples) if timings[0].samples_ms else ())
+    return Timing(
+        median_ms=statistics.median(samples),
+        p20_ms=q[0],
+        p80_ms=q[3],
+        min_ms=samples[0],
+        reps=sum(t.reps for t in timings),
+        sm_clock_mhz=mean("sm_clock_mhz"),
+        power_w=mean("power_w"),
+        energy_j_per_call=mean("energy_j_per_call"),
+        samples_ms=tuple(samples) if timings[0].samples_ms else (),
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -111,12 +119,14 @@ def gpu_state(device: int = 0) -> dict[str, Any]:
     if h is None:
         return {}
     state: dict[str, Any] = {"name": nv.nvmlDeviceGetName(h)}
-    for key, fn in (("sm_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
-                    ("mem_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)),
-                    ("max_sm_clock_mhz", lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM)),
-                    ("power_w", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
-                    ("power_limit_w", lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0),
-                    ("temp_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))):
+    for key, fn in (
+        ("sm_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)),
+        ("mem_clock_mhz", lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM)),
+        ("max_sm_clock_mhz", lambda: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM)),
+        ("power_w", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
+        ("power_limit_w", lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0),
+        ("temp_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+    ):
         try:
             state[key] = fn()
         except Exception:
@@ -159,10 +169,17 @@ def time_cuda(calls: Sequence[Callable[[], Any]], *, warmup: int = 5, reps: int 
     energy = _window(e0, _energy_mj(nv, h), time.perf_counter() - t0, reps)
     ms = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
     q = statistics.quantiles(ms, n=5) if len(ms) >= 5 else [ms[0]] * 4
-    return Timing(median_ms=statistics.median(ms), p20_ms=q[0], p80_ms=q[3], min_ms=ms[0], reps=reps,
-                  sm_clock_mhz=statistics.mean(clocks) if clocks else None,
-                  power_w=statistics.mean(powers) if powers else None,
-                  energy_j_per_call=energy.joules_per_call if energy else None, samples_ms=tuple(ms))
+    return Timing(
+        median_ms=statistics.median(ms),
+        p20_ms=q[0],
+        p80_ms=q[3],
+        min_ms=ms[0],
+        reps=reps,
+        sm_clock_mhz=statistics.mean(clocks) if clocks else None,
+        power_w=statistics.mean(powers) if powers else None,
+        energy_j_per_call=energy.joules_per_call if energy else None,
+        samples_ms=tuple(ms),
+    )
 
 
 def host_us(fns: dict, calls: int = 200, rounds: int = 21) -> dict:
@@ -191,8 +208,9 @@ def _window(e0_mj: float | None, e1_mj: float | None, seconds: float, calls: int
     return Energy(calls=calls, seconds=seconds, joules=(e1_mj - e0_mj) / 1000.0)
 
 
-def sustain(launch: Callable[[], Any], seconds: float, *, now: Callable[[], float] = time.perf_counter,
-            depth: int = 2) -> tuple[int, float]:
+def sustain(
+    launch: Callable[[], Any], seconds: float, *, now: Callable[[], float] = time.perf_counter, depth: int = 2
+) -> tuple[int, float]:
     """Call `launch` (one batch of asynchronous calls; it returns something with `.synchronize()`,
     a recorded CUDA event) until `seconds` have passed, with up to `depth` batches queued so the GPU
     never waits for the host; return (batches, seconds elapsed) once all are done."""
@@ -212,8 +230,9 @@ def sustain(launch: Callable[[], Any], seconds: float, *, now: Callable[[], floa
     return batches, now() - start
 
 
-def sustained_energy(calls: Sequence[Callable[[], Any]], *, seconds: float = 2.0, call_ms: float = 1.0,
-                     device: int = 0) -> Energy | None:
+def sustained_energy(
+    calls: Sequence[Callable[[], Any]], *, seconds: float = 2.0, call_ms: float = 1.0, device: int = 0
+) -> Energy | None:
     """Energy per call under sustained load: `calls` round-robin back to back for `seconds`
     (>= MIN_ENERGY_WINDOW_S), the NVML energy counter read before and after. The GPU runs at the clock
     its power limit allows for this work, so the joules are what a long job would pay per call.
@@ -245,8 +264,9 @@ def sustained_energy(calls: Sequence[Callable[[], Any]], *, seconds: float = 2.0
     e0 = _energy_mj(nv, h)
     _, elapsed = sustain(launch, seconds)
     energy = _window(e0, _energy_mj(nv, h), elapsed, done[0])
-    return replace(energy, sm_clock_mhz=statistics.mean(clocks[len(clocks) // 2:])) \
-        if energy else None  # the clock of the window's settled half
+    return (
+        replace(energy, sm_clock_mhz=statistics.mean(clocks[len(clocks) // 2 :])) if energy else None
+    )  # the clock of the window's settled half
 
 
 def _energy_mj(nv, h) -> float | None:
@@ -258,8 +278,9 @@ def _energy_mj(nv, h) -> float | None:
         return None
 
 
-def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim_qk: int,
-                    head_dim_v: int, causal: bool) -> float:
+def attention_flops(
+    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim_qk: int, head_dim_v: int, causal: bool
+) -> float:
     """FLOPs of the two matrix products; causal counts half (FlashAttention's convention)."""
     flops = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim_qk + head_dim_v)
     return flops / 2 if causal else flops

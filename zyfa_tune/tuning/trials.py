@@ -17,17 +17,28 @@ import optuna
 
 TrialState = optuna.trial.TrialState
 #: the outcomes a row can have: the worker's statuses, then what the tuner decides without measuring
-OUTCOMES = ("ok", "compile_error", "wrong", "timeout", "crash", "infeasible", "duplicate", "killed",
-            "running", "waiting", "failed")
+OUTCOMES = (
+    "ok",
+    "compile_error",
+    "wrong",
+    "timeout",
+    "crash",
+    "infeasible",
+    "duplicate",
+    "killed",
+    "running",
+    "waiting",
+    "failed",
+)
 
 
 @dataclass(frozen=True)
 class TrialRow:
     number: int
-    outcome: str              # one of OUTCOMES
-    value: float | None       # the study's objective (geometric-mean TFLOP/s) where complete
-    message: str              # why it failed, was pruned or was not measured ("" for ok)
-    config: str | None        # the config's JSON where one was built
+    outcome: str  # one of OUTCOMES
+    value: float | None  # the study's objective (geometric-mean TFLOP/s) where complete
+    message: str  # why it failed, was pruned or was not measured ("" for ok)
+    config: str | None  # the config's JSON where one was built
 
 
 def trial_row(t: optuna.trial.FrozenTrial) -> TrialRow:
@@ -76,15 +87,19 @@ def failure_reason(message: str) -> str:
         return "(no message)"
     reason = lines[0]
     if any(line.startswith("Traceback") for line in lines):
-        reason = next((line for line in reversed(lines) if re.match(r"[\w.]+(Error|Exception|Exit)\b", line)),
-                      lines[-1])
+        reason = next(
+            (line for line in reversed(lines) if re.match(r"[\w.]+(Error|Exception|Exit)\b", line)), lines[-1]
+        )
     return re.sub(r"\bprocess \d+", "process N", reason)[:300]
 
 
 def failure_summary(rows: Iterable[TrialRow], top: int = 5) -> list[tuple[str, str, int]]:
     """The most frequent (outcome, reason) of the failed measurements, with their counts."""
-    counts = Counter((r.outcome, failure_reason(r.message)) for r in rows
-                     if r.outcome in ("compile_error", "wrong", "timeout", "crash", "failed"))
+    counts = Counter(
+        (r.outcome, failure_reason(r.message))
+        for r in rows
+        if r.outcome in ("compile_error", "wrong", "timeout", "crash", "failed")
+    )
     return [(outcome, reason, n) for (outcome, reason), n in counts.most_common(top)]
 
 

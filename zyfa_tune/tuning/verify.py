@@ -62,14 +62,20 @@ def load_activations(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tenso
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.dtype.is_floating_point:
             raise ValueError(f"inputs: {name} must be a 4-dim floating tensor (batch, seqlen, heads, dim)")
-    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] \
-            or k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+    if (
+        k.shape[:3] != v.shape[:3]
+        or q.shape[0] != k.shape[0]
+        or q.shape[3] != k.shape[3]
+        or k.shape[2] == 0
+        or q.shape[2] % k.shape[2]
+    ):
         raise ValueError(f"inputs: inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     return q.float(), k.float(), v.float()
 
 
-def kernel_args(dtype: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                v_layout: str = "natural") -> tuple[tuple, dict]:
+def kernel_args(
+    dtype: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_layout: str = "natural"
+) -> tuple[tuple, dict]:
     """Float q, k, v -> (positional args, keyword args) for `flash_attn_func`: FP8 ones quantised
     per (batch, kv-head) with their descales (`quantize_fp8`, V in `v_layout`), BF16 ones cast."""
     from zyfa_tune.quantize import quantize_fp8
@@ -80,13 +86,35 @@ def kernel_args(dtype: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)), {}
 
 
-def make_inputs(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int,
-                seqlen: int, seed: int, seqlen_k: int | None = None, device: str = "cuda",
-                family: str = "gaussian", v_layout: str = "natural"):
+def make_inputs(
+    dtype: str,
+    head_dim_qk: int,
+    head_dim_v: int,
+    *,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seqlen: int,
+    seed: int,
+    seqlen_k: int | None = None,
+    device: str = "cuda",
+    family: str = "gaussian",
+    v_layout: str = "natural",
+):
     """Fresh q, k, v of an input family (`kernels.inputs`; "gaussian" = i.i.d. N(0, 1)), as
     `kernel_args`. Returns (positional args, keyword args) for `flash_attn_func`."""
-    q, k, v = make_qkv(family, batch=batch, seqlen=seqlen, heads=heads, kv_heads=kv_heads, head_dim_qk=head_dim_qk,
-                       head_dim_v=head_dim_v, seed=seed, seqlen_k=seqlen_k, device=device)
+    q, k, v = make_qkv(
+        family,
+        batch=batch,
+        seqlen=seqlen,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim_qk=head_dim_qk,
+        head_dim_v=head_dim_v,
+        seed=seed,
+        seqlen_k=seqlen_k,
+        device=device,
+    )
     return kernel_args(dtype, q, k, v, v_layout)
 
 
@@ -99,7 +127,7 @@ class Verdict:
     median_ms: float | None = None
     slowdown: float | None = None  # (now - stored) / stored
     error_max: float | None = None  # max |out - reference| (check_config fills it)
-    timing: Timing | None = None    # the whole timing: quantiles, NVML clock/power/energy (check_config)
+    timing: Timing | None = None  # the whole timing: quantiles, NVML clock/power/energy (check_config)
 
 
 @dataclass(frozen=True)
@@ -124,47 +152,117 @@ class Probe:
         return config if self.v_codes is None else for_v_layout(config, self.v_codes)
 
 
-def _qkv(head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int, seqlen: int, seed: int,
-         inputs: str | None, family: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv(
+    head_dim_qk: int,
+    head_dim_v: int,
+    *,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seqlen: int,
+    seed: int,
+    inputs: str | None,
+    family: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float q, k, v on the GPU: of the input family, or the captured activations `inputs` (whose shape
     must be the one given)."""
     check_input_family(family, inputs)
     if inputs is None:
-        return make_qkv(family, batch=batch, seqlen=seqlen, heads=heads, kv_heads=kv_heads, head_dim_qk=head_dim_qk,
-                        head_dim_v=head_dim_v, seed=seed, device="cuda")
+        return make_qkv(
+            family,
+            batch=batch,
+            seqlen=seqlen,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim_qk=head_dim_qk,
+            head_dim_v=head_dim_v,
+            seed=seed,
+            device="cuda",
+        )
     q, k, v = (t.cuda() for t in load_activations(inputs))
-    if (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]) != \
-            (batch, seqlen, heads, kv_heads, head_dim_qk, head_dim_v):
+    if (q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]) != (
+        batch,
+        seqlen,
+        heads,
+        kv_heads,
+        head_dim_qk,
+        head_dim_v,
+    ):
         raise ValueError(f"inputs: {inputs} holds q {tuple(q.shape)}, v {tuple(v.shape)}, not the shape asked for")
     return q, k, v
 
 
-def make_probe(dtype: str, head_dim_qk: int, head_dim_v: int, *, batch: int, heads: int, kv_heads: int,
-               seqlen: int, causal: bool = True, seed: int = 0, gate: float = DEFAULT_ERROR_GATE,
-               inputs: str | None = None, family: str = "gaussian", fa3: bool = False) -> Probe:
+def make_probe(
+    dtype: str,
+    head_dim_qk: int,
+    head_dim_v: int,
+    *,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seqlen: int,
+    causal: bool = True,
+    seed: int = 0,
+    gate: float = DEFAULT_ERROR_GATE,
+    inputs: str | None = None,
+    family: str = "gaussian",
+    fa3: bool = False,
+) -> Probe:
     """Inputs + reference + limit = gate x the reference error on the same inputs: FA3-fp8's on the
     same codes where `fa3` and it imports (the tuner's rule), else the exact default config's.
     Random inputs come from the input family `family` (`kernels.inputs`); `inputs` names a file of
     captured activations (load_activations) used instead, whose shape must be the one given."""
-    q, k, v = _qkv(head_dim_qk, head_dim_v, batch=batch, heads=heads, kv_heads=kv_heads, seqlen=seqlen, seed=seed,
-                   inputs=inputs, family=family)
+    q, k, v = _qkv(
+        head_dim_qk,
+        head_dim_v,
+        batch=batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        seqlen=seqlen,
+        seed=seed,
+        inputs=inputs,
+        family=family,
+    )
     args, kw = kernel_args(dtype, q, k, v)
     ref = attention_reference(*args, causal=causal, **kw)
     error_ref = reference_error(dtype, args, kw, causal, ref, fa3=fa3)
     return Probe(args, kw, causal, ref, gate * error_ref, error_ref)
 
 
-def make_recipe_probe(head_dim_qk: int, head_dim_v: int, recipe: Recipe, *, batch: int, heads: int, kv_heads: int,
-                      seqlen: int, causal: bool = True, seed: int = 0, gate: float = DEFAULT_ERROR_GATE,
-                      inputs: str | None = None, family: str = "gaussian") -> Probe:
+def make_recipe_probe(
+    head_dim_qk: int,
+    head_dim_v: int,
+    recipe: Recipe,
+    *,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seqlen: int,
+    causal: bool = True,
+    seed: int = 0,
+    gate: float = DEFAULT_ERROR_GATE,
+    inputs: str | None = None,
+    family: str = "gaussian",
+) -> Probe:
     """The bf16 API's probe: bf16 inputs, their float64 reference (unquantised), and limit = gate x the
     reference error: FA3-fp8's on the plainly quantised inputs where it imports, else the exact
     default config's on those codes. The timed call quantises with `recipe` and runs the kernel."""
     from zyfa_tune.quantize import quantize_fp8
 
-    q, k, v = (t.to(torch.bfloat16) for t in _qkv(head_dim_qk, head_dim_v, batch=batch, heads=heads,
-                                                   kv_heads=kv_heads, seqlen=seqlen, seed=seed, inputs=inputs,
-                                                   family=family))
+    q, k, v = (
+        t.to(torch.bfloat16)
+        for t in _qkv(
+            head_dim_qk,
+            head_dim_v,
+            batch=batch,
+            heads=heads,
+            kv_heads=kv_heads,
+            seqlen=seqlen,
+            seed=seed,
+            inputs=inputs,
+            family=family,
+        )
+    )
     ref = attention_reference(q, k, v, causal=causal)
     codes, kw = kernel_args("fp8", q, k, v)
     error_ref = reference_error("fp8", codes, kw, causal, ref, fa3=True)
@@ -173,8 +271,7 @@ def make_recipe_probe(head_dim_qk: int, head_dim_v: int, recipe: Recipe, *, batc
     return Probe((q, k, v), {}, causal, ref, gate * error_ref, error_ref, recipe, v_codes)
 
 
-def reference_error(dtype: str, args: tuple, kw: dict, causal: bool, reference: torch.Tensor, *,
-                    fa3: bool) -> float:
+def reference_error(dtype: str, args: tuple, kw: dict, causal: bool, reference: torch.Tensor, *, fa3: bool) -> float:
     """Rel. L2 error against `reference` of FA3's FP8 kernel on these codes (`fa3` and the
     fa3_fwd_interface wheel importable), else of the exact default config on them."""
     from zyfa_tune.api import flash_attn_func
@@ -213,8 +310,7 @@ def check_config(config: KernelConfig, probe: Probe, *, reps: int = 20) -> Verdi
     emax = max_abs_err(out, probe.reference)
     del out
     if not err <= probe.error_limit:  # NaN fails too
-        return Verdict(False, f"error {err:.3e} > {probe.error_limit:.3e}", err, probe.error_limit,
-                       error_max=emax)
+        return Verdict(False, f"error {err:.3e} > {probe.error_limit:.3e}", err, probe.error_limit, error_max=emax)
     t = time_cuda([call], warmup=3, reps=reps)
     return Verdict(True, "", err, probe.error_limit, t.median_ms, error_max=emax, timing=t)
 
@@ -249,8 +345,13 @@ def entry_shape(entry) -> tuple[int, int, int, int]:
     return batch, heads, max(1, heads // k.gqa_group), seqlen
 
 
-def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERROR_GATE,
-                 fresh_ms: Callable[[object], float | None] | None = None) -> Verdict:
+def verify_entry(
+    entry,
+    *,
+    max_slowdown: float = 0.10,
+    gate: float = DEFAULT_ERROR_GATE,
+    fresh_ms: Callable[[object], float | None] | None = None,
+) -> Verdict:
     """Re-check one stored best entry (zyfa_tune.db.BestEntry) on this GPU. A timing more than
     max_slowdown above the stored one is taken again before the entry fails (the better median
     counts): short, launch-bound entries can read 20-110% slow in one process and on record in the
@@ -266,8 +367,17 @@ def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERR
         return Verdict(False, f"invalid config: {exc}")
     batch, heads, kv_heads, seqlen = entry_shape(entry)
     torch.cuda.empty_cache()  # this entry's inputs in fresh allocations, not in blocks earlier entries left cached
-    probe = make_probe(config.dtype, config.head_dim_qk, config.head_dim_v, batch=batch, heads=heads,
-                       kv_heads=kv_heads, seqlen=seqlen, causal=entry.key.causal, gate=gate)
+    probe = make_probe(
+        config.dtype,
+        config.head_dim_qk,
+        config.head_dim_v,
+        batch=batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        seqlen=seqlen,
+        causal=entry.key.causal,
+        gate=gate,
+    )
     v = check_config(config, probe)
     if not v.ok:
         return v
@@ -284,13 +394,14 @@ def verify_entry(entry, *, max_slowdown: float = 0.10, gate: float = DEFAULT_ERR
         return v
     device_ms = replay_ms(config, probe)
     if device_ms is not None and slowdown(device_ms) <= max_slowdown:
-        return replace(v, reason=f"launch-bound: the call {v.slowdown:+.1%}, its kernels "
-                                             f"{device_ms:.3f} ms (graph replay)")
+        return replace(
+            v, reason=f"launch-bound: the call {v.slowdown:+.1%}, its kernels {device_ms:.3f} ms (graph replay)"
+        )
     fresh = fresh_ms(entry) if fresh_ms is not None else None
     if fresh is None:  # (no process asked for, or the kernel failed there: this reading stands)
         return replace(v, ok=False, reason=f"{v.slowdown:+.1%} slower than stored")
     if slowdown(fresh) <= max_slowdown:
-        return replace(v, reason=f"{v.slowdown:+.1%} here, {slowdown(fresh):+.1%} in a fresh process "
-                                 f"({fresh:.3f} ms)")
-    return replace(v, ok=False,
-                   reason=f"{v.slowdown:+.1%} slower than stored ({slowdown(fresh):+.1%} in a fresh process)")
+        return replace(v, reason=f"{v.slowdown:+.1%} here, {slowdown(fresh):+.1%} in a fresh process ({fresh:.3f} ms)")
+    return replace(
+        v, ok=False, reason=f"{v.slowdown:+.1%} slower than stored ({slowdown(fresh):+.1%} in a fresh process)"
+    )

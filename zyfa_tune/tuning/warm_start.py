@@ -25,8 +25,15 @@ log = logging.getLogger("zyfa_tune.tuning.warm_start")
 SEED_DATABASES: tuple[Path, ...] = (Path(shipped_db()),)
 
 
-def stored_bests(space: SearchSpace, database: str | os.PathLike, head_dim_qk: int, head_dim_v: int, *,
-                 causal: bool = True, required: bool = False) -> list[tuple[KernelConfig, float | None]]:
+def stored_bests(
+    space: SearchSpace,
+    database: str | os.PathLike,
+    head_dim_qk: int,
+    head_dim_v: int,
+    *,
+    causal: bool = True,
+    required: bool = False,
+) -> list[tuple[KernelConfig, float | None]]:
     """(config, TFLOP/s) of each best entry a tuning database (path or URL) holds for the space's dtype,
     these head dims and `causal`, in the database's order, each config validated (an invalid one is
     skipped with a warning) and canonical in `space`. A database that is missing or does not open is
@@ -60,8 +67,9 @@ def stored_bests(space: SearchSpace, database: str | os.PathLike, head_dim_qk: i
     return out
 
 
-def database_winners(space: SearchSpace, head_dim_qk: int, head_dim_v: int,
-                     databases: Iterable[str | os.PathLike] = SEED_DATABASES) -> list[KernelConfig]:
+def database_winners(
+    space: SearchSpace, head_dim_qk: int, head_dim_v: int, databases: Iterable[str | os.PathLike] = SEED_DATABASES
+) -> list[KernelConfig]:
     """The distinct best configs of causal problems with these head dims in `databases`, those that won
     the most problem classes first (ties in the databases' order)."""
     wins: Counter[KernelConfig] = Counter()
@@ -71,8 +79,14 @@ def database_winners(space: SearchSpace, head_dim_qk: int, head_dim_v: int,
     return [config for config, _ in sorted(wins.items(), key=lambda kv: -kv[1])]  # stable on ties
 
 
-def study_seeds(space: SearchSpace, head_dim_qk: int, head_dim_v: int, *,
-                databases: Iterable[str | os.PathLike] = SEED_DATABASES, loose: bool = False) -> list[KernelConfig]:
+def study_seeds(
+    space: SearchSpace,
+    head_dim_qk: int,
+    head_dim_v: int,
+    *,
+    databases: Iterable[str | os.PathLike] = SEED_DATABASES,
+    loose: bool = False,
+) -> list[KernelConfig]:
     """`space.seeds` with the winners of `databases` (default: the shipped database): what a new study
     enqueues after `--enqueue` and `--warm-start`."""
     winners = database_winners(space, head_dim_qk, head_dim_v, databases)

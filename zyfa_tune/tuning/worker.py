@@ -65,12 +65,12 @@ KILL_GRACE_S = 2.0
 STDERR_TAIL = 1500
 
 
-
 class WorkerError(RuntimeError):
     """The worker cannot serve tasks at all (closed, or its child cannot start)."""
 
 
 # ---- parent side ---------------------------------------------------------------------------------
+
 
 class _Child:
     """One child process, started by subprocess ("spawn") or multiprocessing ("fork")."""
@@ -87,9 +87,12 @@ class _Child:
                 ctx = multiprocessing.get_context(start_method)
                 self.conn, child_conn = ctx.Pipe(duplex=True)
                 try:
-                    self._process = ctx.Process(target=fork_main,
-                                                args=(child_conn, self.log_fd, gpu, runner, os.getpid(), self.conn),
-                                                name=f"zyfa-tune-worker-gpu{gpu}", daemon=True)
+                    self._process = ctx.Process(
+                        target=fork_main,
+                        args=(child_conn, self.log_fd, gpu, runner, os.getpid(), self.conn),
+                        name=f"zyfa-tune-worker-gpu{gpu}",
+                        daemon=True,
+                    )
                     self._process.start()
                 finally:
                     child_conn.close()
@@ -105,9 +108,20 @@ class _Child:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         try:
             self._popen = subprocess.Popen(
-                [sys.executable, "-c", SPAWN_CODE, str(child_sock.fileno()), str(self.log_fd),
-                 json.dumps(gpu), runner, str(os.getpid())],
-                pass_fds=(child_sock.fileno(), self.log_fd), env=env, stdin=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    "-c",
+                    SPAWN_CODE,
+                    str(child_sock.fileno()),
+                    str(self.log_fd),
+                    json.dumps(gpu),
+                    runner,
+                    str(os.getpid()),
+                ],
+                pass_fds=(child_sock.fileno(), self.log_fd),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
         except BaseException:
             parent_sock.close()
             raise
@@ -218,14 +232,20 @@ class Worker:
     setup_timeout_s: the limit for starting a child and for a task's config-independent set-up.
     """
 
-    def __init__(self, *, gpu: int | None = None, runner: str = "gpu", timeout_s: float = 120.0,
-                 start_method: str = "spawn", setup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        *,
+        gpu: int | None = None,
+        runner: str = "gpu",
+        timeout_s: float = 120.0,
+        start_method: str = "spawn",
+        setup_timeout_s: float = 600.0,
+    ) -> None:
         if gpu is not None and (type(gpu) is not int or gpu < 0):
             raise ValueError(f"gpu: expected None or a GPU index >= 0, got {gpu!r}")
         self.spec: RunnerSpec = parse_runner(runner)
         for name, value in (("timeout_s", timeout_s), ("setup_timeout_s", setup_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}: expected a positive number of seconds, got {value!r}")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method: {start_method!r} is not one of {list(START_METHODS)}")
@@ -349,8 +369,10 @@ class Worker:
             err = self._child.stderr_tail()
             self._replace()
             if attempt == 2:
-                raise WorkerError(f"worker (gpu={self.gpu}, runner={self.runner!r}) cannot start: "
-                                  f"{problem}" + (f"\n--- worker stderr ---\n{err}" if err else ""))
+                raise WorkerError(
+                    f"worker (gpu={self.gpu}, runner={self.runner!r}) cannot start: "
+                    f"{problem}" + (f"\n--- worker stderr ---\n{err}" if err else "")
+                )
 
     # ---- running -------------------------------------------------------------------------------
     def wait_ready(self) -> None:
@@ -401,19 +423,24 @@ class Worker:
             try:
                 msg = self._recv(deadline)
             except _TimedOut:
-                where = "set-up (inputs, references)" if in_setup or not started \
+                where = (
+                    "set-up (inputs, references)"
+                    if in_setup or not started
                     else f"shape {_first_missing(results) + 1}/{n}"
+                )
                 limit = self.setup_timeout_s if in_setup or not started else self.timeout_s
                 child.kill()
-                failure = ("timeout", f"no answer within {limit:g} s during {where}; worker process "
-                                      f"{child.pid} killed")
+                failure = ("timeout", f"no answer within {limit:g} s during {where}; worker process {child.pid} killed")
                 break
             except _Died:
                 child.wait(2.0)
                 if not started and not retried:
                     raise _NotStarted() from None
-                failure = ("crash", f"worker process {child.pid} died ({describe_exit(child.exitcode())}) "
-                                    f"during shape {_first_missing(results) + 1}/{n}")
+                failure = (
+                    "crash",
+                    f"worker process {child.pid} died ({describe_exit(child.exitcode())}) "
+                    f"during shape {_first_missing(results) + 1}/{n}",
+                )
                 break
             kind, msg_seq = msg[0], msg[1]
             if msg_seq != seq:
@@ -445,12 +472,24 @@ class Worker:
             self._replace()
             for i, shape in enumerate(task.shapes):
                 if results[i] is None:
-                    results[i] = TrialResult(status=status, message=message, batch=shape.batch,
-                                             heads=shape.heads, seqlen=shape.seqlen, recipe=task.recipe)
+                    results[i] = TrialResult(
+                        status=status,
+                        message=message,
+                        batch=shape.batch,
+                        heads=shape.heads,
+                        seqlen=shape.seqlen,
+                        recipe=task.recipe,
+                    )
         for i, shape in enumerate(task.shapes):  # "done" without every result: a runner bug
             if results[i] is None:
-                results[i] = TrialResult(status="crash", message="worker finished without a result for this shape",
-                                         batch=shape.batch, heads=shape.heads, seqlen=shape.seqlen, recipe=task.recipe)
+                results[i] = TrialResult(
+                    status="crash",
+                    message="worker finished without a result for this shape",
+                    batch=shape.batch,
+                    heads=shape.heads,
+                    seqlen=shape.seqlen,
+                    recipe=task.recipe,
+                )
         return results  # type: ignore[return-value]
 
 
@@ -464,12 +503,14 @@ def _trial_result(fields: dict[str, Any], shape: Shape, recipe: str | None) -> T
     try:
         return TrialResult(**{**fields, **where})
     except (TypeError, ValueError) as exc:
-        return TrialResult(status="crash", message=tail(f"the worker sent an invalid result ({exc}): {fields!r:.1000}"),
-                           **where)
+        return TrialResult(
+            status="crash", message=tail(f"the worker sent an invalid result ({exc}): {fields!r:.1000}"), **where
+        )
 
 
-def time_in_fresh_process(config_json: str, shape: Shape, *, causal: bool = True, runner: str = "gpu",
-                          timeout_s: float = 600.0) -> TrialResult:
+def time_in_fresh_process(
+    config_json: str, shape: Shape, *, causal: bool = True, runner: str = "gpu", timeout_s: float = 600.0
+) -> TrialResult:
     """`config_json` checked and timed at `shape` by a new worker process, as a trial is: its own CUDA
     context and memory, nothing left over from what the calling process ran before (`zyfa-tune
     verify`'s last word on an entry that reads slow late in a long run)."""

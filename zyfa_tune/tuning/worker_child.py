@@ -144,6 +144,8 @@ def fork_main(conn, log_fd: int | None, gpu: int | None, runner_text: str, paren
     child_main(conn, log_fd, gpu, runner_text, parent_end)
 
 
-SPAWN_CODE = ("import json, os, sys; "
-              "p = os.environ.pop('ZYFA_TUNE_WORKER_SYS_PATH', None); sys.path[:] = json.loads(p) if p else sys.path; "
-              "from zyfa_tune.tuning.worker_child import child_entry; child_entry(sys.argv[1:])")
+SPAWN_CODE = (
+    "import json, os, sys; "
+    "p = os.environ.pop('ZYFA_TUNE_WORKER_SYS_PATH', None); sys.path[:] = json.loads(p) if p else sys.path; "
+    "from zyfa_tune.tuning.worker_child import child_entry; child_entry(sys.argv[1:])"
+)

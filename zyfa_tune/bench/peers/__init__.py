@@ -13,13 +13,16 @@ from zyfa_tune.bench.peers.sdpa import TorchSDPA
 from zyfa_tune.bench.shape import BenchShape
 
 #: `--peers` name -> peer, in the order rows and the default selection take
-PEERS: dict[str, Peer] = {p.name: p for p in (
-    FA3("fa3-fp8", "fp8"),
-    CudnnFP8("cudnn-fp8"),
-    FA3("fa3-bf16", "bf16"),
-    TorchSDPA("sdpa-cudnn-bf16", "CUDNN_ATTENTION"),
-    TorchSDPA("sdpa-flash-bf16", "FLASH_ATTENTION"),
-)}
+PEERS: dict[str, Peer] = {
+    p.name: p
+    for p in (
+        FA3("fa3-fp8", "fp8"),
+        CudnnFP8("cudnn-fp8"),
+        FA3("fa3-bf16", "bf16"),
+        TorchSDPA("sdpa-cudnn-bf16", "CUDNN_ATTENTION"),
+        TorchSDPA("sdpa-flash-bf16", "FLASH_ATTENTION"),
+    )
+}
 
 
 def parse_peers(text: str | None, dtypes: Sequence[str]) -> tuple[str, ...]:

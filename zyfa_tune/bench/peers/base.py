@@ -23,7 +23,7 @@ class Bound:
     output: Callable[[], torch.Tensor]
     config: str | None = None
     source: str | None = None
-    entry: str | None = None   # the tuned entry's problem class where another shape's ran (nearest, other device)
+    entry: str | None = None  # the tuned entry's problem class where another shape's ran (nearest, other device)
 
 
 class Peer(Protocol):
@@ -36,11 +36,11 @@ class Peer(Protocol):
 
     @property
     def kind(self) -> str:
-        """"ours" (dispatcher), "forced" (config given) or "peer"."""
+        """ "ours" (dispatcher), "forced" (config given) or "peer"."""
 
     @property
     def dtype(self) -> str:
-        """"fp8" or "bf16": which tensors of `Inputs` it gets and which reference it is checked against."""
+        """ "fp8" or "bf16": which tensors of `Inputs` it gets and which reference it is checked against."""
 
     def supports(self, shape: BenchShape) -> bool:
         """False where it cannot run this shape at all (it is then left out, not reported as failed)."""
@@ -55,4 +55,5 @@ def boxed(fn: Callable[[], Any], pick: Callable[[Any], torch.Tensor] = lambda r:
 
     def call() -> None:
         box["o"] = pick(fn())
+
     return call, lambda: box["o"]

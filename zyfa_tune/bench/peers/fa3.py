@@ -23,5 +23,9 @@ class FA3:
     def prepare(self, x: Inputs) -> Bound:
         from fa3_fwd_interface import flash_attn_func as fa3_func
 
-        return Bound(*boxed(x.call(self.dtype, (), lambda *a, **kw: fa3_func(*a, causal=True, **kw)),
-                            lambda r: r[0] if isinstance(r, tuple) else r))
+        return Bound(
+            *boxed(
+                x.call(self.dtype, (), lambda *a, **kw: fa3_func(*a, causal=True, **kw)),
+                lambda r: r[0] if isinstance(r, tuple) else r,
+            )
+        )

@@ -58,7 +58,7 @@ def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
         raise ValueError(f"--ours: dtype={named!r} is not one of {list(DTYPES)}")
     quant = {k: over.pop(k) for k in QUANT_OPTIONS if k in over}
     for k, v in quant.items():
-        if k == "v_weight":   # balanced V's kappa (quantize_fp8's v_weight), a number
+        if k == "v_weight":  # balanced V's kappa (quantize_fp8's v_weight), a number
             quant[k] = _kappa(v)
             if not quant.get("balanced_v"):
                 raise ValueError("--ours: v_weight weighs balanced V's moves: add balanced_v=true")
@@ -69,8 +69,7 @@ def parse_ours(text: str, dtypes: Sequence[str]) -> list[OursSpec]:
     kinds = [named] if named else list(dtypes)
     base = label or "ours-" + (",".join(f"{k}={v}" for k, v in {**over, **quant}.items()) or "default")
     configs = tuple(over.items()) if over or not quant else None  # only quantisation: the dispatcher's kernel
-    return [OursSpec(base if len(kinds) == 1 else f"{base}-{dt}", dt, configs, tuple(quant.items()))
-            for dt in kinds]
+    return [OursSpec(base if len(kinds) == 1 else f"{base}-{dt}", dt, configs, tuple(quant.items())) for dt in kinds]
 
 
 def borrowed_from(choice) -> str | None:
@@ -113,8 +112,9 @@ class Ours:
 
         spec = self.spec
         config = spec.config_for(x.shape.head_dim_qk, x.shape.head_dim_v)
-        call, output = boxed(x.call(spec.dtype, spec.quant,
-                                    lambda *a, **kw: flash_attn_func(*a, causal=True, config=config, **kw)))
+        call, output = boxed(
+            x.call(spec.dtype, spec.quant, lambda *a, **kw: flash_attn_func(*a, causal=True, config=config, **kw))
+        )
         if config is not None:
             return Bound(call, output, config.to_json(), "forced")
         args, kw = x.args(spec.dtype, spec.quant)

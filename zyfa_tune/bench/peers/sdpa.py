@@ -15,7 +15,7 @@ from zyfa_tune.bench.shape import BenchShape
 @dataclass(frozen=True)
 class TorchSDPA:
     name: str
-    backend: str            # a torch.nn.attention.SDPBackend member's name, e.g. "FLASH_ATTENTION"
+    backend: str  # a torch.nn.attention.SDPBackend member's name, e.g. "FLASH_ATTENTION"
     dtype: ClassVar[str] = "bf16"
     kind: ClassVar[str] = "peer"
 
@@ -32,4 +32,5 @@ class TorchSDPA:
         def run() -> torch.Tensor:
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
         return Bound(*boxed(run, lambda o: o.transpose(1, 2)))

@@ -1,0 +1,414 @@
+"""The quantiser's two Triton passes and their device helpers: pass 1 finds each (batch, kv head)'s
+absolute maximum (after the rotation or the K mean where asked), pass 2 writes the e4m3 codes (nearest,
+or balanced along the keys for V) in the layout asked for. The host side that plans and launches them
+is kernels/quantize.py."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .balanced_v import _BALANCE_KEYS, _BALANCE_ROW_BITS, _BALANCE_SKIP, _balanced_keys
+from .hadamard import _columns
+
+E4M3_MAX = 448.0
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+#: descale = max(amax, 1e-12) times the float32 reciprocal of 448 (what torch's CUDA division by a scalar
+#: computes; written out so that the CPU path, whose division by a scalar is exact, gives the same descales)
+INV_E4M3_MAX = float(torch.tensor(1.0) / torch.tensor(E4M3_MAX))
+_INV_E4M3_MAX = tl.constexpr(INV_E4M3_MAX)
+AMAX_FLOOR = 1e-12
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+
+
+@triton.jit
+def _pick(seg, a0, a1, a2, NSEG: tl.constexpr):
+    """The value of segment `seg` of a scalar passed once per segment."""
+    v = a0
+    if NSEG > 1:
+        v = tl.where(seg >= 1, a1, v)
+    if NSEG > 2:
+        v = tl.where(seg >= 2, a2, v)
+    return v
+
+
+@triton.jit
+def _program_rows(
+    X0,
+    X1,
+    X2,
+    MEAN,
+    P1,
+    P2,
+    F0,
+    F1,
+    F2,
+    S0,
+    S1,
+    S2,
+    H0,
+    H1,
+    H2,
+    G0,
+    G1,
+    G2,
+    SB0,
+    SB1,
+    SB2,
+    SS0,
+    SS1,
+    SS2,
+    SH0,
+    SH1,
+    SH2,
+    stride_d,
+    D,
+    NSEG: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CENTER: tl.constexpr,
+    LOAD: tl.constexpr = True,
+):
+    """This program's tensor (segment: programs [0, P1) the first, [P1, P2) the second, then the
+    third) and its rows there (a one-dimensional grid, row blocks of one head after another: no grid
+    dimension limits batch x heads), the head dim padded to DP with zeros (as are rows past S);
+    centred (float32) with CENTER, else in the input's dtype. Returns (rows, segment, batch, head,
+    index of the (batch, kv head) in the amax and descale buffers, first row, S, H, GROUP, the block's
+    first row's address and the row stride). LOAD=False: the rows are not loaded (x is 0; BALANCED loads
+    its keys one by one)."""
+    pid = tl.program_id(0)
+    seg = 0
+    if NSEG > 1:
+        seg = (pid >= P1).to(tl.int32)
+    if NSEG > 2:
+        seg += (pid >= P2).to(tl.int32)
+    pid -= _pick(seg, 0, P1, P2, NSEG)
+    S = _pick(seg, S0, S1, S2, NSEG)
+    H = _pick(seg, H0, H1, H2, NSEG)
+    GROUP = _pick(seg, G0, G1, G2, NSEG)
+    blocks = tl.cdiv(S, BLOCK_S)
+    bh = pid // blocks
+    b = bh // H
+    h = bh % H
+    kv = _pick(seg, F0, F1, F2, NSEG) + b * (H // GROUP) + h // GROUP
+    s0 = (pid % blocks) * BLOCK_S
+    rows = s0 + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, DP)
+    ok = (rows < S)[:, None] & (cols < D)[None, :]
+    stride_s = _pick(seg, SS0, SS1, SS2, NSEG)
+    src = (
+        _pick(seg, X0, X1, X2, NSEG)
+        + b.to(tl.int64) * _pick(seg, SB0, SB1, SB2, NSEG)
+        + h.to(tl.int64) * _pick(seg, SH0, SH1, SH2, NSEG)
+        + s0.to(tl.int64) * stride_s
+    )
+    x = 0.0
+    if LOAD:
+        x = tl.load(src + tl.arange(0, BLOCK_S)[:, None] * stride_s + cols[None, :] * stride_d, mask=ok, other=0.0)
+    if CENTER:  # (a centred segment is alone in its launch: its kv index is its own)
+        mean = tl.load(MEAN + (kv - F0) * D + cols, mask=cols < D, other=0.0)
+        x = tl.where(ok, x.to(tl.float32) - mean[None, :], 0.0)
+    return x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s
+
+
+#: the segment starts and buffer offsets are not specialised on: one compiled kernel for any of them
+_SEGMENT_ARGS = ["P1", "P2", "F0", "F1", "F2"]
+
+
+@triton.jit
+def _free_slot(b, h, H, s0, SKP):
+    """Where the mask of the block of keys from s0 of (batch b, head h) sits in FREE: (B, H, SKP / 16)."""
+    return (b.to(tl.int64) * H + h) * (SKP // _BALANCE_KEYS) + s0 // _BALANCE_KEYS
+
+
+@triton.jit(do_not_specialize=_SEGMENT_ARGS)
+def _amax_kernel(
+    X0,
+    X1,
+    X2,
+    R,
+    MEAN,
+    AMAX,
+    FREE,
+    P1,
+    P2,
+    F0,
+    F1,
+    F2,
+    S0,
+    S1,
+    S2,
+    H0,
+    H1,
+    H2,
+    G0,
+    G1,
+    G2,
+    SB0,
+    SB1,
+    SB2,
+    SS0,
+    SS1,
+    SS2,
+    SH0,
+    SH1,
+    SH2,
+    stride_d,
+    D,
+    inv_sqrt,
+    SKP,
+    NSEG: tl.constexpr,
+    DP: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CENTER: tl.constexpr,
+    ROTATE: tl.constexpr,
+    TERMS: tl.constexpr,
+    LAST_K_MAJOR: tl.constexpr,
+    BALANCED: tl.constexpr,
+):
+    x, seg, b, h, kv, s0, S, H, GROUP, _, _ = _program_rows(
+        X0,
+        X1,
+        X2,
+        MEAN,
+        P1,
+        P2,
+        F0,
+        F1,
+        F2,
+        S0,
+        S1,
+        S2,
+        H0,
+        H1,
+        H2,
+        G0,
+        G1,
+        G2,
+        SB0,
+        SB1,
+        SB2,
+        SS0,
+        SS1,
+        SS2,
+        SH0,
+        SH1,
+        SH2,
+        stride_d,
+        D,
+        NSEG,
+        DP,
+        BLOCK_S,
+        CENTER,
+    )
+    if ROTATE:
+        m = 0.0
+        for c0 in range(0, DP, BN):
+            m = tl.maximum(m, tl.max(tl.abs(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS))))
+    elif BALANCED:  # and which keys may move (`_free_keys`; rows past S are 0), a bit each, for pass 2
+        rows = tl.max(tl.abs(x.to(tl.float32)), axis=1)
+        m = tl.max(rows)
+        e = tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 0xFF, _BALANCE_ROW_BITS + 1)
+        fixed = (rows * ((254 + _BALANCE_ROW_BITS - e) << 23).to(tl.float32, bitcast=True)).to(tl.int32)
+        ok = fixed * (_BALANCE_SKIP * _BALANCE_KEYS) >= tl.sum(fixed)
+        mask = tl.sum(tl.where(ok, 1 << tl.arange(0, BLOCK_S), 0))
+        tl.store(FREE + _free_slot(b, h, H, s0, SKP), mask)
+    else:
+        m = tl.max(tl.abs(x.to(tl.float32)))
+    tl.atomic_max(AMAX + kv, m, sem="relaxed")  # m >= 0: the result does not depend on the order
+
+
+@triton.jit(do_not_specialize=_SEGMENT_ARGS)
+def _codes_kernel(
+    X0,
+    X1,
+    X2,
+    R,
+    MEAN,
+    AMAX,
+    FREE,
+    WEIGHT,
+    DESCALE,
+    OUT0,
+    OUT1,
+    OUT2,
+    P1,
+    P2,
+    F0,
+    F1,
+    F2,
+    S0,
+    S1,
+    S2,
+    H0,
+    H1,
+    H2,
+    G0,
+    G1,
+    G2,
+    SB0,
+    SB1,
+    SB2,
+    SS0,
+    SS1,
+    SS2,
+    SH0,
+    SH1,
+    SH2,
+    stride_d,
+    D,
+    inv_sqrt,
+    SKP,
+    NSEG: tl.constexpr,
+    DP: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CENTER: tl.constexpr,
+    ROTATE: tl.constexpr,
+    TERMS: tl.constexpr,
+    LAST_K_MAJOR: tl.constexpr,
+    BALANCED: tl.constexpr,
+):
+    """The codes of a block of rows. LAST_K_MAJOR: the last segment's go keys-fastest into its (B, H, D,
+    SKP) buffer (V for the FP8 kernels' V^T, written by this pass instead of a copy after it).
+    BALANCED: rounded as `balanced_codes` (V, alone in its launch, never rotated: one block of keys
+    a program, BN = DP), kappa WEIGHT (B, kv heads) float32."""
+    x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s = _program_rows(
+        X0,
+        X1,
+        X2,
+        MEAN,
+        P1,
+        P2,
+        F0,
+        F1,
+        F2,
+        S0,
+        S1,
+        S2,
+        H0,
+        H1,
+        H2,
+        G0,
+        G1,
+        G2,
+        SB0,
+        SB1,
+        SB2,
+        SS0,
+        SS1,
+        SS2,
+        SH0,
+        SH1,
+        SH2,
+        stride_d,
+        D,
+        NSEG,
+        DP,
+        BLOCK_S,
+        CENTER,
+        not BALANCED,
+    )
+    descale = tl.maximum(tl.load(AMAX + kv), _AMAX_FLOOR) * _INV_E4M3_MAX  # as the reference
+    if (s0 == 0) & (h % GROUP == 0):
+        tl.store(DESCALE + kv, descale)
+    scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), descale)
+    out = _pick(seg, OUT0, OUT1, OUT2, NSEG)
+    k_major = False
+    if LAST_K_MAJOR:
+        k_major = seg == NSEG - 1
+    if BALANCED:  # keys one by one into registers, each thread all 16 keys of its channels (_balanced_keys)
+        cols = tl.arange(0, DP)
+        keys = tl.arange(0, _BALANCE_KEYS)
+        free = tl.load(FREE + _free_slot(b, h, H, s0, SKP))
+        kappa = tl.load(WEIGHT + b.to(tl.int64) * (H // GROUP) + h // GROUP)  # its (batch, kv head)'s
+        y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, scale, DP), free, kappa)
+        y8 = y8.to(tl.float8e4nv)
+        ok = (cols < D)[:, None] & (s0 + keys < S)[None, :]
+        if k_major:
+            tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[:, None]) * SKP + s0 + keys[None, :], y8, mask=ok)
+        else:
+            tl.store(
+                out + ((b.to(tl.int64) * S + s0) * H + h) * D + keys[None, :] * (H * D) + cols[:, None], y8, mask=ok
+            )
+    else:
+        _plain_codes(x, R, inv_sqrt, scale, out, s0, S, D, b, h, H, SKP, k_major, DP, BN, ROTATE, TERMS, BLOCK_S)
+
+
+@triton.jit
+def _plain_codes(
+    x,
+    R,
+    inv_sqrt,
+    scale,
+    out,
+    s0,
+    S,
+    D,
+    b,
+    h,
+    H,
+    SKP,
+    k_major,
+    DP: tl.constexpr,
+    BN: tl.constexpr,
+    ROTATE: tl.constexpr,
+    TERMS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Each code the nearest e4m3 of its (rotated) value times the scale, BN columns at a time."""
+    rows = s0 + tl.arange(0, BLOCK_S)
+    dst = out + ((b.to(tl.int64) * S + s0) * H + h) * D + tl.arange(0, BLOCK_S)[:, None] * (H * D)
+    for c0 in range(0, DP, BN):
+        y = tl.clamp(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS) * scale, -_E4M3_MAX, _E4M3_MAX)
+        cols = c0 + tl.arange(0, BN)
+        ok = (rows < S)[:, None] & (cols < D)[None, :]
+        y8 = y.to(tl.float8e4nv)
+        if k_major:
+            tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[None, :]) * SKP + rows[:, None], y8, mask=ok)
+        else:
+            tl.store(dst + cols[None, :], y8, mask=ok)
+
+
+@triton.jit
+def _key_row(src, stride_s, coff, n, cmask, scale, k: tl.constexpr):
+    """Key k of the block (k < n, else 0) times the scale, clamped to e4m3's range: [DP] float32."""
+    x = tl.load(src + k * stride_s + coff, mask=cmask & (k < n), other=0.0)
+    return tl.clamp(x.to(tl.float32) * scale, -_E4M3_MAX, _E4M3_MAX)
+
+
+@triton.jit
+def _keys2(src, stride_s, coff, n, cmask, scale, k: tl.constexpr, step: tl.constexpr):
+    return tl.join(
+        _key_row(src, stride_s, coff, n, cmask, scale, k), _key_row(src, stride_s, coff, n, cmask, scale, k + step)
+    )
+
+
+@triton.jit
+def _keys4(src, stride_s, coff, n, cmask, scale, k: tl.constexpr, step: tl.constexpr):
+    return tl.join(
+        _keys2(src, stride_s, coff, n, cmask, scale, k, 2 * step),
+        _keys2(src, stride_s, coff, n, cmask, scale, k + step, 2 * step),
+    )
+
+
+@triton.jit
+def _keys8(src, stride_s, coff, n, cmask, scale, k: tl.constexpr, step: tl.constexpr):
+    return tl.join(
+        _keys4(src, stride_s, coff, n, cmask, scale, k, 2 * step),
+        _keys4(src, stride_s, coff, n, cmask, scale, k + step, 2 * step),
+    )
+
+
+@triton.jit
+def _load_keys(src, stride_s, coff, n, cmask, scale, DP: tl.constexpr):
+    """The block's 16 keys as (DP, 16) float32, each thread all 16 keys of its channels: tl.join puts its new
+    dimension inside each thread, and joining keys k and k + step at every level (odd keys last) makes the
+    row-major reshape the keys' order, so every reduction over the keys stays in registers and a K-major store
+    is one 16-byte run per channel."""
+    keys = tl.join(
+        _keys8(src, stride_s, coff, n, cmask, scale, 0, 2), _keys8(src, stride_s, coff, n, cmask, scale, 1, 2)
+    )
+    return tl.reshape(keys, [DP, _BALANCE_KEYS])
