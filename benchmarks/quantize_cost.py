@@ -6,7 +6,8 @@ per call (`host_us`: what a launch-bound caller waits) of `quantize_fp8` with ea
 kernels of kernels/quantize.py), device time of the same arithmetic
 in torch ops (`quantize_heads_reference`, the unfused form), and of the attention on
 the quantised inputs: `flash_attn_func` (the dispatcher's kernel) and FA3-fp8, same process, same
-inputs.
+inputs. (Each recipe's quantiser against its memory-traffic floor, a copy of the same bytes timed in
+the same rounds: `zyfa-tune bench --quant-floor`.)
 
     python benchmarks/quantize_cost.py [--seqlens 4096,8192,16384,32768] [--heads 32] [--json out.json]
 """

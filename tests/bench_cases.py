@@ -8,8 +8,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from zyfa_tune.bench.inputs import Inputs
+from zyfa_tune.bench.inputs import QUANT_MODES, Inputs
 from zyfa_tune.bench.peers.base import Bound
 from zyfa_tune.bench.results import BenchResult, BenchRow
 from zyfa_tune.bench.shape import BenchShape
@@ -26,6 +27,7 @@ class System:
     kind: str
     dtype: str
     bind: Callable[[Inputs], Bound]
+    quant_modes: ClassVar[tuple[str, ...]] = QUANT_MODES
 
     def supports(self, shape: BenchShape) -> bool:
         return True

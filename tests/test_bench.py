@@ -15,7 +15,7 @@ from bench_cases import PNG_MAGIC, System, fake_timer, sample_result, write_firs
 from zyfa_tune import cli
 from zyfa_tune.bench import report as bench_report
 from zyfa_tune.bench import run as bench_run
-from zyfa_tune.bench.inputs import DTYPES, Inputs
+from zyfa_tune.bench.inputs import DTYPES, QUANT_MODES, Inputs
 from zyfa_tune.bench.measure import measure_shape
 from zyfa_tune.bench.peers import PEERS, parse_peers, systems_for
 from zyfa_tune.bench.peers.base import Bound, boxed
@@ -108,10 +108,11 @@ def test_parse_ours_labels_and_dtypes():
 
 
 def test_systems_come_from_the_registry_ours_first_and_only_where_they_run():
-    """Every registered peer answers to its --peers name; systems_for puts ours first and leaves out
-    a peer whose supports() refuses the shape (torch SDPA at unequal head dims)."""
+    """Every registered system answers to its --peers name and says where it runs; systems_for puts
+    ours first and leaves out a peer whose supports() refuses the shape (SDPA at unequal head dims)."""
     for name, peer in PEERS.items():
-        assert peer.name == name and peer.kind == "peer" and peer.dtype in DTYPES
+        assert peer.name == name and peer.kind in ("peer", "ours") and peer.dtype in DTYPES
+        assert peer.quant_modes and set(peer.quant_modes) <= set(QUANT_MODES)
     ours = [OursSpec("ours-bf16", "bf16"), *parse_ours("w:block_n=64", ["bf16"])]
     bf16 = parse_peers(None, ["bf16"])
     square = BenchShape(head_dim_qk=128, head_dim_v=128, batch=1, seqlen=1024, heads=8, kv_heads=8)

@@ -128,14 +128,19 @@ class Inputs:
         return attention_reference(*args, causal=True, **kw)
 
 
+def quant_kwargs(quant: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """`quantize_fp8`'s keywords for `--ours` quantisation options (QUANT_OPTIONS)."""
+    opts = dict(quant)  # k_major_v: V's codes keys-fastest; balanced_v: v_rounding="balanced"
+    opts["v_layout"] = "k_major" if opts.pop("k_major_v", False) else "natural"
+    opts["v_rounding"] = "balanced" if opts.pop("balanced_v", False) else "nearest"
+    return opts
+
+
 def _quantize_fp8(x: tuple[torch.Tensor, ...], quant: tuple[tuple[str, Any], ...]) -> tuple[tuple, dict]:
     """`quantize_fp8` of (q, k, v) with `--ours` quantisation options, as (q8, k8, v8) and descale keywords."""
     from zyfa_tune.quantize import quantize_fp8
 
-    opts = dict(quant)  # k_major_v: V's codes keys-fastest; balanced_v: v_rounding="balanced"
-    opts["v_layout"] = "k_major" if opts.pop("k_major_v", False) else "natural"
-    opts["v_rounding"] = "balanced" if opts.pop("balanced_v", False) else "nearest"
-    q8, k8, v8, qd, kd, vd = quantize_fp8(*x, **opts)
+    q8, k8, v8, qd, kd, vd = quantize_fp8(*x, **quant_kwargs(quant))
     return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
 
 

@@ -11,6 +11,10 @@ Energy (`energy_s`): NVML's counter is only trustworthy over a second or more (t
 TFLOP/J comes from a separate window per system after its timing rounds, the calls back to back for
 `energy_s` seconds at whatever clock the power limit then allows; the W column is that window's mean
 power.
+
+Memory-traffic systems (a `Bound` with `bytes_moved`: the quantisers and the copy of `--quant-floor`)
+take part in the same rounds; their rows carry GB/s and, from the copy row's rate, time / floor
+(`bench.traffic`) instead of TFLOP/s, error and energy.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from zyfa_tune.bench.inputs import Inputs
 from zyfa_tune.bench.peers.base import Bound, Peer
 from zyfa_tune.bench.results import BenchRow
 from zyfa_tune.bench.shape import BenchShape
+from zyfa_tune.bench.traffic import gbps, with_floor
 
 
 def _error_text(exc: BaseException) -> str:
@@ -75,7 +80,7 @@ def measure_shape(
     ready: dict[int, tuple[list[Bound], dict[str, float]]] = {}
 
     def failed(system: Peer, bound: list[Bound], exc: BaseException) -> BenchRow:
-        info = dict(config=bound[0].config, source=bound[0].source, entry=bound[0].entry) if bound else {}
+        info = _bound_info(bound[0]) if bound else {}
         return BenchRow(
             **base, system=system.name, kind=system.kind, dtype=system.dtype, **info, error=_error_text(exc)
         )
@@ -87,6 +92,9 @@ def measure_shape(
             bound[0].call()
             if inputs[0].q16.is_cuda:
                 torch.cuda.synchronize()
+            if bound[0].output is None:  # a memory-traffic system: no attention output
+                ready[i] = bound, {}
+                continue
             if system.dtype not in refs:
                 refs[system.dtype] = inputs[0].reference(system.dtype)
             out, ref = bound[0].output(), refs[system.dtype]
@@ -109,39 +117,51 @@ def measure_shape(
     windows: dict[int, Any] = {}
     if energy_s > 0:
         for i in timings:
+            if ready[i][0][0].bytes_moved:  # GB/s rows: no FLOPs per joule
+                continue
             try:
                 windows[i] = energy([b.call for b in ready[i][0]], seconds=energy_s, call_ms=timings[i].median_ms)
             except Exception as exc:
                 rows[i] = failed(systems[i], ready[i][0], exc)
-    out_rows = []
     for i, system in enumerate(systems):
         if i not in rows:
             bound, errors = ready[i]
-            t, window = timings[i], windows.get(i)
-            joules = window.joules_per_call if window else t.energy_j_per_call
-            rows[i] = BenchRow(
-                **base,
-                system=system.name,
-                kind=system.kind,
-                dtype=system.dtype,
-                **errors,
-                tflops=shape.flops / (t.median_ms * 1e-3) / 1e12,
-                median_ms=t.median_ms,
-                p20_ms=t.p20_ms,
-                p80_ms=t.p80_ms,
-                min_ms=t.min_ms,
-                reps=t.reps,
-                sm_clock_mhz=t.sm_clock_mhz,
-                power_w=window.power_w if window else t.power_w,
-                energy_j_per_call=joules,
-                tflop_per_j=shape.flops / joules / 1e12 if joules else None,
-                sustained_tflops=shape.flops * window.calls / window.seconds / 1e12 if window else None,
-                sustained_clock_mhz=window.sm_clock_mhz if window else None,
-                config=bound[0].config,
-                source=bound[0].source,
-                entry=bound[0].entry,
-            )
-        out_rows.append(rows[i])
-        if on_row:
-            on_row(rows[i])
+            rows[i] = _measured(shape, base, system, bound[0], errors, timings[i], windows.get(i))
+    out_rows = with_floor([rows[i] for i in range(len(systems))])
+    for row in out_rows if on_row else ():
+        on_row(row)
     return out_rows
+
+
+def _bound_info(bound: Bound) -> dict[str, Any]:
+    """What a row says of the system as bound: our kernel and recipe, a traffic system's bytes."""
+    return dict(
+        config=bound.config, source=bound.source, entry=bound.entry, recipe=bound.recipe, bytes_moved=bound.bytes_moved
+    )
+
+
+def _measured(shape: BenchShape, base: dict, system: Peer, bound: Bound, errors: dict, t: Any, window: Any) -> BenchRow:
+    """A measured row: TFLOP/s (or a traffic system's GB/s), quantiles, clock, power and energy."""
+    joules = window.joules_per_call if window else t.energy_j_per_call
+    flops = None if bound.bytes_moved else shape.flops
+    return BenchRow(
+        **base,
+        system=system.name,
+        kind=system.kind,
+        dtype=system.dtype,
+        **errors,
+        tflops=flops / (t.median_ms * 1e-3) / 1e12 if flops else None,
+        median_ms=t.median_ms,
+        p20_ms=t.p20_ms,
+        p80_ms=t.p80_ms,
+        min_ms=t.min_ms,
+        reps=t.reps,
+        sm_clock_mhz=t.sm_clock_mhz,
+        power_w=window.power_w if window else t.power_w,
+        energy_j_per_call=joules if flops else None,
+        tflop_per_j=flops / joules / 1e12 if flops and joules else None,
+        sustained_tflops=flops * window.calls / window.seconds / 1e12 if window else None,
+        sustained_clock_mhz=window.sm_clock_mhz if window else None,
+        gbps=gbps(bound.bytes_moved, t.median_ms) if bound.bytes_moved else None,
+        **_bound_info(bound),
+    )

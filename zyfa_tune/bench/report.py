@@ -17,6 +17,10 @@ from rich.table import Table
 
 from zyfa_tune.bench.results import BenchResult, BenchRow
 
+#: row kinds of the memory-traffic systems (`bench.peers.quantiser`), tabled apart from attention
+TRAFFIC_KINDS = ("quantiser", "copy")
+#: the quantiser's target: at most this times its traffic floor
+FLOOR_TARGET = 1.5
 OURS_COLORS = ("#d62728", "#ff7f0e", "#8c564b", "#e377c2", "#bcbd22")
 PEER_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#7f7f7f", "#393b79")
 
@@ -48,17 +52,24 @@ def _families(result: BenchResult) -> list[str]:
 
 
 def _kernel(r: BenchRow) -> str:
-    """Which of our kernels ran: the dispatcher's source and a config summary."""
+    """Which of our kernels ran: the dispatcher's source and a config summary, after the recipe
+    that quantised its inputs where the row names one (`attention()`)."""
     if r.config is None:
         return ""
     from zyfa_tune.generator import ConfigError, KernelConfig
 
+    recipe = f"recipe {r.recipe}; " if r.recipe else ""
     source = r.source if r.entry is None else f"{r.source} ({r.entry})"  # another shape's kernel: whose
     try:
         c = KernelConfig.from_json(r.config)
     except ConfigError:
-        return f"{source}: (invalid config)"
-    return f"{source}: {c.summary()}"
+        return f"{recipe}{source}: (invalid config)"
+    return f"{recipe}{source}: {c.summary()}"
+
+
+def traffic_rows(rows: Iterable[BenchRow]) -> list[BenchRow]:
+    """The memory-traffic rows (quantisers alone and the copy of `--quant-floor`), failed ones too."""
+    return [r for r in rows if r.kind in TRAFFIC_KINDS]
 
 
 def _shape(r: BenchRow, with_family: bool) -> str:
@@ -100,6 +111,8 @@ def results_table(result: BenchResult) -> Table:
         table.add_column(col, overflow="fold", justify="left" if col in ("shape", "system", "kernel") else "right")
     peers = best_peer(result.rows)
     for r in result.rows:
+        if r.kind in TRAFFIC_KINDS:
+            continue
         style = "bold" if r.kind != "peer" else None
         if r.error:
             table.add_row(
@@ -135,11 +148,53 @@ def results_table(result: BenchResult) -> Table:
     return table
 
 
+def floor_table(result: BenchResult) -> Table | None:
+    """The quantisers against their memory-traffic floor (`bench.traffic`), a row per (shape,
+    quantiser) and the copy that sets the floor; None where the run timed none."""
+    rows = traffic_rows(result.rows)
+    if not rows:
+        return None
+    families = _families(result)
+    table = Table(
+        title="quantize_fp8 alone against its traffic floor: bytes = Q, K, V read once + codes and descales "
+        "written once; floor = those bytes at the rate of a device-to-device copy timed in the same rounds",
+        caption=f"target: at most {FLOOR_TARGET:g}x the floor",
+    )
+    columns = ["shape", "system", "recipe", "median ms", "MB", "GB/s", "floor ms", "x floor", "SM MHz"]
+    for col in columns:
+        table.add_column(col, overflow="fold", justify="left" if col in ("shape", "system", "recipe") else "right")
+    for r in rows:
+        if r.error:
+            table.add_row(_shape(r, len(families) > 1), r.system, r.recipe or "", *["-"] * 5, f"[red]{r.error}[/red]")
+            continue
+        ratio = "-" if r.floor_ratio is None else f"{r.floor_ratio:.2f}x"
+        if r.floor_ratio is not None and r.floor_ratio > FLOOR_TARGET:
+            ratio = f"[red]{ratio}[/red]"
+        table.add_row(
+            _shape(r, len(families) > 1),
+            r.system,
+            r.recipe or "",
+            _num(r.median_ms, ".3f"),
+            _num(r.bytes_moved / 1e6 if r.bytes_moved else None, ".1f"),
+            _num(r.gbps, ".0f"),
+            _num(r.floor_ms, ".3f"),
+            ratio,
+            _num(r.sm_clock_mhz, ".0f"),
+            style="bold" if r.kind == "copy" else None,
+        )
+    return table
+
+
 def row_line(r: BenchRow) -> str:
     """One line per measured row, printed while a run goes on."""
     shape = _shape(r, True)
     if r.error:
         return f"{shape:<28} {r.system:<22} ERROR {r.error}"
+    if r.bytes_moved:
+        return (
+            f"{shape:<28} {r.system:<22} {_num(r.median_ms, '8.3f')} ms  {r.bytes_moved / 1e6:.1f} MB  "
+            f"{_num(r.gbps, '.0f')} GB/s  {_num(r.floor_ratio, '.2f')}x floor" + (f"  ({r.recipe})" if r.recipe else "")
+        )
     return (
         f"{shape:<28} {r.system:<22} {_num(r.tflops, '7.1f')} TFLOP/s  {_num(r.median_ms, '8.3f')} ms  "
         f"relL2 {_num(r.rel_l2, '.3e')}  {_num(r.sm_clock_mhz, '.0f')} MHz  {_num(r.power_w, '.0f')} W"

@@ -1,6 +1,7 @@
 """A bench run's results: one `BenchRow` per system and shape, and the `BenchResult` around them
 (GPU state, environment, settings) with its JSON form, which `bench.report` draws from, so that a
-saved run can be redrawn on a machine without a GPU."""
+saved run can be redrawn on a machine without a GPU. Fields are only ever added, with defaults, so
+that every saved run still loads (and unknown keys of a newer run are skipped)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,13 @@ class BenchRow:
     entry: str | None = None  # Bound.entry: which tuned problem class a borrowed kernel came from
     error: str | None = None
     family: str | None = None  # tuning.inputs family of the inputs (None where the run did not record it)
+    recipe: str | None = None  # the quantisation recipe the row ran (Recipe.summary), where it quantises
+    # memory-traffic rows (the quantisers and the copy beside them, `bench.traffic`): bytes a call must
+    # move at least, the rate that makes, and the floor (those bytes at the copy's rate, same run)
+    bytes_moved: int | None = None
+    gbps: float | None = None
+    floor_ms: float | None = None
+    floor_ratio: float | None = None  # median_ms / floor_ms
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BenchRow":

@@ -2,8 +2,10 @@
 process, on the same fresh inputs, by one timer and against one float64 reference.
 
 A `BenchPlan` says what to measure: shapes (`bench.shape`), our systems (`bench.peers.ours`: the
-dispatcher's pick and forced `--ours` configs), the peers (`bench.peers.PEERS`), the input families
-and how FP8 inputs are quantised (`bench.inputs`). `run` warms the GPU, measures every shape
+dispatcher's pick and forced `--ours` configs), the registered systems (`bench.peers.PEERS`: the
+peers, and `zyfa_tune.attention` end to end), the input families, how FP8 inputs are quantised
+(`bench.inputs`) and whether the quantisers are timed against their memory-traffic floor
+(`bench.traffic`). `run` warms the GPU, measures every shape
 (`bench.measure`) and records the GPU state (NVML clocks, power, temperature) before and after.
 FLOPs = 2*B*H*S^2*(Dqk+Dv)/2 (causal).
 
@@ -52,6 +54,7 @@ class BenchPlan:
     quant: str = "per-tensor"  # QUANT_MODES
     energy_s: float = 0.0  # seconds of back-to-back calls per system for TFLOP/J (0: none)
     ceiling: bool = False  # also time the FP8 GEMM ceiling (gemm_ceiling) at the start and end
+    quant_floor: bool = False  # also time the quantisers alone and the copy that makes their floor (bench.traffic)
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -74,11 +77,6 @@ class BenchPlan:
                 f"--ours {quantised[0]}: quantisation options need --quant native or end-to-end "
                 f"(per-tensor mode gives every FP8 system the same tensors)"
             )
-        if self.quant == "end-to-end" and "cudnn-fp8" in self.peers:
-            raise ValueError(
-                "peers: cudnn-fp8 is given per-tensor codes made outside its call; "
-                "--quant end-to-end times each system's quantiser (FA3 and ours)"
-            )
         if self.energy_s and not MIN_ENERGY_WINDOW_S <= self.energy_s <= 60:
             raise ValueError(
                 f"energy_s: expected 0 (no energy window) or {MIN_ENERGY_WINDOW_S}-60 seconds "
@@ -90,6 +88,11 @@ class BenchPlan:
         unknown = [p for p in self.peers if p not in PEERS]
         if unknown:
             raise ValueError(f"peers: unknown {unknown}; choose from {list(PEERS)}")
+        for name in self.peers:  # e.g. cudnn-fp8's codes are made outside its call: never end-to-end
+            if self.quant not in PEERS[name].quant_modes:
+                raise ValueError(
+                    f"peers: {name} does not run with --quant {self.quant} (only {' / '.join(PEERS[name].quant_modes)})"
+                )
         for spec in self.ours:  # a bad forced config fails now, not after minutes of measuring
             for dims in {(s.head_dim_qk, s.head_dim_v) for s in self.shapes}:
                 try:
@@ -159,7 +162,7 @@ def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> Be
         for shape in plan.shapes:
             rows += measure_shape(
                 shape,
-                systems_for(shape, plan.ours, plan.peers),
+                systems_for(shape, plan.ours, plan.peers, plan.quant_floor),
                 seed=plan.seed,
                 reps=plan.reps,
                 rotate=plan.rotate,
@@ -182,6 +185,7 @@ def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> Be
         quant=plan.quant,
         energy_s=plan.energy_s,
         peers=list(plan.peers),
+        quant_floor=plan.quant_floor,
         ours=[dataclasses.asdict(o) for o in plan.ours],
     )
     return BenchResult(

@@ -10,10 +10,11 @@ from .common import console
 
 
 def _bench_plan(args: argparse.Namespace):
-    """`zyfa-tune bench`'s BenchPlan: the dispatcher's pick per dtype (unless --no-dispatch), the
-    --ours configs and the peers, on the shapes asked for."""
+    """`zyfa-tune bench`'s BenchPlan: the dispatcher's pick per dtype and our registered systems the
+    mode runs (`attention()` end to end; both unless --no-dispatch), the --ours configs and the peers,
+    on the shapes asked for."""
     from zyfa_tune.bench.inputs import DTYPES
-    from zyfa_tune.bench.peers import parse_peers
+    from zyfa_tune.bench.peers import our_systems, parse_peers
     from zyfa_tune.bench.peers.ours import OursSpec, parse_ours
     from zyfa_tune.bench.run import BenchPlan
     from zyfa_tune.bench.shape import parse_shape, shapes_from
@@ -28,10 +29,12 @@ def _bench_plan(args: argparse.Namespace):
     ours = [] if args.no_dispatch else [OursSpec(f"ours-{dt}", dt) for dt in dtypes]
     for text in args.ours or []:
         ours += parse_ours(text, dtypes)
+    ours_registered = () if args.no_dispatch else our_systems(dtypes, args.quant)
+    peers = parse_peers(args.peers, dtypes, args.quant)
     return BenchPlan(
         shapes=shapes,
         ours=tuple(ours),
-        peers=parse_peers(args.peers, dtypes),
+        peers=tuple(dict.fromkeys(ours_registered + peers)),
         reps=args.reps,
         seed=args.seed,
         rotate=args.rotate,
@@ -41,6 +44,7 @@ def _bench_plan(args: argparse.Namespace):
         quant=args.quant,
         energy_s=args.energy_s,
         ceiling=args.ceiling,
+        quant_floor=args.quant_floor,
     )
 
 
@@ -68,6 +72,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     wide = console if console.is_terminal else Console(width=200)  # logs: one line per row
     wide.print(bench_report.results_table(result))
+    floor = bench_report.floor_table(result)
+    if floor is not None:
+        wide.print(floor)
     if args.json:
         result.save(args.json)
         console.print(f"results: {args.json}")
@@ -99,7 +106,7 @@ def register(sub) -> None:
         "--peers",
         default=None,
         help="comma list of peers (e.g. fa3-fp8,sdpa-flash-bf16; an unknown name lists every one), or "
-        "'none' (default: every peer of the benched dtypes)",
+        "'none' (default: every peer of the benched dtypes that runs in the --quant mode)",
     )
     p.add_argument(
         "--ours",
@@ -137,7 +144,15 @@ def register(sub) -> None:
         "k_major_v=true: V quantised keys-fastest, read without the V^T copy, or balanced_v=true: V's "
         "rounding errors cancelling along the keys, with v_weight=K its kappa, work); end-to-end: as "
         "native, but FA3 and ours quantise the bf16 inputs inside each timed call (quantiser + "
-        "attention)",
+        "attention), and zyfa_tune.attention() runs as model code calls it (row ours-attention)",
+    )
+    p.add_argument(
+        "--quant-floor",
+        action="store_true",
+        help="also time quantize_fp8 alone (plain, k_major V, balanced V, smooth_k+hadamard, the --ours "
+        "options and attention()'s recipe) and a device-to-device copy of the same bytes, interleaved "
+        "with the other systems: each quantiser's GB/s and time / floor (bytes read + written at the "
+        "copy's rate)",
     )
     p.add_argument("--warm", type=float, default=3.0, help="seconds of GEMMs to reach sustained clocks first")
     p.add_argument(

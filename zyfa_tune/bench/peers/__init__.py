@@ -1,21 +1,27 @@
-"""The systems `zyfa-tune bench` times beside ours, one module each, all registered here: a new peer
-is a module with a class implementing `base.Peer` and one line in `PEERS`."""
+"""The systems `zyfa-tune bench` times beside the dispatcher's kernels, one module each, all registered
+here: a new system is a module with a class implementing `base.Peer` and one line in `PEERS`. Those of
+kind "ours" (`zyfa_tune.attention`) are ours, added to a run by default where its mode runs them; the
+rest are the peers. `--quant-floor` adds the memory-traffic systems of `quantiser`."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from zyfa_tune.bench.inputs import quant_kwargs
+from zyfa_tune.bench.peers.attention import Attention
 from zyfa_tune.bench.peers.base import Peer
 from zyfa_tune.bench.peers.cudnn import CudnnFP8
 from zyfa_tune.bench.peers.fa3 import FA3
 from zyfa_tune.bench.peers.ours import Ours, OursSpec
+from zyfa_tune.bench.peers.quantiser import floor_systems
 from zyfa_tune.bench.peers.sdpa import TorchSDPA
 from zyfa_tune.bench.shape import BenchShape
 
-#: `--peers` name -> peer, in the order rows and the default selection take
+#: `--peers` name -> system, in the order rows and the default selection take
 PEERS: dict[str, Peer] = {
     p.name: p
     for p in (
+        Attention("ours-attention"),
         FA3("fa3-fp8", "fp8"),
         CudnnFP8("cudnn-fp8"),
         FA3("fa3-bf16", "bf16"),
@@ -25,10 +31,15 @@ PEERS: dict[str, Peer] = {
 }
 
 
-def parse_peers(text: str | None, dtypes: Sequence[str]) -> tuple[str, ...]:
-    """Comma list of PEERS names, 'none', or None: every peer of the benched dtypes."""
+def parse_peers(text: str | None, dtypes: Sequence[str], quant: str = "per-tensor") -> tuple[str, ...]:
+    """Comma list of PEERS names, 'none', or None: every peer (kind "peer") of the benched dtypes that
+    runs in `quant` mode."""
     if text is None:
-        return tuple(name for name, peer in PEERS.items() if peer.dtype in dtypes)
+        return tuple(
+            name
+            for name, peer in PEERS.items()
+            if peer.kind == "peer" and peer.dtype in dtypes and quant in peer.quant_modes
+        )
     if text.strip() == "none":
         return ()
     names = tuple(p.strip() for p in text.split(",") if p.strip())
@@ -38,7 +49,26 @@ def parse_peers(text: str | None, dtypes: Sequence[str]) -> tuple[str, ...]:
     return names
 
 
-def systems_for(shape: BenchShape, ours: Iterable[OursSpec], peers: Iterable[str]) -> list[Peer]:
-    """Ours first, then the named peers that can run this shape."""
+def our_systems(dtypes: Sequence[str], quant: str) -> tuple[str, ...]:
+    """The registered systems of ours (kind "ours") of the benched dtypes that run in `quant` mode:
+    part of a run by default, as the dispatcher's own pick is."""
+    return tuple(
+        name
+        for name, peer in PEERS.items()
+        if peer.kind == "ours" and peer.dtype in dtypes and quant in peer.quant_modes
+    )
+
+
+def systems_for(
+    shape: BenchShape, ours: Iterable[OursSpec], peers: Iterable[str], quant_floor: bool = False
+) -> list[Peer]:
+    """Ours first, then the named peers that can run this shape; with `quant_floor`, the quantisers
+    of the floor recipes, of the `--ours` quantisation options and of `attention()` where it is
+    benched, and the copy (`peers.quantiser.floor_systems`)."""
+    ours, peers = list(ours), list(peers)
     systems: list[Peer] = [Ours(spec) for spec in ours]
-    return systems + [PEERS[name] for name in peers if PEERS[name].supports(shape)]
+    systems += [PEERS[name] for name in peers if PEERS[name].supports(shape)]
+    if quant_floor:
+        extra = [quant_kwargs(spec.quant) for spec in ours if spec.dtype == "fp8" and spec.quant]
+        systems += floor_systems(extra, attention=any(isinstance(PEERS[name], Attention) for name in peers))
+    return systems

@@ -17,13 +17,16 @@ from zyfa_tune.bench.shape import BenchShape
 @dataclass(frozen=True)
 class Bound:
     """A system bound to one input set: `call()` runs it, `output()` is its last output in
-    (batch, seqlen, heads, head_dim_v) layout; `config`/`source` say which of our kernels ran."""
+    (batch, seqlen, heads, head_dim_v) layout (None: no attention output, no error to check);
+    `config`/`source` say which of our kernels ran, `recipe` how its inputs were quantised."""
 
     call: Callable[[], None]
-    output: Callable[[], torch.Tensor]
+    output: Callable[[], torch.Tensor] | None
     config: str | None = None
     source: str | None = None
     entry: str | None = None  # the tuned entry's problem class where another shape's ran (nearest, other device)
+    recipe: str | None = None  # Recipe.summary() of the quantisation inside the call
+    bytes_moved: int | None = None  # a memory-traffic system (`bench.traffic`): the bytes a call must move
 
 
 class Peer(Protocol):
@@ -36,11 +39,16 @@ class Peer(Protocol):
 
     @property
     def kind(self) -> str:
-        """ "ours" (dispatcher), "forced" (config given) or "peer"."""
+        """ "ours" (dispatcher), "forced" (config given), "peer", or a memory-traffic row's "quantiser" /
+        "copy" (`bench.traffic`)."""
 
     @property
     def dtype(self) -> str:
         """ "fp8" or "bf16": which tensors of `Inputs` it gets and which reference it is checked against."""
+
+    @property
+    def quant_modes(self) -> tuple[str, ...]:
+        """The `--quant` modes (inputs.QUANT_MODES) it can run in; a plan naming it in another fails."""
 
     def supports(self, shape: BenchShape) -> bool:
         """False where it cannot run this shape at all (it is then left out, not reported as failed)."""

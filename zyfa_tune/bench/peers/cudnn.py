@@ -19,6 +19,7 @@ class CudnnFP8:
     name: str
     dtype: ClassVar[str] = "fp8"
     kind: ClassVar[str] = "peer"
+    quant_modes: ClassVar[tuple[str, ...]] = ("per-tensor", "native")
 
     def supports(self, shape: BenchShape) -> bool:
         return True

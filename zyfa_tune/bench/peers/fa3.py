@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from zyfa_tune.bench.inputs import Inputs
+from zyfa_tune.bench.inputs import QUANT_MODES, Inputs
 from zyfa_tune.bench.peers.base import Bound, boxed
 from zyfa_tune.bench.shape import BenchShape
 
@@ -16,6 +16,7 @@ class FA3:
     name: str
     dtype: str
     kind: ClassVar[str] = "peer"
+    quant_modes: ClassVar[tuple[str, ...]] = QUANT_MODES
 
     def supports(self, shape: BenchShape) -> bool:
         return True

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from zyfa_tune.bench.inputs import DTYPES, QUANT_OPTIONS, Inputs
+from zyfa_tune.bench.inputs import DTYPES, QUANT_MODES, QUANT_OPTIONS, Inputs
 from zyfa_tune.bench.peers.base import Bound, boxed
 from zyfa_tune.bench.shape import BenchShape
 from zyfa_tune.generator import KernelConfig
@@ -103,6 +103,10 @@ class Ours:
     @property
     def kind(self) -> str:
         return "ours" if self.spec.overrides is None else "forced"
+
+    @property
+    def quant_modes(self) -> tuple[str, ...]:
+        return QUANT_MODES  # quantisation options need native or end-to-end: BenchPlan checks them
 
     def supports(self, shape: BenchShape) -> bool:
         return True

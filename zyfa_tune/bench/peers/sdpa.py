@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from zyfa_tune.bench.inputs import Inputs
+from zyfa_tune.bench.inputs import QUANT_MODES, Inputs
 from zyfa_tune.bench.peers.base import Bound, boxed
 from zyfa_tune.bench.shape import BenchShape
 
@@ -18,6 +18,7 @@ class TorchSDPA:
     backend: str  # a torch.nn.attention.SDPBackend member's name, e.g. "FLASH_ATTENTION"
     dtype: ClassVar[str] = "bf16"
     kind: ClassVar[str] = "peer"
+    quant_modes: ClassVar[tuple[str, ...]] = QUANT_MODES  # bf16: the same tensors in every mode
 
     def supports(self, shape: BenchShape) -> bool:
         return shape.head_dim_qk == shape.head_dim_v  # torch SDPA needs equal head dims
