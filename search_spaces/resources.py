@@ -12,7 +12,7 @@ Limits come from the backend's target (`generator.HOPPER`).
 
 from __future__ import annotations
 
-from zyfa_tune.generator import HOPPER, KernelConfig, gluon_o_parts, gluon_registers, o_in_p_tile, p_tiles
+from zyfa_tune.generator import HOPPER, KernelConfig, chunks_of, gluon_o_parts, gluon_registers, o_in_p_tile, p_tiles
 
 #: The target's largest dynamic shared memory per block (227 KiB), under the name the calibration tests use.
 SMEM_LIMIT = HOPPER.shared_memory_bytes
@@ -25,6 +25,13 @@ def _elem_bytes(dtype: str) -> int:
 #: Shared memory beyond the tiles with TMA loads: mbarriers and the 1024-byte alignment of the
 #: swizzled TMA buffers (measured +32..+1024 B beyond the tiles).
 TMA_SMEM_MARGIN = 1024
+
+
+def loaded_widths(c: KernelConfig) -> tuple[int, int]:
+    """Columns of Q/K and of V the Triton kernel loads and multiplies: its chunks' widths, which exceed
+    the head dim where a last chunk overlaps the one before (generator.head_chunks)."""
+    qk, v = chunks_of(c)
+    return sum(w for _, w in qk), sum(w for _, w in v)
 
 
 def smem_estimate(c: KernelConfig) -> int:
@@ -41,9 +48,10 @@ def smem_estimate(c: KernelConfig) -> int:
     all 222 that did not.
     """
     e = _elem_bytes(c.dtype)
-    q = c.block_m * c.head_dim_qk * e
-    k = c.block_n * c.head_dim_qk * e * c.num_stages
-    v_tile = c.block_n * c.head_dim_v * e
+    dqk, dv = loaded_widths(c)
+    q = c.block_m * dqk * e
+    k = c.block_n * dqk * e * c.num_stages
+    v_tile = c.block_n * dv * e
     v_buffers = 1 if (c.dtype == "fp8" and c.loads == "pointer" and c.v_layout == "natural") else c.num_stages
     ones = c.block_n * 16 * e if c.rowsum == "mma" else 0
     margin = TMA_SMEM_MARGIN if c.loads == "tma" else 0
@@ -66,7 +74,7 @@ def register_estimate(c: KernelConfig) -> int:
     (305 of the 586 that spill); every config that did not spill stays 8 or more under its limit.
     """
     threads = 32 * c.num_warps
-    acc = c.block_m * c.head_dim_v // threads
+    acc = c.block_m * loaded_widths(c)[1] // threads
     scores = c.block_m * c.block_n // threads
     return acc + scores + scores // 4 + REGISTER_OVERHEAD
 

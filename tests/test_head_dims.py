@@ -1,0 +1,89 @@
+"""Head dims beyond the five FA3 ships: which widths each backend accepts, how the Triton backend
+splits a width into chunks, and that the widths it accepts compile for sm_90a with no spills and the
+expected MMA instructions, the static checks accepting exactly what compiles."""
+
+from __future__ import annotations
+
+import pytest
+
+from zyfa_tune.generator import HEAD_DIMS, ConfigError, KernelConfig, chunk_skips, emit, head_chunks
+from zyfa_tune.generator.build import compile_for_target
+from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.search_spaces import get_space
+
+#: widths models use that FA3 has no kernel for, beside the narrowest and the widest
+WIDTHS = (32, 40, 48, 72, 80, 112, 160, 200, 256)
+#: asymmetric Q/K vs V widths
+PAIRS = tuple((d, d) for d in WIDTHS) + ((160, 128), (128, 64), (128, 80))
+
+
+def test_head_dims_are_the_multiples_of_8_from_32_to_256():
+    assert HEAD_DIMS == tuple(range(32, 257, 8))
+    for bad in (16, 24, 36, 264, 80.0):
+        with pytest.raises(ConfigError, match="head_dim_qk"):
+            KernelConfig(head_dim_qk=bad, head_dim_v=128)
+
+
+@pytest.mark.parametrize("dim", HEAD_DIMS)
+@pytest.mark.parametrize("min_width", [16, 32])
+def test_head_chunks_cover_the_head_once_inside_it(dim, min_width):
+    """Power-of-two chunks of >= min_width columns, inside [0, dim), covering every column; the
+    columns an overlapping chunk repeats are exactly its skipped ones."""
+    chunks = head_chunks(dim, min_width)
+    covered = []
+    for (off, w), skip in zip(chunks, chunk_skips(chunks)):
+        assert w & (w - 1) == 0 and w >= min_width and 0 <= off and off + w <= dim
+        covered += range(off + skip, off + w)
+    assert covered == list(range(dim))
+
+
+def test_head_chunks_of_the_shipped_widths_do_not_overlap():
+    for dim in (64, 96, 128, 192, 256):
+        assert chunk_skips(head_chunks(dim, 32)) == [0] * len(head_chunks(dim, 32))
+    assert head_chunks(80, 32) == [(0, 64), (48, 32)] and chunk_skips(head_chunks(80, 32)) == [0, 16]
+    assert head_chunks(80) == [(0, 64), (64, 16)]
+
+
+@pytest.mark.parametrize("dqk,dv", PAIRS)
+def test_triton_accepts_every_width(dqk, dv):
+    for dtype in ("fp8", "bf16"):
+        cfg = default_config(dtype, dqk, dv)
+        assert (cfg.head_dim_qk, cfg.head_dim_v) == (dqk, dv)
+        # FP8 rows of 8 but not 16 columns are not 16-byte aligned for TMA: the default loads by pointer
+        assert cfg.loads == ("pointer" if dtype == "fp8" and (dqk % 16 or dv % 16) else "tma")
+    with pytest.raises(ConfigError, match="loads='pointer'"):
+        KernelConfig(head_dim_qk=40, head_dim_v=40, loads="tma")
+
+
+@pytest.mark.parametrize("dqk,dv", PAIRS)
+def test_gluon_takes_q_k_widths_of_32s(dqk, dv):
+    """FP8 wgmma reduces 32 columns: the Gluon backend needs head_dim_qk a multiple of 32, and says so."""
+    if dqk % 32:
+        with pytest.raises(ConfigError, match="head_dim_qk=.*multiple of 32"):
+            default_config("fp8", dqk, dv, "gluon")
+    else:
+        cfg = default_config("fp8", dqk, dv, "gluon")
+        assert emit(cfg).source
+    with pytest.raises(ConfigError, match="v_layout='natural'"):
+        default_config("fp8", 128, 40, "gluon").replace(v_layout="natural", v_permute=False)
+
+
+def _cases() -> list[tuple[str, str, int, int]]:
+    """One default config per width pair and backend (modest: every compile costs seconds)."""
+    out = [("triton", "fp8", dqk, dv) for dqk, dv in PAIRS]
+    out += [("triton", "bf16", dqk, dv) for dqk, dv in PAIRS if dqk in (40, 80, 200, 160)]
+    out += [("gluon", "fp8", dqk, dv) for dqk, dv in PAIRS if dqk % 32 == 0]
+    return out
+
+
+@pytest.mark.parametrize("backend,dtype,dqk,dv", _cases())
+def test_default_of_each_width_compiles_as_the_static_checks_say(backend, dtype, dqk, dv):
+    """The default config of a width compiles for sm_90a with the dtype's MMA (QGMMA for FP8, HGMMA for
+    bf16) and no spills, and the search space's static checks pass it: feasible iff it compiles clean."""
+    cfg = default_config(dtype, dqk, dv, backend)
+    art = compile_for_target(emit(cfg))
+    clean = art.spill_bytes == 0
+    assert clean, f"{cfg.summary()} {dqk}/{dv} spills {art.spill_bytes} B"
+    assert (get_space(dtype).feasible(cfg) is None) == clean, get_space(dtype).feasible(cfg)
+    assert art.count("QGMMA" if dtype == "fp8" else "HGMMA") > 0
+    assert art.count("HGMMA" if dtype == "fp8" else "QGMMA") == 0
