@@ -367,6 +367,8 @@ class KernelConfig:
             # bool is an int subclass: reject it explicitly so True never passes as 1.
             if type(value) is not expected:
                 raise ConfigError(f"{f.name}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
+            if allowed is HEAD_DIMS and (why := head_dim_error(f.name, value)):
+                raise ConfigError(why)
             if value not in allowed:
                 raise ConfigError(f"{f.name}: {value!r} is not one of {list(allowed)}")
         self._check_combination()

@@ -172,6 +172,13 @@ GLUON_SPLIT_O_F32_THREE_REGISTERS = 16
 GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS = 32
 
 
+#: Extra registers of a consumer that reads V as given (v_layout="natural") beside Q/K in more than three
+#: parts (160 and 224 in 32-column parts: five and seven chained wgmmas): at 160/128 and 224/128 the
+#: natural-V seed spilled 8 bytes at an estimated 232 of 232 (16 with producer_regs 56), where 96/96,
+#: 192/128 (three parts), 160/64, 160/160 and 224/224 (the same estimate) did not
+GLUON_MANY_PARTS_NATURAL_REGISTERS = 8
+
+
 def gluon_register_estimate(c: KernelConfig) -> int:
     """Registers per thread a Gluon consumer warpgroup needs at least: its 64 x head_dim fp32
     accumulator, the 64 x block_n fp32 scores and, with overlap, the previous block's P carried into
@@ -214,6 +221,8 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and (c.overlap or c.block_m == 192) else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
+    many_parts = c.head_dim_qk // (c.head_dim_qk & -c.head_dim_qk) > 3 and c.v_layout == "natural"
+    table += GLUON_MANY_PARTS_NATURAL_REGISTERS if many_parts and dp == 128 else 0
     wide_plain = (
         GLUON_WIDE_PLAIN_REGISTERS + (GLUON_WIDE_PLAIN_MMA_REGISTERS if c.rowsum == "mma" else 0)
         if dp == 256 and c.block_n >= 128 and not (c.overlap or c.pv_defer)
