@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from zyfa_tune.generator import CHOICES, HEAD_DIMS
+from zyfa_tune.generator import CHOICES, head_dim_error
 
 from .checks import short_repr, strict_int
 
@@ -68,8 +68,8 @@ class ProblemKey:
             raise ValueError(f"dtype: {short_repr(self.dtype)} is not one of {list(CHOICES['dtype'])}")
         for name in ("head_dim_qk", "head_dim_v"):
             value = self._set(name, strict_int(name, getattr(self, name)))
-            if value not in HEAD_DIMS:
-                raise ValueError(f"{name}: {value} is not one of {list(HEAD_DIMS)}")
+            if why := head_dim_error(name, value):
+                raise ValueError(why)
         if type(self.causal) is not bool:
             raise ValueError(f"causal: expected bool, got {type(self.causal).__name__}")
         self._set("gqa_group", strict_int("gqa_group", self.gqa_group, lo=1, hi=GQA_GROUP_MAX))

@@ -9,12 +9,13 @@ from .config import (
     KernelConfig,
     gluon_o_parts,
     gluon_registers,
+    head_dim_error,
     o_in_p_tile,
     p_tiles,
 )
 from .emitted import EmittedKernel
 from .rules import GLUON_HEAD_DIMS
-from .triton.emit import head_chunks
+from .triton.emit import chunk_skips, chunks_of, head_chunks
 
 
 def emit(config: KernelConfig) -> EmittedKernel:
@@ -34,12 +35,15 @@ __all__ = [
     "GENERATOR_VERSION",
     "GLUON_HEAD_DIMS",
     "HEAD_DIMS",
+    "head_dim_error",
     "ConfigError",
     "KernelConfig",
     "EmittedKernel",
     "emit",
     "gluon_o_parts",
     "gluon_registers",
+    "chunk_skips",
+    "chunks_of",
     "head_chunks",
     "o_in_p_tile",
     "p_tiles",

@@ -18,8 +18,26 @@ from .rules import P_TILES, gluon_conflict, o_width, triton_conflict
 
 GENERATOR_VERSION = "0.1.0"
 
-#: Head dims the Triton backend emits; non-powers of two are split into power-of-two chunks.
-HEAD_DIMS = (64, 96, 128, 192, 256)
+#: Head dims a config may have (Q/K and, independently, V): multiples of 8 from 32 to 256. Each backend
+#: narrows them (rules.triton_head_dim_conflict, rules.gluon_head_dim_conflict): 16-byte TMA rows, tl.dot's
+#: 16-column minimum, FP8 wgmma's 32-column reduction. Widths that are not powers of two are split into
+#: power-of-two parts; a narrower 8 would need padded operands.
+HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 32, 256, 8
+HEAD_DIMS = tuple(range(HEAD_DIM_MIN, HEAD_DIM_MAX + 1, HEAD_DIM_STEP))
+
+
+def head_dim_error(name: str, value: object) -> str | None:
+    """Why `value` is not a head dim any config may have (named `name` in the message), or None."""
+    if type(value) is not int or value not in HEAD_DIMS:
+        return (
+            f"{name}: {value!r} is not a head dim the generator emits: a multiple of {HEAD_DIM_STEP} from "
+            f"{HEAD_DIM_MIN} to {HEAD_DIM_MAX}"
+        )
+    return None
+
+
+#: The head dims FA3 instantiates (what models most often use; the shipped database's widths).
+COMMON_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 #: Allowed values of every field. Search spaces draw from these; validation enforces them.
 CHOICES: dict[str, tuple] = {
@@ -349,6 +367,8 @@ class KernelConfig:
             # bool is an int subclass: reject it explicitly so True never passes as 1.
             if type(value) is not expected:
                 raise ConfigError(f"{f.name}: expected {expected.__name__}, got {type(value).__name__} {value!r}")
+            if allowed is HEAD_DIMS and (why := head_dim_error(f.name, value)):
+                raise ConfigError(why)
             if value not in allowed:
                 raise ConfigError(f"{f.name}: {value!r} is not one of {list(allowed)}")
         self._check_combination()

@@ -22,8 +22,8 @@ from .config import ConfigError, KernelConfig
 def default_config(dtype: str, head_dim_qk: int, head_dim_v: int, backend: str = "triton") -> KernelConfig:
     """A config that compiles without spills and fits shared memory for this head-dim pair.
     KernelConfig's own defaults are the FP8 head-dim-128 default. backend="gluon" raises
-    ConfigError for what the Gluon backend does not implement (bf16, head-dim pairs outside
-    GLUON_HEAD_DIMS)."""
+    ConfigError for what the Gluon backend does not implement (bf16, rules.gluon_head_dim_conflict).
+    An FP8 width that is a multiple of 8 but not of 16 loads by pointer (TMA needs 16-byte rows)."""
     if backend == "gluon":  # head_dim_v 256: a 64 x 256 fp32 accumulator leaves registers for 64-key blocks
         wide = head_dim_v > 128
         return KernelConfig(
@@ -40,6 +40,8 @@ def default_config(dtype: str, head_dim_qk: int, head_dim_v: int, backend: str =
     big = max(head_dim_qk, head_dim_v) > 128
     dims = dict(head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, block_n=64 if big else 128)
     if dtype == "fp8":  # query blocks in launch order: the fp8 studies preferred it (1.02-1.23x)
+        if head_dim_qk % 16 or head_dim_v % 16:  # (pointer loads hold more registers: 200 spilled at 64 keys)
+            dims.update(loads="pointer", block_n=32 if big else 128)
         return KernelConfig(dtype="fp8", q_order="forward", **dims)
     return KernelConfig(
         dtype="bf16", block_m=128, num_warps=8, num_stages=2, p_scale_log2=0, v_layout="natural", **dims

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-#: (head_dim_qk, head_dim_v) pairs the Gluon backend emits (O in 64 x gluon_o_parts accumulators per
-#: consumer warpgroup; a 192- / 96-wide Q / K is loaded and multiplied in three 64- / 32-column parts).
+#: (head_dim_qk, head_dim_v) pairs FA3 also instantiates (and the shipped database is tuned for); the
+#: Gluon backend emits any pair `gluon_head_dim_conflict` accepts.
 GLUON_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 #: the p_carry values that take P through shared memory -> P tiles per consumer warpgroup
 P_TILES = {"smem": 1, "smem2": 2}
@@ -23,8 +23,45 @@ def o_width(head_dim_v: int) -> int:
     return 1 << (head_dim_v - 1).bit_length()
 
 
+def triton_head_dim_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why the Triton backend cannot emit these head dims, or None. Any multiple of 8 from 32 to 256
+    (KernelConfig's range) loads as power-of-two chunks of >= 16 columns (tl.dot's and a TMA box's
+    smallest; >= 32 for an FP8 Q/K, whose wgmma reduces 32 at once), the last one overlapping the
+    chunk before where the rest is narrower. TMA needs 16-byte row strides: with FP8 and loads="tma"
+    a width must be a multiple of 16 (8 would leave an odd head count's rows misaligned)."""
+    if f["dtype"] == "fp8" and f["loads"] == "tma":
+        for name in ("head_dim_qk", "head_dim_v"):
+            if f[name] % 16:
+                return (
+                    f"{name}={f[name]}: FP8 rows of a multiple of 8 but not of 16 columns are not 16-byte "
+                    f"aligned for TMA with an odd head count: use loads='pointer' (or a multiple of 16)"
+                )
+    return None
+
+
+def gluon_head_dim_conflict(f: Mapping[str, Any]) -> str | None:
+    """Why the Gluon backend cannot emit these head dims, or None. Q and K are loaded and multiplied in
+    parts of the largest power of two dividing head_dim_qk, and FP8 wgmma reduces 32 columns at once:
+    head_dim_qk must be a multiple of 32 (32, 64, 96, ..., 256). O is a power-of-two accumulator (V^T and
+    output tiles of that width, the stores clipped at head_dim_v): any multiple of 8 for head_dim_v
+    (16-byte bf16 output rows), a multiple of 16 with v_layout="natural" (16-byte FP8 V rows)."""
+    if f["head_dim_qk"] % 32:
+        return (
+            f"head_dim_qk={f['head_dim_qk']}: backend='gluon' multiplies Q and K in FP8 wgmmas of 32 columns: "
+            f"it needs a multiple of 32 (the Triton backend takes multiples of 16)"
+        )
+    if f["v_layout"] == "natural" and f["head_dim_v"] % 16:
+        return (
+            f"head_dim_v={f['head_dim_v']}: v_layout='natural' reads FP8 V rows by TMA, which needs 16-byte "
+            f"rows: a multiple of 16 (or v_layout='transposed')"
+        )
+    return None
+
+
 def triton_conflict(f: Mapping[str, Any]) -> str | None:
     """Why a Triton config with these fields is not a valid kernel (a cross-field rule it breaks), or None."""
+    if why := triton_head_dim_conflict(f):
+        return why
     if f["q_order"] == "balanced":
         return (
             "q_order='balanced' schedules the tiles of a persistent Gluon kernel; the Triton kernel "
@@ -60,11 +97,8 @@ def gluon_conflict(f: Mapping[str, Any], defaults: Mapping[str, Any]) -> str | N
     `defaults`: KernelConfig's field defaults (fields some schedules must leave at them)."""
     if f["dtype"] != "fp8":
         return f"dtype={f['dtype']!r}: backend='gluon' emits FP8 (e4m3) kernels only"
-    if (f["head_dim_qk"], f["head_dim_v"]) not in GLUON_HEAD_DIMS:
-        return (
-            f"head_dim_qk={f['head_dim_qk']}, head_dim_v={f['head_dim_v']}: backend='gluon' "
-            f"implements the head-dim pairs {[f'{a}/{b}' for a, b in GLUON_HEAD_DIMS]} only"
-        )
+    if why := gluon_head_dim_conflict(f):
+        return why
     if f["block_m"] not in (64, 128, 192):
         return (
             f"block_m={f['block_m']}: backend='gluon' runs one consumer warpgroup per 64 "

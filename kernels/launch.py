@@ -8,7 +8,7 @@ import math
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from zyfa_tune.generator import EmittedKernel, KernelConfig, emit, head_chunks
+from zyfa_tune.generator import EmittedKernel, KernelConfig, chunks_of, emit
 from zyfa_tune.generator.build import jit_function
 
 from . import fastlaunch, gluon_launch
@@ -343,10 +343,11 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 def _descriptor_widths(config: KernelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Distinct head-dim chunk widths of Q/K and of V, widest first (one descriptor each)."""
 
-    def widths(dim: int) -> tuple[int, ...]:
-        return tuple(sorted({w for _, w in head_chunks(dim)}, reverse=True))
+    def widths(chunks: list[tuple[int, int]]) -> tuple[int, ...]:
+        return tuple(sorted({w for _, w in chunks}, reverse=True))
 
-    return widths(config.head_dim_qk), widths(config.head_dim_v)
+    qk, v = chunks_of(config)
+    return widths(qk), widths(v)
 
 
 def _descriptor_specs(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list:

@@ -37,7 +37,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from zyfa_tune.generator import CHOICES, GLUON_HEAD_DIMS, KernelConfig
+from zyfa_tune.generator import CHOICES, KernelConfig
+from zyfa_tune.generator.rules import gluon_head_dim_conflict
 
 FIELDS = tuple(f.name for f in fields(KernelConfig))
 #: Fields that are the problem, not the kernel: never searched.
@@ -181,7 +182,7 @@ def backend_param(choices: tuple = ("triton", "gluon")) -> Param:
 
 
 def _gluon_implements(f: Mapping[str, Any]) -> bool:
-    return f["dtype"] == "fp8" and (f["head_dim_qk"], f["head_dim_v"]) in GLUON_HEAD_DIMS
+    return f["dtype"] == "fp8" and gluon_head_dim_conflict({**f, "v_layout": "transposed"}) is None
 
 
 def check_params(params: tuple[Param, ...]) -> None:

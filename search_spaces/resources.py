@@ -12,7 +12,7 @@ Limits come from the backend's target (`generator.HOPPER`).
 
 from __future__ import annotations
 
-from zyfa_tune.generator import HOPPER, KernelConfig, gluon_o_parts, gluon_registers, o_in_p_tile, p_tiles
+from zyfa_tune.generator import HOPPER, KernelConfig, chunks_of, gluon_o_parts, gluon_registers, o_in_p_tile, p_tiles
 
 #: The target's largest dynamic shared memory per block (227 KiB), under the name the calibration tests use.
 SMEM_LIMIT = HOPPER.shared_memory_bytes
@@ -25,6 +25,13 @@ def _elem_bytes(dtype: str) -> int:
 #: Shared memory beyond the tiles with TMA loads: mbarriers and the 1024-byte alignment of the
 #: swizzled TMA buffers (measured +32..+1024 B beyond the tiles).
 TMA_SMEM_MARGIN = 1024
+
+
+def loaded_widths(c: KernelConfig) -> tuple[int, int]:
+    """Columns of Q/K and of V the Triton kernel loads and multiplies: its chunks' widths, which exceed
+    the head dim where a last chunk overlaps the one before (generator.head_chunks)."""
+    qk, v = chunks_of(c)
+    return sum(w for _, w in qk), sum(w for _, w in v)
 
 
 def smem_estimate(c: KernelConfig) -> int:
@@ -41,9 +48,10 @@ def smem_estimate(c: KernelConfig) -> int:
     all 222 that did not.
     """
     e = _elem_bytes(c.dtype)
-    q = c.block_m * c.head_dim_qk * e
-    k = c.block_n * c.head_dim_qk * e * c.num_stages
-    v_tile = c.block_n * c.head_dim_v * e
+    dqk, dv = loaded_widths(c)
+    q = c.block_m * dqk * e
+    k = c.block_n * dqk * e * c.num_stages
+    v_tile = c.block_n * dv * e
     v_buffers = 1 if (c.dtype == "fp8" and c.loads == "pointer" and c.v_layout == "natural") else c.num_stages
     ones = c.block_n * 16 * e if c.rowsum == "mma" else 0
     margin = TMA_SMEM_MARGIN if c.loads == "tma" else 0
@@ -66,7 +74,7 @@ def register_estimate(c: KernelConfig) -> int:
     (305 of the 586 that spill); every config that did not spill stays 8 or more under its limit.
     """
     threads = 32 * c.num_warps
-    acc = c.block_m * c.head_dim_v // threads
+    acc = c.block_m * loaded_widths(c)[1] // threads
     scores = c.block_m * c.block_n // threads
     return acc + scores + scores // 4 + REGISTER_OVERHEAD
 
@@ -164,6 +172,13 @@ GLUON_SPLIT_O_F32_THREE_REGISTERS = 16
 GLUON_SPLIT_O_NO_PERM_THREE_REGISTERS = 32
 
 
+#: Extra registers of a consumer that reads V as given (v_layout="natural") beside Q/K in more than three
+#: parts (160 and 224 in 32-column parts: five and seven chained wgmmas): at 160/128 and 224/128 the
+#: natural-V seed spilled 8 bytes at an estimated 232 of 232 (16 with producer_regs 56), where 96/96,
+#: 192/128 (three parts), 160/64, 160/160 and 224/224 (the same estimate) did not
+GLUON_MANY_PARTS_NATURAL_REGISTERS = 8
+
+
 def gluon_register_estimate(c: KernelConfig) -> int:
     """Registers per thread a Gluon consumer warpgroup needs at least: its 64 x head_dim fp32
     accumulator, the 64 x block_n fp32 scores and, with overlap, the previous block's P carried into
@@ -206,6 +221,8 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and (c.overlap or c.block_m == 192) else 0
     mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
+    many_parts = c.head_dim_qk // (c.head_dim_qk & -c.head_dim_qk) > 3 and c.v_layout == "natural"
+    table += GLUON_MANY_PARTS_NATURAL_REGISTERS if many_parts and dp == 128 else 0
     wide_plain = (
         GLUON_WIDE_PLAIN_REGISTERS + (GLUON_WIDE_PLAIN_MMA_REGISTERS if c.rowsum == "mma" else 0)
         if dp == 256 and c.block_n >= 128 and not (c.overlap or c.pv_defer)

@@ -54,7 +54,7 @@ def test_torch_compile_fullgraph_traces_a_block_through_the_op():
         (lambda: (*_qkv()[:2], _qkv(torch.float16)[2]), {}, TypeError, "v: dtype torch.float16 differs"),
         (lambda: _qkv(torch.float8_e4m3fn), {}, TypeError, "q: dtype .*flash_attn_func"),
         (lambda: _qkv(torch.float32), {}, TypeError, "q: dtype torch.float32 is not supported"),
-        (lambda: _qkv(d=80), {}, ValueError, "q: head_dim 80 is not supported"),
+        (lambda: _qkv(d=84), {}, ValueError, "q: head_dim: 84 is not a head dim"),
         (lambda: _qkv(h=6, hk=4), {}, ValueError, "k: kv_heads=4 must divide"),
         (lambda: (_qkv()[0], _qkv(s=32)[1], _qkv()[2]), {}, ValueError, "v: shape"),
         (lambda: (_qkv()[0][0], *_qkv()[1:]), {}, ValueError, "q: expected 4 dims"),

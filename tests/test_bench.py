@@ -71,7 +71,7 @@ def test_shapes_from_flags():
     with pytest.raises(ValueError, match="--seqlens"):
         shapes_from(128, None, "4k")
     with pytest.raises(ValueError, match="head_dim_qk"):
-        shapes_from(80, None, "1024")
+        shapes_from(84, None, "1024")
     with pytest.raises(ValueError, match="kv_heads"):
         shapes_from(128, None, "1024", "1x8", kv_heads=3)
 

@@ -66,7 +66,7 @@ def test_key_from_shape():
     [
         ("dtype", "fp16"),
         ("dtype", 'fp8"; import os'),
-        ("head_dim_qk", 80),
+        ("head_dim_qk", 84),
         ("head_dim_v", "128"),
         ("causal", 1),
         ("batch", 0),

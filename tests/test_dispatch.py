@@ -89,8 +89,11 @@ def test_nearest_same_head_dims(db):
     # 8K is one bucket from 4K and two from 32K
     choice = d.choose(key(8192), H200)
     assert choice.source == "nearest" and choice.config == cfg(num_stages=2) and choice.tuned_key == key(4096)
-    # other head dims never serve as "nearest"
+    # other head dims never serve as "nearest": a width with no entry (80, 96 beside it) gets its own default
     assert d.choose(key(8192, d=256), H200).source == "default"
+    for width in (80, 40):
+        choice = d.choose(key(8192, d=width), H200)
+        assert choice.source == "default" and choice.config == default_config("fp8", width, width)
 
 
 def test_other_device_warns_and_other_arch_is_ignored(db):

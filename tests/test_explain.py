@@ -64,8 +64,8 @@ def test_meta_arguments_are_checked():
     q, k, v = meta()
     with pytest.raises(TypeError, match="^k: dtype torch.float8_e4m3fn differs from q's torch.bfloat16"):
         explain(q, k.to(FP8), v, gpu=H200)
-    with pytest.raises(ValueError, match="^q: head_dim 80 is not supported"):
-        explain(*meta(dqk=80), gpu=H200)
+    with pytest.raises(ValueError, match="^q: head_dim: 84 is not a head dim"):
+        explain(*meta(dqk=84), gpu=H200)
     with pytest.raises(ValueError, match="^softmax_scale"):
         explain(q, k, v, softmax_scale=-1.0, gpu=H200)
     with pytest.raises(TypeError, match="^gpu: expected a GPU name"):

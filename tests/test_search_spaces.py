@@ -216,7 +216,7 @@ def test_suggest_marks_infeasible_trials():
     assert config is None
     assert trial.user_attrs["infeasible"].startswith("shared memory")
     with pytest.raises(ConfigError):  # unsupported head dims are the caller's error
-        space.suggest(study().ask(), 80, 80)
+        space.suggest(study().ask(), 84, 84)
 
 
 def test_config_from():

@@ -46,7 +46,7 @@ def spec(tmp_path, **kw) -> TuneSpec:
 
 def test_spec_validation(tmp_path):
     with pytest.raises(ValueError, match="head_dim_qk"):
-        spec(tmp_path, head_dim_qk=80)
+        spec(tmp_path, head_dim_qk=84)
     with pytest.raises(ValueError, match="seqlens"):
         spec(tmp_path, seqlens=())
     with pytest.raises(ValueError, match="kv_heads"):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from zyfa_tune.generator import GENERATOR_VERSION, HEAD_DIMS, HOPPER, KernelConfig
+from zyfa_tune.generator import GENERATOR_VERSION, HOPPER, KernelConfig, head_dim_error
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.kernels.launch import BoundLaunch, bind, for_v_layout
 
@@ -47,8 +47,8 @@ def check_tensor(
         )
     elif t.dtype not in dtypes:
         problems.add(TypeError, f"{name}: dtype {t.dtype} is not supported; use {' or '.join(map(str, dtypes))}{hint}")
-    elif name != "k" and t.shape[3] not in HEAD_DIMS:  # (k's must equal q's)
-        problems.add(ValueError, f"{name}: head_dim {t.shape[3]} is not supported; supported: {list(HEAD_DIMS)}")
+    elif name != "k" and (why := head_dim_error(f"{name}: head_dim", int(t.shape[3]))):  # (k's must equal q's)
+        problems.add(ValueError, why)
     else:
         return True
     return False

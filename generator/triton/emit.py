@@ -28,14 +28,34 @@ _TL_DTYPE = {"fp8": "tl.float8e4nv", "bf16": "tl.bfloat16"}
 _M_INIT = "-1.0e30"
 
 
-def head_chunks(dim: int) -> list[tuple[int, int]]:
-    """Split a head dim into power-of-two (offset, width) chunks, widest first: 96 -> 64+32."""
+def head_chunks(dim: int, min_width: int = 16) -> list[tuple[int, int]]:
+    """Split a head dim into power-of-two (offset, width) chunks, widest first: 96 -> 64+32. A rest
+    narrower than `min_width` (tl.dot's and a TMA box's smallest: 16 columns, 32 for an FP8 reduction)
+    is read as the last `min_width` columns of the head instead, overlapping the chunk before it
+    (80 at 32 -> 64 + columns 48..80): every load stays inside the head (no padding, no next head's
+    columns), and `chunk_skips` says which of its columns the previous chunk already covered."""
     chunks, offset = [], 0
     while offset < dim:
         width = 1 << int(math.log2(dim - offset))
+        if width < min_width:
+            chunks.append((dim - min_width, min_width))
+            break
         chunks.append((offset, width))
         offset += width
     return chunks
+
+
+def chunks_of(config: KernelConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The (offset, width) chunks of Q/K and of V that the Triton kernel loads (one TMA descriptor per
+    distinct width): FP8 wgmma reduces 32 columns per instruction, so an FP8 Q/K chunk is >= 32 wide."""
+    return head_chunks(config.head_dim_qk, 32 if config.dtype == "fp8" else 16), head_chunks(config.head_dim_v)
+
+
+def chunk_skips(chunks: list[tuple[int, int]]) -> list[int]:
+    """Leading columns of each chunk that an earlier chunk already covers (0 but for an overlapping
+    last chunk): a reduction over the head dim zeroes them in one operand so they count once."""
+    ends = [0] + [off + w for off, w in chunks[:-1]]
+    return [max(0, end - off) for end, (off, _) in zip(ends, chunks)]
 
 
 def emit(config: KernelConfig) -> EmittedKernel:
@@ -50,8 +70,7 @@ def emit(config: KernelConfig) -> EmittedKernel:
 class _Emitter:
     def __init__(self, c: KernelConfig):
         self.c = c
-        self.qk_chunks = head_chunks(c.head_dim_qk)
-        self.v_chunks = head_chunks(c.head_dim_v)
+        self.qk_chunks, self.v_chunks = chunks_of(c)
         self.pdt = _TL_DTYPE[c.dtype]
         self.lean = c.softmax == "lean"
 
@@ -160,6 +179,10 @@ class _Emitter:
                     f"    q{i} = tl.load(q_base + offs_m[:, None] * stride_qs + ({off} + tl.arange(0, {w}))[None, :],"
                     f" mask=row_ok[:, None], other=0.0)"
                 )
+        for i, skip in enumerate(chunk_skips(self.qk_chunks)):
+            if skip:  # an overlapping last chunk: its first columns were multiplied already
+                w = self.qk_chunks[i][1]
+                lines.append(f"    q{i} = tl.where((tl.arange(0, {w}) >= {skip})[None, :], q{i}, tl.zeros_like(q{i}))")
         for i, (_, w) in enumerate(self.v_chunks):
             lines.append(f"    acc{i} = tl.zeros([{bm}, {w}], dtype=tl.float32)")
         lines += [

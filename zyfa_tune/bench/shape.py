@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zyfa_tune.generator import HEAD_DIMS
+from zyfa_tune.generator import head_dim_error
 from zyfa_tune.tuning.worker import Shape
 
 #: tokens per shape when no batch is given: batch = max(1, TOKENS // seqlen), as `zyfa-tune tune`
@@ -23,8 +23,8 @@ class BenchShape(Shape):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("head_dim_qk", "head_dim_v"):
-            if getattr(self, name) not in HEAD_DIMS:
-                raise ValueError(f"{name}: {getattr(self, name)} is not one of {list(HEAD_DIMS)}")
+            if why := head_dim_error(name, getattr(self, name)):
+                raise ValueError(why)
 
     @property
     def label(self) -> str:

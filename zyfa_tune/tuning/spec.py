@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from zyfa_tune.db import APIS, DatabaseError
-from zyfa_tune.generator import HEAD_DIMS, KernelConfig
+from zyfa_tune.generator import KernelConfig, head_dim_error
 from zyfa_tune.search_spaces import get_space
 from zyfa_tune.tuning.inputs import check_input_family
 from zyfa_tune.tuning.runners import parse_runner
@@ -69,8 +69,8 @@ class TuneSpec:
         if self.api == "bf16" and self.dtype != "fp8":
             raise ValueError("api: 'bf16' quantises bf16 inputs to FP8 codes: its kernels are dtype 'fp8'")
         for name in ("head_dim_qk", "head_dim_v"):
-            if getattr(self, name) not in HEAD_DIMS:
-                raise ValueError(f"{name}: {getattr(self, name)} is not one of {list(HEAD_DIMS)}")
+            if why := head_dim_error(name, getattr(self, name)):
+                raise ValueError(why)
         check_input_family(self.input_family, self.inputs, what="input_family")
         if self.inputs is not None:
             if self.seqlens:
