@@ -183,7 +183,7 @@ def craft(path) -> dict:
             f"INSERT INTO environments (id, digest, {env_cols}) VALUES (51, ?, {', '.join('?' * len(forged))})",
             (fingerprint(H100).digest(), *forged.values()),
         )
-        con.execute("INSERT INTO problems VALUES (60, 'fp8', 80, 80, 1, 1, 8192, 64, 'fp8')")
+        con.execute("INSERT INTO problems VALUES (60, 'fp8', 84, 84, 1, 1, 8192, 64, 'fp8')")
         con.execute("INSERT INTO problems VALUES (61, 'fp8', 128, 128, 2, 1, 8192, 64, 'fp8')")
         con.execute("INSERT INTO problems VALUES (62, 'fp8''; DROP TABLE trials; --', 128, 128, 1, 1, 8192, 64, 'fp8')")
         # hostile variants, each used by an otherwise fine trial of the 128/128 problem (id 1)
