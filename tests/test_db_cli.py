@@ -5,6 +5,7 @@ text printed literally, and `--version` / `--help`."""
 from __future__ import annotations
 
 import sqlite3
+import sys
 
 import pytest
 from test_db_support import H100, config, fingerprint, key, record
@@ -19,6 +20,15 @@ def wide_console(monkeypatch, tmp_path):
     """A wide console (table cells unfolded) and a default database path that does not exist."""
     monkeypatch.setattr(common.console, "_width", 400)
     monkeypatch.setenv("ZYFA_TUNE_DB", str(tmp_path / "cache" / "tuning.db"))
+
+
+@pytest.fixture
+def no_postgres_driver(monkeypatch):
+    """As on a machine without the postgres extra: importing a PostgreSQL driver fails."""
+    from zyfa_tune.db.session import POSTGRES_DRIVERS
+
+    for name in POSTGRES_DRIVERS:
+        monkeypatch.setitem(sys.modules, name, None)
 
 
 def run(capsys, *argv: str) -> tuple[int, str]:
@@ -43,7 +53,7 @@ def test_without_a_database_the_shipped_one_is_shown(capsys, tmp_path, command):
         ("://", ["URL"]),
     ],
 )
-def test_a_bad_storage_url_is_one_line(capsys, url, words):
+def test_a_bad_storage_url_is_one_line(capsys, url, words, no_postgres_driver):
     rc, out = run(capsys, "show", "--storage", url)
     assert rc == 2
     lines = out.strip().splitlines()
@@ -53,7 +63,7 @@ def test_a_bad_storage_url_is_one_line(capsys, url, words):
         assert w in out
 
 
-def test_a_bad_study_storage_url_is_one_line(capsys, tmp_path):
+def test_a_bad_study_storage_url_is_one_line(capsys, tmp_path, no_postgres_driver):
     rc, out = run(
         capsys,
         "tune",
