@@ -12,7 +12,7 @@ import os
 import socket
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,39 @@ class Store:
         if given, must agree). A physically impossible timing is a ValueError; a simulated
         fingerprint is refused unless the store allows simulated rows (see `open_store`). Control
         characters of the message and provenance are dropped (checks.clean_text)."""
+        work = self._trial_work(fingerprint, key, config, result, backend, source_hash, study, provenance)
+        return self._write("record_trial", work)
+
+    def record_trials(
+        self,
+        fingerprint: Fingerprint,
+        config: KernelConfig,
+        results: Sequence[tuple[ProblemKey, TrialResult]],
+        *,
+        source_hash: str,
+        study: str | None = None,
+        provenance: str | None = None,
+    ) -> list[int]:
+        """`record_trial` for each (key, result) of one measured config, committed as one transaction:
+        a tuner killed between the shapes of a trial leaves all of its rows or none. The trials' ids."""
+        works = [
+            self._trial_work(fingerprint, key, config, result, None, source_hash, study, provenance)
+            for key, result in results
+        ]
+        return self._write("record_trials", lambda session: [work(session) for work in works])
+
+    def _trial_work(
+        self,
+        fingerprint: Fingerprint,
+        key: ProblemKey,
+        config: KernelConfig,
+        result: TrialResult,
+        backend: str | None,
+        source_hash: str,
+        study: str | None,
+        provenance: str | None,
+    ) -> Callable[[Session], int]:
+        """Check one trial's values and return the work that writes its rows inside a transaction."""
         _expect("fingerprint", fingerprint, Fingerprint)
         _expect("key", key, ProblemKey)
         _expect("config", config, KernelConfig)
@@ -146,7 +179,7 @@ class Store:
                 )
             return trial.id
 
-        return self._write("record_trial", work)
+        return work
 
     # ---- reading ------------------------------------------------------------------------------
     def best_entries(

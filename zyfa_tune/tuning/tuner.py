@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import optuna
 
 from zyfa_tune.db import Fingerprint, ProblemKey, TrialResult, open_store
-from zyfa_tune.db.trial_batch import record_trials
 from zyfa_tune.generator import GENERATOR_VERSION, HOPPER, KernelConfig, emit
 from zyfa_tune.generator.recipe import PLAIN, Recipe
 from zyfa_tune.search_spaces import SEED_RECIPES, get_space, recipe_neighbours, recipe_options, suggest_recipe
@@ -276,8 +275,7 @@ class Tuner:
             )
             for shape in self.spec.shapes
         ]
-        record_trials(
-            store,
+        store.record_trials(
             fp,
             cfg,
             list(zip(keys, results)),
