@@ -376,7 +376,7 @@ def explain(
     p = _prepare(q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, cuda=False)
     b, sq, h, dqk = p.q.shape
     key = dispatch.problem_key(p.dtype, dqk, p.v.shape[3], causal, b, h, p.k.shape[2], sq)
-    choice = dispatch.dispatcher().choose(key, _device_key(gpu, p.q.device))
+    choice = dispatch.dispatcher().choose(key, device_key_for(gpu, p.q.device))
     runs = for_v_layout(choice.config, p.v)
     if runs == choice.config:
         return choice
@@ -389,7 +389,7 @@ def explain(
     return replace(choice, config=runs, detail=f"{choice.detail}; {why}".lstrip("; "))
 
 
-def _device_key(gpu: str | None, device: torch.device) -> tuple[str, str, str]:
+def device_key_for(gpu: str | None, device: torch.device) -> tuple[str, str, str]:
     """The dispatcher's device key for `explain`: of the GPU named, the tensors' or the current one."""
     if gpu is not None:
         if not isinstance(gpu, str) or not gpu:

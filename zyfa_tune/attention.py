@@ -19,7 +19,7 @@ from zyfa_tune.generator.recipe import Recipe
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.kernels.launch import for_v_layout
 
-from .api import ArgumentProblems, _device_key, check_related, check_tensor, explain, flash_attn_func
+from .api import ArgumentProblems, check_related, check_tensor, device_key_for, explain, flash_attn_func
 from .quantize import quantize_fp8
 
 #: input dtypes of `attention` (FP8 codes go to `flash_attn_func`, which takes their descales)
@@ -80,7 +80,7 @@ def explain_attention(
     """The recipe and kernel `attention` would run for these arguments, and why (no launch; meta
     tensors ask about a shape without a GPU, `gpu` naming the GPU as `zyfa_tune.explain` takes it)."""
     scale = _check(q, k, v, causal, softmax_scale, error_budget)
-    device = _device_key(gpu, q.device)
+    device = device_key_for(gpu, q.device)
     chosen = dispatch.dispatcher().choose_recipe(_key(q, k, v, causal), device, float(error_budget))
     codes = [torch.empty(t.shape, dtype=torch.float8_e4m3fn, device=t.device) for t in (q, k, v)]
     if chosen.kernel is None:
