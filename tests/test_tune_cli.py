@@ -110,3 +110,31 @@ def test_failures_are_counted_at_the_end_and_listed_by_trials(tmp_path, capsys):
     assert "--study: other is not a study" in capsys.readouterr().out
     assert cli.main(["trials", "--study-storage", str(tmp_path / "none.journal")]) == 2
     assert "--study-storage: no journal file" in capsys.readouterr().out
+
+
+def test_trials_without_a_study_lists_the_one_tuned_last(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ZYFA_TUNE_DB", str(tmp_path / "cache" / "tuning.db"))
+    assert cli.main(["trials"]) == 2
+    assert "no study in the default place yet" in capsys.readouterr().out
+    for dims in (["--head-dim", "64"], ["--head-dim", "128"]):
+        rc = cli.main(
+            [
+                "tune",
+                *dims,
+                "--seqlens",
+                "4096",
+                "--trials",
+                "2",
+                "--runner",
+                "simulate",
+                "--storage",
+                str(tmp_path / "t.db"),
+                "--warm-start",
+                "none",
+            ]
+        )
+        assert rc == 0
+    capsys.readouterr()
+    assert cli.main(["trials"]) == 0
+    out = capsys.readouterr().out
+    assert "the study tuned last: fp8-128x128-causal" in out and "2 trial(s)" in out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
@@ -18,8 +19,13 @@ def _study_storage(args: argparse.Namespace) -> str:
         if "://" not in args.study_storage and not os.path.isfile(args.study_storage):
             raise ValueError(f"--study-storage: no journal file {args.study_storage!r}")
         return args.study_storage
-    if args.study is None:
-        raise ValueError("--study: give the study's name (as `zyfa-tune tune` printed it), or --study-storage")
+    if args.study is None:  # the study tuned last in the default place
+        journals = sorted(Path(default_study_storage("_")).parent.glob("*.journal"), key=os.path.getmtime)
+        journals = [j for j in journals if j.stat().st_size]
+        if not journals:
+            raise ValueError("--study: no study in the default place yet; give its name or --study-storage")
+        console.print(f"the study tuned last: {journals[-1].stem} (--study NAME for another)", markup=False)
+        return str(journals[-1])
     target = default_study_storage(args.study)
     if not os.path.isfile(target):
         raise ValueError(
@@ -58,7 +64,9 @@ def cmd_trials(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("trials", help="list a study's trials: status, value and why each failed")
-    p.add_argument("--study", default=None, help="study name (as `zyfa-tune tune` printed it)")
+    p.add_argument(
+        "--study", default=None, help="study name, as `zyfa-tune tune` printed it (default: the one tuned last)"
+    )
     p.add_argument(
         "--study-storage",
         default=None,
