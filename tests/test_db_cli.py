@@ -159,3 +159,27 @@ def test_version_and_defaults_in_help(capsys):
     with pytest.raises(SystemExit):
         cli.main(["verify", "--help"])
     assert "(default: 0.1)" in capsys.readouterr().out
+
+
+def test_best_names_each_entry_api_recipe_and_error_against_the_reference(capsys, tmp_path):
+    import dataclasses
+
+    from zyfa_tune.generator.recipe import Recipe
+
+    path = tmp_path / "t.db"
+    with open_store(path) as store:
+        record(store, 1.0)
+        record(
+            store,
+            1.2,
+            k=dataclasses.replace(key(), api="bf16"),
+            recipe=Recipe(hadamard=True, v_rounding="balanced"),
+            error_rel_l2=0.021,
+            error_ref=0.02,
+        )
+    rc, out = run(capsys, "best", "--storage", str(path))
+    assert rc == 0
+    rows = [line for line in out.splitlines() if "NVIDIA H200" in line]
+    bf16 = next(r for r in rows if "│ bf16 " in r)
+    assert "hadamard v_rounding=balanced" in bf16 and "1.050" in bf16
+    assert any("│ fp8 " in r and "plain" in r for r in rows)

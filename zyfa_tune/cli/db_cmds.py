@@ -32,10 +32,21 @@ def _read_store(args: argparse.Namespace):
     return open_store(storage, readonly=True, create=False)
 
 
+def _recipe(text: str | None) -> Text | str:
+    """A stored recipe as its summary ("plain" where none is stored), or why it does not parse."""
+    from zyfa_tune.generator.recipe import PLAIN, Recipe
+
+    try:
+        return (PLAIN if text is None else Recipe.from_json(text)).summary()
+    except ConfigError as exc:
+        return Text.assemble(("invalid: ", "red"), plain(exc))
+
+
 def _best_table(entries, title: str) -> Table:
     table = Table(title=plain(title))
     for col in (
         "GPU",
+        "api",
         "dtype",
         "dqk/dv",
         "causal",
@@ -45,6 +56,8 @@ def _best_table(entries, title: str) -> Table:
         "ms",
         "TFLOP/s",
         "rel.L2",
+        "x ref",
+        "recipe",
         "config",
         "provenance",
     ):
@@ -57,6 +70,7 @@ def _best_table(entries, title: str) -> Table:
             summary = Text.assemble(("invalid: ", "red"), plain(exc))
         table.add_row(
             plain(e.fingerprint.gpu_name),
+            k.api,
             k.dtype,
             f"{k.head_dim_qk}/{k.head_dim_v}",
             str(k.causal),
@@ -66,6 +80,8 @@ def _best_table(entries, title: str) -> Table:
             f"{e.median_ms:.3f}",
             f"{e.tflops:.0f}" if e.tflops else "-",
             f"{e.error_rel_l2:.2e}" if e.error_rel_l2 is not None else "-",
+            f"{e.error_ratio:.3f}" if e.error_ratio is not None else "-",
+            _recipe(e.recipe),
             summary,
             plain(e.provenance),
         )
