@@ -138,3 +138,16 @@ def test_trials_without_a_study_lists_the_one_tuned_last(tmp_path, capsys, monke
     assert cli.main(["trials"]) == 0
     out = capsys.readouterr().out
     assert "the study tuned last: fp8-128x128-causal" in out and "2 trial(s)" in out
+
+
+def test_a_simulating_study_writes_beside_the_default_database(tmp_path, monkeypatch):
+    from zyfa_tune.tuning.spec import TuneSpec
+
+    monkeypatch.setenv("ZYFA_TUNE_DB", str(tmp_path / "cache" / "tuning.db"))
+    spec = TuneSpec(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(4096,), trials=1, runner="simulate")
+    assert spec.storage == str(tmp_path / "cache" / "simulated.db")
+    named = TuneSpec(
+        dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(4096,), trials=1, runner="simulate", storage="x.db"
+    )
+    assert named.storage == "x.db"
+    assert TuneSpec(dtype="fp8", head_dim_qk=128, head_dim_v=128, seqlens=(4096,), trials=1).storage is None

@@ -101,13 +101,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     runner, gpus = args.runner, _gpus(args.gpus)
     _check_gpus(gpus, runner)  # a bad runner is named here too, before anything else is checked
-    storage = args.storage
-    if storage is None and parse_runner(runner).kind != "gpu":
-        from zyfa_tune.db import default_db_path
-
-        # the default database feeds the dispatcher: simulated results go beside it, not into it
-        storage = str(default_db_path().with_name("simulated.db"))
-        console.print(f"runner {runner} simulates its measurements: results go to {storage} (--storage to choose)")
     spec = TuneSpec(
         dtype=args.dtype,
         head_dim_qk=args.head_dim,
@@ -120,7 +113,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         trials=args.trials,
         time_budget_s=parse_duration(args.time) if args.time else None,
         gpus=gpus,
-        storage=storage,
+        storage=args.storage,
         study_storage=args.study_storage,
         study_name=args.study,
         resume=args.resume,
@@ -153,6 +146,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
             t.add_row("measured per GPU", ", ".join(f"gpu {g}: {n}" for g, n in sorted(p.by_gpu.items())) or "-")
         return t
 
+    if parse_runner(spec.runner).kind != "gpu":
+        console.print(f"runner {spec.runner} simulates its measurements: results go to {spec.storage}", markup=False)
     if spec.warm_start:
         console.print(
             f"warm start: {len(spec.warm_configs)} stored best config(s) of {spec.head_dim_qk}/"

@@ -10,7 +10,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from zyfa_tune.db import APIS, DatabaseError
+from zyfa_tune.db import APIS, DatabaseError, default_db_path
 from zyfa_tune.generator import KernelConfig, head_dim_error
 from zyfa_tune.search_spaces import get_space
 from zyfa_tune.tuning.inputs import check_input_family
@@ -18,6 +18,8 @@ from zyfa_tune.tuning.runners import parse_runner
 from zyfa_tune.tuning.warm_start import stored_bests
 from zyfa_tune.tuning.worker import Shape
 
+#: where a study whose runner simulates its measurements writes when no storage is named
+SIMULATED_DB = "simulated.db"
 SAMPLERS = ("tpe", "random")
 #: An accuracy gate at least this loose (allowed error / the exact reference's) admits lean P's linear
 #: fold (measured 1.33-1.40x): such a study, or a multi-objective one, is also seeded with the space's
@@ -39,7 +41,8 @@ class TuneSpec:
     trials: int | None = None
     time_budget_s: float | None = None
     gpus: tuple[int | None, ...] = (None,)
-    storage: str | None = None  # tuning database (path or SQLAlchemy URL); None = default
+    storage: str | None = None  # tuning database (path or SQLAlchemy URL); None = default (simulated.db
+    # beside it for a runner that simulates its measurements)
     study_storage: str | None = None  # Optuna storage URL or journal file; None = journal in cache
     study_name: str | None = None
     resume: bool = False
@@ -91,7 +94,9 @@ class TuneSpec:
             raise ValueError(f"sampler: {self.sampler!r} is not one of {list(SAMPLERS)}")
         if not self.gpus:
             raise ValueError("gpus: need at least one")
-        parse_runner(self.runner)  # ValueError naming the runner
+        if parse_runner(self.runner).kind != "gpu" and self.storage is None:  # (ValueError naming the runner)
+            # the default database feeds the dispatcher: simulated results go beside it, not into it
+            object.__setattr__(self, "storage", str(default_db_path().with_name(SIMULATED_DB)))
         if (
             isinstance(self.gate, bool)
             or not isinstance(self.gate, (int, float))
