@@ -147,7 +147,7 @@ def quantize_tensors(
     On a GPU, tensors that take the same compiled passes (head dim, dtype, options, last stride) are
     one launch per pass: each program finds its tensor from its index (quantize_fp8's plain Q, K and
     V: two launches in all). The amaxes of all tensors are one zeroed buffer and their descales
-    views of one more. What depends only on the layouts is kept in a plan per layout: a call costs
+    views of one more, each starting 16-byte aligned (`scale_row`). What depends only on the layouts is kept in a plan per layout: a call costs
     four allocations and the launches (host time: docs/results.md)."""
     if balance_last and (items[-1][1] or items[-1][2] is not None):
         raise ValueError("balance_last: the balanced tensor (V) cannot be rotated or centred")
@@ -201,8 +201,9 @@ def quantize_tensors(
             last if k_major_last else -1,
             last if balance_last else -1,
         )
-    amax = torch.zeros(len(xs) * b * kv_heads, dtype=torch.float32, device=xs[0].device)
-    descales = torch.empty(len(xs), b, kv_heads, dtype=torch.float32, device=xs[0].device)
+    row = scale_row(b, kv_heads)
+    amax = torch.zeros(len(xs) * row, dtype=torch.float32, device=xs[0].device)
+    descales = torch.empty(len(xs), row, dtype=torch.float32, device=xs[0].device)
     codes = [_codes_buffer(x, k_major_last and i == len(xs) - 1) for i, x in enumerate(xs)]
     free = weight = amax  # (placeholders where nothing is balanced)
     if balance_last:  # which keys of each block may move, pass 1 to pass 2 (every entry written by pass 1)
@@ -217,7 +218,14 @@ def quantize_tensors(
             else balance_weight.contiguous()
         )
     plan(xs, means, amax, descales, codes, free, weight)
-    return codes, list(descales.unbind(0))
+    return codes, [d[: b * kv_heads].view(b, kv_heads) for d in descales.unbind(0)]
+
+
+def scale_row(batch: int, kv_heads: int) -> int:
+    """Floats per tensor in the amax and descale buffers: batch x kv_heads rounded up to 16 bytes, so
+    that each returned descale starts 16-byte aligned, as the FP8 kernels' bound fast path requires
+    of every pointer (an unaligned descale would send each of its calls through the checked path)."""
+    return -(-batch * kv_heads // 4) * 4
 
 
 def _codes_buffer(x: torch.Tensor, k_major: bool) -> torch.Tensor:
@@ -302,7 +310,7 @@ class _Group:
         self.tail = (
             starts[1],
             starts[min(2, len(members))],  # P1, P2: where segments 1, 2 start
-            *(i * b * kv_heads for i in self.members),  # F0, F1, F2: their first scales
+            *(i * scale_row(b, kv_heads) for i in self.members),  # F0, F1, F2: their first scales
             *(f[k] for k in range(6) for f in fields),
             x0.stride(3),
             d,

@@ -117,6 +117,18 @@ _SEGMENT_ARGS = ["P1", "P2", "F0", "F1", "F2"]
 
 
 @triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _abs_max(x, axis: tl.constexpr = None):
+    """max |x| with a NaN kept (tl.max drops it): a NaN input gives its (batch, kv head) a NaN descale,
+    as the reference's amax does, so the output shows the bad input instead of hiding it."""
+    return tl.reduce(tl.abs(x), axis, _max_keep_nan)
+
+
+@triton.jit
 def _free_slot(b, h, H, s0, SKP):
     """Where the mask of the block of keys from s0 of (batch b, head h) sits in FREE: (B, H, SKP / 16)."""
     return (b.to(tl.int64) * H + h) * (SKP // _BALANCE_KEYS) + s0 // _BALANCE_KEYS
@@ -206,18 +218,20 @@ def _amax_kernel(
     if ROTATE:
         m = 0.0
         for c0 in range(0, DP, BN):
-            m = tl.maximum(m, tl.max(tl.abs(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS))))
+            m = _max_keep_nan(m, _abs_max(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS)))
     elif BALANCED:  # and which keys may move (`_free_keys`; rows past S are 0), a bit each, for pass 2
-        rows = tl.max(tl.abs(x.to(tl.float32)), axis=1)
-        m = tl.max(rows)
+        rows = _abs_max(x.to(tl.float32), axis=1)
+        m = _abs_max(rows)
         e = tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 0xFF, _BALANCE_ROW_BITS + 1)
         fixed = (rows * ((254 + _BALANCE_ROW_BITS - e) << 23).to(tl.float32, bitcast=True)).to(tl.int32)
         ok = fixed * (_BALANCE_SKIP * _BALANCE_KEYS) >= tl.sum(fixed)
         mask = tl.sum(tl.where(ok, 1 << tl.arange(0, BLOCK_S), 0))
         tl.store(FREE + _free_slot(b, h, H, s0, SKP), mask)
     else:
-        m = tl.max(tl.abs(x.to(tl.float32)))
-    tl.atomic_max(AMAX + kv, m, sem="relaxed")  # m >= 0: the result does not depend on the order
+        m = _abs_max(x.to(tl.float32))
+    # m is >= 0 or a NaN with its sign bit clear: as int32 bits these order as the floats do with the NaN
+    # on top (a float atomic_max would drop it); the result does not depend on the order
+    tl.atomic_max(AMAX.to(tl.pointer_type(tl.int32)) + kv, m.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit(do_not_specialize=_SEGMENT_ARGS)
@@ -311,7 +325,7 @@ def _codes_kernel(
         CENTER,
         not BALANCED,
     )
-    descale = tl.maximum(tl.load(AMAX + kv), _AMAX_FLOOR) * _INV_E4M3_MAX  # as the reference
+    descale = _max_keep_nan(tl.load(AMAX + kv), _AMAX_FLOOR) * _INV_E4M3_MAX  # as the reference
     if (s0 == 0) & (h % GROUP == 0):
         tl.store(DESCALE + kv, descale)
     scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), descale)

@@ -190,7 +190,8 @@ def test_plan_groups_tensors_by_their_passes():
     """One launch per pass for the tensors that take the same compiled passes (CPU: a plan is built
     from shapes and strides only): plain Q, K, V of one head dim are one group of three segments; a
     rotation splits off V, K smoothing K (a centred tensor is always alone), another head dim V.
-    Segment starts are cumulative program counts, buffer offsets (batch x kv heads) per tensor."""
+    Segment starts are cumulative program counts, buffer offsets (batch x kv heads, 6 here, rounded up
+    to 16 bytes: 8 floats) per tensor."""
     from zyfa_tune.kernels.quantize import _Plan
 
     b, hk = 2, 3
@@ -199,11 +200,11 @@ def test_plan_groups_tensors_by_their_passes():
     plain = _Plan([q, k, v], [False] * 3, [False] * 3, hk).groups
     assert [(g.members, g.consts["NSEG"]) for g in plain] == [((0, 1, 2), 3)]
     nq, nk = -(-100 // rows) * b * 6, -(-300 // rows) * b * 3
-    assert plain[0].grid == (nq + 2 * nk,) and plain[0].tail[:5] == (nq, nq + nk, 0, b * hk, 2 * b * hk)
+    assert plain[0].grid == (nq + 2 * nk,) and plain[0].tail[:5] == (nq, nq + nk, 0, 8, 16)
     assert plain[0].tail[5:8] == (100, 300, 300)  # S per segment
     rotated = _Plan([q, k, v], [True, True, False], [False] * 3, hk).groups
     assert [(g.members, g.consts["ROTATE"]) for g in rotated] == [((0, 1, 0), True), ((2, 2, 2), False)]
-    assert rotated[1].tail[:5] == (rotated[1].grid[0],) * 2 + (2 * b * hk,) * 3
+    assert rotated[1].tail[:5] == (rotated[1].grid[0],) * 2 + (16,) * 3
     smooth = _Plan([q, k, v], [False] * 3, [False, True, False], hk).groups
     assert [(g.members, g.consts["CENTER"]) for g in smooth] == [((0, 2, 0), False), ((1, 1, 1), True)]
     both = _Plan([k, k, k], [False] * 3, [True] * 3, hk).groups
@@ -334,6 +335,44 @@ def test_quantize_fp8_on_the_gpu_is_the_cpu_arithmetic():
             _codes_close(t.cpu().contiguous(), c.contiguous(), exact=exact)
         for c, t in zip(cpu[3:], gpu[3:]):  # rotated or centred: float32 summation order
             torch.testing.assert_close(t.cpu(), c, rtol=0 if exact else 2e-5, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "opts", [{}, dict(hadamard=True), dict(smooth_k=True), dict(v_rounding="balanced", v_layout="k_major")]
+)
+def test_a_non_finite_input_gives_its_head_a_non_finite_descale(poison, opts):
+    """As the CPU arithmetic does (torch's amax keeps a NaN; Triton's max and float atomic_max drop it):
+    a NaN or inf in one (batch, kv head) makes that descale non-finite and leaves the others as they were."""
+    g = torch.Generator().manual_seed(4)
+    clean = [torch.randn(2, 300, h, 128, generator=g).to(torch.bfloat16).cuda() for h in (4, 2, 2)]
+    want = quantize_fp8(*clean, **opts)[3:]
+    for which in range(3):
+        dirty = [t.clone() for t in clean]
+        dirty[which][1, 7, 2 if which == 0 else 1, 3] = poison
+        got = quantize_fp8(*dirty, **opts)[3:]
+        cpu = quantize_fp8(*(t.cpu() for t in dirty), **opts)[3:]
+        for i, (d, w, c) in enumerate(zip(got, want, cpu)):
+            bad = ~torch.isfinite(d)
+            assert torch.equal(bad.cpu(), ~torch.isfinite(c)), (which, i)
+            if i == which:
+                assert bad[1, 1] and not bad[0].any(), (which, i, d)
+            else:
+                assert torch.equal(d, w), (which, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,kv_heads", [(1, 1), (1, 2), (3, 1), (2, 3)])
+def test_descales_start_16_byte_aligned(batch, kv_heads):
+    """The FP8 kernels' bound fast path takes only 16-byte aligned pointers: quantize_fp8's descales
+    (views of one buffer) must each start aligned whatever batch x kv_heads is."""
+    q, k, v = (torch.randn(batch, 64, kv_heads * g, 64, device="cuda").to(torch.bfloat16) for g in (2, 1, 1))
+    for opts in ({}, dict(v_rounding="balanced", v_layout="k_major")):
+        out = quantize_fp8(q, k, v, **opts)
+        assert all(d.data_ptr() % 16 == 0 and d.shape == (batch, kv_heads) for d in out[3:]), opts
+        want = quantize_fp8(q.cpu(), k.cpu(), v.cpu(), **opts)[3:]
+        assert all(torch.equal(d.cpu(), w) for d, w in zip(out[3:], want)), opts
 
 
 @pytest.mark.gpu
