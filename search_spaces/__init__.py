@@ -21,7 +21,16 @@ from __future__ import annotations
 from .bf16_causal import SPACE as BF16_CAUSAL
 from .fp8_causal import SPACE as FP8_CAUSAL
 from .params import Param
-from .recipes import RECIPE_PARAMS, SEED_RECIPES, recipe_from_options, recipe_neighbours, recipe_options, suggest_recipe
+from .recipes import (
+    BALANCED,
+    K_MAJOR,
+    RECIPE_PARAMS,
+    recipe_from_options,
+    recipe_neighbours,
+    recipe_options,
+    seed_points,
+    suggest_recipe,
+)
 from .resources import (
     SMEM_LIMIT,
     gluon_register_estimate,
@@ -59,7 +68,9 @@ __all__ = [
     "gluon_register_estimate",
     "static_infeasibility",
     "RECIPE_PARAMS",
-    "SEED_RECIPES",
+    "BALANCED",
+    "K_MAJOR",
+    "seed_points",
     "suggest_recipe",
     "recipe_options",
     "recipe_from_options",

@@ -5,6 +5,7 @@ recipe, problem api "bf16" and reference error, and the dispatcher's bf16 lookup
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import optuna
 import pytest
@@ -15,8 +16,8 @@ from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.generator.recipe import PLAIN, RECIPE_CHOICES, Recipe
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.search_spaces import (
+    BALANCED,
     RECIPE_PARAMS,
-    SEED_RECIPES,
     recipe_from_options,
     recipe_neighbours,
     recipe_options,
@@ -35,7 +36,6 @@ def test_recipe_params_cover_every_recipe_and_round_trip():
     fancy = Recipe(hadamard=True, v_rounding="balanced", v_layout="k_major")
     assert recipe_from_options(recipe_options(fancy)) == fancy
     assert len(recipe_neighbours(PLAIN)) == len(RECIPE_CHOICES) and PLAIN not in recipe_neighbours(PLAIN)
-    assert SEED_RECIPES[0] == PLAIN
     study = optuna.create_study()
     study.enqueue_trial(recipe_options(fancy))
     assert suggest_recipe(study.ask()) == fancy
@@ -99,13 +99,15 @@ def test_bf16_api_study_records_recipes_and_the_dispatcher_serves_one(tmp_path):
     study = Tuner(s).run()
     params = [t.params for t in study.trials if t.state.is_finished()]
     assert all({p.key for p in RECIPE_PARAMS} <= set(p) for p in params)
-    first = study.trials[1]  # the seeds: the default kernel with each seed recipe
-    assert recipe_from_options(first.params) == SEED_RECIPES[1] and first.user_attrs["recipe"]
+    # the seeds, lean P first (whatever the gate: the recipe can pay for its error) with balanced V
+    first = study.trials[0]
+    assert recipe_from_options(first.params) == BALANCED and first.user_attrs["recipe"]
+    assert json.loads(first.user_attrs["config"])["softmax"] == "lean"
     with open_store(s.storage, readonly=True) as store:
         rows = store.trials()
         best = store.best_entries()
     assert rows and {r["api"] for r in rows} == {"bf16"} and all(r["error_ref"] for r in rows if r["status"] == "ok")
-    assert any(r["recipe"] is not None for r in rows) and any(r["recipe"] is None for r in rows)
+    assert any(r["recipe"] == BALANCED.to_json() for r in rows)  # plain is stored as None
     assert [b.key.api for b in best] == ["bf16"] and best[0].error_ratio <= 1.0
     d = dispatch.Dispatcher([s.storage])
     key = ProblemKey.from_shape(

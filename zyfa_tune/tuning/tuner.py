@@ -29,7 +29,7 @@ import optuna
 from zyfa_tune.db import Fingerprint, ProblemKey, TrialResult, open_store
 from zyfa_tune.generator import GENERATOR_VERSION, HOPPER, KernelConfig, emit
 from zyfa_tune.generator.recipe import PLAIN, Recipe
-from zyfa_tune.search_spaces import SEED_RECIPES, get_space, recipe_neighbours, recipe_options, suggest_recipe
+from zyfa_tune.search_spaces import get_space, recipe_neighbours, recipe_options, seed_points, suggest_recipe
 from zyfa_tune.tuning.runners import parse_runner
 from zyfa_tune.tuning.spec import LOOSE_GATE, Progress, TuneSpec
 from zyfa_tune.tuning.trials import requeue_killed
@@ -131,14 +131,22 @@ class Tuner:
         )
         study.set_user_attr("spec", {f.name: getattr(self.spec, f.name) for f in dataclasses.fields(self.spec)})
         self._recover(study)
-        for cfg in self.spec.enqueued + self.spec.warm_configs:  # first: WAITING trials run in the order
-            study.enqueue_trial(self._params(cfg), skip_if_exists=True)  # they were enqueued
+        # first: WAITING trials run in the order they were enqueued
+        for cfg, recipe in self._seed_points(self.spec.enqueued + self.spec.warm_configs):
+            study.enqueue_trial(self._params(cfg, recipe), skip_if_exists=True)
         if not exists:
-            loose = self.spec.multi_objective or self.spec.gate >= LOOSE_GATE
-            for cfg in study_seeds(self.space, self.spec.head_dim_qk, self.spec.head_dim_v, loose=loose):
-                for recipe in SEED_RECIPES if self._recipes else (None,):
-                    study.enqueue_trial(self._params(cfg, recipe), skip_if_exists=True)
+            # a bf16-API study's gate is on the whole call, whose error the recipe can lower by more
+            # than lean P raises it: its lean seeds are always measured (with balanced V first)
+            loose = self._recipes or self.spec.multi_objective or self.spec.gate >= LOOSE_GATE
+            seeds = study_seeds(self.space, self.spec.head_dim_qk, self.spec.head_dim_v, loose=loose)
+            for cfg, recipe in self._seed_points(seeds):
+                study.enqueue_trial(self._params(cfg, recipe), skip_if_exists=True)
         return study
+
+    def _seed_points(self, configs: list[KernelConfig]) -> list[tuple[KernelConfig, Recipe | None]]:
+        """The points to measure first for these configs: each with its seed recipes in a bf16-API
+        study (`search_spaces.seed_points`), alone in an FP8-API one."""
+        return seed_points(configs) if self._recipes else [(c, None) for c in configs]
 
     @property
     def _recipes(self) -> bool:
