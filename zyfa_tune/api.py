@@ -260,10 +260,10 @@ def flash_attn_func(
     positive: CUDA descales are read on a layout's first call (one synchronisation; not inside
     CUDA graph capture) and on every call with `validate=True` (which also repeats all the checks);
     otherwise they are used as given. q_descale * k_descale multiplies the scores of its (batch,
-    kv head): a zero product gives every query the plain mean of its visible V rows, a negative one
-    attends to the least similar keys instead of the most similar, NaN or inf make the rows NaN.
-    v_descale multiplies the output: zero gives zeros, a negative one negates it, NaN or inf give
-    NaN or inf.
+    kv head): a negative product attends to the least similar keys instead of the most similar, NaN
+    or inf make the rows NaN, and a zero product is undefined (rows on the causal edge may be NaN:
+    masking happens before the scale). v_descale multiplies the output: a negative one negates it,
+    NaN or inf give NaN or inf.
     """
     try:  # the layout key: every argument property the checked path depends on except data pointers
         key = (
