@@ -16,12 +16,22 @@ from .config import (
 from .emitted import EmittedKernel
 from .rules import GLUON_HEAD_DIMS
 from .triton.emit import chunk_skips, chunks_of, head_chunks
+from .triton.emit import emit as _triton_emit
 
 
-def emit(config: KernelConfig) -> EmittedKernel:
-    """Emit the kernel source of `config` with its backend's emitter (deterministic)."""
+def emit(config: KernelConfig, serving: bool = False) -> EmittedKernel:
+    """Emit the kernel source of `config` with its backend's emitter (deterministic). `serving`: the
+    variant that also takes packed sequences, a window and an LSE output (generator/triton/emit.py);
+    only the Triton backend has one."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
+    if serving:
+        if config.backend != "triton":
+            raise ValueError(
+                f"config: backend={config.backend!r} has no kernel for varlen, window_size or return_lse; "
+                "the Triton backend serves them"
+            )
+        return _triton_emit(config, serving=True)
     return backend_of(config).emit(config)
 
 

@@ -188,13 +188,19 @@ def _tool(name: str) -> str:
 
 
 def compile_for_target(
-    kernel: EmittedKernel, *, causal: bool = True, capability: int = 90, descales: bool = True
+    kernel: EmittedKernel,
+    *,
+    causal: bool = True,
+    capability: int = 90,
+    descales: bool = True,
+    serving: dict[str, bool] | None = None,
 ) -> CompiledArtifacts:
     """Compile the kernel for `capability` (default sm_90a) with no GPU present.
 
     Integer arguments that a real launch marks as multiples of 16 (strides, with contiguous
     last dims) are marked the same way, so the code matches what runs on the GPU. `descales=False`
-    compiles the specialisation a call without descales gets (QD/KD/VD None).
+    compiles the specialisation a call without descales gets (QD/KD/VD None). `serving`: the
+    constexprs of a serving-variant kernel (VARLEN, WINDOW, RETURN_LSE; all False where left out).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -216,8 +222,10 @@ def compile_for_target(
         elif n in ("Q", "K", "V", "O"):
             sig[n] = "*bf16" if n == "O" else ptr
             attrs[(i,)] = _DIV16
-        elif n.startswith("stride_") and not n.startswith("stride_d"):
+        elif n.startswith("stride_") and not n.startswith(("stride_d", "stride_l")):
             attrs[(i,)] = _DIV16
+    if "VARLEN" in names:
+        _serving_signature(names, dict(serving or {}), sig, constexprs, attrs)
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     module = load_module(kernel)
     compiled = triton.compile(
@@ -252,6 +260,18 @@ def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int, desc
 
 
 _DIV16 = [["tt.divisibility", 16]]
+
+
+def _serving_signature(names: list[str], flags: dict[str, bool], sig: dict, constexprs: dict, attrs: dict) -> None:
+    """The serving variant's options as a launch passes them: its constexprs, int32 cumulative
+    lengths and a float32 LSE (16-byte aligned allocations), or None where the option is off."""
+    for name in ("VARLEN", "WINDOW", "RETURN_LSE"):
+        sig[name], constexprs[name] = "constexpr", bool(flags.get(name, False))
+    for name, on, ptr in (("CU_Q", "VARLEN", "*i32"), ("CU_K", "VARLEN", "*i32"), ("LSE", "RETURN_LSE", "*fp32")):
+        if constexprs[on]:
+            sig[name], attrs[(names.index(name),)] = ptr, _DIV16
+        else:
+            sig[name], constexprs[name] = "constexpr", None
 
 
 def _scalar_signature(names: list[str], causal: bool, descales: bool) -> tuple[dict, dict, dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -16,6 +17,8 @@ from .transpose import bind_transpose, k_major_view, transpose_v
 
 __all__ = [
     "BoundLaunch",
+    "Serving",
+    "ServingLaunch",
     "bind",
     "compiled_kernels",
     "emitted",
@@ -33,15 +36,43 @@ _INT32_MAX = 2**31 - 1
 
 
 @functools.cache
-def emitted(config: KernelConfig) -> EmittedKernel:
-    """Emit once per config (configs are frozen and hashable)."""
-    return emit(config)
+def emitted(config: KernelConfig, serving: bool = False) -> EmittedKernel:
+    """Emit once per config and variant (configs are frozen and hashable)."""
+    return emit(config, serving=serving)
 
 
 @functools.cache
-def kernel(config: KernelConfig):
+def kernel(config: KernelConfig, serving: bool = False):
     """The JIT function of `config` (emitted, written and imported once per process)."""
-    return jit_function(emitted(config))
+    return jit_function(emitted(config, serving))
+
+
+@dataclass(frozen=True, eq=False)
+class Serving:
+    """The problem options of one call, run by the serving variant of a Triton config
+    (generator/triton/emit.py). With `cu_seqlens_q` (varlen) q, k, v and out are the packed tensors
+    viewed as one batch entry, (1, total, heads, dim), and descales are (batch, kv_heads) of the
+    sequences. `window` is (left, right), both >= 0 (an unbounded side already resolved to a bound no
+    key reaches; a causal window has right = 0). `lse`: float32 (batch, heads, seqlen_q), or
+    (heads, total_q) for varlen, written where given."""
+
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    window: tuple[int, int] | None = None
+    lse: torch.Tensor | None = None
+
+    @property
+    def constexprs(self) -> dict[str, bool]:
+        return dict(
+            VARLEN=self.cu_seqlens_q is not None, WINDOW=self.window is not None, RETURN_LSE=self.lse is not None
+        )
+
+
+#: the kernels' constexpr parameters, in signature order (the serving variant's three after CAUSAL)
+_CONSTEXPRS = ("CAUSAL", "VARLEN", "WINDOW", "RETURN_LSE")
+#: pointers a serving-variant launch adds after the descales: CU_Q, CU_K, LSE
+_SERVING_POINTERS = 3
 
 
 def launch(
@@ -55,12 +86,17 @@ def launch(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    *,
+    serving: Serving | None = None,
 ) -> torch.Tensor:
     """Launch `config` on validated inputs (last dims contiguous) into `out` (bf16).
 
-    Descales are all None or all contiguous float32 (batch, kv_heads) tensors.
+    Descales are all None or all contiguous float32 (batch, kv_heads) tensors. `serving`: the
+    call's varlen, window and LSE options (a Triton config's serving variant runs them).
     """
-    grid, args, options = prepare(config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale)
+    grid, args, options = prepare(
+        config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale, serving=serving
+    )
     run_prepared(config, grid, args, options, q.device.index)
     return out
 
@@ -107,13 +143,14 @@ def forget(config: KernelConfig) -> None:
 def run_prepared(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int):
     """Launch `prepare`'s (grid, args, options) through the fast path; returns the CompiledKernel that ran."""
     causal = options["CAUSAL"]
+    serving = "VARLEN" in options
     return fastlaunch.run(
-        (config, causal),
-        kernel(config),
+        (config, causal, "serving") if serving else (config, causal),
+        kernel(config, serving) if serving else kernel(config),
         grid,
         args,
-        {"CAUSAL": causal},
-        {k: v for k, v in options.items() if k != "CAUSAL"},
+        {k: options[k] for k in _CONSTEXPRS if k in options},
+        {k: v for k, v in options.items() if k not in _CONSTEXPRS},
         device,
     )
 
@@ -171,7 +208,9 @@ class BoundLaunch:
         q_descale: torch.Tensor | None,
         k_descale: torch.Tensor | None,
         v_descale: torch.Tensor | None,
+        extra: tuple = (),
     ) -> torch.Tensor:
+        """`extra`: a serving-variant launch's (cu_seqlens_q, cu_seqlens_k, lse), Nones where off."""
         if self.transpose is not None:
             v = self.transpose(v)
         if self.raw is not None and not fastlaunch.hooks_set():
@@ -181,7 +220,7 @@ class BoundLaunch:
                 inputs += encoded(tensors[i])
             if self.out_arg:
                 inputs.append(out)
-            self.raw((self.programs, 1, 1), self.device, (*inputs, q_descale, k_descale, v_descale, *self.tail))
+            self.raw((self.programs, 1, 1), self.device, (*inputs, q_descale, k_descale, v_descale, *extra, *self.tail))
             return out
         if self.specs is not None:
             tensors = (q, k, v, out)
@@ -191,9 +230,29 @@ class BoundLaunch:
         if self.out_arg:
             inputs.append(out)
         fastlaunch.launch_compiled(
-            self.compiled, (self.programs,), self.device, (*inputs, q_descale, k_descale, v_descale, *self.tail)
+            self.compiled,
+            (self.programs,),
+            self.device,
+            (*inputs, q_descale, k_descale, v_descale, *extra, *self.tail),
         )
         return out
+
+
+class ServingLaunch:
+    """A serving-variant BoundLaunch for the API's per-layout fast path: allocates each call's LSE
+    (returning (out, lse)) where the layout asks for one, and passes varlen calls' cumulative lengths."""
+
+    __slots__ = ("bound", "lse_shape")
+
+    def __init__(self, bound: BoundLaunch, lse_shape: tuple[int, ...] | None):
+        self.bound, self.lse_shape = bound, lse_shape
+
+    def __call__(self, q, k, v, out, q_descale, k_descale, v_descale, cu_seqlens_q=None, cu_seqlens_k=None):
+        if self.lse_shape is None:
+            return self.bound(q, k, v, out, q_descale, k_descale, v_descale, (cu_seqlens_q, cu_seqlens_k, None))
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=out.device)
+        self.bound(q, k, v, out, q_descale, k_descale, v_descale, (cu_seqlens_q, cu_seqlens_k, lse))
+        return out, lse
 
 
 def bind(
@@ -207,12 +266,19 @@ def bind(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    *,
+    serving: Serving | None = None,
 ) -> BoundLaunch | None:
     """Launch like `launch` and return a BoundLaunch for later calls with this layout, or None where
-    this layout needs a hidden copy (unaligned or padded rows for TMA) and so no fast path."""
-    grid, args, options = prepare(config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale)
+    this layout needs a hidden copy (unaligned or padded rows for TMA) and so no fast path. With
+    `serving`, later calls pass its (cu_seqlens_q, cu_seqlens_k, lse) as the BoundLaunch's `extra`."""
+    grid, args, options = prepare(
+        config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale, serving=serving
+    )
     device = q.device.index
     compiled = run_prepared(config, grid, args, options, device)
+    constexprs = tuple(options[k] for k in _CONSTEXPRS if k in options)
+    n_extra = _SERVING_POINTERS if serving is not None else 0
     tensors = (q, k, v, q_descale, k_descale, v_descale)
     if any(t is not None and t.data_ptr() % 16 for t in tensors):
         return None
@@ -226,18 +292,17 @@ def bind(
     transpose = bind_transpose(v, gluon and gluon_launch.v_keys_permuted(config)) if transposed else None
     if transpose is k_major_view:  # a descriptor needs only the base pointer: V's own, no view per call
         transpose = None
-    if not tma:  # pointers: q, k, v, 9 strides, out, descales, tail
-        return BoundLaunch(
-            compiled, grid[0], device, transpose, None, True, tuple(args[3:12]), (*args[16:], options["CAUSAL"])
-        )
+    if not tma:  # pointers: q, k, v, 9 strides, out, descales, serving pointers, tail
+        tail = (*args[16 + n_extra :], *constexprs)
+        return BoundLaunch(compiled, grid[0], device, transpose, None, True, tuple(args[3:12]), tail)
     if gluon:  # descriptors of q, k (both key parts), v, out; descales; tail
         owners = gluon_launch.descriptor_owners(config)
     else:  # prepare's descriptors, in _descriptor_specs' order; out; descales; tail
         wqk, wv = _descriptor_widths(config)
         owners = (0,) * len(wqk) + (1,) * len(wqk) + (2,) * len(wv)
     specs = tuple((i, type(d), {f: x for f, x in vars(d).items() if f != "base"}) for i, d in zip(owners, args))
-    skip = len(specs) + (3 if gluon else 4)
-    return BoundLaunch(compiled, grid[0], device, transpose, specs, not gluon, (), (*args[skip:], options["CAUSAL"]))
+    skip = len(specs) + (3 if gluon else 4 + n_extra)
+    return BoundLaunch(compiled, grid[0], device, transpose, specs, not gluon, (), (*args[skip:], *constexprs))
 
 
 def prepare(
@@ -253,17 +318,23 @@ def prepare(
     v_descale: torch.Tensor | None = None,
     *,
     sms: int | None = None,
+    serving: Serving | None = None,
 ):
     """Grid, positional arguments and launch options of one call (makes the V^T copy if needed).
-    `sms` sizes a persistent grid (default: the device's SM count; the target's reference count, HOPPER.sm_count, for tensors not on a GPU)."""
+    `sms` sizes a persistent grid (default: the device's SM count; the target's reference count, HOPPER.sm_count, for tensors not on a GPU).
+    `serving`: the call's varlen, window and LSE options (Triton configs only: the serving variant)."""
+    if serving is not None:
+        emitted(config, True)  # a backend with no serving variant says so here, naming the options
     b, sq, h, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         if t.shape[1] * t.stride(1) + t.shape[2] * t.stride(2) > _INT32_MAX:
             raise ValueError(f"{name}: one batch entry spans more than 2^31 elements; split the batch")
-    n_m = math.ceil(sq / config.block_m)
-    if n_m * b * h > _INT32_MAX:
-        raise ValueError(f"q: {n_m * b * h} programs exceed the grid limit; split the batch")
+    varlen = serving is not None and serving.cu_seqlens_q is not None
+    batch = serving.cu_seqlens_q.shape[0] - 1 if varlen else b  # packed: the sequences
+    n_m = math.ceil((serving.max_seqlen_q if varlen else sq) / config.block_m)
+    if n_m * batch * h > _INT32_MAX:
+        raise ValueError(f"q: {n_m * batch * h} programs exceed the grid limit; split the batch")
     if config.backend == "gluon":
         if sms is None:
             sms = gluon_launch.sm_count(q.device.index) if q.device.type == "cuda" else gluon_launch.DEFAULT_SMS
@@ -308,12 +379,14 @@ def prepare(
             vrow,
             vhead,
         )
+    extra = () if serving is None else (serving.cu_seqlens_q, serving.cu_seqlens_k, serving.lse)
     args = (
         *inputs,
         out,
         q_descale,
         k_descale,
         v_descale,
+        *extra,
         out.stride(0),
         out.stride(1),
         out.stride(2),
@@ -325,11 +398,26 @@ def prepare(
         sk,
         n_m,
         float(softmax_scale) * LOG2E,
+        *(() if serving is None else _serving_scalars(serving)),
     )
     options = dict(
         CAUSAL=bool(causal), num_warps=config.num_warps, num_stages=config.num_stages, maxnreg=config.maxnreg or None
     )
-    return (n_m * b * h,), args, options
+    if serving is not None:
+        options.update(serving.constexprs)
+    return (n_m * batch * h,), args, options
+
+
+def _serving_scalars(serving: Serving) -> tuple[int, int, int, int]:
+    """stride_lb, stride_lh, WIN_L, WIN_R of a serving-variant launch (0 for options that are off)."""
+    lse = serving.lse
+    if lse is None:
+        strides = (0, 0)
+    elif serving.cu_seqlens_q is not None:  # (heads, total_q)
+        strides = (0, lse.stride(0))
+    else:  # (batch, heads, seqlen_q)
+        strides = (lse.stride(0), lse.stride(1))
+    return (*strides, *(serving.window or (0, 0)))
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ LAYERS = {
     "api": 3,
     "quantize": 3,
     "attention": 4,
+    "varlen": 4,
     "tuning": 5,
     "bench": 6,
     "cli": 7,

@@ -137,3 +137,88 @@ def test_rel_l2_and_max_abs_err():
     y[0, 0, 0] = float("nan")
     assert math.isnan(rel_l2(y, x))
     assert math.isnan(max_abs_err(y, x))
+
+
+# ---- windows, LSE and packed sequences -------------------------------------------------------------
+
+
+def naive_window_lse(q, k, v, causal, window, scale):
+    """Per row: the keys FlashAttention-3's window_size lets it see (written out as the rule reads),
+    the softmax over them, and the natural-log sum of exp(scores) (-inf, zeros where none)."""
+    b, sq, h, d = q.shape
+    sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    left, right = window
+    right = 0 if causal else right
+    out = torch.zeros(b, sq, h, dv, dtype=torch.float64)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            kv = hi // (h // hk)
+            for i in range(sq):
+                diag = i + sk - sq
+                seen = [j for j in range(sk) if (right < 0 or j <= diag + right) and (left < 0 or j >= diag - left)]
+                if not seen:
+                    continue
+                s = torch.tensor([float(q[bi, i, hi] @ k[bi, j, kv]) * scale for j in seen], dtype=torch.float64)
+                lse[bi, hi, i] = float(torch.logsumexp(s, 0))
+                p = torch.softmax(s, 0)
+                out[bi, i, hi] = sum(p[n] * v[bi, j, kv] for n, j in enumerate(seen))
+    return out, lse
+
+
+@pytest.mark.parametrize(
+    "causal,window",
+    [
+        (True, (-1, -1)),
+        (False, (-1, -1)),
+        (True, (2, -1)),
+        (True, (0, 5)),
+        (False, (3, 1)),
+        (False, (-1, 0)),
+        (False, (1, -1)),
+    ],
+)
+@pytest.mark.parametrize("shape", [(2, 7, 7), (1, 5, 11), (1, 9, 4)])
+def test_windows_and_lse_match_the_rule_written_out(causal, window, shape):
+    b, sq, sk = shape
+    q, k, v = rand(b, sq, 4, 8, seed=20), rand(b, sk, 2, 8, seed=21), rand(b, sk, 2, 8, seed=22)
+    out, lse = attention_reference(q, k, v, causal=causal, window_size=window, return_lse=True, softmax_scale=0.4)
+    want_out, want_lse = naive_window_lse(q, k, v, causal, window, 0.4)
+    assert lse.shape == (b, 4, sq)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)  # -inf where a row sees nothing
+    plain = attention_reference(q, k, v, causal=causal, softmax_scale=0.4)
+    assert torch.equal(plain, out) == (window[0] == -1 and (window[1] == -1 or causal))
+
+
+def test_lse_includes_the_descales():
+    q, k, v = rand(2, 6, 4, 8, seed=23), rand(2, 6, 2, 8, seed=24), rand(2, 6, 2, 8, seed=25)
+    qd = torch.full((2, 2), 0.5, dtype=torch.float64)
+    _, lse = attention_reference(q, k, v, q_descale=qd, return_lse=True)
+    _, want = attention_reference(q * 0.5, k, v, return_lse=True)
+    torch.testing.assert_close(lse, want, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (3, -1)), (False, (2, 4))])
+def test_packed_reference_is_the_reference_of_each_sequence(causal, window):
+    """Sequences of lengths 0, 1, odd and more keys than queries (and the reverse), each with its
+    own descales: every sequence's rows are attention_reference of that sequence alone."""
+    lq, lk = [3, 0, 1, 7, 5, 2], [3, 4, 1, 9, 2, 0]
+    cq = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32)
+    ck = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = rand(sum(lq), 4, 8, seed=26), rand(sum(lk), 2, 8, seed=27), rand(sum(lk), 2, 6, seed=28)
+    ds = {n: rand(6, 2, seed=30 + i).abs() + 0.5 for i, n in enumerate(("q_descale", "k_descale", "v_descale"))}
+    out, lse = reference.attention_reference_varlen(
+        q, k, v, cq, ck, causal=causal, window_size=window, return_lse=True, **ds
+    )
+    assert out.shape == (sum(lq), 4, 6) and lse.shape == (4, sum(lq))
+    for i in range(len(lq)):
+        rows, keys = slice(int(cq[i]), int(cq[i + 1])), slice(int(ck[i]), int(ck[i + 1]))
+        one = {n: d[i : i + 1] for n, d in ds.items()}
+        want, want_lse = attention_reference(
+            q[None, rows], k[None, keys], v[None, keys], causal=causal, window_size=window, return_lse=True, **one
+        )
+        torch.testing.assert_close(out[rows], want[0], rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(lse[:, rows], want_lse[0], rtol=1e-13, atol=1e-13)
+    assert (lse[:, int(cq[5]) : int(cq[6])] == float("-inf")).all()  # the last sequence has no keys
+    assert (out[int(cq[5]) :] == 0).all()

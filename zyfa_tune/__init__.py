@@ -4,6 +4,7 @@ from zyfa_tune import attention              # bf16 / fp16 in: quantised and run
 out = attention(q, k, v, causal=True)
 
 from zyfa_tune import flash_attn_func, quantize_fp8   # FP8 in, FlashAttention-3's interface
+from zyfa_tune import flash_attn_varlen_func          # packed sequences of different lengths
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -14,7 +15,8 @@ from zyfa_tune.generator import ConfigError, KernelConfig
 from zyfa_tune.generator.recipe import Recipe
 from zyfa_tune.kernels.dispatch import set_databases, set_error_budget
 from zyfa_tune.quantize import dequantize_fp8, hadamard_matrix, quantize_fp8
-from zyfa_tune.tuning.reference import attention_reference
+from zyfa_tune.tuning.reference import attention_reference, attention_reference_varlen
+from zyfa_tune.varlen import flash_attn_varlen_func
 
 try:
     __version__ = version("zyfa-tune")
@@ -24,6 +26,7 @@ __all__ = [
     "attention",
     "explain_attention",
     "flash_attn_func",
+    "flash_attn_varlen_func",
     "explain",
     "set_databases",
     "set_error_budget",
@@ -31,6 +34,7 @@ __all__ = [
     "dequantize_fp8",
     "hadamard_matrix",
     "attention_reference",
+    "attention_reference_varlen",
     "KernelConfig",
     "ConfigError",
     "Recipe",

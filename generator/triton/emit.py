@@ -10,6 +10,17 @@ Kernel contract (see kernels/launch.py):
   QD/KD/VD: float32 descales indexed [b * stride_db + hkv * stride_dh] (strides 0 for "none").
   A 1-D grid of n_m_blocks * B * H programs. Causal masking is bottom-right aligned
   (query i sees keys j <= i + Sk - Sq), as in FlashAttention 2.1+.
+
+The serving variant (`emit(config, serving=True)`) is the same kernel with three problem options
+switched by constexprs, so that a call without them compiles to the plain kernel's code:
+  VARLEN      packed sequences: Q/K/V/O are (1, total, heads, dim), CU_Q/CU_K the int32 cumulative
+              lengths (batch + 1); the grid is n_m_blocks(max_seqlen_q) * batch * H, and programs
+              past their sequence's end exit at once.
+  WINDOW      query i sees keys j with i + off - WIN_L <= j <= i + off + WIN_R (off = Sk - Sq of its
+              sequence; the launcher passes a bound no key reaches for an unbounded side, and a causal
+              window as WIN_R = 0); key blocks wholly outside the window are skipped.
+  RETURN_LSE  the natural-log sum of exp(scores) of each row into LSE (float32), -inf where a row
+              sees no key: [b * stride_lb + h * stride_lh + row], or [h * stride_lh + CU_Q[b] + row].
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ SCALE_EXP_CAP = 16
 _TL_DTYPE = {"fp8": "tl.float8e4nv", "bf16": "tl.bfloat16"}
 #: Rows with no visible key start from this finite maximum, so no inf - inf appears.
 _M_INIT = "-1.0e30"
+_LN2 = 0.6931471805599453
 
 
 def head_chunks(dim: int, min_width: int = 16) -> list[tuple[int, int]]:
@@ -58,21 +70,27 @@ def chunk_skips(chunks: list[tuple[int, int]]) -> list[int]:
     return [max(0, end - off) for end, (off, _) in zip(ends, chunks)]
 
 
-def emit(config: KernelConfig) -> EmittedKernel:
-    """Emit the Triton kernel source for `config` (deterministic; same config -> same bytes)."""
+def emit(config: KernelConfig, serving: bool = False) -> EmittedKernel:
+    """Emit the Triton kernel source for `config` (deterministic; same config -> same bytes);
+    `serving`: the variant taking varlen, window and LSE options (module docstring)."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
     if config.backend != "triton":
         raise ValueError(f"emit_triton.emit: config has backend={config.backend!r}")
-    return emitted(config, _Emitter(config).source())
+    return emitted(config, _Emitter(config, bool(serving)).source())
 
 
 class _Emitter:
-    def __init__(self, c: KernelConfig):
+    def __init__(self, c: KernelConfig, serving: bool = False):
         self.c = c
         self.qk_chunks, self.v_chunks = chunks_of(c)
         self.pdt = _TL_DTYPE[c.dtype]
         self.lean = c.softmax == "lean"
+        self.serving = serving
+        # one sequence's lengths and first rows in the (B * S) TMA views: the serving variant reads
+        # them per program (a packed sequence's), the plain kernel's are the batch entry's
+        self.sq, self.sk = ("seq_q", "seq_k") if serving else ("SEQ_Q", "SEQ_K")
+        self.q_row, self.k_row = ("q_row", "k_row") if serving else ("b * SEQ_Q", "b * SEQ_K")
 
     # ---- pieces -------------------------------------------------------------------------
     def _header(self) -> list[str]:
@@ -127,14 +145,16 @@ class _Emitter:
         return (
             ["", "@triton.jit", f"def {KERNEL_NAME}("]
             + inputs
+            + ["    O, QD, KD, VD, CU_Q, CU_K, LSE," if self.serving else "    O, QD, KD, VD,"]
             + [
-                "    O, QD, KD, VD,",
                 "    stride_ob, stride_os, stride_oh,",
                 "    stride_db, stride_dh,",
                 "    H, GROUP, SEQ_Q, SEQ_K, N_M_BLOCKS, sm_scale_log2,",
-                "    CAUSAL: tl.constexpr,",
-                "):",
             ]
+            + (["    stride_lb, stride_lh, WIN_L, WIN_R,"] if self.serving else [])
+            + ["    CAUSAL: tl.constexpr,"]
+            + (["    VARLEN: tl.constexpr, WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr,"] if self.serving else [])
+            + ["):"]
         )
 
     def _prologue(self) -> list[str]:
@@ -145,16 +165,16 @@ class _Emitter:
             lines += ["    start_m = N_M_BLOCKS - 1 - pid // n_bh", "    bh = pid % n_bh"]
         else:
             lines += ["    start_m = pid % N_M_BLOCKS", "    bh = pid // N_M_BLOCKS"]
+        lines += ["    b = bh // H", "    h = bh % H", "    hk = h // GROUP"]
+        if self.serving:
+            lines += self._sequence()
         lines += [
-            "    b = bh // H",
-            "    h = bh % H",
-            "    hk = h // GROUP",
             f"    offs_m = start_m * {bm} + tl.arange(0, {bm})",
             f"    offs_n = tl.arange(0, {bn})",
-            "    row_ok = offs_m < SEQ_Q",
+            f"    row_ok = offs_m < {self.sq}",
             "    d_off = b * stride_db + hk * stride_dh",
         ]
-        if c.loads == "pointer":
+        if c.loads == "pointer" and not self.serving:
             lines += [
                 "    q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh",
                 "    k_base = K + b.to(tl.int64) * stride_kb + hk * stride_kh",
@@ -173,7 +193,9 @@ class _Emitter:
             lines += ["    qk_scale = sm_scale_log2"]
         for i, (off, w) in enumerate(self.qk_chunks):
             if c.loads == "tma":  # 2-D views: q (B*Sq, H*Dqk), rows past Sq are never stored
-                lines.append(f"    q{i} = desc_q_{w}.load([b * SEQ_Q + start_m * {bm}, h * {c.head_dim_qk} + {off}])")
+                lines.append(
+                    f"    q{i} = desc_q_{w}.load([{self.q_row} + start_m * {bm}, h * {c.head_dim_qk} + {off}])"
+                )
             else:
                 lines.append(
                     f"    q{i} = tl.load(q_base + offs_m[:, None] * stride_qs + ({off} + tl.arange(0, {w}))[None, :],"
@@ -192,6 +214,8 @@ class _Emitter:
         ]
         if c.rowsum == "mma":
             lines.append(f"    ones = tl.full([{bn}, 16], 1.0, dtype=tl.float32).to({self.pdt})")
+        if self.serving:
+            return lines + self._key_range()
         # Key range: [0, full_end) needs no mask; [full_end, hi) is the causal diagonal band
         # and the ragged end of the keys.
         lines += [
@@ -211,8 +235,8 @@ class _Emitter:
         SEQ_K (the next batch entry's) only meet probabilities that the score mask made zero."""
         c = self.c
         if c.loads == "tma":
-            return f"desc_k_{w}.load([b * SEQ_K + n0, hk * {c.head_dim_qk} + {off}])"
-        mask = ", mask=(offs_k < SEQ_K)[:, None], other=0.0" if masked else ""
+            return f"desc_k_{w}.load([{self.k_row} + n0, hk * {c.head_dim_qk} + {off}])"
+        mask = f", mask=(offs_k < {self.sk})[:, None], other=0.0" if masked else ""
         return f"tl.load(k_base + offs_k[:, None] * stride_ks + ({off} + tl.arange(0, {w}))[None, :]{mask})"
 
     def _load_v(self, off: int, w: int, masked: bool) -> str:
@@ -220,14 +244,16 @@ class _Emitter:
         c = self.c
         if c.v_layout == "transposed":
             if c.loads == "tma":  # V^T viewed (B*Hkv*Dv, Sk): keys past SEQ_K are zero-filled
+                if self.serving:
+                    return f"tl.trans(desc_v_{w}.load([vt_head * {c.head_dim_v} + {off}, vt_col + n0]))"
                 return f"tl.trans(desc_v_{w}.load([(b * (H // GROUP) + hk) * {c.head_dim_v} + {off}, n0]))"
-            mask = ", mask=(offs_k < SEQ_K)[None, :], other=0.0" if masked else ""
+            mask = f", mask=(offs_k < {self.sk})[None, :], other=0.0" if masked else ""
             return (
                 f"tl.trans(tl.load(v_base + ({off} + tl.arange(0, {w}))[:, None] * stride_vd + offs_k[None, :]{mask}))"
             )
         if c.loads == "tma":
-            return f"desc_v_{w}.load([b * SEQ_K + n0, hk * {c.head_dim_v} + {off}])"
-        mask = ", mask=(offs_k < SEQ_K)[:, None], other=0.0" if masked else ""
+            return f"desc_v_{w}.load([{self.k_row} + n0, hk * {c.head_dim_v} + {off}])"
+        mask = f", mask=(offs_k < {self.sk})[:, None], other=0.0" if masked else ""
         return f"tl.load(v_base + offs_k[:, None] * stride_vs + ({off} + tl.arange(0, {w}))[None, :]{mask})"
 
     def _tile(self, masked: bool) -> list[str]:
@@ -242,11 +268,17 @@ class _Emitter:
             L.append(f"{ind}qk = tl.dot(q{i}, tl.trans(k{i}){acc})")
         if masked:
             L += [
-                f"{ind}ok = (offs_k < SEQ_K)[None, :]",
+                f"{ind}ok = (offs_k < {self.sk})[None, :]",
                 f"{ind}if CAUSAL:",
                 f"{ind}    ok = ok & (offs_k[None, :] <= offs_m[:, None] + off)",
-                f"{ind}qk = tl.where(ok, qk, float('-inf'))",
             ]
+            if self.serving:
+                L += [
+                    f"{ind}if WINDOW:",
+                    f"{ind}    ok = ok & (offs_k[None, :] >= offs_m[:, None] + (off - WIN_L))",
+                    f"{ind}    ok = ok & (offs_k[None, :] <= offs_m[:, None] + (off + WIN_R))",
+                ]
+            L.append(f"{ind}qk = tl.where(ok, qk, float('-inf'))")
         L += [f"{ind}m_tile = tl.max(qk, 1) * qk_scale", f"{ind}m_new = tl.maximum(m_i, m_tile)"]
         center = fold_center(c.lean_fold) if self.lean else 0.0
         if self.lean and c.lean_fold in ONE_FMA_FOLDS:
@@ -299,8 +331,15 @@ class _Emitter:
     def _loops(self) -> list[str]:
         bn = self.c.block_n
         stages = int(self.c.num_stages)
+        if self.serving:  # a window's leading edge: masked tiles [lo, full_lo)
+            head = ["    if WINDOW:", f"        for n0 in tl.range(lo, full_lo, {bn}, num_stages={stages}):"]
+            head += ["    " + line for line in self._tile(True)]
+            start = "full_lo"
+        else:
+            head, start = [], "0"
         return (
-            [f"    for n0 in tl.range(0, full_end, {bn}, num_stages={stages}):"]
+            head
+            + [f"    for n0 in tl.range({start}, full_end, {bn}, num_stages={stages}):"]
             + self._tile(False)
             + [f"    for n0 in tl.range(full_end, hi, {bn}, num_stages={stages}):"]
             + self._tile(True)
@@ -310,16 +349,96 @@ class _Emitter:
         c = self.c
         lines = []
         scale = " * v_descale" if c.dtype == "fp8" else ""
-        lines += [
-            "    inv_l = tl.where(l_i > 0.0, 1.0 / l_i, 0.0)" + scale,
-            "    o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh",
-        ]
+        lines.append("    inv_l = tl.where(l_i > 0.0, 1.0 / l_i, 0.0)" + scale)
+        if self.serving:
+            lines += self._lse() + [
+                "    if VARLEN:",
+                "        o_base = O + q_row.to(tl.int64) * stride_os + h * stride_oh",
+                "    else:",
+                "        o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh",
+            ]
+        else:
+            lines.append("    o_base = O + b.to(tl.int64) * stride_ob + h * stride_oh")
         for i, (off, w) in enumerate(self.v_chunks):
             lines.append(
                 f"    tl.store(o_base + offs_m[:, None] * stride_os + ({off} + tl.arange(0, {w}))[None, :],"
                 f" (acc{i} * inv_l[:, None]).to(tl.bfloat16), mask=row_ok[:, None])"
             )
         return lines
+
+    # ---- the serving variant's pieces (module docstring) ---------------------------------------
+    def _sequence(self) -> list[str]:
+        """This program's sequence: its lengths, its first rows in the TMA views (or its base
+        pointers), and an early exit for query blocks past its end."""
+        c = self.c
+        packed = ["    if VARLEN:  # sequence b of the packed batch entry 0"]
+        packed += [
+            "        q_row = tl.load(CU_Q + b)",
+            "        seq_q = tl.load(CU_Q + b + 1) - q_row",
+            "        k_row = tl.load(CU_K + b)",
+            "        seq_k = tl.load(CU_K + b + 1) - k_row",
+        ]
+        dense = [
+            "    else:",
+            "        q_row = b * SEQ_Q",
+            "        seq_q = SEQ_Q",
+            "        k_row = b * SEQ_K",
+            "        seq_k = SEQ_K",
+        ]
+        if c.loads == "pointer":
+            # the V^T copy is (1, Hkv, Dv, keys) with keys contiguous: a sequence starts k_row columns in
+            v_packed = "k_row" if c.v_layout == "transposed" else "k_row.to(tl.int64) * stride_vs"
+            packed += [
+                "        q_base = Q + q_row.to(tl.int64) * stride_qs + h * stride_qh",
+                "        k_base = K + k_row.to(tl.int64) * stride_ks + hk * stride_kh",
+                f"        v_base = V + {v_packed} + hk * stride_vh",
+            ]
+            dense += [
+                "        q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh",
+                "        k_base = K + b.to(tl.int64) * stride_kb + hk * stride_kh",
+                "        v_base = V + b.to(tl.int64) * stride_vb + hk * stride_vh",
+            ]
+        elif c.v_layout == "transposed":  # V^T viewed (B*Hkv*Dv, keys): a head's rows, a sequence's columns
+            packed += ["        vt_head = hk", "        vt_col = k_row"]
+            dense += ["        vt_head = b * (H // GROUP) + hk", "        vt_col = 0"]
+        return packed + dense + [f"    if start_m * {c.block_m} >= seq_q:", "        return"]
+
+    def _key_range(self) -> list[str]:
+        """Key tiles of this query block: masked [lo, full_lo) (a window's leading edge), unmasked
+        [full_lo, full_end), masked [full_end, hi) (the diagonal band, a window's trailing edge and
+        the sequence's ragged end); tiles wholly outside the window are never visited."""
+        bm, bn = self.c.block_m, self.c.block_n
+        first, last = f"start_m * {bm}", f"start_m * {bm} + {bm - 1}"
+        return [
+            "    off = seq_k - seq_q",
+            "    full_lo = 0",
+            "    if WINDOW:",
+            f"        lo = tl.maximum({first} + off - WIN_L, 0) // {bn} * {bn}",
+            f"        hi = tl.minimum(seq_k, tl.maximum({last} + off + WIN_R + 1, 0))",
+            f"        full_end = tl.minimum(tl.maximum({first} + off + WIN_R + 1, 0) // {bn} * {bn},"
+            f" seq_k // {bn} * {bn})",
+            "        full_end = tl.maximum(full_end, lo)",
+            f"        full_lo = (tl.maximum({last} + off - WIN_L, 0) + {bn - 1}) // {bn} * {bn}",
+            "        full_lo = tl.minimum(tl.maximum(full_lo, lo), full_end)",
+            "    elif CAUSAL:",
+            f"        hi = tl.minimum(seq_k, tl.maximum({first} + {bm} + off, 0))",
+            f"        full_end = tl.minimum(tl.maximum({first} + off + 1, 0) // {bn} * {bn}, seq_k // {bn} * {bn})",
+            "    else:",
+            "        hi = seq_k",
+            f"        full_end = seq_k // {bn} * {bn}",
+        ]
+
+    def _lse(self) -> list[str]:
+        """Each row's natural-log sum of exp(scores): l_i sums 2^(s - ref_i) in log2 units."""
+        return [
+            "    if RETURN_LSE:",
+            f"        lse = tl.where(l_i > 0.0, (ref_i + tl.log2(l_i)) * {_LN2!r}, float('-inf'))",
+            "        if VARLEN:",
+            "            lse_base = LSE + h.to(tl.int64) * stride_lh + q_row",
+            "        else:",
+            "            lse_base = LSE + b.to(tl.int64) * stride_lb + h * stride_lh",
+            "        tl.store(lse_base + offs_m, lse, mask=row_ok)",
+        ]
 
     def source(self) -> str:
         lines = self._header() + self._signature() + self._prologue() + self._loops() + self._epilogue()

@@ -8,6 +8,7 @@ from zyfa_tune.quantize import dequantize
 
 #: rows of queries per float64 chunk: bounds memory to chunk * seqlen_k * 8 bytes per head
 _CHUNK = 1024
+_DESCALES = ("q_descale", "k_descale", "v_descale")
 
 
 def attention_reference(
@@ -20,12 +21,17 @@ def attention_reference(
     q_descale: torch.Tensor | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    window_size: tuple[int, int] = (-1, -1),
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Float64 attention on (batch, seqlen, heads, dim) inputs, on the inputs' device.
 
     Descales are (batch, kv_heads) float tensors multiplied into the dequantised inputs, as in
     FlashAttention-3. Causal masking is bottom-right aligned (query i sees keys j <= i + Sk - Sq);
-    a query row that sees no key yields zeros. Returns float64 (batch, seqlen_q, heads, dim_v).
+    window_size=(left, right) as FlashAttention-3's (keys i + Sk - Sq - left <= j <= i + Sk - Sq +
+    right, -1 unbounded, causal makes right 0); a query row that sees no key yields zeros. Returns
+    float64 (batch, seqlen_q, heads, dim_v); with return_lse also the natural-log sum of exp(scores)
+    (batch, heads, seqlen_q), -inf for a row that sees no key.
     """
     b, sq, h, dqk = q.shape
     sk, hk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -33,18 +39,67 @@ def attention_reference(
     scale = dqk**-0.5 if softmax_scale is None else float(softmax_scale)
     qf, kf, vf = dequantize(q, q_descale), dequantize(k, k_descale), dequantize(v, v_descale)
     out = torch.zeros(b, sq, h, dv, dtype=torch.float64, device=q.device)
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float64, device=q.device)
     key_idx = torch.arange(sk, device=q.device)
     for hi in range(h):
         kh, vh = kf[:, :, hi // group], vf[:, :, hi // group]  # (b, sk, d)
         for r0 in range(0, sq, _CHUNK):
             r1 = min(sq, r0 + _CHUNK)
             s = torch.einsum("bqd,bkd->bqk", qf[:, r0:r1, hi], kh) * scale
-            if causal:
-                rows = torch.arange(r0, r1, device=q.device) + (sk - sq)
-                s = s.masked_fill(key_idx[None, :] > rows[:, None], float("-inf"))
+            hidden = _hidden(torch.arange(r0, r1, device=q.device) + (sk - sq), key_idx, causal, window_size)
+            if hidden is not None:
+                s = s.masked_fill(hidden, float("-inf"))
+            if return_lse:
+                lse[:, hi, r0:r1] = torch.logsumexp(s, dim=-1)
             p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
             out[:, r0:r1, hi] = torch.einsum("bqk,bkd->bqd", p, vh)
-    return out
+    return (out, lse) if return_lse else out
+
+
+def _hidden(diag: torch.Tensor, keys: torch.Tensor, causal: bool, window: tuple[int, int]) -> torch.Tensor | None:
+    """(rows, keys) mask of the keys a row does not see; `diag`: each row's i + Sk - Sq."""
+    left, right = window
+    if causal:
+        right = 0
+    hidden = None
+    if right >= 0:
+        hidden = keys[None, :] > diag[:, None] + right
+    if left >= 0:
+        before = keys[None, :] < diag[:, None] - left
+        hidden = before if hidden is None else hidden | before
+    return hidden
+
+
+def attention_reference_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    return_lse: bool = False,
+    **options,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`attention_reference` over packed sequences (FlashAttention-3's varlen layout): q (total_q,
+    heads, dim), k and v (total_k, kv_heads, dim), cumulative lengths (batch + 1,), descales
+    (batch, kv_heads). Each sequence is its own batch of one (causal masks and windows align to its
+    own lengths); `options` are attention_reference's. Returns float64 (total_q, heads, dim_v); with
+    return_lse also (heads, total_q)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    h, dv = q.shape[1], v.shape[2]
+    out = torch.zeros(q.shape[0], h, dv, dtype=torch.float64, device=q.device)
+    lse = torch.full((h, q.shape[0]), float("-inf"), dtype=torch.float64, device=q.device)
+    for i in range(len(cq) - 1):
+        rows, keys = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        if cq[i + 1] == cq[i]:
+            continue
+        ds = {n: None if d is None else d[i : i + 1] for n, d in zip(_DESCALES, (q_descale, k_descale, v_descale))}
+        got = attention_reference(q[None, rows], k[None, keys], v[None, keys], return_lse=True, **ds, **options)
+        out[rows], lse[:, rows] = got[0][0], got[1][0]
+    return (out, lse) if return_lse else out
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
