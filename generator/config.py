@@ -14,14 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .rules import P_TILES, gluon_conflict, o_width, triton_conflict
+from .rules import P_TILES, gluon_conflict, gluon_qk_width, o_width, triton_conflict
 
 GENERATOR_VERSION = "0.1.0"
 
 #: Head dims a config may have (Q/K and, independently, V): multiples of 8 from 32 to 256. Each backend
 #: narrows them (rules.triton_head_dim_conflict, rules.gluon_head_dim_conflict): 16-byte TMA rows, tl.dot's
-#: 16-column minimum, FP8 wgmma's 32-column reduction. Widths that are not powers of two are split into
-#: power-of-two parts; a narrower 8 would need padded operands.
+#: 16-column minimum, FP8 wgmma's 32-column reduction (the Gluon QK^T zero-pads Q and K to it in the kernel).
+#: Widths that are not powers of two are split into power-of-two parts; a narrower 8 would need padded operands.
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 32, 256, 8
 HEAD_DIMS = tuple(range(HEAD_DIM_MIN, HEAD_DIM_MAX + 1, HEAD_DIM_STEP))
 
@@ -486,6 +486,22 @@ def gluon_o_parts(config: KernelConfig) -> tuple[int, int]:
     if config.o_split:
         return 64, 32
     return o_width(int(config.head_dim_v)), 0
+
+
+def gluon_qk_parts(config: KernelConfig) -> tuple[int, int]:
+    """(columns, count) of a Gluon kernel's Q / K tile parts (one TMA box and one chained wgmma each): the
+    QK^T's reduction width (rules.gluon_qk_width: head_dim_qk, or zero-padded up to a multiple of 32) in
+    parts of its largest power-of-two divisor, as tensor shapes must be powers of two (96 and 80: three of
+    32; 192 and 176: three of 64; 128 and 112: one)."""
+    width = gluon_qk_width(int(config.head_dim_qk))
+    part = width & -width
+    return part, width // part
+
+
+def gluon_qk_padded(config: KernelConfig) -> bool:
+    """Whether a Gluon kernel's Q / K tiles are wider than head_dim_qk (zero-filled past it by TMA, through
+    a (rows, heads, dims) view of Q and K instead of (rows, heads x dims))."""
+    return gluon_qk_width(int(config.head_dim_qk)) != config.head_dim_qk
 
 
 def p_tiles(c: KernelConfig) -> int:

@@ -18,6 +18,17 @@ GLUON_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
 P_TILES = {"smem": 1, "smem2": 2}
 
 
+#: FP8 wgmma's reduction (k) per instruction: a Gluon QK^T reduces over a multiple of it
+GLUON_QK_STEP = 32
+
+
+def gluon_qk_width(head_dim_qk: int) -> int:
+    """Columns a Gluon QK^T reduces over: head_dim_qk rounded up to a multiple of GLUON_QK_STEP. Past the
+    head dim, the kernel's Q and K tiles hold TMA's zeros (a (rows, heads, dims) view clips the boxes at
+    the head dim): they add nothing to the scores and cost no memory traffic."""
+    return -(-head_dim_qk // GLUON_QK_STEP) * GLUON_QK_STEP
+
+
 def o_width(head_dim_v: int) -> int:
     """Columns of an O accumulator of one part: head_dim_v rounded up to a power of two."""
     return 1 << (head_dim_v - 1).bit_length()
@@ -40,15 +51,25 @@ def triton_head_dim_conflict(f: Mapping[str, Any]) -> str | None:
 
 
 def gluon_head_dim_conflict(f: Mapping[str, Any]) -> str | None:
-    """Why the Gluon backend cannot emit these head dims, or None. Q and K are loaded and multiplied in
-    parts of the largest power of two dividing head_dim_qk, and FP8 wgmma reduces 32 columns at once:
-    head_dim_qk must be a multiple of 32 (32, 64, 96, ..., 256). O is a power-of-two accumulator (V^T and
-    output tiles of that width, the stores clipped at head_dim_v): any multiple of 8 for head_dim_v
-    (16-byte bf16 output rows), a multiple of 16 with v_layout="natural" (16-byte FP8 V rows)."""
-    if f["head_dim_qk"] % 32:
+    """Why the Gluon backend cannot emit these head dims, or None. FP8 wgmma reduces 32 columns at once:
+    Q and K are loaded and multiplied in parts of the largest power of two dividing gluon_qk_width (the
+    head dim rounded up to 32; 80 -> 96 in three 32-column parts, 112 -> 128 in one), the columns past
+    head_dim_qk zero-filled by TMA through a (rows, heads, dims) view, whose head stride TMA needs
+    16-byte aligned: head_dim_qk must be a multiple of 16 (40, 72, 200, ... are the Triton backend's).
+    O is a power-of-two accumulator (V^T and output tiles of that width, the stores clipped at
+    head_dim_v): any multiple of 8 for head_dim_v (16-byte bf16 output rows), a multiple of 16 with
+    v_layout="natural" (16-byte FP8 V rows)."""
+    if f["head_dim_qk"] % 16:
         return (
-            f"head_dim_qk={f['head_dim_qk']}: backend='gluon' multiplies Q and K in FP8 wgmmas of 32 columns: "
-            f"it needs a multiple of 32 (the Triton backend takes multiples of 16)"
+            f"head_dim_qk={f['head_dim_qk']}: backend='gluon' reads FP8 Q and K by TMA, zero-padded to a "
+            f"multiple of 32 columns through a (rows, heads, dims) view whose 16-byte aligned head stride "
+            f"needs a multiple of 16 (the Triton backend takes multiples of 8)"
+        )
+    if f["k_perm"] and gluon_qk_width(f["head_dim_qk"]) != f["head_dim_qk"]:
+        return (
+            f"head_dim_qk={f['head_dim_qk']}: k_perm=True reads K by a 5-D TMA box (TMA's most dimensions), "
+            f"which leaves none for the heads of the zero-padded view: it needs a multiple of 32 (or "
+            f"k_perm=False)"
         )
     if f["v_layout"] == "natural" and f["head_dim_v"] % 16:
         return (

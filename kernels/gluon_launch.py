@@ -15,7 +15,7 @@ import math
 import torch
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from zyfa_tune.generator import HOPPER, KernelConfig
+from zyfa_tune.generator import HOPPER, KernelConfig, gluon_qk_padded
 from zyfa_tune.generator.gluon_sm90.emit import NUM_WARPS, descriptor_blocks, descriptor_layout
 
 #: SMs of the H200 / H100 SXM: the persistent grid of an argument set not on a GPU (ahead of time).
@@ -138,7 +138,9 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch
     (TMA-ready); v: with v_layout="natural" V itself, TMA-ready like k, else the (B, Hkv, D, Skv) V^T
     of `kernels.transpose.transpose_v` (permuted and padded to 32 keys when config.v_permute and not
     config.k_perm, whose K view (k_view) relabels the keys instead); out:
-    contiguous (B, Sq, H, D) bf16; D = the config's head dim."""
+    contiguous (B, Sq, H, D) bf16; D = the config's head dim. A head dim of q and k that the kernel
+    zero-pads (gluon_qk_padded) is read through (batch*seqlen, heads, dim) views instead, so that its
+    boxes stop at the head's end."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     if not out.is_contiguous():
@@ -162,9 +164,14 @@ def descriptors(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch
         o_view = (out, [b, sq, h, dv], [sq * h * dv, h * dv, dv, 1])
     else:
         o_view = (out, [b, sq, h * dv], [sq * h * dv, h * dv, 1])
+    if gluon_qk_padded(config):
+        q_view = (q, [b * sq, h, d], [q.stride(1), q.stride(2), 1])
+        k_rows = (k, [b * sk, hk, d], [k.stride(1), k.stride(2), 1])
+    else:
+        q_view, k_rows = (q, [b * sq, h * d], [q.stride(1), 1]), (k, [b * sk, hk * d], [k.stride(1), 1])
     views = {
-        "desc_q": (q, [b * sq, h * d], [q.stride(1), 1]),
-        "desc_k": k_view(k) if config.k_perm else (k, [b * sk, hk * d], [k.stride(1), 1]),
+        "desc_q": q_view,
+        "desc_k": k_view(k) if config.k_perm else k_rows,
         "desc_v": v_view,
         "desc_o": o_view,
     }

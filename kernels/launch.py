@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from zyfa_tune.generator import EmittedKernel, KernelConfig, chunks_of, emit
+from zyfa_tune.generator import EmittedKernel, KernelConfig, chunks_of, emit, gluon_qk_padded
 from zyfa_tune.generator.build import jit_function
 
 from . import fastlaunch, gluon_launch
@@ -108,8 +108,9 @@ def for_v_layout(config: KernelConfig, v: torch.Tensor) -> KernelConfig:
     bitwise equal to the natural kernel, tests/test_gpu_gluon.py; a natural Gluon config never
     permutes keys, so its twin needs no permuted copy). A Gluon config that relabels keys
     (v_permute) would copy a K-major V into its permuted V^T; its k_perm twin makes the relabelling on
-    K's tile rows instead (a 5-D TMA box) and reads that V as it is, where Sk % 16 == 0; elsewhere a
-    k_perm config runs without it. Any other pair is returned unchanged."""
+    K's tile rows instead (a 5-D TMA box) and reads that V as it is, where Sk % 16 == 0 and Q / K are
+    not zero-padded (rules.gluon_head_dim_conflict); elsewhere a k_perm config runs without it. Any
+    other pair is returned unchanged."""
     if config.dtype != "fp8":
         return config
     if config.v_layout == "natural" and k_major_view(v) is not None:
@@ -120,6 +121,7 @@ def for_v_layout(config: KernelConfig, v: torch.Tensor) -> KernelConfig:
         config.backend == "gluon"
         and config.v_permute
         and not config.k_perm
+        and not gluon_qk_padded(config)  # (k_perm's 5-D box leaves no dimension for the zero-padded heads)
         and v.shape[1] % 16 == 0
         and k_major_view(v) is not None
     ):

@@ -12,7 +12,16 @@ Limits come from the backend's target (`generator.HOPPER`).
 
 from __future__ import annotations
 
-from zyfa_tune.generator import HOPPER, KernelConfig, chunks_of, gluon_o_parts, gluon_registers, o_in_p_tile, p_tiles
+from zyfa_tune.generator import (
+    HOPPER,
+    KernelConfig,
+    chunks_of,
+    gluon_o_parts,
+    gluon_qk_parts,
+    gluon_registers,
+    o_in_p_tile,
+    p_tiles,
+)
 
 #: The target's largest dynamic shared memory per block (227 KiB), under the name the calibration tests use.
 SMEM_LIMIT = HOPPER.shared_memory_bytes
@@ -89,12 +98,14 @@ def gluon_smem_estimate(c: KernelConfig) -> int:
     lean P's (8, block_n) e4m3 ones tile per consumer warpgroup, barriers and swizzle alignment
     (TMA_SMEM_MARGIN), with v_layout="natural" the two (block_n, head_dim_v) slots V is loaded into,
     and with p_carry="smem" / "smem2" one / two (64, block_n) e4m3 P tiles per consumer warpgroup (with
-    "smem2" the output tile in the first where it fits).
+    "smem2" the output tile in the first where it fits). Q and K tiles count the columns the QK^T reduces
+    over (a head dim not of 32s zero-padded to one: 80 -> 96).
     Exact to within the margin (compiled: 147920 B for the default against 148480 estimated; 150000 B
     for its lean P variant)."""
-    q = c.q_stages * c.block_m * c.head_dim_qk
+    qk_part, qk_parts = gluon_qk_parts(c)
+    q = c.q_stages * c.block_m * qk_part * qk_parts
     dp = sum(gluon_o_parts(c))  # V^T and O tiles: padded to a power of two (96 -> 128), or 64 + 32
-    kv = c.num_stages * c.block_n * (c.head_dim_qk + dp)
+    kv = c.num_stages * c.block_n * (qk_part * qk_parts + dp)
     raw_v = 2 * c.block_n * dp if c.v_layout == "natural" else 0  # the tiles the producer transposes
     out = (c.block_m // 64) * 64 * dp * 2
     ones = (c.block_m // 64) * 8 * c.block_n if c.rowsum == "mma" else 0
@@ -126,7 +137,7 @@ GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS = 8
 #: Three consumers need them without overlap too: at hd64 their plain 192-key step spilled 64-80 bytes
 #: at 160 (estimated 152) and 160-224 with the wgmmas serialised at 152 (compile sweep)
 GLUON_SPLIT_REGISTERS = 24
-#: Extra registers at head dims 192/128 (Q and K in three column parts) with overlap and the row-sum
+#: Extra registers at head dims 192/128 (Q and K in three 64-column parts; 176 zero-padded alike) with overlap and the row-sum
 #: MMA: one consumer with 256-key blocks spilled 64 bytes at an estimated 248 of 256 (hd128: none;
 #: rowsum="fp32": none)
 GLUON_MLA_MMA_REGISTERS = 16
@@ -219,9 +230,10 @@ def gluon_register_estimate(c: KernelConfig) -> int:
         )
     )
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and (c.overlap or c.block_m == 192) else 0
-    mla = GLUON_MLA_MMA_REGISTERS if c.head_dim_qk == 192 and c.overlap and c.rowsum == "mma" else 0
+    qk_part, qk_parts = gluon_qk_parts(c)
+    mla = GLUON_MLA_MMA_REGISTERS if (qk_part, qk_parts) == (64, 3) and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
-    many_parts = c.head_dim_qk // (c.head_dim_qk & -c.head_dim_qk) > 3 and c.v_layout == "natural"
+    many_parts = qk_parts > 3 and c.v_layout == "natural"
     table += GLUON_MANY_PARTS_NATURAL_REGISTERS if many_parts and dp == 128 else 0
     wide_plain = (
         GLUON_WIDE_PLAIN_REGISTERS + (GLUON_WIDE_PLAIN_MMA_REGISTERS if c.rowsum == "mma" else 0)

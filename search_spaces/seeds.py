@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from zyfa_tune.generator import GLUON_HEAD_DIMS, ConfigError, KernelConfig
 from zyfa_tune.generator.defaults import default_config
 
+from .resources import SMEM_LIMIT, gluon_smem_estimate
+
 
 def _gluon(dtype: str, head_dim_qk: int, head_dim_v: int, **fields) -> KernelConfig:
     """The Gluon default of these head dims with `fields` changed."""
@@ -231,16 +233,16 @@ def gluon_lean_max_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Kern
     Gaussian inputs.
 
     `gluon_lean_f16_async_config` with lean_ref="max", sized to fit shared memory: 256-key blocks up to
-    hd128, 128-key blocks beyond, and at hd256 one Q stage with the output stored through the P tiles."""
-    width = head_dim_qk + head_dim_v
-    return _gluon(
+    hd128, 128-key blocks beyond, and where a Q ring of two does not fit one Q stage (hd160), with the output
+    stored through the P tiles where that does not fit either (hd256; ConfigError where O's width is not a
+    power of two)."""
+    seed = _gluon(
         dtype,
         head_dim_qk,
         head_dim_v,
-        block_n=256 if width <= 256 else 128,
+        block_n=256 if head_dim_qk + head_dim_v <= 256 else 128,
         num_stages=2,
-        q_stages=1 if width > 384 else 2,
-        o_through_p=width > 384,
+        q_stages=2,
         p_carry="smem2",
         lane_sums=True,
         softmax="lean",
@@ -251,6 +253,11 @@ def gluon_lean_max_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Kern
         qk_async=True,
         lean_ref="max",
     )
+    for smaller in ({"q_stages": 1}, {"q_stages": 1, "o_through_p": True}):
+        if gluon_smem_estimate(seed) <= SMEM_LIMIT:
+            break
+        seed = seed.replace(**smaller)
+    return seed
 
 
 @dataclass(frozen=True)

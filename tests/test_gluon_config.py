@@ -86,8 +86,8 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
     "changes,match",
     [
         (dict(dtype="bf16", p_scale_log2=0), r"^dtype='bf16': backend='gluon' emits FP8"),
-        (dict(head_dim_qk=80, head_dim_v=80), r"^head_dim_qk=80: backend='gluon' multiplies Q and K in FP8 wgmmas"),
-        (dict(head_dim_qk=48, head_dim_v=64), r"^head_dim_qk=48: .* it needs a multiple of 32"),
+        (dict(head_dim_qk=72, head_dim_v=72), r"^head_dim_qk=72: backend='gluon' reads FP8 Q and K by TMA"),
+        (dict(head_dim_qk=80, head_dim_v=64, k_perm=True), r"^head_dim_qk=80: k_perm=True .* multiple of 32"),
         (
             dict(head_dim_v=40, v_layout="natural", v_permute=False),
             r"^head_dim_v=40: v_layout='natural' reads FP8 V rows by TMA",
@@ -335,17 +335,17 @@ def test_gluon_values_are_type_checked():
 
 
 def test_unsupported_head_dims_never_reach_a_launch():
-    """Head dims the Gluon backend cannot emit (Q/K widths not of 32s): configs, defaults and overrides
+    """Head dims the Gluon backend cannot emit (Q/K widths not of 16s): configs, defaults and overrides
     all refuse them."""
     assert GLUON_HEAD_DIMS == ((64, 64), (96, 96), (128, 128), (192, 128), (256, 256))
     assert default_config("fp8", 192, 128, "gluon").block_n == 128
     assert default_config("fp8", 64, 64, "gluon").head_dim_v == 64
     assert default_config("fp8", 256, 256, "gluon").block_n == 64  # the 64 x 256 accumulator's registers
     assert default_config("fp8", 96, 96, "gluon").block_n == 128
-    for dqk, dv in ((80, 80), (112, 128)):
-        with pytest.raises(ConfigError, match="multiple of 32"):
+    for dqk, dv in ((72, 72), (40, 128)):
+        with pytest.raises(ConfigError, match="multiple of 16"):
             default_config("fp8", dqk, dv, "gluon")
-        with pytest.raises(ConfigError, match="multiple of 32"):
+        with pytest.raises(ConfigError, match="multiple of 16"):
             config_with("fp8", dqk, dv, {"backend": "gluon"})
     with pytest.raises(ConfigError, match="FP8"):
         default_config("bf16", 128, 128, "gluon")
@@ -466,7 +466,7 @@ def test_space_seeds_the_gluon_default_right_after_the_triton_default():
     assert space.as_optuna_params(GLUON)["backend"] == "gluon"
     assert space.seeds(64, 64)[1] == default_config("fp8", 64, 64, "gluon")
     assert space.seeds(96, 96)[1] == default_config("fp8", 96, 96, "gluon")
-    for dqk, dv in ((80, 80), (112, 64)):  # no Gluon seed where Gluon does not implement the dims
+    for dqk, dv in ((72, 72), (40, 64)):  # no Gluon seed where Gluon does not implement the dims
         assert all(c.backend == "triton" for c in space.seeds(dqk, dv))
     assert all(c.backend == "triton" for c in get_space("bf16").seeds(128, 128))
 
@@ -497,8 +497,8 @@ def test_space_samples_both_backends_as_valid_canonical_configs():
 def test_space_maps_gluon_to_triton_where_gluon_lacks_the_head_dims():
     space = get_space("fp8")
     study = optuna.create_study()
-    study.enqueue_trial({**space.as_optuna_params(space.base(80, 128)), "backend": "gluon"})
-    config = space.suggest(study.ask(), 80, 128)
+    study.enqueue_trial({**space.as_optuna_params(space.base(72, 128)), "backend": "gluon"})
+    config = space.suggest(study.ask(), 72, 128)
     assert config is not None and config.backend == "triton"
 
 

@@ -20,12 +20,12 @@ FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 GLUON = default_config("fp8", 128, 128, "gluon")
 
 
-def tensors(b=2, sq=1000, sk=1000, h=8, hk=2, seed=0, descales=True):
+def tensors(b=2, sq=1000, sk=1000, h=8, hk=2, seed=0, descales=True, d=128):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, sq, h, 128, generator=g).to(FP8)
-    k = torch.randn(b, sk, hk, 128, generator=g).to(FP8)
-    v = torch.randn(b, sk, hk, 128, generator=g).to(FP8)
-    out = torch.empty(b, sq, h, 128, dtype=BF16)
+    q = torch.randn(b, sq, h, d, generator=g).to(FP8)
+    k = torch.randn(b, sk, hk, d, generator=g).to(FP8)
+    v = torch.randn(b, sk, hk, d, generator=g).to(FP8)
+    out = torch.empty(b, sq, h, d, dtype=BF16)
     ds = tuple(torch.rand(b, hk, generator=g) + 0.5 for _ in range(3)) if descales else (None, None, None)
     return q, k, v, out, ds
 
@@ -265,15 +265,17 @@ def same_argument(a, b) -> bool:
         default_config("fp8", 128, 128),
         default_config("fp8", 128, 128).replace(loads="pointer"),
         default_config("fp8", 128, 128).replace(v_layout="natural"),
+        default_config("fp8", 80, 80, "gluon"),
     ],
-    ids=["gluon", "gluon-plain-v", "triton-tma", "triton-pointer", "triton-natural-v"],
+    ids=["gluon", "gluon-plain-v", "triton-tma", "triton-pointer", "triton-natural-v", "gluon-zero-padded-qk"],
 )
 @pytest.mark.parametrize("descales", [True, False])
 def test_bound_launch_passes_what_prepare_builds(config, descales, recorded):
-    q, k, v, out, ds = tensors(seed=1, descales=descales)
+    d = config.head_dim_qk
+    q, k, v, out, ds = tensors(seed=1, descales=descales, d=d)
     bound = launch.bind(config, q, k, v, out, 0.1, True, *ds)
     assert bound is not None
-    q2, k2, v2, out2, ds2 = tensors(seed=2, descales=descales)  # same layout, new data
+    q2, k2, v2, out2, ds2 = tensors(seed=2, descales=descales, d=d)  # same layout, new data
     bound(q2, k2, v2, out2, *ds2)
     ((grid, full),) = recorded.calls
     pgrid, args, options = launch.prepare(config, q2, k2, v2, out2, 0.1, True, *ds2)

@@ -1,5 +1,6 @@
 """GPU tests: head dims FA3 ships no kernel for (and asymmetric Q/K vs V widths) against float64, at odd
-sequence lengths and with GQA, FP8 and BF16, each backend's default config where it emits the width."""
+sequence lengths and with GQA, FP8 and BF16, each backend's default config where it emits the width and
+the Gluon lean P seed `gluon_lean_max_config` where it fits (Q/K widths not of 32s: zero-padded in the kernel)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from zyfa_tune import attention, flash_attn_func
 from zyfa_tune.generator import ConfigError
 from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.quantize import quantize_fp8
+from zyfa_tune.search_spaces import get_space
+from zyfa_tune.search_spaces.seeds import gluon_lean_max_config
 from zyfa_tune.tuning.reference import attention_reference, rel_l2
 from zyfa_tune.tuning.verify import make_inputs
 
@@ -17,26 +20,34 @@ pytestmark = pytest.mark.gpu
 
 #: the widths of tests/test_head_dims.py, which compiles the same configs on the CPU
 PAIRS = [(d, d) for d in (32, 40, 48, 72, 80, 112, 160, 200, 256)] + [(160, 128), (128, 64), (128, 80)]
-#: rel. L2 bounds vs float64 on the same (quantised) inputs, as tests/test_gpu_attention.py
+#: and Q/K widths the Gluon backend zero-pads, with tests/test_gluon_widths.py: to 256 (its 128-byte boxes
+#: split in two, the second partly past the head), to 192 in three 64-column parts beside another V width
+PAIRS += [(240, 240), (176, 128), (80, 64)]
+#: rel. L2 bounds vs float64 on the same (quantised) inputs, as tests/test_gpu_attention.py; lean P's looser
+#: bound as tests/test_gpu_gluon_lean.py
 FP8_BOUND = 0.03
 BF16_BOUND = 0.01
+LEAN_BOUND = 0.045
 
 
 def _configs(dtype: str, dqk: int, dv: int) -> dict:
-    out = {"triton": default_config(dtype, dqk, dv)}
+    """name -> (config, rel. L2 bound) of each kernel to check at these head dims."""
+    out = {"triton": (default_config(dtype, dqk, dv), FP8_BOUND if dtype == "fp8" else BF16_BOUND)}
     if dtype == "fp8":
         try:
-            out["gluon"] = default_config(dtype, dqk, dv, "gluon")
-        except ConfigError:  # (head_dim_qk not of 32s: the Triton backend only)
-            pass
+            out["gluon"] = (default_config(dtype, dqk, dv, "gluon"), FP8_BOUND)
+            lean = gluon_lean_max_config(dtype, dqk, dv)
+        except ConfigError:  # (head_dim_qk not of 16s: the Triton backend only)
+            return out
+        if get_space(dtype).feasible(lean) is None:  # (sized for up to hd256: it fits wherever the space says)
+            out["gluon-lean"] = (lean, LEAN_BOUND)
     return out
 
 
 def _check(b: int, sq: int, sk: int, h: int, hk: int, dqk: int, dv: int, dtype: str, seed: int = 0) -> None:
     args, kw = make_inputs(dtype, dqk, dv, batch=b, heads=h, kv_heads=hk, seqlen=sq, seqlen_k=sk, seed=seed)
     ref = attention_reference(*args, causal=True, **kw)
-    bound = FP8_BOUND if dtype == "fp8" else BF16_BOUND
-    for name, cfg in _configs(dtype, dqk, dv).items():
+    for name, (cfg, bound) in _configs(dtype, dqk, dv).items():
         out = flash_attn_func(*args, causal=True, config=cfg, **kw)
         assert out.dtype == torch.bfloat16 and out.shape == (b, sq, h, dv)
         assert torch.isfinite(out).all(), f"{name} {dtype} {dqk}/{dv}: non-finite output"

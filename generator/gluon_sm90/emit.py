@@ -8,11 +8,14 @@ The source holds everything the kernel runs, so its hash identifies the kernel (
 build cache), as for the Triton backend.
 
 Kernel contract (see kernels/gluon_launch.py):
-  (Dqk/D = head dims of Q, K / of V and O: 64/64, 96/96, 128/128, 192/128, 256/256; W = the width
-  of one Q / K column part, qk_part_width: Dqk, 64 for 192, 32 for 96; Dp = D rounded up to a power
-  of two, config.gluon_o_parts)
+  (Dqk/D = head dims of Q, K / of V and O: Dqk a multiple of 16, D of 8, from 32 to 256
+  (rules.gluon_head_dim_conflict); W = the width of one Q / K column part, qk_part_width: Dqk, 64 for
+  192, 32 for 96, with Dqk not a multiple of 32 those of Dqk rounded up to one (80 -> 96: 32, 112 ->
+  128: 128); Dp = D rounded up to a power of two, config.gluon_o_parts)
   desc_q: Q viewed (B*Sq, H*Dqk), block [BLOCK_M, W]; desc_k: K viewed (B*Sk, Hkv*Dqk), block
-  [BLOCK_N, W]; desc_v: V^T viewed (B*Hkv*D, Skv), block [Dp, BLOCK_N], its keys permuted within
+  [BLOCK_N, W]; where Dqk is not a multiple of 32 (config.gluon_qk_padded) Q viewed (B*Sq, H, Dqk),
+  block [BLOCK_M, 1, W], and K (B*Sk, Hkv, Dqk), block [BLOCK_N, 1, W]: the columns of the last part
+  past Dqk are TMA's zeros; desc_v: V^T viewed (B*Hkv*D, Skv), block [Dp, BLOCK_N], its keys permuted within
   32-key chunks when V_PERM (Skv = Sk padded to 32, padding zeros), else Skv = Sk; with
   v_layout="natural" V itself viewed (B*Sk, Hkv*D), block [BLOCK_N, Dp]; desc_o: O viewed
   (B, Sq, H*D) bf16, block [1, 64, D] (stores clipped per batch), or where Dp > D viewed
@@ -47,7 +50,17 @@ from ..asm.lean import (
     lean_tail_asm,
 )
 from ..asm.rescale import rescale_asm, rescale_constraints
-from ..config import GENERATOR_VERSION, KernelConfig, gluon_o_parts, gluon_registers, o_chunks, o_in_p_tile, p_tiles
+from ..config import (
+    GENERATOR_VERSION,
+    KernelConfig,
+    gluon_o_parts,
+    gluon_qk_padded,
+    gluon_qk_parts,
+    gluon_registers,
+    o_chunks,
+    o_in_p_tile,
+    p_tiles,
+)
 from ..emitted import EmittedKernel, emitted, kernel_name_of
 from . import device
 from .trace import EVENTS, TraceBuffer, clock_asm
@@ -77,7 +90,8 @@ def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
     w, dv = qk_part_width(config), config.head_dim_v
     oa, oc = gluon_o_parts(config)
     bn, bn_b = key_parts(config)
-    blocks = {"desc_q": ("fp8", [q_box_rows(config), w]), "desc_k": ("fp8", k_box(config, bn, w))}
+    q_box = [q_box_rows(config), 1, w] if gluon_qk_padded(config) else [q_box_rows(config), w]
+    blocks = {"desc_q": ("fp8", q_box), "desc_k": ("fp8", k_box(config, bn, w))}
     if bn_b:  # the second key part's K rows
         blocks["desc_kb"] = ("fp8", k_box(config, bn_b, w))
     blocks["desc_v"] = ("fp8", [bn, oa] if config.v_layout == "natural" else [oa, bn])
@@ -96,8 +110,11 @@ def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
 def k_box(config: KernelConfig, keys: int, width: int) -> list[int]:
     """The TMA block of `keys` K rows of `width` columns. k_perm: five dimensions (16-key groups, s, q,
     b, columns) over K's rows at strides (16, 2, 4, 1) rows (kernels/gluon_launch.k_view), so that tile
-    row 16h + 8s + 2q + b holds key 16h + 4q + 2s + b: what v_permute relabels, made on K."""
-    return [keys // 16, 2, 4, 2, width] if config.k_perm else [keys, width]
+    row 16h + 8s + 2q + b holds key 16h + 4q + 2s + b: what v_permute relabels, made on K. Zero-padded
+    Q / K (gluon_qk_padded): three, (rows, one head, columns), clipped at the head dim."""
+    if config.k_perm:
+        return [keys // 16, 2, 4, 2, width]
+    return [keys, 1, width] if gluon_qk_padded(config) else [keys, width]
 
 
 def key_parts(config: KernelConfig) -> tuple[int, int]:
@@ -124,11 +141,9 @@ def q_box_rows(config: KernelConfig) -> int:
 
 
 def qk_part_width(config: KernelConfig) -> int:
-    """Columns of one Q / K tile part: tensor shapes must be powers of two, so a 192- / 96-wide Q / K
-    comes in three 64- / 32-column parts (one TMA copy and one chained wgmma each; the largest power
-    of two dividing the head dim); other head dims in one."""
-    d = int(config.head_dim_qk)
-    return d & -d
+    """Columns of one Q / K tile part (config.gluon_qk_parts): a 192- / 96-wide Q / K comes in three 64- /
+    32-column parts, an 80-wide one zero-padded to three of 32."""
+    return gluon_qk_parts(config)[0]
 
 
 def descriptor_layout(dtype: str, block: list[int]):
@@ -208,7 +223,7 @@ def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None) -> dic
         ("O_SPLIT", bool(c.o_split)),
         ("O_C", gluon_o_parts(c)[1] or 8),
         ("PV_GROUPS", (2 if key_parts(c)[1] else 1) * (2 if c.rowsum == "mma" else 1) + int(bool(c.o_split))),
-        ("QK_PARTS", int(c.head_dim_qk) // qk_part_width(c)),
+        ("QK_PARTS", gluon_qk_parts(c)[1]),
         ("QK_W", qk_part_width(c)),
         ("Q_BOXES", int(c.block_m) // q_box_rows(c)),
         ("STAGES", int(c.num_stages)),
@@ -404,15 +419,26 @@ def _p_lines(c: KernelConfig) -> list[str]:
 
 
 def _k_lines(c: KernelConfig) -> list[str]:
-    """The K ring (with 192-key blocks a 128-row and a 64-row ring, one per key part). k_perm: the tiles
-    keep the 2-D layout wgmma reads (the same swizzle as the 5-D box that fills them: its rows are QK_W
-    wide), not the descriptor's."""
+    """The K ring (with 192-key blocks a 128-row and a 64-row ring, one per key part). k_perm and zero-padded
+    Q / K: the tiles keep the 2-D layout wgmma reads (the same swizzle as the 5-D / 3-D box that fills them:
+    its rows are QK_W wide), not the descriptor's."""
     rings = [("k", "BN_A", "desc_k")] + ([("kb", "BN_B", "desc_kb")] if key_parts(c)[1] else [])
     lines = []
     for name, keys, desc in rings:
-        layout = f"gl.NVMMASharedLayout.get_default_for([{keys}, QK_W], dtype)" if c.k_perm else f"{desc}.layout"
+        own = c.k_perm or gluon_qk_padded(c)
+        layout = f"gl.NVMMASharedLayout.get_default_for([{keys}, QK_W], dtype)" if own else f"{desc}.layout"
         lines.append(f"    {name}_bufs = gl.allocate_shared_memory(dtype, [STAGES * QK_PARTS, {keys}, QK_W], {layout})")
     return lines
+
+
+def _q_layout(c: KernelConfig) -> str:
+    """The Q ring's layout: the descriptor's, or for zero-padded Q / K the 2-D one wgmma reads (the 3-D box's
+    swizzle)."""
+    return (
+        "gl.NVMMASharedLayout.get_default_for([BLOCK_M // Q_BOXES, QK_W], dtype)"
+        if gluon_qk_padded(c)
+        else "desc_q.layout"
+    )
 
 
 def _stand_ins(c: KernelConfig) -> list[str]:
@@ -468,7 +494,7 @@ def _entry(c: KernelConfig) -> str:
             f"                  {', '.join(SCALAR_PARAMS[7:] + tile_params(c))}, CAUSAL: gl.constexpr):",
             "    dtype: gl.constexpr = gl.float8e4nv",
             "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES * QK_PARTS * Q_BOXES, BLOCK_M // Q_BOXES, QK_W],",
-            "                                       desc_q.layout)",
+            f"                                       {_q_layout(c)})",
             *_k_lines(c),
             *_v_lines(c),
             "    o_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, O_CHUNK], gl.bfloat16)",

@@ -24,8 +24,9 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               vc_desc, vc_bufs):
     """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
     K and V barriers so that QK^T can start before V has landed). Q and K tiles come in QK_PARTS
-    column parts of HEAD_QK / QK_PARTS (tensor shapes must be powers of two: 192 = 3 x 64), a
-    192-row Q tile (three consumers) in Q_BOXES = 3 row boxes of 64.
+    column parts of QK_W (tensor shapes must be powers of two: 192 = 3 x 64; a head dim not of 32s
+    zero-padded to one, 80 -> 3 x 32: _qk_load), a 192-row Q tile (three consumers) in Q_BOXES = 3
+    row boxes of 64.
     V_NATURAL: a warpgroup; V's (BLOCK_N, D) tiles are loaded into two raw slots and the producer
     writes their transposes into the V^T ring (_transpose_v) one block behind the loads: K(j) and
     V(j) are issued, then V^T(j-1) written while V(j) is in flight, so the consumers get K(j) and
@@ -46,13 +47,11 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
         mbarrier.expect(q_ready.index(qs), QK_PARTS * Q_BOXES * q_desc.block_type.nbytes)
         for p in gl.static_range(QK_PARTS):
             if Q_BOXES == 1:
-                tma.async_copy_global_to_shared(q_desc, [b * Sq + m0, h * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
-                                                q_ready.index(qs), q_bufs.index(qs * QK_PARTS + p))
+                _qk_load(q_desc, b * Sq + m0, h, p * QK_W, q_ready.index(qs), q_bufs.index(qs * QK_PARTS + p))
             else:  # 192 rows: TMA boxes are powers of two, so one 64-row box per consumer
                 for r in gl.static_range(Q_BOXES):
-                    tma.async_copy_global_to_shared(
-                        q_desc, [b * Sq + m0 + r * 64, h * HEAD_QK + p * (HEAD_QK // QK_PARTS)],
-                        q_ready.index(qs), q_bufs.index((qs * QK_PARTS + p) * Q_BOXES + r))
+                    _qk_load(q_desc, b * Sq + m0 + r * 64, h, p * QK_W, q_ready.index(qs),
+                             q_bufs.index((qs * QK_PARTS + p) * Q_BOXES + r))
         q_it += 1
         n_blocks, n_masked = _block_range(m0, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
         k_row = b * Sk
@@ -67,10 +66,9 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             else:
                 mbarrier.expect(k_ready.index(s), QK_PARTS * k_desc.block_type.nbytes)
             for p in gl.static_range(QK_PARTS):
-                col = hk * HEAD_QK + p * (HEAD_QK // QK_PARTS)
-                _k_load(k_desc, k_row + n0, col, k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
+                _k_load(k_desc, k_row + n0, hk, p * QK_W, k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
                 if SPLIT:
-                    _k_load(kb_desc, k_row + n0 + BN_A, col, k_ready.index(s), kb_bufs.index(s * QK_PARTS + p))
+                    _k_load(kb_desc, k_row + n0 + BN_A, hk, p * QK_W, k_ready.index(s), kb_bufs.index(s * QK_PARTS + p))
             if V_NATURAL:  # V(j) into raw slot j % 2 (its last reader, V^T(j-2), is written), then V^T(j-1)
                 raw_slot = kv_it % 2
                 mbarrier.expect(v_raw_ready.index(raw_slot), v_desc.block_type.nbytes)
@@ -94,15 +92,29 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
 
 
 @gluon.jit
-def _k_load(k_desc, row, col, bar, buf):
-    """TMA load of K rows row.. (columns col..) into the K tile buf. K_PERM: as the 5-D box of
-    emit.k_box (row a multiple of 16: Sk % 16 == 0), which fills the 2-D tile with its rows
+def _k_load(k_desc, row, head, col, bar, buf):
+    """TMA load of K rows row.. (columns col.. of kv head `head`) into the K tile buf. K_PERM: as the
+    5-D box of emit.k_box (row a multiple of 16: Sk % 16 == 0), which fills the 2-D tile with its rows
     relabelled as V_PERM wants (_key_of_column)."""
     if K_PERM:
-        tma.async_copy_global_to_shared(k_desc, [row // 16, 0, 0, 0, col], bar,
+        tma.async_copy_global_to_shared(k_desc, [row // 16, 0, 0, 0, head * HEAD_QK + col], bar,
                                         buf._reinterpret(buf.dtype, k_desc.block_type.shape, k_desc.layout))
     else:
-        tma.async_copy_global_to_shared(k_desc, [row, col], bar, buf)
+        _qk_load(k_desc, row, head, col, bar, buf)
+
+
+@gluon.jit
+def _qk_load(desc, row, head, col, bar, buf):
+    """TMA load of Q or K rows row.. (columns col.. of head `head`) into the tile buf. A head dim that is
+    not a multiple of 32 (FP8 wgmma's reduction) is read through the (rows, heads, dims) view in
+    QK_PARTS boxes of QK_W columns that run past it: TMA fills the columns past the head dim with
+    zeros, which add nothing to the scores (the 3-D box fills the 2-D tile: the same swizzle, rows
+    of QK_W); other head dims through the (rows, heads x dims) view."""
+    if QK_PARTS * QK_W > HEAD_QK:
+        tma.async_copy_global_to_shared(desc, [row, head, col], bar,
+                                        buf._reinterpret(buf.dtype, desc.block_type.shape, desc.layout))
+    else:
+        tma.async_copy_global_to_shared(desc, [row, head * HEAD_QK + col], bar, buf)
 
 
 @gluon.jit
