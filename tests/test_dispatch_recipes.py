@@ -130,3 +130,18 @@ def test_explain_attention_reports_recipe_kernel_and_why(layers, monkeypatch):
     chosen = explain_attention(q, q, q, gpu="NVIDIA H200", error_budget=2.0)
     assert chosen.recipe == SMOOTH and chosen.kernel.config == cfg(num_stages=4)
     assert "smooth_k v_rounding=balanced" in str(chosen) and "bf16-API entry" in str(chosen)
+
+
+@pytest.mark.parametrize("ratio,served", [(1.0002, True), (1.009, True), (1.02, False)])
+def test_the_default_budget_is_fa3_error_within_one_percent(layers, monkeypatch, ratio, served):
+    """attention()'s default budget (FA3_PARITY): an entry a rounding hair over FA3's error, as the
+    fastest pairs measure, is served; one 2% over is not."""
+    d = layers(
+        lambda s: (
+            fp8_entry(s),
+            record(s, bf16(key()), cfg(num_stages=4), 0.6, error=0.02 * ratio, error_ref=0.02, recipe=SMOOTH),
+        )
+    )
+    monkeypatch.setattr(dispatch, "_dispatcher", d)
+    q = torch.empty(2, 8192, 32, 128, dtype=torch.bfloat16, device="meta")
+    assert (explain_attention(q, q, q, gpu="NVIDIA H200").recipe == SMOOTH) is served
