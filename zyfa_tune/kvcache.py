@@ -141,10 +141,19 @@ class _Paged:
     return_lse: bool
 
 
-def paged_config(config: KernelConfig, page_size: int) -> KernelConfig:
+def paged_config(config: KernelConfig, page_size: int, pointer: bool = False) -> KernelConfig:
     """The config that runs a paged cache for `config`: its natural-V twin (a cache has no V^T
-    copy), on the widest key block, at most its own, that a page holds whole."""
+    copy), with pointer loads where `pointer` (pages TMA cannot read in place), on the widest key
+    block, at most its own, that a page holds whole."""
     config = _varlen.natural_twin(config)
+    if pointer and config.loads != "pointer":
+        try:
+            config = config.replace(loads="pointer")
+        except ConfigError:  # (a combination pointer loads do not take: the default's)
+            config = default_config(config.dtype, config.head_dim_qk, config.head_dim_v).replace(
+                loads="pointer", v_layout="natural"
+            )
+        config = serving_config(config)
     block = next(b for b in _BLOCKS if b <= config.block_n and page_size % b == 0)
     if block == config.block_n:
         return config
@@ -174,10 +183,9 @@ def _run(key, p: _Paged, given: tuple, config, causal: bool, as_passed: tuple):
     chosen = config and _varlen.natural_twin(config)
     if chosen is None:
         picked = dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, batch, h, hk, mean, device.index)
-        chosen = paged_config(serving_config(picked), page_size)
-        if chosen.loads == "tma" and not (tma_readable(p.k_cache) and tma_readable(p.v_cache)):
-            # pages apart in memory (say K and V interleaved per page): pointer loads read them in place
-            chosen = paged_config(serving_config(chosen.replace(loads="pointer")), page_size)
+        # pages apart in memory (say K and V interleaved per page): pointer loads read them in place
+        apart = not (tma_readable(p.k_cache) and tma_readable(p.v_cache))
+        chosen = paged_config(serving_config(picked), page_size, pointer=apart)
     window = window_bounds(p.window, causal, max_pages * page_size, p.max_seqlen_q)
     serving = Serving(p.cu_seqlens_q, None, p.max_seqlen_q, window, lse, p.page_table, p.cache_seqlens)
     causal_mask = causal and window is None
