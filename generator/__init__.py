@@ -23,14 +23,15 @@ from .triton.emit import emit as _triton_emit
 
 def emit(config: KernelConfig, serving: bool = False) -> EmittedKernel:
     """Emit the kernel source of `config` with its backend's emitter (deterministic). `serving`: the
-    variant that also takes packed sequences, a window and an LSE output (generator/triton/emit.py);
+    variant that also takes packed sequences, a paged KV cache, a window and an LSE output (generator/triton/emit.py);
     only the Triton backend has one."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
     if serving:
         if config.backend != "triton":
             raise ValueError(
-                f"config: backend={config.backend!r} has no kernel for varlen, window_size or return_lse; "
+                f"config: backend={config.backend!r} has no kernel for varlen, paged KV caches, window_size or "
+                "return_lse; "
                 "the Triton backend serves them"
             )
         return _triton_emit(config, serving=True)

@@ -200,7 +200,7 @@ def compile_for_target(
     Integer arguments that a real launch marks as multiples of 16 (strides, with contiguous
     last dims) are marked the same way, so the code matches what runs on the GPU. `descales=False`
     compiles the specialisation a call without descales gets (QD/KD/VD None). `serving`: the
-    constexprs of a serving-variant kernel (VARLEN, WINDOW, RETURN_LSE; all False where left out).
+    constexprs of a serving-variant kernel (VARLEN, WINDOW, RETURN_LSE, PAGED; all False where left out).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -222,7 +222,7 @@ def compile_for_target(
         elif n in ("Q", "K", "V", "O"):
             sig[n] = "*bf16" if n == "O" else ptr
             attrs[(i,)] = _DIV16
-        elif n.startswith("stride_") and not n.startswith(("stride_d", "stride_l")):
+        elif n.startswith("stride_") and not n.startswith(("stride_d", "stride_l", "stride_p")):
             attrs[(i,)] = _DIV16
     if "VARLEN" in names:
         _serving_signature(names, dict(serving or {}), sig, constexprs, attrs)
@@ -264,11 +264,20 @@ _DIV16 = [["tt.divisibility", 16]]
 
 def _serving_signature(names: list[str], flags: dict[str, bool], sig: dict, constexprs: dict, attrs: dict) -> None:
     """The serving variant's options as a launch passes them: its constexprs, int32 cumulative
-    lengths and a float32 LSE (16-byte aligned allocations), or None where the option is off."""
-    for name in ("VARLEN", "WINDOW", "RETURN_LSE"):
+    lengths, page table and cache lengths and a float32 LSE (16-byte aligned allocations), or None
+    where the option is off (a paged call's keys need no CU_K)."""
+    for name in ("VARLEN", "WINDOW", "RETURN_LSE", "PAGED"):
         sig[name], constexprs[name] = "constexpr", bool(flags.get(name, False))
-    for name, on, ptr in (("CU_Q", "VARLEN", "*i32"), ("CU_K", "VARLEN", "*i32"), ("LSE", "RETURN_LSE", "*fp32")):
-        if constexprs[on]:
+    on = {**constexprs, "VARLEN_K": constexprs["VARLEN"] and not constexprs["PAGED"]}
+    pointers = (
+        ("CU_Q", "VARLEN", "*i32"),
+        ("CU_K", "VARLEN_K", "*i32"),
+        ("LSE", "RETURN_LSE", "*fp32"),
+        ("PAGE_TABLE", "PAGED", "*i32"),
+        ("CACHE_SEQLENS", "PAGED", "*i32"),
+    )
+    for name, flag, ptr in pointers:
+        if on[flag]:
             sig[name], attrs[(names.index(name),)] = ptr, _DIV16
         else:
             sig[name], constexprs[name] = "constexpr", None

@@ -27,6 +27,7 @@ __all__ = [
     "kernel",
     "launch",
     "prepare",
+    "tma_readable",
     "transpose_v",
 ]
 
@@ -54,25 +55,37 @@ class Serving:
     viewed as one batch entry, (1, total, heads, dim), and descales are (batch, kv_heads) of the
     sequences. `window` is (left, right), both >= 0 (an unbounded side already resolved to a bound no
     key reaches; a causal window has right = 0). `lse`: float32 (batch, heads, seqlen_q), or
-    (heads, total_q) for varlen, written where given."""
+    (heads, total_q) for varlen, written where given. With `page_table` (int32 (batch, max_pages),
+    last dim contiguous) k and v are paged caches (pages, page_size, kv_heads, dim) holding
+    `cache_seqlens[b]` (int32 (batch,)) keys of sequence b; page_size a multiple of block_n."""
 
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     window: tuple[int, int] | None = None
     lse: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None
+    cache_seqlens: torch.Tensor | None = None
 
     @property
     def constexprs(self) -> dict[str, bool]:
         return dict(
-            VARLEN=self.cu_seqlens_q is not None, WINDOW=self.window is not None, RETURN_LSE=self.lse is not None
+            VARLEN=self.cu_seqlens_q is not None,
+            WINDOW=self.window is not None,
+            RETURN_LSE=self.lse is not None,
+            PAGED=self.page_table is not None,
         )
 
+    @property
+    def pointers(self) -> tuple:
+        """The tensors a launch passes after the descales, in the kernel's order."""
+        return self.cu_seqlens_q, self.cu_seqlens_k, self.lse, self.page_table, self.cache_seqlens
 
-#: the kernels' constexpr parameters, in signature order (the serving variant's three after CAUSAL)
-_CONSTEXPRS = ("CAUSAL", "VARLEN", "WINDOW", "RETURN_LSE")
-#: pointers a serving-variant launch adds after the descales: CU_Q, CU_K, LSE
-_SERVING_POINTERS = 3
+
+#: the kernels' constexpr parameters, in signature order (the serving variant's four after CAUSAL)
+_CONSTEXPRS = ("CAUSAL", "VARLEN", "WINDOW", "RETURN_LSE", "PAGED")
+#: pointers a serving-variant launch adds after the descales: CU_Q, CU_K, LSE, PAGE_TABLE, CACHE_SEQLENS
+_SERVING_POINTERS = 5
 
 
 def launch(
@@ -212,7 +225,7 @@ class BoundLaunch:
         v_descale: torch.Tensor | None,
         extra: tuple = (),
     ) -> torch.Tensor:
-        """`extra`: a serving-variant launch's (cu_seqlens_q, cu_seqlens_k, lse), Nones where off."""
+        """`extra`: a serving-variant launch's `Serving.pointers`, Nones where off."""
         if self.transpose is not None:
             v = self.transpose(v)
         if self.raw is not None and not fastlaunch.hooks_set():
@@ -242,19 +255,32 @@ class BoundLaunch:
 
 class ServingLaunch:
     """A serving-variant BoundLaunch for the API's per-layout fast path: allocates each call's LSE
-    (returning (out, lse)) where the layout asks for one, and passes varlen calls' cumulative lengths."""
+    (returning (out, lse)) where the layout asks for one, and passes varlen calls' cumulative lengths
+    and paged calls' page table and cache lengths."""
 
     __slots__ = ("bound", "lse_shape")
 
     def __init__(self, bound: BoundLaunch, lse_shape: tuple[int, ...] | None):
         self.bound, self.lse_shape = bound, lse_shape
 
-    def __call__(self, q, k, v, out, q_descale, k_descale, v_descale, cu_seqlens_q=None, cu_seqlens_k=None):
-        if self.lse_shape is None:
-            return self.bound(q, k, v, out, q_descale, k_descale, v_descale, (cu_seqlens_q, cu_seqlens_k, None))
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=out.device)
-        self.bound(q, k, v, out, q_descale, k_descale, v_descale, (cu_seqlens_q, cu_seqlens_k, lse))
-        return out, lse
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        out,
+        q_descale,
+        k_descale,
+        v_descale,
+        cu_seqlens_q=None,
+        cu_seqlens_k=None,
+        page_table=None,
+        cache_seqlens=None,
+    ):
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=out.device)
+        extra = (cu_seqlens_q, cu_seqlens_k, lse, page_table, cache_seqlens)
+        self.bound(q, k, v, out, q_descale, k_descale, v_descale, extra)
+        return out if lse is None else (out, lse)
 
 
 def bind(
@@ -273,7 +299,7 @@ def bind(
 ) -> BoundLaunch | None:
     """Launch like `launch` and return a BoundLaunch for later calls with this layout, or None where
     this layout needs a hidden copy (unaligned or padded rows for TMA) and so no fast path. With
-    `serving`, later calls pass its (cu_seqlens_q, cu_seqlens_k, lse) as the BoundLaunch's `extra`."""
+    `serving`, later calls pass its `pointers` as the BoundLaunch's `extra`."""
     grid, args, options = prepare(
         config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale, serving=serving
     )
@@ -324,9 +350,11 @@ def prepare(
 ):
     """Grid, positional arguments and launch options of one call (makes the V^T copy if needed).
     `sms` sizes a persistent grid (default: the device's SM count; the target's reference count, HOPPER.sm_count, for tensors not on a GPU).
-    `serving`: the call's varlen, window and LSE options (Triton configs only: the serving variant)."""
+    `serving`: the call's varlen, paged, window and LSE options (Triton configs only: the serving variant)."""
     if serving is not None:
         emitted(config, True)  # a backend with no serving variant says so here, naming the options
+        if serving.page_table is not None:
+            _check_paged(config, k, v, serving.page_table.shape[1])
     b, sq, h, _ = q.shape
     sk, hk = k.shape[1], k.shape[2]
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
@@ -381,7 +409,7 @@ def prepare(
             vrow,
             vhead,
         )
-    extra = () if serving is None else (serving.cu_seqlens_q, serving.cu_seqlens_k, serving.lse)
+    extra = () if serving is None else serving.pointers
     args = (
         *inputs,
         out,
@@ -410,8 +438,20 @@ def prepare(
     return (n_m * batch * h,), args, options
 
 
-def _serving_scalars(serving: Serving) -> tuple[int, int, int, int]:
-    """stride_lb, stride_lh, WIN_L, WIN_R of a serving-variant launch (0 for options that are off)."""
+def _check_paged(config: KernelConfig, k: torch.Tensor, v: torch.Tensor, max_pages: int) -> None:
+    """What the paged kernel assumes of its config and cache: V read as stored (natural), tiles
+    within a page, and pointer loads' key offsets (key index x row stride) within int32."""
+    if config.v_layout != "natural":
+        raise ValueError("config: a paged KV cache is read with v_layout='natural' (no V^T copy of a cache)")
+    if k.shape[1] % config.block_n:
+        raise ValueError(f"k_cache: page_size {k.shape[1]} is not a multiple of config's block_n {config.block_n}")
+    if config.loads == "pointer" and max_pages * k.shape[1] * max(k.stride(1), v.stride(1)) > _INT32_MAX:
+        raise ValueError("page_table: max_pages x page_size keys span more than 2^31 cache elements; split the batch")
+
+
+def _serving_scalars(serving: Serving) -> tuple[int, ...]:
+    """stride_lb, stride_lh, WIN_L, WIN_R, stride_pt of a serving-variant launch (0 for options
+    that are off)."""
     lse = serving.lse
     if lse is None:
         strides = (0, 0)
@@ -419,12 +459,19 @@ def _serving_scalars(serving: Serving) -> tuple[int, int, int, int]:
         strides = (0, lse.stride(0))
     else:  # (batch, heads, seqlen_q)
         strides = (lse.stride(0), lse.stride(1))
-    return (*strides, *(serving.window or (0, 0)))
+    stride_pt = 0 if serving.page_table is None else serving.page_table.stride(0)
+    return (*strides, *(serving.window or (0, 0)), stride_pt)
+
+
+def tma_readable(t: torch.Tensor) -> bool:
+    """Whether TMA reads `t` (4-D, last dim contiguous) as it is: (batch*seqlen, heads*dim) rows
+    from a 16-byte aligned base."""
+    return t.stride(2) == t.shape[3] and t.stride(0) == t.shape[1] * t.stride(1) and t.data_ptr() % 16 == 0
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """TMA reads (batch*seqlen, heads*dim) rows from a 16-byte aligned base: copy if not so."""
-    if t.stride(2) != t.shape[3] or t.stride(0) != t.shape[1] * t.stride(1) or t.data_ptr() % 16:
+    """`t`, or a copy TMA can read (`tma_readable`)."""
+    if not tma_readable(t):
         return t.contiguous() if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
     return t
 

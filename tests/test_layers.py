@@ -29,9 +29,10 @@ LAYERS = {
     "quantize": 3,
     "attention": 4,
     "varlen": 4,
-    "tuning": 5,
-    "bench": 6,
-    "cli": 7,
+    "kvcache": 5,  # (reuses varlen's checks)
+    "tuning": 6,
+    "bench": 7,
+    "cli": 8,
 }
 
 

@@ -209,7 +209,7 @@ def test_dense_options_use_the_serving_variant_only_when_asked(rec):
     s = rec.checked[-1]["serving"]
     assert s.lse is lse and lse.shape == (2, 4, 16) and s.window is None and s.cu_seqlens_q is None
     out2, lse2 = flash_attn_func(q, k, v, config=CFG, return_lse=True)  # the fast path, a fresh LSE
-    assert len(rec.checked) == 2 and rec.fast[-1][-1] == (None, None, lse2) and lse2 is not lse
+    assert len(rec.checked) == 2 and rec.fast[-1][-1] == (None, None, lse2, None, None) and lse2 is not lse
     flash_attn_func(q, k, v, config=CFG, causal=False, window_size=(4, 4))
     assert rec.checked[-1]["serving"].window == (4, 4) and rec.checked[-1]["causal"] is False
 
@@ -249,11 +249,12 @@ def test_prepare_sizes_the_grid_by_sequences_and_places_the_options():
     grid, args, options = launch.prepare(cfg, q[None], k[None], v[None], out, 0.1, False, serving=s)
     assert grid == (1 * 3 * 4,)  # ceil(5 / 64) query blocks x 3 sequences x 4 heads
     assert args[16] is cq and args[17] is ck and args[18] is lse  # after the descales
-    assert args[-4:] == (0, lse.stride(0), 3, 0)  # stride_lb, stride_lh, WIN_L, WIN_R
-    assert {k: options[k] for k in ("CAUSAL", "VARLEN", "WINDOW", "RETURN_LSE")} == dict(
-        CAUSAL=False, VARLEN=True, WINDOW=True, RETURN_LSE=True
+    assert args[19] is None and args[20] is None  # no page table, no cache lengths
+    assert args[-5:] == (0, lse.stride(0), 3, 0, 0)  # stride_lb, stride_lh, WIN_L, WIN_R, stride_pt
+    assert {k: options[k] for k in ("CAUSAL", "VARLEN", "WINDOW", "RETURN_LSE", "PAGED")} == dict(
+        CAUSAL=False, VARLEN=True, WINDOW=True, RETURN_LSE=True, PAGED=False
     )
-    with pytest.raises(ValueError, match="config: backend='gluon' has no kernel for varlen, window_size or return_lse"):
+    with pytest.raises(ValueError, match="config: backend='gluon' has no kernel for varlen, paged KV caches"):
         launch.prepare(GLUON, q[None], k[None], v[None], out, 0.1, True, serving=s)
 
 

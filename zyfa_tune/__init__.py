@@ -5,6 +5,7 @@ out = attention(q, k, v, causal=True)
 
 from zyfa_tune import flash_attn_func, quantize_fp8   # FP8 in, FlashAttention-3's interface
 from zyfa_tune import flash_attn_varlen_func          # packed sequences of different lengths
+from zyfa_tune import flash_attn_with_kvcache         # new queries over a paged KV cache
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -14,8 +15,9 @@ from zyfa_tune.attention import attention, explain_attention
 from zyfa_tune.generator import ConfigError, KernelConfig
 from zyfa_tune.generator.recipe import Recipe
 from zyfa_tune.kernels.dispatch import set_databases, set_error_budget
+from zyfa_tune.kvcache import flash_attn_with_kvcache
 from zyfa_tune.quantize import dequantize_fp8, hadamard_matrix, quantize_fp8
-from zyfa_tune.tuning.reference import attention_reference, attention_reference_varlen
+from zyfa_tune.tuning.reference import attention_reference, attention_reference_paged, attention_reference_varlen
 from zyfa_tune.varlen import flash_attn_varlen_func
 
 try:
@@ -27,6 +29,7 @@ __all__ = [
     "explain_attention",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "explain",
     "set_databases",
     "set_error_budget",
@@ -35,6 +38,7 @@ __all__ = [
     "hadamard_matrix",
     "attention_reference",
     "attention_reference_varlen",
+    "attention_reference_paged",
     "KernelConfig",
     "ConfigError",
     "Recipe",

@@ -123,7 +123,12 @@ def packed_twin(config: KernelConfig) -> KernelConfig:
     start a sequence's tile at its first key's column, the copy's innermost dimension, where a TMA
     box must start 16-byte aligned; its natural-V twin reads V's rows, where a tile may start at any
     row (as Q's and K's do)."""
-    if config.loads != "tma" or config.v_layout != "transposed":
+    return natural_twin(config) if config.loads == "tma" else config
+
+
+def natural_twin(config: KernelConfig) -> KernelConfig:
+    """`config` reading V as stored, (keys, dim) rows, where it reads a V^T copy."""
+    if config.v_layout != "transposed":
         return config
     try:
         return config.replace(v_layout="natural")
@@ -207,8 +212,9 @@ def _prepare(
     dtype = _api._DTYPES[q.dtype] if tensors_ok[0] else None
     descales = _api._prepare_descales(q, k, given, [*tensors_ok, cu_ok], read_values, problems, batch, _BATCH_FROM)
     check_config(config, dtype, q, v, related, ["varlen", *option_names(window, causal, return_lse)], problems)
-    if cu_ok and related and maxes_ok and not problems.found:
-        _check_cu_values(cu_q, cu_k, totals, (max_q, max_k), read_values, problems)
+    if cu_ok and related and maxes_ok and not problems.found and readable(cu_q, read_values):
+        values = torch.stack([cu_q, cu_k]).cpu()  # (one synchronisation for both)
+        check_cu_values(zip("qk", values, totals, (max_q, max_k)), problems)
     if tensors_ok[0]:  # k's, v's and the lengths' devices are checked against q's above
         try:
             _api._on_cuda("q", q)
@@ -257,14 +263,12 @@ def _check_max(names, values, totals, batch: int | None, problems: ArgumentProbl
     return ok
 
 
-def _check_cu_values(cu_q, cu_k, totals, maxes, read_cuda: bool, problems: ArgumentProblems) -> None:
-    """The lengths' values: start at 0, never decrease, end at the tensors' totals, no sequence
-    longer than its max_seqlen. Host tensors are read as they are; CUDA ones as `readable` allows
-    (both in one synchronisation)."""
-    if not (readable(cu_q, read_cuda) and readable(cu_k, read_cuda)):
-        return
-    values = torch.stack([cu_q, cu_k]).cpu().to(torch.int64)
-    for side, c, total, most in zip("qk", values, totals, maxes):
+def check_cu_values(sides, problems: ArgumentProblems) -> None:
+    """Cumulative lengths' values, read to the host (read them only where `readable` allows): each
+    of `sides`, (side "q" or "k", values, the tensor's total, its max_seqlen), starts at 0, never
+    decreases, ends at the total, and holds no sequence longer than the max_seqlen."""
+    for side, c, total, most in sides:
+        c = c.to(torch.int64)
         name, lengths = f"cu_seqlens_{side}", c[1:] - c[:-1]
         if c[0] != 0:
             problems.add(ValueError, f"{name}: must start at 0, got {int(c[0])}")

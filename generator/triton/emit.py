@@ -11,11 +11,16 @@ Kernel contract (see kernels/launch.py):
   A 1-D grid of n_m_blocks * B * H programs. Causal masking is bottom-right aligned
   (query i sees keys j <= i + Sk - Sq), as in FlashAttention 2.1+.
 
-The serving variant (`emit(config, serving=True)`) is the same kernel with three problem options
+The serving variant (`emit(config, serving=True)`) is the same kernel with four problem options
 switched by constexprs, so that a call without them compiles to the plain kernel's code:
   VARLEN      packed sequences: Q/K/V/O are (1, total, heads, dim), CU_Q/CU_K the int32 cumulative
               lengths (batch + 1); the grid is n_m_blocks(max_seqlen_q) * batch * H, and programs
               past their sequence's end exit at once.
+  PAGED       keys and values from a paged cache: K/V are (pages, SEQ_K = page size, Hkv, dim), and
+              sequence b's keys are its first CACHE_SEQLENS[b] in the pages PAGE_TABLE[b * stride_pt + i]
+              (int32). A page holds whole key tiles (SEQ_K % block_n == 0), so each tile looks up one
+              page; V rows past a sequence's keys (stale cache slots) are zeroed in masked tiles. The
+              queries are dense (B, Sq, H, dim), or packed with VARLEN (CU_K unused). Natural V only.
   WINDOW      query i sees keys j with i + off - WIN_L <= j <= i + off + WIN_R (off = Sk - Sq of its
               sequence; the launcher passes a bound no key reaches for an unbounded side, and a causal
               window as WIN_R = 0); key blocks wholly outside the window are skipped.
@@ -90,7 +95,10 @@ class _Emitter:
         # one sequence's lengths and first rows in the (B * S) TMA views: the serving variant reads
         # them per program (a packed sequence's), the plain kernel's are the batch entry's
         self.sq, self.sk = ("seq_q", "seq_k") if serving else ("SEQ_Q", "SEQ_K")
-        self.q_row, self.k_row = ("q_row", "k_row") if serving else ("b * SEQ_Q", "b * SEQ_K")
+        self.q_row = "q_row" if serving else "b * SEQ_Q"
+        # a key tile's first row in the (B * S) TMA views of K and V: the serving variant's comes from
+        # the tile's page or its sequence's first row (`_tile_base`)
+        self.k_tile = "kv_row" if serving else "b * SEQ_K + n0"
 
     # ---- pieces -------------------------------------------------------------------------
     def _header(self) -> list[str]:
@@ -145,15 +153,23 @@ class _Emitter:
         return (
             ["", "@triton.jit", f"def {KERNEL_NAME}("]
             + inputs
-            + ["    O, QD, KD, VD, CU_Q, CU_K, LSE," if self.serving else "    O, QD, KD, VD,"]
+            + [
+                "    O, QD, KD, VD, CU_Q, CU_K, LSE, PAGE_TABLE, CACHE_SEQLENS,"
+                if self.serving
+                else "    O, QD, KD, VD,"
+            ]
             + [
                 "    stride_ob, stride_os, stride_oh,",
                 "    stride_db, stride_dh,",
                 "    H, GROUP, SEQ_Q, SEQ_K, N_M_BLOCKS, sm_scale_log2,",
             ]
-            + (["    stride_lb, stride_lh, WIN_L, WIN_R,"] if self.serving else [])
+            + (["    stride_lb, stride_lh, WIN_L, WIN_R, stride_pt,"] if self.serving else [])
             + ["    CAUSAL: tl.constexpr,"]
-            + (["    VARLEN: tl.constexpr, WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr,"] if self.serving else [])
+            + (
+                ["    VARLEN: tl.constexpr, WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr, PAGED: tl.constexpr,"]
+                if self.serving
+                else []
+            )
             + ["):"]
         )
 
@@ -235,7 +251,7 @@ class _Emitter:
         SEQ_K (the next batch entry's) only meet probabilities that the score mask made zero."""
         c = self.c
         if c.loads == "tma":
-            return f"desc_k_{w}.load([{self.k_row} + n0, hk * {c.head_dim_qk} + {off}])"
+            return f"desc_k_{w}.load([{self.k_tile}, hk * {c.head_dim_qk} + {off}])"
         mask = f", mask=(offs_k < {self.sk})[:, None], other=0.0" if masked else ""
         return f"tl.load(k_base + offs_k[:, None] * stride_ks + ({off} + tl.arange(0, {w}))[None, :]{mask})"
 
@@ -252,7 +268,7 @@ class _Emitter:
                 f"tl.trans(tl.load(v_base + ({off} + tl.arange(0, {w}))[:, None] * stride_vd + offs_k[None, :]{mask}))"
             )
         if c.loads == "tma":
-            return f"desc_v_{w}.load([{self.k_row} + n0, hk * {c.head_dim_v} + {off}])"
+            return f"desc_v_{w}.load([{self.k_tile}, hk * {c.head_dim_v} + {off}])"
         mask = f", mask=(offs_k < {self.sk})[:, None], other=0.0" if masked else ""
         return f"tl.load(v_base + offs_k[:, None] * stride_vs + ({off} + tl.arange(0, {w}))[None, :]{mask})"
 
@@ -261,6 +277,8 @@ class _Emitter:
         c = self.c
         ind = "        "
         L: list[str] = [f"{ind}offs_k = n0 + offs_n"]
+        if self.serving:
+            L += self._tile_base(ind)
         for i, (off, w) in enumerate(self.qk_chunks):
             L.append(f"{ind}k{i} = {self._load_k(i, off, w, masked)}")
         for i in range(len(self.qk_chunks)):
@@ -324,6 +342,11 @@ class _Emitter:
         L.append(f"{ind}l_i = l_i * alpha + l_ij")
         for i, (off, w) in enumerate(self.v_chunks):
             L.append(f"{ind}v{i} = {self._load_v(off, w, masked)}")
+            if masked and self.serving and c.loads == "tma":  # (pointer loads zero them in their mask)
+                L += [
+                    f"{ind}if PAGED:  # slots past the sequence's keys: stale data, perhaps NaN (0 * NaN = NaN)",
+                    f"{ind}    v{i} = tl.where((offs_k < seq_k)[:, None], v{i}, tl.zeros_like(v{i}))",
+                ]
             L.append(f"{ind}acc{i} = tl.dot(p, v{i}, acc{i} * alpha[:, None])")
         L += [f"{ind}m_i = m_new", f"{ind}ref_i = ref"]
         return L
@@ -371,37 +394,60 @@ class _Emitter:
         """This program's sequence: its lengths, its first rows in the TMA views (or its base
         pointers), and an early exit for query blocks past its end."""
         c = self.c
-        packed = ["    if VARLEN:  # sequence b of the packed batch entry 0"]
-        packed += [
+        pointer = c.loads == "pointer"
+        lines = [
+            "    if VARLEN:  # sequence b of the packed batch entry 0",
             "        q_row = tl.load(CU_Q + b)",
             "        seq_q = tl.load(CU_Q + b + 1) - q_row",
+        ]
+        lines += ["        q_base = Q + q_row.to(tl.int64) * stride_qs + h * stride_qh"] if pointer else []
+        lines += ["    else:", "        q_row = b * SEQ_Q", "        seq_q = SEQ_Q"]
+        lines += ["        q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh"] if pointer else []
+        lines += [
+            "    if PAGED:  # keys in pages: each key tile finds its own (`_tile_base`)",
+            "        seq_k = tl.load(CACHE_SEQLENS + b)",
+            "        pages = PAGE_TABLE + b.to(tl.int64) * stride_pt",
+            "    elif VARLEN:",
             "        k_row = tl.load(CU_K + b)",
             "        seq_k = tl.load(CU_K + b + 1) - k_row",
         ]
-        dense = [
-            "    else:",
-            "        q_row = b * SEQ_Q",
-            "        seq_q = SEQ_Q",
-            "        k_row = b * SEQ_K",
-            "        seq_k = SEQ_K",
-        ]
-        if c.loads == "pointer":
+        if pointer:
             # the V^T copy is (1, Hkv, Dv, keys) with keys contiguous: a sequence starts k_row columns in
             v_packed = "k_row" if c.v_layout == "transposed" else "k_row.to(tl.int64) * stride_vs"
-            packed += [
-                "        q_base = Q + q_row.to(tl.int64) * stride_qs + h * stride_qh",
+            lines += [
                 "        k_base = K + k_row.to(tl.int64) * stride_ks + hk * stride_kh",
                 f"        v_base = V + {v_packed} + hk * stride_vh",
             ]
-            dense += [
-                "        q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh",
+        elif c.v_layout == "transposed":  # V^T viewed (B*Hkv*Dv, keys): a head's rows, a sequence's columns
+            lines += ["        vt_head = hk", "        vt_col = k_row"]
+        lines += ["    else:", "        k_row = b * SEQ_K", "        seq_k = SEQ_K"]
+        if pointer:
+            lines += [
                 "        k_base = K + b.to(tl.int64) * stride_kb + hk * stride_kh",
                 "        v_base = V + b.to(tl.int64) * stride_vb + hk * stride_vh",
             ]
-        elif c.v_layout == "transposed":  # V^T viewed (B*Hkv*Dv, keys): a head's rows, a sequence's columns
-            packed += ["        vt_head = hk", "        vt_col = k_row"]
-            dense += ["        vt_head = b * (H // GROUP) + hk", "        vt_col = 0"]
-        return packed + dense + [f"    if start_m * {c.block_m} >= seq_q:", "        return"]
+        elif c.v_layout == "transposed":
+            lines += ["        vt_head = b * (H // GROUP) + hk", "        vt_col = 0"]
+        return lines + [f"    if start_m * {c.block_m} >= seq_q:", "        return"]
+
+    def _tile_base(self, ind: str) -> list[str]:
+        """Where a key tile starting at n0 lies: in its page (PAGED; SEQ_K is the page size, and a
+        page holds whole tiles), else at its sequence's row n0. TMA loads take a row of the (B * S)
+        views; pointer loads add offs_k * stride to bases that stand n0 rows before the tile."""
+        lines = [f"{ind}if PAGED:", f"{ind}    page = tl.load(pages + n0 // SEQ_K)"]
+        if self.c.v_layout == "transposed":  # a cache has no V^T copy: its natural-V twin runs it
+            lines.append(f'{ind}    tl.static_assert(False, "a paged KV cache is read with natural V")')
+            if self.c.loads == "tma":
+                lines += [f"{ind}else:", f"{ind}    kv_row = k_row + n0"]
+            return lines
+        if self.c.loads == "pointer":
+            lines += [
+                f"{ind}    in_page = (n0 % SEQ_K - n0).to(tl.int64)",
+                f"{ind}    k_base = K + page.to(tl.int64) * stride_kb + in_page * stride_ks + hk * stride_kh",
+                f"{ind}    v_base = V + page.to(tl.int64) * stride_vb + in_page * stride_vs + hk * stride_vh",
+            ]
+            return lines
+        return lines + [f"{ind}    kv_row = page * SEQ_K + n0 % SEQ_K", f"{ind}else:", f"{ind}    kv_row = k_row + n0"]
 
     def _key_range(self) -> list[str]:
         """Key tiles of this query block: masked [lo, full_lo) (a window's leading edge), unmasked

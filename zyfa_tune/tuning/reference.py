@@ -102,6 +102,47 @@ def attention_reference_varlen(
     return (out, lse) if return_lse else out
 
 
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor, cache_seqlens: torch.Tensor) -> list[torch.Tensor]:
+    """Each sequence's keys (or values) from a paged cache (pages, page_size, kv_heads, dim): the first
+    cache_seqlens[b] rows of its pages page_table[b] in order, as a (seqlen_k, kv_heads, dim) tensor."""
+    page_size = cache.shape[1]
+    out = []
+    for pages, n in zip(page_table.tolist(), cache_seqlens.tolist()):
+        used = torch.tensor(pages[: -(-n // page_size)], dtype=torch.long, device=cache.device)
+        out.append(cache[used].flatten(0, 1)[:n])
+    return out
+
+
+def attention_reference_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    **options,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`attention_reference` with keys and values in a paged cache (FlashAttention-3's
+    flash_attn_with_kvcache layout): k_cache / v_cache (pages, page_size, kv_heads, dim), page_table
+    (batch, max_pages), cache_seqlens (batch,) keys per sequence. q is (batch, seqlen_q, heads, dim),
+    or packed (total_q, heads, dim) with cu_seqlens_q; the queries are the last positions of each
+    sequence's keys (bottom-right aligned). `options` are attention_reference_varlen's. Returns
+    what attention_reference (or, packed, attention_reference_varlen) returns for those shapes."""
+    ks, vs = gather_pages(k_cache, page_table, cache_seqlens), gather_pages(v_cache, page_table, cache_seqlens)
+    cu_k = torch.tensor([0, *torch.tensor(cache_seqlens.tolist()).cumsum(0).tolist()], dtype=torch.int32)
+    k, v = torch.cat(ks), torch.cat(vs)
+    if cu_seqlens_q is not None:
+        return attention_reference_varlen(q, k, v, cu_seqlens_q, cu_k, **options)
+    b, sq = q.shape[:2]
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32)
+    got = attention_reference_varlen(q.flatten(0, 1), k, v, cu_q, cu_k, **options)
+    if not options.get("return_lse"):
+        return got.unflatten(0, (b, sq))
+    out, lse = got
+    return out.unflatten(0, (b, sq)), lse.unflatten(1, (b, sq)).transpose(0, 1)
+
+
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (NaN anywhere gives NaN)."""
     o = out.to(torch.float64)
