@@ -97,7 +97,7 @@ def parse_lengths(spec: str, what: str = "--lengths") -> LengthMix:
     spec = spec.strip()
     if spec in MIXES:
         return MIXES[spec]
-    if re.fullmatch(r"[\d\s,+-]+", spec) and not os.path.isfile(spec):
+    if ("," in spec or re.fullmatch(r"[\d\s.+-]+", spec)) and not os.path.isfile(spec):
         return _named(_ints(spec.split(","), what, "the list"), "lengths", what)
     path = Path(spec)
     if not path.is_file():
