@@ -162,7 +162,9 @@ def _run(key, p: _Packed, given: tuple, config, causal: bool, as_passed: tuple):
     if total_q == 0 or total_k == 0:
         return empty_result(out, lse, total_k == 0)
     q4, k4, v4, out4 = (t.unsqueeze(0) for t in (p.q, p.k, p.v, out))  # one batch entry of packed rows
-    chosen = config or for_v_layout(_dispatched(p, causal, batch, h, hk, device.index), v4)
+    chosen = config or for_v_layout(
+        dispatched_config(p.dtype, dqk, dv, causal, batch, h, hk, total_q, p.max_seqlen_q, device.index), v4
+    )
     chosen = packed_twin(chosen)
     window = window_bounds(p.window, causal, total_k, total_q)
     serving = Serving(p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, window, lse)
@@ -175,13 +177,23 @@ def _run(key, p: _Packed, given: tuple, config, causal: bool, as_passed: tuple):
     return out if lse is None else (out, lse)
 
 
-def _dispatched(p: _Packed, causal: bool, batch: int, h: int, hk: int, device_index: int) -> KernelConfig:
-    """The dispatcher's packed-sequence choice, keyed on host values only (sequences, q's total
-    tokens, max_seqlen_q: no read of the lengths). A packed-sequence entry was timed as it is; a
-    rectangular choice runs as its serving twin (`serving_config`)."""
-    total_q, dqk, dv = p.q.shape[0], p.q.shape[2], p.v.shape[2]
+def dispatched_config(
+    dtype: str,
+    dqk: int,
+    dv: int,
+    causal: bool,
+    batch: int,
+    h: int,
+    hk: int,
+    total_q: int,
+    max_seqlen_q: int,
+    device_index: int,
+) -> KernelConfig:
+    """The dispatcher's packed-sequence choice before `packed_twin`, keyed on host values only
+    (sequences, q's total tokens, max_seqlen_q: no read of the lengths). A packed-sequence entry
+    runs as it was timed; a rectangular choice as its serving twin (`serving_config`)."""
     config, tuned = dispatch.dispatcher().varlen_config_for(
-        p.dtype, dqk, dv, causal, batch, h, hk, total_q, max(1, p.max_seqlen_q), device_index
+        dtype, dqk, dv, causal, batch, h, hk, total_q, max(1, max_seqlen_q), device_index
     )
     return config if tuned and config.backend == "triton" else serving_config(config)
 
