@@ -3,7 +3,8 @@ are a simulation, not a measurement of this machine: they say whether the loop w
 kernel is fastest.
 
   * stored: a trial of the same kernel (the config's source hash, or the same canonical config JSON)
-    for the same problem class (dtype, head dims, causal, GQA group, seqlen bucket, B*H bucket;
+    for the same problem class (dtype, head dims, causal, GQA group, seqlen bucket, B*H bucket, and
+    packed sequences' total tokens bucket;
     `zyfa_tune.db.ProblemKey`) in the runner's database (by default the one shipped with zyfa-tune)
     -> that trial's status, times, TFLOP/s, errors and NVML readings. A trial measured at exactly the
     task's shape is preferred, then the newest; if its shape differs within the bucket, times and
