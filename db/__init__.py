@@ -7,7 +7,7 @@ database is data, checked by one set of rules (validity.py) wherever rows enter 
 
 from .errors import DatabaseCorruptError, DatabaseError
 from .fingerprint import Fingerprint, current_fingerprint
-from .keys import APIS, ProblemKey, bh_bucket, seqlen_bucket
+from .keys import APIS, ProblemKey, bh_bucket, seqlen_bucket, tokens_bucket
 from .models import SCHEMA_VERSION
 from .records import TRIAL_STATUSES, BestEntry, ImportReport, TrialResult
 from .session import default_db_path
@@ -25,6 +25,7 @@ __all__ = [
     "APIS",
     "seqlen_bucket",
     "bh_bucket",
+    "tokens_bucket",
     "TrialResult",
     "BestEntry",
     "ImportReport",

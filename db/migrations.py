@@ -1,7 +1,8 @@
 """Schema creation and in-place upgrades (alembic's Operations API, driven from code).
 
 Each step `MIGRATIONS[v]` takes a version-v database to v+1 and only adds: data is never dropped
-(version 4 widens the problems table's unique key; SQLite rebuilds that table, rows and ids kept).
+(versions 4 and 5 widen the problems table's unique key; SQLite rebuilds that table, rows and ids
+kept).
 The whole upgrade runs in one transaction (SQLite and PostgreSQL both have transactional DDL) under
 the write lock (SQLite: BEGIN IMMEDIATE; PostgreSQL: an advisory lock), re-reading the version
 inside it, so concurrent openers upgrade once. A newer version than SCHEMA_VERSION is refused.
@@ -62,8 +63,10 @@ def _v2_to_v3(op: Operations) -> None:
     )
 
 
-#: The problem key's columns before version 4 (the unique constraint's, in its order).
+#: The problem key's columns before version 4 (the unique constraint's, in its order), and after.
 _KEY_V3 = ("dtype", "head_dim_qk", "head_dim_v", "causal", "gqa_group", "seqlen_bucket", "bh_bucket")
+_KEY_V4 = (*_KEY_V3, "api")
+_KEY_V5 = (*_KEY_V4, "tokens_bucket")
 
 
 def _v3_to_v4(op: Operations) -> None:
@@ -73,41 +76,61 @@ def _v3_to_v4(op: Operations) -> None:
     problem key's unique constraint gains api. Columns already there are left as they are."""
     _add_missing(op, "trials", Column("recipe", Text, nullable=True))
     _add_missing(op, "trials", Column("error_ref", Float(precision=53), nullable=True))
+    _widen_problem_key(op, _KEY_V3, "api")
+
+
+def _v4_to_v5(op: Operations) -> None:
+    """Version 5 records packed-sequence (varlen) problem classes: problems.tokens_bucket, the packed
+    batch's total tokens bucket (0, a rectangular problem, for every earlier row). The problem key's
+    unique constraint gains it."""
+    _widen_problem_key(op, _KEY_V4, "tokens_bucket")
+
+
+def _widen_problem_key(op: Operations, key: tuple[str, ...], added: str) -> None:
+    """Add the column `added` (its server default for the rows there) to the problems table and to its
+    unique key `key`; nothing where the column is there already."""
     conn = op.get_bind()
-    if "api" in {c["name"] for c in inspect(conn).get_columns("problems")}:
+    if added in {c["name"] for c in inspect(conn).get_columns("problems")}:
         return
     if conn.dialect.name != "sqlite":
-        op.add_column("problems", Column("api", String(8), nullable=False, server_default="fp8"))
+        op.add_column("problems", _problem_column(added))
         op.drop_constraint("uq_problems_key", "problems", type_="unique")
-        op.create_unique_constraint("uq_problems_key", "problems", [*_KEY_V3, "api"])
+        op.create_unique_constraint("uq_problems_key", "problems", [*key, added])
         return
-    _rebuild_sqlite_problems(conn)
+    _rebuild_sqlite_problems(conn, key, added)
 
 
-def _rebuild_sqlite_problems(conn: Connection) -> None:
-    """SQLite cannot change a table's constraints: the table is rebuilt under its name, ids kept.
-    Its rows wait in a temporary copy while it is dropped and created anew; foreign keys are deferred
-    meanwhile (trials and best reference it), and re-inserting the rows satisfies them again before
-    the commit, which SQLite checks; a foreign key check confirms."""
+def _problem_column(name: str) -> Column:
+    """A column of the problems table as the version that added it defines it."""
+    if name == "api":
+        return Column(name, String(8), nullable=False, server_default="fp8")
+    if name == "tokens_bucket":
+        return Column(name, Integer, nullable=False, server_default="0")
+    kind = String(8) if name == "dtype" else Boolean if name == "causal" else Integer
+    return Column(name, kind, nullable=False)
+
+
+def _rebuild_sqlite_problems(conn: Connection, key: tuple[str, ...], added: str) -> None:
+    """SQLite cannot change a table's constraints: the table is rebuilt under its name, ids kept,
+    `added` taking its server default. Its rows wait in a temporary copy while it is dropped and
+    created anew; foreign keys are deferred meanwhile (trials and best reference it), and
+    re-inserting the rows satisfies them again before the commit, which SQLite checks; a foreign key
+    check confirms."""
     conn.exec_driver_sql("PRAGMA defer_foreign_keys = ON")  # until this transaction ends
-    conn.exec_driver_sql("CREATE TEMP TABLE _problems_v3 AS SELECT * FROM problems")
+    conn.exec_driver_sql("CREATE TEMP TABLE _problems_old AS SELECT * FROM problems")
     conn.exec_driver_sql("DROP TABLE problems")
-    ints = [Column(name, Integer, nullable=False) for name in _KEY_V3[1:] if name != "causal"]
+    names = (*key, added)
     table = Table(
         "problems",
         MetaData(),
         Column("id", Integer, primary_key=True),
-        Column("dtype", String(8), nullable=False),
-        *ints[:2],
-        Column("causal", Boolean, nullable=False),
-        *ints[2:],
-        Column("api", String(8), nullable=False, server_default="fp8"),
-        UniqueConstraint(*_KEY_V3, "api", name="uq_problems_key"),
+        *(_problem_column(n) for n in names),
+        UniqueConstraint(*names, name="uq_problems_key"),
     )
     table.create(conn)
-    names = ", ".join(("id",) + _KEY_V3)
-    conn.exec_driver_sql(f"INSERT INTO problems ({names}, api) SELECT {names}, 'fp8' FROM temp._problems_v3")
-    conn.exec_driver_sql("DROP TABLE temp._problems_v3")
+    copied = ", ".join(("id", *key))
+    conn.exec_driver_sql(f"INSERT INTO problems ({copied}) SELECT {copied} FROM temp._problems_old")
+    conn.exec_driver_sql("DROP TABLE temp._problems_old")
     broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
     if broken:
         raise DatabaseError(f"rebuilding the problems table left {len(broken)} broken references")
@@ -118,7 +141,7 @@ def _add_missing(op: Operations, table: str, column: Column) -> None:
         op.add_column(table, column)
 
 
-MIGRATIONS: dict[int, Callable[[Operations], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
+MIGRATIONS: dict[int, Callable[[Operations], None]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}
 #: The oldest version a read-only store reads as is.
 READABLE_FROM = 2
 

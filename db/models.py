@@ -1,10 +1,11 @@
-"""SQLAlchemy tables of the tuning database (schema version 4).
+"""SQLAlchemy tables of the tuning database (schema version 5).
 
 environments, problems and variants are deduplicated by unique constraints, so concurrent writers
 converge on one row each; trials are append-only; best holds one row per (environment, problem):
 the fastest "ok" trial. Older versions lack columns (see migrations.py): version 1 trials'
 energy_j and tflop_per_j, version 2 environments' runner, version 3 problems' api and trials' recipe
-and error_ref (an absent api is "fp8", an absent recipe the plain one). Text columns are data only: nothing
+and error_ref (an absent api is "fp8", an absent recipe the plain one), version 4 problems'
+tokens_bucket (absent: 0, a rectangular problem, not packed sequences). Text columns are data only: nothing
 here is ever evaluated.
 """
 
@@ -29,7 +30,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from .records import TRIAL_STATUSES
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 META_TABLE = "zyfa_meta"
 #: float columns are IEEE doubles on every backend, so timings round-trip exactly.
 _Double = Float(precision=53)
@@ -76,6 +77,7 @@ class ProblemModel(Base):
             "seqlen_bucket",
             "bh_bucket",
             "api",
+            "tokens_bucket",
             name="uq_problems_key",
         ),
     )
@@ -88,6 +90,7 @@ class ProblemModel(Base):
     seqlen_bucket: Mapped[int] = mapped_column(Integer)
     bh_bucket: Mapped[int] = mapped_column(Integer)
     api: Mapped[str] = mapped_column(String(8), server_default="fp8")  # new in version 4
+    tokens_bucket: Mapped[int] = mapped_column(Integer, server_default="0")  # new in version 5
 
 
 class VariantModel(Base):

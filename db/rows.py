@@ -27,6 +27,8 @@ from .models import BestModel, EnvironmentModel, ProblemModel, VariantModel
 
 FINGERPRINT_FIELDS = tuple(f.name for f in fields(Fingerprint))
 KEY_FIELDS = tuple(f.name for f in fields(ProblemKey))
+#: problem-key columns a database gained after version 3 -> the version that added them
+KEY_SINCE = {"api": 4, "tokens_bucket": 5}
 #: Longest stored trial message (compiler logs can be huge; the tail holds the error).
 MAX_MESSAGE_CHARS = 16_384
 MAX_PROVENANCE_CHARS = 1024
@@ -78,9 +80,15 @@ def fingerprint_from(row: Mapping[str, Any]) -> Fingerprint:
     return Fingerprint(**{name: row[name] for name in FINGERPRINT_FIELDS if name in row})
 
 
+def key_fields(version: int) -> tuple[str, ...]:
+    """The problem-key columns a database of `version` has."""
+    return tuple(n for n in KEY_FIELDS if KEY_SINCE.get(n, 0) <= version)
+
+
 def key_from(row: Mapping[str, Any]) -> ProblemKey:
-    """A row of a database before version 4 has no api column: its problems are all "fp8"."""
-    values = {name: row[name] for name in KEY_FIELDS if name != "api" or name in row}
+    """A row of a database before version 4 has no api column (its problems are all "fp8"), one
+    before version 5 no tokens_bucket (none is of packed sequences): the key's defaults."""
+    values = {name: row[name] for name in KEY_FIELDS if name not in KEY_SINCE or name in row}
     values["causal"] = as_bool("causal", values["causal"])
     return ProblemKey(**values)
 

@@ -34,6 +34,8 @@ from .session import Target, default_db_path, make_engine, reading, resolve_targ
 from .sqlite_file import backup, inspect_file
 
 E, P, V, T, B = EnvironmentModel, ProblemModel, VariantModel, TrialModel, BestModel
+#: what the problem-key columns an older file lacks read as
+_KEY_DEFAULTS = {"api": "fp8", "tokens_bucket": 0}
 
 
 class Store:
@@ -218,7 +220,7 @@ class Store:
             P.gqa_group,
             P.seqlen_bucket,
             P.bh_bucket,
-        )
+        ) + ((P.tokens_bucket,) if self.version >= 5 else ())
         return self._best(where, order)
 
     def fastest_within(self, max_error: float) -> list[BestEntry]:
@@ -276,7 +278,7 @@ class Store:
                 rows.raw(E.digest, "fingerprint_digest"),
                 rows.raw(E.gpu_name),
             ]
-            + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS if new or n != "api"]
+            + [rows.raw(getattr(P, n)) for n in rows.key_fields(self.version)]
         )
         stmt = (
             select(*cols)
@@ -288,7 +290,8 @@ class Store:
             .limit(limit)
         )
         found = self._read(
-            "trials", lambda s: [{**dict.fromkeys(TRIAL_V4), "api": "fp8", **r._mapping} for r in s.execute(stmt)]
+            "trials",
+            lambda s: [{**dict.fromkeys(TRIAL_V4), **_KEY_DEFAULTS, **r._mapping} for r in s.execute(stmt)],
         )
         for r in found:  # informational listing: values that do not convert are shown as stored
             with contextlib.suppress(ValueError):
@@ -424,13 +427,13 @@ class Store:
 
 def _entry_columns(timed, stamp, version: int) -> list:
     """The columns of a BestEntry row: fingerprint (without the runner before version 3), problem
-    key (without the api before version 4), variant, the time, error and provenance of `timed` (the
+    key (the columns of its version: `rows.key_fields`), variant, the time, error and provenance of `timed` (the
     best table, or a trial) with `stamp` as its time, the trial's shape, SM clock, status and time,
     and from version 4 its recipe and reference error."""
     fingerprint = [n for n in rows.FINGERPRINT_FIELDS if n != "runner" or version >= 3]
     return (
         [rows.raw(getattr(E, n)) for n in fingerprint]
-        + [rows.raw(getattr(P, n)) for n in rows.KEY_FIELDS if n != "api" or version >= 4]
+        + [rows.raw(getattr(P, n)) for n in rows.key_fields(version)]
         + ([rows.raw(getattr(T, n)) for n in TRIAL_V4] if version >= 4 else [])
         + [rows.raw(V.backend), rows.raw(V.config_json), rows.raw(V.source_hash)]
         + [rows.raw(getattr(timed, n)) for n in ("median_ms", "tflops", "error_rel_l2", "provenance")]
@@ -489,12 +492,13 @@ def _clock_or_none(value: Any) -> float | None:
 
 
 def _key_where(key: ProblemKey, version: int) -> list | None:
-    """The filter of one problem key; None where no row can match (an older file has no api
-    column: every problem there is "fp8")."""
+    """The filter of one problem key; None where no row can match (an older file lacks a column:
+    every problem there has the key's default for it, "fp8" api and no packed sequences)."""
     _expect("key", key, ProblemKey)
-    if version < 4 and key.api != "fp8":
+    values, present = key.to_dict(), rows.key_fields(version)
+    if any(values[n] != _KEY_DEFAULTS[n] for n in rows.KEY_SINCE if n not in present):
         return None
-    return [getattr(P, k) == v for k, v in key.to_dict().items() if k != "api" or version >= 4]
+    return [getattr(P, n) == values[n] for n in present]
 
 
 def _trial_filters(key: ProblemKey | None, status: str | None, version: int) -> list | None:

@@ -15,7 +15,7 @@ from zyfa_tune.generator import KernelConfig
 from zyfa_tune.generator.recipe import PLAIN, Recipe
 
 from .checks import finite_float, optional_float, short_repr, text
-from .keys import SEQLEN_BUCKET_MIN, ProblemKey
+from .keys import SEQLEN_BUCKET_MIN, TOKENS_BUCKET_MIN, ProblemKey
 
 BACKEND_PATTERN = r"[a-z][a-z0-9_]{0,31}"
 SOURCE_HASH_PATTERN = r"[0-9a-f]{8,64}"
@@ -31,7 +31,12 @@ MAX_TFLOPS = 4000.0
 def min_flops(key: ProblemKey) -> float:
     """The fewest FLOPs any call of this class performs: its smallest sequence length and
     batch*heads (just above the previous bucket, or 1 in the lowest bucket), causal mask (half the
-    score matrix, a lower bound for a full mask too), 2 FLOPs per multiply-add of QK^T and PV."""
+    score matrix, a lower bound for a full mask too), 2 FLOPs per multiply-add of QK^T and PV.
+    Packed sequences: just over half the total-tokens bucket (1 in the lowest), each token a
+    sequence of its own seeing one key (one head)."""
+    if key.packed:
+        tokens = key.tokens_bucket // 2 + 1 if key.tokens_bucket > TOKENS_BUCKET_MIN else 1
+        return 2.0 * (key.head_dim_qk + key.head_dim_v) * tokens
     seqlen = key.seqlen_bucket // 2 + 1 if key.seqlen_bucket > SEQLEN_BUCKET_MIN else 1
     bh = key.bh_bucket // 2 + 1 if key.bh_bucket > 1 else 1
     return 2.0 * bh * (key.head_dim_qk + key.head_dim_v) * seqlen * (seqlen + 1) / 2

@@ -9,7 +9,12 @@ Lookup order for a problem key (dtype, head dims, causal, GQA group, seqlen and 
                      the same compute capability, with a warning (they compile here, but were timed
                      elsewhere);
   4. "default":      the safe default config of the head dims.
-It never raises for a valid input. Rows are read through `Store.best_entries`, which applies the
+It never raises for a valid input.
+
+Packed sequences (`flash_attn_varlen_func`) have problem classes of their own (ProblemKey.packed:
+the longest sequence's seqlen bucket, sequences x heads, and the total tokens bucket), looked up by
+the same order among packed entries only (`varlen_config_for`; nearest also in log2 of the tokens
+bucket). Where no packed entry exists, the rectangular lookup at the batch's mean length decides. Rows are read through `Store.best_entries`, which applies the
 checks import applies (zyfa_tune.db.validity: the config parses and fits its key, the winning trial
 is "ok" with the same time, the time is physically possible); a row that fails is skipped with a
 warning and never reaches the generator. Entries of a simulating runner (replay, fault injection:
@@ -36,6 +41,7 @@ the kernels the FP8 API gates against the exact default kernel on plain codes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -109,6 +115,8 @@ class Dispatcher:
         self.error_budget = _checked_budget("error_budget", error_budget)
         self._entries: list[list[_Entry]] | None = None
         self._bf16: list[list[_Entry]] | None = None  # the bf16 API's entries, per layer
+        self._varlen: list[list[_Entry]] | None = None  # packed-sequence entries, per layer
+        self._fast_varlen: dict[tuple, tuple[KernelConfig, bool]] = {}
         self._cache: dict[tuple, Choice] = {}
         self._recipes: dict[tuple, RecipeChoice] = {}
         self._fast: dict[tuple, KernelConfig] = {}
@@ -138,6 +146,35 @@ class Dispatcher:
                 self._fast.clear()
             self._fast[raw] = cfg
         return cfg
+
+    def varlen_config_for(
+        self,
+        dtype: str,
+        dqk: int,
+        dv: int,
+        causal: bool,
+        sequences: int,
+        heads: int,
+        kv_heads: int,
+        total_tokens: int,
+        max_seqlen: int,
+        device_index: int,
+    ) -> tuple[KernelConfig, bool]:
+        """Packed sequences' per-call path, from host values only (the number of sequences, q's
+        total tokens, max_seqlen_q): (config, whether a packed-sequence entry chose it; otherwise
+        it is the rectangular lookup's). One dict lookup once seen."""
+        raw = (dtype, dqk, dv, causal, sequences, heads, kv_heads, total_tokens, max_seqlen, device_index)
+        found = self._fast_varlen.get(raw)
+        if found is None:
+            key = problem_key(dtype, dqk, dv, causal, sequences, heads, kv_heads, max_seqlen, tokens=total_tokens)
+            mean = -(-total_tokens // sequences)
+            rect = problem_key(dtype, dqk, dv, causal, sequences, heads, kv_heads, mean)
+            choice = self.choose_varlen(key, device_key(device_index), rect)
+            found = (choice.config, choice.tuned_key is not None and choice.tuned_key.packed)
+            if len(self._fast_varlen) > 65536:
+                self._fast_varlen.clear()
+            self._fast_varlen[raw] = found
+        return found
 
     def attention_choice(
         self,
@@ -169,7 +206,8 @@ class Dispatcher:
         if self._entries is None:
             layers = [self._read_layer(path, self.error_budget) for path in self.layers]
             self._bf16 = [[e for e in layer if e.key.api == "bf16"] for layer in layers]
-            self._entries = [[e for e in layer if e.key.api == "fp8"] for layer in layers]
+            self._varlen = [[e for e in layer if e.key.packed] for layer in layers]
+            self._entries = [[e for e in layer if e.key.api == "fp8" and not e.key.packed] for layer in layers]
         return self._entries
 
     @staticmethod
@@ -209,22 +247,30 @@ class Dispatcher:
             with self._lock:
                 choice = self._cache.get(cache_key) or self._resolve(key, device_key)
                 self._cache[cache_key] = choice
-            log.debug(
-                "dispatch %s on %s -> %s (%s) %s",
-                key,
-                device_key[0],
-                choice.source,
-                choice.database or "built-in",
-                choice.detail,
-            )
-            if choice.source == "other-device":
-                warnings.warn(
-                    f"zyfa_tune: no tuned kernel for {key} on {device_key[0]} "
-                    f"(generator {device_key[2]}); using one tuned on {choice.tuned_on} "
-                    f"from {choice.database}",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+            _announce(key, device_key, choice)
+        return choice
+
+    def choose_varlen(self, key, device_key: tuple[str, str, str], rectangular=None) -> Choice:
+        """A packed-sequence key's choice (see the module doc); cached. Without a packed entry, the
+        choice of the key `rectangular` (varlen_config_for: the sequences at their mean length;
+        default: the padded rectangle, every sequence at the longest's length)."""
+        if not key.packed:
+            raise ValueError(f"key: {key} is not of packed sequences (tokens_bucket 0)")
+        rect = rectangular if rectangular is not None else dataclasses.replace(key, tokens_bucket=0)
+        cache_key = ("varlen", key, rect, device_key)
+        choice = self._cache.get(cache_key)
+        if choice is None:
+            with self._lock:
+                self._load()
+                hit = self._find(key, device_key, self._varlen or [])
+            if hit is None:
+                fallback = self.choose(rect, device_key)
+                why = f"no packed-sequence entry: the rectangular lookup at {rect}; "
+                choice = dataclasses.replace(fallback, key=key, detail=why + fallback.detail)
+            else:
+                choice = hit[1]
+                _announce(key, device_key, choice)
+            self._cache[cache_key] = choice
         return choice
 
     def choose_recipe(self, key, device_key: tuple[str, str, str], error_budget: float) -> RecipeChoice:
@@ -299,12 +345,35 @@ class Dispatcher:
         )
 
 
+def _announce(key, device_key: tuple[str, str, str], choice: Choice) -> None:
+    """Log a new choice; warn where it was timed on another GPU or generator version."""
+    log.debug(
+        "dispatch %s on %s -> %s (%s) %s",
+        key,
+        device_key[0],
+        choice.source,
+        choice.database or "built-in",
+        choice.detail,
+    )
+    if choice.source == "other-device":
+        warnings.warn(
+            f"zyfa_tune: no tuned kernel for {key} on {device_key[0]} "
+            f"(generator {device_key[2]}); using one tuned on {choice.tuned_on} "
+            f"from {choice.database}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
 def _distance(a, b) -> float:
-    """How far two keys of the same dtype/head dims/causality are: log2 steps of the buckets."""
+    """How far two keys of the same dtype/head dims/causality are: log2 steps of the buckets (of
+    packed sequences' total tokens too)."""
+    tokens = abs(math.log2(a.tokens_bucket) - math.log2(b.tokens_bucket)) if a.packed and b.packed else 0.0
     return (
         abs(math.log2(a.seqlen_bucket) - math.log2(b.seqlen_bucket))
         + 0.5 * abs(math.log2(a.bh_bucket) - math.log2(b.bh_bucket))
         + (0.25 if a.gqa_group != b.gqa_group else 0.0)
+        + tokens
     )
 
 
@@ -320,12 +389,13 @@ def _pick(key, layers: Iterable[list[_Entry]]) -> tuple[str, _Entry] | None:
     for rank, layer in enumerate(layers):
         for e in layer:
             k = e.key
-            if (k.dtype, k.head_dim_qk, k.head_dim_v, k.causal, k.api) != (
+            if (k.dtype, k.head_dim_qk, k.head_dim_v, k.causal, k.api, k.packed) != (
                 key.dtype,
                 key.head_dim_qk,
                 key.head_dim_v,
                 key.causal,
                 key.api,
+                key.packed,
             ):
                 continue
             cand = (_distance(k, key), rank, e.median_ms, e)
@@ -409,11 +479,22 @@ def dispatcher() -> Dispatcher:
 
 
 def problem_key(
-    dtype: str, dqk: int, dv: int, causal: bool, batch: int, heads: int, kv_heads: int, seqlen: int, api: str = "fp8"
+    dtype: str,
+    dqk: int,
+    dv: int,
+    causal: bool,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seqlen: int,
+    api: str = "fp8",
+    tokens: int | None = None,
 ):
+    """The ProblemKey of a call; `tokens` for packed sequences (batch of them, the longest seqlen)."""
     from zyfa_tune.db import ProblemKey
 
     return ProblemKey.from_shape(
+        tokens=tokens,
         dtype=dtype,
         head_dim_qk=dqk,
         head_dim_v=dv,

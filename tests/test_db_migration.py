@@ -67,7 +67,7 @@ def make_v1(path) -> None:
         )
         con.execute(
             "INSERT INTO problems VALUES (1, ?, ?, ?, ?, ?, ?, ?)",
-            tuple(v for n, v in k.to_dict().items() if n != "api"),
+            tuple(v for n, v in k.to_dict().items() if n not in ("api", "tokens_bucket")),
         )
         con.execute(
             "INSERT INTO variants VALUES (1, 'triton', ?, ?, ?)", (cfg.to_json(), fake_hash(cfg), fp.generator_version)
@@ -132,7 +132,7 @@ def test_v1_file_is_upgraded_in_place_with_a_backup(tmp_path):
             source_hash=fake_hash(config(num_stages=3)),
         )
         assert s.trials(limit=1)[0]["tflop_per_j"] == 1.5 and s.best_entries()[0].median_ms == 1.0
-    assert version_of(path) == str(SCHEMA_VERSION) == "4"
+    assert version_of(path) == str(SCHEMA_VERSION) == "5"
     assert {"energy_j", "tflop_per_j"} <= columns(path) and "runner" in columns(path, "environments")
     # the model and the upgraded file agree on every table's columns
     engine = create_engine(f"sqlite:///{path}")

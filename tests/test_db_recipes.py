@@ -113,12 +113,12 @@ def test_v3_file_reads_as_is_and_upgrades(tmp_path):
         assert {t["api"] for t in s.trials()} == {"fp8"} and s.trials()[0]["recipe"] is None
     assert version_of(path) == "3"
     with open_store(path) as s:  # writable: upgraded, rows and ids kept
-        assert s.version == SCHEMA_VERSION == 4
+        assert s.version == SCHEMA_VERSION
         assert [b.median_ms for b in s.best_entries()] == [1.25] and s.count_trials() == 3
         record(s, 0.9, k=bf16_key(), recipe=FANCY, error_rel_l2=0.01, error_ref=0.02)  # a new problem row
         record(s, 1.0)
         assert {b.key.api: b.median_ms for b in s.best_entries()} == {"fp8": 1.0, "bf16": 0.9}
-    assert version_of(path) == "4" and (tmp_path / "v3.db.v3.bak").exists()
+    assert version_of(path) == str(SCHEMA_VERSION) and (tmp_path / "v3.db.v3.bak").exists()
     con = sqlite3.connect(path)
     try:
         assert con.execute("PRAGMA foreign_key_check").fetchall() == []
@@ -131,7 +131,7 @@ def test_v3_file_reads_as_is_and_upgrades(tmp_path):
         for table in migrations.Base.metadata.sorted_tables:
             assert {c["name"] for c in insp.get_columns(table.name)} == set(table.columns.keys()), table.name
         (unique,) = insp.get_unique_constraints("problems")
-        assert unique["column_names"][-1] == "api"
+        assert unique["column_names"][-2:] == ["api", "tokens_bucket"]
     finally:
         engine.dispose()
 
@@ -149,7 +149,7 @@ def test_v2_file_reads_as_is_and_upgrades(tmp_path):
     with open_store(path) as s:
         record(s, 0.9, k=bf16_key(), error_ref=0.02)
         assert len(s.best_entries()) == 2
-    assert version_of(path) == "4"
+    assert version_of(path) == str(SCHEMA_VERSION)
 
 
 def test_failed_v4_upgrade_rolls_back(tmp_path, monkeypatch):

@@ -56,6 +56,7 @@ def test_key_from_shape():
         seqlen_bucket=4096,
         bh_bucket=256,
         api="fp8",
+        tokens_bucket=0,
     )
     assert {k: 1}[ProblemKey(**k.to_dict())] == 1  # hashable, equal by value
     assert str(k) == "bf16 192/128 full gqa=8 seqlen<=4096 B*H<=256"

@@ -183,9 +183,11 @@ def craft(path) -> dict:
             f"INSERT INTO environments (id, digest, {env_cols}) VALUES (51, ?, {', '.join('?' * len(forged))})",
             (fingerprint(H100).digest(), *forged.values()),
         )
-        con.execute("INSERT INTO problems VALUES (60, 'fp8', 84, 84, 1, 1, 8192, 64, 'fp8')")
-        con.execute("INSERT INTO problems VALUES (61, 'fp8', 128, 128, 2, 1, 8192, 64, 'fp8')")
-        con.execute("INSERT INTO problems VALUES (62, 'fp8''; DROP TABLE trials; --', 128, 128, 1, 1, 8192, 64, 'fp8')")
+        con.execute("INSERT INTO problems VALUES (60, 'fp8', 84, 84, 1, 1, 8192, 64, 'fp8', 0)")
+        con.execute("INSERT INTO problems VALUES (61, 'fp8', 128, 128, 2, 1, 8192, 64, 'fp8', 0)")
+        con.execute(
+            "INSERT INTO problems VALUES (62, 'fp8''; DROP TABLE trials; --', 128, 128, 1, 1, 8192, 64, 'fp8', 0)"
+        )
         # hostile variants, each used by an otherwise fine trial of the 128/128 problem (id 1)
         for vid, (cfg, _) in INJECTED_CONFIGS.items():
             text = cfg if isinstance(cfg, str) else json.dumps(dict(config(num_stages=2).to_dict(), **cfg))

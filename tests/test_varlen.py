@@ -226,6 +226,9 @@ def test_the_dispatcher_s_gluon_choice_gives_way_to_a_triton_config(rec, monkeyp
         def config_for(self, *args):
             return GLUON
 
+        def varlen_config_for(self, *args):
+            return GLUON, True  # even a packed-sequence entry's Gluon config: Triton runs
+
     monkeypatch.setattr(api.dispatch, "dispatcher", lambda: Gluon())
     q, k, v, *rest = packed(d=128, dtype=FP8)
     call(q, k, v, *rest)

@@ -70,8 +70,9 @@ def flash_attn_varlen_func(
     as in flash_attn_func. Returns (total_q, heads, head_dim_v) bf16, and with return_lse=True also
     the float32 natural-log sum of exp(scores) (heads, total_q), -inf for rows that see no key.
 
-    Runs on Triton kernels: the dispatcher's choice for (batch, heads, mean length), or the Triton
-    default of the head dims where it chose a Gluon config; a forced Gluon config is refused. A TMA
+    Runs on Triton kernels: the dispatcher's packed-sequence entry for (sequences, heads, total
+    tokens, max_seqlen_q), else its rectangular choice at the mean length, or the Triton default of
+    the head dims where that is a Gluon config; a forced Gluon config is refused. A TMA
     config that reads a V^T copy runs as its natural-V twin (`packed_twin`).
     Checks as flash_attn_func's: every argument on a layout's first call, all problems in one error;
     the values of CUDA cumulative lengths (start at 0, never decrease, end at the tensors' totals,
@@ -166,10 +167,8 @@ def _run(key, p: _Packed, given: tuple, config, causal: bool, as_passed: tuple):
     if total_q == 0 or total_k == 0:
         return empty_result(out, lse, total_k == 0)
     q4, k4, v4, out4 = (t.unsqueeze(0) for t in (p.q, p.k, p.v, out))  # one batch entry of packed rows
-    mean = -(-total_q // batch)  # the dispatcher keys on the mean length, known without reading cu_seqlens
     chosen = config or for_v_layout(
-        serving_config(dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, batch, h, hk, mean, device.index)),
-        v4,
+        dispatched_config(p.dtype, dqk, dv, causal, batch, h, hk, total_q, p.max_seqlen_q, device.index), v4
     )
     chosen = packed_twin(chosen)
     window = window_bounds(p.window, causal, total_k, total_q)
@@ -181,6 +180,27 @@ def _run(key, p: _Packed, given: tuple, config, causal: bool, as_passed: tuple):
         launch = bound and ServingLaunch(bound, None if lse is None else (h, total_q))
         remember(key, launch, (total_q, h, dv), device, given, p.descales)
     return out if lse is None else (out, lse)
+
+
+def dispatched_config(
+    dtype: str,
+    dqk: int,
+    dv: int,
+    causal: bool,
+    batch: int,
+    h: int,
+    hk: int,
+    total_q: int,
+    max_seqlen_q: int,
+    device_index: int,
+) -> KernelConfig:
+    """The dispatcher's packed-sequence choice before `packed_twin`, keyed on host values only
+    (sequences, q's total tokens, max_seqlen_q: no read of the lengths). A packed-sequence entry
+    runs as it was timed; a rectangular choice as its serving twin (`serving_config`)."""
+    config, tuned = dispatch.dispatcher().varlen_config_for(
+        dtype, dqk, dv, causal, batch, h, hk, total_q, max(1, max_seqlen_q), device_index
+    )
+    return config if tuned and config.backend == "triton" else serving_config(config)
 
 
 def _prepare(

@@ -5,7 +5,9 @@ By default FP8 systems all get the same e4m3 tensors, quantised with one per-ten
 FA3 and us as (batch, kv_heads) descales, to cuDNN as scalars): the error is the kernel's alone.
 With `quant="native"` each quantises as it normally would (FA3 and ours `quantize_fp8` per (batch,
 kv head), ours optionally with K smoothing / Hadamard; cuDNN per tensor) and every error is against
-float64 attention on the unquantised inputs. Inputs come from an input family (`tuning.inputs`:
+float64 attention on the unquantised inputs. Packed sequences (a shape with lengths) are one batch
+entry of all their tokens, each sequence drawn on its own (`tuning.packed`), per-tensor mode only;
+their descales are per sequence and their reference `attention_reference_varlen`. Inputs come from an input family (`tuning.inputs`:
 gaussian by default, or activation-like ones). BF16 systems get the bf16 tensors the FP8 ones were
 quantised from.
 """
@@ -57,19 +59,9 @@ class Inputs:
     ) -> "Inputs":
         """`quant` (QUANT_MODES): beyond per-tensor, the float32 originals are kept for each system's own
         quantisation and the reference."""
-        from zyfa_tune.tuning.inputs import make_qkv
-
-        q, k, v = make_qkv(
-            family,
-            batch=shape.batch,
-            seqlen=shape.seqlen,
-            heads=shape.heads,
-            kv_heads=shape.kv_heads,
-            head_dim_qk=shape.head_dim_qk,
-            head_dim_v=shape.head_dim_v,
-            seed=seed,
-            device=device,
-        )
+        q, k, v = _random_qkv(shape, seed, device, family)
+        if shape.lengths and quant != "per-tensor":
+            raise ValueError(f"quant: packed sequences are benched with per-tensor inputs only, not {quant!r}")
         q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
         (q8, qs), (k8, ks), (v8, vs) = (_quantise(t) for t in (q16, k16, v16))
         return cls(
@@ -84,6 +76,15 @@ class Inputs:
             None if quant == "per-tensor" else (q, k, v),
             quant == "end-to-end",
         )
+
+    def packed_bounds(self) -> tuple[torch.Tensor, int]:
+        """Packed sequences' (cu_seqlens, max_seqlen) on the inputs' device, the same for q and k (made
+        where a system is prepared, outside its timing)."""
+        from zyfa_tune.tuning.packed import cu_seqlens
+
+        if not self.shape.lengths:
+            raise ValueError(f"shape: {self.shape.label} is not of packed sequences")
+        return cu_seqlens(self.shape.lengths, self.q16.device), self.shape.seqlen
 
     def descales(self) -> dict[str, torch.Tensor]:
         """FA3-style (batch, kv_heads) descales, all equal to the per-tensor scale."""
@@ -120,12 +121,28 @@ class Inputs:
     def reference(self, dtype: str) -> torch.Tensor:
         """Float64 attention on what `dtype` systems were given, or in native mode on the
         unquantised inputs (so input quantisation counts in every system's error)."""
-        from zyfa_tune.tuning.reference import attention_reference
+        from zyfa_tune.tuning.reference import attention_reference, attention_reference_varlen
 
+        if self.shape.lengths:
+            (q, k, v), kw = self.args(dtype)
+            cu, _ = self.packed_bounds()
+            return attention_reference_varlen(q[0], k[0], v[0], cu, cu, causal=True, **kw)[None]
         if self.raw is not None:
             return attention_reference(*self.raw, causal=True)
         args, kw = self.args(dtype)
         return attention_reference(*args, causal=True, **kw)
+
+
+def _random_qkv(shape: BenchShape, seed: int, device: str, family: str) -> tuple[torch.Tensor, ...]:
+    """Float (batch, seqlen, heads, dim) q, k, v of the family; packed sequences as (1, tokens, ...)."""
+    from zyfa_tune.tuning.inputs import make_qkv
+    from zyfa_tune.tuning.packed import packed_qkv
+
+    dims = dict(heads=shape.heads, kv_heads=shape.kv_heads, head_dim_qk=shape.head_dim_qk, head_dim_v=shape.head_dim_v)
+    if shape.lengths:
+        per_sequence = packed_qkv(family, shape.lengths, seed=seed, device=device, **dims)
+        return tuple(torch.cat([qkv[i] for qkv in per_sequence], dim=1) for i in range(3))
+    return make_qkv(family, batch=shape.batch, seqlen=shape.seqlen, seed=seed, device=device, **dims)
 
 
 def quant_kwargs(quant: tuple[tuple[str, Any], ...]) -> dict[str, Any]:

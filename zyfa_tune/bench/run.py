@@ -71,6 +71,8 @@ class BenchPlan:
             check_family(family, "input_family")
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant: {self.quant!r} is not one of {list(QUANT_MODES)}")
+        if any(s.lengths for s in self.shapes) and self.quant != "per-tensor":
+            raise ValueError(f"quant: packed sequences (--lengths) are benched per-tensor only, not {self.quant!r}")
         quantised = [o.label for o in self.ours if o.quant]
         if quantised and self.quant == "per-tensor":
             raise ValueError(

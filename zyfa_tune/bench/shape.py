@@ -15,7 +15,8 @@ DEFAULT_HEADS = 32
 
 @dataclass(frozen=True)
 class BenchShape(Shape):
-    """A tuner shape (batch, heads, kv_heads, seqlen; validated there) with its head dims."""
+    """A tuner shape (batch, heads, kv_heads, seqlen, or packed sequences' lengths; validated there)
+    with its head dims."""
 
     head_dim_qk: int
     head_dim_v: int
@@ -29,15 +30,28 @@ class BenchShape(Shape):
     @property
     def label(self) -> str:
         heads = f"H={self.heads}" + (f"/{self.kv_heads}" if self.kv_heads != self.heads else "")
+        if self.lengths:
+            return (
+                f"{self.head_dim_qk}/{self.head_dim_v} varlen N={self.batch} T={self.tokens} max={self.seqlen} {heads}"
+            )
         return f"{self.head_dim_qk}/{self.head_dim_v} B={self.batch} S={self.seqlen} {heads}"
 
     @property
     def flops(self) -> float:
-        from zyfa_tune.tuning.timing import attention_flops
+        """Causal FLOPs of one call (packed sequences: each at its own length)."""
+        from zyfa_tune.tuning.task import task_flops
 
-        return attention_flops(
-            self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim_qk, self.head_dim_v, True
-        )
+        return task_flops(self.head_dim_qk, self.head_dim_v, self, True)
+
+
+def packed_shape(lengths: str, head_dim: int, head_dim_v: int | None, heads: int, kv_heads: int | None) -> BenchShape:
+    """Packed sequences of a `--lengths` mix (tuning.lengths.parse_lengths) at these head dims."""
+    from zyfa_tune.tuning.lengths import parse_lengths
+
+    mix = parse_lengths(lengths)
+    return BenchShape.packed(
+        mix.lengths, heads, kv_heads or heads, head_dim_qk=head_dim, head_dim_v=head_dim_v or head_dim
+    )
 
 
 def _ints(text: str, what: str, sep: str = ",") -> tuple[int, ...]:

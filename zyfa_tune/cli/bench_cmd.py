@@ -17,20 +17,22 @@ def _bench_plan(args: argparse.Namespace):
     from zyfa_tune.bench.peers import our_systems, parse_peers
     from zyfa_tune.bench.peers.ours import OursSpec, parse_ours
     from zyfa_tune.bench.run import BenchPlan
-    from zyfa_tune.bench.shape import parse_shape, shapes_from
+    from zyfa_tune.bench.shape import DEFAULT_HEADS, packed_shape, parse_shape, shapes_from
     from zyfa_tune.tuning.inputs import FAMILY_NAMES
 
     dtypes = DTYPES if args.dtype == "both" else (args.dtype,)
-    shapes = (
-        tuple(parse_shape(s) for s in args.shape)
-        if args.shape
-        else shapes_from(args.head_dim, args.head_dim_v, args.seqlens, args.batch_heads, args.kv_heads)
-    )
+    if args.lengths:
+        heads = args.heads or DEFAULT_HEADS
+        shapes = (packed_shape(args.lengths, args.head_dim, args.head_dim_v, heads, args.kv_heads),)
+    elif args.shape:
+        shapes = tuple(parse_shape(s) for s in args.shape)
+    else:
+        shapes = shapes_from(args.head_dim, args.head_dim_v, args.seqlens, args.batch_heads, args.kv_heads)
     ours = [] if args.no_dispatch else [OursSpec(f"ours-{dt}", dt) for dt in dtypes]
     for text in args.ours or []:
         ours += parse_ours(text, dtypes)
     ours_registered = () if args.no_dispatch else our_systems(dtypes, args.quant)
-    peers = parse_peers(args.peers, dtypes, args.quant)
+    peers = parse_peers(args.peers, dtypes, args.quant, packed=bool(args.lengths))
     return BenchPlan(
         shapes=shapes,
         ours=tuple(ours),
@@ -96,6 +98,15 @@ def register(sub) -> None:
         help="one batch x heads per seqlen, or one for all (default: 16384 tokens / seqlen x 32)",
     )
     p.add_argument("--kv-heads", type=int, default=None, help="GQA: fewer KV heads (default: = heads)")
+    p.add_argument(
+        "--lengths",
+        default=None,
+        metavar="SPEC",
+        help="bench packed sequences (flash_attn_varlen_func vs FA3's varlen) of one length mix instead of "
+        "--seqlens: a comma list, a file of lengths (one per line, or a .json list), or a named mix: chat "
+        "(64 sequences of 128 to 8K, ~128K tokens) or long-doc (8 of 8K to 32K); per-tensor inputs",
+    )
+    p.add_argument("--heads", type=int, default=None, help="query heads of --lengths (default 32)")
     p.add_argument(
         "--shape",
         action="append",

@@ -70,7 +70,7 @@ def _best_table(entries, title: str) -> Table:
             summary = Text.assemble(("invalid: ", "red"), plain(exc))
         table.add_row(
             plain(e.fingerprint.gpu_name),
-            k.api,
+            k.api + (f" varlen T<={k.tokens_bucket}" if k.packed else ""),  # packed sequences' class
             k.dtype,
             f"{k.head_dim_qk}/{k.head_dim_v}",
             str(k.causal),

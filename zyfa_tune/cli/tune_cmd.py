@@ -96,6 +96,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from zyfa_tune.kernels import dispatch
+    from zyfa_tune.tuning.lengths import parse_lengths
     from zyfa_tune.tuning.runners import parse_runner
     from zyfa_tune.tuning.spec import Progress, TuneSpec, parse_duration
     from zyfa_tune.tuning.tuner import Tuner, best_per_shape
@@ -106,7 +107,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         head_dim_qk=args.head_dim,
         head_dim_v=args.head_dim_v or args.head_dim,
-        seqlens=() if args.inputs else int_list(args.seqlens, "--seqlens"),
+        seqlens=() if args.inputs or args.lengths else int_list(args.seqlens, "--seqlens"),
+        lengths=parse_lengths(args.lengths) if args.lengths else None,
         heads=args.heads,
         kv_heads=args.kv_heads,
         batches=int_list(args.batches, "--batches") if args.batches else None,
@@ -170,7 +172,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         sh, best, dflt = row["shape"], row["best"], row["untuned_tflops"]
         best_tf = best.tflops if best else None
         table.add_row(
-            f"B={sh.batch} S={sh.seqlen} H={sh.heads}/{sh.kv_heads}",
+            str(sh) if sh.lengths else f"B={sh.batch} S={sh.seqlen} H={sh.heads}/{sh.kv_heads}",
             f"{best_tf:.1f}" if best_tf else "-",
             f"{dflt:.1f}" if dflt else "-",
             f"{best_tf / dflt:.2f}x" if best_tf and dflt else "-",
@@ -211,6 +213,14 @@ def register(sub) -> None:
     p.add_argument("--head-dim", type=int, required=True, help="head dim of Q and K (and V unless --head-dim-v)")
     p.add_argument("--head-dim-v", type=int, default=None, help="head dim of V where it differs (e.g. 192/128)")
     p.add_argument("--seqlens", default="4096,8192,16384", help="comma list of sequence lengths")
+    p.add_argument(
+        "--lengths",
+        default=None,
+        metavar="SPEC",
+        help="tune packed sequences (flash_attn_varlen_func, Triton kernels) of one length mix instead of "
+        "--seqlens: a comma list (128,512,8192), a file of lengths (one per line, or a .json list), or a "
+        "named mix: chat (64 sequences of 128 to 8K, ~128K tokens) or long-doc (8 of 8K to 32K)",
+    )
     p.add_argument(
         "--inputs",
         default=None,

@@ -1,6 +1,7 @@
 """The "gpu" runner: the real measurement, on the one GPU the worker's child process sees.
 
-Per shape: a probe (fresh inputs of `task.input_family` from `task.seed`, or `task.inputs`; float64
+Per shape: a probe (fresh inputs of `task.input_family` from `task.seed`, or `task.inputs`; packed
+sequences where the shape has lengths, `tuning.packed`, timed through flash_attn_varlen_func; float64
 reference; error limit = `task.gate` x `error_ref`, the reference error on the same inputs: FA3-fp8's
 where `fa3_fwd_interface` imports, else the exact default config's on plainly quantised codes).
 API "fp8" (`verify.make_probe`): the kernel alone on plainly quantised codes. API "bf16"
@@ -139,7 +140,14 @@ class GpuRunner:
                 inputs=task.inputs,
                 family=task.input_family,
             )
-            if task.api == "bf16":
+            if shape.lengths:
+                from zyfa_tune.tuning.packed import make_packed_probe
+
+                packed = {k: v for k, v in where.items() if k not in ("batch", "seqlen", "inputs")}
+                probe = make_packed_probe(
+                    config.dtype, config.head_dim_qk, config.head_dim_v, shape.lengths, fa3=True, **packed
+                )
+            elif task.api == "bf16":
                 recipe = PLAIN if task.recipe is None else Recipe.from_json(task.recipe)
                 probe = make_recipe_probe(config.head_dim_qk, config.head_dim_v, recipe, **where)
             else:

@@ -3,7 +3,8 @@ are a simulation, not a measurement of this machine: they say whether the loop w
 kernel is fastest.
 
   * stored: a trial of the same kernel (the config's source hash, or the same canonical config JSON)
-    for the same problem class (dtype, head dims, causal, GQA group, seqlen bucket, B*H bucket;
+    for the same problem class (dtype, head dims, causal, GQA group, seqlen bucket, B*H bucket, and
+    packed sequences' total tokens bucket;
     `zyfa_tune.db.ProblemKey`) in the runner's database (by default the one shipped with zyfa-tune)
     -> that trial's status, times, TFLOP/s, errors and NVML readings. A trial measured at exactly the
     task's shape is preferred, then the newest; if its shape differs within the bucket, times and
@@ -41,7 +42,7 @@ from zyfa_tune.generator import HOPPER, ConfigError, KernelConfig
 from zyfa_tune.generator.recipe import PLAIN, Recipe
 
 from .compile_check import CompileCheck, compile_check
-from .task import Reporter, Shape, Task, exception_text, tail, task_flops
+from .task import Reporter, Shape, Task, exception_text, shape_key, tail, task_flops
 
 _TRIAL_FLOATS = (
     "median_ms",
@@ -65,6 +66,7 @@ _KEY_FIELDS = (
     "seqlen_bucket",
     "bh_bucket",
     "api",
+    "tokens_bucket",
     "recipe",
 )
 
@@ -99,19 +101,7 @@ class SimulationRunner:
         api: str = "fp8",
         recipe: str | None = None,
     ) -> dict | None:
-        from zyfa_tune.db import ProblemKey
-
-        pk = ProblemKey.from_shape(
-            dtype=config.dtype,
-            head_dim_qk=config.head_dim_qk,
-            head_dim_v=config.head_dim_v,
-            causal=causal,
-            batch=shape.batch,
-            heads=shape.heads,
-            kv_heads=shape.kv_heads,
-            seqlen=shape.seqlen,
-            api=api,
-        )
+        pk = shape_key(shape, config.dtype, config.head_dim_qk, config.head_dim_v, causal, api)
         key = tuple(getattr(pk, k) for k in _KEY_FIELDS[:-1]) + (recipe,)
         found = {
             r["id"]: r
@@ -131,7 +121,8 @@ class SimulationRunner:
                     Shape(row["batch"], row["heads"], row["heads"], row["seqlen"]),
                     causal,
                 )
-                ratio = task_flops(config.head_dim_qk, config.head_dim_v, shape, causal) / then
+                now = Shape(shape.batch, shape.heads, shape.heads, shape.seqlen)  # packed: padded, as `then`
+                ratio = task_flops(config.head_dim_qk, config.head_dim_v, now, causal) / then
                 for f in ("median_ms", "p20_ms", "p80_ms", "energy_j"):
                     if out[f] is not None:
                         out[f] *= ratio

@@ -14,6 +14,7 @@ from zyfa_tune.db import APIS, DatabaseError, default_db_path
 from zyfa_tune.generator import KernelConfig, head_dim_error
 from zyfa_tune.search_spaces import get_space
 from zyfa_tune.tuning.inputs import check_input_family
+from zyfa_tune.tuning.lengths import LengthMix
 from zyfa_tune.tuning.runners import parse_runner
 from zyfa_tune.tuning.warm_start import stored_bests
 from zyfa_tune.tuning.worker import Shape
@@ -63,6 +64,8 @@ class TuneSpec:
     # head dims, on any shape, are measured next (see warm_configs)
     api: str = "fp8"  # "fp8": the kernel alone on plain codes; "bf16": the whole call
     # from bf16 inputs, the quantiser's recipe searched beside the kernel
+    lengths: LengthMix | None = None  # packed sequences of this mix (flash_attn_varlen_func, Triton
+    # kernels only) instead of seqlens: one problem class of its tokens and longest sequence
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp8", "bf16"):
@@ -78,7 +81,11 @@ class TuneSpec:
         if self.inputs is not None:
             if self.seqlens:
                 raise ValueError("seqlens: the shape comes from --inputs; give one or the other")
+            if self.lengths is not None:
+                raise ValueError("lengths: the shape comes from --inputs; give one or the other")
             _ = self.shapes  # load and check the file now, not in the middle of a study
+        elif self.lengths is not None:
+            self._check_packed()
         elif not self.seqlens or any(not isinstance(s, int) or s < 1 for s in self.seqlens):
             raise ValueError(f"seqlens: expected positive integers, got {self.seqlens!r}")
         if self.batches is not None and len(self.batches) != len(self.seqlens):
@@ -107,6 +114,20 @@ class TuneSpec:
                 f"gate: expected a finite number >= 1 (allowed error / the exact reference's), got {self.gate!r}"
             )
         _ = self.enqueued, self.warm_configs  # parse and check the configs now, not after the study has started
+
+    def _check_packed(self) -> None:
+        """A packed-sequence study: one mix, timed through flash_attn_varlen_func on FP8 codes or bf16."""
+        if not isinstance(self.lengths, LengthMix):
+            raise ValueError(f"lengths: expected a LengthMix (tuning.lengths.parse_lengths), got {self.lengths!r:.80}")
+        if self.seqlens or self.batches is not None:
+            raise ValueError("lengths: packed sequences replace seqlens and batches; give one or the other")
+        if self.api != "fp8":
+            raise ValueError(f"lengths: packed sequences are tuned for api 'fp8' only, not {self.api!r}")
+
+    @property
+    def packed(self) -> bool:
+        """Whether the study tunes packed sequences (`lengths`): Triton configs only."""
+        return self.lengths is not None
 
     @functools.cached_property
     def enqueued(self) -> tuple[KernelConfig, ...]:
@@ -170,6 +191,8 @@ class TuneSpec:
                 )
             return (Shape(batch=q.shape[0], heads=q.shape[2], kv_heads=k.shape[2], seqlen=q.shape[1]),)
         kv = self.kv_heads or self.heads
+        if self.lengths is not None:
+            return (Shape.packed(self.lengths.lengths, self.heads, kv),)
         batches = self.batches or tuple(max(1, self.tokens // s) for s in self.seqlens)
         return tuple(Shape(batch=b, heads=self.heads, kv_heads=kv, seqlen=s) for b, s in zip(batches, self.seqlens))
 
@@ -178,10 +201,9 @@ class TuneSpec:
         """The study name; by default one study per input family (gaussian keeps the plain name)."""
         family = "" if self.input_family == "gaussian" else f"-{self.input_family}"
         api = "" if self.api == "fp8" else f"{self.api}api-"
-        return (
-            self.study_name
-            or f"{api}{self.dtype}-{self.head_dim_qk}x{self.head_dim_v}-{'causal' if self.causal else 'full'}{family}"
-        )
+        packed = "" if self.lengths is None else f"-varlen-{self.lengths.name}"
+        mask = "causal" if self.causal else "full"
+        return self.study_name or f"{api}{self.dtype}-{self.head_dim_qk}x{self.head_dim_v}-{mask}{packed}{family}"
 
     @property
     def inputs_label(self) -> str:

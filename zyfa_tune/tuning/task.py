@@ -7,14 +7,15 @@ from __future__ import annotations
 import math
 import os
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from zyfa_tune.db.checks import strict_int
-from zyfa_tune.db.keys import APIS
+from zyfa_tune.db.keys import APIS, ProblemKey
 from zyfa_tune.db.validity import check_recipe
 
 from .inputs import check_input_family
+from .lengths import check_lengths
 
 #: characters of an error / traceback kept in TrialResult.message
 MESSAGE_CHARS = 2000
@@ -22,20 +23,60 @@ MESSAGE_CHARS = 2000
 
 @dataclass(frozen=True)
 class Shape:
+    """A rectangular (batch, seqlen) problem, or with `lengths` packed sequences of those lengths
+    (`flash_attn_varlen_func`): batch is then their number and seqlen the longest (`Shape.packed`)."""
+
     batch: int
     heads: int
     kv_heads: int
     seqlen: int
+    lengths: tuple[int, ...] = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "kv_heads", "seqlen"):
             object.__setattr__(self, name, strict_int(name, getattr(self, name), lo=1))
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads: {self.kv_heads} does not divide heads={self.heads}")
+        if self.lengths != ():
+            check_lengths(self.lengths, "lengths")
+            object.__setattr__(self, "lengths", tuple(self.lengths))
+            if (self.batch, self.seqlen) != (len(self.lengths), max(self.lengths)):
+                raise ValueError("lengths: batch must be their number and seqlen the longest (use Shape.packed)")
+
+    @classmethod
+    def packed(cls, lengths: tuple[int, ...], heads: int, kv_heads: int, **more: Any) -> "Shape":
+        """Packed sequences of `lengths` (each >= 1); `more`: a subclass's fields."""
+        check_lengths(lengths, "lengths")
+        return cls(len(lengths), heads, kv_heads, max(lengths), lengths=tuple(lengths), **more)
+
+    @property
+    def tokens(self) -> int:
+        """Query tokens of one call: every sequence's, or batch x seqlen."""
+        return sum(self.lengths) if self.lengths else self.batch * self.seqlen
 
     def __str__(self) -> str:
         kv = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
+        if self.lengths:
+            return f"varlen N={self.batch} T={self.tokens} max={self.seqlen} H={self.heads}{kv}"
         return f"B={self.batch} H={self.heads}{kv} S={self.seqlen}"
+
+
+def shape_key(
+    shape: Shape, dtype: str, head_dim_qk: int, head_dim_v: int, causal: bool, api: str = "fp8"
+) -> ProblemKey:
+    """The problem class a shape's results are stored under (packed sequences: by their tokens too)."""
+    return ProblemKey.from_shape(
+        dtype=dtype,
+        head_dim_qk=head_dim_qk,
+        head_dim_v=head_dim_v,
+        causal=causal,
+        batch=shape.batch,
+        heads=shape.heads,
+        kv_heads=shape.kv_heads,
+        seqlen=shape.seqlen,
+        api=api,
+        tokens=shape.tokens if shape.lengths else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -107,7 +148,10 @@ def exception_text(exc: BaseException, *, with_traceback: bool = True) -> str:
 
 
 def task_flops(head_dim_qk: int, head_dim_v: int, shape: Shape, causal: bool) -> float:
-    """FLOPs of one attention call at `shape` (TFLOP/s = this / time)."""
+    """FLOPs of one attention call at `shape` (TFLOP/s = this / time): packed sequences', each
+    counted at its own length."""
     from .timing import attention_flops
 
+    if shape.lengths:
+        return sum(attention_flops(1, shape.heads, n, n, head_dim_qk, head_dim_v, causal) for n in shape.lengths)
     return attention_flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen, head_dim_qk, head_dim_v, causal)

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import optuna
 
-from zyfa_tune.db import Fingerprint, ProblemKey, TrialResult, open_store
+from zyfa_tune.db import Fingerprint, TrialResult, open_store
 from zyfa_tune.generator import GENERATOR_VERSION, HOPPER, KernelConfig, emit
 from zyfa_tune.generator.recipe import PLAIN, Recipe
 from zyfa_tune.search_spaces import get_space, recipe_neighbours, recipe_options, seed_points, suggest_recipe
 from zyfa_tune.tuning.runners import parse_runner
 from zyfa_tune.tuning.spec import LOOSE_GATE, Progress, TuneSpec
+from zyfa_tune.tuning.task import shape_key
 from zyfa_tune.tuning.trials import requeue_killed
 from zyfa_tune.tuning.warm_start import study_seeds
 from zyfa_tune.tuning.worker import Task, Worker
@@ -129,7 +130,7 @@ class Tuner:
             directions=directions,
             load_if_exists=True,
         )
-        study.set_user_attr("spec", {f.name: getattr(self.spec, f.name) for f in dataclasses.fields(self.spec)})
+        study.set_user_attr("spec", {f.name: _plain(getattr(self.spec, f.name)) for f in dataclasses.fields(self.spec)})
         self._recover(study)
         # first: WAITING trials run in the order they were enqueued
         for cfg, recipe in self._seed_points(self.spec.enqueued + self.spec.warm_configs):
@@ -139,6 +140,8 @@ class Tuner:
             # than lean P raises it: its lean seeds are always measured (with balanced V first)
             loose = self._recipes or self.spec.multi_objective or self.spec.gate >= LOOSE_GATE
             seeds = study_seeds(self.space, self.spec.head_dim_qk, self.spec.head_dim_v, loose=loose)
+            if self.spec.packed:  # flash_attn_varlen_func runs Triton kernels only
+                seeds = [c for c in seeds if c.backend == "triton"]
             for cfg, recipe in self._seed_points(seeds):
                 study.enqueue_trial(self._params(cfg, recipe), skip_if_exists=True)
         return study
@@ -200,6 +203,9 @@ class Tuner:
         trial.set_user_attr("gpu", worker.gpu)
         recipe = suggest_recipe(trial) if self._recipes else None
         cfg = self.space.suggest(trial, self.spec.head_dim_qk, self.spec.head_dim_v)
+        if cfg is not None and self.spec.packed and cfg.backend != "triton":
+            trial.set_user_attr("infeasible", "packed sequences run Triton kernels only")
+            cfg = None
         if cfg is None:
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             self._count("infeasible")
@@ -270,17 +276,7 @@ class Tuner:
         )
         results = worker.run(task)
         keys = [
-            ProblemKey.from_shape(
-                dtype=cfg.dtype,
-                head_dim_qk=cfg.head_dim_qk,
-                head_dim_v=cfg.head_dim_v,
-                causal=self.spec.causal,
-                batch=shape.batch,
-                heads=shape.heads,
-                kv_heads=shape.kv_heads,
-                seqlen=shape.seqlen,
-                api=self.spec.api,
-            )
+            shape_key(shape, cfg.dtype, cfg.head_dim_qk, cfg.head_dim_v, self.spec.causal, self.spec.api)
             for shape in self.spec.shapes
         ]
         store.record_trials(
@@ -424,6 +420,11 @@ def _alive(pid: object) -> bool:
     return True
 
 
+def _plain(value: object) -> object:
+    """A spec field as the study storage's JSON holds it (a LengthMix as its fields)."""
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
 def best_per_shape(spec: TuneSpec) -> list[dict]:
     """For the end-of-run table: per shape, the best stored entry and this study's result for the
     untuned kernel (`kernels.defaults.fallback_config`: what `flash_attn_func` runs with no tuned
@@ -434,17 +435,7 @@ def best_per_shape(spec: TuneSpec) -> list[dict]:
     rows = []
     with open_store(spec.storage, readonly=True, create=False) as store:
         for shape in spec.shapes:
-            pkey = ProblemKey.from_shape(
-                dtype=spec.dtype,
-                head_dim_qk=spec.head_dim_qk,
-                head_dim_v=spec.head_dim_v,
-                causal=spec.causal,
-                batch=shape.batch,
-                heads=shape.heads,
-                kv_heads=shape.kv_heads,
-                seqlen=shape.seqlen,
-                api=spec.api,
-            )
+            pkey = shape_key(shape, spec.dtype, spec.head_dim_qk, spec.head_dim_v, spec.causal, spec.api)
             best = store.best_for(pkey)
             trials = store.trials(key=pkey, status="ok")
             untuned = [

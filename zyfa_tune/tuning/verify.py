@@ -136,7 +136,9 @@ class Probe:
 
     error_ref: the reference error the limit is `gate` times (recorded with each trial).
     recipe: for the bf16 API, the recipe the timed call quantises `args` (bf16 q, k, v) with before
-    the kernel runs; v_codes: V's codes as that recipe lays them out (which kernel twin runs)."""
+    the kernel runs; v_codes: V's codes as that recipe lays them out (which kernel twin runs).
+    packed: (cu_seqlens, max_seqlen) where args are packed sequences (`tuning.packed`): the call is
+    then `flash_attn_varlen_func` (queries and keys of the same lengths)."""
 
     args: tuple
     kwargs: dict
@@ -146,9 +148,15 @@ class Probe:
     error_ref: float | None = None
     recipe: Recipe | None = None
     v_codes: torch.Tensor | None = None
+    packed: tuple[torch.Tensor, int] | None = None
 
     def runs(self, config: KernelConfig) -> KernelConfig:
-        """The config that runs for `config` on these inputs (a K-major V's twin: launch.for_v_layout)."""
+        """The config that runs for `config` on these inputs (a K-major V's twin: launch.for_v_layout;
+        packed sequences': varlen.packed_twin)."""
+        if self.packed is not None:
+            from zyfa_tune.varlen import packed_twin
+
+            return packed_twin(config)
         return config if self.v_codes is None else for_v_layout(config, self.v_codes)
 
 
@@ -299,6 +307,13 @@ def _call(config: KernelConfig, probe: Probe) -> Callable[[], torch.Tensor]:
         q, k, v = probe.args
         scale = q.shape[3] ** -0.5
         return lambda: run_recipe(q, k, v, probe.causal, scale, probe.recipe, config)
+    if probe.packed is not None:
+        from zyfa_tune.varlen import flash_attn_varlen_func
+
+        cu, most = probe.packed
+        return lambda: flash_attn_varlen_func(
+            *probe.args, cu, cu, most, most, causal=probe.causal, config=config, **probe.kwargs
+        )
     return lambda: flash_attn_func(*probe.args, causal=probe.causal, config=config, **probe.kwargs)
 
 
