@@ -3,7 +3,7 @@ module takes part in an import cycle (lazy imports inside functions count too: t
 all the same, only a later one).
 
 Lowest first: generator (configs -> kernel source) < search_spaces, db < kernels (what runs at call
-time) < the public API < tuning < bench < cli; the package root (`zyfa_tune/__init__.py`) is the
+time) < the public API < tuning, integrations (adapters for other libraries) < bench < cli; the package root (`zyfa_tune/__init__.py`) is the
 public facade and nothing inside the package imports it.
 """
 
@@ -30,6 +30,7 @@ LAYERS = {
     "attention": 4,
     "varlen": 4,
     "tuning": 5,
+    "integrations": 5,
     "bench": 6,
     "cli": 7,
 }
