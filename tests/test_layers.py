@@ -3,7 +3,7 @@ module takes part in an import cycle (lazy imports inside functions count too: t
 all the same, only a later one).
 
 Lowest first: generator (configs -> kernel source) < search_spaces, db < kernels (what runs at call
-time) < the public API < tuning < bench < cli; the package root (`zyfa_tune/__init__.py`) is the
+time) < the public API < tuning, integrations (adapters for other libraries) < bench < cli; the package root (`zyfa_tune/__init__.py`) is the
 public facade and nothing inside the package imports it.
 """
 
@@ -31,6 +31,7 @@ LAYERS = {
     "varlen": 4,
     "kvcache": 5,  # (reuses varlen's checks)
     "tuning": 6,
+    "integrations": 6,
     "bench": 7,
     "cli": 8,
 }
