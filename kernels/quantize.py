@@ -67,6 +67,8 @@ __all__ = [
     "hadamard_matrix",
     "quantize_heads",
     "quantize_heads_reference",
+    "quantize_packed",
+    "quantize_packed_reference",
     "quantize_tensors",
     "rotation_block",
 ]
@@ -221,6 +223,60 @@ def quantize_tensors(
     return codes, [d[: b * kv_heads].view(b, kv_heads) for d in descales.unbind(0)]
 
 
+def quantize_packed_reference(
+    x: torch.Tensor, cu_seqlens: torch.Tensor, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed (total, H, D) floating rows of the sequences `cu_seqlens` ((batch + 1,) cumulative
+    lengths) -> (e4m3 codes (total, H, D), float32 descales (batch, kv_heads)): each sequence
+    `quantize_heads_reference`'s plain codes as a batch of one, an empty one the floor's descale
+    (amax 0), rows outside the sequences 0. Reads the lengths on the host (the CPU path and the
+    tests' reference)."""
+    cu = cu_seqlens.tolist()
+    codes = torch.zeros(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    descales = torch.zeros(len(cu) - 1, kv_heads, device=x.device).clamp_min(AMAX_FLOOR) * INV_E4M3_MAX
+    for i, (a, e) in enumerate(zip(cu, cu[1:])):
+        if e > a:
+            c, d = quantize_heads_reference(x[None, a:e], kv_heads)
+            codes[a:e], descales[i] = c[0], d[0]
+    return codes, descales
+
+
+def quantize_packed(items, kv_heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(codes, descales) of each (x, cu_seqlens) in `items` (at most three): packed (total, H, D)
+    floating rows, cu_seqlens their sequences' int32 (batch + 1,) cumulative lengths on x's device,
+    every item of one batch; as `quantize_packed_reference`, bitwise (rows outside the sequences are
+    left unwritten). On a GPU the passes of `quantize_tensors` with each program's rows within one
+    sequence (`_packed_block`): one launch per pass for all items of one head dim and dtype, sized from
+    the shapes alone, so no length is read on the host (CUDA-graph capturable); descales (batch,
+    kv_heads), each 16-byte aligned."""
+    if not 1 <= len(items) <= MAX_SEGMENTS:
+        raise ValueError(f"items: 1 to {MAX_SEGMENTS} tensors a call, got {len(items)}")
+    batch = items[0][1].shape[0] - 1
+    for x, cu in items:
+        if cu.shape[0] - 1 != batch:
+            raise ValueError(f"cu_seqlens: {cu.shape[0]} entries, another item's {batch + 1} (one batch)")
+        if batch == 0 and x.shape[0]:
+            raise ValueError(f"cu_seqlens: no sequence holds x's {x.shape[0]} rows")
+    if items[0][0].device.type != "cuda":
+        out = [quantize_packed_reference(x, cu, kv_heads) for x, cu in items]
+        return [c for c, _ in out], [d for _, d in out]
+    xs = [(x if x.dtype in KERNEL_DTYPES else x.float()).unsqueeze(0) for x, _ in items]
+    cus = [cu if cu.is_contiguous() else cu.contiguous() for _, cu in items]
+    layouts = ((x.shape, x.stride(), x.dtype, x.data_ptr() % 16 == 0, c.data_ptr() % 16 == 0) for x, c in zip(xs, cus))
+    key = ("packed", kv_heads, batch, xs[0].device.index, *layouts)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= PLAN_LIMIT:
+            _plans.clear()
+        plan = _plans[key] = _Plan(xs, [False] * len(xs), [False] * len(xs), kv_heads, packed=batch)
+    row = scale_row(batch, kv_heads)
+    amax = torch.zeros(len(xs) * row, dtype=torch.float32, device=xs[0].device)
+    descales = torch.empty(len(xs), row, dtype=torch.float32, device=xs[0].device)
+    codes = [torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) for x in xs]
+    plan(xs, [None] * len(xs), amax, descales, codes, amax, amax, cus)
+    return [c[0] for c in codes], [d[: batch * kv_heads].view(batch, kv_heads) for d in descales.unbind(0)]
+
+
 def scale_row(batch: int, kv_heads: int) -> int:
     """Floats per tensor in the amax and descale buffers: batch x kv_heads rounded up to 16 bytes, so
     that each returned descale starts 16-byte aligned, as the FP8 kernels' bound fast path requires
@@ -253,14 +309,23 @@ class _Plan:
 
     __slots__ = ("groups",)
 
-    def __init__(self, xs: list, rotates: list, centres: list, kv_heads: int, k_major: int = -1, balanced: int = -1):
+    def __init__(
+        self,
+        xs: list,
+        rotates: list,
+        centres: list,
+        kv_heads: int,
+        k_major: int = -1,
+        balanced: int = -1,
+        packed: int | None = None,
+    ):
         by_kind: dict[tuple, list[int]] = {}
         for i, (x, r, c) in enumerate(zip(xs, rotates, centres)):
             bal = i == balanced  # alone, as a centred tensor (its mean is one argument): its tiles are its own
             by_kind.setdefault((x.shape[3], x.dtype, x.stride(3), r, c, bal, i if c or bal else -1), []).append(i)
         # (items keep their order in a group, so the K-major tensor, the last item, is its group's last)
         self.groups = [
-            _Group(xs, members, kv_heads, r, c, members[-1] == k_major, bal)
+            _Group(xs, members, kv_heads, r, c, members[-1] == k_major, bal, packed)
             for (_, _, _, r, c, bal, _), members in by_kind.items()
         ]
 
@@ -273,15 +338,18 @@ class _Plan:
         codes: list,
         free: torch.Tensor,
         weight: torch.Tensor,
+        cus: list | None = None,
     ) -> None:
         for group in self.groups:
-            group(xs, means, amax, descales, codes, free, weight)
+            group(xs, means, amax, descales, codes, free, weight, cus)
 
 
 class _Group:
     """The two passes over up to three tensors (segments) of one head dim, dtype and option set: the
     grid and every argument that is not a tensor. The passes are compiled (through `run`) at the
-    first call and launched directly (`Bound`) after it."""
+    first call and launched directly (`Bound`) after it. `packed`: the tensors are (1, total, H, D)
+    rows of that many sequences, whose cumulative lengths each call passes (`cus`); a head's
+    programs are total // rows + sequences slots (`_packed_block`), scales per (sequence, kv head)."""
 
     __slots__ = ("members", "grid", "tail", "consts", "options", "head", "amax_pass", "codes_pass")
 
@@ -294,14 +362,17 @@ class _Group:
         centre: bool,
         last_k_major: bool = False,
         balanced: bool = False,
+        packed: int | None = None,
     ):
         x0 = xs[members[0]]
         b, d = x0.shape[0], x0.shape[3]
         block_s, dp, bn, warps = _tiles(d, rotate, balanced)
+        scales = b if packed is None else packed  # (batch or sequence, kv head) scales per tensor
         starts, fields = [0], []  # per segment: S, H, GROUP, stride_b, stride_s, stride_h
         for i in members:
             x = xs[i]
-            starts.append(starts[-1] + triton.cdiv(x.shape[1], block_s) * b * x.shape[2])
+            blocks = triton.cdiv(x.shape[1], block_s) * b if packed is None else x.shape[1] // block_s + packed
+            starts.append(starts[-1] + blocks * x.shape[2])
             fields.append((x.shape[1], x.shape[2], x.shape[2] // kv_heads, *x.stride()[:3]))
         pad = MAX_SEGMENTS - len(members)  # unused segments repeat the first
         self.members = tuple(members + members[:1] * pad)
@@ -310,13 +381,15 @@ class _Group:
         self.tail = (
             starts[1],
             starts[min(2, len(members))],  # P1, P2: where segments 1, 2 start
-            *(i * scale_row(b, kv_heads) for i in self.members),  # F0, F1, F2: their first scales
+            *(i * scale_row(scales, kv_heads) for i in self.members),  # F0, F1, F2: their first scales
             *(f[k] for k in range(6) for f in fields),
             x0.stride(3),
             d,
             rotation_block(d) ** -0.5,
-            padded_keys(xs[members[-1]].shape[1], False),
-        )  # SKP: the K-major buffer's key stride
+            padded_keys(xs[members[-1]].shape[1], False),  # SKP: the K-major buffer's key stride
+            scales if packed is not None else 0,  # NSEQ and STEPS, the binary search's
+            packed.bit_length() if packed is not None else 0,
+        )
         self.consts = dict(
             NSEG=len(members),
             DP=dp,
@@ -327,9 +400,10 @@ class _Group:
             TERMS=3 if centre else _TERMS[x0.dtype],
             LAST_K_MAJOR=bool(last_k_major),
             BALANCED=bool(balanced),
+            PACKED=packed is not None,
         )
         self.options = dict(num_warps=warps, num_stages=1)
-        self.head = (d, str(x0.dtype), centre, rotate, bool(last_k_major), bool(balanced))
+        self.head = (d, str(x0.dtype), centre, rotate, bool(last_k_major), bool(balanced), packed is not None)
         self.amax_pass = self.codes_pass = None
 
     def __call__(
@@ -341,11 +415,15 @@ class _Group:
         codes: list,
         free: torch.Tensor,
         weight: torch.Tensor,
+        cus: list | None = None,
     ) -> None:
+        if not self.grid[0]:  # (no sequences: nothing to write)
+            return
         x0 = xs[self.members[0]]
         r = _pm1_matrix(x0.shape[3], x0.device) if self.consts["ROTATE"] else x0
         m = means[self.members[0]] if self.consts["CENTER"] else x0
-        ins = (*(xs[i] for i in self.members), r, m, amax, free)
+        cu = (x0,) * 3 if cus is None else (cus[i] for i in self.members)  # (placeholders: not packed)
+        ins = (*(xs[i] for i in self.members), r, m, amax, free, *cu)
         outs = (descales, *(codes[i] for i in self.members))
         if self.amax_pass is None:  # first call: compile through Triton's path, then launch directly
             dev = x0.device.index

@@ -1,6 +1,7 @@
 """The quantiser's two Triton passes and their device helpers: pass 1 finds each (batch, kv head)'s
 absolute maximum (after the rotation or the K mean where asked), pass 2 writes the e4m3 codes (nearest,
-or balanced along the keys for V) in the layout asked for. The host side that plans and launches them
+or balanced along the keys for V) in the layout asked for. Packed sequences (PACKED) take the same
+passes, each row block within one sequence, one scale per (sequence, kv head). The host side that plans and launches them
 is kernels/quantize.py."""
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def _program_rows(
     X1,
     X2,
     MEAN,
+    CU0,
+    CU1,
+    CU2,
     P1,
     P2,
     F0,
@@ -64,10 +68,13 @@ def _program_rows(
     SH2,
     stride_d,
     D,
+    NSEQ,
+    STEPS,
     NSEG: tl.constexpr,
     DP: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CENTER: tl.constexpr,
+    PACKED: tl.constexpr,
     LOAD: tl.constexpr = True,
 ):
     """This program's tensor (segment: programs [0, P1) the first, [P1, P2) the second, then the
@@ -75,8 +82,10 @@ def _program_rows(
     dimension limits batch x heads), the head dim padded to DP with zeros (as are rows past S);
     centred (float32) with CENTER, else in the input's dtype. Returns (rows, segment, batch, head,
     index of the (batch, kv head) in the amax and descale buffers, first row, S, H, GROUP, the block's
-    first row's address and the row stride). LOAD=False: the rows are not loaded (x is 0; BALANCED loads
-    its keys one by one)."""
+    first row's address, the row stride, whether the block is its head's first). LOAD=False: the rows
+    are not loaded (x is 0; BALANCED loads its keys one by one). PACKED: the tensor is (1, S, H, D) rows
+    of NSEQ sequences (`_packed_block`), the returned S the end of the block's sequence and the scale
+    index its (sequence, kv head)'s."""
     pid = tl.program_id(0)
     seg = 0
     if NSEG > 1:
@@ -87,12 +96,18 @@ def _program_rows(
     S = _pick(seg, S0, S1, S2, NSEG)
     H = _pick(seg, H0, H1, H2, NSEG)
     GROUP = _pick(seg, G0, G1, G2, NSEG)
-    blocks = tl.cdiv(S, BLOCK_S)
-    bh = pid // blocks
-    b = bh // H
-    h = bh % H
-    kv = _pick(seg, F0, F1, F2, NSEG) + b * (H // GROUP) + h // GROUP
-    s0 = (pid % blocks) * BLOCK_S
+    if PACKED:  # (B = 1; b is the tensor's batch index, 0, and the descales' is the sequence's)
+        h, s0, S, first, seq = _packed_block(pid, _pick(seg, CU0, CU1, CU2, NSEG), S, NSEQ, STEPS, BLOCK_S)
+        b = seq * 0
+    else:
+        blocks = tl.cdiv(S, BLOCK_S)
+        bh = pid // blocks
+        b = bh // H
+        h = bh % H
+        s0 = (pid % blocks) * BLOCK_S
+        first = s0 == 0
+        seq = b
+    kv = _pick(seg, F0, F1, F2, NSEG) + seq * (H // GROUP) + h // GROUP
     rows = s0 + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, DP)
     ok = (rows < S)[:, None] & (cols < D)[None, :]
@@ -109,11 +124,38 @@ def _program_rows(
     if CENTER:  # (a centred segment is alone in its launch: its kv index is its own)
         mean = tl.load(MEAN + (kv - F0) * D + cols, mask=cols < D, other=0.0)
         x = tl.where(ok, x.to(tl.float32) - mean[None, :], 0.0)
-    return x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s
+    return x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s, first
 
 
-#: the segment starts and buffer offsets are not specialised on: one compiled kernel for any of them
-_SEGMENT_ARGS = ["P1", "P2", "F0", "F1", "F2"]
+@triton.jit
+def _packed_block(pid, CU, S, NSEQ, STEPS, BLOCK_S: tl.constexpr):
+    """A program's head and rows in packed (S = total, H, D) rows of NSEQ sequences, CU their int32
+    cumulative lengths on the device. Sequence i owns the program slots from A_i = CU[i] // BLOCK_S + i
+    (per head S // BLOCK_S + NSEQ slots: A_{i+1} - A_i is at least its blocks), so a block starts
+    BLOCK_S-aligned from its sequence's first row and never holds another's rows; the sequence is the
+    last i with A_i <= slot (a binary search of STEPS loads; A increases with i), no host value read.
+    Returns (head, first row, end of the rows (the sequence's end), whether the block is its sequence's
+    first, sequence). The slots a sequence does not fill hold no rows; its first always exists, so an
+    empty sequence still writes its descale. Bounds are clamped to [0, S]: bad lengths never move a
+    load or store outside the tensors."""
+    slots = S // BLOCK_S + NSEQ
+    h = pid // slots
+    j = pid % slots
+    seq = tl.full([], 0, tl.int32)
+    for t in range(STEPS):
+        cand = seq + (1 << (STEPS - 1 - t))
+        start = tl.load(CU + cand, mask=cand < NSEQ, other=0)
+        seq = tl.where((cand < NSEQ) & (start // BLOCK_S + cand <= j), cand, seq)
+    start = tl.load(CU + seq)
+    block = j - (start // BLOCK_S + seq)
+    start = tl.minimum(tl.maximum(start, 0), S)
+    end = tl.minimum(tl.maximum(tl.load(CU + seq + 1), start), S)
+    return h, start + block * BLOCK_S, end, block == 0, seq
+
+
+#: the segment starts, buffer offsets and sequence counts are not specialised on: one compiled kernel
+#: for any of them
+_SEGMENT_ARGS = ["P1", "P2", "F0", "F1", "F2", "NSEQ", "STEPS"]
 
 
 @triton.jit
@@ -143,6 +185,9 @@ def _amax_kernel(
     MEAN,
     AMAX,
     FREE,
+    CU0,
+    CU1,
+    CU2,
     P1,
     P2,
     F0,
@@ -170,6 +215,8 @@ def _amax_kernel(
     D,
     inv_sqrt,
     SKP,
+    NSEQ,
+    STEPS,
     NSEG: tl.constexpr,
     DP: tl.constexpr,
     BN: tl.constexpr,
@@ -179,12 +226,16 @@ def _amax_kernel(
     TERMS: tl.constexpr,
     LAST_K_MAJOR: tl.constexpr,
     BALANCED: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
-    x, seg, b, h, kv, s0, S, H, GROUP, _, _ = _program_rows(
+    x, seg, b, h, kv, s0, S, H, GROUP, _, _, _ = _program_rows(
         X0,
         X1,
         X2,
         MEAN,
+        CU0,
+        CU1,
+        CU2,
         P1,
         P2,
         F0,
@@ -210,10 +261,13 @@ def _amax_kernel(
         SH2,
         stride_d,
         D,
+        NSEQ,
+        STEPS,
         NSEG,
         DP,
         BLOCK_S,
         CENTER,
+        PACKED,
     )
     if ROTATE:
         m = 0.0
@@ -243,6 +297,9 @@ def _codes_kernel(
     MEAN,
     AMAX,
     FREE,
+    CU0,
+    CU1,
+    CU2,
     WEIGHT,
     DESCALE,
     OUT0,
@@ -275,6 +332,8 @@ def _codes_kernel(
     D,
     inv_sqrt,
     SKP,
+    NSEQ,
+    STEPS,
     NSEG: tl.constexpr,
     DP: tl.constexpr,
     BN: tl.constexpr,
@@ -284,16 +343,20 @@ def _codes_kernel(
     TERMS: tl.constexpr,
     LAST_K_MAJOR: tl.constexpr,
     BALANCED: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """The codes of a block of rows. LAST_K_MAJOR: the last segment's go keys-fastest into its (B, H, D,
     SKP) buffer (V for the FP8 kernels' V^T, written by this pass instead of a copy after it).
     BALANCED: rounded as `balanced_codes` (V, alone in its launch, never rotated: one block of keys
     a program, BN = DP), kappa WEIGHT (B, kv heads) float32."""
-    x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s = _program_rows(
+    x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s, first = _program_rows(
         X0,
         X1,
         X2,
         MEAN,
+        CU0,
+        CU1,
+        CU2,
         P1,
         P2,
         F0,
@@ -319,14 +382,17 @@ def _codes_kernel(
         SH2,
         stride_d,
         D,
+        NSEQ,
+        STEPS,
         NSEG,
         DP,
         BLOCK_S,
         CENTER,
+        PACKED,
         not BALANCED,
     )
     descale = _max_keep_nan(tl.load(AMAX + kv), _AMAX_FLOOR) * _INV_E4M3_MAX  # as the reference
-    if (s0 == 0) & (h % GROUP == 0):
+    if first & (h % GROUP == 0):
         tl.store(DESCALE + kv, descale)
     scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), descale)
     out = _pick(seg, OUT0, OUT1, OUT2, NSEG)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from zyfa_tune.attention import attention, explain_attention, recipe_for
+from zyfa_tune.attention import attention, attention_varlen, explain_attention, recipe_for
 from zyfa_tune.generator.config import ConfigError
 from zyfa_tune.generator.recipe import PLAIN, RECIPE_CHOICES, Recipe
 
@@ -107,3 +107,124 @@ def test_explain_attention_names_recipe_and_kernel_on_meta_tensors():
     choice = explain_attention(q, k, v, gpu="NVIDIA H200")
     assert choice.recipe == PLAIN and choice.kernel.config.dtype == "fp8"
     assert "recipe plain" in str(choice)
+
+
+# ---- window_size, return_lse, and packed sequences (attention_varlen) ---------------------------------
+
+
+def _packed(dtype=torch.bfloat16, device="meta", tq=100, tk=120, h=8, hk=2, d=128, dv=None, batch=3):
+    q = torch.empty(tq, h, d, dtype=dtype, device=device)
+    k = torch.empty(tk, hk, d, dtype=dtype, device=device)
+    v = torch.empty(tk, hk, dv or d, dtype=dtype, device=device)
+    cu = torch.empty(batch + 1, dtype=torch.int32, device=device)
+    return q, k, v, cu, cu, 50, 60
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fake_impls_give_the_output_and_lse_shapes(dtype):
+    q, k, v = _qkv(dtype, s=64, h=8, hk=2, d=192, dv=128)
+    out, lse = attention(q, k[:, :40], v[:, :40], window_size=(16, 0), return_lse=True)
+    assert out.shape == (2, 64, 8, 128) and out.dtype == dtype
+    assert lse.shape == (2, 8, 64) and lse.dtype == torch.float32 and lse.device.type == "meta"
+    assert attention(q, k, v, window_size=(8, 8), causal=False).shape == (2, 64, 8, 128)
+    args = _packed(dtype, dv=64)
+    out = attention_varlen(*args)
+    assert out.shape == (100, 8, 64) and out.dtype == dtype and out.device.type == "meta"
+    out, lse = attention_varlen(*args, causal=False, window_size=(4, 4), return_lse=True)
+    assert out.shape == (100, 8, 64) and lse.shape == (8, 100) and lse.dtype == torch.float32
+
+
+def test_torch_compile_fullgraph_traces_window_lse_and_packed_calls():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def block(x, wqkv):
+        b, s, d = x.shape
+        q, k, v = (x @ wqkv).view(b, s, 3, 4, 64).unbind(2)
+        out, lse = attention(q, k, v, window_size=(32, 0), return_lse=True)
+        return out.reshape(b, s, d), lse.exp()
+
+    def packed(x, wqkv, cu):
+        q, k, v = (x @ wqkv).view(x.shape[0], 3, 4, 64).unbind(1)
+        out, lse = attention_varlen(q, k, v, cu, cu, 64, 64, window_size=(8, -1), return_lse=True)
+        return out.reshape(x.shape), lse
+
+    wqkv = torch.empty(256, 768, dtype=torch.bfloat16, device="meta")
+    cu = torch.empty(5, dtype=torch.int32, device="meta")
+    for fn, args, want, op in (
+        (block, (torch.empty(2, 128, 256, dtype=torch.bfloat16, device="meta"), wqkv), (2, 4, 128), "attention"),
+        (packed, (torch.empty(200, 256, dtype=torch.bfloat16, device="meta"), wqkv, cu), (4, 200), "attention_varlen"),
+    ):
+        counter = CompileCounterWithBackend("aot_eager")
+        torch._dynamo.reset()
+        out, lse = torch.compile(fn, backend=counter, fullgraph=True)(*args)
+        assert out.shape == args[0].shape and lse.shape == want and counter.frame_count == 1
+        targets = [str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+        assert f"zyfa_tune.{op}" in targets, targets
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"window_size": (-2, 0)}, ValueError, "window_size: each side must be >= 0, or -1"),
+        ({"window_size": (4,)}, TypeError, "window_size: expected a pair of ints"),
+        ({"window_size": (1.5, 0)}, TypeError, "window_size: expected a pair of ints"),
+        ({"return_lse": 1}, TypeError, "return_lse: expected bool"),
+    ],
+)
+def test_bad_options_name_the_argument(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        attention(*_qkv(), **kwargs)
+    with pytest.raises(exc, match=match):
+        attention_varlen(*_packed(), **kwargs)
+    with pytest.raises(exc, match=match):
+        explain_attention(*_qkv(), gpu="NVIDIA H200", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        ({0: _qkv()[0]}, ValueError, "q: expected 3 dims"),
+        ({1: _packed(torch.float16)[1]}, TypeError, "k: dtype torch.float16 differs"),
+        ({0: _packed(torch.float8_e4m3fn)[0]}, TypeError, "q: dtype .*flash_attn_func"),
+        ({1: _packed(hk=3)[1]}, ValueError, "k: kv_heads=3 must divide"),
+        ({3: torch.empty(4, dtype=torch.int64, device="meta")}, TypeError, "cu_seqlens_q: expected dtype torch.int32"),
+        ({4: torch.empty(3, dtype=torch.int32, device="meta")}, ValueError, "cu_seqlens_k: 3 entries"),
+        ({5: 10}, ValueError, "max_seqlen_q: 3 sequences of at most 10 tokens cannot hold q's 100"),
+        ({6: -1}, TypeError, "max_seqlen_k: expected an int >= 0"),
+        ({6: 60.0}, TypeError, "max_seqlen_k: expected an int >= 0"),
+        ({0: _packed(device="cpu")[0], 1: _packed(device="cpu")[1]}, ValueError, "k: on cpu, but q is on meta|v: on"),
+    ],
+)
+def test_bad_packed_arguments_name_the_argument(change, exc, match):
+    args = list(_packed())
+    for i, value in change.items():
+        args[i] = value
+    with pytest.raises(exc, match=match):
+        attention_varlen(*args)
+
+
+def test_packed_problems_are_reported_together_and_the_device_last():
+    q, k, v, cu, _, _, _ = _packed(device="cpu")
+    with pytest.raises(TypeError) as info:
+        attention_varlen(q, k, v, cu.long(), cu, 50, 60, window_size=(-3, 0), error_budget=0)
+    text = str(info.value)
+    assert all(word in text for word in ("cu_seqlens_q", "window_size", "error_budget", "q: tensor is on cpu"))
+    assert text.index("error_budget") < text.index("q: tensor is on cpu")
+
+
+def test_an_lse_is_served_without_k_smoothing_and_a_window_by_the_serving_variant():
+    from zyfa_tune.attention import with_options
+    from zyfa_tune.generator.defaults import default_config
+
+    gluon = default_config("fp8", 128, 128, "gluon")
+    smooth = Recipe(smooth_k=True, v_rounding="balanced")
+    assert with_options(smooth, gluon, True, (-1, -1), False) == (smooth, gluon)  # nothing asked: as chosen
+    assert with_options(smooth, gluon, True, (-1, 0), False) == (smooth, gluon)  # a causal window bounds nothing
+    recipe, config = with_options(smooth, gluon, True, (-1, -1), True)
+    assert recipe == Recipe(v_rounding="balanced") and config.backend == "triton"
+    recipe, config = with_options(smooth, None, False, (64, 64), False)
+    assert recipe == smooth and config is None  # (flash_attn_func then picks the serving variant)
+    q, k, v = _qkv()
+    choice = explain_attention(q, k, v, gpu="NVIDIA H200", window_size=(64, 0))
+    assert choice.kernel.config.backend == "triton" and "serving variant" in str(choice)
+    assert explain_attention(q, k, v, gpu="NVIDIA H200").kernel.config.backend == "gluon"

@@ -59,7 +59,7 @@ def spy(monkeypatch):
         return call
 
     monkeypatch.setattr(zt, "attention", counted("dense", zt.attention))
-    monkeypatch.setattr(zt, "flash_attn_varlen_func", counted("packed", zt.flash_attn_varlen_func))
+    monkeypatch.setattr(zt, "attention_varlen", counted("packed", zt.attention_varlen))
     return counts
 
 

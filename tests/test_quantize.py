@@ -52,13 +52,14 @@ def _pass_sass(
     segments: int = 3,
     k_major: bool = False,
     balanced: bool = False,
+    packed: bool = False,
 ):
     """`_sm90_sass` of a quantiser pass, specialised as a launch with these options specialises it."""
     block_s, dp, bn, warps = _tiles(dim, rotate, balanced)
     terms = 3 if centre else _TERMS[dtype]
     sig = {name: "i32" for name in kernel.arg_names}
     sig.update({f"X{i}": "*" + _DT[dtype] for i in range(3)}, R="*bf16", MEAN="*fp32", inv_sqrt="fp32")
-    sig.update(AMAX="*fp32", FREE="*i32")
+    sig.update(AMAX="*fp32", FREE="*i32", CU0="*i32", CU1="*i32", CU2="*i32")
     if kernel is _codes_kernel:
         sig.update({f"OUT{i}": "*fp8e4nv" for i in range(3)}, DESCALE="*fp32", WEIGHT="*fp32")
     constexprs = dict(
@@ -72,13 +73,16 @@ def _pass_sass(
         TERMS=terms,
         LAST_K_MAJOR=k_major,
         BALANCED=balanced,
+        PACKED=packed,
     )
     sig.update({name: "constexpr" for name in constexprs})
     # pointers, strides and sizes that are multiples of 16, as a launch on contiguous inputs specialises them
+    # (packed: not the total token count)
+    sizes = r"S[BSH]\d|D|SKP" if packed else r"S[BSH]?\d|D|SKP"
     div16 = {
         (i,): [["tt.divisibility", 16]]
         for i, name in enumerate(kernel.arg_names)
-        if sig[name].startswith("*") or re.fullmatch(r"S[BSH]?\d|D|SKP", name)
+        if sig[name].startswith("*") or re.fullmatch(sizes, name)
     }
     return _sm90_sass(kernel, sig, constexprs, div16, warps)
 
@@ -126,6 +130,31 @@ def test_kernels_compile_without_spills(dim, dtype, centre, rotate, k_major, bal
         assert "LDG.E.128" in sass and not re.search(r"LDG\.E\.(U16|64)\b", sass), kernel.__name__
         if kernel is _codes_kernel:
             assert "F2FP.SATFINITE.E4M3" in sass  # the rounding to e4m3, satfinite as torch's cast after the clamp
+            assert "STG.E.128" in sass and not re.search(r"STG\.E\.(U8|U16|64)\b", sass)
+
+
+@pytest.mark.parametrize(
+    "dim,dtype,segments",
+    [
+        (128, torch.bfloat16, 3),
+        (64, torch.float16, 3),
+        (256, torch.bfloat16, 3),
+        (96, torch.float32, 3),
+        (192, torch.bfloat16, 2),
+    ],
+)
+def test_packed_passes_compile_without_spills(dim, dtype, segments):
+    """Packed sequences (PACKED: each program's rows within one sequence, found by a binary search over the
+    cumulative lengths): both passes, Q, K and V as segments of one launch, no local memory, 16-byte loads
+    of the rows (a block may start at any row) and 16-byte stores of the codes, no tensor cores."""
+    for kernel in (_amax_kernel, _codes_kernel):
+        sass, usage = _pass_sass(kernel, dim, dtype, False, False, segments, packed=True)
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (kernel.__name__, usage)
+        assert not re.search(r"\bHGMMA\b", sass), kernel.__name__
+        assert "LDG.E.128" in sass and not re.search(r"LDG\.E\.(U16|64)\b", sass), kernel.__name__
+        if kernel is _codes_kernel:
+            assert len(re.findall(r"\bFCHK\b", sass)) <= 1
+            assert "F2FP.SATFINITE.E4M3" in sass
             assert "STG.E.128" in sass and not re.search(r"STG\.E\.(U8|U16|64)\b", sass)
 
 

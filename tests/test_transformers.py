@@ -2,8 +2,8 @@
 registries; a tiny Llama model with attn_implementation="zyfa_tune" routes every attention call
 through it, with zyfa_tune's kernels replaced by CPU stand-ins that record their arguments and
 compute exact attention, so shapes, layouts, GQA, scaling, causality and the detection of padding
-and packing are checked against the same model on SDPA; the per-sequence quantiser against the
-per-batch one; and the refused cases. The GPU run is tests/test_gpu_transformers.py."""
+and packing are checked against the same model on SDPA, on FP8 codes of the per-sequence quantiser
+too; and the refused cases. The GPU run is tests/test_gpu_transformers.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from zyfa_tune.integrations import transformers as zt
-from zyfa_tune.kernels.quantize import AMAX_FLOOR, INV_E4M3_MAX, quantize_heads_reference
+from zyfa_tune.quantize import quantize_fp8_varlen
 from zyfa_tune.tuning.reference import attention_reference_varlen, rel_l2
 
 try:  # an optional extra; a transformers that fails to import for another reason fails here, loudly
@@ -27,8 +27,6 @@ except ModuleNotFoundError:
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "zyfa_tune_test"
-#: the real per-sequence quantiser (the plumbing tests replace it by an identity)
-QUANTIZE_PACKED = zt.quantize_packed
 
 
 def test_the_adapter_imports_without_transformers():
@@ -44,37 +42,14 @@ def test_the_adapter_imports_without_transformers():
     assert "refused:" in run.stdout and "zyfa-tune[hf]" in run.stdout
 
 
-@pytest.mark.parametrize("h, hk", [(4, 4), (8, 2)])
-def test_quantize_packed_is_the_per_batch_quantiser_per_sequence(h, hk):
-    """Each sequence's codes and descales are bitwise quantize_fp8's plain recipe on that sequence
-    alone; an empty sequence gets the floor's descale."""
-    lengths = [5, 0, 17, 1]
-    x = torch.randn(sum(lengths), h, 32, dtype=torch.bfloat16) * torch.linspace(0.1, 10, sum(lengths))[:, None, None]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    codes, descale = zt.quantize_packed(x, cu, hk)
-    assert codes.dtype == torch.float8_e4m3fn and codes.shape == x.shape and descale.shape == (len(lengths), hk)
-    for i, n in enumerate(lengths):
-        rows = slice(int(cu[i]), int(cu[i + 1]))
-        if n == 0:
-            assert torch.equal(descale[i], torch.full((hk,), AMAX_FLOOR * INV_E4M3_MAX))
-            continue
-        want_codes, want_descale = quantize_heads_reference(x[None, rows], hk)
-        assert torch.equal(codes[rows].view(torch.uint8), want_codes[0].view(torch.uint8))
-        assert torch.equal(descale[i], want_descale[0])
-
-
-def test_quantize_packed_names_a_bad_head_count():
-    with pytest.raises(ValueError, match="kv_heads"):
-        zt.quantize_packed(torch.zeros(4, 6, 16), torch.tensor([0, 4], dtype=torch.int32), 4)
-
-
 class _Calls:
-    """CPU stand-ins for zyfa_tune's attention and varlen kernels: exact attention (causal masks
+    """CPU stand-ins for zyfa_tune's `attention` and `attention_varlen`: exact attention (causal masks
     bottom-right aligned, as zyfa_tune's), every call's arguments recorded."""
 
     def __init__(self) -> None:
         self.dense: list[dict] = []
         self.packed: list[dict] = []
+        self.quantised = False  # packed calls on the per-sequence quantiser's FP8 codes
 
     def attention(self, q, k, v, causal=True, softmax_scale=None, *, error_budget=None):
         self.dense.append(dict(q=q.shape, k=k.shape, causal=causal, scale=softmax_scale, budget=error_budget))
@@ -85,25 +60,24 @@ class _Calls:
         )
         return out.transpose(1, 2)
 
-    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=True, **descales):
-        self.packed.append(dict(q=q.shape, k=k.shape, cu_q=cu_q.tolist(), cu_k=cu_k.tolist(), max=(max_q, max_k)))
+    def attention_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal=True, softmax_scale=None, *, error_budget):
+        shapes = dict(q=q.shape, k=k.shape, max=(max_q, max_k), budget=error_budget)
+        self.packed.append(dict(cu_q=cu_q.tolist(), cu_k=cu_k.tolist(), **shapes))
         assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(max_q, int) and isinstance(max_k, int)
+        descales = {}
+        if self.quantised:
+            q, k, v, *scales = quantize_fp8_varlen(q, k, v, cu_q, cu_k)
+            descales = dict(zip(("q_descale", "k_descale", "v_descale"), scales))
         out = attention_reference_varlen(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal, **descales)
         return out.to(torch.bfloat16)
 
 
-def _unquantised(x, cu, kv_heads):
-    """Stand-in for the per-sequence quantiser: the values as they are, unit descales."""
-    return x, torch.ones(cu.shape[0] - 1, kv_heads)
-
-
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """The CPU stand-ins in place of zyfa_tune's kernels and of the quantiser."""
+    """The CPU stand-ins in place of zyfa_tune's attention calls."""
     stand_in = _Calls()
     monkeypatch.setattr(zt, "attention", stand_in.attention)
-    monkeypatch.setattr(zt, "flash_attn_varlen_func", stand_in.varlen)
-    monkeypatch.setattr(zt, "quantize_packed", _unquantised)
+    monkeypatch.setattr(zt, "attention_varlen", stand_in.attention_varlen)
     return stand_in
 
 
@@ -199,7 +173,7 @@ def test_a_padded_batch_is_unpadded_into_packed_sequences(calls):
     assert not calls.dense and len(calls.packed) == 2
     c = calls.packed[0]
     assert c["q"] == (23, 4, 16) and c["k"] == (23, 2, 16)
-    assert c["cu_q"] == c["cu_k"] == [0, 6, 16, 23] and c["max"] == (10, 10)
+    assert c["cu_q"] == c["cu_k"] == [0, 6, 16, 23] and c["max"] == (10, 10) and c["budget"] == 1.5
     real = mask.bool()
     assert rel_l2(got[real], want[real]) < 1e-2
 
@@ -264,10 +238,10 @@ def test_left_padded_batched_generation_matches_sdpa(calls):
     assert torch.equal(got, want)
 
 
-def test_fp8_packed_forward_stays_near_sdpa(monkeypatch, calls):
+def test_fp8_packed_forward_stays_near_sdpa(calls):
     """The real per-sequence quantiser (FP8 codes, exact attention on them): the logits stay within
     FP8 rounding of SDPA's, far below what attention across sequence boundaries would cost."""
-    monkeypatch.setattr(zt, "quantize_packed", QUANTIZE_PACKED)
+    calls.quantised = True
     ours, sdpa = _models(heads=4, kv_heads=2, head_dim=32)
     got, want, whole = _packed_against_separate(ours, sdpa, [13, 1, 30, 8])
     assert 0 < rel_l2(got, want) < 0.1 < rel_l2(whole, want)

@@ -12,10 +12,11 @@ from zyfa_tune.kernels.quantize import (
     KERNEL_DTYPES,
     balance_weights,
     hadamard_matrix,
+    quantize_packed,
     quantize_tensors,
 )
 
-__all__ = ["E4M3_MAX", "V_ROUNDINGS", "dequantize_fp8", "hadamard_matrix", "quantize_fp8"]
+__all__ = ["E4M3_MAX", "V_ROUNDINGS", "dequantize_fp8", "hadamard_matrix", "quantize_fp8", "quantize_fp8_varlen"]
 
 #: how `quantize_fp8` rounds V: to nearest (as FlashAttention-3's users do), or balanced along the keys
 V_ROUNDINGS = ("nearest", "balanced")
@@ -113,6 +114,50 @@ def quantize_fp8(
         balance_last=v_rounding == "balanced",
         balance_weight=weight,
     )
+    return q8, k8, v8, qd, kd, vd
+
+
+def quantize_fp8_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
+):
+    """Return (q8, k8, v8, q_descale, k_descale, v_descale) for `flash_attn_varlen_func`: packed
+    (total, heads, dim) floating tensors of one dtype and device, sequence i rows cu_seqlens[i]:
+    cu_seqlens[i + 1] (int32 (batch + 1,) cumulative lengths on that device). `quantize_fp8`'s plain
+    recipe (round to nearest, natural V) with one scale per (sequence, kv head), so that one
+    sequence's outliers do not coarsen another's codes: each sequence's codes and descales are
+    bitwise `quantize_fp8`'s on that sequence alone; an empty sequence's descale is the floor's
+    (1e-12 / 448). Descales float32 (batch, kv_heads). On a GPU: one launch per pass for Q, K and V
+    together (per head dim where Q/K's and V's differ) and no read of the lengths on the host, so a
+    call is CUDA-graph capturable; the lengths are trusted (flash_attn_varlen_func checks them),
+    and bad ones never move a load or store outside the tensors."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected 3 dims (total_tokens, heads, head_dim), got {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
+    hk = k.shape[1]
+    if v.shape[:2] != k.shape[:2] or hk == 0 or q.shape[1] % hk:
+        raise ValueError(
+            f"k/v: expected (total_k, kv_heads) alike with kv_heads dividing q's heads={q.shape[1]}, "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"k: head_dim {k.shape[2]} differs from q's {q.shape[2]}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
+            got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise TypeError(f"{name}: expected an int32 tensor of shape (batch + 1,), got {got}")
+        if cu.device != q.device:
+            raise ValueError(f"{name}: on {cu.device}, but q is on {q.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_k: {cu_seqlens_k.shape[0]} entries, cu_seqlens_q {cu_seqlens_q.shape[0]}")
+    (q8, k8, v8), (qd, kd, vd) = quantize_packed(((q, cu_seqlens_q), (k, cu_seqlens_k), (v, cu_seqlens_k)), hk)
     return q8, k8, v8, qd, kd, vd
 
 

@@ -21,9 +21,10 @@ A call runs one of two ways:
   `cu_seq_lens_q/_k` and `max_length_q/_k` keyword arguments (transformers'
   DataCollatorWithFlattening(return_flash_attn_kwargs=True) makes them), or by position ids that
   restart within a row (DataCollatorWithFlattening's default). The sequences run through
-  `flash_attn_varlen_func` in FP8: each is quantised with its own (sequence, kv head) descales, the
-  plain recipe of `quantize_fp8` (round to nearest, no rotation), so that one sequence's outliers do
-  not coarsen another's codes and packing a sequence changes its result no more than batching it does.
+  `zyfa_tune.attention_varlen` in FP8: each is quantised with its own (sequence, kv head) descales, the
+  plain recipe of `quantize_fp8` (round to nearest, no rotation; one launch per pass for Q, K and V),
+  so that one sequence's outliers do not coarsen another's codes and packing a sequence changes its
+  result no more than batching it does.
   The bf16 varlen kernels would skip the quantisation but give up FP8's speed, and a model's
   precision would then depend on whether its batch was packed.
 
@@ -43,12 +44,10 @@ from dataclasses import dataclass
 import torch
 
 from zyfa_tune.api import ArgumentProblems
-from zyfa_tune.attention import INPUT_DTYPES, attention
+from zyfa_tune.attention import INPUT_DTYPES, attention, attention_varlen
 from zyfa_tune.kernels.dispatch import FA3_PARITY
-from zyfa_tune.kernels.quantize import AMAX_FLOOR, E4M3_MAX, INV_E4M3_MAX
-from zyfa_tune.varlen import flash_attn_varlen_func
 
-__all__ = ["attention_forward", "quantize_packed", "register"]
+__all__ = ["attention_forward", "register"]
 
 #: transformers' own backends, which `register` never replaces
 _BUILT_IN = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -117,7 +116,7 @@ def attention_forward(
     if segments is None:
         out = attention(q, k, v, causal=causal, softmax_scale=scaling, error_budget=error_budget)
     else:
-        out = _packed_attention(q, k, v, segments, scaling, causal)
+        out = _packed_attention(q, k, v, segments, scaling, causal, error_budget)
     return out, None
 
 
@@ -230,44 +229,26 @@ def _from_positions(q: torch.Tensor, k: torch.Tensor, position_ids) -> _Segments
 
 
 def _packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: _Segments, scaling: float | None, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    s: _Segments,
+    scaling: float | None,
+    causal: bool,
+    error_budget: float,
 ) -> torch.Tensor:
-    """Packed sequences through the FP8 varlen kernels, each sequence quantised on its own; returns
-    (batch, seqlen_q, heads, head_dim_v) in q's dtype, zeros at padding tokens."""
+    """Packed sequences through `attention_varlen` (each sequence quantised on its own, FP8 varlen
+    kernels); returns (batch, seqlen_q, heads, head_dim_v) in q's dtype, zeros at padding tokens."""
     b, sq, h, _ = q.shape
-    hk, dv = k.shape[2], v.shape[3]
+    dv = v.shape[3]
     qp, kp, vp = (t.reshape(-1, *t.shape[2:]) for t in (q, k, v))  # (batch * seqlen, heads, dim)
     if s.rows_q is not None:
         qp = qp.index_select(0, s.rows_q)
     if s.rows_k is not None:
         kp, vp = kp.index_select(0, s.rows_k), vp.index_select(0, s.rows_k)
-    (q8, qd), (k8, kd), (v8, vd) = (quantize_packed(t, c, hk) for t, c in ((qp, s.cu_q), (kp, s.cu_k), (vp, s.cu_k)))
-    out = flash_attn_varlen_func(
-        q8, k8, v8, s.cu_q, s.cu_k, s.max_q, s.max_k, softmax_scale=scaling, causal=causal,
-        q_descale=qd, k_descale=kd, v_descale=vd,
-    )  # fmt: skip
-    out = out.to(q.dtype)
+    out = attention_varlen(
+        qp, kp, vp, s.cu_q, s.cu_k, s.max_q, s.max_k, causal=causal, softmax_scale=scaling, error_budget=error_budget
+    )
     if s.rows_q is not None:
         out = out.new_zeros(b * sq, h, dv).index_copy_(0, s.rows_q, out)
     return out.view(b, sq, h, dv)
-
-
-def quantize_packed(x: torch.Tensor, cu_seqlens: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed (total, heads, dim) floating rows -> (e4m3 codes (total, heads, dim), float32 descales
-    (sequences, kv_heads)) for `flash_attn_varlen_func`: `quantize_fp8`'s plain recipe with one scale
-    per (sequence, kv head), the q heads of a GQA group sharing it, in the same arithmetic
-    (kernels/quantize.py's reference). Torch ops without a host synchronisation (CUDA-graph
-    capturable); empty sequences get the floor's descale."""
-    total, h, d = x.shape
-    if h % kv_heads:
-        raise ValueError(f"kv_heads: {kv_heads} must divide x's heads={h}")
-    xf = x.float().view(total, kv_heads, (h // kv_heads) * d)
-    cu = cu_seqlens.to(device=x.device, dtype=torch.int64)
-    sequence = torch.searchsorted(cu[1:], torch.arange(total, device=x.device), right=True)
-    sequence = sequence.clamp_(max=max(cu.shape[0] - 2, 0))  # rows past the end: the call's own checks name them
-    amax = torch.zeros(cu.shape[0] - 1, kv_heads, dtype=torch.float32, device=x.device)
-    amax.scatter_reduce_(0, sequence[:, None].expand(-1, kv_heads), xf.abs().amax(-1), "amax")
-    descale = amax.clamp_min(AMAX_FLOOR) * INV_E4M3_MAX
-    scale = (1.0 / descale)[sequence].unsqueeze(-1)  # (total, kv_heads, 1)
-    codes = (xf * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return codes.view(total, h, d), descale
