@@ -166,7 +166,7 @@ def arguments(
     hk = k.shape[1]
     batch = cu[0].shape[0] - 1
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t.shape[0] * t.stride(0) > _INT32_MAX:  # (row offsets and TMA coordinates are int32)
+        if sum((n - 1) * st for n, st in zip(t.shape, t.stride())) >= _INT32_MAX:  # (int32 offsets and coordinates)
             raise ValueError(f"{name}: the packed rows span more than 2^31 elements; split the batch")
     n_m = query_blocks(max_seqlen[0], config.block_m)
     table = ragged_tiles(*cu, max_seqlen[0], config.block_m, config.block_n, causal)
