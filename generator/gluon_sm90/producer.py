@@ -48,21 +48,17 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
     for i in range(lo, hi, step):
         if VARLEN:
             b, h, mb, q_row, seq_q, k_row, seq_k = _ragged_tile(tile_table, i, H, n_m, cu_q, cu_k)
-            v_row = (h // GROUP) * HEAD_D
-            v_key0 = 0 if V_NATURAL else gl.load(tile_table + 1 + n_tiles + b)
         else:
             b, h, mb = _tile_coords(_tile_at(tile_table, i), n_bh, H, n_m, HEAVY_FIRST)
-            q_row = b * Sq
             seq_q = Sq
             seq_k = Sk
-            k_row = b * Sk
-            v_row = (b * Hkv + h // GROUP) * HEAD_D
-            v_key0 = 0
         hk = h // GROUP
         m0 = mb * BLOCK_M
         qs = q_it % Q_STAGES
         mbarrier.wait(q_empty.index(qs), ((q_it // Q_STAGES) & 1) ^ 1)
         mbarrier.expect(q_ready.index(qs), QK_PARTS * Q_BOXES * q_desc.block_type.nbytes)
+        if not VARLEN:
+            q_row = b * Sq
         for p in gl.static_range(QK_PARTS):
             if Q_BOXES == 1:
                 _qk_load(q_desc, q_row + m0, h, p * QK_W, q_ready.index(qs), q_bufs.index(qs * QK_PARTS + p))
@@ -72,6 +68,13 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
                              q_bufs.index((qs * QK_PARTS + p) * Q_BOXES + r))
         q_it += 1
         n_blocks, n_masked = _block_range(m0, seq_q, seq_k, BLOCK_M, BLOCK_N, CAUSAL)
+        if VARLEN:  # (V^T: one batch entry, the sequence from its column in the table)
+            v_row = hk * HEAD_D
+            v_key0 = 0 if V_NATURAL else gl.load(tile_table + 1 + n_tiles + b)
+        else:
+            k_row = b * Sk
+            v_row = (b * Hkv + hk) * HEAD_D
+            v_key0 = 0
         for j in range(n_blocks):
             n0 = (n_blocks - 1 - j) * BLOCK_N
             s = kv_it % STAGES
