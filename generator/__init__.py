@@ -16,6 +16,7 @@ from .config import (
     p_tiles,
 )
 from .emitted import EmittedKernel
+from .gluon_sm90.emit import emit as _gluon_emit
 from .rules import GLUON_HEAD_DIMS
 from .triton.emit import chunk_skips, chunks_of, head_chunks
 from .triton.emit import emit as _triton_emit
@@ -24,10 +25,12 @@ from .triton.emit import emit as _triton_emit
 def emit(config: KernelConfig, serving: bool = False) -> EmittedKernel:
     """Emit the kernel source of `config` with its backend's emitter (deterministic). `serving`: the
     variant that also takes packed sequences, a paged KV cache, a window and an LSE output (generator/triton/emit.py);
-    only the Triton backend has one."""
+    the Gluon backend's serving variant takes packed sequences only (generator/gluon_sm90/emit.py, varlen)."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
     if serving:
+        if config.backend == "gluon":
+            return _gluon_emit(config, varlen=True)
         if config.backend != "triton":
             raise ValueError(
                 f"config: backend={config.backend!r} has no kernel for varlen, paged KV caches, window_size or "

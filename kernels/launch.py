@@ -352,6 +352,11 @@ def prepare(
     `sms` sizes a persistent grid (default: the device's SM count; the target's reference count, HOPPER.sm_count, for tensors not on a GPU).
     `serving`: the call's varlen, paged, window and LSE options (Triton configs only: the serving variant)."""
     if serving is not None:
+        if config.backend == "gluon":  # (its varlen variant has its own launcher, with its tile table)
+            raise ValueError(
+                "config: backend='gluon' runs packed sequences through kernels.gluon_varlen (no window, "
+                "return_lse or paged KV cache); pass a Triton config for the serving variant"
+            )
         emitted(config, True)  # a backend with no serving variant says so here, naming the options
         if serving.page_table is not None:
             _check_paged(config, k, v, serving.page_table.shape[1])

@@ -49,7 +49,7 @@ def test_study_entry_is_what_the_packed_call_runs(tmp_path):
     d = dispatch.Dispatcher([spec.storage])
     key = shape_key(spec.shapes[0], "fp8", 128, 128, True)
     choice = d.choose_varlen(key, dispatch.device_key(0))
-    assert choice.source == "exact" and choice.config.backend == "triton"
+    assert choice.source == "exact"
     config, tuned = d.varlen_config_for("fp8", 128, 128, True, len(LENGTHS), 8, 2, mix.total, mix.max_len, 0)
     assert tuned and config == choice.config
     dispatch.set_databases([spec.storage])

@@ -13,7 +13,6 @@ from test_tune import SHIPPED, spec
 
 from zyfa_tune import cli
 from zyfa_tune.db import open_store
-from zyfa_tune.generator import KernelConfig
 from zyfa_tune.kernels import dispatch
 from zyfa_tune.tuning.lengths import MIXES, LengthMix, log_uniform, parse_lengths
 from zyfa_tune.tuning.task import Shape, shape_key, task_flops
@@ -129,9 +128,9 @@ def test_simulated_varlen_study_writes_entries_the_dispatcher_serves(tmp_path):
     s = spec(tmp_path, seqlens=(), lengths=mix, trials=5, sampler="random")
     study = Tuner(s).run()
     measured = [t for t in study.trials if "statuses" in t.user_attrs]
-    assert measured and all(KernelConfig.from_json(t.user_attrs["config"]).backend == "triton" for t in measured)
+    assert measured  # Gluon configs too: their varlen variant runs packed sequences
     pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
-    assert all(t.user_attrs.get("infeasible", "").startswith("packed") or "config" not in t.user_attrs for t in pruned)
+    assert not any(t.user_attrs.get("infeasible", "").startswith("packed") for t in pruned)
     key = shape_key(s.shapes[0], "fp8", 128, 128, True)
     with open_store(s.storage, readonly=True, create=False) as store:
         best = store.best_entries()

@@ -126,8 +126,8 @@ def test_option_checks_name_the_argument(fn, kw, exc, match):
         call_it()
 
 
-def test_a_gluon_config_is_refused_for_packed_sequences_and_a_trivial_window_is_no_option():
-    with pytest.raises(ValueError, match="^config: backend='gluon' has no kernel for varlen"):
+def test_a_gluon_config_runs_packed_sequences_and_a_trivial_window_is_no_option():
+    with pytest.raises(ValueError, match="^q: tensor is on cpu"):  # (no refusal of the Gluon config)
         call(*packed(d=128, dtype=FP8), config=GLUON)
     q, k, v = (torch.randn(2, 16, 2, 128).to(FP8) for _ in range(3))
     for window in ((-1, -1), (-1, 5)):  # causal: (-1, right) is plain causal attention
@@ -153,6 +153,14 @@ class Recorder:
         self.fast.append((q, k, v, out, qd, kd, vd, extra))
         return out
 
+    def bind_packed(self, config, q, k, v, out, scale, causal, descales, cu, maxes):
+        self.checked.append(dict(config=config, q=q, out=out, causal=causal, descales=descales, cu=cu, maxes=maxes))
+        return self.packed_launch
+
+    def packed_launch(self, q, k, v, out, qd, kd, vd, cu_q=None, cu_k=None):
+        self.fast.append((q, k, v, out, qd, kd, vd, (cu_q, cu_k)))
+        return out
+
 
 @pytest.fixture
 def rec(monkeypatch):
@@ -160,6 +168,7 @@ def rec(monkeypatch):
     monkeypatch.setattr(api, "_on_cuda", lambda name, t: None)  # CPU tensors stand in for CUDA ones
     monkeypatch.setattr(api, "bind", r.bind)
     monkeypatch.setattr(varlen, "bind", r.bind)
+    monkeypatch.setattr(varlen, "bind_packed", r.bind_packed)
     monkeypatch.setattr(api.torch.cuda, "current_device", lambda: None)
     monkeypatch.setattr(api.torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(api, "_plans", {})
@@ -221,23 +230,31 @@ def test_no_keys_gives_zeros_and_an_lse_of_minus_infinity(rec):
     assert rec.checked == [] and (out == 0).all() and (lse == float("-inf")).all() and lse.shape == (4, 5)
 
 
-def test_the_dispatcher_s_gluon_choice_gives_way_to_a_triton_config(rec, monkeypatch):
+def test_the_dispatcher_s_gluon_choice_runs_packed_sequences_unless_a_window_or_lse_is_asked(rec, monkeypatch):
     class Gluon:
         def config_for(self, *args):
             return GLUON
 
         def varlen_config_for(self, *args):
-            return GLUON, True  # even a packed-sequence entry's Gluon config: Triton runs
+            return GLUON.replace(k_perm=True), True  # a packed-sequence entry: its twin without k_perm runs
 
-    monkeypatch.setattr(api.dispatch, "dispatcher", lambda: Gluon())
-    q, k, v, *rest = packed(d=128, dtype=FP8)
-    call(q, k, v, *rest)
+    one = Gluon()  # (the dispatcher is part of a layout's key)
+    monkeypatch.setattr(api.dispatch, "dispatcher", lambda: one)
+    q, k, v, cq, ck, mq, mk = packed(d=128, dtype=FP8)
+    out = call(q, k, v, cq, ck, mq, mk)
+    call(q, k, v, cq, ck, mq, mk, return_lse=True)
     q4, k4, v4 = (torch.randn(2, 16, 2, 128).to(FP8) for _ in range(3))
     flash_attn_func(q4, k4, v4, return_lse=True)
-    packed_cfg, dense_cfg = (c["config"] for c in rec.checked)
-    assert packed_cfg.backend == dense_cfg.backend == "triton"
-    assert dense_cfg == default_config("fp8", 128, 128)
-    assert packed_cfg == varlen.packed_twin(dense_cfg) and packed_cfg.v_layout == "natural"
+    gluon, packed_lse, dense_lse = rec.checked
+    assert gluon["config"] == GLUON and gluon["out"] is out and gluon["q"] is q  # packed (total, heads, dim)
+    assert gluon["cu"] == (cq, ck) and gluon["maxes"] == (mq, mk) and gluon["causal"] is True
+    assert packed_lse["config"].backend == dense_lse["config"].backend == "triton"
+    assert dense_lse["config"] == default_config("fp8", 128, 128)
+    assert (
+        packed_lse["config"] == varlen.packed_twin(dense_lse["config"]) and packed_lse["config"].v_layout == "natural"
+    )
+    call(q, k, v, cu(5, 3, 0), cu(5, 5, 0), mq, mk)  # the layout's fast path: the new lengths reach the launch
+    assert len(rec.checked) == 3 and rec.fast[-1][-1][0].tolist() == [0, 5, 8, 8]
 
 
 # ---- the launcher's arguments ---------------------------------------------------------------------
@@ -257,7 +274,7 @@ def test_prepare_sizes_the_grid_by_sequences_and_places_the_options():
     assert {k: options[k] for k in ("CAUSAL", "VARLEN", "WINDOW", "RETURN_LSE", "PAGED")} == dict(
         CAUSAL=False, VARLEN=True, WINDOW=True, RETURN_LSE=True, PAGED=False
     )
-    with pytest.raises(ValueError, match="config: backend='gluon' has no kernel for varlen, paged KV caches"):
+    with pytest.raises(ValueError, match="config: backend='gluon' runs packed sequences through kernels.gluon_varlen"):
         launch.prepare(GLUON, q[None], k[None], v[None], out, 0.1, True, serving=s)
 
 

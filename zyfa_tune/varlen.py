@@ -1,9 +1,10 @@
 """`flash_attn_varlen_func`: FlashAttention-3's forward over packed sequences of different lengths.
 
 A serving batch packs many prompts into one (total_tokens, heads, dim) tensor, sequence i holding
-rows cu_seqlens[i]:cu_seqlens[i + 1]. The packed tensors run on the serving variant of a Triton
-config (generator/triton/emit.py) as one batch entry of `total` rows, each program reading its
-sequence's bounds from the cumulative lengths. The argument checks and the per-layout fast path are
+rows cu_seqlens[i]:cu_seqlens[i + 1]. The packed tensors run as one batch entry of `total` rows on the
+varlen variant of a Gluon config (kernels/gluon_varlen.py: a persistent schedule over the sequences'
+tiles, heaviest first), or on the serving variant of a Triton config (generator/triton/emit.py), which
+also takes windows and the LSE; each tile reads its sequence's bounds from the cumulative lengths. The argument checks and the per-layout fast path are
 flash_attn_func's (zyfa_tune/api.py); only what packing adds is checked here.
 """
 
@@ -34,6 +35,7 @@ from zyfa_tune.api import (
 from zyfa_tune.generator import ConfigError, KernelConfig
 from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.kernels import dispatch
+from zyfa_tune.kernels.gluon_varlen import bind as bind_packed
 from zyfa_tune.kernels.launch import Serving, ServingLaunch, bind, for_v_layout
 
 _PACKED = ("total_tokens", "heads", "head_dim")
@@ -70,10 +72,10 @@ def flash_attn_varlen_func(
     as in flash_attn_func. Returns (total_q, heads, head_dim_v) bf16, and with return_lse=True also
     the float32 natural-log sum of exp(scores) (heads, total_q), -inf for rows that see no key.
 
-    Runs on Triton kernels: the dispatcher's packed-sequence entry for (sequences, heads, total
-    tokens, max_seqlen_q), else its rectangular choice at the mean length, or the Triton default of
-    the head dims where that is a Gluon config; a forced Gluon config is refused. A TMA
-    config that reads a V^T copy runs as its natural-V twin (`packed_twin`).
+    Runs the dispatcher's packed-sequence entry for (sequences, heads, total tokens, max_seqlen_q),
+    else its rectangular choice at the mean length, as its `packed_twin`: a Gluon config on its varlen
+    variant (forced ones too), except with a window or return_lse, where a Gluon choice gives way to
+    the Triton default of the head dims and a forced one is refused.
     Checks as flash_attn_func's: every argument on a layout's first call, all problems in one error;
     the values of CUDA cumulative lengths (start at 0, never decrease, end at the tensors' totals,
     no sequence longer than max_seqlen) are read then (one synchronisation, not inside CUDA graph
@@ -120,10 +122,13 @@ def flash_attn_varlen_func(
 
 
 def packed_twin(config: KernelConfig) -> KernelConfig:
-    """The config that runs packed sequences for `config`. A TMA config reading a V^T copy would
-    start a sequence's tile at its first key's column, the copy's innermost dimension, where a TMA
-    box must start 16-byte aligned; its natural-V twin reads V's rows, where a tile may start at any
-    row (as Q's and K's do)."""
+    """The config that runs packed sequences for `config`. A Triton TMA config reading a V^T copy
+    would start a sequence's tile at its first key's column, the copy's innermost dimension, where a
+    TMA box must start 16-byte aligned; its natural-V twin reads V's rows, where a tile may start at
+    any row (as Q's and K's do). A Gluon config reads a copy whose sequences start 32-aligned
+    (kernels/gluon_varlen.packed_vt), but not K in k_perm's 16-row groups: its twin without k_perm."""
+    if config.backend == "gluon":
+        return config.replace(k_perm=False) if config.k_perm else config
     return natural_twin(config) if config.loads == "tma" else config
 
 
@@ -149,6 +154,7 @@ class _Packed:
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
+    max_seqlen_k: int
     dtype: str
     softmax_scale: float
     descales: tuple
@@ -167,17 +173,25 @@ def _run(key, p: _Packed, given: tuple, config, causal: bool, as_passed: tuple):
     if total_q == 0 or total_k == 0:
         return empty_result(out, lse, total_k == 0)
     q4, k4, v4, out4 = (t.unsqueeze(0) for t in (p.q, p.k, p.v, out))  # one batch entry of packed rows
+    window = window_bounds(p.window, causal, total_k, total_q)
+    plain = window is None and lse is None  # what the Gluon varlen variant runs
     chosen = config or for_v_layout(
-        dispatched_config(p.dtype, dqk, dv, causal, batch, h, hk, total_q, p.max_seqlen_q, device.index), v4
+        dispatched_config(p.dtype, dqk, dv, causal, batch, h, hk, total_q, p.max_seqlen_q, device.index, plain), v4
     )
     chosen = packed_twin(chosen)
-    window = window_bounds(p.window, causal, total_k, total_q)
-    serving = Serving(p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, window, lse)
+    cu = (p.cu_seqlens_q, p.cu_seqlens_k)
     with torch.cuda.device(device):
-        bound = bind(chosen, q4, k4, v4, out4, p.softmax_scale, causal and window is None, *p.descales, serving=serving)
+        if chosen.backend == "gluon":
+            maxes = (p.max_seqlen_q, p.max_seqlen_k)
+            bound = bind_packed(chosen, p.q, p.k, p.v, out, p.softmax_scale, causal, p.descales, cu, maxes)
+        else:
+            serving = Serving(*cu, p.max_seqlen_q, window, lse)
+            causal_mask = causal and window is None
+            bound = bind(chosen, q4, k4, v4, out4, p.softmax_scale, causal_mask, *p.descales, serving=serving)
+            bound = bound and ServingLaunch(bound, None if lse is None else (h, total_q))
     used = (p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k)
     if all(a is b for a, b in zip(used, as_passed)) and all(d is None or d is c for d, c in zip(given, p.descales)):
-        launch = bound and ServingLaunch(bound, None if lse is None else (h, total_q))
+        launch = bound
         remember(key, launch, (total_q, h, dv), device, given, p.descales)
     return out if lse is None else (out, lse)
 
@@ -193,13 +207,17 @@ def dispatched_config(
     total_q: int,
     max_seqlen_q: int,
     device_index: int,
+    plain: bool = True,
 ) -> KernelConfig:
     """The dispatcher's packed-sequence choice before `packed_twin`, keyed on host values only
     (sequences, q's total tokens, max_seqlen_q: no read of the lengths). A packed-sequence entry
-    runs as it was timed; a rectangular choice as its serving twin (`serving_config`)."""
+    runs as it was timed, a Gluon choice on its varlen variant where the call is `plain` (no window,
+    no LSE), any other as its serving twin (`serving_config`)."""
     config, tuned = dispatch.dispatcher().varlen_config_for(
         dtype, dqk, dv, causal, batch, h, hk, total_q, max(1, max_seqlen_q), device_index
     )
+    if config.backend == "gluon" and plain:
+        return config
     return config if tuned and config.backend == "triton" else serving_config(config)
 
 
@@ -231,7 +249,7 @@ def _prepare(
     maxes_ok = _check_max(("max_seqlen_q", "max_seqlen_k"), (max_q, max_k), totals, batch, problems)
     dtype = _api._DTYPES[q.dtype] if tensors_ok[0] else None
     descales = _api._prepare_descales(q, k, given, [*tensors_ok, cu_ok], read_values, problems, batch, _BATCH_FROM)
-    check_config(config, dtype, q, v, related, ["varlen", *option_names(window, causal, return_lse)], problems)
+    check_config(config, dtype, q, v, related, option_names(window, causal, return_lse), problems)
     if cu_ok and related and maxes_ok and not problems.found and readable(cu_q, read_values):
         values = torch.stack([cu_q, cu_k]).cpu()  # (one synchronisation for both)
         check_cu_values(zip("qk", values, totals, (max_q, max_k)), problems)
@@ -246,7 +264,7 @@ def _prepare(
     v = v if v.stride(-1) == 1 or (fp8 and v.stride(0) == 1) else v.contiguous()
     cu_q, cu_k = (c if c.is_contiguous() else c.contiguous() for c in (cu_q, cu_k))
     scale = q.shape[2] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    return _Packed(q, k, v, cu_q, cu_k, int(max_q), dtype, scale, descales, window, return_lse)
+    return _Packed(q, k, v, cu_q, cu_k, int(max_q), int(max_k), dtype, scale, descales, window, return_lse)
 
 
 def _check_cu(name: str, cu: object, q: torch.Tensor | None, problems: ArgumentProblems) -> bool:

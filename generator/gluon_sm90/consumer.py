@@ -11,10 +11,11 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .mma import _pass_blocks, _pv_done, _pv_issue, _qk_waited
 from .p_carry import _p_tile, _pv_prologue
-from .schedule import _block_range, _tile_at, _tile_coords, _tile_loop
+from .schedule import _block_range, _ragged_loop, _ragged_tile, _tile_at, _tile_coords, _tile_loop
 from .smem import _ones
 from .softmax import _lane_sums, _q_headroom
-from .steps import _column_halves, _first_softmax, _o_chunk_store, _ov_step, _plain_step, _upper_half_unseen
+from .steps import (_column_halves, _first_softmax, _o_chunk_store, _o_rows_store, _ov_step, _plain_step,
+                    _upper_half_unseen)
 from .turns import _turn_pass, _turn_wait, _turns_start
 
 # ---- emitted below this line ----
@@ -30,9 +31,12 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
               CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
               EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_bufs, QK_PARTS: gl.constexpr,
-              kb_bufs, vb_bufs, onesb_bufs, p_bufs):
+              kb_bufs, vb_bufs, onesb_bufs, p_bufs, cu_q, cu_k, o_ptr):
     """Consumer warpgroup CID: rows [64 CID, 64 CID + 64) of every tile it visits. Key blocks from
-    the diagonal downwards; only the first n_masked (diagonal / key end) pay for the mask."""
+    the diagonal downwards; only the first n_masked (diagonal / key end) pay for the mask.
+    VARLEN: each tile's rows and keys are its sequence's (lengths, causal offset, descales of sequence b);
+    rows past the sequence's end are computed but never stored: a warpgroup whose 64 rows cross the end
+    stores its rows by pointer (_o_rows_store), the others by TMA at the sequence's rows."""
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BN_A, 32])
     # SPLIT: the second key part's scores (otherwise an unused twin of qk_layout)
@@ -77,12 +81,27 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
     q_it = 0
     turn_it = 0
     _turns_start(CID, NUM_CONSUMERS, PINGPONG)
-    lo, hi, step = _tile_loop(tile_table, n_tiles)
+    if VARLEN:
+        lo, hi, step = _ragged_loop(tile_table, H)
+    else:
+        lo, hi, step = _tile_loop(tile_table, n_tiles)
     for i in range(lo, hi, step):
-        b, h, mb = _tile_coords(_tile_at(tile_table, i), n_bh, H, n_m, HEAVY_FIRST)
+        if VARLEN:
+            b, h, mb, q_row, seq_q, k_row, seq_k = _ragged_tile(tile_table, i, H, n_m, cu_q, cu_k)
+            off = seq_k - seq_q
+        else:
+            b, h, mb = _tile_coords(_tile_at(tile_table, i), n_bh, H, n_m, HEAVY_FIRST)
+            seq_q = Sq
+            seq_k = Sk
         hk = h // GROUP
         m0 = mb * BLOCK_M
         row0 = m0 + CID * 64
+        if VARLEN:  # TMA stores: one batch entry of packed rows
+            o_b = 0
+            o_row = q_row + row0
+        else:
+            o_b = b
+            o_row = row0
         if QD is None:  # no descales: a compile-time constant, nothing to load
             qk_scale = scale_log2
             v_scale = 1.0
@@ -90,7 +109,7 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
             dsc = b * ds0 + hk * ds1
             qk_scale = scale_log2 * gl.load(QD + dsc) * gl.load(KD + dsc)
             v_scale = gl.load(VD + dsc)
-        n_blocks, n_masked = _block_range(m0, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
+        n_blocks, n_masked = _block_range(m0, seq_q, seq_k, BLOCK_M, BLOCK_N, CAUSAL)
 
         qs = q_it % Q_STAGES
         mbarrier.wait(q_ready.index(qs), (q_it // Q_STAGES) & 1)
@@ -110,7 +129,7 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
 
         # rows past the queries' end (a partial last query block, e.g. 4096 = 21 x 192 + 64): no work but
         # passing the tile's K/V stages on; with ping-pong the turns need every consumer's wgmmas
-        skip = (row0 >= Sq) & (not PINGPONG)
+        skip = (row0 >= seq_q) & (not PINGPONG)
         if skip:
             kv_it = _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, STAGES)
         elif n_blocks > 0:
@@ -122,17 +141,17 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 s, sb = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
                                    CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, kb_bufs, sb_zero)
                 if HALF_BLOCK and CAUSAL:
-                    if _upper_half_unseen(n_blocks, row0, Sq, Sk, BLOCK_N):
+                    if _upper_half_unseen(n_blocks, row0, seq_q, seq_k, BLOCK_N):
                         pP, m_i, l_i, alpha, pPb = _first_softmax(
-                            s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_smem, CID, CAUSAL,
+                            s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, seq_k, off, p_smem, CID, CAUSAL,
                             BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, BLOCK_N // 2)
                     else:
                         pP, m_i, l_i, alpha, pPb = _first_softmax(
-                            s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_smem, CID, CAUSAL,
+                            s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, seq_k, off, p_smem, CID, CAUSAL,
                             BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, 0)
                 else:
                     pP, m_i, l_i, alpha, pPb = _first_softmax(
-                        s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_smem, CID, CAUSAL,
+                        s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, seq_k, off, p_smem, CID, CAUSAL,
                         BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, 0)
                 turn_it += 1
                 kv_it += 1
@@ -143,7 +162,7 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                     for j in range(lo, hi):
                         pP, acc, alpha, m_i, l_i, pPb, accc = _ov_step(
                             j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs, v_bufs, s_zero,
-                            k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk, off,
+                            k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, seq_k, off,
                             phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
                             qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
                             QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc, vc_bufs,
@@ -172,10 +191,10 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 # (not compiled into the non-causal kernel: there only a key end could leave half a block
                 # empty, and the second step body costs it 16 bytes of spills)
                 if HALF_BLOCK and CAUSAL:
-                    if _upper_half_unseen(n_blocks, row0, Sq, Sk, BLOCK_N):
+                    if _upper_half_unseen(n_blocks, row0, seq_q, seq_k, BLOCK_N):
                         acc, m_i, l_i, accc = _plain_step(
                             0, n_blocks, 1, kv_it, turn_it, acc, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs, vc_bufs,
-                            kb_bufs, vb_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk,
+                            kb_bufs, vb_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, seq_k,
                             off, ones_smem, onesb_smem, l_zero, CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS,
                             CAUSAL, BLOCK_N, p_layout, row_o, row_oc, row_s, V_PERM, P_OFFSET, qkb_layout,
                             gl.zeros([64, BLOCK_N // 2], gl.float32, layout=qkh_layout), sb_zero, BLOCK_N // 2)
@@ -185,7 +204,7 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 for j in range(j0, n_blocks):
                     acc, m_i, l_i, accc = _plain_step(
                         j, n_blocks, n_masked, kv_it, turn_it, acc, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs,
-                        vc_bufs, kb_bufs, vb_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, Sk,
+                        vc_bufs, kb_bufs, vb_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, seq_k,
                         off, ones_smem, onesb_smem, l_zero, CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS,
                         CAUSAL, BLOCK_N, p_layout, row_o, row_oc, row_s, V_PERM, P_OFFSET, qkb_layout,
                         s_zero, sb_zero, 0)
@@ -203,29 +222,39 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 l_o = gl.convert_layout(l_i, row_o)
             inv = gl.where(l_o > 0.0, v_scale / l_o, 0.0)
             o = (acc * inv[:, None]).to(gl.bfloat16)
-            tma.store_wait(0)
-            if O_CHUNKS > 1:  # o_through_p: chunks through the two P tiles (O_CHUNKS 2 or 4)
-                o_left, o_right = _column_halves(o)
-                if O_CHUNKS == 2:
-                    _o_chunk_store(o_left, 0, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
-                    _o_chunk_store(o_right, 1, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
-                else:
-                    o_0, o_1 = _column_halves(o_left)
-                    o_2, o_3 = _column_halves(o_right)
-                    _o_chunk_store(o_0, 0, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
-                    _o_chunk_store(o_1, 1, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
-                    _o_chunk_store(o_2, 2, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
-                    _o_chunk_store(o_3, 3, o_bufs, o_desc, b, row0, h * HEAD_D, CID)
+            if VARLEN:  # 64 rows crossing the sequence's end: only its rows, by pointer stores
+                edge = row0 + 64 > seq_q
+            else:  # (a constant: the branch below is not compiled)
+                edge: gl.constexpr = False
+            if edge:
+                _o_rows_store(o, o_ptr, o_row, seq_q - row0, h * HEAD_D, H * HEAD_D, HEAD_D)
+                if O_SPLIT:
+                    _o_rows_store((accc * gl.convert_layout(inv, row_oc)[:, None]).to(gl.bfloat16), o_ptr, o_row,
+                                  seq_q - row0, h * HEAD_D + O_W, H * HEAD_D, O_C)
             else:
-                o_smem.store(o)
-                if O_SPLIT:
-                    oc_smem.store((accc * gl.convert_layout(inv, row_oc)[:, None]).to(gl.bfloat16))
-                fence_async_shared()
-                if O_W <= HEAD_D:  # O's first (or only) O_W columns
-                    tma.async_copy_shared_to_global(o_desc, [b, row0, h * HEAD_D], o_smem.reshape([1, 64, O_W]))
-                else:  # (B, Sq, H, D) view: the box's columns past D (the padding of O_W) are clipped
-                    tma.async_copy_shared_to_global(o_desc, [b, row0, h, 0], o_smem.reshape([1, 64, 1, O_W]))
-                if O_SPLIT:
-                    tma.async_copy_shared_to_global(oc_desc, [b, row0, h * HEAD_D + O_W],
-                                                    oc_smem.reshape([1, 64, O_C]))
+                tma.store_wait(0)
+                if O_CHUNKS > 1:  # o_through_p: chunks through the two P tiles (O_CHUNKS 2 or 4)
+                    o_left, o_right = _column_halves(o)
+                    if O_CHUNKS == 2:
+                        _o_chunk_store(o_left, 0, o_bufs, o_desc, o_b, o_row, h * HEAD_D, CID)
+                        _o_chunk_store(o_right, 1, o_bufs, o_desc, o_b, o_row, h * HEAD_D, CID)
+                    else:
+                        o_0, o_1 = _column_halves(o_left)
+                        o_2, o_3 = _column_halves(o_right)
+                        _o_chunk_store(o_0, 0, o_bufs, o_desc, o_b, o_row, h * HEAD_D, CID)
+                        _o_chunk_store(o_1, 1, o_bufs, o_desc, o_b, o_row, h * HEAD_D, CID)
+                        _o_chunk_store(o_2, 2, o_bufs, o_desc, o_b, o_row, h * HEAD_D, CID)
+                        _o_chunk_store(o_3, 3, o_bufs, o_desc, o_b, o_row, h * HEAD_D, CID)
+                else:
+                    o_smem.store(o)
+                    if O_SPLIT:
+                        oc_smem.store((accc * gl.convert_layout(inv, row_oc)[:, None]).to(gl.bfloat16))
+                    fence_async_shared()
+                    if O_W <= HEAD_D:  # O's first (or only) O_W columns
+                        tma.async_copy_shared_to_global(o_desc, [o_b, o_row, h * HEAD_D], o_smem.reshape([1, 64, O_W]))
+                    else:  # (B, Sq, H, D) view: the box's columns past D (the padding of O_W) are clipped
+                        tma.async_copy_shared_to_global(o_desc, [o_b, o_row, h, 0], o_smem.reshape([1, 64, 1, O_W]))
+                    if O_SPLIT:
+                        tma.async_copy_shared_to_global(oc_desc, [o_b, o_row, h * HEAD_D + O_W],
+                                                        oc_smem.reshape([1, 64, O_C]))
     tma.store_wait(0)

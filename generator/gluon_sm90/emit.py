@@ -24,6 +24,14 @@ Kernel contract (see kernels/gluon_launch.py):
   [1, 64, 32] (columns 64..) on the (B, Sq, H*D) view. QD/KD/VD: float32 descales
   indexed [b * stride_db + hkv * stride_dh], or None. Grid: min(#SMs, tiles) when PERSISTENT, else
   one program per tile; tiles = N_M_BLOCKS * B * H. Causal masking is bottom-right aligned.
+
+The varlen variant (`emit(config, varlen=True)`, VARLEN) runs packed sequences: Q, K, V and O are the
+packed tensors as one batch entry (B = 1; V^T: kernels/gluon_varlen's copy, each sequence from a 32-key
+boundary), and after sm_scale_log2 come TILE_TABLE (int32: the ragged tile list, heaviest first,
+kernels/gluon_varlen.ragged_tiles), CU_Q, CU_K (int32 cumulative lengths) and O_PTR (the output, for the
+pointer stores of tiles on a sequence's end). N_M_BLOCKS is then the query blocks of the longest
+sequence, N_TILES the table's entries (sequences x N_M_BLOCKS), SEQ_Q / SEQ_K unused; descales are per
+(sequence, kv head). Only that variant has the four parameters: every other kernel compiles as before.
 """
 
 from __future__ import annotations
@@ -69,19 +77,33 @@ from .trace import EVENTS, TraceBuffer, clock_asm
 NUM_WARPS = 4
 
 
-def emit(config: KernelConfig, *, trace: TraceBuffer | None = None) -> EmittedKernel:
+def emit(config: KernelConfig, *, trace: TraceBuffer | None = None, varlen: bool = False) -> EmittedKernel:
     """Emit the Gluon kernel source for `config` (deterministic; same config -> same bytes).
     trace: also stamp the SM clock at each consumer step's EVENTS into that buffer (CTA 0;
-    generator/gluon_sm90/trace.py), a diagnostic twin of the kernel; None for the kernel itself."""
+    generator/gluon_sm90/trace.py), a diagnostic twin of the kernel; None for the kernel itself.
+    varlen: the packed-sequence variant (module docstring; `varlen_error` says which configs it takes)."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
     if config.backend != "gluon":
         raise ValueError(f"gluon_sm90.emit: config has backend={config.backend!r}")
     if trace is not None and not isinstance(trace, TraceBuffer):
         raise TypeError(f"emit(trace=...) takes a TraceBuffer, got {type(trace).__name__}")
+    varlen = bool(varlen)
+    if varlen and (why := varlen_error(config)):
+        raise ValueError(f"config: {why}")
     return emitted(
-        config, _header(config) + device.source() + _constants(config, trace) + _entry(config), kernel_name_of(config)
+        config,
+        _header(config) + device.source() + _constants(config, trace, varlen) + _entry(config, varlen),
+        kernel_name_of(config),
     )
+
+
+def varlen_error(config: KernelConfig) -> str | None:
+    """Why the varlen variant cannot run `config`, or None. k_perm reads K in 16-row groups from a
+    multiple of 16, which a sequence's first key is not (its twin without k_perm reads the same V^T)."""
+    if config.k_perm:
+        return "k_perm reads K in 16-key groups, which packed sequences do not start on; use k_perm=False"
+    return None
 
 
 def descriptor_blocks(config: KernelConfig) -> dict[str, tuple[str, list[int]]]:
@@ -186,9 +208,16 @@ SCALAR_PARAMS = (
 )
 
 
-def tile_params(c: KernelConfig) -> tuple[str, ...]:
-    """The parameter after sm_scale_log2 of a q_order="balanced" kernel: its tile table (int32,
-    kernels/gluon_launch.tile_table); other kernels loop round robin and have none."""
+#: Parameters after sm_scale_log2 of the varlen variant (module docstring).
+VARLEN_PARAMS = ("TILE_TABLE", "CU_Q", "CU_K", "O_PTR")
+
+
+def tile_params(c: KernelConfig, varlen: bool = False) -> tuple[str, ...]:
+    """The parameters after sm_scale_log2: the varlen variant's VARLEN_PARAMS; a q_order="balanced"
+    kernel's tile table (int32, kernels/gluon_launch.tile_table); other kernels loop round robin and
+    have none."""
+    if varlen:
+        return VARLEN_PARAMS
     return ("TILE_TABLE",) if c.q_order == "balanced" else ()
 
 
@@ -206,7 +235,7 @@ def _header(c: KernelConfig) -> str:
     )
 
 
-def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None) -> dict[str, object]:
+def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None, varlen: bool = False) -> dict[str, object]:
     """The module constants the device code reads, each derived from the config (in emission order):
     validated ints, floats, bools and PTX built from validated fields, never text from a config."""
     consumer_regs, producer_regs = gluon_registers(c)
@@ -233,6 +262,8 @@ def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None) -> dic
         ("PINGPONG", bool(c.ping_pong)),
         ("HEAVY_FIRST", c.q_order == "heavy_first"),
         ("BALANCED", c.q_order == "balanced"),
+        # packed sequences: the ragged tile loop, per-sequence rows, pointer stores on a sequence's end
+        ("VARLEN", bool(varlen)),
         ("V_PERM", bool(c.v_permute)),
         ("K_PERM", bool(c.k_perm)),
         ("V_NATURAL", c.v_layout == "natural"),
@@ -317,9 +348,9 @@ def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None) -> dic
     return dict(values)
 
 
-def _constants(c: KernelConfig, trace: TraceBuffer | None = None) -> str:
+def _constants(c: KernelConfig, trace: TraceBuffer | None = None, varlen: bool = False) -> str:
     lines = ["", "", "# ---- this kernel's schedule (its config, resolved)"]
-    lines += [f"{name} = gl.constexpr({value!r})" for name, value in schedule_constants(c, trace).items()]
+    lines += [f"{name} = gl.constexpr({value!r})" for name, value in schedule_constants(c, trace, varlen).items()]
     lines += [
         "# host side: read by kernels/launch.py",
         f"NUM_WARPS = {NUM_WARPS}",
@@ -376,7 +407,7 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
         "                    N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
         "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
         f"{bool(c.ex2_fence)!r}, LEAN, {ones}, QK_PARTS,\n"
-        f"                    kb_bufs, vb_bufs, {onesb}, p_bufs)"
+        f"                    kb_bufs, vb_bufs, {onesb}, p_bufs, CU_Q, CU_K, O_PTR)"
     )
 
 
@@ -384,7 +415,7 @@ _PRODUCER_ARGS = (
     "(desc_q, desc_k, desc_v, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, k_empty,\n"
     "                    v_ready, v_empty, H, GROUP, HKV, SEQ_Q, SEQ_K, N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M,\n"
     "                    BLOCK_N, HEAD_D, STAGES, Q_STAGES, CAUSAL, HEAVY_FIRST, HEAD_QK, QK_PARTS,\n"
-    "                    v_raw, v_raw_ready, desc_kb, desc_vb, kb_bufs, vb_bufs, desc_vc, vc_bufs)"
+    "                    v_raw, v_raw_ready, desc_kb, desc_vb, kb_bufs, vb_bufs, desc_vc, vc_bufs, CU_Q, CU_K)"
 )
 
 
@@ -441,12 +472,14 @@ def _q_layout(c: KernelConfig) -> str:
     )
 
 
-def _stand_ins(c: KernelConfig) -> list[str]:
-    """Names the partitions take that this kernel has no buffers for (never touched under its
-    constants; aliases allocate nothing, so every other kernel keeps its shared-memory layout)."""
+def _stand_ins(c: KernelConfig, varlen: bool = False) -> list[str]:
+    """Names the partitions take that this kernel has no buffers or parameters for (never touched under
+    its constants; aliases allocate nothing, so every other kernel keeps its shared-memory layout)."""
     out = [] if c.v_layout == "natural" else ["    v_raw = v_bufs", "    v_raw_ready = v_ready"]
-    if c.q_order != "balanced":
-        out.append("    TILE_TABLE = N_TILES")
+    if not varlen:
+        out += ["    CU_Q = N_TILES", "    CU_K = N_TILES", "    O_PTR = N_TILES"]
+        if c.q_order != "balanced":
+            out.append("    TILE_TABLE = N_TILES")
     if not p_tiles(c):
         out.append("    p_bufs = o_bufs")
     if not key_parts(c)[1]:
@@ -477,7 +510,7 @@ def _v_lines(c: KernelConfig) -> list[str]:
     ]
 
 
-def _entry(c: KernelConfig) -> str:
+def _entry(c: KernelConfig, varlen: bool = False) -> str:
     consumers = c.block_m // 64
     partitions = [f"        (_consumer, {_consumer_args(i, c)})," for i in range(consumers)]
     partitions.append(f"        (_producer, {_PRODUCER_ARGS}),")
@@ -491,7 +524,7 @@ def _entry(c: KernelConfig) -> str:
             f"@gluon.jit(do_not_specialize={UNSPECIALISED!r})",
             f"def {kernel_name_of(c)}({', '.join(descriptor_blocks(c))},",
             f"                  {', '.join(SCALAR_PARAMS[:7])},",
-            f"                  {', '.join(SCALAR_PARAMS[7:] + tile_params(c))}, CAUSAL: gl.constexpr):",
+            f"                  {', '.join(SCALAR_PARAMS[7:] + tile_params(c, varlen))}, CAUSAL: gl.constexpr):",
             "    dtype: gl.constexpr = gl.float8e4nv",
             "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES * QK_PARTS * Q_BOXES, BLOCK_M // Q_BOXES, QK_W],",
             f"                                       {_q_layout(c)})",
@@ -528,7 +561,7 @@ def _entry(c: KernelConfig) -> str:
             "    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
             "    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())",
             "    turn_bars = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())",
-            *_stand_ins(c),
+            *_stand_ins(c, varlen),
             "    for i in gl.static_range(Q_STAGES):",
             "        mbarrier.init(q_ready.index(i), count=1)",
             "        mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)",

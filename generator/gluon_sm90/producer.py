@@ -9,7 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .schedule import _block_range, _tile_at, _tile_coords, _tile_loop
+from .schedule import _block_range, _ragged_loop, _ragged_tile, _tile_at, _tile_coords, _tile_loop
 
 # ---- emitted below this line ----
 
@@ -21,7 +21,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr, v_raw, v_raw_ready, kb_desc, vb_desc, kb_bufs, vb_bufs,
-              vc_desc, vc_bufs):
+              vc_desc, vc_bufs, cu_q, cu_k):
     """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
     K and V barriers so that QK^T can start before V has landed). Q and K tiles come in QK_PARTS
     column parts of QK_W (tensor shapes must be powers of two: 192 = 3 x 64; a head dim not of 32s
@@ -33,29 +33,48 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
     V^T(j-1) in the order they use them (QK^T(j) beside PV(j-1)).
     SPLIT (two key parts, BN_A + BN_B: 128 + 64, or 128 + 128 with pv_defer): K and V^T of a block
     come as one box per part each (kb_*, vb_*), on the same barriers. O_SPLIT: V^T's rows come as two
-    boxes, O_W and O_C rows (vc_*), on the same barrier."""
+    boxes, O_W and O_C rows (vc_*), on the same barrier.
+    VARLEN: packed sequences (one batch entry of their rows): each tile's loads start at its sequence's
+    first Q / K row (and V^T column: the launcher's copy starts each sequence at a 32-key boundary, its
+    column in the tile table after the n_tiles entries); key blocks past the sequence's keys are not
+    visited (_block_range on its lengths)."""
     n_bh = n_tiles // n_m
     kv_it = 0
     q_it = 0
-    lo, hi, step = _tile_loop(tile_table, n_tiles)
+    if VARLEN:
+        lo, hi, step = _ragged_loop(tile_table, H)
+    else:
+        lo, hi, step = _tile_loop(tile_table, n_tiles)
     for i in range(lo, hi, step):
-        b, h, mb = _tile_coords(_tile_at(tile_table, i), n_bh, H, n_m, HEAVY_FIRST)
+        if VARLEN:
+            b, h, mb, q_row, seq_q, k_row, seq_k = _ragged_tile(tile_table, i, H, n_m, cu_q, cu_k)
+        else:
+            b, h, mb = _tile_coords(_tile_at(tile_table, i), n_bh, H, n_m, HEAVY_FIRST)
+            seq_q = Sq
+            seq_k = Sk
         hk = h // GROUP
         m0 = mb * BLOCK_M
         qs = q_it % Q_STAGES
         mbarrier.wait(q_empty.index(qs), ((q_it // Q_STAGES) & 1) ^ 1)
         mbarrier.expect(q_ready.index(qs), QK_PARTS * Q_BOXES * q_desc.block_type.nbytes)
+        if not VARLEN:
+            q_row = b * Sq
         for p in gl.static_range(QK_PARTS):
             if Q_BOXES == 1:
-                _qk_load(q_desc, b * Sq + m0, h, p * QK_W, q_ready.index(qs), q_bufs.index(qs * QK_PARTS + p))
+                _qk_load(q_desc, q_row + m0, h, p * QK_W, q_ready.index(qs), q_bufs.index(qs * QK_PARTS + p))
             else:  # 192 rows: TMA boxes are powers of two, so one 64-row box per consumer
                 for r in gl.static_range(Q_BOXES):
-                    _qk_load(q_desc, b * Sq + m0 + r * 64, h, p * QK_W, q_ready.index(qs),
+                    _qk_load(q_desc, q_row + m0 + r * 64, h, p * QK_W, q_ready.index(qs),
                              q_bufs.index((qs * QK_PARTS + p) * Q_BOXES + r))
         q_it += 1
-        n_blocks, n_masked = _block_range(m0, Sq, Sk, BLOCK_M, BLOCK_N, CAUSAL)
-        k_row = b * Sk
-        v_row = (b * Hkv + hk) * HEAD_D
+        n_blocks, n_masked = _block_range(m0, seq_q, seq_k, BLOCK_M, BLOCK_N, CAUSAL)
+        if VARLEN:  # (V^T: one batch entry, the sequence from its column in the table)
+            v_row = hk * HEAD_D
+            v_key0 = 0 if V_NATURAL else gl.load(tile_table + 1 + n_tiles + b)
+        else:
+            k_row = b * Sk
+            v_row = (b * Hkv + hk) * HEAD_D
+            v_key0 = 0
         for j in range(n_blocks):
             n0 = (n_blocks - 1 - j) * BLOCK_N
             s = kv_it % STAGES
@@ -78,16 +97,17 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
                     _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, O_W)
             elif K_AHEAD:  # V(j-1) after K(j): K(j) does not wait for V(j-2)'s release (step j's QK^T)
                 if j > 0:
-                    _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, n0 + BLOCK_N, STAGES,
-                            vc_desc, vc_bufs)
+                    _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, v_key0 + n0 + BLOCK_N,
+                            STAGES, vc_desc, vc_bufs)
             else:
-                _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it, v_row, n0, STAGES, vc_desc, vc_bufs)
+                _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it, v_row, v_key0 + n0, STAGES, vc_desc,
+                        vc_bufs)
             kv_it += 1
         if n_blocks > 0:
             if V_NATURAL:
                 _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, O_W)
             elif K_AHEAD:
-                _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, 0, STAGES, vc_desc,
+                _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, v_key0, STAGES, vc_desc,
                         vc_bufs)
 
 

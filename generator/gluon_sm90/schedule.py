@@ -61,3 +61,23 @@ def _block_range(m0, Sq, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSA
         n_full = Sk // BLOCK_N
     n_full = gl.minimum(n_full, n_blocks)
     return n_blocks, n_blocks - n_full
+
+
+@gluon.jit
+def _ragged_loop(tile_table, H):
+    """VARLEN: (lo, hi, step) of this program's loop over packed sequences' tiles, round robin over the
+    table's tiles (kernels/gluon_varlen.ragged_tiles: its first word counts the (sequence, query block)
+    entries that hold rows; each is H tiles, one per head, adjacent so that a KV group's heads run side
+    by side and share K/V in L2)."""
+    return gl.program_id(0), gl.load(tile_table) * H, gl.num_programs(0)
+
+
+@gluon.jit
+def _ragged_tile(tile_table, i, H, n_m, cu_q, cu_k):
+    """VARLEN: loop index i -> (sequence, head, query block, the sequence's first Q row, its queries, its
+    first K row, its keys). The table's entries, heaviest first, are sequence * n_m + query block."""
+    e = gl.load(tile_table + 1 + i // H)
+    b = e // n_m
+    q0 = gl.load(cu_q + b)
+    k0 = gl.load(cu_k + b)
+    return b, i % H, e % n_m, q0, gl.load(cu_q + b + 1) - q0, k0, gl.load(cu_k + b + 1) - k0

@@ -190,6 +190,19 @@ def _o_chunk_store(x, K: gl.constexpr, o_bufs, o_desc, b, row0, col0, CID: gl.co
 
 
 @gluon.jit
+def _o_rows_store(x, o_ptr, row, rows, col0, stride, WIDTH: gl.constexpr):
+    """VARLEN: a warpgroup's (64, W) bf16 output tile x whose rows cross its sequence's end: the first `rows`
+    rows (the sequence's; from packed row `row`) and columns below WIDTH (columns col0.. of rows `stride`
+    apart), stored by pointer straight from the accumulator's registers. A TMA box would write the rows past
+    the end, the next sequence's (only the end of the whole tensor clips a box)."""
+    layout: gl.constexpr = x.type.layout
+    r = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, layout))
+    ptrs = o_ptr + (row + r)[:, None] * stride + (col0 + c)[None, :]
+    gl.store(ptrs, x, mask=(r < rows)[:, None] & (c < WIDTH)[None, :])
+
+
+@gluon.jit
 def _lower_keys(s):
     """The scores of a block's lower half of keys, from the whole block's (64, N) accumulator: a thread
     holds keys 8c + 2q + b, so the lower half (c < N / 16) is half of each thread's registers."""

@@ -64,8 +64,9 @@ class TuneSpec:
     # head dims, on any shape, are measured next (see warm_configs)
     api: str = "fp8"  # "fp8": the kernel alone on plain codes; "bf16": the whole call
     # from bf16 inputs, the quantiser's recipe searched beside the kernel
-    lengths: LengthMix | None = None  # packed sequences of this mix (flash_attn_varlen_func, Triton
-    # kernels only) instead of seqlens: one problem class of its tokens and longest sequence
+    lengths: LengthMix | None = None  # packed sequences of this mix (flash_attn_varlen_func: Gluon configs
+    # on their varlen variant, Triton ones on their serving variant) instead of seqlens: one problem class of
+    # its tokens and longest sequence
 
     def __post_init__(self) -> None:
         if self.dtype not in ("fp8", "bf16"):
@@ -126,7 +127,7 @@ class TuneSpec:
 
     @property
     def packed(self) -> bool:
-        """Whether the study tunes packed sequences (`lengths`): Triton configs only."""
+        """Whether the study tunes packed sequences (`lengths`), each config as its varlen.packed_twin."""
         return self.lengths is not None
 
     @functools.cached_property

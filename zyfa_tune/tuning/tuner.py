@@ -140,8 +140,6 @@ class Tuner:
             # than lean P raises it: its lean seeds are always measured (with balanced V first)
             loose = self._recipes or self.spec.multi_objective or self.spec.gate >= LOOSE_GATE
             seeds = study_seeds(self.space, self.spec.head_dim_qk, self.spec.head_dim_v, loose=loose)
-            if self.spec.packed:  # flash_attn_varlen_func runs Triton kernels only
-                seeds = [c for c in seeds if c.backend == "triton"]
             for cfg, recipe in self._seed_points(seeds):
                 study.enqueue_trial(self._params(cfg, recipe), skip_if_exists=True)
         return study
@@ -203,9 +201,6 @@ class Tuner:
         trial.set_user_attr("gpu", worker.gpu)
         recipe = suggest_recipe(trial) if self._recipes else None
         cfg = self.space.suggest(trial, self.spec.head_dim_qk, self.spec.head_dim_v)
-        if cfg is not None and self.spec.packed and cfg.backend != "triton":
-            trial.set_user_attr("infeasible", "packed sequences run Triton kernels only")
-            cfg = None
         if cfg is None:
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             self._count("infeasible")

@@ -1,0 +1,150 @@
+"""GPU tests: packed sequences on the Gluon backend's varlen variant against float64 (random packings with
+lengths 0, 1, odd and block edges, up to 32K tokens, GQA 1/4/8, exact and lean configs, every head-dim
+pair), its tile table and V^T copy against their references, the fast path against the checked path, and
+CUDA-graph capture with the lengths changed between replays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zyfa_tune import api, flash_attn_varlen_func
+from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.kernels import gluon_varlen
+from zyfa_tune.search_spaces.seeds import gluon_lean_max_config
+from zyfa_tune.tuning.reference import attention_reference_varlen, rel_l2
+
+pytestmark = pytest.mark.gpu
+
+FP8 = torch.float8_e4m3fn
+#: rel. L2 bound of the output vs float64 on the same FP8 codes (a lean softmax's, as tests/test_gpu_varlen.py)
+OUT_BOUND = 0.05
+#: lengths 0 and 1, odd ones, block edges (64, 128, 192, 256) and a few thousand
+LENGTHS = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 257, 333, 1000, 2047, 3001]
+EXACT = default_config("fp8", 128, 128, "gluon")
+LEAN = gluon_lean_max_config("fp8", 128, 128)
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+def _lengths(n: int, seed: int, same: bool) -> tuple[list[int], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda: [LENGTHS[int(i)] for i in torch.randint(len(LENGTHS), (n,), generator=g)]  # noqa: E731
+    lq = pick()
+    return lq, (list(lq) if same else pick())
+
+
+def _packed(lq, lk, h, hk, dqk, dv, seed: int):
+    """FP8 codes of N(0, 1) q, k, v on the GPU and descales in [0.5, 1.5] per (sequence, kv head)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(sum(lq), h, dqk, device="cuda", generator=g).to(FP8)
+    k = torch.randn(sum(lk), hk, dqk, device="cuda", generator=g).to(FP8)
+    v = torch.randn(sum(lk), hk, dv, device="cuda", generator=g).to(FP8)
+    kw = {n: torch.rand(len(lq), hk, device="cuda", generator=g) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
+    return (q, k, v, _cu(lq), _cu(lk), max(lq, default=0), max(lk, default=0)), kw
+
+
+def _check(args, kw, config, causal):
+    """The Gluon varlen launch ran (a PackedLaunch plan) and matches float64; rows that see no key are zeros."""
+    api._plans.clear()
+    out = flash_attn_varlen_func(*args, causal=causal, config=config, **kw)
+    assert any(isinstance(p.launch, gluon_varlen.PackedLaunch) for p in api._plans.values())
+    q, k, v, cq, ck = args[:5]
+    ref = attention_reference_varlen(q, k, v, cq, ck, causal=causal, **kw)
+    assert out.shape == (q.shape[0], q.shape[1], v.shape[2]) and torch.isfinite(out).all()
+    assert rel_l2(out, ref) < OUT_BOUND, f"rel L2 {rel_l2(out, ref):.3e}"
+    assert (out[ref.abs().amax(-1) == 0] == 0).all(), "rows that see no key (or attend to zeros) are zeros"
+    return out
+
+
+@pytest.mark.parametrize("config", [EXACT, LEAN], ids=["exact", "lean"])
+@pytest.mark.parametrize("h,hk", [(8, 8), (8, 2), (8, 1)])  # GQA 1, 4, 8
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("same", [True, False], ids=["same-lengths", "other-key-lengths"])
+def test_random_packings_match_float64(config, h, hk, causal, same):
+    lq, lk = _lengths(12, seed=h * 10 + hk + 2 * causal + same, same=same)
+    args, kw = _packed(lq, lk, h, hk, 128, 128, seed=7)
+    _check(args, kw, config, causal)
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (256, 256), (192, 128)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_other_head_dims(dqk, dv, causal):
+    lq, lk = _lengths(9, seed=dqk + dv, same=False)
+    args, kw = _packed(lq, lk, 4, 2, dqk, dv, seed=8)
+    _check(args, kw, default_config("fp8", dqk, dv, "gluon"), causal)
+
+
+@pytest.mark.parametrize("config", [EXACT, LEAN], ids=["exact", "lean"])
+def test_32k_tokens_of_long_and_short_sequences(config):
+    lq = [8192, 1, 7777, 0, 4096, 8191, 3, 4507]  # 32767 tokens
+    args, kw = _packed(lq, lq, 4, 1, 128, 128, seed=9)
+    _check(args, kw, config, causal=True)
+
+
+def test_natural_v_config_and_a_keys_fastest_v():
+    lq, lk = _lengths(10, seed=11, same=False)
+    args, kw = _packed(lq, lk, 8, 2, 128, 128, seed=11)
+    _check(args, kw, EXACT.replace(v_layout="natural", v_permute=False), True)
+    v = args[2]
+    v_kmajor = v.permute(1, 2, 0).contiguous().permute(2, 0, 1)  # (total_k, hk, d), keys fastest
+    out = flash_attn_varlen_func(*args[:2], v_kmajor, *args[3:], config=EXACT, **kw)
+    assert torch.equal(out, flash_attn_varlen_func(*args, config=EXACT, **kw))
+
+
+@pytest.mark.parametrize("permute", [False, True])
+def test_packed_vt_matches_its_reference(permute):
+    lk = [0, 1, 31, 32, 33, 500, 0, 7]
+    v = torch.randn(sum(lk), 2, 128, device="cuda").to(FP8)
+    cu = _cu(lk)
+    size = 2 * 128 * gluon_varlen.vt_columns(sum(lk), len(lk))
+    poison = torch.full((size,), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaNs in the block it reuses
+    del poison
+    got = gluon_varlen.packed_vt(v, cu, gluon_varlen.vt_starts(cu), permute)
+    assert torch.equal(got.view(torch.uint8), gluon_varlen.packed_vt_reference(v, cu, permute).view(torch.uint8))
+
+
+def test_ragged_tiles_on_the_gpu_equal_the_host_s():
+    lq, lk = _lengths(20, seed=12, same=False)
+    for causal in (True, False):
+        dev = gluon_varlen.ragged_tiles(_cu(lq), _cu(lk), max(lq), 128, 128, causal)
+        host = gluon_varlen.ragged_tiles(_cu(lq).cpu(), _cu(lk).cpu(), max(lq), 128, 128, causal)
+        assert torch.equal(dev.cpu(), host)
+
+
+def test_fast_path_equals_the_checked_path_bitwise(monkeypatch):
+    monkeypatch.setattr(api, "_plans", {})
+    monkeypatch.setattr(api, "_values_checked", set())
+    lq, lk = _lengths(10, seed=21, same=False)
+    args, kw = _packed(lq, lk, 8, 2, 128, 128, seed=21)
+    first = flash_attn_varlen_func(*args, config=EXACT, **kw)
+    (plan,) = api._plans.values()
+    assert isinstance(plan.launch, gluon_varlen.PackedLaunch)
+    copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    second = flash_attn_varlen_func(*copies, config=EXACT, **{n: d.clone() for n, d in kw.items()})
+    assert len(api._plans) == 1 and torch.equal(first, second) and second.data_ptr() != first.data_ptr()
+
+
+@pytest.mark.parametrize("config", [EXACT, LEAN], ids=["exact", "lean"])
+def test_cuda_graph_capture_replays_new_lengths(monkeypatch, config):
+    """The tile table and V^T copy are rebuilt from the lengths in the captured buffers at each replay."""
+    monkeypatch.setattr(api, "_plans", {})
+    lq, lk = [700, 1, 300, 0, 1047], [900, 5, 300, 0, 843]
+    args, kw = _packed(lq, lk, 8, 2, 128, 128, seed=31)
+    static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    flash_attn_varlen_func(*static, config=config, **kw)  # the checked call: plan, compile, values
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_varlen_func(*static, config=config, **kw)
+    lq2, lk2 = [1, 1047, 0, 1000, 0], [148, 899, 1, 900, 100]  # same totals, within the maxima
+    new, _ = _packed(lq2, lk2, 8, 2, 128, 128, seed=32)
+    for s, n in zip(static[:5], new[:5]):
+        s.copy_(n)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = flash_attn_varlen_func(*new, config=config, **kw)
+    assert torch.equal(out, want)
+    ref = attention_reference_varlen(*new[:5], causal=True, **kw)
+    assert rel_l2(out, ref) < OUT_BOUND
