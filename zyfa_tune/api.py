@@ -365,6 +365,35 @@ def remember(key: tuple | None, launch, out_shape: tuple, device: torch.device, 
     _plans[key] = _Plan(launch, out_shape, device, ones, torch.cuda.device_count() == 1)
 
 
+def planned(tag: str, tensors: tuple, options: tuple, validate: bool) -> tuple[tuple | None, _Plan | None]:
+    """A call's layout key and the plan to run it by, or None where it takes the checked path.
+
+    The key holds every property the checked path depends on except data pointers: `tag` (which
+    entry point), each of `tensors`' type, shape, strides, dtype and device (None for one left out),
+    `options` with each one's type (so True and 1 differ) and the dispatcher. A plan runs only with
+    validate=False and every pointer 16-byte aligned (the kernels were specialised on that when the
+    plan was made). The key is None for arguments that make none (not tensors, unhashable values):
+    the checked path names the problem."""
+    try:  # (a list filled in a loop: the cheapest way to build it on every call)
+        key = [tag, dispatch.dispatcher(), *options, *map(type, options)]
+        for t in tensors:
+            key.append(None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device))
+        key = tuple(key)
+        plan = _plans.get(key) if validate is False else None
+    except Exception:
+        return None, None
+    return key, plan if plan is not None and aligned(tensors) else None
+
+
+def aligned(tensors: tuple) -> bool:
+    """Whether every tensor's data pointer (None: one left out) is 16-byte aligned."""
+    ptrs = 0
+    for t in tensors:
+        if t is not None:
+            ptrs |= t.data_ptr()
+    return not ptrs & 15
+
+
 def run_plan(plan: _Plan, q, k, v, q_descale, k_descale, v_descale, *extra):
     """The fast path's launch: allocate the output, fill in left-out descales, launch on the plan's device."""
     out = torch.empty(plan.out_shape, dtype=torch.bfloat16, device=plan.device)
@@ -429,54 +458,9 @@ def flash_attn_func(
     window or an LSE run on Triton kernels (a Gluon config chosen by the dispatcher gives way to the
     Triton default of its head dims; a forced one is refused).
     """
-    try:  # the layout key: every argument property the checked path depends on except data pointers
-        key = (
-            type(q),
-            q.shape,
-            q.stride(),
-            q.dtype,
-            q.device,
-            type(k),
-            k.shape,
-            k.stride(),
-            k.dtype,
-            k.device,
-            type(v),
-            v.shape,
-            v.stride(),
-            v.dtype,
-            v.device,
-            type(softmax_scale),
-            softmax_scale,
-            type(causal),
-            causal,
-            type(window_size),
-            window_size,
-            type(return_lse),
-            return_lse,
-            config,
-            dispatch.dispatcher(),
-            None
-            if q_descale is None
-            else (type(q_descale), q_descale.shape, q_descale.stride(), q_descale.dtype, q_descale.device),
-            None
-            if k_descale is None
-            else (type(k_descale), k_descale.shape, k_descale.stride(), k_descale.dtype, k_descale.device),
-            None
-            if v_descale is None
-            else (type(v_descale), v_descale.shape, v_descale.stride(), v_descale.dtype, v_descale.device),
-        )
-        plan = None if validate is not False else _plans.get(key)
-    except Exception:  # not tensors, unhashable values: the checked path names the problem
-        key = plan = None
-    # the kernels were specialised on 16-byte aligned pointers when the plan was made
-    if (
-        plan is not None
-        and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
-        and (q_descale is None or not q_descale.data_ptr() & 15)
-        and (k_descale is None or not k_descale.data_ptr() & 15)
-        and (v_descale is None or not v_descale.data_ptr() & 15)
-    ):
+    options = (softmax_scale, causal, window_size, return_lse, config)
+    key, plan = planned("dense", (q, k, v, q_descale, k_descale, v_descale), options, validate)
+    if plan is not None:
         return run_plan(plan, q, k, v, q_descale, k_descale, v_descale)
     return _checked_call(
         key, q, k, v, softmax_scale, causal, q_descale, k_descale, v_descale, config, validate, window_size, return_lse

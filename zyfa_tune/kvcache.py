@@ -24,6 +24,7 @@ from zyfa_tune.api import (
     check_tensor,
     empty_result,
     option_names,
+    planned,
     readable,
     remember,
     run_plan,
@@ -90,33 +91,9 @@ def flash_attn_with_kvcache(
     """
     tensors = (q, k_cache, v_cache, page_table, cache_seqlens)
     given = (q_descale, k_descale, v_descale)
-    layout = _varlen._layout
-    try:  # the layout key, as flash_attn_func's: every property the checked path reads but pointers
-        key = (
-            "kvcache",
-            *(layout(t) for t in tensors),
-            *(None if t is None else layout(t) for t in (k, v, cu_seqlens_q, *given)),
-            type(max_seqlen_q),
-            max_seqlen_q,
-            type(softmax_scale),
-            softmax_scale,
-            type(causal),
-            causal,
-            type(window_size),
-            window_size,
-            type(return_lse),
-            return_lse,
-            config,
-            dispatch.dispatcher(),
-        )
-        plan = None if validate is not False else _api._plans.get(key)
-    except Exception:  # not tensors, unhashable values: the checked path names the problem
-        key = plan = None
-    if (
-        plan is not None
-        and all(not t.data_ptr() & 15 for t in tensors)
-        and all(d is None or not d.data_ptr() & 15 for d in (cu_seqlens_q, *given))
-    ):
+    options = (max_seqlen_q, softmax_scale, causal, window_size, return_lse, config)
+    key, plan = planned("kvcache", (*tensors, k, v, cu_seqlens_q, *given), options, validate)
+    if plan is not None:
         return run_plan(plan, q, k_cache, v_cache, *given, cu_seqlens_q, None, page_table, cache_seqlens)
     read = values_to_read(key, validate)
     p = _prepare(tensors, (k, v), cu_seqlens_q, max_seqlen_q, given, softmax_scale, causal, window_size, return_lse,

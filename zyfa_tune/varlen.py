@@ -24,6 +24,7 @@ from zyfa_tune.api import (
     check_tensor,
     empty_result,
     option_names,
+    planned,
     readable,
     remember,
     run_plan,
@@ -82,34 +83,10 @@ def flash_attn_varlen_func(
     capture) and on every call with validate=True; host ones always. Later calls with the layout
     launch without checks or synchronisation (CUDA-graph capturable).
     """
-    try:  # the layout key, as flash_attn_func's: every property the checked path reads but pointers
-        key = (
-            "varlen",
-            *(_layout(t) for t in (q, k, v, cu_seqlens_q, cu_seqlens_k)),
-            type(max_seqlen_q),
-            max_seqlen_q,
-            type(max_seqlen_k),
-            max_seqlen_k,
-            type(softmax_scale),
-            softmax_scale,
-            type(causal),
-            causal,
-            type(window_size),
-            window_size,
-            type(return_lse),
-            return_lse,
-            config,
-            dispatch.dispatcher(),
-            *(None if d is None else _layout(d) for d in (q_descale, k_descale, v_descale)),
-        )
-        plan = None if validate is not False else _api._plans.get(key)
-    except Exception:  # not tensors, unhashable values: the checked path names the problem
-        key = plan = None
-    if (
-        plan is not None
-        and not (q.data_ptr() | k.data_ptr() | v.data_ptr() | cu_seqlens_q.data_ptr() | cu_seqlens_k.data_ptr()) & 15
-        and all(d is None or not d.data_ptr() & 15 for d in (q_descale, k_descale, v_descale))
-    ):
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale)
+    options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, return_lse, config)
+    key, plan = planned("varlen", tensors, options, validate)
+    if plan is not None:
         return run_plan(plan, q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k)
     given = (q_descale, k_descale, v_descale)
     read = values_to_read(key, validate)
@@ -140,10 +117,6 @@ def natural_twin(config: KernelConfig) -> KernelConfig:
         return config.replace(v_layout="natural")
     except ConfigError:  # (a combination the natural layout does not take: the default's twin)
         return default_config(config.dtype, config.head_dim_qk, config.head_dim_v).replace(v_layout="natural")
-
-
-def _layout(t: torch.Tensor) -> tuple:
-    return type(t), t.shape, t.stride(), t.dtype, t.device
 
 
 @dataclass(frozen=True)
