@@ -51,25 +51,42 @@ class _Calls:
         self.packed: list[dict] = []
         self.quantised = False  # packed calls on the per-sequence quantiser's FP8 codes
 
-    def attention(self, q, k, v, causal=True, softmax_scale=None, *, error_budget=None):
-        self.dense.append(dict(q=q.shape, k=k.shape, causal=causal, scale=softmax_scale, budget=error_budget))
-        sq, sk = q.shape[1], k.shape[1]
-        mask = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq) if causal else None
+    def attention(self, q, k, v, causal=True, softmax_scale=None, *, window_size=(-1, -1), error_budget=None):
+        call = dict(q=q.shape, k=k.shape, causal=causal, scale=softmax_scale, window=window_size, budget=error_budget)
+        self.dense.append(call)
+        mask = _fa3_mask(q.shape[1], k.shape[1], causal, window_size)
         out = F.scaled_dot_product_attention(
             *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask, scale=softmax_scale, enable_gqa=True
         )
         return out.transpose(1, 2)
 
-    def attention_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal=True, softmax_scale=None, *, error_budget):
-        shapes = dict(q=q.shape, k=k.shape, max=(max_q, max_k), budget=error_budget)
+    def attention_varlen(
+        self, q, k, v, cu_q, cu_k, max_q, max_k, causal=True, softmax_scale=None, *, window_size=(-1, -1), error_budget
+    ):
+        shapes = dict(q=q.shape, k=k.shape, max=(max_q, max_k), window=window_size, budget=error_budget)
         self.packed.append(dict(cu_q=cu_q.tolist(), cu_k=cu_k.tolist(), **shapes))
         assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(max_q, int) and isinstance(max_k, int)
         descales = {}
         if self.quantised:
             q, k, v, *scales = quantize_fp8_varlen(q, k, v, cu_q, cu_k)
             descales = dict(zip(("q_descale", "k_descale", "v_descale"), scales))
-        out = attention_reference_varlen(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, causal=causal, **descales)
+        options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size)
+        out = attention_reference_varlen(q, k, v, cu_q, cu_k, **options, **descales)
         return out.to(torch.bfloat16)
+
+
+def _fa3_mask(sq: int, sk: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+    """FlashAttention-3's mask, as zyfa_tune's kernels apply it: query i sees keys j with
+    i + sk - sq - left <= j <= i + sk - sq + right, -1 unbounded, causal making right 0."""
+    diag = torch.arange(sq)[:, None] + (sk - sq)
+    keys = torch.arange(sk)[None]
+    left, right = window[0], 0 if causal else window[1]
+    mask = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        mask &= keys >= diag - left
+    if right >= 0:
+        mask &= keys <= diag + right
+    return mask
 
 
 @pytest.fixture
@@ -260,7 +277,8 @@ def _qkv(b=1, h=4, hk=2, s=8, d=16, dtype=torch.bfloat16, grad=False):
         (dict(output_attentions=True), ValueError, "output_attentions"),
         (dict(softcap=30.0), ValueError, "softcap"),
         (dict(s_aux=torch.zeros(4)), ValueError, "s_aux"),
-        (dict(sliding_window=4), ValueError, "sliding_window"),
+        (dict(sliding_window=0), ValueError, "sliding_window: expected a positive int"),
+        (dict(sliding_window=2.5), ValueError, "sliding_window: expected a positive int"),
         (dict(attention_mask=torch.zeros(1, 1, 8, 8, dtype=torch.bool)), ValueError, "attention_mask"),
         (dict(cu_seq_lens_q=torch.tensor([0, 8])), ValueError, "cu_seq_lens_k, max_length_q, max_length_k: missing"),
         (dict(grad=True), RuntimeError, "forward-only"),
@@ -281,9 +299,73 @@ def test_problems_are_reported_together(stand_ins):
     assert all(word in str(info.value) for word in ("query", "dropout", "output_attentions"))
 
 
-def test_a_sliding_window_longer_than_the_keys_runs(stand_ins):
+def test_a_sliding_window_longer_than_the_keys_runs_unwindowed(stand_ins):
     zt.attention_forward(torch.nn.Module(), *_qkv(), None, sliding_window=8)
-    assert stand_ins.dense
+    assert stand_ins.dense[0]["window"] == (-1, -1)
+
+
+@pytest.mark.parametrize("sq, sk", [(12, 12), (1, 12), (5, 12)])
+def test_a_sliding_window_of_w_sees_w_keys_including_the_query_s_own(stand_ins, sq, sk):
+    """transformers' window of W (its masks: key j seen from query i where i - W < j <= i, bottom-right
+    aligned over a cache) against SDPA on that mask written out; a window one key wider or narrower
+    would differ."""
+    w = 4
+    q, _, _ = _qkv(s=sq)
+    _, k, v = _qkv(s=sk)
+    got, _ = zt.attention_forward(torch.nn.Module(), q, k, v, None, sliding_window=w)
+    assert stand_ins.dense[0]["window"] == (w - 1, w - 1)
+
+    def sdpa(width):
+        i = torch.arange(sq)[:, None] + sk - sq
+        j = torch.arange(sk)[None]
+        mask = (j > i - width) & (j <= i)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+    assert rel_l2(got, sdpa(w)) < 1e-2
+    assert rel_l2(got, sdpa(w + 1)) > 0.05 and rel_l2(got, sdpa(w - 1)) > 0.05
+
+
+def _mistrals(window=4):
+    """The same random-weight tiny Mistral (sliding-window attention) on zyfa_tune and on SDPA."""
+    cfg = transformers.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=100, sliding_window=window,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ours = transformers.MistralForCausalLM(copy.deepcopy(cfg)).to(torch.bfloat16).eval()
+    sdpa = transformers.MistralForCausalLM(copy.deepcopy(cfg)).to(torch.bfloat16).eval()
+    sdpa.load_state_dict(ours.state_dict())
+    ours.set_attn_implementation(NAME)
+    sdpa.set_attn_implementation("sdpa")
+    return ours, sdpa
+
+
+def test_a_mistral_sliding_window_matches_sdpa_dense_and_padded(calls):
+    """Mistral's sliding window (SDPA builds its own sliding-window mask) on the dense path and, in a
+    padded batch, on the packed path; a model without the window would differ."""
+    ours, sdpa = _mistrals()
+    ids = _ids(2, 11)
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :3] = 0
+    with torch.inference_mode():
+        got, want = ours(ids).logits, sdpa(ids).logits
+        got_padded, want_padded = ours(ids, attention_mask=mask).logits, sdpa(ids, attention_mask=mask).logits
+        unwindowed = _mistrals(window=None)[1](ids).logits
+    assert [c["window"] for c in calls.dense] == [(3, 3)] * 2
+    assert [c["window"] for c in calls.packed] == [(3, 3)] * 2
+    assert rel_l2(got, want) < 1e-2 and rel_l2(unwindowed, want) > 0.05
+    real = mask.bool()
+    assert rel_l2(got_padded[real], want_padded[real]) < 1e-2
+
+
+def test_mistral_greedy_generation_past_the_window_matches_sdpa(calls):
+    ours, sdpa = _mistrals()
+    ids = _ids(1, 7)
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        got, want = ours.generate(ids, **kw), sdpa.generate(ids, **kw)
+    assert any(c["window"] == (3, 3) for c in calls.dense)
+    assert torch.equal(got, want)
 
 
 def test_packed_positions_over_a_cache_prefix_are_refused(stand_ins):

@@ -29,8 +29,9 @@ A call runs one of two ways:
   precision would then depend on whether its batch was packed.
 
 Refused with an error naming the argument: float32 activations, dropout, gradients (the kernels are
-forward-only), output_attentions, logit softcapping, attention sinks, a sliding window shorter than
-the keys, a 4-D or other arbitrary mask, and packed position ids over a KV-cache prefix. Finding the
+forward-only), output_attentions, logit softcapping, attention sinks, a 4-D or other arbitrary mask,
+and packed position ids over a KV-cache prefix. A sliding window (Mistral's, Gemma's sliding layers')
+runs as the kernels' window_size, on the dense and the packed path alike. Finding the
 packing reads values on the host (one synchronisation a layer, as flash attention's own
 transformers path does); the dense path has none.
 """
@@ -107,17 +108,31 @@ def attention_forward(
     """transformers' attention-function call: query (batch, heads, seqlen_q, head_dim), key and value
     (batch, kv_heads, seqlen_k, head_dim), bf16 or fp16; returns ((batch, seqlen_q, heads, head_dim_v)
     in query's dtype, None). Causal unless `is_causal=False` is passed or `module.is_causal` is False;
-    causal masks are bottom-right aligned (a decode step's query sees every cached key)."""
+    causal masks are bottom-right aligned (a decode step's query sees every cached key). A
+    `sliding_window` of W (as transformers' sliding layers pass it) lets a query see its own key and the
+    W - 1 before it."""
     _refuse_unsupported(query, key, value, attention_mask, dropout, kwargs)
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    window = _window_size(kwargs.get("sliding_window"), key.shape[2])
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, dim), FA3's layout
     segments = _segments(q, k, attention_mask, kwargs)
     if segments is None:
-        out = attention(q, k, v, causal=causal, softmax_scale=scaling, error_budget=error_budget)
+        out = attention(q, k, v, causal=causal, softmax_scale=scaling, window_size=window, error_budget=error_budget)
     else:
-        out = _packed_attention(q, k, v, segments, scaling, causal, error_budget)
+        out = _packed_attention(q, k, v, segments, scaling, causal, window, error_budget)
     return out, None
+
+
+def _window_size(sliding_window: int | None, keys: int) -> tuple[int, int]:
+    """transformers' `sliding_window` as FlashAttention's window_size. A window of W is W keys: the
+    query's own and the W - 1 before it (transformers' sliding-window masks let query i see key j where
+    i - W < j <= i), FlashAttention's (W - 1, 0); transformers' flash-attention path passes
+    (W - 1, W - 1), causal masking making the right side 0, and so does this (a non-causal layer then
+    sees W - 1 keys on either side, as there). (-1, -1) where the window holds all `keys`."""
+    if sliding_window is None or keys <= sliding_window:
+        return -1, -1
+    return sliding_window - 1, sliding_window - 1
 
 
 def _refuse_unsupported(query, key, value, attention_mask, dropout, kwargs: dict) -> None:
@@ -145,9 +160,9 @@ def _refuse_unsupported(query, key, value, attention_mask, dropout, kwargs: dict
         if kwargs.get(name) is not None:
             problems.add(ValueError, f"{name}: not supported by zyfa_tune attention")
     window = kwargs.get("sliding_window")
-    if window is not None and key.shape[2] > window:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         problems.add(
-            ValueError, f"sliding_window: {window} is shorter than the {key.shape[2]} keys; zyfa_tune attends to all"
+            ValueError, f"sliding_window: expected a positive int (keys in the window) or None, got {window!r}"
         )
     if attention_mask is not None and not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
@@ -235,6 +250,7 @@ def _packed_attention(
     s: _Segments,
     scaling: float | None,
     causal: bool,
+    window: tuple[int, int],
     error_budget: float,
 ) -> torch.Tensor:
     """Packed sequences through `attention_varlen` (each sequence quantised on its own, FP8 varlen
@@ -246,8 +262,9 @@ def _packed_attention(
         qp = qp.index_select(0, s.rows_q)
     if s.rows_k is not None:
         kp, vp = kp.index_select(0, s.rows_k), vp.index_select(0, s.rows_k)
+    lengths = (s.cu_q, s.cu_k, s.max_q, s.max_k)
     out = attention_varlen(
-        qp, kp, vp, s.cu_q, s.cu_k, s.max_q, s.max_k, causal=causal, softmax_scale=scaling, error_budget=error_budget
+        qp, kp, vp, *lengths, causal=causal, softmax_scale=scaling, window_size=window, error_budget=error_budget
     )
     if s.rows_q is not None:
         out = out.new_zeros(b * sq, h, dv).index_copy_(0, s.rows_q, out)
