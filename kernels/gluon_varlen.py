@@ -1,15 +1,15 @@
 """Packed sequences on the Gluon backend: the ragged tile list, the per-sequence V^T copy, the launch
 arguments of the varlen variant (generator/gluon_sm90/emit.py) and its per-layout launch.
 
-The tile list is built on the device by a few torch ops on every call, from the cumulative lengths as
-they are then: the kernel's work depends on the lengths' values, which a caller may change between calls
-of one layout (a serving loop reuses its buffers), and reading them to the host would synchronise. So the
-call stays asynchronous and CUDA-graph capturable (a replay rebuilds the list from the lengths it finds),
-at the cost of about a dozen small launches per call (tens of microseconds of host time beside a prefill
-of milliseconds). The list holds one entry per (sequence, query block) that has rows, heaviest first: the
-persistent programs take tiles round robin from its head, so the longest tiles of every sequence run
-first and the short ones fill in at the end (longest-processing-time order, as the rectangular
-heavy_first order, across sequences of any lengths).
+The tile list is built on the device on every call, from the cumulative lengths as they are then: the
+kernel's work depends on the lengths' values, which a caller may change between calls of one layout (a
+serving loop reuses its buffers), and reading them to the host would synchronise. So the call stays
+asynchronous and CUDA-graph capturable (a replay rebuilds the list from the lengths it finds). One Triton
+program builds the whole table (`_ragged_tiles_kernel`: one launch, where the torch construction
+`ragged_tiles_reference` takes about a dozen). The list holds one entry per (sequence, query block) that
+has rows, heaviest first: the persistent programs take tiles round robin from its head, so the longest
+tiles of every sequence run first and the short ones fill in at the end (longest-processing-time order,
+as the rectangular heavy_first order, across sequences of any lengths).
 """
 
 from __future__ import annotations
@@ -29,22 +29,46 @@ from .launch import LOG2E, kernel, tma_readable
 #: V^T's sequences start on multiples of this many keys: 16-byte TMA boxes, and whole 32-key chunks for
 #: v_permute's key order (the kernel's key blocks are multiples of 32 from a sequence's first key)
 VT_ALIGN = 32
+_ALIGN = tl.constexpr(VT_ALIGN)
 #: the kernel's scalar parameters between the descales and TILE_TABLE (gluon_sm90.emit.SCALAR_PARAMS[3:])
 _SCALARS = SCALAR_PARAMS[3:]
 _INT32_MAX = 2**31 - 1
 #: keys and head dims per program of the V^T copy (as kernels/transpose.py)
 _BLOCK_K = 128
 _BLOCK_D = 64
+#: the most (sequence, query block) entries `_ragged_tiles_kernel` sorts in one program's registers
+#: (16 warps x 32 lanes x 16 int64 keys, no spills: tests/test_gluon_varlen.py); a larger table (say 64
+#: sequences of 32K queries in 128-row blocks) takes the torch construction, a dozen launches beside a
+#: prefill of that size. A single program keeps the table one launch, with no grid-wide step
+MAX_SORTED_TILES = 8192
+#: the narrowest sort (one lane per thread of 4 warps)
+_MIN_WIDTH = 128
 
 
 def ragged_tiles(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, max_seqlen_q: int, block_m: int, block_n: int, causal: bool
+) -> torch.Tensor:
+    """The kernel's TILE_TABLE (`ragged_tiles_reference`'s, bitwise), int32 on cu_q's device. On a GPU
+    with at most MAX_SORTED_TILES entries: one launch of `_ragged_tiles_kernel`; else (CPU tensors, more
+    tiles) the torch construction. No synchronisation either way."""
+    batch = cu_q.shape[0] - 1
+    tiles = batch * query_blocks(max_seqlen_q, block_m)
+    if cu_q.device.type != "cuda" or tiles > MAX_SORTED_TILES:
+        return ragged_tiles_reference(cu_q, cu_k, max_seqlen_q, block_m, block_n, causal)
+    table, args, constexprs, options = tile_table_launch(cu_q, cu_k, max_seqlen_q, block_m, block_n, causal)
+    fastlaunch.run(("ragged_tiles",), _ragged_tiles_kernel, (1,), args, constexprs, options, cu_q.device.index)
+    return table
+
+
+def ragged_tiles_reference(
     cu_q: torch.Tensor, cu_k: torch.Tensor, max_seqlen_q: int, block_m: int, block_n: int, causal: bool
 ) -> torch.Tensor:
     """The kernel's TILE_TABLE, int32 on cu_q's device: [n, T entries, batch + 1 V^T starts]. T = batch x
     n_m (n_m: query blocks of max_seqlen_q); entry sequence * n_m + block, the n that hold rows first,
     by descending cost (key blocks visited + one, as gluon_launch.block_count counts them; causal bottom-
     right aligned per sequence), ties in (sequence, block) order; then the first V^T column of each
-    sequence (`vt_starts`). No synchronisation: torch ops on the device only."""
+    sequence (`vt_starts`). Torch ops on the device only (the tests' reference, and the path on CPU
+    tensors and past MAX_SORTED_TILES)."""
     batch = cu_q.shape[0] - 1
     n_m = query_blocks(max_seqlen_q, block_m)
     lq = (cu_q[1:] - cu_q[:-1])[:, None]
@@ -55,6 +79,53 @@ def ragged_tiles(
     order = torch.argsort(cost.flatten(), descending=True, stable=True).to(torch.int32)
     count = (m0 < lq).sum(dtype=torch.int32).view(1)
     return torch.cat([count, order, vt_starts(cu_k)])
+
+
+def tile_table_launch(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, max_seqlen_q: int, block_m: int, block_n: int, causal: bool
+) -> tuple[torch.Tensor, tuple, dict, dict]:
+    """(table to fill, arguments, constexprs, options) of `_ragged_tiles_kernel` on one program: the
+    sort's width is the tile count rounded up to a power of two (one compilation per width), its warps
+    grow with it so that each thread sorts at most 16 keys in registers."""
+    batch = cu_q.shape[0] - 1
+    n_m = query_blocks(max_seqlen_q, block_m)
+    table = torch.empty(1 + batch * n_m + batch + 1, dtype=torch.int32, device=cu_q.device)
+    width = max(_MIN_WIDTH, triton.next_power_of_2(batch * n_m))
+    args = (table, cu_q, cu_k, batch, n_m, block_m, block_n)
+    options = dict(num_warps=min(16, max(4, width // 512)))
+    return table, args, dict(CAUSAL=bool(causal), WIDTH=width), options
+
+
+@triton.jit
+def _ragged_tiles_kernel(
+    TABLE, CU_Q, CU_K, BATCH, N_M, BLOCK_M, BLOCK_N, CAUSAL: tl.constexpr, WIDTH: tl.constexpr
+):  # fmt: skip
+    """`ragged_tiles_reference` in one program (BATCH * N_M <= WIDTH). The stable descending argsort is
+    an ascending bitonic sort (tl.sort) of int64 keys -cost * 2^32 + entry: distinct keys, so any sort
+    gives the one order of (cost descending, entry ascending), and an entry is its key's low word. The
+    lanes past the tiles cost -1 with entries past every real one, so they sort last; V^T starts are an
+    inclusive cumsum of the padded key lengths (BATCH <= BATCH * N_M <= WIDTH)."""
+    i = tl.arange(0, WIDTH)
+    tiles = BATCH * N_M
+    real = i < tiles
+    s = i // N_M
+    m0 = (i % N_M) * BLOCK_M
+    lq = tl.load(CU_Q + s + 1, mask=real, other=0) - tl.load(CU_Q + s, mask=real, other=0)
+    lk = tl.load(CU_K + s + 1, mask=real, other=0) - tl.load(CU_K + s, mask=real, other=0)
+    if CAUSAL:
+        hi = tl.minimum(tl.maximum(m0 + BLOCK_M + lk - lq, 0), lk)
+    else:
+        hi = lk
+    rows = real & (m0 < lq)
+    cost = tl.where(rows, (hi + BLOCK_N - 1) // BLOCK_N + 1, -1)
+    keys = tl.sort((-cost).to(tl.int64) * 4294967296 + i.to(tl.int64))
+    tl.store(TABLE, tl.sum(rows.to(tl.int32)))
+    tl.store(TABLE + 1 + i, keys.to(tl.int32), mask=real)  # (truncation keeps the low word)
+    seq = i < BATCH
+    klen = tl.load(CU_K + i + 1, mask=seq, other=0) - tl.load(CU_K + i, mask=seq, other=0)
+    ends = tl.cumsum((klen + _ALIGN - 1) // _ALIGN * _ALIGN, 0)
+    tl.store(TABLE + 1 + tiles, 0)
+    tl.store(TABLE + 2 + tiles + i, ends.to(tl.int32), mask=seq)
 
 
 def vt_starts(cu_k: torch.Tensor) -> torch.Tensor:

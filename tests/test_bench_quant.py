@@ -320,3 +320,28 @@ def test_end_to_end_and_floor_on_gpu(tmp_path):
             assert rows[n].bytes_moved == copy.bytes_moved
             assert rows[n].floor_ratio > 0.3 and rows[n].gbps > 0
     assert res.settings["quant_floor"] is True
+
+
+# ---- packed sequences (--lengths) --------------------------------------------------------------
+
+PACKED = BenchShape.packed((5, 1, 40, 18), 4, 2, head_dim_qk=128, head_dim_v=64)
+
+
+def test_packed_floor_rows_time_quantize_fp8_varlen_against_the_same_floor():
+    """--quant-floor with --lengths: the packed quantiser (quantize_fp8_varlen) and the copy, whose bytes
+    are what the packed quantiser reads and writes (every sequence's tokens, descales per sequence)."""
+    from zyfa_tune import quantize_fp8_varlen
+
+    systems = systems_for(PACKED, [], (), quant_floor=True)
+    assert [(s.name, s.kind) for s in systems] == [("quant:varlen", "quantiser"), ("copy", "copy")]
+    x = Inputs.random(PACKED, seed=0, device="cpu", quant="per-tensor")
+    cu, _ = x.packed_bounds()
+    packed = (x.q16[0], x.k16[0], x.v16[0])
+    read = sum(t.numel() * t.element_size() for t in packed)
+    written = sum(t.numel() * t.element_size() for t in quantize_fp8_varlen(*packed, cu, cu))
+    assert traffic_bytes(PACKED) == read + written
+    rows = measure_shape(PACKED, systems, seed=0, reps=5, device="cpu", timer=by_result, quant="per-tensor")
+    quant, copy = rows
+    assert quant.error is None and (quant.recipe, quant.bytes_moved) == ("plain", read + written)
+    assert copy.bytes_moved == read + written and quant.floor_ratio == pytest.approx(1.6, rel=1e-3)
+    assert not Quantiser("quant:plain").supports(PACKED) and not systems[0].supports(MHA_128)

@@ -1,9 +1,15 @@
 """Packed sequences on the Gluon backend, on the CPU: the ragged tile table (order, count, V^T starts),
-the launch arguments, and the varlen variant compiled for sm_90a.
+its one-program Triton kernel (compiled for sm_90a, and run by the Triton interpreter against the torch
+construction), the launch arguments, and the varlen variant compiled for sm_90a.
 
 GPU runs against float64 are in tests/test_gpu_gluon_varlen.py."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -68,6 +74,70 @@ def test_ragged_tiles_put_the_long_sequences_tiles_before_the_short_ones():
     first = [divmod(int(e), n_m) for e in table[1:4]]
     assert first == [(1, 7), (1, 6), (1, 5)]  # the long sequence's last (longest) query blocks
     assert divmod(int(table[1 + int(table[0]) - 1]), n_m) in ((0, 0), (1, 0))  # a 1-block tile last
+
+
+@pytest.mark.parametrize("tiles", [1, 700, gluon_varlen.MAX_SORTED_TILES])
+def test_tile_table_kernel_compiles_for_sm90a_without_spills(tiles):
+    """At the narrowest sort, a middling one and the widest (MAX_SORTED_TILES), with the launch's warps."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from zyfa_tune.generator.build import artifacts
+
+    n = -(-tiles // 4)  # sequences of 4 query blocks
+    _, args, constexprs, options = gluon_varlen.tile_table_launch(cu([512] * n), cu([512] * n), 512, 128, 64, True)
+    assert constexprs["WIDTH"] >= tiles and options["num_warps"] in (4, 8, 16)
+    kernel = gluon_varlen._ragged_tiles_kernel
+    sig = dict(zip(kernel.arg_names, ["*i32"] * 3 + ["i32"] * 4 + ["constexpr"] * 2))
+    compiled = triton.compile(
+        ASTSource(kernel, sig, constexprs, {}),
+        target=GPUTarget("cuda", 90, 32),
+        options={**options, "num_stages": 1},
+    )
+    art = artifacts(compiled)
+    assert art.spill_bytes == 0 and art.shared_bytes <= HOPPER.shared_memory_bytes
+
+
+#: run in a fresh interpreter: TRITON_INTERPRET is read when triton is first imported
+_INTERPRETED = textwrap.dedent(
+    """
+    import torch
+    from zyfa_tune.kernels import gluon_varlen as gv
+
+    def cu(lengths):
+        return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+
+    g = torch.Generator().manual_seed(5)
+    cases = [([], []), ([0], [0]), ([1], [0]), ([0, 1, 0], [3, 1, 0]), ([130] * 70, [200] * 70)]
+    for n in (3, 9, 17, 40):
+        lq = torch.randint(0, 700, (n,), generator=g).tolist()
+        lq[:2] = [0, 1]
+        cases.append((lq, [a + b for a, b in zip(lq, torch.randint(0, 300, (n,), generator=g).tolist())]))
+        cases.append((lq, list(lq)))
+    for lq, lk in cases:
+        for bm, bn, causal in ((128, 64, True), (128, 128, False), (64, 128, True)):
+            args = (cu(lq), cu(lk), max(lq, default=0), bm, bn, causal)
+            table, kargs, constexprs, options = gv.tile_table_launch(*args)
+            gv._ragged_tiles_kernel[(1,)](*kargs, **constexprs, **options)
+            want = gv.ragged_tiles_reference(*args)
+            assert torch.equal(table, want), (lq, lk, bm, bn, causal, table.tolist(), want.tolist())
+    print("checked", len(cases))
+    """
+)
+
+
+def test_tile_table_kernel_in_the_interpreter_equals_the_torch_construction():
+    """Random length sets with 0 and 1 lengths, no sequence, keys without queries, a sort wider than 128."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["checked", "13"]
+
+
+def test_ragged_tiles_on_cpu_tensors_are_the_torch_construction():
+    args = (cu([5, 0, 300]), cu([7, 2, 300]), 300, 128, 64, True)
+    assert torch.equal(gluon_varlen.ragged_tiles(*args), gluon_varlen.ragged_tiles_reference(*args))
 
 
 def test_packed_vt_reference_starts_each_sequence_on_its_column():

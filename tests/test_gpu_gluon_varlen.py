@@ -1,7 +1,8 @@
 """GPU tests: packed sequences on the Gluon backend's varlen variant against float64 (random packings with
 lengths 0, 1, odd and block edges, up to 32K tokens, GQA 1/4/8, exact and lean configs, every head-dim
-pair), its tile table and V^T copy against their references, the fast path against the checked path, and
-CUDA-graph capture with the lengths changed between replays."""
+pair), its tile table (the one-program kernel bitwise, at its size limit, in a captured graph) and V^T
+copy against their references, the fast path against the checked path, and CUDA-graph capture with the
+lengths changed between replays."""
 
 from __future__ import annotations
 
@@ -112,6 +113,45 @@ def test_ragged_tiles_on_the_gpu_equal_the_host_s():
         dev = gluon_varlen.ragged_tiles(_cu(lq), _cu(lk), max(lq), 128, 128, causal)
         host = gluon_varlen.ragged_tiles(_cu(lq).cpu(), _cu(lk).cpu(), max(lq), 128, 128, causal)
         assert torch.equal(dev.cpu(), host)
+
+
+@pytest.mark.parametrize("n", [1, 5, 40, 300, 1000])
+@pytest.mark.parametrize("causal", [True, False])
+def test_tile_table_kernel_equals_the_torch_construction_bitwise(n, causal):
+    """Random packings from one sequence to MAX_SORTED_TILES entries and past it (the torch path), block
+    shapes of every head dim, lengths 0 and 1 among them; the reference run on the same device."""
+    g = torch.Generator().manual_seed(n + causal)
+    for bm, bn in ((64, 128), (128, 128), (128, 64)):
+        lq = [LENGTHS[int(i)] for i in torch.randint(len(LENGTHS), (n,), generator=g)]
+        lk = [a + int(x) for a, x in zip(lq, torch.randint(0, 200, (n,), generator=g))]
+        args = (_cu(lq), _cu(lk), max(lq), bm, bn, causal)
+        got = gluon_varlen.ragged_tiles(*args)
+        assert torch.equal(got, gluon_varlen.ragged_tiles_reference(*args)), (bm, bn)
+    tiles = n * gluon_varlen.query_blocks(max(lq), bm)
+    assert n < 1000 or tiles > gluon_varlen.MAX_SORTED_TILES  # (the largest packing takes the torch path)
+
+
+def test_tile_table_kernel_at_its_limit_and_in_a_captured_graph():
+    """MAX_SORTED_TILES entries exactly (the widest sort), captured in a CUDA graph and replayed on new
+    lengths: the table follows the lengths in the captured buffers."""
+    n = gluon_varlen.MAX_SORTED_TILES // 32  # 32 query blocks of 128 rows each at most
+    g = torch.Generator().manual_seed(3)
+    lq = torch.randint(0, 4097, (n,), generator=g).tolist()
+    lq[0] = 4096
+    cq, ck = _cu(lq), _cu([a + 7 for a in lq])
+    assert torch.equal(
+        gluon_varlen.ragged_tiles(cq, ck, 4096, 128, 128, True),
+        gluon_varlen.ragged_tiles_reference(cq, ck, 4096, 128, 128, True),
+    )
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        table = gluon_varlen.ragged_tiles(cq, ck, 4096, 128, 128, True)
+    lq2 = torch.randint(0, 4097, (n,), generator=g).tolist()
+    cq.copy_(_cu(lq2))
+    ck.copy_(_cu(lq2[::-1]))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(table, gluon_varlen.ragged_tiles_reference(cq, ck, 4096, 128, 128, True))
 
 
 def test_fast_path_equals_the_checked_path_bitwise(monkeypatch):

@@ -24,10 +24,11 @@ CODE_BYTES, DESCALE_BYTES = 1, 4
 def traffic_bytes(shape: BenchShape, input_bytes: int = 2) -> int:
     """Bytes a quantiser of one shape must move: Q (heads), K and V (kv heads) read once at
     `input_bytes` an element (bf16: 2), their codes written once, and the three (batch, kv_heads)
-    descales written."""
+    descales written (packed sequences: every sequence's tokens, a descale per sequence and kv head,
+    as quantize_fp8_varlen returns them)."""
     if isinstance(input_bytes, bool) or not isinstance(input_bytes, int) or input_bytes <= 0:
         raise ValueError(f"input_bytes: expected a positive element size in bytes (bf16: 2), got {input_bytes!r}")
-    tokens = shape.batch * shape.seqlen
+    tokens = shape.tokens
     elements = tokens * (shape.heads * shape.head_dim_qk + shape.kv_heads * (shape.head_dim_qk + shape.head_dim_v))
     return elements * (input_bytes + CODE_BYTES) + 3 * shape.batch * shape.kv_heads * DESCALE_BYTES
 

@@ -14,7 +14,7 @@ from zyfa_tune.bench.peers.base import Peer
 from zyfa_tune.bench.peers.cudnn import CudnnFP8
 from zyfa_tune.bench.peers.fa3 import FA3
 from zyfa_tune.bench.peers.ours import Ours, OursSpec
-from zyfa_tune.bench.peers.quantiser import floor_systems
+from zyfa_tune.bench.peers.quantiser import floor_systems, packed_floor_systems
 from zyfa_tune.bench.peers.sdpa import TorchSDPA
 from zyfa_tune.bench.peers.varlen import FA3Varlen, VarlenOurs
 from zyfa_tune.bench.shape import BenchShape
@@ -76,14 +76,17 @@ def systems_for(
     run this shape (packed systems only packed shapes and the others only rectangular ones); with
     `quant_floor`, the quantisers
     of the floor recipes, of the `--ours` quantisation options and of `attention()` where it is
-    benched, and the copy (`peers.quantiser.floor_systems`)."""
+    benched, and the copy (`peers.quantiser.floor_systems`); on packed sequences the packed
+    quantiser and the copy (`peers.quantiser.packed_floor_systems`)."""
     ours, peers = list(ours), list(peers)
     packed = bool(shape.lengths)
     systems: list[Peer] = [VarlenOurs(spec) if packed else Ours(spec) for spec in ours]
     systems += [
         PEERS[name] for name in peers if PEERS[name].supports(shape) and getattr(PEERS[name], "packed", False) == packed
     ]
-    if quant_floor and not packed:
+    if quant_floor and packed:
+        systems += packed_floor_systems()
+    elif quant_floor:
         extra = [quant_kwargs(spec.quant) for spec in ours if spec.dtype == "fp8" and spec.quant]
         systems += floor_systems(extra, attention=any(isinstance(PEERS[name], Attention) for name in peers))
     return systems

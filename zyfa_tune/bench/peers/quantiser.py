@@ -1,5 +1,5 @@
-"""The memory-traffic systems of `--quant-floor`: `quantize_fp8` alone with one recipe, and the
-device-to-device copy of the same bytes whose rate makes the floor (`bench.traffic`). They run in
+"""The memory-traffic systems of `--quant-floor`: `quantize_fp8` alone with one recipe (on packed
+sequences `quantize_fp8_varlen`, the packed quantiser), and the device-to-device copy of the same bytes whose rate makes the floor (`bench.traffic`). They run in
 the timing rounds beside the attention systems; their rows carry bytes, GB/s and time / floor
 instead of TFLOP/s and an error."""
 
@@ -54,7 +54,7 @@ class Quantiser:
     quant_modes: ClassVar[tuple[str, ...]] = QUANT_MODES
 
     def supports(self, shape: BenchShape) -> bool:
-        return True
+        return not shape.lengths
 
     def prepare(self, x: Inputs) -> Bound:
         from zyfa_tune.quantize import quantize_fp8
@@ -69,6 +69,32 @@ class Quantiser:
             lambda: quantize_fp8(q, k, v, **options),
             None,
             recipe=recipe_label(options),
+            bytes_moved=traffic_bytes(x.shape, q.element_size()),
+        )
+
+
+@dataclass(frozen=True)
+class PackedQuantiser:
+    """`quantize_fp8_varlen` on packed sequences' bf16 inputs (its one recipe, plain): the same bytes
+    as `quantize_fp8` on the same tokens, but a descale per (sequence, kv head)."""
+
+    name: str = "quant:varlen"
+    dtype: ClassVar[str] = "fp8"
+    kind: ClassVar[str] = "quantiser"
+    quant_modes: ClassVar[tuple[str, ...]] = QUANT_MODES
+
+    def supports(self, shape: BenchShape) -> bool:
+        return bool(shape.lengths)
+
+    def prepare(self, x: Inputs) -> Bound:
+        from zyfa_tune.quantize import quantize_fp8_varlen
+
+        q, k, v = x.q16[0], x.k16[0], x.v16[0]
+        cu, _ = x.packed_bounds()
+        return Bound(
+            lambda: quantize_fp8_varlen(q, k, v, cu, cu),
+            None,
+            recipe=PLAIN.summary(),
             bytes_moved=traffic_bytes(x.shape, q.element_size()),
         )
 
@@ -106,3 +132,8 @@ def floor_systems(extra: Iterable[dict[str, Any]] = (), attention: bool = False)
     if attention:
         systems.append(Quantiser("quant:ours-attention", from_attention=True))
     return [*systems, Copy()]
+
+
+def packed_floor_systems() -> list[PackedQuantiser | Copy]:
+    """Packed sequences' floor rows: the packed quantiser, then the copy of its bytes."""
+    return [PackedQuantiser(), Copy()]
