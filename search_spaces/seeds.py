@@ -14,18 +14,33 @@ passes only a looser accuracy gate than the default.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from zyfa_tune.generator import GLUON_HEAD_DIMS, ConfigError, KernelConfig
 from zyfa_tune.generator.defaults import default_config
 
-from .resources import SMEM_LIMIT, gluon_smem_estimate
+from .resources import gluon_infeasibility
 
 
 def _gluon(dtype: str, head_dim_qk: int, head_dim_v: int, **fields) -> KernelConfig:
     """The Gluon default of these head dims with `fields` changed."""
     return default_config(dtype, head_dim_qk, head_dim_v, "gluon").replace(**fields)
+
+
+def _first_fitting(seed: KernelConfig, shrinks: Iterable[dict]) -> KernelConfig:
+    """`seed` with the first of `shrinks` (field changes, each tried on `seed`; `{}` for none) that the width
+    allows (a valid config) and that fits (shared memory, registers: resources.gluon_infeasibility), so one
+    seed derives its size from any head dims; where none fits, the last valid one (which the space skips)."""
+    fallback = seed
+    for changes in shrinks:
+        try:
+            fallback = seed.replace(**changes)
+        except ConfigError:  # (such as o_through_p where head_dim_v is not a power of two)
+            continue
+        if gluon_infeasibility(fallback) is None:
+            break
+    return fallback
 
 
 def gluon_default_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
@@ -91,19 +106,17 @@ def gluon_smem2_chunked_config(dtype: str, head_dim_qk: int, head_dim_v: int) ->
     2-stage ring it fits (197 KB compiled), where an output tile of its own does not.
 
     o_through_p applies where the 64 x head_dim_v output tile does not fit one 128-key P tile and
-    head_dim_v is a power of two (128, 256); elsewhere this is `gluon_smem2_narrow_config`."""
-    through_p = head_dim_v in (128, 256)
-    return _gluon(
-        dtype,
-        head_dim_qk,
-        head_dim_v,
-        block_n=128,
-        num_stages=2 if through_p and head_dim_qk + head_dim_v > 320 else 3,
-        p_carry="smem2",
-        lane_sums=True,
-        half_block=True,
-        o_through_p=through_p,
-    )
+    head_dim_v is a power of two (128, 256); elsewhere this is `gluon_smem2_narrow_config` where that fits.
+    The K/V ring has 3 stages where they fit, else 2, else 64-key blocks without the halved first block
+    (wide Q/K beside a V that is not a power of two: 176/176 and up)."""
+    seed = _gluon(dtype, head_dim_qk, head_dim_v, block_n=128, p_carry="smem2", lane_sums=True, half_block=True)
+    shrinks = [
+        {"num_stages": stages, "block_n": block_n, "o_through_p": through_p, "half_block": block_n == 128}
+        for block_n in (128, 64)  # (a halved first block needs blocks of 128 keys or more)
+        for stages in (3, 2)
+        for through_p in (True, False)
+    ]
+    return _first_fitting(seed, shrinks)
 
 
 def gluon_packed_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
@@ -234,15 +247,13 @@ def gluon_lean_max_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Kern
 
     `gluon_lean_f16_async_config` with lean_ref="max", sized to fit shared memory: 256-key blocks up to
     hd128, 128-key blocks beyond, and where a Q ring of two does not fit one Q stage (hd160), with the output
-    stored through the P tiles where that does not fit either (hd256; ConfigError where O's width is not a
-    power of two)."""
+    stored through the P tiles where that does not fit either (hd256); where O's width is not a power of two
+    (no chunked store) and 128 keys do not fit (176/176 and up), 64-key blocks, sized the same way."""
     seed = _gluon(
         dtype,
         head_dim_qk,
         head_dim_v,
-        block_n=256 if head_dim_qk + head_dim_v <= 256 else 128,
         num_stages=2,
-        q_stages=2,
         p_carry="smem2",
         lane_sums=True,
         softmax="lean",
@@ -253,11 +264,14 @@ def gluon_lean_max_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Kern
         qk_async=True,
         lean_ref="max",
     )
-    for smaller in ({"q_stages": 1}, {"q_stages": 1, "o_through_p": True}):
-        if gluon_smem_estimate(seed) <= SMEM_LIMIT:
-            break
-        seed = seed.replace(**smaller)
-    return seed
+    first = 256 if head_dim_qk + head_dim_v <= 256 else 128
+    shrinks = [
+        {"block_n": block_n, **smaller}
+        for block_n in (first, first // 2, first // 4)
+        if block_n >= 64
+        for smaller in ({"q_stages": 2}, {"q_stages": 1}, {"q_stages": 1, "o_through_p": True})
+    ]
+    return _first_fitting(seed, shrinks)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from zyfa_tune.generator import CHOICES, ConfigError, KernelConfig
+from zyfa_tune.generator.config import GLUON_FIELDS, TRITON_FIELDS
 from zyfa_tune.generator.defaults import default_config
 
 from .params import FIELDS, PROBLEM_FIELDS, Param, check_params
@@ -64,9 +65,9 @@ class SearchSpace:
     def canonical(self, config: KernelConfig) -> KernelConfig:
         """`config` with every irrelevant searched field (see Param.only_if) at the default's value:
         the config `suggest` produces for the same kernel."""
-        base = self.base(config.head_dim_qk, config.head_dim_v)
+        base = self.base(config.head_dim_qk, config.head_dim_v).all_fields()
         current = config.all_fields()
-        changes = {p.name: getattr(base, p.name) for p in self.params if not p.relevant(current)}
+        changes = {p.name: _kept(p.name, current, base) for p in self.params if not p.relevant(current)}
         return config.replace(**changes) if changes else config
 
     # ---- Optuna ----------------------------------------------------------------------------
@@ -126,7 +127,7 @@ class SearchSpace:
             values[p.name] = so_far[p.name] = p.to_field(option, so_far)
         for p in self.params:  # irrelevant fields take the default's value (seen by the params after it)
             if not p.relevant(so_far):
-                values[p.name] = so_far[p.name] = base[p.name]
+                values[p.name] = so_far[p.name] = _kept(p.name, so_far, base)
         return self.config_from(values, head_dim_qk, head_dim_v)
 
     # ---- pruning and seeds -----------------------------------------------------------------
@@ -203,3 +204,11 @@ class SearchSpace:
             except ConfigError:
                 continue
         return out
+
+
+def _kept(name: str, fields: Mapping[str, Any], base: Mapping[str, Any]) -> Any:
+    """The value an irrelevant field keeps: the family default's (`base`), except a field of the other
+    backend, which keeps KernelConfig's default as the config requires (the Triton default of a width
+    of 8s loads by pointer, which a Gluon config of that width may not name)."""
+    other = TRITON_FIELDS if fields["backend"] == "gluon" else GLUON_FIELDS
+    return KernelConfig.__dataclass_fields__[name].default if name in other else base[name]

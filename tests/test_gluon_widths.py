@@ -14,7 +14,8 @@ from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.generator.gluon_sm90.emit import descriptor_blocks, schedule_constants
 from zyfa_tune.kernels import launch
 from zyfa_tune.search_spaces import get_space
-from zyfa_tune.search_spaces.seeds import gluon_lean_max_config
+from zyfa_tune.search_spaces.seeds import gluon_lean_max_config, gluon_smem2_chunked_config
+from zyfa_tune.tuning.warm_start import study_seeds
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
@@ -115,3 +116,59 @@ def test_padded_widths_compile_with_3d_q_k_loads(cfg, compiled):
     check_usable(art, cfg)
     assert "cp.async.bulk.tensor.3d.shared::cluster.global" in art.ptx
     assert "cp.async.bulk.tensor.2d.shared::cluster.global" in art.ptx  # V^T
+
+
+# ---- seeds at any width ------------------------------------------------------------------------
+
+#: widths a study starts from the seeds at: zero-padded Q/K, widths of 32s past 128, asymmetric V widths
+SEED_PAIRS = [(d, d) for d in (48, 80, 112, 144, 160, 176, 208, 240)] + [(176, 128), (80, 64), (112, 128)]
+
+
+def _gluon_seeds(dqk: int, dv: int) -> tuple[list[KernelConfig], list[KernelConfig]]:
+    """(exact, lean) Gluon configs of a loose study's seeds at these widths."""
+    seeds = [c for c in study_seeds(get_space("fp8"), dqk, dv, loose=True) if c.backend == "gluon"]
+    return [c for c in seeds if c.softmax != "lean"], [c for c in seeds if c.softmax == "lean"]
+
+
+@pytest.mark.parametrize("dqk", range(32, 257, 16))
+def test_every_gluon_width_has_the_lean_max_seed_and_exact_seeds(dqk):
+    """At every Q/K width of 16s and V width of 8s the Gluon backend emits, the seeds size themselves to fit:
+    a loose study starts from the lean seed on the row maximum and at least three exact Gluon kernels, each
+    a point of the space (a V width of 8s included, whose Triton default loads by pointer)."""
+    space = get_space("fp8")
+    for dv in range(32, 257, 8):
+        exact, lean = _gluon_seeds(dqk, dv)
+        lean_max = gluon_lean_max_config("fp8", dqk, dv)
+        assert lean_max in lean, (dqk, dv, space.feasible(lean_max))
+        assert len(exact) >= 3, (dqk, dv, exact)
+        assert all(space.as_optuna_params(c) for c in exact + lean)
+
+
+def test_seeds_shrink_where_o_is_not_a_power_of_two():
+    """Where V's width is not a power of two the output cannot go out through the P tiles in chunks: past
+    128-key blocks' shared memory (176/176 and up) the lean and two-P-tile seeds take 64-key blocks (the
+    lean one with its Q ring of two back, the two-tile one with 3 stages and no halved first block), where a
+    power-of-two V keeps 128 keys and the chunked store."""
+    lean = gluon_lean_max_config("fp8", 176, 176)
+    assert (lean.block_n, lean.q_stages, lean.o_through_p) == (64, 2, False)
+    assert gluon_lean_max_config("fp8", 256, 256).o_through_p and gluon_lean_max_config("fp8", 256, 256).block_n == 128
+    chunked = gluon_smem2_chunked_config("fp8", 240, 240)
+    assert (chunked.block_n, chunked.num_stages, chunked.half_block, chunked.o_through_p) == (64, 3, False, False)
+    at_160 = gluon_smem2_chunked_config("fp8", 160, 160)
+    assert (at_160.block_n, at_160.num_stages, at_160.o_through_p) == (128, 2, False)
+    assert gluon_smem2_chunked_config("fp8", 176, 128).o_through_p
+
+
+#: the two seeds sized by the width (shared memory), at each width a study starts from
+SEED_CASES = [gluon_lean_max_config("fp8", *dims) for dims in SEED_PAIRS]
+SEED_CASES += [gluon_smem2_chunked_config("fp8", *dims) for dims in SEED_PAIRS]
+
+
+@pytest.mark.parametrize(
+    "cfg", SEED_CASES, ids=lambda c: f"{c.softmax}-{c.head_dim_qk}-{c.head_dim_v}-{c.block_n}-{c.num_stages}"
+)
+def test_width_sized_seeds_are_study_seeds_and_compile(cfg, compiled):
+    """Each is among a loose study's seeds at its widths and compiles clean (no spills, QGMMA, setmaxnreg,
+    shared memory as estimated)."""
+    assert cfg in _gluon_seeds(cfg.head_dim_qk, cfg.head_dim_v)[cfg.softmax == "lean"]
+    check_usable(compiled(cfg), cfg)

@@ -1,6 +1,7 @@
 """GPU tests: head dims FA3 ships no kernel for (and asymmetric Q/K vs V widths) against float64, at odd
 sequence lengths and with GQA, FP8 and BF16, each backend's default config where it emits the width and
-the Gluon lean P seed `gluon_lean_max_config` where it fits (Q/K widths not of 32s: zero-padded in the kernel)."""
+the Gluon lean P seed `gluon_lean_max_config`, which fits every Gluon width (Q/K widths not of 32s: zero-padded in
+the kernel)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.gpu
 #: the widths of tests/test_head_dims.py, which compiles the same configs on the CPU
 PAIRS = [(d, d) for d in (32, 40, 48, 72, 80, 112, 160, 200, 256)] + [(160, 128), (128, 64), (128, 80)]
 #: and Q/K widths the Gluon backend zero-pads, with tests/test_gluon_widths.py: to 256 (its 128-byte boxes
-#: split in two, the second partly past the head), to 192 in three 64-column parts beside another V width
-PAIRS += [(240, 240), (176, 128), (80, 64)]
+#: split in two, the second partly past the head), to 192 in three 64-column parts beside another V width and
+#: beside a V padded to 256 (the lean seed on 64-key blocks: no chunked output store for such a V)
+PAIRS += [(240, 240), (176, 128), (80, 64), (176, 176)]
 #: rel. L2 bounds vs float64 on the same (quantised) inputs, as tests/test_gpu_attention.py; lean P's looser
 #: bound as tests/test_gpu_gluon_lean.py
 FP8_BOUND = 0.03
@@ -39,8 +41,8 @@ def _configs(dtype: str, dqk: int, dv: int) -> dict:
             lean = gluon_lean_max_config(dtype, dqk, dv)
         except ConfigError:  # (head_dim_qk not of 16s: the Triton backend only)
             return out
-        if get_space(dtype).feasible(lean) is None:  # (sized for up to hd256: it fits wherever the space says)
-            out["gluon-lean"] = (lean, LEAN_BOUND)
+        assert get_space(dtype).feasible(lean) is None  # (sized by the widths: it fits every Gluon pair)
+        out["gluon-lean"] = (lean, LEAN_BOUND)
     return out
 
 
