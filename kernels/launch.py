@@ -495,17 +495,18 @@ def _descriptor_widths(config: KernelConfig) -> tuple[tuple[int, ...], tuple[int
 def _descriptor_specs(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list:
     """(tensor index in (q, k, v), 2-D shape, strides, block) of each host TMA descriptor: Q (B*Sq, H*Dqk),
     K (B*Sk, Hkv*Dqk), V (B*Sk, Hkv*Dv) or V^T (B*Hkv*Dv, Sk); one per tensor and head-dim chunk width.
-    q, k (and natural v) must be TMA-ready; a transposed v is the copy `transpose_v` made."""
+    K's and V's B is their own first dim: a paged cache's pages, not q's batch. q, k (and natural v)
+    must be TMA-ready; a transposed v is the copy `transpose_v` made."""
     wqk, wv = _descriptor_widths(config)
     bm, bn = config.block_m, config.block_n
     b, sq, h, dqk = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    bk, sk, hk = k.shape[:3]
     specs = [(0, [b * sq, h * dqk], [q.stride(1), 1], [bm, w]) for w in wqk]
-    specs += [(1, [b * sk, hk * dqk], [k.stride(1), 1], [bn, w]) for w in wqk]
+    specs += [(1, [bk * sk, hk * dqk], [k.stride(1), 1], [bn, w]) for w in wqk]
     if config.v_layout == "transposed":  # v is the (B, Hkv, Dv, Sk) copy
-        specs += [(2, [b * hk * v.shape[2], sk], [v.stride(2), 1], [w, bn]) for w in wv]
+        specs += [(2, [bk * hk * v.shape[2], sk], [v.stride(2), 1], [w, bn]) for w in wv]
     else:
-        specs += [(2, [b * sk, hk * v.shape[3]], [v.stride(1), 1], [bn, w]) for w in wv]
+        specs += [(2, [bk * sk, hk * v.shape[3]], [v.stride(1), 1], [bn, w]) for w in wv]
     return specs
 
 
