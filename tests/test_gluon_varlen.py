@@ -1,6 +1,7 @@
 """Packed sequences on the Gluon backend, on the CPU: the ragged tile table (order, count, V^T starts),
 its one-program Triton kernel (compiled for sm_90a, and run by the Triton interpreter against the torch
-construction), the launch arguments, and the varlen variant compiled for sm_90a.
+construction), the V^T copy's kernel in the interpreter against its reference, the launch arguments,
+and the varlen variant compiled for sm_90a.
 
 GPU runs against float64 are in tests/test_gpu_gluon_varlen.py."""
 
@@ -133,6 +134,57 @@ def test_tile_table_kernel_in_the_interpreter_equals_the_torch_construction():
     done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["checked", "13"]
+
+
+#: the V^T copy's kernel in a fresh interpreter; the interpreter cannot loop over a runtime scalar, so
+#: the kernel's source runs with its SEARCH parameter a constexpr (the same steps, the same loads and stores)
+_VT_INTERPRETED = textwrap.dedent(
+    """
+    import importlib.util, inspect, os, tempfile, textwrap
+    import torch, triton
+    from zyfa_tune.kernels import gluon_varlen as gv
+
+    src = textwrap.dedent(inspect.getsource(gv._packed_vt_kernel.fn))
+    src = src.replace("BATCH, SEARCH,", "BATCH, SEARCH: tl.constexpr,")
+    path = os.path.join(tempfile.mkdtemp(), "packed_vt_kernel.py")
+    with open(path, "w") as f:
+        f.write("import triton\\nimport triton.language as tl\\n_ALIGN = tl.constexpr(%d)\\n\\n" % gv.VT_ALIGN + src)
+    spec = importlib.util.spec_from_file_location("packed_vt_kernel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def cu(lengths):
+        return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+
+    n = 0
+    for lk in ([0, 1, 31, 32, 33, 300, 0, 7], [5], [0, 64], [40, 0]):
+        for permute in (False, True):
+            for d in (64, 80, 128):
+                g = torch.Generator().manual_seed(n)
+                # uint8 codes (the copy moves bytes), dims not the innermost allocation: any strides
+                v = torch.randint(1, 255, (sum(lk), 3, d + 8), generator=g, dtype=torch.uint8)[:, :, 4 : 4 + d]
+                c, batch = cu(lk), len(lk)
+                cols = gv.vt_columns(sum(lk), batch)
+                out = torch.full((1, 3, d, cols), 0x7F, dtype=torch.uint8)  # e4m3 NaNs: every byte must be written
+                grid = (triton.cdiv(cols, gv._BLOCK_K), 3, triton.cdiv(d, gv._BLOCK_D))
+                mod._packed_vt_kernel[grid](
+                    v, out, c, gv.vt_starts(c), *v.stride(), batch, max(1, batch.bit_length()), cols,
+                    DIM=d, PERMUTE=permute, BLOCK_K=gv._BLOCK_K, BLOCK_D=gv._BLOCK_D,
+                )
+                assert torch.equal(out, gv.packed_vt_reference(v, c, permute)), (lk, permute, d)
+                n += 1
+    print("checked", n)
+    """
+)
+
+
+def test_packed_vt_kernel_in_the_interpreter_equals_its_reference():
+    """Empty and 1-key sequences, lengths either side of 32, head dims under and over one 64-dim block, both
+    key orders, a strided V and an output full of NaN codes (the padding must be written as zeros)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _VT_INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["checked", "24"]
 
 
 def test_ragged_tiles_on_cpu_tensors_are_the_torch_construction():

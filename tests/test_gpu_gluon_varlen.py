@@ -1,8 +1,8 @@
 """GPU tests: packed sequences on the Gluon backend's varlen variant against float64 (random packings with
 lengths 0, 1, odd and block edges, up to 32K tokens, GQA 1/4/8, exact and lean configs, every head-dim
-pair), its tile table (the one-program kernel bitwise, at its size limit, in a captured graph) and V^T
-copy against their references, the fast path against the checked path, and CUDA-graph capture with the
-lengths changed between replays."""
+pair, a study seed of each schedule shape), its tile table (the one-program kernel bitwise, at its size
+limit, in a captured graph) and V^T copy against their references, the fast path against the checked
+path, and CUDA-graph capture with the lengths changed between replays."""
 
 from __future__ import annotations
 
@@ -12,8 +12,11 @@ import torch
 from zyfa_tune import api, flash_attn_varlen_func
 from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.kernels import gluon_varlen
+from zyfa_tune.search_spaces import get_space
 from zyfa_tune.search_spaces.seeds import gluon_lean_max_config
 from zyfa_tune.tuning.reference import attention_reference_varlen, rel_l2
+from zyfa_tune.tuning.warm_start import study_seeds
+from zyfa_tune.varlen import packed_twin
 
 pytestmark = pytest.mark.gpu
 
@@ -68,6 +71,31 @@ def test_random_packings_match_float64(config, h, hk, causal, same):
     lq, lk = _lengths(12, seed=h * 10 + hk + 2 * causal + same, same=same)
     args, kw = _packed(lq, lk, h, hk, 128, 128, seed=7)
     _check(args, kw, config, causal)
+
+
+def _seed_variety() -> list:
+    """One Gluon study seed (as packed_twin runs it) per schedule shape the varlen branches meet, at hd64,
+    hd128 and hd256: 192-row blocks (three consumers, 64-row Q boxes), no ping-pong (rows past a
+    sequence's end skipped), the output through the P tiles, PV deferred, natural V, f16 scores."""
+    out, seen = [], set()
+    for d in (64, 128, 256):
+        for c in study_seeds(get_space("fp8"), d, d, loose=True):
+            c = packed_twin(c)
+            shape = (c.block_m, c.block_n, c.ping_pong, c.o_through_p, c.o_split, c.pv_defer, c.v_layout, c.qk_acc)
+            if c.backend == "gluon" and (d, shape) not in seen:
+                seen.add((d, shape))
+                out.append(pytest.param(c, id=f"hd{d}-" + "-".join(map(str, shape))))
+    return out
+
+
+@pytest.mark.parametrize("config", _seed_variety())
+def test_study_seeds_of_every_schedule_shape_match_float64(config):
+    """The seeds a packed-sequence study enqueues first, on one packing with GQA and other key lengths: a
+    schedule shape whose varlen branch is wrong fails here, not as a silently rejected trial."""
+    d = config.head_dim_qk
+    lq, lk = _lengths(12, seed=d, same=False)
+    args, kw = _packed(lq, lk, 8, 2, d, config.head_dim_v, seed=d)
+    _check(args, kw, config, causal=True)
 
 
 @pytest.mark.parametrize("dqk,dv", [(64, 64), (256, 256), (192, 128)])

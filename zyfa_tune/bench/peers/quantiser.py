@@ -1,7 +1,7 @@
 """The memory-traffic systems of `--quant-floor`: `quantize_fp8` alone with one recipe (on packed
-sequences `quantize_fp8_varlen`, the packed quantiser), and the device-to-device copy of the same bytes whose rate makes the floor (`bench.traffic`). They run in
-the timing rounds beside the attention systems; their rows carry bytes, GB/s and time / floor
-instead of TFLOP/s and an error."""
+sequences `quantize_fp8_varlen`, the packed quantiser), and the device-to-device copy of the same bytes
+whose rate makes the floor (`bench.traffic`). They run in the timing rounds beside the attention
+systems; their rows carry bytes, GB/s and time / floor instead of TFLOP/s and an error."""
 
 from __future__ import annotations
 
