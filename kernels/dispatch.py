@@ -142,9 +142,7 @@ class Dispatcher:
             cfg = self.choose(
                 problem_key(dtype, dqk, dv, causal, batch, heads, kv_heads, seqlen), device_key(device_index)
             ).config
-            if len(self._fast) > 65536:  # unbounded shape streams: start over rather than grow
-                self._fast.clear()
-            self._fast[raw] = cfg
+            _remember(self._fast, raw, cfg)
         return cfg
 
     def varlen_config_for(
@@ -171,9 +169,7 @@ class Dispatcher:
             rect = problem_key(dtype, dqk, dv, causal, sequences, heads, kv_heads, mean)
             choice = self.choose_varlen(key, device_key(device_index), rect)
             found = (choice.config, choice.tuned_key is not None and choice.tuned_key.packed)
-            if len(self._fast_varlen) > 65536:
-                self._fast_varlen.clear()
-            self._fast_varlen[raw] = found
+            _remember(self._fast_varlen, raw, found)
         return found
 
     def attention_choice(
@@ -196,9 +192,7 @@ class Dispatcher:
             key = problem_key("fp8", dqk, dv, causal, batch, heads, kv_heads, seqlen, api="bf16")
             rc = self.choose_recipe(key, device_key(device_index), error_budget)
             found = (rc.recipe, None if rc.kernel is None else rc.kernel.config)
-            if len(self._fast_bf16) > 65536:
-                self._fast_bf16.clear()
-            self._fast_bf16[raw] = found
+            _remember(self._fast_bf16, raw, found)
         return found
 
     # ---- loading ------------------------------------------------------------------------------
@@ -476,6 +470,17 @@ def dispatcher() -> Dispatcher:
                 _dispatcher = Dispatcher(error_budget=error_budget())
             d = _dispatcher
     return d
+
+
+#: raw call shapes each per-call table keeps before it starts over
+_FAST_LIMIT = 65536
+
+
+def _remember(table: dict, raw: tuple, value) -> None:
+    """Store a per-call answer; an unbounded stream of shapes empties the table rather than grow it."""
+    if len(table) > _FAST_LIMIT:
+        table.clear()
+    table[raw] = value
 
 
 def problem_key(
