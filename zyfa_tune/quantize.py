@@ -67,20 +67,12 @@ def quantize_fp8(
         raise ValueError(f"v_layout: expected 'natural' or 'k_major', got {v_layout!r}")
     if v_rounding not in V_ROUNDINGS:
         raise ValueError(f"v_rounding: expected one of {V_ROUNDINGS}, got {v_rounding!r}")
+    _check_floating(q, k, v, "(batch, seqlen, heads, head_dim)")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got {tuple(t.shape)}")
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
         if t.numel() == 0:
             raise ValueError(
                 f"{name}: expected a non-empty tensor (each (batch, kv head) needs a scale), got shape {tuple(t.shape)}"
             )
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"q/k/v: expected tensors on one device, got {q.device}, {k.device}, {v.device}")
     if not q.shape[0] == k.shape[0] == v.shape[0]:
@@ -117,6 +109,20 @@ def quantize_fp8(
     return q8, k8, v8, qd, kd, vd
 
 
+def _check_floating(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str) -> None:
+    """q, k and v: tensors with the dims `layout` names, of one floating dtype (q's)."""
+    dims = layout.count(",") + 1
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != dims:
+            raise ValueError(f"{name}: expected {dims} dims {layout}, got {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+
+
 def quantize_fp8_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
 ):
@@ -130,15 +136,8 @@ def quantize_fp8_varlen(
     together (per head dim where Q/K's and V's differ) and no read of the lengths on the host, so a
     call is CUDA-graph capturable; the lengths are trusted (flash_attn_varlen_func checks them),
     and bad ones never move a load or store outside the tensors."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name}: expected 3 dims (total_tokens, heads, head_dim), got {tuple(t.shape)}")
-        if not t.dtype.is_floating_point:
-            raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+    _check_floating(q, k, v, "(total_tokens, heads, head_dim)")
+    for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
     hk = k.shape[1]
