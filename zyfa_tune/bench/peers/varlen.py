@@ -14,7 +14,7 @@ from typing import ClassVar
 from zyfa_tune.bench.inputs import Inputs
 from zyfa_tune.bench.peers.base import Bound, boxed
 from zyfa_tune.bench.peers.fa3 import padded
-from zyfa_tune.bench.peers.ours import OursSpec, borrowed_from
+from zyfa_tune.bench.peers.ours import Ours, borrowed_from
 from zyfa_tune.bench.shape import BenchShape
 
 
@@ -48,24 +48,11 @@ class FA3Varlen:
 
 
 @dataclass(frozen=True)
-class VarlenOurs:
+class VarlenOurs(Ours):
     """One `OursSpec` on packed sequences: kind "ours" where the dispatcher picks, else "forced"."""
 
-    spec: OursSpec
     quant_modes: ClassVar[tuple[str, ...]] = ("per-tensor",)
     packed: ClassVar[bool] = True
-
-    @property
-    def name(self) -> str:
-        return self.spec.label
-
-    @property
-    def dtype(self) -> str:
-        return self.spec.dtype
-
-    @property
-    def kind(self) -> str:
-        return "ours" if self.spec.overrides is None else "forced"
 
     def supports(self, shape: BenchShape) -> bool:
         return bool(shape.lengths)
