@@ -3,7 +3,7 @@ bench run on.
 
 Each sequence is drawn on its own from the input family (`tuning.inputs.make_qkv`, batch 1, seed
 `seed + i`), so a family's structure (rotary positions, sinks) restarts per sequence as it does in
-a server's packed batch; FP8 codes are quantised per sequence and KV head (`quantize_fp8`), which
+a server's packed batch; FP8 codes are quantised per sequence and KV head (`quantize_fp8_varlen`), which
 gives the (sequences, kv_heads) descales `flash_attn_varlen_func` and FA3's varlen take.
 """
 
@@ -52,16 +52,16 @@ def packed_qkv(
 
 def packed_args(dtype: str, per_sequence: list[tuple[torch.Tensor, ...]]) -> tuple[tuple, dict]:
     """Per-sequence float q, k, v packed to (total, heads, dim): FP8 codes quantised per sequence and
-    KV head with (sequences, kv_heads) descales, or bf16. Returns ((q, k, v), descale keywords)."""
-    from zyfa_tune.quantize import quantize_fp8
+    KV head (`quantize_fp8_varlen`) with (sequences, kv_heads) descales, or bf16. Returns ((q, k, v),
+    descale keywords)."""
+    from zyfa_tune.quantize import quantize_fp8_varlen
 
-    if dtype == "fp8":
-        parts = [quantize_fp8(*qkv) for qkv in per_sequence]
-        q, k, v = (torch.cat([p[i][0] for p in parts]) for i in range(3))
-        names = ("q_descale", "k_descale", "v_descale")
-        return (q, k, v), {n: torch.cat([p[3 + i] for p in parts]) for i, n in enumerate(names)}
-    q, k, v = (torch.cat([qkv[i][0] for qkv in per_sequence]).to(torch.bfloat16) for i in range(3))
-    return (q, k, v), {}
+    q, k, v = (torch.cat([qkv[i][0] for qkv in per_sequence]) for i in range(3))
+    if dtype != "fp8":
+        return (q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)), {}
+    cu = cu_seqlens(tuple(qkv[0].shape[1] for qkv in per_sequence), q.device)
+    q8, k8, v8, *descales = quantize_fp8_varlen(q, k, v, cu, cu)
+    return (q8, k8, v8), dict(zip(("q_descale", "k_descale", "v_descale"), descales))
 
 
 def packed_reference_error(
