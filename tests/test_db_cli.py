@@ -4,6 +4,8 @@ text printed literally, and `--version` / `--help`."""
 
 from __future__ import annotations
 
+import argparse
+
 import sqlite3
 import sys
 
@@ -151,11 +153,14 @@ def test_version_and_defaults_in_help(capsys):
     from importlib.metadata import version
 
     assert version("zyfa-tune") in capsys.readouterr().out
-    for command in ("show", "best", "export", "import", "verify"):
-        with pytest.raises(SystemExit):
+    commands = next(a for a in cli.parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert {"tune", "bench", "show", "best", "export", "import", "verify"} <= set(commands)
+    for command in commands:  # every command's help renders (a stray % in a help text would raise)
+        with pytest.raises(SystemExit) as done:
             cli.main([command, "--help"])
+        assert done.value.code == 0
         out = capsys.readouterr().out
-        assert "(default: None)" in out or "(default: " in out, (command, out)
+        assert out.startswith(f"usage: zyfa-tune {command}") and "(default: " in out, (command, out)
     with pytest.raises(SystemExit):
         cli.main(["verify", "--help"])
     assert "(default: 0.1)" in capsys.readouterr().out

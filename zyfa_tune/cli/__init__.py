@@ -40,7 +40,8 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The whole command line: every group's commands under one parser."""
     ap = argparse.ArgumentParser(prog="zyfa-tune", description="Autotuned FP8/BF16 attention for Hopper")
     ap.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     # every command's --help shows each option's default
@@ -51,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     for group in GROUPS:
         group.register(sub)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.command == "tune" and args.trials is None and args.time is None:
         args.trials = 40
     try:

@@ -265,7 +265,7 @@ def register(sub) -> None:
         "inputs (FA3-fp8's where fa3_fwd_interface imports, else the exact default kernel's on "
         "plain codes; default 1.25 for --api fp8, where lean P measures ~1.35 and a gate >= 1.4 "
         "also seeds the lean kernel; 1.01 for --api bf16, attention()'s default error budget: FA3's "
-        "error within 1%)",
+        "error within 1%%)",
     )
     p.add_argument(
         "--runner",
