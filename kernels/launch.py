@@ -26,6 +26,7 @@ __all__ = [
     "forget",
     "kernel",
     "launch",
+    "pages_by_tma",
     "prepare",
     "tma_readable",
     "transpose_v",
@@ -443,11 +444,26 @@ def prepare(
     return (n_m * batch * h,), args, options
 
 
+def pages_by_tma(config: KernelConfig) -> bool:
+    """Whether TMA may read a paged cache for `config`: only where Q/K and V are each one head-dim
+    chunk. With two or more chunks a tile's page number (a load) feeds several TMA coordinates, and
+    Triton 3.6's pipelined loop then gave wrong outputs and illegal addresses on an H100 (bf16 at
+    head dims 80 and 96); pointer loads read those caches correctly."""
+    qk, v = chunks_of(config)
+    return len(qk) == 1 and len(v) == 1
+
+
 def _check_paged(config: KernelConfig, k: torch.Tensor, v: torch.Tensor, max_pages: int) -> None:
-    """What the paged kernel assumes of its config and cache: V read as stored (natural), tiles
-    within a page, and pointer loads' key offsets (key index x row stride) within int32."""
+    """What the paged kernel assumes of its config and cache: V read as stored (natural), TMA only
+    where `pages_by_tma`, tiles within a page, and pointer loads' key offsets (key index x row
+    stride) within int32."""
     if config.v_layout != "natural":
         raise ValueError("config: a paged KV cache is read with v_layout='natural' (no V^T copy of a cache)")
+    if config.loads == "tma" and not pages_by_tma(config):
+        raise ValueError(
+            f"config: a paged KV cache at head dims {config.head_dim_qk}/{config.head_dim_v} is read with "
+            "loads='pointer' (TMA reads pages only where Q/K and V are each one head-dim chunk)"
+        )
     if k.shape[1] % config.block_n:
         raise ValueError(f"k_cache: page_size {k.shape[1]} is not a multiple of config's block_n {config.block_n}")
     if config.loads == "pointer" and max_pages * k.shape[1] * max(k.stride(1), v.stride(1)) > _INT32_MAX:

@@ -128,8 +128,9 @@ def test_packed_queries(dtype):
     _check(q, cache, dtype, cu_seqlens_q=cu, max_seqlen_q=max(lq))
 
 
-@pytest.mark.parametrize("d", [64, 96, 256])
+@pytest.mark.parametrize("d", [64, 80, 96, 112, 256])
 def test_other_head_dims_and_pages_apart_in_memory(d):
+    """Head dims of one chunk (64, 256) read pages by TMA, the others by pointer (`pages_by_tma`)."""
     for dtype in ("fp8", "bf16"):
         lens = [600, 200]
         q = _queries((2, 200, 4, d), dtype, seed=d)

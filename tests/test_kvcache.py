@@ -228,6 +228,20 @@ def test_pages_apart_in_memory_are_read_with_pointer_loads(rec, monkeypatch):
     assert rec.checked[1]["config"] == CFG  # dense pages: the TMA config as chosen
 
 
+@pytest.mark.parametrize("dqk, dv", [(80, 80), (96, 96), (112, 112), (192, 128), (160, 160)])
+def test_head_dims_of_several_chunks_read_pages_by_pointer(dqk, dv):
+    """TMA reads pages only where Q/K and V are one head-dim chunk each (`pages_by_tma`); other
+    head dims' paged configs load by pointer, whatever the dispatcher chose."""
+    for dtype in ("fp8", "bf16"):
+        picked = default_config(dtype, dqk, dv)
+        assert picked.loads == "tma" and not launch.pages_by_tma(picked)
+        chosen = kvcache.paged_config(api.serving_config(picked), 128)
+        assert chosen.loads == "pointer" and chosen.v_layout == "natural" and 128 % chosen.block_n == 0
+    for d in (64, 128, 256):
+        chosen = kvcache.paged_config(default_config("bf16", d, d), 128)
+        assert launch.pages_by_tma(chosen) and chosen.loads == "tma"
+
+
 def test_prepare_places_the_page_table_and_refuses_what_the_kernel_cannot_read():
     cfg = default_config("bf16", 64, 64).replace(block_n=64)
     q, k_cache, v_cache, kw = paged()
@@ -242,6 +256,10 @@ def test_prepare_places_the_page_table_and_refuses_what_the_kernel_cannot_read()
         launch.prepare(CFG, q, k_cache, v_cache, out, 0.1, True, serving=s)
     with pytest.raises(ValueError, match="^config: a paged KV cache is read with v_layout='natural'"):
         launch.prepare(cfg.replace(dtype="fp8", v_layout="transposed"), q, k_cache, v_cache, out, 0.1, True, serving=s)
+    q80, k80, v80 = (torch.zeros(*t.shape[:-1], 80, dtype=BF16) for t in (q, k_cache, v_cache))
+    tma80 = default_config("bf16", 80, 80).replace(block_n=64, v_layout="natural")
+    with pytest.raises(ValueError, match="^config: a paged KV cache at head dims 80/80 is read with loads='pointer'"):
+        launch.prepare(tma80, q80, k80, v80, torch.empty_like(q80), 0.1, True, serving=s)
 
 
 # ---- the float64 paged reference ------------------------------------------------------------------

@@ -36,7 +36,7 @@ from zyfa_tune.api import (
 from zyfa_tune.generator import ConfigError, KernelConfig
 from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.kernels import dispatch
-from zyfa_tune.kernels.launch import Serving, ServingLaunch, bind, tma_readable
+from zyfa_tune.kernels.launch import Serving, ServingLaunch, bind, pages_by_tma, tma_readable
 
 _CACHE = ("num_pages", "page_size", "kv_heads", "head_dim")
 #: key blocks a page may hold whole, widest first (the Triton backend's block_n but 192)
@@ -120,10 +120,11 @@ class _Paged:
 
 def paged_config(config: KernelConfig, page_size: int, pointer: bool = False) -> KernelConfig:
     """The config that runs a paged cache for `config`: its natural-V twin (a cache has no V^T
-    copy), with pointer loads where `pointer` (pages TMA cannot read in place), on the widest key
-    block, at most its own, that a page holds whole."""
+    copy), with pointer loads where `pointer` (pages TMA cannot read in place) or where TMA may not
+    read pages for its head dims (`pages_by_tma`), on the widest key block, at most its own, that a
+    page holds whole."""
     config = _varlen.natural_twin(config)
-    if pointer and config.loads != "pointer":
+    if (pointer or not pages_by_tma(config)) and config.loads != "pointer":
         try:
             config = config.replace(loads="pointer")
         except ConfigError:  # (a combination pointer loads do not take: the default's)
