@@ -276,7 +276,8 @@ class KernelConfig:
                   that keeps the 128-key overlap with two P tiles out of shared memory (263 KB -> 199 KB).
     l2_group_mib: Gluon, q_order="balanced", launch only (LAUNCH_FIELDS): the balanced tile table lists the
                   tiles by groups of kv heads whose K and V fit in this many MiB together (kept in L2 while
-                  their tiles run side by side). 16: a quarter of the H200's L2; 32 (FA3's choice) measured 1.4-3.4%
+                  their tiles run side by side); the varlen variant runs its heads in groups of the same size
+                  at the longest sequence's keys (a constant of its source). 16: a quarter of the H200's L2; 32 (FA3's choice) measured 1.4-3.4%
                   faster at 192/128 with 16 heads, equal or up to 3% slower with 32 heads: tuned per shape.
     qk_acc:       Gluon lean P: the QK^T accumulator's type. "f16" halves the score registers and makes the row
                   maximum and lean P's fold f16x2 instructions (two scores each; the codes' pack one PRMT per

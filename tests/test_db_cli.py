@@ -5,7 +5,6 @@ text printed literally, and `--version` / `--help`."""
 from __future__ import annotations
 
 import argparse
-
 import sqlite3
 import sys
 

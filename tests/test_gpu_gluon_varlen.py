@@ -113,6 +113,20 @@ def test_32k_tokens_of_long_and_short_sequences(config):
     _check(args, kw, config, causal=True)
 
 
+@pytest.mark.parametrize(
+    "lq,h,hk",
+    [([10000, 3000, 1, 777], 8, 8), ([20000, 1, 4095], 8, 2)],
+    ids=["groups-of-3-3-2-heads", "gqa4-two-groups"],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_head_groups_of_long_sequences(lq, h, hk, causal):
+    """Sequences long enough that the varlen loop runs the heads in L2 groups (8 MiB: 32768 keys of
+    K and V at hd128, so 3 heads a group at 10000 keys, the last group 2, and one GQA group of 4 at
+    20000): every (sequence, head, query block) tile is still computed once."""
+    args, kw = _packed(lq, lq, h, hk, 128, 128, seed=11)
+    _check(args, kw, EXACT.replace(l2_group_mib=8), causal)
+
+
 def test_natural_v_config_and_a_keys_fastest_v():
     lq, lk = _lengths(10, seed=11, same=False)
     args, kw = _packed(lq, lk, 8, 2, 128, 128, seed=11)

@@ -264,6 +264,13 @@ def schedule_constants(c: KernelConfig, trace: TraceBuffer | None = None, varlen
         ("BALANCED", c.q_order == "balanced"),
         # packed sequences: the ragged tile loop, per-sequence rows, pointer stores on a sequence's end
         ("VARLEN", bool(varlen)),
+        # the varlen loop's head groups: K and V of this many keys (l2_group_mib's bytes, e4m3) run side by
+        # side. Only the varlen variant reads it: a rectangular kernel's groups are its launch-made table,
+        # so its source stays its launch twins' (l2_group_mib is launch-only there)
+        (
+            "L2_GROUP_KEYS",
+            (int((c if varlen else c.kernel_config()).l2_group_mib) << 20) // (c.head_dim_qk + c.head_dim_v),
+        ),
         ("V_PERM", bool(c.v_permute)),
         ("K_PERM", bool(c.k_perm)),
         ("V_NATURAL", c.v_layout == "natural"),

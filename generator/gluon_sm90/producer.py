@@ -47,7 +47,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
         lo, hi, step = _tile_loop(tile_table, n_tiles)
     for i in range(lo, hi, step):
         if VARLEN:
-            b, h, mb, q_row, seq_q, k_row, seq_k = _ragged_tile(tile_table, i, H, n_m, cu_q, cu_k)
+            b, h, mb, q_row, seq_q, k_row, seq_k = _ragged_tile(tile_table, i, H, GROUP, Sk, n_m, cu_q, cu_k)
         else:
             b, h, mb = _tile_coords(_tile_at(tile_table, i), n_bh, H, n_m, HEAVY_FIRST)
             seq_q = Sq

@@ -66,18 +66,28 @@ def _block_range(m0, Sq, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSA
 @gluon.jit
 def _ragged_loop(tile_table, H):
     """VARLEN: (lo, hi, step) of this program's loop over packed sequences' tiles, round robin over the
-    table's tiles (kernels/gluon_varlen.ragged_tiles: its first word counts the (sequence, query block)
-    entries that hold rows; each is H tiles, one per head, adjacent so that a KV group's heads run side
-    by side and share K/V in L2)."""
+    tiles in `_ragged_tile`'s order (kernels/gluon_varlen.ragged_tiles: the table's first word counts
+    the (sequence, query block) entries that hold rows; each is H tiles, one per head)."""
     return gl.program_id(0), gl.load(tile_table) * H, gl.num_programs(0)
 
 
 @gluon.jit
-def _ragged_tile(tile_table, i, H, n_m, cu_q, cu_k):
+def _ragged_tile(tile_table, i, H, GROUP, Sk, n_m, cu_q, cu_k):
     """VARLEN: loop index i -> (sequence, head, query block, the sequence's first Q row, its queries, its
-    first K row, its keys). The table's entries, heaviest first, are sequence * n_m + query block."""
-    e = gl.load(tile_table + 1 + i // H)
+    first K row, its keys). The heads come in groups whose K and V fit in L2 at the longest sequence's
+    Sk keys (L2_GROUP_KEYS: l2_group_mib's bytes in keys; whole GQA groups, at least one, as the
+    rectangular balanced table's groups; the last group the heads left). Group g owns loop indices
+    [g count heads, (g + 1) count heads): the table's entries (heaviest first, each sequence * n_m +
+    query block) once per head of the group, the heads adjacent. So the tiles running side by side
+    read a few heads' K/V from L2 instead of every head's from HBM. (Derived here from the kernel's
+    parameters, not carried through the loop: a loop-carried value spilled hd256's consumers.)"""
+    group_heads = gl.minimum(gl.maximum(L2_GROUP_KEYS // gl.maximum(Sk, 1), 1) * GROUP, H)
+    per_group = gl.load(tile_table) * group_heads
+    g = i // per_group
+    r = i - g * per_group
+    heads = gl.minimum(group_heads, H - g * group_heads)
+    e = gl.load(tile_table + 1 + r // heads)
     b = e // n_m
     q0 = gl.load(cu_q + b)
     k0 = gl.load(cu_k + b)
-    return b, i % H, e % n_m, q0, gl.load(cu_q + b + 1) - q0, k0, gl.load(cu_k + b + 1) - k0
+    return b, g * group_heads + r % heads, e % n_m, q0, gl.load(cu_q + b + 1) - q0, k0, gl.load(cu_k + b + 1) - k0
