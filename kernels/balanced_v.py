@@ -1,7 +1,7 @@
 """Balanced rounding of V (`quantize_fp8(..., v_rounding="balanced")`): e4m3 codes whose rounding errors
 cancel per channel along each block of BALANCE_KEYS keys (`balanced_codes`, torch; `_balanced_keys`, the same
 arithmetic inside the quantiser's codes pass), and kappa, the weight of a moved code's own error
-(`balance_weights`, estimated from the spread of Q K^T: torch, or one Triton launch on a GPU).
+(`balance_weights`, estimated from the spread of Q K^T: torch, or two Triton launches on a GPU).
 
 All sums are integers in fixed point, so the result does not depend on summation order: a GPU gives the CPU's
 codes bitwise.
@@ -86,7 +86,7 @@ def balance_weights(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | Non
     sk, hk = k.shape[1], k.shape[2]
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     (step_q, nq), (step_k, nk) = _weight_sample(sq), _weight_sample(sk)
-    if q.device.type == "cuda":  # one launch (the torch ops below cost ~0.3 ms of host time a call)
+    if q.device.type == "cuda":  # two launches (the torch ops below cost ~0.3 ms of host time a call)
         return _balance_weights_gpu(q, k, scale, step_q, nq, step_k, nk)
     qs = q[:, ::step_q][:, :nq].permute(0, 2, 1, 3)  # (b, h, nq, d)
     ks = k[:, ::step_k][:, :nk].permute(0, 2, 3, 1)  # (b, hk, d, nk)
@@ -106,14 +106,20 @@ def _weight_sample(n: int) -> tuple[int, int]:
 def _balance_weights_gpu(
     q: torch.Tensor, k: torch.Tensor, scale: float, step_q: int, nq: int, step_k: int, nk: int
 ) -> torch.Tensor:
-    """`balance_weights` on a GPU: `_kappa_kernel`, one program per (batch, kv head)."""
+    """`balance_weights` on a GPU in two launches: `_kappa_part_kernel`, one program per (batch, q head, block of
+    sampled queries), enough to fill the GPU at batch 1; then `_kappa_sum_kernel`, one per (batch, kv head), sums the
+    partials in a fixed order (no atomics: the same kappa every run). One buffer holds both: kappa first (padded
+    to 16 bytes), then the partials."""
     b, _, h, d = q.shape
     hk = k.shape[2]
-    out = torch.empty(b, hk, dtype=torch.float32, device=q.device)
+    blocks = -(-nq // _KAPPA_ROWS)
+    lead = -(-b * hk // 4) * 4
+    buf = torch.empty(lead + b * h * blocks, dtype=torch.float32, device=q.device)
+    out, part = buf[: b * hk], buf[lead:]
     args = (
         q,
         k,
-        out,
+        part,
         nq,
         nk,
         step_q * q.stride(1),
@@ -125,29 +131,34 @@ def _balance_weights_gpu(
         k.stride(2),
         k.stride(3),
         h // hk,
-        hk,
         d,
-        float(scale) ** 2,
     )
     consts = dict(BQ=_KAPPA_ROWS, BK=_KAPPA_KEYS)
-    run(("balance_weights",), _kappa_kernel, (b, hk), args, consts, dict(num_warps=4, num_stages=1), q.device.index)
-    return out
+    opts = dict(num_warps=4, num_stages=1)
+    run(("balance_weights", "part"), _kappa_part_kernel, (b, h * blocks), args, consts, opts, q.device.index)
+    args = (part, out, blocks, h // hk, nq, float(scale) ** 2)
+    consts = dict(GROUP_P2=triton.next_power_of_2(h // hk))
+    opts = dict(num_warps=1, num_stages=1)
+    run(("balance_weights", "sum"), _kappa_sum_kernel, (b * hk,), args, consts, opts, q.device.index)
+    return out.view(b, hk)
 
 
-#: query rows and keys `_kappa_kernel` multiplies at a time (64 x 64 float32 scores over 4 warps)
+#: query rows and keys `_kappa_part_kernel` multiplies at a time (64 x 64 float32 scores over 4 warps)
 _KAPPA_ROWS = 64
 _KAPPA_KEYS = 64
 #: head-dim columns it multiplies at a time (a loop over the head dim, not unrolled)
 _KAPPA_COLS = tl.constexpr(32)
+#: blocks of sampled queries per q head at most (partials per q head `_kappa_sum_kernel` reads)
+_KAPPA_BLOCKS = tl.constexpr(WEIGHT_SAMPLES // _KAPPA_ROWS)
 _SIGMA2_MAX_C = tl.constexpr(_SIGMA2_MAX)
 _BALANCE_WEIGHT_MAX = tl.constexpr(BALANCE_WEIGHT_MAX)
 
 
 @triton.jit
-def _kappa_kernel(
+def _kappa_part_kernel(
     Q,
     K,
-    OUT,
+    PART,
     NQ,
     NK,
     SQ_STEP,
@@ -159,62 +170,70 @@ def _kappa_kernel(
     skh,
     skd,
     GROUP,
-    HK,
     D,
-    scale2,
     BQ: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """kappa of one (batch, kv head) as `balance_weights`: per q head of the group the mean over NQ sampled
-    queries (every SQ_STEP-th element row) of the variance of their float32 scores against NK sampled keys,
-    times scale2; expm1 of it clamped; the group's mean, NaN to the cap, clamped to [0, cap]. The scores come
-    BQ x BK at a time (TF32 x3 products: float32's precision) and each row's variance is merged chunk by chunk
-    from the chunks' own means and centred sums (Chan et al.), so rows with means of hundreds keep their spread."""
-    b, g = tl.program_id(0), tl.program_id(1)
-    rows0, keys0 = tl.arange(0, BQ), tl.arange(0, BK)
-    k_head = K + b.to(tl.int64) * skb + g * skh
-    total = 0.0
-    for j in range(GROUP):
-        q_head = Q + b.to(tl.int64) * sqb + (g * GROUP + j) * sqh
-        var_sum = 0.0
-        for q0 in range(0, NQ, BQ):
-            rows = q0 + rows0
-            qmask = rows < NQ
-            n = tl.zeros([BQ], dtype=tl.float32)
-            mean = tl.zeros([BQ], dtype=tl.float32)
-            m2 = tl.zeros([BQ], dtype=tl.float32)
-            for k0 in range(0, NK, BK):
-                keys = k0 + keys0
-                kmask = keys < NK
-                acc = tl.zeros([BQ, BK], dtype=tl.float32)
-                for c0 in range(0, D, _KAPPA_COLS):  # (not unrolled: 256 columns would spill)
-                    cols = c0 + tl.arange(0, _KAPPA_COLS)
-                    qt = tl.load(
-                        q_head + rows[:, None].to(tl.int64) * SQ_STEP + cols[None, :] * sqd,
-                        mask=qmask[:, None] & (cols[None, :] < D),
-                        other=0.0,
-                    )
-                    kt = tl.load(
-                        k_head + keys[None, :].to(tl.int64) * SK_STEP + cols[:, None] * skd,
-                        mask=kmask[None, :] & (cols[:, None] < D),
-                        other=0.0,
-                    )
-                    acc = tl.dot(qt.to(tl.float32), kt.to(tl.float32), acc, input_precision="tf32x3")
-                nc = tl.minimum(NK - k0, BK).to(tl.float32)
-                mc = tl.sum(tl.where(kmask[None, :], acc, 0.0), axis=1) / nc
-                dev = tl.where(kmask[None, :], acc - mc[:, None], 0.0)
-                delta = mc - mean
-                both = n + nc
-                mean += delta * (nc / both)
-                m2 += tl.sum(dev * dev, axis=1) + delta * delta * (n * nc / both)
-                n = both
-            var_sum += tl.sum(tl.where(qmask, m2 / NK, 0.0), axis=0)
-        sigma2 = var_sum / NQ * scale2
-        kappa = tl.exp(tl.minimum(tl.maximum(sigma2, 0.0), _SIGMA2_MAX_C)) - 1.0
-        total += tl.where(sigma2 != sigma2, float("nan"), kappa)
-    kappa = total / GROUP
+    """One block of BQ sampled queries (every SQ_STEP-th element row) of one (batch, q head): the sum over its
+    rows of the variance of their float32 scores against NK sampled keys, to PART[batch, head, block]
+    (`_kappa_sum_kernel` finishes). The scores come BQ x BK at a time (TF32 x3 products: float32's precision) and each
+    row's variance is merged chunk by chunk from the chunks' own means and centred sums (Chan et al.), so rows
+    with means of hundreds keep their spread."""
+    b, p = tl.program_id(0), tl.program_id(1)
+    head = p // tl.cdiv(NQ, BQ)
+    rows = (p - head * tl.cdiv(NQ, BQ)) * BQ + tl.arange(0, BQ)
+    qmask = rows < NQ
+    q_head = Q + b.to(tl.int64) * sqb + head * sqh
+    k_head = K + b.to(tl.int64) * skb + (head // GROUP) * skh
+    n = tl.zeros([BQ], dtype=tl.float32)
+    mean = tl.zeros([BQ], dtype=tl.float32)
+    m2 = tl.zeros([BQ], dtype=tl.float32)
+    for k0 in range(0, NK, BK):
+        keys = k0 + tl.arange(0, BK)
+        kmask = keys < NK
+        acc = tl.zeros([BQ, BK], dtype=tl.float32)
+        for c0 in range(0, D, _KAPPA_COLS):  # (not unrolled: 256 columns would spill)
+            cols = c0 + tl.arange(0, _KAPPA_COLS)
+            qt = tl.load(
+                q_head + rows[:, None].to(tl.int64) * SQ_STEP + cols[None, :] * sqd,
+                mask=qmask[:, None] & (cols[None, :] < D),
+                other=0.0,
+            )
+            kt = tl.load(
+                k_head + keys[None, :].to(tl.int64) * SK_STEP + cols[:, None] * skd,
+                mask=kmask[None, :] & (cols[:, None] < D),
+                other=0.0,
+            )
+            acc = tl.dot(qt.to(tl.float32), kt.to(tl.float32), acc, input_precision="tf32x3")
+        nc = tl.minimum(NK - k0, BK).to(tl.float32)
+        mc = tl.sum(tl.where(kmask[None, :], acc, 0.0), axis=1) / nc
+        dev = tl.where(kmask[None, :], acc - mc[:, None], 0.0)
+        delta = mc - mean
+        both = n + nc
+        mean += delta * (nc / both)
+        m2 += tl.sum(dev * dev, axis=1) + delta * delta * (n * nc / both)
+        n = both
+    tl.store(PART + b.to(tl.int64) * tl.num_programs(1) + p, tl.sum(tl.where(qmask, m2 / NK, 0.0), axis=0))
+
+
+@triton.jit
+def _kappa_sum_kernel(PART, OUT, BLOCKS, GROUP, NQ, scale2, GROUP_P2: tl.constexpr):
+    """kappa of one (batch, kv head) as `balance_weights` from `_kappa_part_kernel`'s partials (its GROUP q heads'
+    BLOCKS each, contiguous): per q head their sum over NQ times scale2, expm1 of it clamped; the group's mean, NaN
+    to the cap, clamped to [0, cap]. Sums in a fixed order, so the result is the same every run."""
+    i = tl.program_id(0)
+    heads, blocks = tl.arange(0, GROUP_P2), tl.arange(0, _KAPPA_BLOCKS)
+    mask = heads < GROUP
+    part = tl.load(
+        PART + i.to(tl.int64) * GROUP * BLOCKS + heads[:, None] * BLOCKS + blocks[None, :],
+        mask=mask[:, None] & (blocks[None, :] < BLOCKS),
+        other=0.0,
+    )
+    sigma2 = tl.sum(part, axis=1) / NQ * scale2
+    kappa = tl.exp(tl.minimum(tl.maximum(sigma2, 0.0), _SIGMA2_MAX_C)) - 1.0
+    kappa = tl.sum(tl.where(mask, tl.where(sigma2 != sigma2, float("nan"), kappa), 0.0), axis=0) / GROUP
     kappa = tl.where(kappa != kappa, _BALANCE_WEIGHT_MAX, tl.minimum(tl.maximum(kappa, 0.0), _BALANCE_WEIGHT_MAX))
-    tl.store(OUT + b * HK + g, kappa)
+    tl.store(OUT + i, kappa)
 
 
 def _weighed_cost(win: torch.Tensor, kappa: torch.Tensor) -> torch.Tensor:

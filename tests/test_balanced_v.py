@@ -11,6 +11,7 @@ import struct
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from zyfa_tune.kernels.quantize import (
     BALANCE_COST_CAP,
@@ -205,6 +206,49 @@ def test_balance_weights_follow_the_score_spread(family, lo, hi):
     # GQA: the mean of the q heads' kappas, each from its own rows
     one = torch.stack([balance_weights(q[:, :, i : i + 1], k[:, :, i // 2 : i // 2 + 1])[:, 0] for i in range(4)], 1)
     torch.testing.assert_close(w, one.view(2, 2, 2).mean(2), rtol=1e-5, atol=0)
+
+
+#: `_balance_weights_gpu`'s kernels in a fresh interpreter on CPU tensors against the torch path; then twice more
+#: on one case: the same bits
+_KAPPA_INTERPRETED = """
+import torch
+from zyfa_tune.kernels.balanced_v import BALANCE_WEIGHT_MAX, _balance_weights_gpu, _weight_sample, balance_weights
+
+g = torch.Generator().manual_seed(7)
+cases = [  # batch, q tokens, k tokens, q heads, kv heads, head dim, dtype, softmax scale, score offset, NaN
+    (2, 200, 200, 4, 4, 64, torch.float32, None, 0.0, False),
+    (1, 1000, 77, 8, 2, 96, torch.float16, None, 0.0, True),
+    (3, 1, 1, 4, 1, 32, torch.float32, None, 0.0, False),
+    (1, 4099, 130, 6, 2, 128, torch.float32, 0.05, 3.0, False),
+    (2, 70, 300, 2, 2, 64, torch.float16, 0.3, 0.0, True),
+]
+for b, sq, sk, h, hk, d, dtype, scale, offset, nan in cases:
+    q = (torch.randn(b, sq, h, d, generator=g) + offset).to(dtype)
+    k = (torch.randn(b, sk, hk, d, generator=g) + offset).to(dtype)
+    if nan:  # the first token is always sampled: its head's group (batch 0, kv head 1) gets the cap
+        q[0, 0, h // hk] = float("nan")
+    want = balance_weights(q, k, scale)
+    s = d**-0.5 if scale is None else scale
+    got = _balance_weights_gpu(q, k, s, *_weight_sample(sq), *_weight_sample(sk))
+    assert got.shape == (b, hk) and got.dtype == torch.float32
+    assert not nan or (want[0, 1] == BALANCE_WEIGHT_MAX and (want < BALANCE_WEIGHT_MAX).any()), want
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+    print("case", float(want.max()))
+runs = [_balance_weights_gpu(q, k, s, *_weight_sample(sq), *_weight_sample(sk)) for _ in range(2)]
+assert torch.equal(runs[0], got) and torch.equal(runs[1], got)
+print("checked", len(cases))
+"""
+
+
+def test_kappa_kernels_in_the_interpreter_equal_the_torch_path():
+    """The GPU's kappa (partials per block of sampled queries, then a fixed-order sum per (batch, kv head)) is the
+    torch path's to float32 round-off: GQA 1, 3 and 4, sample counts that are not multiples of 64, one token (kappa 0),
+    scores with means of hundreds, a NaN query (its group's kappa the cap, the other groups' finite); and it
+    gives the same bits run to run."""
+    out = run_interpreted(_KAPPA_INTERPRETED).split()
+    assert out[-2:] == ["checked", "5"], out
+    kappas = [float(x) for x in out[1:-2:2]]
+    assert kappas[2] == 0.0 and 0.5 < kappas[0] < 5.0, kappas  # one token; Gaussian scores at 1/sqrt(d): ~e - 1
 
 
 def test_a_large_weight_keeps_the_nearest_codes_and_a_bad_one_is_refused():

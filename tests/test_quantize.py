@@ -159,21 +159,29 @@ def test_packed_passes_compile_without_spills(dim, dtype, segments):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_kappa_kernel_compiles_without_spills(dtype):
-    """balance_weights' one launch on a GPU (_kappa_kernel): 64 x 64 float32 scores at a time from 32-column
+def test_kappa_kernels_compile_without_spills(dtype):
+    """balance_weights' launches on a GPU: _kappa_part_kernel, 64 x 64 float32 scores at a time from 32-column
     slices of Q and K (a loop over any head dim) on the tensor cores in TF32 x3 (float32's precision: TF32 alone
-    would round Q and K to 10 bits), no local memory, for the input dtypes the API takes."""
-    from zyfa_tune.kernels.balanced_v import _KAPPA_KEYS, _KAPPA_ROWS, _kappa_kernel
+    would round Q and K to 10 bits), for the input dtypes the API takes; _kappa_sum_kernel, one warp over a
+    group's partials. Neither uses local memory."""
+    from zyfa_tune.kernels.balanced_v import _KAPPA_KEYS, _KAPPA_ROWS, _kappa_part_kernel, _kappa_sum_kernel
 
-    sig = {name: "i32" for name in _kappa_kernel.arg_names}
-    sig.update(Q="*" + _DT[dtype], K="*" + _DT[dtype], OUT="*fp32", scale2="fp32")
+    sig = {name: "i32" for name in _kappa_part_kernel.arg_names}
+    sig.update(Q="*" + _DT[dtype], K="*" + _DT[dtype], PART="*fp32")
     constexprs = dict(BQ=_KAPPA_ROWS, BK=_KAPPA_KEYS)
     sig.update({name: "constexpr" for name in constexprs})
-    div16 = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(_kappa_kernel.arg_names) if sig[name][0] == "*"}
-    sass, usage = _sm90_sass(_kappa_kernel, sig, constexprs, div16, 4)
+    div16 = {
+        (i,): [["tt.divisibility", 16]] for i, name in enumerate(_kappa_part_kernel.arg_names) if sig[name][0] == "*"
+    }
+    sass, usage = _sm90_sass(_kappa_part_kernel, sig, constexprs, div16, 4)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
     # three TF32 products per 8-column step of a 32-column slice (one slice a loop step)
     assert len(re.findall(r"\bHGMMA\.64x64x8\.F32\.TF32\b", sass)) == 3 * 4
+    sig = dict(PART="*fp32", OUT="*fp32", BLOCKS="i32", GROUP="i32", NQ="i32", scale2="fp32", GROUP_P2="constexpr")
+    for group in (1, 8):
+        sass, usage = _sm90_sass(_kappa_sum_kernel, sig, dict(GROUP_P2=group), {}, 1)
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (group, usage)
+        assert "STG.E" in sass and not re.search(r"\b(ATOMG?|RED)\.", sass), group  # a fixed-order sum
 
 
 @pytest.mark.parametrize("dtype,parts", [(torch.bfloat16, 1), (torch.float16, 2), (torch.float32, 3)])
@@ -406,10 +414,11 @@ def test_descales_start_16_byte_aligned(batch, kv_heads):
 
 @pytest.mark.gpu
 def test_balance_weights_on_the_gpu():
-    """kappa from a sample of the scores on a GPU (_kappa_kernel, one launch) is the CPU's torch ops' to float32
-    summation order: grouped heads, fewer tokens than the sample (200), a head dim that is no power of two, rows
-    whose scores have means of hundreds (channel outliers: the variance merged from centred chunks); and balanced
-    V by default is the codes pass with the GPU's own kappa."""
+    """kappa from a sample of the scores on a GPU (_kappa_part_kernel, then _kappa_sum_kernel) is the CPU's torch
+    ops' to float32 summation order: grouped heads, fewer tokens than the sample (200), a head dim that is no power
+    of two, rows whose scores have means of hundreds (channel outliers: the variance merged from centred chunks);
+    the same bits run to run (a fixed-order sum); and balanced V by default is the codes pass with the GPU's own
+    kappa."""
     from zyfa_tune.kernels.quantize import balance_weights, quantize_tensors
     from zyfa_tune.tuning.inputs import make_qkv
 
@@ -427,6 +436,7 @@ def test_balance_weights_on_the_gpu():
     w = balance_weights(q.cuda(), k.cuda())
     torch.testing.assert_close(w.cpu(), balance_weights(q, k), rtol=1e-4, atol=0)
     qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+    assert all(torch.equal(balance_weights(qc, kc), w) for _ in range(3))
     got = quantize_fp8(qc, kc, vc, v_rounding="balanced")[2]
     want = quantize_tensors(((vc, False, None),), 2, balance_last=True, balance_weight=w)[0][0]
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

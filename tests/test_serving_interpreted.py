@@ -6,23 +6,20 @@ float32 round-off: any masking, page or LSE mistake shows up as an O(1) error.""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.kernels import launch
 
-#: run in a fresh interpreter: TRITON_INTERPRET is read when triton is first imported
+#: run in a fresh interpreter (`run_interpreted`)
 _SCRIPT = textwrap.dedent(
     """
     import random, sys
     import torch
-    import triton.runtime.interpreter as interp
     from zyfa_tune.api import window_bounds
     from zyfa_tune.generator.defaults import default_config
     from zyfa_tune.generator.emitted import emitted
@@ -30,13 +27,6 @@ _SCRIPT = textwrap.dedent(
     from zyfa_tune.kernels import launch as L
     from zyfa_tune.tuning.reference import attention_reference, attention_reference_paged, attention_reference_varlen
 
-    patch = interp._patch_lang_tensor
-
-    def patched(tensor, scope):  # a loaded scalar is a 1-element array, which numpy 2 will not int()
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
     L.emit = lambda c, serving=False: emitted(
         c, triton_emit._Emitter(c, serving).source().replace("tl.bfloat16", "tl.float32")
     )
@@ -122,12 +112,8 @@ _SCRIPT = textwrap.dedent(
 @pytest.mark.parametrize("loads", ["tma", "pointer"])
 def test_serving_variant_in_the_interpreter_matches_float64(loads):
     """Windows, LSE and paged caches (dense and packed queries), with both load kinds."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, loads, "60"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[-2:] == ["bad", "0"], done.stdout[-3000:]
+    out = run_interpreted(_SCRIPT, loads, "60")
+    assert out.split()[-2:] == ["bad", "0"], out[-3000:]
 
 
 def test_tma_descriptors_of_a_paged_cache_span_all_its_pages():
