@@ -16,6 +16,7 @@ from zyfa_tune.bench.measure import measure_shape
 from zyfa_tune.bench.peers import PEERS, parse_peers, systems_for
 from zyfa_tune.bench.peers.base import Bound, boxed
 from zyfa_tune.bench.peers.ours import OursSpec, parse_ours
+from zyfa_tune.bench.peers.paged import ContiguousTwin, PagedOurs
 from zyfa_tune.bench.peers.varlen import FA3Varlen, VarlenOurs
 from zyfa_tune.bench.results import BenchResult
 from zyfa_tune.bench.run import BenchPlan
@@ -121,6 +122,30 @@ def test_plan_and_cli_of_packed_sequences(monkeypatch, capsys):
     assert "--lengths: entry 0 is 0" in capsys.readouterr().out
 
 
+def test_paged_systems_pair_each_of_ours_with_its_contiguous_twin(monkeypatch):
+    ours = [OursSpec("ours-fp8", "fp8"), *parse_ours("w:block_n=64", ["fp8"])]
+    names = [(s.name, type(s)) for s in systems_for(small(), ours, ["fa3-varlen-fp8"], paged=128)]
+    assert names == [
+        ("ours-fp8", VarlenOurs),
+        ("w", VarlenOurs),
+        ("ours-fp8-paged", PagedOurs),
+        ("ours-fp8-paged-contiguous", ContiguousTwin),
+        ("w-paged", PagedOurs),
+        ("w-paged-contiguous", ContiguousTwin),
+        ("fa3-varlen-fp8", FA3Varlen),
+    ]
+    rect = BenchShape(head_dim_qk=128, head_dim_v=128, batch=1, seqlen=1024, heads=8, kv_heads=8)
+    assert not any(isinstance(s, PagedOurs) for s in systems_for(rect, ours, [], paged=128))
+    for bad, shapes in ((48, (small(),)), (-32, (small(),)), (128, (rect,))):
+        with pytest.raises(ValueError, match="^paged: a page size is a positive multiple of 32"):
+            BenchPlan(shapes=shapes, ours=tuple(ours), peers=(), paged=bad)
+    plans = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_run, "run", lambda plan, on_row=None: plans.append(plan) or sample_result())
+    cli.main(["bench", "--lengths", "chat", "--paged", "256"])
+    assert plans[0].paged == 256
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp8", "bf16"])
 def test_bench_lengths_on_gpu(tmp_path, dtype):
@@ -137,3 +162,16 @@ def test_bench_lengths_on_gpu(tmp_path, dtype):
     assert fa3.error is None or fa3.error.startswith("ImportError")  # the wheel is optional
     if fa3.error is None:
         assert fa3.rel_l2 < bound and fa3.tflops > 0
+
+
+@pytest.mark.gpu
+def test_bench_paged_on_gpu(tmp_path):
+    """The paged cache and its contiguous twin run the same config and both match float64."""
+    out = tmp_path / "r.json"
+    argv = ["bench", "--head-dim", "128", "--lengths", "1,127,3000,700", "--heads", "8", "--paged", "128"]
+    assert cli.main([*argv, "--peers", "none", "--reps", "5", "--warm", "0.2", "--json", str(out)]) == 0
+    rows = {r.system: r for r in BenchResult.load(out).rows}
+    paged, twin = rows["ours-fp8-paged"], rows["ours-fp8-paged-contiguous"]
+    assert paged.error is None and twin.error is None and paged.config == twin.config
+    assert '"loads":"tma"' in paged.config and paged.tflops > 0 and twin.tflops > 0
+    assert paged.rel_l2 < 5e-2 and twin.rel_l2 < 5e-2

@@ -262,6 +262,32 @@ def test_prepare_places_the_page_table_and_refuses_what_the_kernel_cannot_read()
         launch.prepare(tma80, q80, k80, v80, torch.empty_like(q80), 0.1, True, serving=s)
 
 
+def test_paged_from_packed_holds_the_packed_keys_on_shuffled_pages():
+    """The cache a benchmark builds from packed K/V: every sequence on its own pages, shuffled, so that the
+    paged reference equals the packed one; e4m3 caches too (copied as bytes)."""
+    lens = [5, 64, 1, 130]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(lens), 4, 64, generator=g).to(BF16)
+    k = torch.randn(sum(lens), 2, 64, generator=g).to(BF16)
+    v = torch.randn(sum(lens), 2, 32, generator=g).to(BF16)
+    k_cache, v_cache, table, cache_lens = kvcache.paged_from_packed(k, v, lens, 32, g)
+    assert k_cache.shape == (9, 32, 2, 64) and v_cache.shape == (9, 32, 2, 32)  # 1 + 2 + 1 + 5 pages
+    assert table.dtype == cache_lens.dtype == torch.int32 and cache_lens.tolist() == lens
+    used = [p for b, n in enumerate(lens) for p in table[b, : -(-n // 32)].tolist()]
+    assert sorted(used) == list(range(9)) and used != sorted(used)  # each page once, not in order
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    got = attention_reference_paged(q, k_cache, v_cache, table, cache_lens, cu_seqlens_q=cu)
+    assert torch.equal(got, attention_reference_varlen(q, k, v, cu, cu))
+    k8, v8 = k.to(FP8), v.to(FP8)
+    k8_cache, _, in_order, _ = kvcache.paged_from_packed(k8, v8, lens, 64)
+    assert k8_cache.dtype == FP8 and in_order[3].tolist() == [3, 4, 5]
+    assert torch.equal(k8_cache.flatten(0, 1)[3 * 64 : 3 * 64 + 130].view(torch.uint8), k8[70:].view(torch.uint8))
+    with pytest.raises(ValueError, match="^page_size: expected a positive multiple of 32, got 48"):
+        kvcache.paged_from_packed(k, v, lens, 48)
+    with pytest.raises(ValueError, match="^lengths: sum to 199"):
+        kvcache.paged_from_packed(k, v, [5, 64, 130], 32)
+
+
 # ---- the float64 paged reference ------------------------------------------------------------------
 
 

@@ -143,6 +143,60 @@ def paged_config(config: KernelConfig, page_size: int, pointer: bool = False) ->
         )
 
 
+def dispatched_config(
+    dtype: str,
+    dqk: int,
+    dv: int,
+    causal: bool,
+    batch: int,
+    h: int,
+    hk: int,
+    seqlen_q: int,
+    page_size: int,
+    apart: bool,
+    device_index: int,
+) -> KernelConfig:
+    """The config a paged call runs where none is forced: the dispatcher's pick for its query length
+    (packed: the mean), as `paged_config` makes it run a cache of `page_size` pages (`apart`: pages
+    TMA cannot read in place)."""
+    picked = dispatch.dispatcher().config_for(dtype, dqk, dv, causal, batch, h, hk, seqlen_q, device_index)
+    return paged_config(serving_config(picked), page_size, pointer=apart)
+
+
+def paged_from_packed(
+    k: torch.Tensor, v: torch.Tensor, lengths: list[int], page_size: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed (total, kv_heads, dim) K and V of sequences of `lengths` as a paged cache:
+    (k_cache, v_cache, page_table, cache_seqlens) for `flash_attn_with_kvcache`, each sequence on its
+    own pages, the pages in a random order drawn from `generator` (in order without one), slots past
+    a sequence's keys zero. For benchmarks and tests: a serving engine writes its cache itself."""
+    if page_size <= 0 or page_size % _BLOCKS[-1]:
+        raise ValueError(f"page_size: expected a positive multiple of {_BLOCKS[-1]}, got {page_size}")
+    if k.shape[0] != sum(lengths) or v.shape[0] != k.shape[0]:
+        raise ValueError(f"lengths: sum to {sum(lengths)}, k and v hold {k.shape[0]} and {v.shape[0]} rows")
+    device = k.device
+    counts = torch.tensor([-(-n // page_size) for n in lengths], dtype=torch.int64)
+    if not len(lengths) or min(lengths) < 0:
+        raise ValueError(f"lengths: expected one or more lengths >= 0, got {lengths}")
+    pages = int(counts.sum())
+    order = torch.randperm(pages, generator=generator) if generator is not None else torch.arange(pages)
+    table = torch.zeros(len(lengths), max(1, int(counts.max())), dtype=torch.int64)
+    first = torch.cumsum(counts, 0) - counts
+    for b, c in enumerate(counts.tolist()):
+        table[b, :c] = order[int(first[b]) : int(first[b]) + c]
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), lens)
+    row = torch.arange(int(lens.sum())) - (torch.cumsum(lens, 0) - lens)[seq]
+    slot = (table[seq, row // page_size] * page_size + row % page_size).to(device)
+    caches = []
+    for t in (k, v):  # (bytes: index_put has no float8 kernel)
+        cache = torch.zeros(pages * page_size, *t.shape[1:], dtype=t.dtype, device=device)
+        cache.view(torch.uint8)[slot] = t.view(torch.uint8)
+        caches.append(cache.view(pages, page_size, *t.shape[1:]))
+    as_int32 = dict(dtype=torch.int32, device=device)
+    return caches[0], caches[1], table.to(**as_int32), lens.to(**as_int32)
+
+
 def _run(key, p: _Paged, given: tuple, config, causal: bool, as_passed: tuple):
     """Choose the kernel and launch; leave a plan for the layout where nothing was copied."""
     packed = p.cu_seqlens_q is not None
@@ -160,10 +214,9 @@ def _run(key, p: _Paged, given: tuple, config, causal: bool, as_passed: tuple):
     page_size = p.k_cache.shape[1]
     chosen = config and _varlen.natural_twin(config)
     if chosen is None:
-        picked = dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, batch, h, hk, mean, device.index)
         # pages apart in memory (say K and V interleaved per page): pointer loads read them in place
         apart = not (tma_readable(p.k_cache) and tma_readable(p.v_cache))
-        chosen = paged_config(serving_config(picked), page_size, pointer=apart)
+        chosen = dispatched_config(p.dtype, dqk, dv, causal, batch, h, hk, mean, page_size, apart, device.index)
     window = window_bounds(p.window, causal, max_pages * page_size, p.max_seqlen_q)
     serving = Serving(p.cu_seqlens_q, None, p.max_seqlen_q, window, lse, p.page_table, p.cache_seqlens)
     causal_mask = causal and window is None
@@ -321,4 +374,4 @@ def _check_values(q, k_cache, page_table, cache_seqlens, cu_q, max_q, read_cuda:
         )
 
 
-__all__ = ["flash_attn_with_kvcache", "paged_config"]
+__all__ = ["dispatched_config", "flash_attn_with_kvcache", "paged_config", "paged_from_packed"]

@@ -55,6 +55,7 @@ class BenchPlan:
     energy_s: float = 0.0  # seconds of back-to-back calls per system for TFLOP/J (0: none)
     ceiling: bool = False  # also time the FP8 GEMM ceiling (gemm_ceiling) at the start and end
     quant_floor: bool = False  # also time the quantisers alone and the copy that makes their floor (bench.traffic)
+    paged: int = 0  # packed shapes: a page size, ours also on a paged cache and its contiguous twin (peers.paged)
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -71,6 +72,11 @@ class BenchPlan:
             check_family(family, "input_family")
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant: {self.quant!r} is not one of {list(QUANT_MODES)}")
+        if self.paged and (self.paged < 0 or self.paged % 32 or not all(s.lengths for s in self.shapes)):
+            raise ValueError(
+                f"paged: a page size is a positive multiple of 32 and benches packed sequences (--lengths), "
+                f"got {self.paged}"
+            )
         if any(s.lengths for s in self.shapes) and self.quant != "per-tensor":
             raise ValueError(f"quant: packed sequences (--lengths) are benched per-tensor only, not {self.quant!r}")
         quantised = [o.label for o in self.ours if o.quant]
@@ -164,7 +170,7 @@ def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> Be
         for shape in plan.shapes:
             rows += measure_shape(
                 shape,
-                systems_for(shape, plan.ours, plan.peers, plan.quant_floor),
+                systems_for(shape, plan.ours, plan.peers, plan.quant_floor, plan.paged),
                 seed=plan.seed,
                 reps=plan.reps,
                 rotate=plan.rotate,

@@ -47,6 +47,7 @@ def _bench_plan(args: argparse.Namespace):
         energy_s=args.energy_s,
         ceiling=args.ceiling,
         quant_floor=args.quant_floor,
+        paged=args.paged or 0,
     )
 
 
@@ -107,6 +108,15 @@ def register(sub) -> None:
         "(64 sequences of 128 to 8K, ~128K tokens) or long-doc (8 of 8K to 32K); per-tensor inputs",
     )
     p.add_argument("--heads", type=int, default=None, help="query heads of --lengths (default 32)")
+    p.add_argument(
+        "--paged",
+        type=int,
+        default=None,
+        metavar="PAGE_SIZE",
+        help="with --lengths: also run each of ours on a paged KV cache of these pages, shuffled "
+        "(flash_attn_with_kvcache, every token a query), and that call's config on the contiguous tensors "
+        "(<name>-paged-contiguous): what paging costs the same kernel",
+    )
     p.add_argument(
         "--shape",
         action="append",

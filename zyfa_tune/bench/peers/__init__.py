@@ -14,6 +14,7 @@ from zyfa_tune.bench.peers.base import Peer
 from zyfa_tune.bench.peers.cudnn import CudnnFP8
 from zyfa_tune.bench.peers.fa3 import FA3
 from zyfa_tune.bench.peers.ours import Ours, OursSpec
+from zyfa_tune.bench.peers.paged import paged_systems
 from zyfa_tune.bench.peers.quantiser import floor_systems, packed_floor_systems
 from zyfa_tune.bench.peers.sdpa import TorchSDPA
 from zyfa_tune.bench.peers.varlen import FA3Varlen, VarlenOurs
@@ -70,17 +71,20 @@ def our_systems(dtypes: Sequence[str], quant: str) -> tuple[str, ...]:
 
 
 def systems_for(
-    shape: BenchShape, ours: Iterable[OursSpec], peers: Iterable[str], quant_floor: bool = False
+    shape: BenchShape, ours: Iterable[OursSpec], peers: Iterable[str], quant_floor: bool = False, paged: int = 0
 ) -> list[Peer]:
     """Ours first (on packed sequences through flash_attn_varlen_func), then the named peers that can
     run this shape (packed systems only packed shapes and the others only rectangular ones); with
     `quant_floor`, the quantisers
     of the floor recipes, of the `--ours` quantisation options and of `attention()` where it is
     benched, and the copy (`peers.quantiser.floor_systems`); on packed sequences the packed
-    quantiser and the copy (`peers.quantiser.packed_floor_systems`)."""
+    quantiser and the copy (`peers.quantiser.packed_floor_systems`). `paged` (a page size, packed
+    sequences only): each of ours also on a paged cache and its contiguous twin (`peers.paged`)."""
     ours, peers = list(ours), list(peers)
     packed = bool(shape.lengths)
     systems: list[Peer] = [VarlenOurs(spec) if packed else Ours(spec) for spec in ours]
+    if packed and paged:
+        systems += paged_systems(ours, paged)
     systems += [
         PEERS[name] for name in peers if PEERS[name].supports(shape) and getattr(PEERS[name], "packed", False) == packed
     ]

@@ -1,0 +1,107 @@
+"""Paged KV caches (`zyfa-tune bench --lengths MIX --paged PAGE_SIZE`): each of our systems on packed
+sequences also runs as `<name>-paged`, `flash_attn_with_kvcache` over a cache holding the same keys and
+values on shuffled pages (the queries are every token: a whole prefill from the cache), and as
+`<name>-paged-contiguous`, that call's own config through `flash_attn_varlen_func` on the contiguous
+packed tensors. The pair's ratio is what paging costs the same kernel; the cache is built where a
+system is prepared, outside its timing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from zyfa_tune.bench.inputs import Inputs
+from zyfa_tune.bench.peers.base import Bound, boxed
+from zyfa_tune.bench.peers.ours import Ours
+from zyfa_tune.bench.shape import BenchShape
+from zyfa_tune.generator import KernelConfig
+
+
+def _one_entry(out: torch.Tensor) -> torch.Tensor:
+    return out[None]
+
+
+@dataclass(frozen=True)
+class _PagedBase(Ours):
+    page_size: int = 128
+
+    quant_modes: ClassVar[tuple[str, ...]] = ("per-tensor",)
+    packed: ClassVar[bool] = True
+    suffix: ClassVar[str] = ""
+
+    @property
+    def name(self) -> str:
+        return self.spec.label + self.suffix
+
+    def supports(self, shape: BenchShape) -> bool:
+        return bool(shape.lengths)
+
+    def _config(self, x: Inputs) -> tuple[KernelConfig, str]:
+        """The paged call's config and why: the forced one (V read as stored), or what
+        `flash_attn_with_kvcache` picks for these pages (`kvcache.dispatched_config`)."""
+        from zyfa_tune import kvcache
+        from zyfa_tune.varlen import natural_twin
+
+        s, spec = x.shape, self.spec
+        forced = spec.config_for(s.head_dim_qk, s.head_dim_v)
+        if forced is not None:
+            return natural_twin(forced), "forced"
+        mean = -(-s.tokens // s.batch)  # (the dispatcher keys a packed call on its mean query length)
+        dims = (spec.dtype, s.head_dim_qk, s.head_dim_v, True, s.batch, s.heads, s.kv_heads, mean, self.page_size)
+        return kvcache.dispatched_config(*dims, False, x.q16.device.index or 0), "ours"
+
+    def _bound(self, run, config: KernelConfig, source: str) -> Bound:
+        call, output = boxed(run, _one_entry)
+        return Bound(call, output, config.to_json(), source)
+
+
+@dataclass(frozen=True)
+class PagedOurs(_PagedBase):
+    """`flash_attn_with_kvcache` on the shuffled pages, with the config it picks (or the forced one)."""
+
+    suffix: ClassVar[str] = "-paged"
+
+    def prepare(self, x: Inputs) -> Bound:
+        from zyfa_tune.kvcache import flash_attn_with_kvcache, paged_from_packed
+
+        s, spec = x.shape, self.spec
+        (q, k, v), kw = x.args(spec.dtype, spec.quant)
+        cu, most = x.packed_bounds()
+        shuffle = torch.Generator().manual_seed(s.tokens)
+        k_cache, v_cache, table, lens = paged_from_packed(k[0], v[0], list(s.lengths), self.page_size, shuffle)
+        config, source = self._config(x)
+        forced = None if source == "ours" else config
+
+        def run():
+            return flash_attn_with_kvcache(
+                q[0], k_cache, v_cache, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=most,
+                causal=True, config=forced, **kw,
+            )  # fmt: skip
+
+        return self._bound(run, config, source)
+
+
+@dataclass(frozen=True)
+class ContiguousTwin(_PagedBase):
+    """The paged call's config through `flash_attn_varlen_func` on the contiguous packed tensors."""
+
+    suffix: ClassVar[str] = "-paged-contiguous"
+
+    def prepare(self, x: Inputs) -> Bound:
+        from zyfa_tune.varlen import flash_attn_varlen_func
+
+        (q, k, v), kw = x.args(self.spec.dtype, self.spec.quant)
+        cu, most = x.packed_bounds()
+        config, _ = self._config(x)
+
+        def run():
+            return flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, most, most, causal=True, config=config, **kw)
+
+        return self._bound(run, config, "forced")
+
+
+def paged_systems(ours, page_size: int) -> list[_PagedBase]:
+    """Each of our systems on the paged cache and its contiguous twin."""
+    return [cls(spec, page_size) for spec in ours for cls in (PagedOurs, ContiguousTwin)]
