@@ -103,7 +103,7 @@ PARAMS = (
         forced=("softmax", "lean", True),
     ),
     gluon_only("persistent", (True, False), unless=("q_order", "balanced")),  # grid = min(SMs, tiles)
-    gluon_only("l2_group_mib", (16, 32, 8, 64), needs=(("q_order", "balanced"),)),  # launch only: tile table's groups
+    gluon_only("l2_group_mib", (16, 32, 8, 64), needs=(("q_order", "balanced"),)),  # L2 groups: tile table, varlen loop
     gluon_only("producer_regs", (24, 40, 56), one_consumer=24),  # setmaxnreg split: consumers get the rest
     gluon_only("ex2_fence", (False, True), needs=(("overlap", True), ("rowsum", "fp32"))),  # exps before PV wait
     gluon_only("skip_rescale", (False, True)),  # a warp whose row maxima stayed skips O's rescale

@@ -136,14 +136,17 @@ def test_paged_systems_pair_each_of_ours_with_its_contiguous_twin(monkeypatch):
     ]
     rect = BenchShape(head_dim_qk=128, head_dim_v=128, batch=1, seqlen=1024, heads=8, kv_heads=8)
     assert not any(isinstance(s, PagedOurs) for s in systems_for(rect, ours, [], paged=128))
-    for bad, shapes in ((48, (small(),)), (-32, (small(),)), (128, (rect,))):
+    for bad in (48, -32):
         with pytest.raises(ValueError, match="^paged: a page size is a positive multiple of 32"):
-            BenchPlan(shapes=shapes, ours=tuple(ours), peers=(), paged=bad)
+            BenchPlan(shapes=(small(),), ours=tuple(ours), peers=(), paged=bad)
+    with pytest.raises(ValueError, match="^paged: paged caches are benched on packed sequences"):
+        BenchPlan(shapes=(rect,), ours=tuple(ours), peers=(), paged=128)
     plans = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench_run, "run", lambda plan, on_row=None: plans.append(plan) or sample_result())
     cli.main(["bench", "--lengths", "chat", "--paged", "256"])
     assert plans[0].paged == 256
+    assert cli.main(["bench", "--lengths", "chat", "--paged", "0"]) == 2 and len(plans) == 1
 
 
 @pytest.mark.gpu
@@ -165,13 +168,20 @@ def test_bench_lengths_on_gpu(tmp_path, dtype):
 
 
 @pytest.mark.gpu
-def test_bench_paged_on_gpu(tmp_path):
-    """The paged cache and its contiguous twin run the same config and both match float64."""
+def test_bench_paged_on_gpu(tmp_path, monkeypatch):
+    """The paged cache and its contiguous twin run the config their rows name (the one the paged call
+    binds) and both match float64."""
+    import zyfa_tune.kvcache as kvcache
+
+    bound = []
+    bind = kvcache.bind
+    monkeypatch.setattr(kvcache, "bind", lambda config, *a, **kw: bound.append(config) or bind(config, *a, **kw))
     out = tmp_path / "r.json"
     argv = ["bench", "--head-dim", "128", "--lengths", "1,127,3000,700", "--heads", "8", "--paged", "128"]
     assert cli.main([*argv, "--peers", "none", "--reps", "5", "--warm", "0.2", "--json", str(out)]) == 0
-    rows = {r.system: r for r in BenchResult.load(out).rows}
+    result = BenchResult.load(out)
+    rows = {r.system: r for r in result.rows}
     paged, twin = rows["ours-fp8-paged"], rows["ours-fp8-paged-contiguous"]
-    assert paged.error is None and twin.error is None and paged.config == twin.config
-    assert '"loads":"tma"' in paged.config and paged.tflops > 0 and twin.tflops > 0
-    assert paged.rel_l2 < 5e-2 and twin.rel_l2 < 5e-2
+    assert paged.error is None and twin.error is None and result.settings["paged"] == 128
+    assert {c.to_json() for c in bound} == {paged.config} == {twin.config}
+    assert paged.tflops > 0 and twin.tflops > 0 and paged.rel_l2 < 5e-2 and twin.rel_l2 < 5e-2

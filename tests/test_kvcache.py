@@ -282,6 +282,8 @@ def test_paged_from_packed_holds_the_packed_keys_on_shuffled_pages():
     k8_cache, _, in_order, _ = kvcache.paged_from_packed(k8, v8, lens, 64)
     assert k8_cache.dtype == FP8 and in_order[3].tolist() == [3, 4, 5]
     assert torch.equal(k8_cache.flatten(0, 1)[3 * 64 : 3 * 64 + 130].view(torch.uint8), k8[70:].view(torch.uint8))
+    empty = kvcache.paged_from_packed(k[:0], v[:0], [0, 0], 32)  # one zero page, no sequence on it
+    assert empty[0].shape == (1, 32, 2, 64) and empty[3].tolist() == [0, 0]
     with pytest.raises(ValueError, match="^page_size: expected a positive multiple of 32, got 48"):
         kvcache.paged_from_packed(k, v, lens, 48)
     with pytest.raises(ValueError, match="^lengths: sum to 199"):

@@ -143,7 +143,7 @@ def paged_config(config: KernelConfig, page_size: int, pointer: bool = False) ->
         )
 
 
-def dispatched_config(
+def dispatched_paged_config(
     dtype: str,
     dqk: int,
     dv: int,
@@ -168,8 +168,8 @@ def paged_from_packed(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed (total, kv_heads, dim) K and V of sequences of `lengths` as a paged cache:
     (k_cache, v_cache, page_table, cache_seqlens) for `flash_attn_with_kvcache`, each sequence on its
-    own pages, the pages in a random order drawn from `generator` (in order without one), slots past
-    a sequence's keys zero. For benchmarks and tests: a serving engine writes its cache itself."""
+    own pages, the pages in a random order drawn from `generator` (a CPU generator; in order without
+    one), slots past a sequence's keys zero (and one zero page where every sequence is empty). For benchmarks and tests: a serving engine writes its cache itself."""
     if page_size <= 0 or page_size % _BLOCKS[-1]:
         raise ValueError(f"page_size: expected a positive multiple of {_BLOCKS[-1]}, got {page_size}")
     if k.shape[0] != sum(lengths) or v.shape[0] != k.shape[0]:
@@ -190,9 +190,9 @@ def paged_from_packed(
     slot = (table[seq, row // page_size] * page_size + row % page_size).to(device)
     caches = []
     for t in (k, v):  # (bytes: index_put has no float8 kernel)
-        cache = torch.zeros(pages * page_size, *t.shape[1:], dtype=t.dtype, device=device)
+        cache = torch.zeros(max(1, pages) * page_size, *t.shape[1:], dtype=t.dtype, device=device)
         cache.view(torch.uint8)[slot] = t.view(torch.uint8)
-        caches.append(cache.view(pages, page_size, *t.shape[1:]))
+        caches.append(cache.view(-1, page_size, *t.shape[1:]))
     as_int32 = dict(dtype=torch.int32, device=device)
     return caches[0], caches[1], table.to(**as_int32), lens.to(**as_int32)
 
@@ -216,7 +216,7 @@ def _run(key, p: _Paged, given: tuple, config, causal: bool, as_passed: tuple):
     if chosen is None:
         # pages apart in memory (say K and V interleaved per page): pointer loads read them in place
         apart = not (tma_readable(p.k_cache) and tma_readable(p.v_cache))
-        chosen = dispatched_config(p.dtype, dqk, dv, causal, batch, h, hk, mean, page_size, apart, device.index)
+        chosen = dispatched_paged_config(p.dtype, dqk, dv, causal, batch, h, hk, mean, page_size, apart, device.index)
     window = window_bounds(p.window, causal, max_pages * page_size, p.max_seqlen_q)
     serving = Serving(p.cu_seqlens_q, None, p.max_seqlen_q, window, lse, p.page_table, p.cache_seqlens)
     causal_mask = causal and window is None
@@ -374,4 +374,4 @@ def _check_values(q, k_cache, page_table, cache_seqlens, cu_q, max_q, read_cuda:
         )
 
 
-__all__ = ["dispatched_config", "flash_attn_with_kvcache", "paged_config", "paged_from_packed"]
+__all__ = ["dispatched_paged_config", "flash_attn_with_kvcache", "paged_config", "paged_from_packed"]

@@ -72,11 +72,10 @@ class BenchPlan:
             check_family(family, "input_family")
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant: {self.quant!r} is not one of {list(QUANT_MODES)}")
-        if self.paged and (self.paged < 0 or self.paged % 32 or not all(s.lengths for s in self.shapes)):
-            raise ValueError(
-                f"paged: a page size is a positive multiple of 32 and benches packed sequences (--lengths), "
-                f"got {self.paged}"
-            )
+        if self.paged < 0 or self.paged % 32:
+            raise ValueError(f"paged: a page size is a positive multiple of 32 (0: no paged rows), got {self.paged}")
+        if self.paged and not all(s.lengths for s in self.shapes):
+            raise ValueError("paged: paged caches are benched on packed sequences (--lengths) only")
         if any(s.lengths for s in self.shapes) and self.quant != "per-tensor":
             raise ValueError(f"quant: packed sequences (--lengths) are benched per-tensor only, not {self.quant!r}")
         quantised = [o.label for o in self.ours if o.quant]
@@ -194,6 +193,7 @@ def run(plan: BenchPlan, on_row: Callable[[BenchRow], None] | None = None) -> Be
         energy_s=plan.energy_s,
         peers=list(plan.peers),
         quant_floor=plan.quant_floor,
+        paged=plan.paged,
         ours=[dataclasses.asdict(o) for o in plan.ours],
     )
     return BenchResult(

@@ -47,8 +47,15 @@ def _bench_plan(args: argparse.Namespace):
         energy_s=args.energy_s,
         ceiling=args.ceiling,
         quant_floor=args.quant_floor,
-        paged=args.paged or 0,
+        paged=_page_size(args.paged),
     )
+
+
+def _page_size(paged: int | None) -> int:
+    """--paged's page size (0 where not given; 0 or less given is refused, not read as none)."""
+    if paged is not None and paged <= 0:
+        raise ValueError(f"--paged: expected a page size > 0, got {paged}")
+    return paged or 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

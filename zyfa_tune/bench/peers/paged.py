@@ -40,17 +40,17 @@ class _PagedBase(Ours):
 
     def _config(self, x: Inputs) -> tuple[KernelConfig, str]:
         """The paged call's config and why: the forced one (V read as stored), or what
-        `flash_attn_with_kvcache` picks for these pages (`kvcache.dispatched_config`)."""
+        `flash_attn_with_kvcache` picks for these pages (`kvcache.dispatched_paged_config`)."""
         from zyfa_tune import kvcache
         from zyfa_tune.varlen import natural_twin
 
         s, spec = x.shape, self.spec
         forced = spec.config_for(s.head_dim_qk, s.head_dim_v)
-        if forced is not None:
-            return natural_twin(forced), "forced"
+        if forced is not None:  # as flash_attn_with_kvcache would run it on these pages, for both rows
+            return kvcache.paged_config(natural_twin(forced), self.page_size), "forced"
         mean = -(-s.tokens // s.batch)  # (the dispatcher keys a packed call on its mean query length)
         dims = (spec.dtype, s.head_dim_qk, s.head_dim_v, True, s.batch, s.heads, s.kv_heads, mean, self.page_size)
-        return kvcache.dispatched_config(*dims, False, x.q16.device.index or 0), "ours"
+        return kvcache.dispatched_paged_config(*dims, False, x.q16.device.index or 0), "ours"
 
     def _bound(self, run, config: KernelConfig, source: str) -> Bound:
         call, output = boxed(run, _one_entry)
