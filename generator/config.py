@@ -138,9 +138,10 @@ LATE_FIELDS = (
     "lean_ref",
     "lean_floor",
 )
-#: Fields only the launch reads (the persistent grid's tile table), not the kernel's code: configs that
-#: differ only in them differ in the source's header line alone (the config, so each is its own
-#: database variant: variants are keyed by source hash), and Triton compiles the kernel function once.
+#: Fields only the launch reads (the persistent grid's tile table), not the rectangular kernel's code:
+#: configs that differ only in them differ in the source's header line alone (the config, so each is its
+#: own database variant: variants are keyed by source hash), and Triton compiles the kernel function once.
+#: (The varlen variant sizes its loop's head groups by l2_group_mib: a constant of its source.)
 LAUNCH_FIELDS = ("l2_group_mib",)
 #: Fields only the Triton backend reads: a Gluon config keeps them at their defaults (the Gluon
 #: kernel is one 4-warp warpgroup per 64 query rows, TMA loads into a K/V ring, one scale).
