@@ -82,6 +82,14 @@ NUM_WARPS = 4
 ROT_TILE, ROT_ROWS, ROT_WARPS = 16384, 128, 8
 #: output columns per rotation product: the +-1 matrix's (padded dim x 64) slice is at most 64 KB
 ROT_N = 64
+#: balanced V: blocks of BALANCE_KEYS keys per program of both passes, a loop over them (a program's setup, its
+#: segment's and head's picks, the descale's load and division and kappa's load, once for them all). Part of a
+#: plan's key: a plan made for one value is not used for another.
+BALANCE_BLOCKS = 4
+#: balanced V: channels per thread of the codes pass (each thread all 16 keys of them; the program has head dim /
+#: 32 / this warps, at least one): 2 makes each key's load 4 bytes a thread and gives a thread two channels' independent work
+#: for about the registers of one a thread at twice the warps. Part of a plan's key, as BALANCE_BLOCKS.
+BALANCE_CHANNELS = 1
 #: dtypes the kernel reads as they are (others are made float32 first, as the torch path does), and the
 #: bf16 parts a row of each splits into exactly for the rotation (8 significant bits a part)
 _TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
@@ -143,7 +151,7 @@ def quantize_tensors(
     keys-fastest, a (B, S, H, D) view of a (B, H, D, Sp) buffer (Sp: S padded to 16 bytes, what
     transpose_v would make): the codes pass stores them there itself (transposed through shared
     memory), so the FP8 kernels' V^T costs no pass of its own. `balance_last`: the last tensor (V,
-    neither rotated nor centred) is rounded as `balanced_codes`, alone in its launch (16-key programs), with
+    neither rotated nor centred) is rounded as `balanced_codes`, alone in its launch (`BALANCE_BLOCKS`), with
     kappa `balance_weight` ((B, kv_heads) float32, finite, >= 0; default 0).
 
     On a GPU, tensors that take the same compiled passes (head dim, dtype, options, last stride) are
@@ -169,6 +177,16 @@ def quantize_tensors(
         if k_major_last:
             codes[-1] = transpose_v(codes[-1]).permute(0, 3, 1, 2)
         return codes, [d for _, d in out]
+    return _launched(items, kv_heads, k_major_last, balance_last, balance_weight)
+
+
+def _launched(
+    items, kv_heads: int, k_major_last: bool, balance_last: bool, balance_weight: torch.Tensor | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`quantize_tensors` by the Triton passes, on whatever device the tensors are (Triton's interpreter runs
+    them on CPU tensors)."""
+    last = len(items) - 1
+    b = items[0][0].shape[0]
     if len(items) > MAX_SEGMENTS:
         raise ValueError(f"items: at most {MAX_SEGMENTS} tensors a call, got {len(items)}")
     xs = [x if x.dtype in KERNEL_DTYPES else x.float() for x, _, _ in items]
@@ -177,7 +195,7 @@ def quantize_tensors(
         kv_heads,
         xs[0].device.index,
         bool(k_major_last),
-        bool(balance_last),
+        (BALANCE_BLOCKS, BALANCE_CHANNELS) if balance_last else 0,
         *(
             (
                 x.shape,
@@ -460,10 +478,10 @@ class _Group:
 
 def _tiles(d: int, rotate: bool, balanced: bool = False) -> tuple[int, int, int, int]:
     """(rows per program, head dim padded to a power of two, columns per rotation step, warps).
-    Balanced: one block of keys a program, each thread all its keys of one channel (DP / 32 warps)."""
+    Balanced: BALANCE_BLOCKS blocks of keys a program, each thread all its keys of BALANCE_CHANNELS channels."""
     dp = triton.next_power_of_2(d)
     if rotate:
         return max(16, min(ROT_ROWS, ROT_TILE // dp)), dp, min(dp, ROT_N), ROT_WARPS
     if balanced:
-        return BALANCE_KEYS, dp, dp, max(1, dp // 32)
+        return BALANCE_KEYS * BALANCE_BLOCKS, dp, dp, max(1, dp // (32 * BALANCE_CHANNELS))
     return max(16, min(32, TILE // dp)), dp, dp, NUM_WARPS

@@ -83,7 +83,7 @@ def _program_rows(
     centred (float32) with CENTER, else in the input's dtype. Returns (rows, segment, batch, head,
     index of the (batch, kv head) in the amax and descale buffers, first row, S, H, GROUP, the block's
     first row's address, the row stride, whether the block is its head's first). LOAD=False: the rows
-    are not loaded (x is 0; BALANCED loads its keys one by one). PACKED: the tensor is (1, S, H, D) rows
+    are not loaded (x is 0; BALANCED loads them 16 keys at a time). PACKED: the tensor is (1, S, H, D) rows
     of NSEQ sequences (`_packed_block`), the returned S the end of the block's sequence and the scale
     index its (sequence, kv head)'s."""
     pid = tl.program_id(0)
@@ -176,6 +176,28 @@ def _free_slot(b, h, H, s0, SKP):
     return (b.to(tl.int64) * H + h) * (SKP // _BALANCE_KEYS) + s0 // _BALANCE_KEYS
 
 
+@triton.jit
+def _free_masks(src, stride_s, stride_d, free, n, D, DP: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The max |x| of a balanced program's rows (n of them left in the head from src, rows past it 0), having
+    stored at free[j] the mask of the keys of its j-th block of 16 that may move (`_free_keys`), a bit a key:
+    a block at a time, a block wholly past n neither read nor written (FREE holds S / 16 rounded up a head)."""
+    keys = tl.arange(0, _BALANCE_KEYS)
+    cols = tl.arange(0, DP)
+    m = tl.zeros([], tl.float32)
+    for j in range(BLOCK_S // _BALANCE_KEYS):
+        k0 = j * _BALANCE_KEYS
+        ok = (k0 + keys < n)[:, None] & (cols < D)[None, :]
+        x = tl.load(src + (k0 + keys)[:, None] * stride_s + cols[None, :] * stride_d, mask=ok, other=0.0)
+        rows = _abs_max(x.to(tl.float32), axis=1)
+        top = _abs_max(rows)
+        e = tl.maximum((top.to(tl.int32, bitcast=True) >> 23) & 0xFF, _BALANCE_ROW_BITS + 1)
+        fixed = (rows * ((254 - e + _BALANCE_ROW_BITS) << 23).to(tl.float32, bitcast=True)).to(tl.int32)
+        moves = fixed * (_BALANCE_SKIP * _BALANCE_KEYS) >= tl.sum(fixed)
+        tl.store(free + j, tl.sum(tl.where(moves, 1 << keys, 0)), mask=k0 < n)
+        m = _max_keep_nan(m, top)
+    return m
+
+
 @triton.jit(do_not_specialize=_SEGMENT_ARGS)
 def _amax_kernel(
     X0,
@@ -228,7 +250,8 @@ def _amax_kernel(
     BALANCED: tl.constexpr,
     PACKED: tl.constexpr,
 ):
-    x, seg, b, h, kv, s0, S, H, GROUP, _, _, _ = _program_rows(
+    tl.static_assert(not (BALANCED and PACKED), "balanced V takes no packed sequences")
+    x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s, _ = _program_rows(
         X0,
         X1,
         X2,
@@ -268,19 +291,14 @@ def _amax_kernel(
         BLOCK_S,
         CENTER,
         PACKED,
+        not BALANCED,
     )
     if ROTATE:
         m = 0.0
         for c0 in range(0, DP, BN):
             m = _max_keep_nan(m, _abs_max(_columns(x, R, c0, inv_sqrt, DP, BN, ROTATE, TERMS)))
-    elif BALANCED:  # and which keys may move (`_free_keys`; rows past S are 0), a bit each, for pass 2
-        rows = _abs_max(x.to(tl.float32), axis=1)
-        m = _abs_max(rows)
-        e = tl.maximum((m.to(tl.int32, bitcast=True) >> 23) & 0xFF, _BALANCE_ROW_BITS + 1)
-        fixed = (rows * ((254 + _BALANCE_ROW_BITS - e) << 23).to(tl.float32, bitcast=True)).to(tl.int32)
-        ok = fixed * (_BALANCE_SKIP * _BALANCE_KEYS) >= tl.sum(fixed)
-        mask = tl.sum(tl.where(ok, 1 << tl.arange(0, BLOCK_S), 0))
-        tl.store(FREE + _free_slot(b, h, H, s0, SKP), mask)
+    elif BALANCED:  # and which keys of each block may move, for pass 2
+        m = _free_masks(src, stride_s, stride_d, FREE + _free_slot(b, h, H, s0, SKP), S - s0, D, DP, BLOCK_S)
     else:
         m = _abs_max(x.to(tl.float32))
     # m is >= 0 or a NaN with its sign bit clear: as int32 bits these order as the floats do with the NaN
@@ -347,8 +365,8 @@ def _codes_kernel(
 ):
     """The codes of a block of rows. LAST_K_MAJOR: the last segment's go keys-fastest into its (B, H, D,
     SKP) buffer (V for the FP8 kernels' V^T, written by this pass instead of a copy after it).
-    BALANCED: rounded as `balanced_codes` (V, alone in its launch, never rotated: one block of keys
-    a program, BN = DP), kappa WEIGHT (B, kv heads) float32."""
+    BALANCED: rounded as `balanced_codes` (V, alone in its launch, never rotated: BLOCK_S / 16 blocks of
+    keys a program, BN = DP), kappa WEIGHT (B, kv heads) float32."""
     x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s, first = _program_rows(
         X0,
         X1,
@@ -399,22 +417,39 @@ def _codes_kernel(
     k_major = False
     if LAST_K_MAJOR:
         k_major = seg == NSEG - 1
-    if BALANCED:  # keys one by one into registers, each thread all 16 keys of its channels (_balanced_keys)
-        cols = tl.arange(0, DP)
-        keys = tl.arange(0, _BALANCE_KEYS)
-        free = tl.load(FREE + _free_slot(b, h, H, s0, SKP))
+    if BALANCED:
         kappa = tl.load(WEIGHT + b.to(tl.int64) * (H // GROUP) + h // GROUP)  # its (batch, kv head)'s
-        y8 = _balanced_keys(_load_keys(src, stride_s, cols * stride_d, S - s0, cols < D, scale, DP), free, kappa)
-        y8 = y8.to(tl.float8e4nv)
-        ok = (cols < D)[:, None] & (s0 + keys < S)[None, :]
+        dst = out + ((b.to(tl.int64) * S + s0) * H + h) * D  # (natural: keys H x D codes apart)
+        dst_k = H * D
+        dst_c = 1
         if k_major:
-            tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[:, None]) * SKP + s0 + keys[None, :], y8, mask=ok)
-        else:
-            tl.store(
-                out + ((b.to(tl.int64) * S + s0) * H + h) * D + keys[None, :] * (H * D) + cols[:, None], y8, mask=ok
-            )
+            dst = out + (b.to(tl.int64) * H + h) * D * SKP + s0
+            dst_k = 1
+            dst_c = SKP
+        free = FREE + _free_slot(b, h, H, s0, SKP)
+        _balanced_rows(src, stride_s, stride_d, S - s0, D, scale, free, kappa, dst, dst_k, dst_c, DP, BLOCK_S)
     else:
         _plain_codes(x, R, inv_sqrt, scale, out, s0, S, D, b, h, H, SKP, k_major, DP, BN, ROTATE, TERMS, BLOCK_S)
+
+
+@triton.jit
+def _balanced_rows(
+    src, stride_s, stride_d, n, D, scale, free, kappa, dst, dst_k, dst_c, DP: tl.constexpr, BLOCK_S: tl.constexpr
+):
+    """The balanced codes of a program's rows (n of them left in the head from src), a block of 16 keys at a time
+    (`_balanced_keys`, free[j] the j-th block's keys that may move), each thread all 16 keys of its channels. The
+    codes go to dst, dst_k apart from key to key and dst_c from channel to channel; no row past n is read or
+    written."""
+    cols = tl.arange(0, DP)
+    keys = tl.arange(0, _BALANCE_KEYS)
+    coff = cols * stride_d
+    cmask = cols < D
+    for j in range(BLOCK_S // _BALANCE_KEYS):
+        k0 = j * _BALANCE_KEYS
+        y = _load_keys(src + k0 * stride_s, stride_s, coff, n - k0, cmask, scale, DP)
+        y8 = _balanced_keys(y, tl.load(free + j, mask=k0 < n, other=0), kappa).to(tl.float8e4nv)
+        ok = cmask[:, None] & (k0 + keys < n)[None, :]
+        tl.store(dst + (k0 + keys[None, :]) * dst_k + cols[:, None] * dst_c, y8, mask=ok)
 
 
 @triton.jit

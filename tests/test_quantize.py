@@ -11,6 +11,7 @@ import torch
 
 from zyfa_tune.kernels.quantize import (
     _TERMS,
+    BALANCE_BLOCKS,
     BALANCE_KEYS,
     _amax_kernel,
     _codes_kernel,
@@ -133,6 +134,25 @@ def test_kernels_compile_without_spills(dim, dtype, centre, rotate, k_major, bal
             assert "STG.E.128" in sass and not re.search(r"STG\.E\.(U8|U16|64)\b", sass)
 
 
+@pytest.mark.parametrize("blocks,channels", [(1, 1), (2, 1), (8, 1), (4, 2)])
+@pytest.mark.parametrize("dim,dtype,k_major", [(128, torch.bfloat16, False), (256, torch.float32, True)])
+def test_balanced_passes_compile_without_spills_at_any_block_count(monkeypatch, blocks, channels, dim, dtype, k_major):
+    """Balanced V's passes at the BALANCE_BLOCKS (16-key blocks a program, a loop over them) and BALANCE_CHANNELS
+    (channels a thread) a benchmark may set: no local memory, one division a program, the key reductions in
+    registers, and the K-major codes in 16-byte runs."""
+    from zyfa_tune.kernels import quantize
+
+    monkeypatch.setattr(quantize, "BALANCE_BLOCKS", blocks)
+    monkeypatch.setattr(quantize, "BALANCE_CHANNELS", channels)
+    assert _tiles(dim, False, True)[0::3] == (BALANCE_KEYS * blocks, dim // 32 // channels)
+    for kernel in (_amax_kernel, _codes_kernel):
+        sass, usage = _pass_sass(kernel, dim, dtype, False, False, 1, k_major, True)
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (kernel.__name__, usage)
+        if kernel is _codes_kernel:
+            assert len(re.findall(r"\bFCHK\b", sass)) <= 1 and len(re.findall(r"\bSHFL\.", sass)) <= 8
+            assert "F2FP.SATFINITE.E4M3" in sass and (not k_major or "STG.E.128" in sass)
+
+
 @pytest.mark.parametrize(
     "dim,dtype,segments",
     [
@@ -249,8 +269,10 @@ def test_plan_groups_tensors_by_their_passes():
     balanced = _Plan([q, k, v], [False] * 3, [False] * 3, hk, k_major=2, balanced=2).groups
     assert [(g.members, g.consts["BALANCED"], g.consts["LAST_K_MAJOR"], g.consts["BLOCK_S"]) for g in balanced] == [
         ((0, 1, 0), False, False, rows),
-        ((2, 2, 2), True, True, BALANCE_KEYS),
+        ((2, 2, 2), True, True, BALANCE_KEYS * BALANCE_BLOCKS),
     ]
+    # (programs of BALANCE_BLOCKS 16-key blocks, the last of each head partly past its 300 keys)
+    assert balanced[1].grid == (-(-300 // (BALANCE_KEYS * BALANCE_BLOCKS)) * b * 3,)
     v128 = torch.empty(b, 300, 3, 128)
     q192, k192 = torch.empty(b, 100, 6, 192), torch.empty(b, 300, 3, 192)
     assert [g.members for g in _Plan([q192, k192, v128], [False] * 3, [False] * 3, hk).groups] == [(0, 1, 0), (2, 2, 2)]
@@ -314,10 +336,15 @@ def test_kernels_give_the_reference_codes(dtype, shape, kv_heads, rotate, centre
     "shape,kv_heads", [((2, 1000, 8, 128), 2), ((1, 17, 2, 96), 1), ((1, 4100, 4, 256), 4), ((3, 257, 6, 64), 3)]
 )
 @pytest.mark.parametrize("weighed", [False, True])
-def test_balanced_codes_on_the_gpu_are_the_cpu_codes(dtype, shape, kv_heads, weighed):
-    """V's balanced rounding (integer error sums; the codes pass, one 16-key block a program): a GPU gives
-    the CPU's codes bitwise, a sink-like small key and a partial last block of keys included, and they
-    are not the nearest codes; `weighed`: each (batch, kv head) its own kappa (0.3 to 1e6)."""
+@pytest.mark.parametrize("blocks,channels", [(1, 1), (4, 1), (4, 2)])
+def test_balanced_codes_on_the_gpu_are_the_cpu_codes(monkeypatch, dtype, shape, kv_heads, weighed, blocks, channels):
+    """V's balanced rounding (integer error sums; the codes pass, `blocks` 16-key blocks a program, `channels` a
+    thread): a GPU gives the CPU's codes bitwise, a sink-like small key and a partial last program of keys
+    included, and they are not the nearest codes; `weighed`: each (batch, kv head) its own kappa (0.3 to 1e6)."""
+    from zyfa_tune.kernels import quantize
+
+    monkeypatch.setattr(quantize, "BALANCE_BLOCKS", blocks)
+    monkeypatch.setattr(quantize, "BALANCE_CHANNELS", channels)
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g) * 3 + 0.5
     x[:, 0] *= 0.05

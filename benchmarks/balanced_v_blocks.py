@@ -1,0 +1,77 @@
+"""Balanced V's quantiser passes at each program size: `quantize_fp8(q, k, v, v_rounding="balanced")` with
+`kernels.quantize.BALANCE_BLOCKS` (16-key blocks a program) and `BALANCE_CHANNELS` (channels a thread) set
+to each pair, natural and K-major V, beside the plain quantiser and a device-to-device copy of the bytes the
+quantiser must move (its floor), all on the same inputs in one process, in interleaved rounds (each round
+in a rotated order), medians of each round's median. Picks the defaults of those two constants.
+
+    python benchmarks/balanced_v_blocks.py [--seqlen 16384] [--heads 32] [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from zyfa_tune.kernels import quantize as passes
+from zyfa_tune.quantize import quantize_fp8
+from zyfa_tune.tuning.inputs import make_qkv
+from zyfa_tune.tuning.timing import gpu_state, time_cuda, warm_gpu
+
+PAIRS = ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2))
+
+
+def systems(q, k, v) -> dict[str, object]:
+    """name -> call; each balanced call sets the constants it is named for (part of the plan's key)."""
+
+    def balanced(blocks: int, channels: int, layout: str):
+        def call():
+            passes.BALANCE_BLOCKS, passes.BALANCE_CHANNELS = blocks, channels
+            return quantize_fp8(q, k, v, v_rounding="balanced", v_layout=layout)
+
+        return call
+
+    out: dict[str, object] = {
+        f"balanced {layout} blocks={b} channels={c}": balanced(b, c, layout)
+        for b, c in PAIRS
+        for layout in ("k_major", "natural")
+    }
+    out["plain k_major"] = lambda: quantize_fp8(q, k, v, v_layout="k_major")
+    moved = sum(t.numel() for t in (q, k, v)) * 3  # bf16 read once, e4m3 written once
+    src = torch.empty(moved // 2, dtype=torch.uint8, device=q.device)
+    dst = torch.empty_like(src)
+    out["copy (floor)"] = lambda: dst.copy_(src)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlen", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dims = dict(batch=1, seqlen=args.seqlen, heads=args.heads, kv_heads=args.heads)
+    x = make_qkv(**dims, head_dim_qk=args.head_dim, head_dim_v=args.head_dim, seed=0, device="cuda")
+    q, k, v = (t.to(torch.bfloat16) for t in x)
+    calls = systems(q, k, v)
+    warm_gpu(2.0)
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            times[name].append(time_cuda([calls[name]], reps=20).median_ms)
+    floor = statistics.median(times["copy (floor)"])
+    for name in names:
+        ms = statistics.median(times[name])
+        print(f"{name:40s} {ms:7.3f} ms  {ms / floor:5.2f}x the floor")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu_state(), "shape": vars(args), "ms": times}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
