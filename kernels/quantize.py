@@ -1,6 +1,6 @@
-"""Per-(batch, kv head) FP8 quantisation of attention inputs: two Triton passes, optionally after
-K's token mean is removed and after a Hadamard rotation of the head dim, and for V optionally with
-rounding errors that cancel along the keys (`balanced_codes`).
+"""Per-(batch, kv head) FP8 quantisation of attention inputs: two Triton passes (plain inputs: both in one
+persistent launch, `ONE_PASS`), optionally after K's token mean is removed and after a Hadamard rotation
+of the head dim, and for V optionally with rounding errors that cancel along the keys (`balanced_codes`).
 
 Why a kernel: in torch ops each tensor went through float32 copies of itself (x.float(), |x|,
 x / descale, the clamp) and, rotated, a float32 matmul: on the H200 at hd128 and 16K tokens x 32
@@ -9,6 +9,9 @@ Here pass 1 reads a block of rows and folds its amax into its (batch, kv head)'s
 (of non-negative floats: the result does not depend on the order); pass 2 makes the descale from it,
 reads the rows again and writes their e4m3 codes. Only the codes (and the descales) are written.
 Q, K and V that take the same passes share one launch of each (`quantize_tensors`: segments of one grid).
+Plain inputs (no rotation, centring or balancing, not packed) take both passes in one launch instead
+(kernels/quantize_onepass.py): each row block's second read follows its first closely enough to come
+from L2, where a second launch would read every row from HBM again.
 
 The numbers are the torch path's (`quantize_heads_reference`: the CPU path and the tests'
 reference): descale = max(amax, 1e-12) * float32(1 / 448), codes = e4m3 round-to-nearest-even of
@@ -23,8 +26,9 @@ rounding boundary. A balanced V (`balanced_codes`) also needs to know which keys
 (from each key's largest |value|): pass 1 has the rows and writes that as a 16-bit mask a block (FREE,
 (B, H, S / 16) int32), so pass 2 reads one int a block where it reduced over the head dim across threads.
 
-The rotation lives in kernels/hadamard.py, balanced V's rounding and its weight in kernels/balanced_v.py; this
-module holds the passes and their launch plans, and re-exports those modules' public names.
+The rotation lives in kernels/hadamard.py, balanced V's rounding and its weight in kernels/balanced_v.py, the
+passes in kernels/quantize_passes.py and kernels/quantize_onepass.py; this module holds their launch plans,
+and re-exports those modules' public names.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from .balanced_v import (
 )
 from .fastlaunch import Bound, run
 from .hadamard import _pm1_matrix, hadamard_matrix, rotation_block
+from .quantize_onepass import _onepass_kernel, onepass_lag, onepass_programs, onepass_tiles
 from .quantize_passes import AMAX_FLOOR, E4M3_MAX, INV_E4M3_MAX, _amax_kernel, _codes_kernel
 from .transpose import padded_keys, transpose_v
 
@@ -134,7 +139,7 @@ def quantize_heads(
     balance: bool = False,
     weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_heads_reference`'s result; on a GPU by the two passes below."""
+    """`quantize_heads_reference`'s result; on a GPU by the Triton passes (`quantize_tensors`)."""
     codes, descales = quantize_tensors(((x, rotate, mean),), kv_heads, balance_last=balance, balance_weight=weight)
     return codes[0], descales[0]
 
@@ -156,9 +161,10 @@ def quantize_tensors(
 
     On a GPU, tensors that take the same compiled passes (head dim, dtype, options, last stride) are
     one launch per pass: each program finds its tensor from its index (quantize_fp8's plain Q, K and
-    V: two launches in all). The amaxes of all tensors are one zeroed buffer and their descales
-    views of one more, each starting 16-byte aligned (`scale_row`). What depends only on the layouts is kept in a plan per layout: a call costs
-    four allocations and the launches (host time: docs/results.md)."""
+    V: one launch in all with `ONE_PASS`, else two). The amaxes of all tensors (and, one pass, its
+    counters) are one zeroed buffer and their descales views of one more, each starting 16-byte aligned
+    (`scale_row`). What depends only on the layouts is kept in a plan per layout: a call costs four
+    allocations and the launches (host time: docs/results.md)."""
     if balance_last and (items[-1][1] or items[-1][2] is not None):
         raise ValueError("balance_last: the balanced tensor (V) cannot be rotated or centred")
     last = len(items) - 1
@@ -177,21 +183,26 @@ def quantize_tensors(
         if k_major_last:
             codes[-1] = transpose_v(codes[-1]).permute(0, 3, 1, 2)
         return codes, [d for _, d in out]
-    return _launched(items, kv_heads, k_major_last, balance_last, balance_weight)
+    return _launch_tensors(items, kv_heads, k_major_last, balance_last, balance_weight)
 
 
-def _launched(
-    items, kv_heads: int, k_major_last: bool, balance_last: bool, balance_weight: torch.Tensor | None
+def _launch_tensors(
+    items,
+    kv_heads: int,
+    k_major_last: bool = False,
+    balance_last: bool = False,
+    balance_weight: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """`quantize_tensors` by the Triton passes, on whatever device the tensors are (Triton's interpreter runs
-    them on CPU tensors)."""
-    last = len(items) - 1
-    b = items[0][0].shape[0]
+    """`quantize_tensors` by the Triton passes on the items' device, whichever it is (on CPU tensors:
+    under Triton's interpreter), arguments checked by the caller."""
     if len(items) > MAX_SEGMENTS:
         raise ValueError(f"items: at most {MAX_SEGMENTS} tensors a call, got {len(items)}")
+    last = len(items) - 1
+    b = items[0][0].shape[0]
     xs = [x if x.dtype in KERNEL_DTYPES else x.float() for x, _, _ in items]
     means = [None if m is None else m.contiguous() for _, _, m in items]
     key = (
+        ONE_PASS,
         kv_heads,
         xs[0].device.index,
         bool(k_major_last),
@@ -220,9 +231,10 @@ def _launched(
             kv_heads,
             last if k_major_last else -1,
             last if balance_last else -1,
+            onepass=ONE_PASS,
         )
     row = scale_row(b, kv_heads)
-    amax = torch.zeros(len(xs) * row, dtype=torch.float32, device=xs[0].device)
+    amax = torch.zeros(plan.buffer, dtype=torch.float32, device=xs[0].device)
     descales = torch.empty(len(xs), row, dtype=torch.float32, device=xs[0].device)
     codes = [_codes_buffer(x, k_major_last and i == len(xs) - 1) for i, x in enumerate(xs)]
     free = weight = amax  # (placeholders where nothing is balanced)
@@ -288,7 +300,7 @@ def quantize_packed(items, kv_heads: int) -> tuple[list[torch.Tensor], list[torc
             _plans.clear()
         plan = _plans[key] = _Plan(xs, [False] * len(xs), [False] * len(xs), kv_heads, packed=batch)
     row = scale_row(batch, kv_heads)
-    amax = torch.zeros(len(xs) * row, dtype=torch.float32, device=xs[0].device)
+    amax = torch.zeros(plan.buffer, dtype=torch.float32, device=xs[0].device)
     descales = torch.empty(len(xs), row, dtype=torch.float32, device=xs[0].device)
     codes = [torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) for x in xs]
     plan(xs, [None] * len(xs), amax, descales, codes, amax, amax, cus)
@@ -315,6 +327,10 @@ def _codes_buffer(x: torch.Tensor, k_major: bool) -> torch.Tensor:
 
 #: tensors one launch can take (Q, K and V)
 MAX_SEGMENTS = 3
+#: plain calls (no rotation, centring, balancing or packing) in one persistent launch that reads each row
+#: from HBM once (kernels/quantize_onepass.py), else the two passes; read at each call (part of the plan key),
+#: so both can be timed in one process
+ONE_PASS = True
 #: plans kept (one per layout of the call's tensors and option set: a prefill with varying lengths
 #: makes one per length); beyond it the cache starts over
 PLAN_LIMIT = 256
@@ -323,9 +339,11 @@ _plans: dict[tuple, "_Plan"] = {}
 
 class _Plan:
     """The launches of one call layout: its tensors grouped by the compiled passes they take (a
-    centred tensor alone: the mean is one argument)."""
+    centred tensor alone: the mean is one argument). `onepass`: a plain call takes the one-pass kernel.
+    `buffer`: the floats of the zeroed amax buffer, the amaxes (`scale_row` a tensor) and, one pass,
+    as many int32 arrival counts and a ticket a group."""
 
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "buffer")
 
     def __init__(
         self,
@@ -336,16 +354,30 @@ class _Plan:
         k_major: int = -1,
         balanced: int = -1,
         packed: int | None = None,
+        onepass: bool = False,
     ):
         by_kind: dict[tuple, list[int]] = {}
         for i, (x, r, c) in enumerate(zip(xs, rotates, centres)):
             bal = i == balanced  # alone, as a centred tensor (its mean is one argument): its tiles are its own
             by_kind.setdefault((x.shape[3], x.dtype, x.stride(3), r, c, bal, i if c or bal else -1), []).append(i)
+        amaxes = len(xs) * scale_row(xs[0].shape[0] if packed is None else packed, kv_heads)
+        onepass = onepass and packed is None and balanced < 0 and not any(rotates) and not any(centres)
         # (items keep their order in a group, so the K-major tensor, the last item, is its group's last)
         self.groups = [
-            _Group(xs, members, kv_heads, r, c, members[-1] == k_major, bal, packed)
-            for (_, _, _, r, c, bal, _), members in by_kind.items()
+            _Group(
+                xs,
+                members,
+                kv_heads,
+                r,
+                c,
+                members[-1] == k_major,
+                bal,
+                packed,
+                (amaxes, 2 * amaxes + i) if onepass else None,
+            )
+            for i, ((_, _, _, r, c, bal, _), members) in enumerate(by_kind.items())
         ]
+        self.buffer = 2 * amaxes + MAX_SEGMENTS + 1 if onepass else amaxes
 
     def __call__(
         self,
@@ -363,13 +395,15 @@ class _Plan:
 
 
 class _Group:
-    """The two passes over up to three tensors (segments) of one head dim, dtype and option set: the
+    """The passes over up to three tensors (segments) of one head dim, dtype and option set: the
     grid and every argument that is not a tensor. The passes are compiled (through `run`) at the
     first call and launched directly (`Bound`) after it. `packed`: the tensors are (1, total, H, D)
     rows of that many sequences, whose cumulative lengths each call passes (`cus`); a head's
-    programs are total // rows + sequences slots (`_packed_block`), scales per (sequence, kv head)."""
+    programs are total // rows + sequences slots (`_packed_block`), scales per (sequence, kv head).
+    `counters`: (ARRIVED_AT, TICKET_AT) in the amax buffer's int32 view: both passes in one persistent
+    launch (`_onepass_kernel`, plain tensors only), LAG the most blocks of a unit."""
 
-    __slots__ = ("members", "grid", "tail", "consts", "options", "head", "amax_pass", "codes_pass")
+    __slots__ = ("members", "grid", "tail", "consts", "options", "head", "kernels", "bound")
 
     def __init__(
         self,
@@ -381,10 +415,11 @@ class _Group:
         last_k_major: bool = False,
         balanced: bool = False,
         packed: int | None = None,
+        counters: tuple[int, int] | None = None,
     ):
         x0 = xs[members[0]]
         b, d = x0.shape[0], x0.shape[3]
-        block_s, dp, bn, warps = _tiles(d, rotate, balanced)
+        block_s, dp, bn, warps = _tiles(d, rotate, balanced) if counters is None else onepass_tiles(d)
         scales = b if packed is None else packed  # (batch or sequence, kv head) scales per tensor
         starts, fields = [0], []  # per segment: S, H, GROUP, stride_b, stride_s, stride_h
         for i in members:
@@ -408,6 +443,13 @@ class _Group:
             scales if packed is not None else 0,  # NSEQ and STEPS, the binary search's
             packed.bit_length() if packed is not None else 0,
         )
+        # (name, kernel, whether it takes the outputs: the codes pass and the one-pass kernel do)
+        self.kernels = (("quantize_amax", _amax_kernel, False), ("quantize_codes", _codes_kernel, True))
+        if counters is not None:  # CHUNKS, LAG (over a unit's blocks: a head's times its group), the counters
+            self.grid = (onepass_programs(x0.device, starts[-1]),)
+            lag = onepass_lag(max(triton.cdiv(s, block_s) * group for s, _, group, *_ in fields), self.grid[0])
+            self.tail += (starts[-1], lag, *counters)
+            self.kernels = (("quantize_onepass", _onepass_kernel, True),)
         self.consts = dict(
             NSEG=len(members),
             DP=dp,
@@ -422,7 +464,7 @@ class _Group:
         )
         self.options = dict(num_warps=warps, num_stages=1)
         self.head = (d, str(x0.dtype), centre, rotate, bool(last_k_major), bool(balanced), packed is not None)
-        self.amax_pass = self.codes_pass = None
+        self.bound = None
 
     def __call__(
         self,
@@ -435,7 +477,7 @@ class _Group:
         weight: torch.Tensor,
         cus: list | None = None,
     ) -> None:
-        if not self.grid[0]:  # (no sequences: nothing to write)
+        if not self.grid[0]:  # (no rows: nothing to write)
             return
         x0 = xs[self.members[0]]
         r = _pm1_matrix(x0.shape[3], x0.device) if self.consts["ROTATE"] else x0
@@ -443,37 +485,18 @@ class _Group:
         cu = (x0,) * 3 if cus is None else (cus[i] for i in self.members)  # (placeholders: not packed)
         ins = (*(xs[i] for i in self.members), r, m, amax, free, *cu)
         outs = (descales, *(codes[i] for i in self.members))
-        if self.amax_pass is None:  # first call: compile through Triton's path, then launch directly
+        args = [(*ins, weight, *outs, *self.tail) if writes else (*ins, *self.tail) for *_, writes in self.kernels]
+        if self.bound is None:  # first call: compile through Triton's path, then launch directly
             dev = x0.device.index
-            self.amax_pass = Bound(
-                run(
-                    ("quantize_amax", *self.head),
-                    _amax_kernel,
-                    self.grid,
-                    (*ins, *self.tail),
-                    self.consts,
-                    self.options,
-                    dev,
-                ),
-                self.grid,
-                dev,
-            )
-            self.codes_pass = Bound(
-                run(
-                    ("quantize_codes", *self.head),
-                    _codes_kernel,
-                    self.grid,
-                    (*ins, weight, *outs, *self.tail),
-                    self.consts,
-                    self.options,
-                    dev,
-                ),
-                self.grid,
-                dev,
-            )
+            compiled = [
+                run((name, *self.head), fn, self.grid, a, self.consts, self.options, dev)
+                for (name, fn, _), a in zip(self.kernels, args)
+            ]
+            if None not in compiled:  # (Triton's interpreter returns none: each of its calls runs through `run`)
+                self.bound = [Bound(c, self.grid, dev) for c in compiled]
         else:
-            self.amax_pass((*ins, *self.tail, *self.consts.values()))
-            self.codes_pass((*ins, weight, *outs, *self.tail, *self.consts.values()))
+            for launch, a in zip(self.bound, args):
+                launch((*a, *self.consts.values()))
 
 
 def _tiles(d: int, rotate: bool, balanced: bool = False) -> tuple[int, int, int, int]:

@@ -1,7 +1,8 @@
 """The quantiser's two Triton passes and their device helpers: pass 1 finds each (batch, kv head)'s
 absolute maximum (after the rotation or the K mean where asked), pass 2 writes the e4m3 codes (nearest,
 or balanced along the keys for V) in the layout asked for. Packed sequences (PACKED) take the same
-passes, each row block within one sequence, one scale per (sequence, kv head). The host side that plans and launches them
+passes, each row block within one sequence, one scale per (sequence, kv head). The one-pass kernel of plain
+rows (kernels/quantize_onepass.py) is built from the same helpers. The host side that plans and launches them
 is kernels/quantize.py."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ INV_E4M3_MAX = float(torch.tensor(1.0) / torch.tensor(E4M3_MAX))
 _INV_E4M3_MAX = tl.constexpr(INV_E4M3_MAX)
 AMAX_FLOOR = 1e-12
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+#: no L2 eviction priority (a load's or store's default; a str default of a Triton function must be a constexpr)
+_NO_HINT = tl.constexpr("")
 
 
 @triton.jit
@@ -76,6 +79,8 @@ def _program_rows(
     CENTER: tl.constexpr,
     PACKED: tl.constexpr,
     LOAD: tl.constexpr = True,
+    BLOCK=None,
+    EVICT: tl.constexpr = _NO_HINT,
 ):
     """This program's tensor (segment: programs [0, P1) the first, [P1, P2) the second, then the
     third) and its rows there (a one-dimensional grid, row blocks of one head after another: no grid
@@ -83,10 +88,11 @@ def _program_rows(
     centred (float32) with CENTER, else in the input's dtype. Returns (rows, segment, batch, head,
     index of the (batch, kv head) in the amax and descale buffers, first row, S, H, GROUP, the block's
     first row's address, the row stride, whether the block is its head's first). LOAD=False: the rows
-    are not loaded (x is 0; BALANCED loads them 16 keys at a time). PACKED: the tensor is (1, S, H, D) rows
-    of NSEQ sequences (`_packed_block`), the returned S the end of the block's sequence and the scale
-    index its (sequence, kv head)'s."""
-    pid = tl.program_id(0)
+    are not loaded (x is 0; BALANCED loads them 16 keys at a time). BLOCK: the block to take instead of the
+    program id's (a persistent program's work item), EVICT the rows' L2 eviction priority. PACKED: the tensor
+    is (1, S, H, D) rows of NSEQ sequences (`_packed_block`), the returned S the end of the block's sequence
+    and the scale index its (sequence, kv head)'s."""
+    pid = tl.program_id(0) if BLOCK is None else BLOCK
     seg = 0
     if NSEG > 1:
         seg = (pid >= P1).to(tl.int32)
@@ -120,7 +126,12 @@ def _program_rows(
     )
     x = 0.0
     if LOAD:
-        x = tl.load(src + tl.arange(0, BLOCK_S)[:, None] * stride_s + cols[None, :] * stride_d, mask=ok, other=0.0)
+        x = tl.load(
+            src + tl.arange(0, BLOCK_S)[:, None] * stride_s + cols[None, :] * stride_d,
+            mask=ok,
+            other=0.0,
+            eviction_policy=EVICT,
+        )
     if CENTER:  # (a centred segment is alone in its launch: its kv index is its own)
         mean = tl.load(MEAN + (kv - F0) * D + cols, mask=cols < D, other=0.0)
         x = tl.where(ok, x.to(tl.float32) - mean[None, :], 0.0)
@@ -301,9 +312,25 @@ def _amax_kernel(
         m = _free_masks(src, stride_s, stride_d, FREE + _free_slot(b, h, H, s0, SKP), S - s0, D, DP, BLOCK_S)
     else:
         m = _abs_max(x.to(tl.float32))
-    # m is >= 0 or a NaN with its sign bit clear: as int32 bits these order as the floats do with the NaN
-    # on top (a float atomic_max would drop it); the result does not depend on the order
+    _fold_amax(AMAX, kv, m)
+
+
+@triton.jit
+def _fold_amax(AMAX, kv, m):
+    """AMAX[kv] = max(AMAX[kv], m) for m >= 0 or a NaN with its sign bit clear: as int32 bits these order
+    as the floats do with the NaN on top (a float atomic_max would drop it); the result does not depend on
+    the order of the programs."""
     tl.atomic_max(AMAX.to(tl.pointer_type(tl.int32)) + kv, m.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _scale_of(amax, DESCALE, kv, store):
+    """The scale of a (batch, kv head) of this amax, its descale stored where `store` (one block of each):
+    descale = max(amax, floor) / 448 as the reference, scale its IEEE reciprocal (once a block)."""
+    descale = _max_keep_nan(amax, _AMAX_FLOOR) * _INV_E4M3_MAX
+    if store:
+        tl.store(DESCALE + kv, descale)
+    return tl.math.div_rn(tl.full([], 1.0, tl.float32), descale)
 
 
 @triton.jit(do_not_specialize=_SEGMENT_ARGS)
@@ -409,10 +436,7 @@ def _codes_kernel(
         PACKED,
         not BALANCED,
     )
-    descale = _max_keep_nan(tl.load(AMAX + kv), _AMAX_FLOOR) * _INV_E4M3_MAX  # as the reference
-    if first & (h % GROUP == 0):
-        tl.store(DESCALE + kv, descale)
-    scale = tl.math.div_rn(tl.full([], 1.0, tl.float32), descale)
+    scale = _scale_of(tl.load(AMAX + kv), DESCALE, kv, first & (h % GROUP == 0))
     out = _pick(seg, OUT0, OUT1, OUT2, NSEG)
     k_major = False
     if LAST_K_MAJOR:
@@ -472,8 +496,10 @@ def _plain_codes(
     ROTATE: tl.constexpr,
     TERMS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    EVICT: tl.constexpr = _NO_HINT,
 ):
-    """Each code the nearest e4m3 of its (rotated) value times the scale, BN columns at a time."""
+    """Each code the nearest e4m3 of its (rotated) value times the scale, BN columns at a time; EVICT
+    the stores' L2 eviction priority."""
     rows = s0 + tl.arange(0, BLOCK_S)
     dst = out + ((b.to(tl.int64) * S + s0) * H + h) * D + tl.arange(0, BLOCK_S)[:, None] * (H * D)
     for c0 in range(0, DP, BN):
@@ -482,9 +508,10 @@ def _plain_codes(
         ok = (rows < S)[:, None] & (cols < D)[None, :]
         y8 = y.to(tl.float8e4nv)
         if k_major:
-            tl.store(out + ((b.to(tl.int64) * H + h) * D + cols[None, :]) * SKP + rows[:, None], y8, mask=ok)
+            dst_k = out + ((b.to(tl.int64) * H + h) * D + cols[None, :]) * SKP + rows[:, None]
+            tl.store(dst_k, y8, mask=ok, eviction_policy=EVICT)
         else:
-            tl.store(dst + cols[None, :], y8, mask=ok)
+            tl.store(dst + cols[None, :], y8, mask=ok, eviction_policy=EVICT)
 
 
 @triton.jit

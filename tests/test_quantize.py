@@ -54,14 +54,16 @@ def _pass_sass(
     k_major: bool = False,
     balanced: bool = False,
     packed: bool = False,
+    tiles=None,
 ):
-    """`_sm90_sass` of a quantiser pass, specialised as a launch with these options specialises it."""
-    block_s, dp, bn, warps = _tiles(dim, rotate, balanced)
+    """`_sm90_sass` of a quantiser pass, specialised as a launch with these options specialises it (`tiles`:
+    the pass's tiling, `_tiles`'s contract)."""
+    block_s, dp, bn, warps = tiles(dim) if tiles else _tiles(dim, rotate, balanced)
     terms = 3 if centre else _TERMS[dtype]
     sig = {name: "i32" for name in kernel.arg_names}
     sig.update({f"X{i}": "*" + _DT[dtype] for i in range(3)}, R="*bf16", MEAN="*fp32", inv_sqrt="fp32")
     sig.update(AMAX="*fp32", FREE="*i32", CU0="*i32", CU1="*i32", CU2="*i32")
-    if kernel is _codes_kernel:
+    if "DESCALE" in kernel.arg_names:  # a pass that writes codes
         sig.update({f"OUT{i}": "*fp8e4nv" for i in range(3)}, DESCALE="*fp32", WEIGHT="*fp32")
     constexprs = dict(
         stride_d=1,

@@ -65,7 +65,7 @@ _SCRIPT = textwrap.dedent(
         k_major = i % 2 == 1
         v = inputs((2, s, 4, 48), torch.bfloat16 if s % 2 else torch.float32, s)  # 4 heads of 2 kv heads
         args = ([(v, False, None)], 2, k_major, True, weight)
-        (got,), (got_d,) = Q._launched(*args)
+        (got,), (got_d,) = Q._launch_tensors(*args)
         (want,), (want_d,) = Q.quantize_tensors(*args)  # (CPU: the torch reference)
         if not (same(got, want) and torch.equal(got_d, want_d)):
             bad += 1
@@ -74,7 +74,7 @@ _SCRIPT = textwrap.dedent(
             assert not same(want.contiguous(), Q.quantize_heads_reference(v, 2)[0])
     q, k, v = (inputs((1, 100, h, 64), torch.bfloat16, h) for h in (4, 2, 2))
     want = api.quantize_fp8(q, k, v, v_layout="k_major", v_rounding="balanced")
-    api.quantize_tensors = Q._launched
+    api.quantize_tensors = Q._launch_tensors
     Q._plans.clear()
     got = api.quantize_fp8(q, k, v, v_layout="k_major", v_rounding="balanced")
     if not all(same(a, b) for a, b in zip(got, want)):

@@ -1,6 +1,6 @@
 """FP8 quantisation of attention inputs with per-(batch, kv-head) descales, optionally after a
 normalised Hadamard rotation of Q and K (QK^T is unchanged, outliers are spread over channels) or
-K smoothing. The arithmetic is kernels/quantize.py's: two Triton passes on a GPU, torch ops elsewhere."""
+K smoothing. The arithmetic is kernels/quantize.py's: Triton passes on a GPU, torch ops elsewhere."""
 
 from __future__ import annotations
 
