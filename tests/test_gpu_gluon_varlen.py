@@ -115,14 +115,14 @@ def test_32k_tokens_of_long_and_short_sequences(config):
 
 @pytest.mark.parametrize(
     "lq,h,hk",
-    [([10000, 3000, 1, 777], 8, 8), ([20000, 1, 4095], 8, 2)],
-    ids=["groups-of-3-3-2-heads", "gqa4-two-groups"],
+    [([6000, 3000, 1, 777], 8, 8), ([20000, 1, 4095], 8, 8), ([20000, 1, 4095], 8, 2)],
+    ids=["groups-of-3-3-2-heads", "one-head-groups", "gqa4-two-groups"],
 )
 @pytest.mark.parametrize("causal", [True, False])
-def test_head_groups_of_long_sequences(lq, h, hk, causal):
-    """Sequences long enough that the varlen loop runs the heads in L2 groups (8 MiB: 32768 keys of
-    K and V at hd128, so 3 heads a group at 10000 keys, the last group 2, and one GQA group of 4 at
-    20000): every (sequence, head, query block) tile is still computed once."""
+def test_head_groups_of_long_batches(lq, h, hk, causal):
+    """Packed batches long enough that the varlen loop runs the heads in L2 groups (8 MiB: 32768 keys of
+    K and V at hd128 over the batch's total keys: 3 heads a group at 9778 keys, the last group 2; one at
+    24096; one GQA group of 4): every (sequence, head, query block) tile is still computed once."""
     args, kw = _packed(lq, lq, h, hk, 128, 128, seed=11)
     _check(args, kw, EXACT.replace(l2_group_mib=8), causal)
 

@@ -30,8 +30,8 @@ packed tensors as one batch entry (B = 1; V^T: kernels/gluon_varlen's copy, each
 boundary), and after sm_scale_log2 come TILE_TABLE (int32: the ragged tile list, heaviest first,
 kernels/gluon_varlen.ragged_tiles), CU_Q, CU_K (int32 cumulative lengths) and O_PTR (the output, for the
 pointer stores of tiles on a sequence's end). N_M_BLOCKS is then the query blocks of the longest
-sequence, N_TILES the table's entries (sequences x N_M_BLOCKS), SEQ_Q / SEQ_K unused; descales are per
-(sequence, kv head). Only that variant has the four parameters: every other kernel compiles as before.
+sequence, N_TILES the table's entries (sequences x N_M_BLOCKS), SEQ_Q unused and SEQ_K the packed keys'
+total (what sizes the loop's L2 head groups); descales are per (sequence, kv head). Only that variant has the four parameters: every other kernel compiles as before.
 """
 
 from __future__ import annotations
