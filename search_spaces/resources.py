@@ -81,6 +81,10 @@ def register_estimate(c: KernelConfig) -> int:
     above it with loads, layouts and rowsum (lean P under maxnreg=168 once came 4 below). Over the
     same 1940 configs (maxnreg 0, 168 and 200) every config whose estimate exceeds its limit spilled
     (305 of the 586 that spill); every config that did not spill stays 8 or more under its limit.
+    Not modelled: FP8 with V in several chunks (head dims 80, 96) gives each chunk's PV wgmma its own
+    register copy of P, and ptxas then serialises the wgmmas (C7512) of 256-key tiles at an estimate of
+    216-224 of 255 and of 128 x 64 on 4 warps at 176-192 of maxnreg=200, while 64 x 128 compiles clean at
+    136 of 168: no one term separates them, so they are left to the compile check.
     """
     threads = 32 * c.num_warps
     acc = c.block_m * loaded_widths(c)[1] // threads
