@@ -81,6 +81,10 @@ def register_estimate(c: KernelConfig) -> int:
     above it with loads, layouts and rowsum (lean P under maxnreg=168 once came 4 below). Over the
     same 1940 configs (maxnreg 0, 168 and 200) every config whose estimate exceeds its limit spilled
     (305 of the 586 that spill); every config that did not spill stays 8 or more under its limit.
+    Not modelled: FP8 with V in several chunks (head dims 80, 96) gives each chunk's PV wgmma its own
+    register copy of P, and ptxas then serialises the wgmmas (C7512) of 256-key tiles at an estimate of
+    216-224 of 255 and of 128 x 64 on 4 warps at 176-192 of maxnreg=200, while 64 x 128 compiles clean at
+    136 of 168: no one term separates them, so they are left to the compile check.
     """
     threads = 32 * c.num_warps
     acc = c.block_m * loaded_widths(c)[1] // threads
@@ -127,9 +131,14 @@ GLUON_REGISTER_OVERHEAD = 24
 #: overlap, v_permute, rowsum="mma" or skip_rescale; 64-key blocks (estimated 120-128) did not, nor did
 #: head dim 64 with 128-key blocks (estimated 148). With P through two shared tiles (no P
 #: in registers) and the row sums in fp32 they fit (hd128, 128-key blocks: 152, no spill with or without
-#: the output through the P tiles, late_rescale, skip_rescale, 4 stages, a Q ring of 2) at 160, but not at
-#: 152 (producer_regs=56: 512 bytes, wgmmas serialised): GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS; with
-#: the row-sum MMA they still spill (48 bytes)
+#: the output through the P tiles, late_rescale, skip_rescale, lane sums, half_block, ping-pong, 3 or 4
+#: stages) at 160, but not at 152 (producer_regs=56: 512 bytes, wgmmas serialised):
+#: GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS; with the row-sum MMA they still spill (48 bytes). That relief
+#: needs Q and K in one part: with QK^T chained over three 32-column parts (head dims 80 and 96, zero-padded
+#: to 96) every such kernel spilled 8-24 bytes at 160 (lane sums, half_block, late_rescale, skip_rescale,
+#: ping-pong, 2 or 3 stages, a Q ring of 1 or 2: 28 compiles), where head dims 112 and 128 (one 128-column
+#: part) compiled clean in the same shapes. (At hd128 a Q ring of 2 with 2 stages, without late_rescale,
+#: spilled 8-16 bytes too: left to the tuner's compile check.)
 GLUON_THREE_CONSUMER_REGISTERS = 24
 GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS = 8
 #: Extra registers of an overlapped 192-key block (two key parts, two accumulators): at 240 per
@@ -152,11 +161,14 @@ GLUON_WIDE_PLAIN_REGISTERS = 24
 GLUON_WIDE_PLAIN_MMA_REGISTERS = 8
 #: Extra registers of a 256-key pv_defer block (two 128-key parts, the second QK^T issued after the PV
 #: wait, so the scores never share the registers with the P in flight). Such a block always rescales O
-#: in place (inline PTX, generator/gluon_sm90/emit.rescale_in_place): so it compiled without spills at
-#: 240 per consumer (rowsum fp32 / mma, with or without ping-pong, v_permute or skip_rescale) and spilled
-#: 16 bytes at 232; rescaled by a multiply (a second copy of O) it had spilled 64-152 bytes (causal;
-#: non-causal kernels may spill and are left to the tuner's compile check)
-GLUON_SPLIT_DEFER_REGISTERS = 8
+#: in place (inline PTX, generator/gluon_sm90/emit.rescale_in_place): with the fp32 row sums it compiled
+#: without spills at 240 and 232 per consumer and spilled 16-144 bytes at 224 (producer_regs=56; head dims
+#: 80 and 128, with or without ping-pong or skip_rescale: 24 compiles); the row-sum MMA needs
+#: GLUON_SPLIT_DEFER_MMA_REGISTERS more (clean at 240, 8-16 bytes at 232). Rescaled by a multiply (a second
+#: copy of O) it had spilled 64-152 bytes (causal; non-causal kernels may spill and are left to the tuner's
+#: compile check)
+GLUON_SPLIT_DEFER_REGISTERS = 16
+GLUON_SPLIT_DEFER_MMA_REGISTERS = 8
 #: Extra registers of one consumer warpgroup (block_m=64, the 256-register maximum) that reads the
 #: balanced tile table: its 256-key overlapped kernels (estimated 248) spilled 8 bytes with the table and
 #: none in round robin; no two- or three-consumer calibration row changed (48 compiles)
@@ -170,6 +182,14 @@ GLUON_DEFER_MMA_REGISTERS = 16
 #: spilled 48-64 bytes and lean P 32; at hd256 with the output through the P tiles (228)
 #: 32-40 bytes; rowsum="fp32": none
 GLUON_TWO_TILE_MMA_REGISTERS = 32
+#: Extra registers of two P tiles beside 192 registers of accumulator and scores (hd128 at 256 keys) where
+#: three things each add live state at the softmax: the halved first block (a second, half-width copy of
+#: the step), ping-pong (the turn barrier's state across the step) and the per-row fp32 sums (a quad
+#: shuffle reduction every step, which lane_sums defers to the end). Together they spilled 8-16 bytes at
+#: 224 per consumer (producer_regs=56; head dims 80 and 128, with or without skip_rescale, ex2_fence,
+#: q_order, p_scale_log2 or the named turn barrier); with any one of them off, or at 232, none did
+#: (48 compiles)
+GLUON_TWO_TILE_HALF_PING_PONG_REGISTERS = 16
 
 
 #: Extra registers of three consumer warpgroups (160 registers each) carrying P as float32 with O in two
@@ -207,7 +227,8 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     tests/test_gluon_compile.py CALIBRATION). Head dim 96 counts its accumulator as 128 columns
     (padded) or 64 + 32 (o_split, without the other-dims term: three consumers and 256-key overlapped
     blocks compile clean at 152 and 232; GLUON_SPLIT_O_F32_THREE_REGISTERS). Two P tiles with the row-sum MMA
-    beside 192 registers of accumulator and scores: GLUON_TWO_TILE_MMA_REGISTERS."""
+    beside 192 registers of accumulator and scores: GLUON_TWO_TILE_MMA_REGISTERS; with a halved first block,
+    ping-pong and per-row sums: GLUON_TWO_TILE_HALF_PING_PONG_REGISTERS."""
     dp = sum(gluon_o_parts(c))  # the accumulators' columns (96 -> 128, or 64 + 32)
     acc = 64 * dp // 128
     scores = 64 * c.block_n // 128
@@ -220,17 +241,19 @@ def gluon_register_estimate(c: KernelConfig) -> int:
     )
     defer_mma = GLUON_DEFER_MMA_REGISTERS if c.pv_defer and c.rowsum == "mma" else 0
     two_tile_mma = GLUON_TWO_TILE_MMA_REGISTERS if p_tiles(c) == 2 and acc + scores >= 192 and c.rowsum == "mma" else 0
+    row_sums = c.rowsum == "fp32" and not c.lane_sums  # reduced across the quad every step
+    two_tile_half = p_tiles(c) == 2 and acc + scores >= 192 and c.half_block and c.ping_pong and row_sums
+    qk_part, qk_parts = gluon_qk_parts(c)
     three = (
         0
         if c.block_m != 192 or dp < 128
         else (
             GLUON_THREE_CONSUMER_TWO_TILE_REGISTERS
-            if p_tiles(c) == 2 and c.rowsum == "fp32"
+            if p_tiles(c) == 2 and c.rowsum == "fp32" and qk_parts == 1
             else GLUON_THREE_CONSUMER_REGISTERS
         )
     )
     split = GLUON_SPLIT_REGISTERS if c.block_n == 192 and (c.overlap or c.block_m == 192) else 0
-    qk_part, qk_parts = gluon_qk_parts(c)
     mla = GLUON_MLA_MMA_REGISTERS if (qk_part, qk_parts) == (64, 3) and c.overlap and c.rowsum == "mma" else 0
     table = GLUON_ONE_CONSUMER_TABLE_REGISTERS if c.block_m == 64 and c.q_order == "balanced" else 0
     many_parts = qk_parts > 3 and c.v_layout == "natural"
@@ -241,6 +264,7 @@ def gluon_register_estimate(c: KernelConfig) -> int:
         else 0
     )
     if c.pv_defer and c.block_n == 256:  # peak at the softmax: no P in flight beside the scores, O in place
+        defer_mma = GLUON_SPLIT_DEFER_MMA_REGISTERS if c.rowsum == "mma" else 0
         return acc + scores + defer_mma + table + GLUON_SPLIT_DEFER_REGISTERS + GLUON_REGISTER_OVERHEAD
     return (
         acc
@@ -252,6 +276,7 @@ def gluon_register_estimate(c: KernelConfig) -> int:
         + mla
         + defer_mma
         + two_tile_mma
+        + (GLUON_TWO_TILE_HALF_PING_PONG_REGISTERS if two_tile_half else 0)
         + table
         + split_o
         + wide_plain

@@ -246,6 +246,16 @@ CALIBRATION = [
         True,
     ),
     (dict(block_m=192, p_carry="smem2", half_block=True, o_through_p=True, rowsum="mma"), True),
+    # ... and only with Q and K in one part: hd96 (three 32-column parts) 176 > 160: 8 B
+    (dict(head_dim_qk=96, head_dim_v=96, block_m=192, p_carry="smem2", lane_sums=True, half_block=True), True),
+    # two P tiles at 256 keys (216): a halved first block, ping-pong and per-row sums together need 232
+    # (GLUON_TWO_TILE_HALF_PING_PONG_REGISTERS): 8 B at 224; with lane sums none
+    (dict(block_n=256, num_stages=2, q_stages=2, p_carry="smem2", half_block=True, producer_regs=56), True),
+    (
+        dict(block_n=256, num_stages=2, q_stages=2, p_carry="smem2", half_block=True, producer_regs=56, lane_sums=True),
+        False,
+    ),
+    (dict(block_n=256, num_stages=2, q_stages=2, p_carry="smem2", half_block=True, producer_regs=40), False),  # 232
     # 192-key blocks (128 + 64 key parts) with overlap (GLUON_SPLIT_REGISTERS): 232 <= 240; 232 > 224
     # at producer_regs=56 (40 B); without the key permutation 320
     (dict(block_n=192, num_stages=2), False),
@@ -270,7 +280,15 @@ CALIBRATION = [
     (dict(block_n=192, num_stages=3, ping_pong=False, overlap=False, pv_defer=True, rowsum="mma"), False),  # 208
     # 256 keys: two 128-key parts, the second QK^T after the PV wait, O rescaled in place
     # (GLUON_SPLIT_DEFER_REGISTERS)
-    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True), False),  # 224
+    (dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True), False),  # 232
+    (
+        dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True, producer_regs=40),
+        False,
+    ),  # 232 <= 232
+    (
+        dict(block_n=256, num_stages=2, ping_pong=False, q_stages=2, overlap=False, pv_defer=True, producer_regs=56),
+        True,
+    ),  # 232 > 224: 16 B
     (
         dict(
             block_n=256,

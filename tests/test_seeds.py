@@ -15,6 +15,7 @@ from zyfa_tune.search_spaces import FAMILIES, get_space
 from zyfa_tune.search_spaces.fp8_causal import field_twins
 from zyfa_tune.search_spaces.seeds import (
     SEEDS,
+    gluon_default_config,
     gluon_defer_config,
     gluon_lanes_config,
     gluon_lean_config,
@@ -379,3 +380,38 @@ def test_database_winners_count_wins_and_stored_bests_are_canonical():
     counts = [sum(c == w for c, _ in stored) for w in winners]
     assert sorted(set(winners), key=winners.index) == winners and counts == sorted(counts, reverse=True)
     assert set(winners) == {c for c, _ in stored}
+
+
+def test_shipped_configs_and_seeds_pass_the_static_checks_that_reject_spills():
+    """Every best entry of the shipped databases (both GPUs) and every named seed where it is one (head dim 80
+    too) passes the register estimate, while the spilling shapes it was extended for are rejected: a
+    256-key pv_defer block at 224 registers, two P tiles at 256 keys with a halved first block, ping-pong
+    and per-row sums at 224, three consumers with two P tiles and Q/K in three parts (their spills:
+    tests/test_gluon_compile.py CALIBRATION)."""
+    from zyfa_tune.db import open_store
+    from zyfa_tune.kernels.dispatch import TUNED_DIR
+
+    space = get_space("fp8")
+    shipped = []
+    for path in sorted(TUNED_DIR.glob("*.db")):
+        with open_store(path, readonly=True, create=False) as store:
+            shipped += [KernelConfig.from_json(e.config_json) for e in store.best_entries()]
+    assert {c.head_dim_qk for c in shipped} >= {64, 80, 96, 128, 192, 256}
+    for c in shipped:
+        assert get_space(c.dtype).feasible(c) is None, (c, get_space(c.dtype).feasible(c))
+    for seed in SEEDS:  # a seed of head dim 96 is one at 80 too (the same padded tiles) where it builds
+        for dims in (*seed.head_dims, *([(80, 80)] if (96, 96) in seed.head_dims else [])):
+            try:
+                cfg = seed.build("fp8", *dims)
+            except ConfigError:
+                assert dims == (80, 80), (seed.name, dims)
+                continue
+            assert space.feasible(cfg) is None, (seed.name, dims, space.feasible(cfg))
+    wide = dict(block_n=256, num_stages=2, q_stages=2, producer_regs=56)
+    spilling = [
+        gluon_default_config("fp8", 80, 80).replace(**wide, overlap=False, ping_pong=False, pv_defer=True),
+        gluon_default_config("fp8", 80, 80).replace(**wide, p_carry="smem2", half_block=True),
+        gluon_default_config("fp8", 80, 80).replace(block_m=192, p_carry="smem2", lane_sums=True, half_block=True),
+    ]
+    for c in spilling:
+        assert (space.feasible(c) or "").startswith("registers"), c
