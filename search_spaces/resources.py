@@ -85,11 +85,34 @@ def register_estimate(c: KernelConfig) -> int:
     register copy of P, and ptxas then serialises the wgmmas (C7512) of 256-key tiles at an estimate of
     216-224 of 255 and of 128 x 64 on 4 warps at 176-192 of maxnreg=200, while 64 x 128 compiles clean at
     136 of 168: no one term separates them, so they are left to the compile check.
+    FP8 V^T loaded by pointer adds a register per two of its bytes per thread (POINTER_VT_BYTES_PER_REGISTER).
     """
     threads = 32 * c.num_warps
     acc = c.block_m * loaded_widths(c)[1] // threads
     scores = c.block_m * c.block_n // threads
-    return acc + scores + scores // 4 + REGISTER_OVERHEAD
+    return acc + scores + scores // 4 + pointer_vt_bytes(c) // POINTER_VT_BYTES_PER_REGISTER + REGISTER_OVERHEAD
+
+
+#: Bytes of FP8 V^T per thread (see `pointer_vt_bytes`) that take at least one register. Over 88
+#: distinct FP8 pointer-load kernels from configs the static check accepted (head dims 64..256, both V
+#: layouts, random tiles, warps, stages, softmax and rowsum), the smallest register cap that compiled
+#: without spills (compile_for_target, caps in steps of 8) ran 24..119 above the rest of the estimate
+#: with V^T and 8..72 with V as given. Half the V^T bytes never exceeded that excess (tightest: head
+#: dim 128, 128 x 128 on 8 warps, rowsum="mma", 32 of 32; at maxnreg=200 it compiles clean at an
+#: estimate of 192). On the 94 sampled configs (their own maxnreg 0/168/200) it rejects 14 of the 43
+#: that spilled (all with V^T: 12 more with V^T and 17 with V as given still pass) and none of the 51
+#: that did not.
+POINTER_VT_BYTES_PER_REGISTER = 2
+
+
+def pointer_vt_bytes(c: KernelConfig) -> int:
+    """Bytes of V^T each thread loads per key block where FP8 V^T comes by pointer (loads="pointer",
+    v_layout="transposed"), else 0. In the masked last blocks the key mask runs along V^T's contiguous
+    axis, so Triton loads that tile one byte at a time (LDG.E.U8, a register each: 64 per thread at
+    head dim 128, 128 x 128 on 8 warps) where K and V as given load 16-byte vectors."""
+    if c.dtype != "fp8" or c.loads != "pointer" or c.v_layout != "transposed":
+        return 0
+    return c.block_n * loaded_widths(c)[1] // (32 * c.num_warps)
 
 
 def register_limit(c: KernelConfig) -> int:

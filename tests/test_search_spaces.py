@@ -389,6 +389,9 @@ def test_feasibility_rules():
         assert get_space(dt).feasible(D(dt, dqk, dv)) is None
 
 
+#: FP8 V^T loaded by pointer: the layout whose masked last key blocks Triton loads a byte at a time.
+PTR_VT = dict(loads="pointer", v_layout="transposed")
+
 #: Calibration (Triton 3.6, sm_90a, compile_for_target): config -> (estimated shared bytes, real
 #: shared bytes, estimated registers, real registers, real spill bytes). The static check must accept
 #: every config that fits 227 KiB without spills and reject every config over 227 KiB; the register
@@ -422,6 +425,33 @@ CALIBRATION = [
         0,
     ),
     (D("fp8", 128, 128).replace(block_m=128), 115712, 115712, 304, 255, 192),
+    # FP8 V^T by pointer (POINTER_VT_BYTES_PER_REGISTER): the tightest clean one and spills it rejects
+    (
+        D("fp8", 128, 128).replace(block_m=128, num_warps=8, maxnreg=200, rowsum="mma", **PTR_VT),
+        116736,
+        116736,
+        192,
+        200,
+        0,
+    ),
+    (
+        D("fp8", 128, 128).replace(block_m=128, num_warps=8, num_stages=2, maxnreg=168, **PTR_VT),
+        81920,
+        81920,
+        192,
+        168,
+        360,
+    ),
+    (
+        D("fp8", 80, 80).replace(block_m=128, num_warps=8, num_stages=2, maxnreg=200, rowsum="mma", **PTR_VT),
+        59392,
+        59392,
+        156,
+        200,
+        0,
+    ),
+    (D("fp8", 80, 80).replace(block_n=128, num_stages=2, maxnreg=168, **PTR_VT), 51200, 51200, 176, 168, 104),
+    (D("fp8", 96, 96).replace(block_n=128, num_stages=4, maxnreg=168, **PTR_VT), 104448, 104448, 192, 168, 184),
     (D("bf16", 64, 64).replace(num_warps=4, num_stages=3, rowsum="mma"), 119808, 119808, 240, 254, 0),
     (D("bf16", 128, 128), 164864, 164864, 160, 188, 0),
     (D("bf16", 192, 128).replace(block_n=128), 214016, 214016, 160, 193, 0),
