@@ -7,13 +7,11 @@ GPU runs against float64 are in tests/test_gpu_gluon_varlen.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from zyfa_tune.generator import HOPPER, emit
 from zyfa_tune.generator.build import compile_for_target
@@ -130,10 +128,7 @@ _INTERPRETED = textwrap.dedent(
 
 def test_tile_table_kernel_in_the_interpreter_equals_the_torch_construction():
     """Random length sets with 0 and 1 lengths, no sequence, keys without queries, a sort wider than 128."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["checked", "13"]
+    assert run_interpreted(_INTERPRETED).split() == ["checked", "13"]
 
 
 #: the V^T copy's kernel in a fresh interpreter; the interpreter cannot loop over a runtime scalar, so
@@ -181,10 +176,7 @@ _VT_INTERPRETED = textwrap.dedent(
 def test_packed_vt_kernel_in_the_interpreter_equals_its_reference():
     """Empty and 1-key sequences, lengths either side of 32, head dims under and over one 64-dim block, both
     key orders, a strided V and an output full of NaN codes (the padding must be written as zeros)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _VT_INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["checked", "24"]
+    assert run_interpreted(_VT_INTERPRETED).split() == ["checked", "24"]
 
 
 def test_ragged_tiles_on_cpu_tensors_are_the_torch_construction():

@@ -41,6 +41,8 @@ from zyfa_tune.kernels.launch import Serving, ServingLaunch, bind, pages_by_tma,
 _CACHE = ("num_pages", "page_size", "kv_heads", "head_dim")
 #: key blocks a page may hold whole, widest first (the Triton backend's block_n but 192)
 _BLOCKS = (256, 128, 64, 32)
+#: a page size is a multiple of this: a page holds whole key blocks of the narrowest
+PAGE_MULTIPLE = _BLOCKS[-1]
 
 
 def flash_attn_with_kvcache(
@@ -169,15 +171,16 @@ def paged_from_packed(
     """Packed (total, kv_heads, dim) K and V of sequences of `lengths` as a paged cache:
     (k_cache, v_cache, page_table, cache_seqlens) for `flash_attn_with_kvcache`, each sequence on its
     own pages, the pages in a random order drawn from `generator` (a CPU generator; in order without
-    one), slots past a sequence's keys zero (and one zero page where every sequence is empty). For benchmarks and tests: a serving engine writes its cache itself."""
-    if page_size <= 0 or page_size % _BLOCKS[-1]:
-        raise ValueError(f"page_size: expected a positive multiple of {_BLOCKS[-1]}, got {page_size}")
+    one), slots past a sequence's keys zero (and one zero page where every sequence is empty). For
+    benchmarks and tests: a serving engine writes its cache itself."""
+    if page_size <= 0 or page_size % PAGE_MULTIPLE:
+        raise ValueError(f"page_size: expected a positive multiple of {PAGE_MULTIPLE}, got {page_size}")
+    if not lengths or min(lengths) < 0:
+        raise ValueError(f"lengths: expected one or more lengths >= 0, got {lengths}")
     if k.shape[0] != sum(lengths) or v.shape[0] != k.shape[0]:
         raise ValueError(f"lengths: sum to {sum(lengths)}, k and v hold {k.shape[0]} and {v.shape[0]} rows")
     device = k.device
     counts = torch.tensor([-(-n // page_size) for n in lengths], dtype=torch.int64)
-    if not len(lengths) or min(lengths) < 0:
-        raise ValueError(f"lengths: expected one or more lengths >= 0, got {lengths}")
     pages = int(counts.sum())
     order = torch.randperm(pages, generator=generator) if generator is not None else torch.arange(pages)
     table = torch.zeros(len(lengths), max(1, int(counts.max())), dtype=torch.int64)
@@ -305,10 +308,10 @@ def _check_caches(q, k_cache, v_cache, problems: ArgumentProblems) -> bool:
     num_pages, page_size, hk, dqk = k_cache.shape
     if num_pages == 0:
         problems.add(ValueError, "k_cache: holds no pages")
-    if page_size % _BLOCKS[-1] or page_size == 0:
+    if page_size % PAGE_MULTIPLE or page_size == 0:
         problems.add(
             ValueError,
-            f"k_cache: page_size {page_size} must be a multiple of {_BLOCKS[-1]} (a page holds whole key blocks)",
+            f"k_cache: page_size {page_size} must be a multiple of {PAGE_MULTIPLE} (a page holds whole key blocks)",
         )
     if dqk != q.shape[-1]:
         problems.add(ValueError, f"k_cache: head_dim {dqk} differs from q's {q.shape[-1]}")
@@ -374,4 +377,4 @@ def _check_values(q, k_cache, page_table, cache_seqlens, cu_q, max_q, read_cuda:
         )
 
 
-__all__ = ["dispatched_paged_config", "flash_attn_with_kvcache", "paged_config", "paged_from_packed"]
+__all__ = ["PAGE_MULTIPLE", "dispatched_paged_config", "flash_attn_with_kvcache", "paged_config", "paged_from_packed"]

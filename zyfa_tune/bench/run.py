@@ -72,8 +72,12 @@ class BenchPlan:
             check_family(family, "input_family")
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant: {self.quant!r} is not one of {list(QUANT_MODES)}")
-        if self.paged < 0 or self.paged % 32:
-            raise ValueError(f"paged: a page size is a positive multiple of 32 (0: no paged rows), got {self.paged}")
+        from zyfa_tune.kvcache import PAGE_MULTIPLE
+
+        if self.paged < 0 or self.paged % PAGE_MULTIPLE:
+            raise ValueError(
+                f"paged: a page size is a positive multiple of {PAGE_MULTIPLE} (0: no paged rows), got {self.paged}"
+            )
         if self.paged and not all(s.lengths for s in self.shapes):
             raise ValueError("paged: paged caches are benched on packed sequences (--lengths) only")
         if any(s.lengths for s in self.shapes) and self.quant != "per-tensor":

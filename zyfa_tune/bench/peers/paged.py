@@ -15,12 +15,9 @@ import torch
 from zyfa_tune.bench.inputs import Inputs
 from zyfa_tune.bench.peers.base import Bound, boxed
 from zyfa_tune.bench.peers.ours import Ours
+from zyfa_tune.bench.peers.varlen import one_entry
 from zyfa_tune.bench.shape import BenchShape
 from zyfa_tune.generator import KernelConfig
-
-
-def _one_entry(out: torch.Tensor) -> torch.Tensor:
-    return out[None]
 
 
 @dataclass(frozen=True)
@@ -53,7 +50,7 @@ class _PagedBase(Ours):
         return kvcache.dispatched_paged_config(*dims, False, x.q16.device.index or 0), "ours"
 
     def _bound(self, run, config: KernelConfig, source: str) -> Bound:
-        call, output = boxed(run, _one_entry)
+        call, output = boxed(run, one_entry)
         return Bound(call, output, config.to_json(), source)
 
 

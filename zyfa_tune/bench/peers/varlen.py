@@ -18,7 +18,7 @@ from zyfa_tune.bench.peers.ours import Ours, borrowed_from
 from zyfa_tune.bench.shape import BenchShape
 
 
-def _one_entry(out):
+def one_entry(out):
     """A packed call's output (total, heads, dim_v), or FA3's (out, lse), as one batch entry."""
     return (out[0] if isinstance(out, tuple) else out)[None]
 
@@ -44,7 +44,7 @@ class FA3Varlen:
         def run(q, k, v, **kw):
             return fa3_varlen(q[0], k[0], v[0], cu, cu, most, most, causal=True, **kw)
 
-        return Bound(*boxed(x.call(self.dtype, (), padded(run)), _one_entry))
+        return Bound(*boxed(x.call(self.dtype, (), padded(run)), one_entry))
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class VarlenOurs(Ours):
         def run(q, k, v, **kw):
             return flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, most, most, causal=True, config=config, **kw)
 
-        call, output = boxed(x.call(spec.dtype, spec.quant, run), _one_entry)
+        call, output = boxed(x.call(spec.dtype, spec.quant, run), one_entry)
         if config is not None:
             return Bound(call, output, packed_twin(config).to_json(), "forced")
         choice, runs = _dispatched(s, spec.dtype, x.q16.device.index or 0)
