@@ -1,6 +1,6 @@
 """Balanced V's quantiser passes at each program size: `quantize_fp8(q, k, v, v_rounding="balanced")` with
 `kernels.quantize.BALANCE_BLOCKS` (16-key blocks a program) and `BALANCE_CHANNELS` (channels a thread) set
-to each pair, natural and K-major V, beside the plain quantiser and a device-to-device copy of the bytes the
+to each pair, natural and K-major V, beside the plain quantiser (one persistent pass, `ONE_PASS`, and two passes) and a device-to-device copy of the bytes the
 quantiser must move (its floor), all on the same inputs in one process, in interleaved rounds (each round
 in a rotated order), medians of each round's median. Picks the defaults of those two constants.
 
@@ -38,7 +38,17 @@ def systems(q, k, v) -> dict[str, object]:
         for b, c in PAIRS
         for layout in ("k_major", "natural")
     }
-    out["plain k_major"] = lambda: quantize_fp8(q, k, v, v_layout="k_major")
+
+    def plain(one_pass: bool, layout: str):
+        def call():
+            passes.ONE_PASS = one_pass
+            return quantize_fp8(q, k, v, v_layout=layout)
+
+        return call
+
+    for one_pass in (True, False):
+        for layout in ("k_major", "natural"):
+            out[f"plain {layout} {'one pass' if one_pass else 'two passes'}"] = plain(one_pass, layout)
     moved = sum(t.numel() for t in (q, k, v)) * 3  # bf16 read once, e4m3 written once
     src = torch.empty(moved // 2, dtype=torch.uint8, device=q.device)
     dst = torch.empty_like(src)
