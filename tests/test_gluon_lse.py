@@ -2,7 +2,8 @@
 spills in each softmax and row-sum mode, schedule and head dim (rectangular and varlen), its code and
 parameters exist only in the twin, and its launch arguments (kernels/gluon_launch.py,
 kernels/gluon_varlen.py) put the LSE where the kernel reads it. GPU runs against float64:
-tests/test_gpu_gluon_varlen.py and tests/test_gpu_gluon_lean.py."""
+tests/test_gpu_varlen.py (dense), tests/test_gpu_gluon_varlen.py (packed), tests/test_gpu_attention_serving.py
+(the bf16 API)."""
 
 from __future__ import annotations
 
