@@ -22,15 +22,19 @@ from .triton.emit import chunk_skips, chunks_of, head_chunks
 from .triton.emit import emit as _triton_emit
 
 
-def emit(config: KernelConfig, serving: bool = False) -> EmittedKernel:
+def emit(config: KernelConfig, serving: bool = False, lse: bool = False) -> EmittedKernel:
     """Emit the kernel source of `config` with its backend's emitter (deterministic). `serving`: the
     variant that also takes packed sequences, a paged KV cache, a window and an LSE output (generator/triton/emit.py);
-    the Gluon backend's serving variant takes packed sequences only (generator/gluon_sm90/emit.py, varlen)."""
+    the Gluon backend's serving variant takes packed sequences only (generator/gluon_sm90/emit.py, varlen).
+    `lse`: the Gluon kernel (rectangular, or varlen with `serving`) that also writes the LSE; a Triton
+    kernel's LSE is a call option of its serving variant."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
+    if lse and config.backend != "gluon":
+        raise ValueError(f"lse: backend={config.backend!r} writes the LSE from its serving variant (serving=True)")
+    if config.backend == "gluon" and (serving or lse):
+        return _gluon_emit(config, varlen=bool(serving), lse=bool(lse))
     if serving:
-        if config.backend == "gluon":
-            return _gluon_emit(config, varlen=True)
         if config.backend != "triton":
             raise ValueError(
                 f"config: backend={config.backend!r} has no kernel for varlen, paged KV caches, window_size or "

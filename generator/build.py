@@ -240,23 +240,25 @@ def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int, desc
     """The Gluon kernel for sm_<capability>a: descriptors typed from the config's blocks (their
     shared layouts are what the launcher builds); its integers are never specialised (gluon_sm90.emit's
     UNSPECIALISED), so plain i32 is exactly what a launch compiles. The varlen variant's pointers
-    (VARLEN_PARAMS) are 16-byte aligned allocations, as a launch passes them."""
+    (VARLEN_PARAMS) and the LSE kernel's LSE are 16-byte aligned allocations, as a launch passes them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from .gluon_sm90.emit import SCALAR_PARAMS, VARLEN_PARAMS, descriptor_blocks, descriptor_type, tile_params
+    from .gluon_sm90.emit import VARLEN_PARAMS, descriptor_blocks, descriptor_type, kernel_params
 
     fn = jit_function(kernel)
     blocks = descriptor_blocks(kernel.config)
     names = [p.name for p in fn.params]
-    varlen = "CU_Q" in names
-    assert names == [*blocks, *SCALAR_PARAMS, *tile_params(kernel.config, varlen), "CAUSAL"], names
+    varlen, lse = "CU_Q" in names, "LSE" in names
+    assert names == [*blocks, *kernel_params(kernel.config, varlen, lse), "CAUSAL"], names
     sig, constexprs, attrs = _scalar_signature(names, causal, descales)
     sig.update({n: descriptor_type(*blocks[n]) for n in blocks})
     if varlen:
         for name in VARLEN_PARAMS:
             sig[name], attrs[(names.index(name),)] = ("*bf16" if name == "O_PTR" else "*i32"), _DIV16
+    if lse:
+        sig["LSE"], attrs[(names.index("LSE"),)] = "*fp32", _DIV16
     src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
         src, target=GPUTarget("cuda", capability, 32), options={"num_warps": load_module(kernel).NUM_WARPS}

@@ -18,6 +18,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from zyfa_tune.generator import HOPPER, KernelConfig, gluon_qk_padded
 from zyfa_tune.generator.gluon_sm90.emit import NUM_WARPS, descriptor_blocks, descriptor_layout
 
+_INT32_MAX = 2**31 - 1
+
 #: SMs of the H200 / H100 SXM: the persistent grid of an argument set not on a GPU (ahead of time).
 DEFAULT_SMS = HOPPER.sm_count
 
@@ -217,6 +219,25 @@ DESCRIPTOR_TENSOR = {
 }
 
 
+def lse_pointer(lse: torch.Tensor | None, shape: tuple[int, ...]) -> tuple:
+    """The LSE kernel's LSE argument (after the descales; none for a kernel without it): `lse` checked to be
+    the contiguous float32 `shape` the kernel writes ((B, H, Sq), or varlen's (H, total_q))."""
+    if lse is None:
+        return ()
+    if lse.dtype != torch.float32 or tuple(lse.shape) != tuple(shape) or not lse.is_contiguous():
+        raise ValueError(
+            f"lse: expected a contiguous float32 {tuple(shape)} tensor, got {lse.dtype} {tuple(lse.shape)}"
+        )
+    if lse.numel() > _INT32_MAX:  # (the kernel's LSE offsets are int32)
+        raise ValueError(f"lse: {lse.numel()} rows exceed 2^31 - 1; split the batch")
+    return (lse,)
+
+
+def lse_stride(lse: torch.Tensor | None) -> tuple:
+    """The LSE kernel's last argument, LSE_STRIDE: the head stride of the contiguous LSE (rows per head)."""
+    return () if lse is None else (lse.shape[-1],)
+
+
 def descriptor_owners(config: KernelConfig) -> tuple[int, ...]:
     """Index in (q, k, v, out) of the tensor under each descriptor argument, in kernel order."""
     return tuple(DESCRIPTOR_TENSOR[name][0] for name in descriptor_blocks(config))
@@ -234,9 +255,10 @@ def arguments(
     k_descale: torch.Tensor | None,
     v_descale: torch.Tensor | None,
     sms: int,
+    lse: torch.Tensor | None = None,
 ) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, options) of one call (v as `descriptors` takes it); `sms` sizes
-    the persistent grid."""
+    the persistent grid. `lse`: float32 (B, H, Sq), contiguous, for the kernel emitted with lse=True."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dv = v.shape[3] if config.v_layout == "natural" else v.shape[2]
@@ -253,6 +275,7 @@ def arguments(
         q_descale,
         k_descale,
         v_descale,
+        *lse_pointer(lse, (b, h, sq)),
         ds0,
         ds1,
         h,
@@ -281,5 +304,6 @@ def arguments(
             config.l2_group_mib << 20,
         )
         args += (tile_table(key, q.device),)
+    args += lse_stride(lse)
     options = dict(CAUSAL=bool(causal), num_warps=NUM_WARPS)
     return (programs,), args, options

@@ -226,11 +226,13 @@ def arguments(
     cu: tuple[torch.Tensor, torch.Tensor],
     max_seqlen: tuple[int, int],
     sms: int,
+    lse: torch.Tensor | None = None,
 ) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, options) of one varlen call. q, k, v: packed (total, heads, dim),
     rows TMA-ready (v as stored, dims contiguous; a transposed config reads `packed_vt`'s copy); out:
     contiguous (total_q, heads, dim_v) bf16; descales (batch, kv_heads) or Nones; cu: int32 cumulative
-    lengths of q and k; max_seqlen: at least the longest q and k sequence."""
+    lengths of q and k; max_seqlen: at least the longest q and k sequence; lse: float32 (heads, total_q),
+    contiguous, for the kernel emitted with lse=True."""
     if config.backend != "gluon":
         raise ValueError(f"config: backend={config.backend!r}; this is the Gluon varlen launcher")
     total_q, h, _ = q.shape
@@ -249,18 +251,20 @@ def arguments(
     ds0, ds1 = descales[0].stride() if descales[0] is not None else (0, 0)
     # SEQ_K: the packed keys' total, which sizes the kernel's L2 head groups (emit.py's VARLEN)
     scalars = (ds0, ds1, h, h // hk, hk, max_seqlen[0], k.shape[0], n_m, batch * n_m, float(softmax_scale) * LOG2E)
-    args = (*descs, *descales, *scalars, table, *cu, out)
+    lse_args = gluon_launch.lse_pointer(lse, (h, total_q))
+    args = (*descs, *descales, *lse_args, *scalars, table, *cu, out, *gluon_launch.lse_stride(lse))
     tiles = h * min(batch * n_m, -(-total_q // config.block_m) + batch)
     programs = max(1, gluon_launch.grid_size(config.persistent, tiles, sms))
     return (programs,), args, dict(CAUSAL=bool(causal), num_warps=NUM_WARPS)
 
 
-def run(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int):
-    """Launch `arguments`' call through the fast path; returns the CompiledKernel that ran."""
+def run(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int, lse: bool = False):
+    """Launch `arguments`' call through the fast path; returns the CompiledKernel that ran. `lse`: the
+    arguments hold an LSE (the LSE kernel runs)."""
     causal = options["CAUSAL"]
     return fastlaunch.run(
-        (config, causal, "varlen"),
-        kernel(config, True),
+        (config, causal, "varlen-lse" if lse else "varlen"),
+        kernel(config, True, lse),
         grid,
         args,
         {"CAUSAL": causal},
@@ -271,16 +275,39 @@ def run(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: i
 
 class PackedLaunch:
     """A varlen Gluon kernel bound to one argument layout, for the API's per-layout fast path (as
-    launch.ServingLaunch; no LSE). Each call builds the tile table (and the V^T copy) from its own
-    cumulative lengths, encodes descriptors once per pointer and launches: no synchronisation."""
+    launch.ServingLaunch). Each call builds the tile table (and the V^T copy) from its own cumulative
+    lengths, encodes descriptors once per pointer and launches: no synchronisation. `lse_shape`: the LSE
+    kernel's, (heads, total_q); each call then allocates its LSE and returns (out, lse)."""
 
-    __slots__ = ("config", "compiled", "programs", "device", "causal", "max_q", "scalars", "specs", "raw", "tma")
+    __slots__ = (
+        "config",
+        "compiled",
+        "programs",
+        "device",
+        "causal",
+        "max_q",
+        "scalars",
+        "specs",
+        "raw",
+        "tma",
+        "lse_shape",
+    )
 
-    def __init__(self, config: KernelConfig, compiled, grid: tuple, device: int, args: tuple, options: dict):
+    def __init__(
+        self,
+        config: KernelConfig,
+        compiled,
+        grid: tuple,
+        device: int,
+        args: tuple,
+        options: dict,
+        lse_shape: tuple[int, int] | None = None,
+    ):
         n_desc = len(gluon_launch.descriptor_owners(config))
         self.config, self.compiled, self.programs, self.device = config, compiled, grid[0], device
-        self.causal = options["CAUSAL"]
-        self.scalars = tuple(args[n_desc + 3 : n_desc + 3 + len(_SCALARS)])
+        self.causal, self.lse_shape = options["CAUSAL"], lse_shape
+        first = n_desc + 3 + (lse_shape is not None)  # (the LSE pointer sits between descales and scalars)
+        self.scalars = tuple(args[first : first + len(_SCALARS)])
         self.max_q = self.scalars[5]
         owners = gluon_launch.descriptor_owners(config)
         self.specs = tuple(
@@ -300,34 +327,42 @@ class PackedLaunch:
         if c.v_layout != "natural":
             v = packed_vt(v, cu_seqlens_k, table[1 + self.scalars[8] :], gluon_launch.v_keys_permuted(c))
         tensors = (q, k, v, out)
-        tail = (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, self.causal)
+        if self.lse_shape is None:
+            lse, tail = (), (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, self.causal)
+        else:
+            lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=out.device),)
+            tail = (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, self.lse_shape[1], self.causal)
+        result = out if self.lse_shape is None else (out, lse[0])
         if self.raw is not None and not fastlaunch.hooks_set():
             inputs = []
             for i, encoded in self.tma:
                 inputs += encoded(tensors[i])
-            self.raw((self.programs, 1, 1), self.device, (*inputs, q_descale, k_descale, v_descale, *tail))
-            return out
+            self.raw((self.programs, 1, 1), self.device, (*inputs, q_descale, k_descale, v_descale, *lse, *tail))
+            return result
         descs = []
         for i, cls, fields in self.specs:
             d = object.__new__(cls)
             d.__dict__.update(fields, base=tensors[i])
             descs.append(d)
         fastlaunch.launch_compiled(
-            self.compiled, (self.programs,), self.device, (*descs, q_descale, k_descale, v_descale, *tail)
+            self.compiled, (self.programs,), self.device, (*descs, q_descale, k_descale, v_descale, *lse, *tail)
         )
-        return out
+        return result
 
 
-def bind(config: KernelConfig, q, k, v, out, softmax_scale, causal, descales, cu, max_seqlen) -> PackedLaunch | None:
+def bind(
+    config: KernelConfig, q, k, v, out, softmax_scale, causal, descales, cu, max_seqlen, lse=None
+) -> PackedLaunch | None:
     """Launch one varlen call (`arguments`; copies q, k, natural v where TMA cannot read them) and return
-    a PackedLaunch for later calls of this layout, or None where a copy was made (no fast path)."""
+    a PackedLaunch for later calls of this layout, or None where a copy was made (no fast path). `lse`:
+    float32 (heads, total_q) to write the LSE into (the LSE kernel; its PackedLaunch returns (out, lse))."""
     device = q.device.index
     sms = gluon_launch.sm_count(device) if q.device.type == "cuda" else gluon_launch.DEFAULT_SMS
     ready = [t if tma_readable(t.unsqueeze(0)) else t.contiguous() for t in (q, k, v)]
     if config.v_layout != "natural":  # (packed_vt reads any strides)
         ready[2] = v
-    grid, args, options = arguments(config, *ready, out, softmax_scale, causal, descales, cu, max_seqlen, sms)
-    compiled = run(config, grid, args, options, device)
+    grid, args, options = arguments(config, *ready, out, softmax_scale, causal, descales, cu, max_seqlen, sms, lse)
+    compiled = run(config, grid, args, options, device, lse is not None)
     if any(a is not b for a, b in zip(ready, (q, k, v))) or any(d is not None and d.data_ptr() % 16 for d in descales):
         return None
-    return PackedLaunch(config, compiled, grid, device, args, options)
+    return PackedLaunch(config, compiled, grid, device, args, options, None if lse is None else tuple(lse.shape))

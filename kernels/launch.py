@@ -38,27 +38,28 @@ _INT32_MAX = 2**31 - 1
 
 
 @functools.cache
-def emitted(config: KernelConfig, serving: bool = False) -> EmittedKernel:
-    """Emit once per config and variant (configs are frozen and hashable)."""
-    return emit(config, serving=serving)
+def emitted(config: KernelConfig, serving: bool = False, lse: bool = False) -> EmittedKernel:
+    """Emit once per config and variant (configs are frozen and hashable); `lse`: a Gluon kernel's LSE twin."""
+    return emit(config, serving=serving, lse=lse)
 
 
 @functools.cache
-def kernel(config: KernelConfig, serving: bool = False):
+def kernel(config: KernelConfig, serving: bool = False, lse: bool = False):
     """The JIT function of `config` (emitted, written and imported once per process)."""
-    return jit_function(emitted(config, serving))
+    return jit_function(emitted(config, serving, lse))
 
 
 @dataclass(frozen=True, eq=False)
 class Serving:
     """The problem options of one call, run by the serving variant of a Triton config
-    (generator/triton/emit.py). With `cu_seqlens_q` (varlen) q, k, v and out are the packed tensors
-    viewed as one batch entry, (1, total, heads, dim), and descales are (batch, kv_heads) of the
-    sequences. `window` is (left, right), both >= 0 (an unbounded side already resolved to a bound no
-    key reaches; a causal window has right = 0). `lse`: float32 (batch, heads, seqlen_q), or
-    (heads, total_q) for varlen, written where given. With `page_table` (int32 (batch, max_pages),
-    last dim contiguous) k and v are paged caches (pages, page_size, kv_heads, dim) holding
-    `cache_seqlens[b]` (int32 (batch,)) keys of sequence b; page_size a multiple of block_n."""
+    (generator/triton/emit.py), or an LSE alone by a Gluon config's LSE kernel. With `cu_seqlens_q`
+    (varlen) q, k, v and out are the packed tensors viewed as one batch entry, (1, total, heads, dim),
+    and descales are (batch, kv_heads) of the sequences. `window` is (left, right), both >= 0 (an
+    unbounded side already resolved to a bound no key reaches; a causal window has right = 0). `lse`:
+    float32 (batch, heads, seqlen_q), or (heads, total_q) for varlen, written where given. With
+    `page_table` (int32 (batch, max_pages), last dim contiguous) k and v are paged caches (pages,
+    page_size, kv_heads, dim) holding `cache_seqlens[b]` (int32 (batch,)) keys of sequence b;
+    page_size a multiple of block_n."""
 
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
@@ -106,12 +107,13 @@ def launch(
     """Launch `config` on validated inputs (last dims contiguous) into `out` (bf16).
 
     Descales are all None or all contiguous float32 (batch, kv_heads) tensors. `serving`: the
-    call's varlen, window and LSE options (a Triton config's serving variant runs them).
+    call's varlen, window and LSE options (a Triton config's serving variant runs them; a Gluon
+    config's LSE kernel an LSE alone).
     """
     grid, args, options = prepare(
         config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale, serving=serving
     )
-    run_prepared(config, grid, args, options, q.device.index)
+    run_prepared(config, grid, args, options, q.device.index, lse=serving is not None and serving.lse is not None)
     return out
 
 
@@ -156,13 +158,16 @@ def forget(config: KernelConfig) -> None:
     fastlaunch.forget(config)
 
 
-def run_prepared(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int):
-    """Launch `prepare`'s (grid, args, options) through the fast path; returns the CompiledKernel that ran."""
+def run_prepared(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int, lse: bool = False):
+    """Launch `prepare`'s (grid, args, options) through the fast path; returns the CompiledKernel that ran.
+    `lse`: the call passes an LSE (a Gluon config then runs its LSE kernel; a Triton one's serving variant
+    takes it as an option)."""
     causal = options["CAUSAL"]
     serving = "VARLEN" in options
+    gluon_lse = lse and config.backend == "gluon"
     return fastlaunch.run(
-        (config, causal, "serving") if serving else (config, causal),
-        kernel(config, serving) if serving else kernel(config),
+        (config, causal, "serving") if serving else (config, causal, "lse") if gluon_lse else (config, causal),
+        kernel(config, serving) if serving else kernel(config, lse=True) if gluon_lse else kernel(config),
         grid,
         args,
         {k: options[k] for k in _CONSTEXPRS if k in options},
@@ -257,12 +262,13 @@ class BoundLaunch:
 class ServingLaunch:
     """A serving-variant BoundLaunch for the API's per-layout fast path: allocates each call's LSE
     (returning (out, lse)) where the layout asks for one, and passes varlen calls' cumulative lengths
-    and paged calls' page table and cache lengths."""
+    and paged calls' page table and cache lengths. `lse_only`: a Gluon LSE kernel's launch, whose one
+    pointer after the descales is the LSE."""
 
-    __slots__ = ("bound", "lse_shape")
+    __slots__ = ("bound", "lse_shape", "lse_only")
 
-    def __init__(self, bound: BoundLaunch, lse_shape: tuple[int, ...] | None):
-        self.bound, self.lse_shape = bound, lse_shape
+    def __init__(self, bound: BoundLaunch, lse_shape: tuple[int, ...] | None, lse_only: bool = False):
+        self.bound, self.lse_shape, self.lse_only = bound, lse_shape, lse_only
 
     def __call__(
         self,
@@ -279,7 +285,7 @@ class ServingLaunch:
         cache_seqlens=None,
     ):
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=out.device)
-        extra = (cu_seqlens_q, cu_seqlens_k, lse, page_table, cache_seqlens)
+        extra = (lse,) if self.lse_only else (cu_seqlens_q, cu_seqlens_k, lse, page_table, cache_seqlens)
         self.bound(q, k, v, out, q_descale, k_descale, v_descale, extra)
         return out if lse is None else (out, lse)
 
@@ -300,18 +306,20 @@ def bind(
 ) -> BoundLaunch | None:
     """Launch like `launch` and return a BoundLaunch for later calls with this layout, or None where
     this layout needs a hidden copy (unaligned or padded rows for TMA) and so no fast path. With
-    `serving`, later calls pass its `pointers` as the BoundLaunch's `extra`."""
+    `serving`, later calls pass its `pointers` as the BoundLaunch's `extra` (a Gluon config: the LSE alone,
+    ServingLaunch's lse_only)."""
     grid, args, options = prepare(
         config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale, serving=serving
     )
     device = q.device.index
-    compiled = run_prepared(config, grid, args, options, device)
+    lse = serving is not None and serving.lse is not None
+    compiled = run_prepared(config, grid, args, options, device, lse=lse)
     constexprs = tuple(options[k] for k in _CONSTEXPRS if k in options)
-    n_extra = _SERVING_POINTERS if serving is not None else 0
+    gluon = config.backend == "gluon"
+    n_extra = int(lse) if gluon else 0 if serving is None else _SERVING_POINTERS
     tensors = (q, k, v, q_descale, k_descale, v_descale)
     if any(t is not None and t.data_ptr() % 16 for t in tensors):
         return None
-    gluon = config.backend == "gluon"
     tma = gluon or config.loads == "tma"
     transposed = config.v_layout == "transposed"
     if tma and any(_tma_ready(t) is not t for t in (q, k) + (() if transposed else (v,))):
@@ -330,7 +338,7 @@ def bind(
         wqk, wv = _descriptor_widths(config)
         owners = (0,) * len(wqk) + (1,) * len(wqk) + (2,) * len(wv)
     specs = tuple((i, type(d), {f: x for f, x in vars(d).items() if f != "base"}) for i, d in zip(owners, args))
-    skip = len(specs) + (3 if gluon else 4 + n_extra)
+    skip = len(specs) + (3 + n_extra if gluon else 4 + n_extra)
     return BoundLaunch(compiled, grid[0], device, transpose, specs, not gluon, (), (*args[skip:], *constexprs))
 
 
@@ -351,13 +359,17 @@ def prepare(
 ):
     """Grid, positional arguments and launch options of one call (makes the V^T copy if needed).
     `sms` sizes a persistent grid (default: the device's SM count; the target's reference count, HOPPER.sm_count, for tensors not on a GPU).
-    `serving`: the call's varlen, paged, window and LSE options (Triton configs only: the serving variant)."""
-    if serving is not None:
-        if config.backend == "gluon":  # (its varlen variant has its own launcher, with its tile table)
+    `serving`: the call's varlen, paged, window and LSE options (a Triton config's serving variant; a Gluon
+    config's LSE kernel takes an LSE alone)."""
+    gluon_lse = None
+    if serving is not None and config.backend == "gluon":  # (its varlen variant has its own launcher)
+        if serving.cu_seqlens_q is not None or serving.window is not None or serving.page_table is not None:
             raise ValueError(
-                "config: backend='gluon' runs packed sequences through kernels.gluon_varlen (no window, "
-                "return_lse or paged KV cache); pass a Triton config for the serving variant"
+                "config: backend='gluon' runs packed sequences through kernels.gluon_varlen and no window or "
+                "paged KV cache; pass a Triton config for the serving variant"
             )
+        gluon_lse, serving = serving.lse, None
+    if serving is not None:
         emitted(config, True)  # a backend with no serving variant says so here, naming the options
         if serving.page_table is not None:
             _check_paged(config, k, v, serving.page_table.shape[1])
@@ -388,6 +400,7 @@ def prepare(
             k_descale,
             v_descale,
             sms,
+            gluon_lse,
         )
     # no descales: None specialises the kernel to skip them (no tensor to allocate, so a first
     # call inside CUDA graph capture is safe)

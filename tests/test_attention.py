@@ -212,7 +212,7 @@ def test_packed_problems_are_reported_together_and_the_device_last():
     assert text.index("error_budget") < text.index("q: tensor is on cpu")
 
 
-def test_an_lse_is_served_without_k_smoothing_and_a_window_by_the_serving_variant():
+def test_an_lse_is_served_without_k_smoothing_by_the_kernel_and_a_window_by_the_serving_variant():
     from zyfa_tune.attention import with_options
     from zyfa_tune.generator.defaults import default_config
 
@@ -221,6 +221,8 @@ def test_an_lse_is_served_without_k_smoothing_and_a_window_by_the_serving_varian
     assert with_options(smooth, gluon, True, (-1, -1), False) == (smooth, gluon)  # nothing asked: as chosen
     assert with_options(smooth, gluon, True, (-1, 0), False) == (smooth, gluon)  # a causal window bounds nothing
     recipe, config = with_options(smooth, gluon, True, (-1, -1), True)
+    assert recipe == Recipe(v_rounding="balanced") and config == gluon  # the Gluon kernel writes the LSE
+    recipe, config = with_options(smooth, gluon, False, (64, 64), True)
     assert recipe == Recipe(v_rounding="balanced") and config.backend == "triton"
     recipe, config = with_options(smooth, None, False, (64, 64), False)
     assert recipe == smooth and config is None  # (flash_attn_func then picks the serving variant)
@@ -228,3 +230,5 @@ def test_an_lse_is_served_without_k_smoothing_and_a_window_by_the_serving_varian
     choice = explain_attention(q, k, v, gpu="NVIDIA H200", window_size=(64, 0))
     assert choice.kernel.config.backend == "triton" and "serving variant" in str(choice)
     assert explain_attention(q, k, v, gpu="NVIDIA H200").kernel.config.backend == "gluon"
+    choice = explain_attention(q, k, v, gpu="NVIDIA H200", return_lse=True)
+    assert choice.kernel.config.backend == "gluon" and "serving variant" not in str(choice)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zyfa_tune.attention import attention, attention_varlen
+from zyfa_tune import api
+from zyfa_tune.attention import attention, attention_varlen, explain_attention
+from zyfa_tune.kernels.launch import ServingLaunch
 from zyfa_tune.quantize import quantize_fp8, quantize_fp8_varlen
 from zyfa_tune.tuning.reference import attention_reference, attention_reference_varlen, rel_l2
 from zyfa_tune.varlen import flash_attn_varlen_func
@@ -67,6 +69,25 @@ def test_attention_with_window_and_lse_against_float64(dtype, sq, sk, causal, wi
     _check(out, lse, ref, ref_lse, quantised, quantised_lse)
     alone = attention(q, k, v, causal=causal, window_size=window)  # no LSE: the same output
     assert alone.shape == out.shape and rel_l2(alone, ref) < rel_l2(quantised, ref) + KERNEL_BOUND
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_an_lse_alone_runs_the_entry_s_own_kernel(monkeypatch, causal):
+    """return_lse keeps the kernel the plain call runs (its Gluon LSE twin where that kernel is Gluon: no
+    Triton fallback) and matches float64; its output is the plain call's, bitwise."""
+    monkeypatch.setattr(api, "_plans", {})
+    q, k, v = _dense(2, 1000, 1000, 8, 2, 128, torch.bfloat16, seed=9)
+    chosen, plain = (explain_attention(q, k, v, causal=causal, return_lse=lse) for lse in (True, False))
+    assert chosen.kernel.config == plain.kernel.config
+    out, lse = attention(q, k, v, causal=causal, return_lse=True)
+    if chosen.kernel.config.backend == "gluon":
+        assert any(isinstance(p.launch, ServingLaunch) and p.launch.lse_only for p in api._plans.values())
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, return_lse=True)
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd, causal=causal, return_lse=True)
+    _check(out, lse, ref, ref_lse, *attention_reference(q8, k8, v8, **kw))
+    if chosen.recipe == plain.recipe:  # (an LSE turns K smoothing off)
+        assert torch.equal(out, attention(q, k, v, causal=causal))
 
 
 def _random_packing(n, h, hk, dqk, dv, dtype, seed, same=False):

@@ -1,6 +1,6 @@
 """GPU tests: packed sequences on the Gluon backend's varlen variant against float64 (random packings with
 lengths 0, 1, odd and block edges, up to 32K tokens, GQA 1/4/8, exact and lean configs, every head-dim
-pair, a study seed of each schedule shape), its tile table (the one-program kernel bitwise, at its size
+pair, a study seed of each schedule shape, its LSE twin), its tile table (the one-program kernel bitwise, at its size
 limit, in a captured graph) and V^T copy against their references, the fast path against the checked
 path, and CUDA-graph capture with the lengths changed between replays."""
 
@@ -23,6 +23,9 @@ pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
 #: rel. L2 bound of the output vs float64 on the same FP8 codes (a lean softmax's, as tests/test_gpu_varlen.py)
 OUT_BOUND = 0.05
+#: abs. bound of the natural-log LSE (tests/test_gpu_varlen.py's: lean P's codes overestimate 2^x by up to 6 %),
+#: and of an exact softmax's with float32 row sums (its only errors are float32 scores and sums)
+LSE_BOUND, EXACT_LSE_BOUND = 0.1, 2e-3
 #: lengths 0 and 1, odd ones, block edges (64, 128, 192, 256) and a few thousand
 LENGTHS = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 257, 333, 1000, 2047, 3001]
 EXACT = default_config("fp8", 128, 128, "gluon")
@@ -135,6 +138,29 @@ def test_natural_v_config_and_a_keys_fastest_v():
     v_kmajor = v.permute(1, 2, 0).contiguous().permute(2, 0, 1)  # (total_k, hk, d), keys fastest
     out = flash_attn_varlen_func(*args[:2], v_kmajor, *args[3:], config=EXACT, **kw)
     assert torch.equal(out, flash_attn_varlen_func(*args, config=EXACT, **kw))
+
+
+@pytest.mark.parametrize("config", [EXACT, LEAN], ids=["exact", "lean"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_lse_twin_matches_float64_and_leaves_the_output_as_it_is(monkeypatch, config, causal):
+    """Sequences of 0 and 1 queries, odd lengths, more queries than keys (causal: rows that see no key, -inf)
+    and no keys; the LSE twin's output equals the kernel's bitwise, and the fast path gives a fresh LSE."""
+    monkeypatch.setattr(api, "_plans", {})
+    lq, lk = [0, 1, 333, 129, 1000, 7, 2047, 64], [5, 1, 100, 129, 1201, 0, 2047, 63]
+    args, kw = _packed(lq, lk, 8, 2, 128, 128, seed=41)
+    out, lse = flash_attn_varlen_func(*args, causal=causal, config=config, return_lse=True, **kw)
+    (plan,) = api._plans.values()
+    assert isinstance(plan.launch, gluon_varlen.PackedLaunch) and plan.launch.lse_shape == (8, sum(lq))
+    q, k, v, cq, ck = args[:5]
+    ref, ref_lse = attention_reference_varlen(q, k, v, cq, ck, causal=causal, return_lse=True, **kw)
+    assert lse.shape == (8, sum(lq)) and lse.dtype == torch.float32 and rel_l2(out, ref) < OUT_BOUND
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and (lse[~seen] == float("-inf")).all()
+    err = (lse[seen].double() - ref_lse[seen]).abs().max().item()
+    assert err < (EXACT_LSE_BOUND if config.softmax == "exact" and config.rowsum == "fp32" else LSE_BOUND), err
+    assert torch.equal(out, flash_attn_varlen_func(*args, causal=causal, config=config, **kw))
+    again, lse2 = flash_attn_varlen_func(*args, causal=causal, config=config, return_lse=True, **kw)
+    assert torch.equal(again, out) and torch.equal(lse2, lse) and lse2.data_ptr() != lse.data_ptr()
 
 
 @pytest.mark.parametrize("permute", [False, True])

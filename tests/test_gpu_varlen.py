@@ -8,6 +8,8 @@ import torch
 
 from zyfa_tune import api, flash_attn_func, flash_attn_varlen_func
 from zyfa_tune.generator.defaults import default_config
+from zyfa_tune.kernels.launch import ServingLaunch
+from zyfa_tune.search_spaces.seeds import gluon_lean_max_config
 from zyfa_tune.tuning.reference import attention_reference, attention_reference_varlen, rel_l2
 
 pytestmark = pytest.mark.gpu
@@ -133,6 +135,43 @@ def test_dense_window_and_lse(dtype, causal, window):
     plain = flash_attn_func(q, k, v, causal=causal)  # the plain kernel, where the window bounds nothing
     if window == (-1, -1):
         assert rel_l2(plain, out) < OUT_BOUND[dtype]
+
+
+#: Gluon configs whose LSE twin the dense call runs: an exact softmax (float32 row sums), lean P (its row
+#: maximum as reference, sums from the codes, f16 scores), row sums from the MMA on rounded P
+GLUON_LSE = {
+    "exact": default_config("fp8", 128, 128, "gluon"),
+    "lean": gluon_lean_max_config("fp8", 128, 128),
+    "rowsum-mma": default_config("fp8", 128, 128, "gluon").replace(rowsum="mma", skip_rescale=True),
+}
+
+
+@pytest.mark.parametrize("name", list(GLUON_LSE))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("sq,sk,h,hk", [(1000, 1000, 8, 2), (333, 1001, 8, 8), (1001, 257, 8, 1), (1, 77, 4, 4)])
+def test_gluon_lse_twin_against_float64(monkeypatch, name, causal, sq, sk, h, hk):
+    """The Gluon config's LSE twin runs (no Triton fallback): odd lengths, fewer keys than queries (causal:
+    rows that see no key get -inf and zeros), GQA; the output equals the kernel's own bitwise."""
+    config = GLUON_LSE[name]
+    monkeypatch.setattr(api, "_plans", {})
+    g = torch.Generator(device="cuda").manual_seed(sq + sk)
+    q = torch.randn(2, sq, h, 128, device="cuda", generator=g).to(FP8)
+    k, v = (torch.randn(2, sk, hk, 128, device="cuda", generator=g).to(FP8) for _ in range(2))
+    kw = {n: torch.rand(2, hk, device="cuda", generator=g) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True, config=config, **kw)
+    (plan,) = api._plans.values()
+    assert isinstance(plan.launch, ServingLaunch) and plan.launch.lse_only
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, return_lse=True, **kw)
+    assert lse.shape == (2, h, sq) and lse.dtype == torch.float32 and rel_l2(out, ref) < OUT_BOUND["fp8"]
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and (lse[~seen] == float("-inf")).all()
+    assert (out.transpose(1, 2)[~seen] == 0).all(), "rows that see no key are zeros"
+    exact = config.softmax == "exact" and config.rowsum == "fp32"  # (float32 scores and sums only)
+    err = (lse[seen].double() - ref_lse[seen]).abs().max().item()
+    assert err < (2e-3 if exact else LSE_BOUND["fp8"]), f"LSE max abs err {err:.3e}"
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=causal, config=config, **kw))
+    again, lse2 = flash_attn_func(q, k, v, causal=causal, return_lse=True, config=config, **kw)  # the fast path
+    assert torch.equal(again, out) and torch.equal(lse2, lse) and lse2.data_ptr() != lse.data_ptr()
 
 
 def test_fast_path_equals_the_checked_path_bitwise(monkeypatch):

@@ -111,7 +111,6 @@ def test_descales_are_per_sequence_and_kv_head():
         (dict(window_size=4), TypeError, "window_size: expected a pair of ints"),
         (dict(window_size=(True, 0)), TypeError, "window_size: expected a pair of ints"),
         (dict(return_lse=1), TypeError, "return_lse: expected bool, got int"),
-        (dict(return_lse=True, config=GLUON), ValueError, "config: backend='gluon' has no kernel for .*return_lse"),
         (dict(window_size=(8, 0), config=GLUON), ValueError, "config: backend='gluon' has no kernel for .*window_size"),
     ],
 )
@@ -126,9 +125,12 @@ def test_option_checks_name_the_argument(fn, kw, exc, match):
         call_it()
 
 
-def test_a_gluon_config_runs_packed_sequences_and_a_trivial_window_is_no_option():
-    with pytest.raises(ValueError, match="^q: tensor is on cpu"):  # (no refusal of the Gluon config)
-        call(*packed(d=128, dtype=FP8), config=GLUON)
+def test_a_gluon_config_runs_packed_sequences_and_an_lse_and_a_trivial_window_is_no_option():
+    for lse in (False, True):  # (no refusal of the Gluon config: its kernels write the LSE)
+        with pytest.raises(ValueError, match="^q: tensor is on cpu"):
+            call(*packed(d=128, dtype=FP8), config=GLUON, return_lse=lse)
+        with pytest.raises(ValueError, match="^q: tensor is on cpu"):
+            flash_attn_func(*(torch.randn(2, 16, 2, 128).to(FP8) for _ in range(3)), config=GLUON, return_lse=lse)
     q, k, v = (torch.randn(2, 16, 2, 128).to(FP8) for _ in range(3))
     for window in ((-1, -1), (-1, 5)):  # causal: (-1, right) is plain causal attention
         with pytest.raises(ValueError, match="^q: tensor is on cpu"):
@@ -153,8 +155,10 @@ class Recorder:
         self.fast.append((q, k, v, out, qd, kd, vd, extra))
         return out
 
-    def bind_packed(self, config, q, k, v, out, scale, causal, descales, cu, maxes):
-        self.checked.append(dict(config=config, q=q, out=out, causal=causal, descales=descales, cu=cu, maxes=maxes))
+    def bind_packed(self, config, q, k, v, out, scale, causal, descales, cu, maxes, lse=None):
+        self.checked.append(
+            dict(config=config, q=q, out=out, causal=causal, descales=descales, cu=cu, maxes=maxes, lse=lse)
+        )
         return self.packed_launch
 
     def packed_launch(self, q, k, v, out, qd, kd, vd, cu_q=None, cu_k=None):
@@ -230,7 +234,7 @@ def test_no_keys_gives_zeros_and_an_lse_of_minus_infinity(rec):
     assert rec.checked == [] and (out == 0).all() and (lse == float("-inf")).all() and lse.shape == (4, 5)
 
 
-def test_the_dispatcher_s_gluon_choice_runs_packed_sequences_unless_a_window_or_lse_is_asked(rec, monkeypatch):
+def test_the_dispatcher_s_gluon_choice_runs_packed_sequences_and_lses_unless_a_window_is_asked(rec, monkeypatch):
     class Gluon:
         def config_for(self, *args):
             return GLUON
@@ -242,19 +246,25 @@ def test_the_dispatcher_s_gluon_choice_runs_packed_sequences_unless_a_window_or_
     monkeypatch.setattr(api.dispatch, "dispatcher", lambda: one)
     q, k, v, cq, ck, mq, mk = packed(d=128, dtype=FP8)
     out = call(q, k, v, cq, ck, mq, mk)
-    call(q, k, v, cq, ck, mq, mk, return_lse=True)
+    _, lse = call(q, k, v, cq, ck, mq, mk, return_lse=True)
+    call(q, k, v, cq, ck, mq, mk, window_size=(2, 0))
     q4, k4, v4 = (torch.randn(2, 16, 2, 128).to(FP8) for _ in range(3))
-    flash_attn_func(q4, k4, v4, return_lse=True)
-    gluon, packed_lse, dense_lse = rec.checked
+    _, lse4 = flash_attn_func(q4, k4, v4, return_lse=True)
+    flash_attn_func(q4, k4, v4, window_size=(8, 0))
+    gluon, packed_lse, packed_window, dense_lse, dense_window = rec.checked
     assert gluon["config"] == GLUON and gluon["out"] is out and gluon["q"] is q  # packed (total, heads, dim)
     assert gluon["cu"] == (cq, ck) and gluon["maxes"] == (mq, mk) and gluon["causal"] is True
-    assert packed_lse["config"].backend == dense_lse["config"].backend == "triton"
-    assert dense_lse["config"] == default_config("fp8", 128, 128)
+    assert gluon["lse"] is None and packed_lse["config"] == GLUON and packed_lse["lse"] is lse  # its LSE kernel
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+    assert dense_lse["config"] == GLUON and dense_lse["serving"].lse is lse4 and dense_lse["serving"].window is None
+    assert packed_window["config"].backend == dense_window["config"].backend == "triton"
+    assert dense_window["config"] == default_config("fp8", 128, 128)
     assert (
-        packed_lse["config"] == varlen.packed_twin(dense_lse["config"]) and packed_lse["config"].v_layout == "natural"
+        packed_window["config"] == varlen.packed_twin(dense_window["config"])
+        and packed_window["config"].v_layout == "natural"
     )
     call(q, k, v, cu(5, 3, 0), cu(5, 5, 0), mq, mk)  # the layout's fast path: the new lengths reach the launch
-    assert len(rec.checked) == 3 and rec.fast[-1][-1][0].tolist() == [0, 5, 8, 8]
+    assert len(rec.checked) == 5 and rec.fast[-1][-1][0].tolist() == [0, 5, 8, 8]
 
 
 # ---- the launcher's arguments ---------------------------------------------------------------------

@@ -221,10 +221,11 @@ def window_bounds(window: tuple[int, int], causal: bool, max_left: int, max_righ
 
 
 def serving_config(config: KernelConfig) -> KernelConfig:
-    """The config a call with varlen, window or LSE options runs where the dispatcher chose `config`:
+    """The config a call with a window (or a paged KV cache) runs where the dispatcher chose `config`:
     it, if it is a Triton config (its serving variant runs the options), else the Triton default of
-    its head dims (the Gluon backend has no kernel for these options yet). Pointer loads run on
-    32-key blocks there: the serving variant's extra loop and bounds spill registers at more keys."""
+    its head dims (the Gluon backend has no kernel for these options yet; it writes an LSE itself, so
+    an LSE alone never comes here). Pointer loads run on 32-key blocks there: the serving variant's
+    extra loop and bounds spill registers at more keys."""
     if config.backend != "triton":
         config = default_config(config.dtype, config.head_dim_qk, config.head_dim_v)
     if config.loads == "pointer" and config.block_n > 32:
@@ -234,7 +235,7 @@ def serving_config(config: KernelConfig) -> KernelConfig:
 
 def check_config(config, dtype, q, v, related: bool, options: list[str], problems: ArgumentProblems) -> None:
     """A forced `config`: a KernelConfig of the inputs' dtype and head dims, and a Triton one where
-    the call uses `options` (the option names, e.g. ["return_lse"])."""
+    the call uses `options` (the option names only a Triton kernel serves, e.g. ["window_size"])."""
     if config is not None and not isinstance(config, KernelConfig):
         problems.add(TypeError, f"config: expected a KernelConfig, got {type(config).__name__}")
         return
@@ -293,7 +294,7 @@ def _prepare(
     window = check_options(softmax_scale, causal, window_size, return_lse, problems)
     dtype = _DTYPES[q.dtype] if tensors_ok[0] else None
     descales = _prepare_descales(q, k, (q_descale, k_descale, v_descale), tensors_ok, cuda_values, problems)
-    options = option_names(window, causal, return_lse)
+    options = option_names(window, causal)
     check_config(config, dtype, q, v, related, options, problems)
     if cuda and tensors_ok[0]:  # k's and v's device is checked against q's above
         try:
@@ -308,10 +309,11 @@ def _prepare(
     return _Problem(q, k, v, dtype, scale, descales, window)
 
 
-def option_names(window: tuple[int, int], causal, return_lse) -> list[str]:
-    """The options of a call that only a serving-variant (Triton) kernel runs."""
+def option_names(window: tuple[int, int], causal) -> list[str]:
+    """The options of a call that only a serving-variant (Triton) kernel runs: a window that bounds
+    something (return_lse is not one: the Gluon kernels write the LSE too)."""
     bounded = window != (-1, -1) and window_bounds(window, causal is True, 0, 0) is not None
-    return (["window_size"] if bounded else []) + (["return_lse"] if return_lse is True else [])
+    return ["window_size"] if bounded else []
 
 
 # ---- per-layout fast path -------------------------------------------------------------------------
@@ -454,9 +456,9 @@ def flash_attn_func(
     window_size=(left, right), as in FlashAttention-3: query i sees keys j with
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 is unbounded, and
     causal makes right 0. return_lse=True returns (out, lse): lse the float32 natural-log
-    sum of exp(scores) (batch, heads, seqlen_q), -inf for a row that sees no key. Calls with a
-    window or an LSE run on Triton kernels (a Gluon config chosen by the dispatcher gives way to the
-    Triton default of its head dims; a forced one is refused).
+    sum of exp(scores) (batch, heads, seqlen_q), -inf for a row that sees no key; the chosen kernel
+    writes it (Gluon or Triton). Calls with a window run on Triton kernels (a Gluon config chosen by
+    the dispatcher gives way to the Triton default of its head dims; a forced one is refused).
     """
     options = (softmax_scale, causal, window_size, return_lse, config)
     key, plan = planned("dense", (q, k, v, q_descale, k_descale, v_descale), options, validate)
@@ -512,12 +514,14 @@ def _checked_call(
     with torch.cuda.device(p.q.device):
         if window is None and lse is None:
             launch = bind(chosen, p.q, p.k, p.v, out, p.softmax_scale, causal, *p.descales)
-        else:  # a window bounds the causal side itself
-            chosen = config or for_v_layout(serving_config(chosen), p.v)
+        else:  # a window bounds the causal side itself; an LSE alone runs on any backend
+            if window is not None:
+                chosen = config or for_v_layout(serving_config(chosen), p.v)
             serving = Serving(window=window, lse=lse)
             causal_mask = causal and window is None
             bound = bind(chosen, p.q, p.k, p.v, out, p.softmax_scale, causal_mask, *p.descales, serving=serving)
-            launch = bound and ServingLaunch(bound, None if lse is None else tuple(lse.shape))
+            lse_shape = None if lse is None else tuple(lse.shape)
+            launch = bound and ServingLaunch(bound, lse_shape, lse_only=chosen.backend == "gluon")
     given = (q_descale, k_descale, v_descale)
     if p.q is q and p.k is k and p.v is v and all(d is None or d is c for d, c in zip(given, p.descales)):
         remember(key, launch, (b, sq, h, dv), p.q.device, given, p.descales)

@@ -60,9 +60,10 @@ def attention(
     window_size=(left, right) and return_lse as `flash_attn_func`'s (FlashAttention-3's): query i sees
     keys i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right, -1 unbounded, causal making
     right 0; with return_lse=True the result is (out, lse), lse the float32 natural-log sum of
-    exp(scores) (batch, heads, seqlen_q), -inf for a row that sees no key. A window or an LSE runs the
-    recipe's kernel's Triton serving variant, and an LSE a recipe without K smoothing (which shifts
-    each row's scores, leaving the softmax but not its sum as it is).
+    exp(scores) (batch, heads, seqlen_q), -inf for a row that sees no key. A window runs the recipe's
+    kernel's Triton serving variant (an LSE alone the kernel itself, Gluon or Triton), and an LSE a
+    recipe without K smoothing (which shifts each row's scores, leaving the softmax but not its sum as
+    it is).
     error_budget: the largest error accepted, relative to FlashAttention-3's FP8 kernel on the same
     inputs quantised plainly (default `FA3_PARITY`, 1.01: FA3-fp8's error within 1%). Returns (batch, seqlen_q, heads,
     head_dim_v) in the inputs' dtype.
@@ -152,7 +153,7 @@ def explain_attention(
         why.append("an LSE: no K smoothing (it shifts each row's scores)")
     if config != kernel.config:
         kernel = replace(kernel, config=config)
-        why.append("a window or an LSE: the Triton serving variant")
+        why.append("a window: the Triton serving variant")
     return AttentionChoice(recipe, kernel, "; ".join(w for w in why if w))
 
 
@@ -160,11 +161,12 @@ def with_options(
     recipe: Recipe, config: KernelConfig | None, causal: bool, window: Window, return_lse: bool
 ) -> tuple[Recipe, KernelConfig | None]:
     """The recipe and kernel that serve a window or an LSE where (recipe, config) serves the plain call:
-    an LSE of K-smoothed scores would be each row's q . mean(K) off, so K is not smoothed; a kernel
-    becomes its Triton serving variant (`serving_config`: the Gluon backend has none yet)."""
+    an LSE of K-smoothed scores would be each row's q . mean(K) off, so K is not smoothed; with a window
+    a kernel becomes its Triton serving variant (`serving_config`: the Gluon backend has no window yet),
+    while an LSE alone keeps the kernel (a Gluon kernel writes it too)."""
     if return_lse and recipe.smooth_k:
         recipe = replace(recipe, smooth_k=False)
-    if config is not None and option_names(window, causal, return_lse):
+    if config is not None and option_names(window, causal):
         config = serving_config(config)
     return recipe, config
 

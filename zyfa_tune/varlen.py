@@ -3,9 +3,10 @@
 A serving batch packs many prompts into one (total_tokens, heads, dim) tensor, sequence i holding
 rows cu_seqlens[i]:cu_seqlens[i + 1]. The packed tensors run as one batch entry of `total` rows on the
 varlen variant of a Gluon config (kernels/gluon_varlen.py: a persistent schedule over the sequences'
-tiles, heaviest first), or on the serving variant of a Triton config (generator/triton/emit.py), which
-also takes windows and the LSE; each tile reads its sequence's bounds from the cumulative lengths. The argument checks and the per-layout fast path are
-flash_attn_func's (zyfa_tune/api.py); only what packing adds is checked here.
+tiles, heaviest first; it writes the LSE too), or on the serving variant of a Triton config
+(generator/triton/emit.py), which also takes windows; each tile reads its sequence's bounds from the
+cumulative lengths. The argument checks and the per-layout fast path are flash_attn_func's
+(zyfa_tune/api.py); only what packing adds is checked here.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def flash_attn_varlen_func(
 
     Runs the dispatcher's packed-sequence entry for (sequences, heads, total tokens, max_seqlen_q),
     else its rectangular choice at the mean length, as its `packed_twin`: a Gluon config on its varlen
-    variant (forced ones too), except with a window or return_lse, where a Gluon choice gives way to
-    the Triton default of the head dims and a forced one is refused.
+    variant (forced ones too; it writes the LSE as well), except with a window, where a Gluon choice
+    gives way to the Triton default of the head dims and a forced one is refused.
     Checks as flash_attn_func's: every argument on a layout's first call, all problems in one error;
     the values of CUDA cumulative lengths (start at 0, never decrease, end at the tensors' totals,
     no sequence longer than max_seqlen) are read then (one synchronisation, not inside CUDA graph
@@ -147,7 +148,7 @@ def _run(key, p: _Packed, given: tuple, config, causal: bool, as_passed: tuple):
         return empty_result(out, lse, total_k == 0)
     q4, k4, v4, out4 = (t.unsqueeze(0) for t in (p.q, p.k, p.v, out))  # one batch entry of packed rows
     window = window_bounds(p.window, causal, total_k, total_q)
-    plain = window is None and lse is None  # what the Gluon varlen variant runs
+    plain = window is None  # what the Gluon varlen variant runs (with or without an LSE)
     chosen = config or for_v_layout(
         dispatched_config(p.dtype, dqk, dv, causal, batch, h, hk, total_q, p.max_seqlen_q, device.index, plain), v4
     )
@@ -156,7 +157,7 @@ def _run(key, p: _Packed, given: tuple, config, causal: bool, as_passed: tuple):
     with torch.cuda.device(device):
         if chosen.backend == "gluon":
             maxes = (p.max_seqlen_q, p.max_seqlen_k)
-            bound = bind_packed(chosen, p.q, p.k, p.v, out, p.softmax_scale, causal, p.descales, cu, maxes)
+            bound = bind_packed(chosen, p.q, p.k, p.v, out, p.softmax_scale, causal, p.descales, cu, maxes, lse)
         else:
             serving = Serving(*cu, p.max_seqlen_q, window, lse)
             causal_mask = causal and window is None
@@ -184,8 +185,8 @@ def dispatched_config(
 ) -> KernelConfig:
     """The dispatcher's packed-sequence choice before `packed_twin`, keyed on host values only
     (sequences, q's total tokens, max_seqlen_q: no read of the lengths). A packed-sequence entry
-    runs as it was timed, a Gluon choice on its varlen variant where the call is `plain` (no window,
-    no LSE), any other as its serving twin (`serving_config`)."""
+    runs as it was timed, a Gluon choice on its varlen variant where the call is `plain` (no window;
+    an LSE is plain), any other as its serving twin (`serving_config`)."""
     config, tuned = dispatch.dispatcher().varlen_config_for(
         dtype, dqk, dv, causal, batch, h, hk, total_q, max(1, max_seqlen_q), device_index
     )
@@ -222,7 +223,7 @@ def _prepare(
     maxes_ok = _check_max(("max_seqlen_q", "max_seqlen_k"), (max_q, max_k), totals, batch, problems)
     dtype = _api._DTYPES[q.dtype] if tensors_ok[0] else None
     descales = _api._prepare_descales(q, k, given, [*tensors_ok, cu_ok], read_values, problems, batch, _BATCH_FROM)
-    check_config(config, dtype, q, v, related, option_names(window, causal, return_lse), problems)
+    check_config(config, dtype, q, v, related, option_names(window, causal), problems)
     if cu_ok and related and maxes_ok and not problems.found and readable(cu_q, read_values):
         values = torch.stack([cu_q, cu_k]).cpu()  # (one synchronisation for both)
         check_cu_values(zip("qk", values, totals, (max_q, max_k)), problems)

@@ -14,8 +14,8 @@ from .p_carry import _p_tile, _pv_prologue
 from .schedule import _block_range, _ragged_loop, _ragged_tile, _tile_at, _tile_coords, _tile_loop
 from .smem import _ones
 from .softmax import _lane_sums, _q_headroom
-from .steps import (_column_halves, _first_softmax, _o_chunk_store, _o_rows_store, _ov_step, _plain_step,
-                    _upper_half_unseen)
+from .steps import (_column_halves, _first_softmax, _lse_store, _o_chunk_store, _o_rows_store, _ov_step,
+                    _plain_step, _upper_half_unseen)
 from .turns import _turn_pass, _turn_wait, _turns_start
 
 # ---- emitted below this line ----
@@ -31,12 +31,14 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
               CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
               EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_bufs, QK_PARTS: gl.constexpr,
-              kb_bufs, vb_bufs, onesb_bufs, p_bufs, cu_q, cu_k, o_ptr):
+              kb_bufs, vb_bufs, onesb_bufs, p_bufs, cu_q, cu_k, o_ptr, lse_ptr=None, lse_stride=0):
     """Consumer warpgroup CID: rows [64 CID, 64 CID + 64) of every tile it visits. Key blocks from
     the diagonal downwards; only the first n_masked (diagonal / key end) pay for the mask.
     VARLEN: each tile's rows and keys are its sequence's (lengths, causal offset, descales of sequence b);
     rows past the sequence's end are computed but never stored: a warpgroup whose 64 rows cross the end
-    stores its rows by pointer (_o_rows_store), the others by TMA at the sequence's rows."""
+    stores its rows by pointer (_o_rows_store), the others by TMA at the sequence's rows.
+    lse_ptr (the LSE kernel only; None compiles no LSE code): each stored row's log-sum-exp at word
+    (batch * H + head) * lse_stride + row (VARLEN: batch 0, the packed row), beside O's store."""
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BN_A, 32])
     # SPLIT: the second key part's scores (otherwise an unused twin of qk_layout)
@@ -220,6 +222,8 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 l_o = gl.convert_layout(gl.sum(l_i, axis=1), row_o)
             else:
                 l_o = gl.convert_layout(l_i, row_o)
+            if lse_ptr is not None:
+                _lse_store(m_i, l_o, lse_ptr, (o_b * H + h) * lse_stride + o_row, seq_q - row0, P_OFFSET)
             inv = gl.where(l_o > 0.0, v_scale / l_o, 0.0)
             o = (acc * inv[:, None]).to(gl.bfloat16)
             if VARLEN:  # 64 rows crossing the sequence's end: only its rows, by pointer stores

@@ -32,6 +32,8 @@ kernels/gluon_varlen.ragged_tiles), CU_Q, CU_K (int32 cumulative lengths) and O_
 pointer stores of tiles on a sequence's end). N_M_BLOCKS is then the query blocks of the longest
 sequence, N_TILES the table's entries (sequences x N_M_BLOCKS), SEQ_Q unused and SEQ_K the packed keys'
 total (what sizes the loop's L2 head groups); descales are per (sequence, kv head). Only that variant has the four parameters: every other kernel compiles as before.
+`emit(config, lse=True)` (either variant) also writes each row's float32 natural-log sum of exp(scores) into
+LSE (after VD): (B, H, Sq) contiguous, varlen (H, total_q); LSE_STRIDE (last before CAUSAL): Sq or total_q.
 """
 
 from __future__ import annotations
@@ -77,11 +79,14 @@ from .trace import EVENTS, TraceBuffer, clock_asm
 NUM_WARPS = 4
 
 
-def emit(config: KernelConfig, *, trace: TraceBuffer | None = None, varlen: bool = False) -> EmittedKernel:
+def emit(
+    config: KernelConfig, *, trace: TraceBuffer | None = None, varlen: bool = False, lse: bool = False
+) -> EmittedKernel:
     """Emit the Gluon kernel source for `config` (deterministic; same config -> same bytes).
     trace: also stamp the SM clock at each consumer step's EVENTS into that buffer (CTA 0;
     generator/gluon_sm90/trace.py), a diagnostic twin of the kernel; None for the kernel itself.
-    varlen: the packed-sequence variant (module docstring; `varlen_error` says which configs it takes)."""
+    varlen: the packed-sequence variant (module docstring; `varlen_error` says which configs it takes).
+    lse: also write the LSE (module docstring): a call option, not a config field, so a kernel's twin."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
     if config.backend != "gluon":
@@ -93,7 +98,7 @@ def emit(config: KernelConfig, *, trace: TraceBuffer | None = None, varlen: bool
         raise ValueError(f"config: {why}")
     return emitted(
         config,
-        _header(config) + device.source() + _constants(config, trace, varlen) + _entry(config, varlen),
+        _header(config) + device.source() + _constants(config, trace, varlen) + _entry(config, varlen, bool(lse)),
         kernel_name_of(config),
     )
 
@@ -219,6 +224,12 @@ def tile_params(c: KernelConfig, varlen: bool = False) -> tuple[str, ...]:
     if varlen:
         return VARLEN_PARAMS
     return ("TILE_TABLE",) if c.q_order == "balanced" else ()
+
+
+def kernel_params(c: KernelConfig, varlen: bool = False, lse: bool = False) -> tuple[str, ...]:
+    """The parameters after the descriptors but CAUSAL (the LSE kernel's LSE beside the descales, as Triton's)."""
+    first = SCALAR_PARAMS[:3] + (("LSE",) if lse else ()) + SCALAR_PARAMS[3:]
+    return first + tile_params(c, varlen) + (("LSE_STRIDE",) if lse else ())
 
 
 #: Integer parameters Triton must not specialise (on == 1 or % 16): the schedule gains nothing from
@@ -402,7 +413,7 @@ def _fence_constants(c: KernelConfig) -> list[tuple[str, object]]:
     return out
 
 
-def _consumer_args(cid: int, c: KernelConfig) -> str:
+def _consumer_args(cid: int, c: KernelConfig, lse: bool = False) -> str:
     # ex2_fence goes in as a literal (a validated bool), not as a module constant, so that the
     # schedule constants of every other config stay exactly as they were
     ones = "ones_bufs" if c.rowsum == "mma" else "None"
@@ -414,7 +425,7 @@ def _consumer_args(cid: int, c: KernelConfig) -> str:
         "                    N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
         "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
         f"{bool(c.ex2_fence)!r}, LEAN, {ones}, QK_PARTS,\n"
-        f"                    kb_bufs, vb_bufs, {onesb}, p_bufs, CU_Q, CU_K, O_PTR)"
+        f"                    kb_bufs, vb_bufs, {onesb}, p_bufs, CU_Q, CU_K, O_PTR{', LSE, LSE_STRIDE' if lse else ''})"
     )
 
 
@@ -517,9 +528,11 @@ def _v_lines(c: KernelConfig) -> list[str]:
     ]
 
 
-def _entry(c: KernelConfig, varlen: bool = False) -> str:
+def _entry(c: KernelConfig, varlen: bool = False, lse: bool = False) -> str:
     consumers = c.block_m // 64
-    partitions = [f"        (_consumer, {_consumer_args(i, c)})," for i in range(consumers)]
+    partitions = [f"        (_consumer, {_consumer_args(i, c, lse)})," for i in range(consumers)]
+    params = kernel_params(c, varlen, lse)
+    split, unspecialised = params.index("GROUP") + 1, UNSPECIALISED + (("LSE_STRIDE",) if lse else ())
     partitions.append(f"        (_producer, {_PRODUCER_ARGS}),")
     # the default partition is consumer 0; workers: the other consumers (4 warps each), the producer
     # (1 warp; a warpgroup when it transposes V: the register split counts it as one either way)
@@ -528,10 +541,10 @@ def _entry(c: KernelConfig, varlen: bool = False) -> str:
     return "\n".join(
         [
             "",
-            f"@gluon.jit(do_not_specialize={UNSPECIALISED!r})",
+            f"@gluon.jit(do_not_specialize={unspecialised!r})",
             f"def {kernel_name_of(c)}({', '.join(descriptor_blocks(c))},",
-            f"                  {', '.join(SCALAR_PARAMS[:7])},",
-            f"                  {', '.join(SCALAR_PARAMS[7:] + tile_params(c, varlen))}, CAUSAL: gl.constexpr):",
+            f"                  {', '.join(params[:split])},",
+            f"                  {', '.join(params[split:])}, CAUSAL: gl.constexpr):",
             "    dtype: gl.constexpr = gl.float8e4nv",
             "    q_bufs = gl.allocate_shared_memory(dtype, [Q_STAGES * QK_PARTS * Q_BOXES, BLOCK_M // Q_BOXES, QK_W],",
             f"                                       {_q_layout(c)})",

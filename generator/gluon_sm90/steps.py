@@ -203,6 +203,21 @@ def _o_rows_store(x, o_ptr, row, rows, col0, stride, WIDTH: gl.constexpr):
 
 
 @gluon.jit
+def _lse_store(m_i, l_o, lse_ptr, base, rows, P_OFFSET: gl.constexpr):
+    """LSE: a warpgroup's 64 rows' natural-log sums of exp(scores), the first `rows` of them (the
+    sequence's) from float32 word `base` (int32: kernels/gluon_launch.lse_pointer keeps the LSE below 2^31
+    words; an int64 base, held through the tile loop, spilled lean P kernels). l sums 2^(s scale - (m -
+    P_OFFSET)) in log2 units, m the kernel's reference (the row maximum, or lean P's grid point at or
+    above it), so log2 of the sum of exp(scores) is m - P_OFFSET + log2(l) (lean P's codes are not
+    corrected: the Triton kernels' LSE neither). A row that saw no key (l = 0) gets -inf, as there."""
+    layout: gl.constexpr = m_i.type.layout
+    l = gl.convert_layout(l_o, layout)
+    lse = gl.where(l > 0.0, (m_i - P_OFFSET + gl.log2(l)) * 0.6931471805599453, float("-inf"))
+    r = gl.arange(0, 64, layout=layout)
+    gl.store(lse_ptr + base + r, lse, mask=r < rows)
+
+
+@gluon.jit
 def _lower_keys(s):
     """The scores of a block's lower half of keys, from the whole block's (64, N) accumulator: a thread
     holds keys 8c + 2q + b, so the lower half (c < N / 16) is half of each thread's registers."""
