@@ -22,18 +22,19 @@ from .triton.emit import chunk_skips, chunks_of, head_chunks
 from .triton.emit import emit as _triton_emit
 
 
-def emit(config: KernelConfig, serving: bool = False, lse: bool = False) -> EmittedKernel:
+def emit(config: KernelConfig, serving: bool = False, lse: bool = False, window: bool = False) -> EmittedKernel:
     """Emit the kernel source of `config` with its backend's emitter (deterministic). `serving`: the
     variant that also takes packed sequences, a paged KV cache, a window and an LSE output (generator/triton/emit.py);
     the Gluon backend's serving variant takes packed sequences only (generator/gluon_sm90/emit.py, varlen).
-    `lse`: the Gluon kernel (rectangular, or varlen with `serving`) that also writes the LSE; a Triton
-    kernel's LSE is a call option of its serving variant."""
+    `lse`, `window`: the Gluon kernel (rectangular, or varlen with `serving`) that also writes the LSE, or
+    takes a sliding window's bounds; a Triton kernel's LSE and window are call options of its serving variant."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
-    if lse and config.backend != "gluon":
-        raise ValueError(f"lse: backend={config.backend!r} writes the LSE from its serving variant (serving=True)")
-    if config.backend == "gluon" and (serving or lse):
-        return _gluon_emit(config, varlen=bool(serving), lse=bool(lse))
+    for name, on in (("lse", lse), ("window", window)):
+        if on and config.backend != "gluon":
+            raise ValueError(f"{name}: backend={config.backend!r} takes it in its serving variant (serving=True)")
+    if config.backend == "gluon" and (serving or lse or window):
+        return _gluon_emit(config, varlen=bool(serving), lse=bool(lse), window=bool(window))
     if serving:
         if config.backend != "triton":
             raise ValueError(

@@ -240,7 +240,8 @@ def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int, desc
     """The Gluon kernel for sm_<capability>a: descriptors typed from the config's blocks (their
     shared layouts are what the launcher builds); its integers are never specialised (gluon_sm90.emit's
     UNSPECIALISED), so plain i32 is exactly what a launch compiles. The varlen variant's pointers
-    (VARLEN_PARAMS) and the LSE kernel's LSE are 16-byte aligned allocations, as a launch passes them."""
+    (VARLEN_PARAMS) and the LSE kernel's LSE are 16-byte aligned allocations, as a launch passes them; the
+    window kernel's bounds (WINDOW_PARAMS) plain i32, as UNSPECIALISED."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -250,8 +251,8 @@ def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int, desc
     fn = jit_function(kernel)
     blocks = descriptor_blocks(kernel.config)
     names = [p.name for p in fn.params]
-    varlen, lse = "CU_Q" in names, "LSE" in names
-    assert names == [*blocks, *kernel_params(kernel.config, varlen, lse), "CAUSAL"], names
+    varlen, lse, window = "CU_Q" in names, "LSE" in names, "WIN_L" in names
+    assert names == [*blocks, *kernel_params(kernel.config, varlen, lse, window), "CAUSAL"], names
     sig, constexprs, attrs = _scalar_signature(names, causal, descales)
     sig.update({n: descriptor_type(*blocks[n]) for n in blocks})
     if varlen:

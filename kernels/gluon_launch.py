@@ -238,6 +238,25 @@ def lse_stride(lse: torch.Tensor | None) -> tuple:
     return () if lse is None else (lse.shape[-1],)
 
 
+#: The largest window bound the window kernel takes: row + Sk - Sq +- bound stays within int32.
+MAX_WINDOW = 2**30
+
+
+def window_args(window: tuple[int, int] | None, causal: bool) -> tuple:
+    """The window kernel's last arguments, WIN_L and WIN_R (none for a kernel without them): `window` checked to
+    be (left, right) ints in [0, MAX_WINDOW] (an unbounded side resolved to a bound no key reaches, as
+    api.window_bounds does), with right = 0 when `causal` (the kernel then masks the diagonal as the window's
+    right edge)."""
+    if window is None:
+        return ()
+    ok = isinstance(window, tuple) and len(window) == 2
+    if not ok or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_WINDOW for x in window):
+        raise ValueError(f"window: expected (left, right) ints in [0, {MAX_WINDOW}], got {window!r}")
+    if causal and window[1] != 0:
+        raise ValueError(f"window: a causal window's right bound is 0, got {window!r}")
+    return window
+
+
 def descriptor_owners(config: KernelConfig) -> tuple[int, ...]:
     """Index in (q, k, v, out) of the tensor under each descriptor argument, in kernel order."""
     return tuple(DESCRIPTOR_TENSOR[name][0] for name in descriptor_blocks(config))
@@ -256,9 +275,11 @@ def arguments(
     v_descale: torch.Tensor | None,
     sms: int,
     lse: torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, options) of one call (v as `descriptors` takes it); `sms` sizes
-    the persistent grid. `lse`: float32 (B, H, Sq), contiguous, for the kernel emitted with lse=True."""
+    the persistent grid. `lse`: float32 (B, H, Sq), contiguous, for the kernel emitted with lse=True;
+    `window`: (left, right) bounds (`window_args`) for the kernel emitted with window=True."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     dv = v.shape[3] if config.v_layout == "natural" else v.shape[2]
@@ -304,6 +325,6 @@ def arguments(
             config.l2_group_mib << 20,
         )
         args += (tile_table(key, q.device),)
-    args += lse_stride(lse)
+    args += lse_stride(lse) + window_args(window, causal)
     options = dict(CAUSAL=bool(causal), num_warps=NUM_WARPS)
     return (programs,), args, options

@@ -24,7 +24,7 @@ from zyfa_tune.generator import KernelConfig
 from zyfa_tune.generator.gluon_sm90.emit import NUM_WARPS, SCALAR_PARAMS
 
 from . import fastlaunch, gluon_launch
-from .launch import LOG2E, kernel, tma_readable
+from .launch import LOG2E, kernel, tma_readable, twin_names
 
 #: V^T's sequences start on multiples of this many keys: 16-byte TMA boxes, and whole 32-key chunks for
 #: v_permute's key order (the kernel's key blocks are multiples of 32 from a sequence's first key)
@@ -227,12 +227,14 @@ def arguments(
     max_seqlen: tuple[int, int],
     sms: int,
     lse: torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[tuple, tuple, dict]:
     """(grid, positional arguments, options) of one varlen call. q, k, v: packed (total, heads, dim),
     rows TMA-ready (v as stored, dims contiguous; a transposed config reads `packed_vt`'s copy); out:
     contiguous (total_q, heads, dim_v) bf16; descales (batch, kv_heads) or Nones; cu: int32 cumulative
     lengths of q and k; max_seqlen: at least the longest q and k sequence; lse: float32 (heads, total_q),
-    contiguous, for the kernel emitted with lse=True."""
+    contiguous, for the kernel emitted with lse=True; window: (left, right), each sequence's rows and keys
+    bottom-right aligned (gluon_launch.window_args), for the kernel emitted with window=True."""
     if config.backend != "gluon":
         raise ValueError(f"config: backend={config.backend!r}; this is the Gluon varlen launcher")
     total_q, h, _ = q.shape
@@ -252,19 +254,22 @@ def arguments(
     # SEQ_K: the packed keys' total, which sizes the kernel's L2 head groups (emit.py's VARLEN)
     scalars = (ds0, ds1, h, h // hk, hk, max_seqlen[0], k.shape[0], n_m, batch * n_m, float(softmax_scale) * LOG2E)
     lse_args = gluon_launch.lse_pointer(lse, (h, total_q))
-    args = (*descs, *descales, *lse_args, *scalars, table, *cu, out, *gluon_launch.lse_stride(lse))
+    tail = gluon_launch.lse_stride(lse) + gluon_launch.window_args(window, causal)
+    args = (*descs, *descales, *lse_args, *scalars, table, *cu, out, *tail)
     tiles = h * min(batch * n_m, -(-total_q // config.block_m) + batch)
     programs = max(1, gluon_launch.grid_size(config.persistent, tiles, sms))
     return (programs,), args, dict(CAUSAL=bool(causal), num_warps=NUM_WARPS)
 
 
-def run(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int, lse: bool = False):
-    """Launch `arguments`' call through the fast path; returns the CompiledKernel that ran. `lse`: the
-    arguments hold an LSE (the LSE kernel runs)."""
+def run(
+    config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int, lse: bool = False, window: bool = False
+):
+    """Launch `arguments`' call through the fast path; returns the CompiledKernel that ran. `lse`, `window`: the
+    arguments hold an LSE, window bounds (that twin runs)."""
     causal = options["CAUSAL"]
     return fastlaunch.run(
-        (config, causal, "varlen-lse" if lse else "varlen"),
-        kernel(config, True, lse),
+        (config, causal, "-".join(("varlen", *twin_names(lse, window)))),
+        kernel(config, True, lse, window),
         grid,
         args,
         {"CAUSAL": causal},
@@ -277,7 +282,8 @@ class PackedLaunch:
     """A varlen Gluon kernel bound to one argument layout, for the API's per-layout fast path (as
     launch.ServingLaunch). Each call builds the tile table (and the V^T copy) from its own cumulative
     lengths, encodes descriptors once per pointer and launches: no synchronisation. `lse_shape`: the LSE
-    kernel's, (heads, total_q); each call then allocates its LSE and returns (out, lse)."""
+    kernel's, (heads, total_q); each call then allocates its LSE and returns (out, lse). `window`: the window
+    kernel's bounds, (WIN_L, WIN_R), passed as bound (the API binds per window); () for other kernels."""
 
     __slots__ = (
         "config",
@@ -291,6 +297,7 @@ class PackedLaunch:
         "raw",
         "tma",
         "lse_shape",
+        "window",
     )
 
     def __init__(
@@ -302,10 +309,11 @@ class PackedLaunch:
         args: tuple,
         options: dict,
         lse_shape: tuple[int, int] | None = None,
+        window: tuple = (),
     ):
         n_desc = len(gluon_launch.descriptor_owners(config))
         self.config, self.compiled, self.programs, self.device = config, compiled, grid[0], device
-        self.causal, self.lse_shape = options["CAUSAL"], lse_shape
+        self.causal, self.lse_shape, self.window = options["CAUSAL"], lse_shape, tuple(window)
         first = n_desc + 3 + (lse_shape is not None)  # (the LSE pointer sits between descales and scalars)
         self.scalars = tuple(args[first : first + len(_SCALARS)])
         self.max_q = self.scalars[5]
@@ -328,10 +336,10 @@ class PackedLaunch:
             v = packed_vt(v, cu_seqlens_k, table[1 + self.scalars[8] :], gluon_launch.v_keys_permuted(c))
         tensors = (q, k, v, out)
         if self.lse_shape is None:
-            lse, tail = (), (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, self.causal)
+            lse, tail = (), (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, *self.window, self.causal)
         else:
             lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=out.device),)
-            tail = (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, self.lse_shape[1], self.causal)
+            tail = (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, self.lse_shape[1], *self.window, self.causal)
         result = out if self.lse_shape is None else (out, lse[0])
         if self.raw is not None and not fastlaunch.hooks_set():
             inputs = []
@@ -351,18 +359,24 @@ class PackedLaunch:
 
 
 def bind(
-    config: KernelConfig, q, k, v, out, softmax_scale, causal, descales, cu, max_seqlen, lse=None
+    config: KernelConfig, q, k, v, out, softmax_scale, causal, descales, cu, max_seqlen, lse=None, window=None
 ) -> PackedLaunch | None:
     """Launch one varlen call (`arguments`; copies q, k, natural v where TMA cannot read them) and return
     a PackedLaunch for later calls of this layout, or None where a copy was made (no fast path). `lse`:
-    float32 (heads, total_q) to write the LSE into (the LSE kernel; its PackedLaunch returns (out, lse))."""
+    float32 (heads, total_q) to write the LSE into (the LSE kernel; its PackedLaunch returns (out, lse));
+    `window`: (left, right) bounds for the window kernel (`arguments`)."""
     device = q.device.index
     sms = gluon_launch.sm_count(device) if q.device.type == "cuda" else gluon_launch.DEFAULT_SMS
     ready = [t if tma_readable(t.unsqueeze(0)) else t.contiguous() for t in (q, k, v)]
     if config.v_layout != "natural":  # (packed_vt reads any strides)
         ready[2] = v
-    grid, args, options = arguments(config, *ready, out, softmax_scale, causal, descales, cu, max_seqlen, sms, lse)
-    compiled = run(config, grid, args, options, device, lse is not None)
+    grid, args, options = arguments(
+        config, *ready, out, softmax_scale, causal, descales, cu, max_seqlen, sms, lse, window
+    )
+    compiled = run(config, grid, args, options, device, lse is not None, window is not None)
     if any(a is not b for a, b in zip(ready, (q, k, v))) or any(d is not None and d.data_ptr() % 16 for d in descales):
         return None
-    return PackedLaunch(config, compiled, grid, device, args, options, None if lse is None else tuple(lse.shape))
+    lse_shape = None if lse is None else tuple(lse.shape)
+    return PackedLaunch(
+        config, compiled, grid, device, args, options, lse_shape, gluon_launch.window_args(window, causal)
+    )

@@ -38,21 +38,27 @@ _INT32_MAX = 2**31 - 1
 
 
 @functools.cache
-def emitted(config: KernelConfig, serving: bool = False, lse: bool = False) -> EmittedKernel:
-    """Emit once per config and variant (configs are frozen and hashable); `lse`: a Gluon kernel's LSE twin."""
-    return emit(config, serving=serving, lse=lse)
+def emitted(config: KernelConfig, serving: bool = False, lse: bool = False, window: bool = False) -> EmittedKernel:
+    """Emit once per config and variant (configs are frozen and hashable); `lse`, `window`: a Gluon kernel's
+    twin that writes the LSE, takes a window."""
+    return emit(config, serving=serving, lse=lse, window=window)
 
 
 @functools.cache
-def kernel(config: KernelConfig, serving: bool = False, lse: bool = False):
+def kernel(config: KernelConfig, serving: bool = False, lse: bool = False, window: bool = False):
     """The JIT function of `config` (emitted, written and imported once per process)."""
-    return jit_function(emitted(config, serving, lse))
+    return jit_function(emitted(config, serving, lse, window))
+
+
+def twin_names(lse: bool, window: bool) -> tuple[str, ...]:
+    """The names of a Gluon kernel's twin in its fast-path key ("lse", "window"; none for the kernel itself)."""
+    return (("lse",) if lse else ()) + (("window",) if window else ())
 
 
 @dataclass(frozen=True, eq=False)
 class Serving:
     """The problem options of one call, run by the serving variant of a Triton config
-    (generator/triton/emit.py), or an LSE alone by a Gluon config's LSE kernel. With `cu_seqlens_q`
+    (generator/triton/emit.py), or an LSE and a window by a Gluon config's twins. With `cu_seqlens_q`
     (varlen) q, k, v and out are the packed tensors viewed as one batch entry, (1, total, heads, dim),
     and descales are (batch, kv_heads) of the sequences. `window` is (left, right), both >= 0 (an
     unbounded side already resolved to a bound no key reaches; a causal window has right = 0). `lse`:
@@ -108,12 +114,13 @@ def launch(
 
     Descales are all None or all contiguous float32 (batch, kv_heads) tensors. `serving`: the
     call's varlen, window and LSE options (a Triton config's serving variant runs them; a Gluon
-    config's LSE kernel an LSE alone).
+    config's twins a window and an LSE).
     """
     grid, args, options = prepare(
         config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale, serving=serving
     )
-    run_prepared(config, grid, args, options, q.device.index, lse=serving is not None and serving.lse is not None)
+    lse, window = (False, False) if serving is None else (serving.lse is not None, serving.window is not None)
+    run_prepared(config, grid, args, options, q.device.index, lse=lse, window=window)
     return out
 
 
@@ -158,16 +165,24 @@ def forget(config: KernelConfig) -> None:
     fastlaunch.forget(config)
 
 
-def run_prepared(config: KernelConfig, grid: tuple, args: tuple, options: dict, device: int, lse: bool = False):
+def run_prepared(
+    config: KernelConfig,
+    grid: tuple,
+    args: tuple,
+    options: dict,
+    device: int,
+    lse: bool = False,
+    window: bool = False,
+):
     """Launch `prepare`'s (grid, args, options) through the fast path; returns the CompiledKernel that ran.
-    `lse`: the call passes an LSE (a Gluon config then runs its LSE kernel; a Triton one's serving variant
-    takes it as an option)."""
+    `lse`, `window`: the call passes an LSE, a window (a Gluon config then runs that twin of its kernel; a
+    Triton one's serving variant takes them as options)."""
     causal = options["CAUSAL"]
     serving = "VARLEN" in options
-    gluon_lse = lse and config.backend == "gluon"
+    twin = twin_names(lse, window) if config.backend == "gluon" else ()
     return fastlaunch.run(
-        (config, causal, "serving") if serving else (config, causal, "lse") if gluon_lse else (config, causal),
-        kernel(config, serving) if serving else kernel(config, lse=True) if gluon_lse else kernel(config),
+        (config, causal, "serving") if serving else (config, causal, "-".join(twin)) if twin else (config, causal),
+        kernel(config, serving) if serving else kernel(config, False, lse, window) if twin else kernel(config),
         grid,
         args,
         {k: options[k] for k in _CONSTEXPRS if k in options},
@@ -262,8 +277,8 @@ class BoundLaunch:
 class ServingLaunch:
     """A serving-variant BoundLaunch for the API's per-layout fast path: allocates each call's LSE
     (returning (out, lse)) where the layout asks for one, and passes varlen calls' cumulative lengths
-    and paged calls' page table and cache lengths. `lse_only`: a Gluon LSE kernel's launch, whose one
-    pointer after the descales is the LSE."""
+    and paged calls' page table and cache lengths. `lse_only`: a Gluon kernel's launch, whose one pointer
+    after the descales is the LSE where it writes one (its window bounds are bound in the tail)."""
 
     __slots__ = ("bound", "lse_shape", "lse_only")
 
@@ -285,7 +300,10 @@ class ServingLaunch:
         cache_seqlens=None,
     ):
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32, device=out.device)
-        extra = (lse,) if self.lse_only else (cu_seqlens_q, cu_seqlens_k, lse, page_table, cache_seqlens)
+        if self.lse_only:
+            extra = () if lse is None else (lse,)
+        else:
+            extra = (cu_seqlens_q, cu_seqlens_k, lse, page_table, cache_seqlens)
         self.bound(q, k, v, out, q_descale, k_descale, v_descale, extra)
         return out if lse is None else (out, lse)
 
@@ -312,8 +330,8 @@ def bind(
         config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale, serving=serving
     )
     device = q.device.index
-    lse = serving is not None and serving.lse is not None
-    compiled = run_prepared(config, grid, args, options, device, lse=lse)
+    lse, window = (False, False) if serving is None else (serving.lse is not None, serving.window is not None)
+    compiled = run_prepared(config, grid, args, options, device, lse=lse, window=window)
     constexprs = tuple(options[k] for k in _CONSTEXPRS if k in options)
     gluon = config.backend == "gluon"
     n_extra = int(lse) if gluon else 0 if serving is None else _SERVING_POINTERS
@@ -360,15 +378,15 @@ def prepare(
     """Grid, positional arguments and launch options of one call (makes the V^T copy if needed).
     `sms` sizes a persistent grid (default: the device's SM count; the target's reference count, HOPPER.sm_count, for tensors not on a GPU).
     `serving`: the call's varlen, paged, window and LSE options (a Triton config's serving variant; a Gluon
-    config's LSE kernel takes an LSE alone)."""
-    gluon_lse = None
+    config's twins take an LSE and a window)."""
+    gluon_lse = gluon_window = None
     if serving is not None and config.backend == "gluon":  # (its varlen variant has its own launcher)
-        if serving.cu_seqlens_q is not None or serving.window is not None or serving.page_table is not None:
+        if serving.cu_seqlens_q is not None or serving.page_table is not None:
             raise ValueError(
-                "config: backend='gluon' runs packed sequences through kernels.gluon_varlen and no window or "
-                "paged KV cache; pass a Triton config for the serving variant"
+                "config: backend='gluon' runs packed sequences through kernels.gluon_varlen and no paged KV "
+                "cache; pass a Triton config for the serving variant"
             )
-        gluon_lse, serving = serving.lse, None
+        gluon_lse, gluon_window, serving = serving.lse, serving.window, None
     if serving is not None:
         emitted(config, True)  # a backend with no serving variant says so here, naming the options
         if serving.page_table is not None:
@@ -401,6 +419,7 @@ def prepare(
             v_descale,
             sms,
             gluon_lse,
+            gluon_window,
         )
     # no descales: None specialises the kernel to skip them (no tensor to allocate, so a first
     # call inside CUDA graph capture is safe)

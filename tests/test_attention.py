@@ -212,7 +212,7 @@ def test_packed_problems_are_reported_together_and_the_device_last():
     assert text.index("error_budget") < text.index("q: tensor is on cpu")
 
 
-def test_an_lse_is_served_without_k_smoothing_by_the_kernel_and_a_window_by_the_serving_variant():
+def test_an_lse_is_served_without_k_smoothing_and_a_window_by_the_kernel_or_the_triton_serving_variant():
     from zyfa_tune.attention import with_options
     from zyfa_tune.generator.defaults import default_config
 
@@ -223,12 +223,15 @@ def test_an_lse_is_served_without_k_smoothing_by_the_kernel_and_a_window_by_the_
     recipe, config = with_options(smooth, gluon, True, (-1, -1), True)
     assert recipe == Recipe(v_rounding="balanced") and config == gluon  # the Gluon kernel writes the LSE
     recipe, config = with_options(smooth, gluon, False, (64, 64), True)
-    assert recipe == Recipe(v_rounding="balanced") and config.backend == "triton"
+    assert recipe == Recipe(v_rounding="balanced") and config == gluon  # its window twin
+    pointer = default_config("fp8", 128, 128).replace(loads="pointer", block_n=64)
+    assert with_options(smooth, pointer, False, (64, 64), False)[1].block_n == 32  # (the serving variant's)
+    assert with_options(smooth, pointer, True, (-1, -1), False)[1] == pointer
     recipe, config = with_options(smooth, None, False, (64, 64), False)
     assert recipe == smooth and config is None  # (flash_attn_func then picks the serving variant)
     q, k, v = _qkv()
     choice = explain_attention(q, k, v, gpu="NVIDIA H200", window_size=(64, 0))
-    assert choice.kernel.config.backend == "triton" and "serving variant" in str(choice)
+    assert choice.kernel.config.backend == "gluon" and "serving variant" not in str(choice)
     assert explain_attention(q, k, v, gpu="NVIDIA H200").kernel.config.backend == "gluon"
     choice = explain_attention(q, k, v, gpu="NVIDIA H200", return_lse=True)
     assert choice.kernel.config.backend == "gluon" and "serving variant" not in str(choice)

@@ -114,7 +114,7 @@ def test_rectangular_lse_arguments_and_the_fast_path(config, monkeypatch):
     with pytest.raises(ValueError, match=r"^lse: expected a contiguous float32 \(2, 8, 1000\)"):
         launch.prepare(config, q, k, v, out, 0.1, True, *ds, serving=launch.Serving(lse=bad))
     with pytest.raises(ValueError, match="^config: backend='gluon' runs packed sequences"):
-        launch.prepare(config, q, k, v, out, 0.1, True, *ds, serving=launch.Serving(window=(4, 0), lse=lse))
+        launch.prepare(config, q, k, v, out, 0.1, True, *ds, serving=launch.Serving(cu_seqlens_q=lse, lse=lse))
 
 
 def test_varlen_lse_arguments():

@@ -90,6 +90,24 @@ def test_an_lse_alone_runs_the_entry_s_own_kernel(monkeypatch, causal):
         assert torch.equal(out, attention(q, k, v, causal=causal))
 
 
+@pytest.mark.parametrize("causal,window", [(True, (64, 0)), (True, (1, 0)), (False, (5, 7)), (False, (-1, 3))])
+def test_a_window_runs_the_entry_s_own_kernel(monkeypatch, causal, window):
+    """A window keeps the kernel the plain call runs (its Gluon window twin where that kernel is Gluon: no
+    Triton fallback) and matches float64."""
+    monkeypatch.setattr(api, "_plans", {})
+    q, k, v = _dense(2, 1000, 1100, 8, 2, 128, torch.bfloat16, seed=11)
+    chosen, plain = (explain_attention(q, k, v, causal=causal, window_size=w) for w in (window, (-1, -1)))
+    if plain.kernel.config.backend == "gluon":
+        assert chosen.kernel.config == plain.kernel.config
+    out, lse = attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+    if chosen.kernel.config.backend == "gluon":
+        assert any(isinstance(p.launch, ServingLaunch) and p.launch.lse_only for p in api._plans.values())
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, window_size=window, return_lse=True)
+    q8, k8, v8, qd, kd, vd = quantize_fp8(q, k, v)
+    kw = dict(q_descale=qd, k_descale=kd, v_descale=vd, causal=causal, window_size=window, return_lse=True)
+    _check(out, lse, ref, ref_lse, *attention_reference(q8, k8, v8, **kw))
+
+
 def _random_packing(n, h, hk, dqk, dv, dtype, seed, same=False):
     g = torch.Generator().manual_seed(seed)
     pick = lambda: [LENGTHS[int(i)] for i in torch.randint(len(LENGTHS), (n,), generator=g)]  # noqa: E731

@@ -111,7 +111,6 @@ def test_descales_are_per_sequence_and_kv_head():
         (dict(window_size=4), TypeError, "window_size: expected a pair of ints"),
         (dict(window_size=(True, 0)), TypeError, "window_size: expected a pair of ints"),
         (dict(return_lse=1), TypeError, "return_lse: expected bool, got int"),
-        (dict(window_size=(8, 0), config=GLUON), ValueError, "config: backend='gluon' has no kernel for .*window_size"),
     ],
 )
 def test_option_checks_name_the_argument(fn, kw, exc, match):
@@ -125,16 +124,18 @@ def test_option_checks_name_the_argument(fn, kw, exc, match):
         call_it()
 
 
-def test_a_gluon_config_runs_packed_sequences_and_an_lse_and_a_trivial_window_is_no_option():
+def test_a_gluon_config_runs_packed_sequences_an_lse_and_windows():
     for lse in (False, True):  # (no refusal of the Gluon config: its kernels write the LSE)
         with pytest.raises(ValueError, match="^q: tensor is on cpu"):
             call(*packed(d=128, dtype=FP8), config=GLUON, return_lse=lse)
         with pytest.raises(ValueError, match="^q: tensor is on cpu"):
             flash_attn_func(*(torch.randn(2, 16, 2, 128).to(FP8) for _ in range(3)), config=GLUON, return_lse=lse)
     q, k, v = (torch.randn(2, 16, 2, 128).to(FP8) for _ in range(3))
-    for window in ((-1, -1), (-1, 5)):  # causal: (-1, right) is plain causal attention
+    for window in ((-1, -1), (-1, 5), (8, 0), (3, 4)):  # (its window twin takes any window)
         with pytest.raises(ValueError, match="^q: tensor is on cpu"):
             flash_attn_func(q, k, v, window_size=window, config=GLUON)
+        with pytest.raises(ValueError, match="q: tensor is on cpu"):
+            call(*packed(d=128, dtype=FP8), config=GLUON, window_size=window)
 
 
 # ---- what reaches the launcher ------------------------------------------------------------------
@@ -155,9 +156,10 @@ class Recorder:
         self.fast.append((q, k, v, out, qd, kd, vd, extra))
         return out
 
-    def bind_packed(self, config, q, k, v, out, scale, causal, descales, cu, maxes, lse=None):
+    def bind_packed(self, config, q, k, v, out, scale, causal, descales, cu, maxes, lse=None, window=None):
         self.checked.append(
             dict(config=config, q=q, out=out, causal=causal, descales=descales, cu=cu, maxes=maxes, lse=lse)
+            | dict(window=window)
         )
         return self.packed_launch
 
@@ -234,7 +236,7 @@ def test_no_keys_gives_zeros_and_an_lse_of_minus_infinity(rec):
     assert rec.checked == [] and (out == 0).all() and (lse == float("-inf")).all() and lse.shape == (4, 5)
 
 
-def test_the_dispatcher_s_gluon_choice_runs_packed_sequences_and_lses_unless_a_window_is_asked(rec, monkeypatch):
+def test_the_dispatcher_s_gluon_choice_runs_packed_sequences_lses_and_windows(rec, monkeypatch):
     class Gluon:
         def config_for(self, *args):
             return GLUON
@@ -251,20 +253,19 @@ def test_the_dispatcher_s_gluon_choice_runs_packed_sequences_and_lses_unless_a_w
     q4, k4, v4 = (torch.randn(2, 16, 2, 128).to(FP8) for _ in range(3))
     _, lse4 = flash_attn_func(q4, k4, v4, return_lse=True)
     flash_attn_func(q4, k4, v4, window_size=(8, 0))
-    gluon, packed_lse, packed_window, dense_lse, dense_window = rec.checked
+    flash_attn_func(q4, k4, v4, causal=False, window_size=(-1, 3))
+    gluon, packed_lse, packed_window, dense_lse, dense_window, right_only = rec.checked
     assert gluon["config"] == GLUON and gluon["out"] is out and gluon["q"] is q  # packed (total, heads, dim)
     assert gluon["cu"] == (cq, ck) and gluon["maxes"] == (mq, mk) and gluon["causal"] is True
     assert gluon["lse"] is None and packed_lse["config"] == GLUON and packed_lse["lse"] is lse  # its LSE kernel
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
     assert dense_lse["config"] == GLUON and dense_lse["serving"].lse is lse4 and dense_lse["serving"].window is None
-    assert packed_window["config"].backend == dense_window["config"].backend == "triton"
-    assert dense_window["config"] == default_config("fp8", 128, 128)
-    assert (
-        packed_window["config"] == varlen.packed_twin(dense_window["config"])
-        and packed_window["config"].v_layout == "natural"
-    )
+    # windows: the Gluon kernels' window twins, the causal schedule kept (a causal window's right edge is 0)
+    assert packed_window["config"] == GLUON and packed_window["window"] == (2, 0) and packed_window["causal"] is True
+    assert dense_window["config"] == GLUON and dense_window["serving"].window == (8, 0) and dense_window["causal"]
+    assert right_only["config"] == GLUON and right_only["serving"].window == (16, 3) and not right_only["causal"]
     call(q, k, v, cu(5, 3, 0), cu(5, 5, 0), mq, mk)  # the layout's fast path: the new lengths reach the launch
-    assert len(rec.checked) == 5 and rec.fast[-1][-1][0].tolist() == [0, 5, 8, 8]
+    assert len(rec.checked) == 6 and rec.fast[-1][-1][0].tolist() == [0, 5, 8, 8]
 
 
 # ---- the launcher's arguments ---------------------------------------------------------------------

@@ -221,11 +221,11 @@ def window_bounds(window: tuple[int, int], causal: bool, max_left: int, max_righ
 
 
 def serving_config(config: KernelConfig) -> KernelConfig:
-    """The config a call with a window (or a paged KV cache) runs where the dispatcher chose `config`:
-    it, if it is a Triton config (its serving variant runs the options), else the Triton default of
-    its head dims (the Gluon backend has no kernel for these options yet; it writes an LSE itself, so
-    an LSE alone never comes here). Pointer loads run on 32-key blocks there: the serving variant's
-    extra loop and bounds spill registers at more keys."""
+    """The config a Triton serving variant runs where the dispatcher chose `config`: it, if it is a Triton
+    config (its serving variant runs a window, an LSE, packed sequences, a paged KV cache), else the Triton
+    default of its head dims (for a paged KV cache: the Gluon kernels' twins take a window and write the
+    LSE, so those never come here from a Gluon choice). Pointer loads run on 32-key blocks there: the
+    serving variant's extra loop and bounds spill registers at more keys."""
     if config.backend != "triton":
         config = default_config(config.dtype, config.head_dim_qk, config.head_dim_v)
     if config.loads == "pointer" and config.block_n > 32:
@@ -235,7 +235,8 @@ def serving_config(config: KernelConfig) -> KernelConfig:
 
 def check_config(config, dtype, q, v, related: bool, options: list[str], problems: ArgumentProblems) -> None:
     """A forced `config`: a KernelConfig of the inputs' dtype and head dims, and a Triton one where
-    the call uses `options` (the option names only a Triton kernel serves, e.g. ["window_size"])."""
+    the call uses `options` (the options only a Triton kernel serves: ["paged KV caches"]; a window and
+    an LSE run on either backend)."""
     if config is not None and not isinstance(config, KernelConfig):
         problems.add(TypeError, f"config: expected a KernelConfig, got {type(config).__name__}")
         return
@@ -294,8 +295,7 @@ def _prepare(
     window = check_options(softmax_scale, causal, window_size, return_lse, problems)
     dtype = _DTYPES[q.dtype] if tensors_ok[0] else None
     descales = _prepare_descales(q, k, (q_descale, k_descale, v_descale), tensors_ok, cuda_values, problems)
-    options = option_names(window, causal)
-    check_config(config, dtype, q, v, related, options, problems)
+    check_config(config, dtype, q, v, related, [], problems)
     if cuda and tensors_ok[0]:  # k's and v's device is checked against q's above
         try:
             _on_cuda("q", q)
@@ -307,13 +307,6 @@ def _prepare(
     v = v if v.stride(-1) == 1 or (fp8 and v.stride(1) == 1) else v.contiguous()
     scale = q.shape[3] ** -0.5 if softmax_scale is None else float(softmax_scale)
     return _Problem(q, k, v, dtype, scale, descales, window)
-
-
-def option_names(window: tuple[int, int], causal) -> list[str]:
-    """The options of a call that only a serving-variant (Triton) kernel runs: a window that bounds
-    something (return_lse is not one: the Gluon kernels write the LSE too)."""
-    bounded = window != (-1, -1) and window_bounds(window, causal is True, 0, 0) is not None
-    return ["window_size"] if bounded else []
 
 
 # ---- per-layout fast path -------------------------------------------------------------------------
@@ -457,8 +450,8 @@ def flash_attn_func(
     i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 is unbounded, and
     causal makes right 0. return_lse=True returns (out, lse): lse the float32 natural-log
     sum of exp(scores) (batch, heads, seqlen_q), -inf for a row that sees no key; the chosen kernel
-    writes it (Gluon or Triton). Calls with a window run on Triton kernels (a Gluon config chosen by
-    the dispatcher gives way to the Triton default of its head dims; a forced one is refused).
+    writes it (Gluon or Triton), and so does it run a window (a Gluon kernel's window twin, whose
+    bounds are runtime arguments: one compile serves every window; a Triton kernel's serving variant).
     """
     options = (softmax_scale, causal, window_size, return_lse, config)
     key, plan = planned("dense", (q, k, v, q_descale, k_descale, v_descale), options, validate)
@@ -514,11 +507,14 @@ def _checked_call(
     with torch.cuda.device(p.q.device):
         if window is None and lse is None:
             launch = bind(chosen, p.q, p.k, p.v, out, p.softmax_scale, causal, *p.descales)
-        else:  # a window bounds the causal side itself; an LSE alone runs on any backend
-            if window is not None:
+        else:  # a window and an LSE run on either backend (a Gluon kernel's twin, a Triton serving variant)
+            gluon = chosen.backend == "gluon"
+            if window is not None and not gluon:
                 chosen = config or for_v_layout(serving_config(chosen), p.v)
             serving = Serving(window=window, lse=lse)
-            causal_mask = causal and window is None
+            # (a causal window has right = 0: the Triton variant masks by the window alone; a Gluon kernel
+            # keeps its causal schedule, whose diagonal is that right edge)
+            causal_mask = causal and (window is None or gluon)
             bound = bind(chosen, p.q, p.k, p.v, out, p.softmax_scale, causal_mask, *p.descales, serving=serving)
             lse_shape = None if lse is None else tuple(lse.shape)
             launch = bound and ServingLaunch(bound, lse_shape, lse_only=chosen.backend == "gluon")

@@ -28,8 +28,8 @@ from .api import (
     device_key_for,
     explain,
     flash_attn_func,
-    option_names,
     serving_config,
+    window_bounds,
 )
 from .quantize import quantize_fp8, quantize_fp8_varlen
 from .varlen import _check_cu, _check_max, flash_attn_varlen_func
@@ -60,8 +60,8 @@ def attention(
     window_size=(left, right) and return_lse as `flash_attn_func`'s (FlashAttention-3's): query i sees
     keys i + seqlen_k - seqlen_q - left to i + seqlen_k - seqlen_q + right, -1 unbounded, causal making
     right 0; with return_lse=True the result is (out, lse), lse the float32 natural-log sum of
-    exp(scores) (batch, heads, seqlen_q), -inf for a row that sees no key. A window runs the recipe's
-    kernel's Triton serving variant (an LSE alone the kernel itself, Gluon or Triton), and an LSE a
+    exp(scores) (batch, heads, seqlen_q), -inf for a row that sees no key. A window and an LSE run on the
+    recipe's kernel itself (a Gluon kernel's twins, a Triton kernel's serving variant), and an LSE a
     recipe without K smoothing (which shifts each row's scores, leaving the softmax but not its sum as
     it is).
     error_budget: the largest error accepted, relative to FlashAttention-3's FP8 kernel on the same
@@ -153,7 +153,7 @@ def explain_attention(
         why.append("an LSE: no K smoothing (it shifts each row's scores)")
     if config != kernel.config:
         kernel = replace(kernel, config=config)
-        why.append("a window: the Triton serving variant")
+        why.append("a window: the Triton serving variant's config")
     return AttentionChoice(recipe, kernel, "; ".join(w for w in why if w))
 
 
@@ -161,12 +161,14 @@ def with_options(
     recipe: Recipe, config: KernelConfig | None, causal: bool, window: Window, return_lse: bool
 ) -> tuple[Recipe, KernelConfig | None]:
     """The recipe and kernel that serve a window or an LSE where (recipe, config) serves the plain call:
-    an LSE of K-smoothed scores would be each row's q . mean(K) off, so K is not smoothed; with a window
-    a kernel becomes its Triton serving variant (`serving_config`: the Gluon backend has no window yet),
-    while an LSE alone keeps the kernel (a Gluon kernel writes it too)."""
+    an LSE of K-smoothed scores would be each row's q . mean(K) off, so K is not smoothed; a window bounds
+    the scores themselves (smoothing K shifts a row's scores by one constant, so it is harmless there).
+    A Gluon kernel stays (its twins take the window and write the LSE); with a window a Triton kernel
+    becomes the config its serving variant runs (`serving_config`)."""
     if return_lse and recipe.smooth_k:
         recipe = replace(recipe, smooth_k=False)
-    if config is not None and option_names(window, causal):
+    bounded = window_bounds(window, causal is True, 0, 0) is not None
+    if config is not None and config.backend == "triton" and bounded:
         config = serving_config(config)
     return recipe, config
 

@@ -23,7 +23,6 @@ from zyfa_tune.api import (
     check_options,
     check_tensor,
     empty_result,
-    option_names,
     planned,
     readable,
     remember,
@@ -262,8 +261,7 @@ def _prepare(tensors, new_kv, cu_q, max_q, given, softmax_scale, causal, window_
     batch_from = " (batch: len(cu_seqlens_q) - 1)" if packed else ""
     ok = [q_ok, *caches_ok, lens_ok, not packed or cu_ok]
     descales = _api._prepare_descales(q, k_cache, given, ok, read, problems, batch, batch_from)
-    check_config(config, dtype, q, v_cache, related, ["paged KV caches", *option_names(window, causal)],
-                 problems)  # fmt: skip
+    check_config(config, dtype, q, v_cache, related, ["paged KV caches"], problems)
     if related and isinstance(config, KernelConfig) and k_cache.shape[1] % config.block_n:
         problems.add(
             ValueError, f"config: block_n={config.block_n} does not divide k_cache's page_size {k_cache.shape[1]}"

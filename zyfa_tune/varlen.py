@@ -24,7 +24,6 @@ from zyfa_tune.api import (
     check_related,
     check_tensor,
     empty_result,
-    option_names,
     planned,
     readable,
     remember,
@@ -76,8 +75,7 @@ def flash_attn_varlen_func(
 
     Runs the dispatcher's packed-sequence entry for (sequences, heads, total tokens, max_seqlen_q),
     else its rectangular choice at the mean length, as its `packed_twin`: a Gluon config on its varlen
-    variant (forced ones too; it writes the LSE as well), except with a window, where a Gluon choice
-    gives way to the Triton default of the head dims and a forced one is refused.
+    variant (forced ones too; it writes the LSE and runs a window as well).
     Checks as flash_attn_func's: every argument on a layout's first call, all problems in one error;
     the values of CUDA cumulative lengths (start at 0, never decrease, end at the tensors' totals,
     no sequence longer than max_seqlen) are read then (one synchronisation, not inside CUDA graph
@@ -148,16 +146,16 @@ def _run(key, p: _Packed, given: tuple, config, causal: bool, as_passed: tuple):
         return empty_result(out, lse, total_k == 0)
     q4, k4, v4, out4 = (t.unsqueeze(0) for t in (p.q, p.k, p.v, out))  # one batch entry of packed rows
     window = window_bounds(p.window, causal, total_k, total_q)
-    plain = window is None  # what the Gluon varlen variant runs (with or without an LSE)
     chosen = config or for_v_layout(
-        dispatched_config(p.dtype, dqk, dv, causal, batch, h, hk, total_q, p.max_seqlen_q, device.index, plain), v4
+        dispatched_config(p.dtype, dqk, dv, causal, batch, h, hk, total_q, p.max_seqlen_q, device.index), v4
     )
     chosen = packed_twin(chosen)
     cu = (p.cu_seqlens_q, p.cu_seqlens_k)
     with torch.cuda.device(device):
         if chosen.backend == "gluon":
             maxes = (p.max_seqlen_q, p.max_seqlen_k)
-            bound = bind_packed(chosen, p.q, p.k, p.v, out, p.softmax_scale, causal, p.descales, cu, maxes, lse)
+            args = (p.softmax_scale, causal, p.descales, cu, maxes, lse, window)
+            bound = bind_packed(chosen, p.q, p.k, p.v, out, *args)
         else:
             serving = Serving(*cu, p.max_seqlen_q, window, lse)
             causal_mask = causal and window is None
@@ -181,16 +179,15 @@ def dispatched_config(
     total_q: int,
     max_seqlen_q: int,
     device_index: int,
-    plain: bool = True,
 ) -> KernelConfig:
     """The dispatcher's packed-sequence choice before `packed_twin`, keyed on host values only
     (sequences, q's total tokens, max_seqlen_q: no read of the lengths). A packed-sequence entry
-    runs as it was timed, a Gluon choice on its varlen variant where the call is `plain` (no window;
-    an LSE is plain), any other as its serving twin (`serving_config`)."""
+    runs as it was timed, a Gluon choice on its varlen variant (which takes a window and writes an LSE),
+    any other as its serving twin (`serving_config`)."""
     config, tuned = dispatch.dispatcher().varlen_config_for(
         dtype, dqk, dv, causal, batch, h, hk, total_q, max(1, max_seqlen_q), device_index
     )
-    if config.backend == "gluon" and plain:
+    if config.backend == "gluon":
         return config
     return config if tuned and config.backend == "triton" else serving_config(config)
 
@@ -223,7 +220,7 @@ def _prepare(
     maxes_ok = _check_max(("max_seqlen_q", "max_seqlen_k"), (max_q, max_k), totals, batch, problems)
     dtype = _api._DTYPES[q.dtype] if tensors_ok[0] else None
     descales = _api._prepare_descales(q, k, given, [*tensors_ok, cu_ok], read_values, problems, batch, _BATCH_FROM)
-    check_config(config, dtype, q, v, related, option_names(window, causal), problems)
+    check_config(config, dtype, q, v, related, [], problems)
     if cu_ok and related and maxes_ok and not problems.found and readable(cu_q, read_values):
         values = torch.stack([cu_q, cu_k]).cpu()  # (one synchronisation for both)
         check_cu_values(zip("qk", values, totals, (max_q, max_k)), problems)

@@ -11,7 +11,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .mma import _pass_blocks, _pv_done, _pv_issue, _qk_waited
 from .p_carry import _p_tile, _pv_prologue
-from .schedule import _block_range, _ragged_loop, _ragged_tile, _tile_at, _tile_coords, _tile_loop
+from .schedule import _block_range, _ragged_loop, _ragged_tile, _tile_at, _tile_coords, _tile_loop, _window_range
 from .smem import _ones
 from .softmax import _lane_sums, _q_headroom
 from .steps import (_column_halves, _first_softmax, _lse_store, _o_chunk_store, _o_rows_store, _ov_step,
@@ -31,14 +31,18 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
               CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
               EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_bufs, QK_PARTS: gl.constexpr,
-              kb_bufs, vb_bufs, onesb_bufs, p_bufs, cu_q, cu_k, o_ptr, lse_ptr=None, lse_stride=0):
+              kb_bufs, vb_bufs, onesb_bufs, p_bufs, cu_q, cu_k, o_ptr, lse_ptr=None, lse_stride=0,
+              win_l=None, win_r=None):
     """Consumer warpgroup CID: rows [64 CID, 64 CID + 64) of every tile it visits. Key blocks from
     the diagonal downwards; only the first n_masked (diagonal / key end) pay for the mask.
     VARLEN: each tile's rows and keys are its sequence's (lengths, causal offset, descales of sequence b);
     rows past the sequence's end are computed but never stored: a warpgroup whose 64 rows cross the end
     stores its rows by pointer (_o_rows_store), the others by TMA at the sequence's rows.
     lse_ptr (the LSE kernel only; None compiles no LSE code): each stored row's log-sum-exp at word
-    (batch * H + head) * lse_stride + row (VARLEN: batch 0, the packed row), beside O's store."""
+    (batch * H + head) * lse_stride + row (VARLEN: batch 0, the packed row), beside O's store.
+    win_l, win_r (the window kernel only; None compiles none of it): each row's keys from win_l before to
+    win_r after its diagonal; the tile visits only the blocks inside its rows' windows (_window_range), the
+    ones crossing the left edge (the last visited) masked as well."""
     qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BN_A, 32])
     # SPLIT: the second key part's scores (otherwise an unused twin of qk_layout)
@@ -111,7 +115,16 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
             dsc = b * ds0 + hk * ds1
             qk_scale = scale_log2 * gl.load(QD + dsc) * gl.load(KD + dsc)
             v_scale = gl.load(VD + dsc)
-        n_blocks, n_masked = _block_range(m0, seq_q, seq_k, BLOCK_M, BLOCK_N, CAUSAL)
+        if win_l is None:  # n_blocks: the top block + 1; n_visit blocks from it down, unmasked from n_masked
+            n_blocks, n_masked = _block_range(m0, seq_q, seq_k, BLOCK_M, BLOCK_N, CAUSAL)
+            n_visit = n_blocks
+            n_open = n_blocks
+            win_lo = None
+            win_hi = None
+        else:  # ... to n_open; row r keeps keys r + win_lo .. r + win_hi (off itself is then dead: one register)
+            n_blocks, n_masked, n_visit, n_open = _window_range(m0, seq_q, seq_k, win_l, win_r, BLOCK_M, BLOCK_N)
+            win_lo = off - win_l
+            win_hi = off + win_r
 
         qs = q_it % Q_STAGES
         mbarrier.wait(q_ready.index(qs), (q_it // Q_STAGES) & 1)
@@ -133,8 +146,8 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
         # passing the tile's K/V stages on; with ping-pong the turns need every consumer's wgmmas
         skip = (row0 >= seq_q) & (not PINGPONG)
         if skip:
-            kv_it = _pass_blocks(kv_it, n_blocks, k_ready, k_empty, v_ready, v_empty, STAGES)
-        elif n_blocks > 0:
+            kv_it = _pass_blocks(kv_it, n_visit, k_ready, k_empty, v_ready, v_empty, STAGES)
+        elif n_visit > 0:
             if OVERLAP or PV_DEFER:  # (PV_DEFER: the overlapped step's issue order, softmax after both waits)
                 # ---- block 0 (the diagonal / tail block whenever any block is masked); HALF_BLOCK (overlapped:
                 # P in shared memory, half_block_conflict): its softmax on the lower half when no row sees the
@@ -146,29 +159,33 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                     if _upper_half_unseen(n_blocks, row0, seq_q, seq_k, BLOCK_N):
                         pP, m_i, l_i, alpha, pPb = _first_softmax(
                             s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, seq_k, off, p_smem, CID, CAUSAL,
-                            BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, BLOCK_N // 2)
+                            BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, BLOCK_N // 2,
+                            win_lo, win_hi)
                     else:
                         pP, m_i, l_i, alpha, pPb = _first_softmax(
                             s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, seq_k, off, p_smem, CID, CAUSAL,
-                            BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, 0)
+                            BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, 0,
+                            win_lo, win_hi)
                 else:
                     pP, m_i, l_i, alpha, pPb = _first_softmax(
                         s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, seq_k, off, p_smem, CID, CAUSAL,
-                        BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, 0)
+                        BLOCK_N, qk_layout, p_layout, row_s, V_PERM, P_OFFSET, LEAN, qkb_layout, 0, win_lo, win_hi)
                 turn_it += 1
                 kv_it += 1
-                # ---- masked blocks (phase 0), then unmasked blocks (phase 1): two loops, MASK constant in each
-                for phase in gl.static_range(2):
-                    lo = 1 if phase == 0 else gl.maximum(n_masked, 1)
-                    hi = n_masked if phase == 0 else n_blocks
+                # ---- masked blocks (phase 0), then unmasked blocks (phase 1), then (window) those crossing
+                # its left edge (phase 2): a loop each, MASK constant in each
+                PHASES: gl.constexpr = 2 if win_l is None else 3
+                for phase in gl.static_range(PHASES):
+                    lo = 1 if phase == 0 else gl.maximum(n_masked, 1) if phase == 1 else gl.maximum(n_open, 1)
+                    hi = n_masked if phase == 0 else n_open if phase == 1 else n_visit
                     for j in range(lo, hi):
                         pP, acc, alpha, m_i, l_i, pPb, accc = _ov_step(
                             j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, k_bufs, v_bufs, s_zero,
                             k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, seq_k, off,
-                            phase == 0, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
+                            phase != 1, CID, NUM_CONSUMERS, PINGPONG, STAGES, CAUSAL, BLOCK_N,
                             qk_layout, p_layout, row_o, V_PERM, P_OFFSET, EX2_FENCE, LEAN, ones_smem, l_zero,
                             QK_PARTS, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout, p_smem, accc, vc_bufs,
-                            row_oc)
+                            row_oc, win_lo, win_hi)
                         turn_it += 1
                         kv_it += 1
                 # ---- PV of the last block
@@ -184,7 +201,7 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                 turn_it += 1
                 acc, l_i, accc = _pv_done(o_tok, r_tok, l_i, row_s, oc_tok, accc)
                 if not (PV_DEFER or P_SMEM):  # (they released each V stage in its own step)
-                    mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=n_blocks >= 2)
+                    mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=n_visit >= 2)
                 mbarrier.arrive(v_empty.index(pst), count=1)
             else:
                 # ---- plain schedule: S = QK^T; wait; softmax; O += PV; wait
@@ -199,17 +216,18 @@ def _consumer(CID: gl.constexpr, o_desc, oc_desc, q_bufs, k_bufs, v_bufs, vc_buf
                             kb_bufs, vb_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, seq_k,
                             off, ones_smem, onesb_smem, l_zero, CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS,
                             CAUSAL, BLOCK_N, p_layout, row_o, row_oc, row_s, V_PERM, P_OFFSET, qkb_layout,
-                            gl.zeros([64, BLOCK_N // 2], gl.float32, layout=qkh_layout), sb_zero, BLOCK_N // 2)
+                            gl.zeros([64, BLOCK_N // 2], gl.float32, layout=qkh_layout), sb_zero, BLOCK_N // 2,
+                            None if win_l is None else n_open, win_lo, win_hi)
                         turn_it += 2
                         kv_it += 1
                         j0 = 1
-                for j in range(j0, n_blocks):
+                for j in range(j0, n_visit):
                     acc, m_i, l_i, accc = _plain_step(
                         j, n_blocks, n_masked, kv_it, turn_it, acc, m_i, l_i, accc, q_bufs, qb, k_bufs, v_bufs,
                         vc_bufs, kb_bufs, vb_bufs, k_ready, k_empty, v_ready, v_empty, turn_bars, qk_scale, row0, seq_k,
                         off, ones_smem, onesb_smem, l_zero, CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS,
                         CAUSAL, BLOCK_N, p_layout, row_o, row_oc, row_s, V_PERM, P_OFFSET, qkb_layout,
-                        s_zero, sb_zero, 0)
+                        s_zero, sb_zero, 0, None if win_l is None else n_open, win_lo, win_hi)
                     turn_it += 2
                     kv_it += 1
         # Q of this tile is no longer read by this warpgroup

@@ -33,7 +33,9 @@ pointer stores of tiles on a sequence's end). N_M_BLOCKS is then the query block
 sequence, N_TILES the table's entries (sequences x N_M_BLOCKS), SEQ_Q unused and SEQ_K the packed keys'
 total (what sizes the loop's L2 head groups); descales are per (sequence, kv head). Only that variant has the four parameters: every other kernel compiles as before.
 `emit(config, lse=True)` (either variant) also writes each row's float32 natural-log sum of exp(scores) into
-LSE (after VD): (B, H, Sq) contiguous, varlen (H, total_q); LSE_STRIDE (last before CAUSAL): Sq or total_q.
+LSE (after VD): (B, H, Sq) contiguous, varlen (H, total_q); LSE_STRIDE (after the tile parameters): Sq or total_q.
+`emit(config, window=True)` (either variant, with or without lse) takes a sliding window: WIN_L, WIN_R (last
+before CAUSAL, int32 >= 0: row r sees keys r + Sk - Sq - WIN_L .. r + Sk - Sq + WIN_R; 0 on the right when CAUSAL).
 """
 
 from __future__ import annotations
@@ -73,6 +75,12 @@ from ..config import (
 )
 from ..emitted import EmittedKernel, emitted, kernel_name_of
 from . import device
+
+# (SCALAR_PARAMS, VARLEN_PARAMS and tile_params re-exported: the launchers and tests read them here)
+from .params import SCALAR_PARAMS as SCALAR_PARAMS
+from .params import UNSPECIALISED, WINDOW_PARAMS, kernel_params
+from .params import VARLEN_PARAMS as VARLEN_PARAMS
+from .params import tile_params as tile_params
 from .trace import EVENTS, TraceBuffer, clock_asm
 
 #: Warps of the entry kernel's default partition (consumer warpgroup 0).
@@ -80,13 +88,20 @@ NUM_WARPS = 4
 
 
 def emit(
-    config: KernelConfig, *, trace: TraceBuffer | None = None, varlen: bool = False, lse: bool = False
+    config: KernelConfig,
+    *,
+    trace: TraceBuffer | None = None,
+    varlen: bool = False,
+    lse: bool = False,
+    window: bool = False,
 ) -> EmittedKernel:
     """Emit the Gluon kernel source for `config` (deterministic; same config -> same bytes).
     trace: also stamp the SM clock at each consumer step's EVENTS into that buffer (CTA 0;
     generator/gluon_sm90/trace.py), a diagnostic twin of the kernel; None for the kernel itself.
     varlen: the packed-sequence variant (module docstring; `varlen_error` says which configs it takes).
-    lse: also write the LSE (module docstring): a call option, not a config field, so a kernel's twin."""
+    lse: also write the LSE (module docstring): a call option, not a config field, so a kernel's twin.
+    window: take a sliding window's bounds (module docstring), the same way a twin: their values are runtime
+    arguments, so one compile serves every window."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
     if config.backend != "gluon":
@@ -98,7 +113,10 @@ def emit(
         raise ValueError(f"config: {why}")
     return emitted(
         config,
-        _header(config) + device.source() + _constants(config, trace, varlen) + _entry(config, varlen, bool(lse)),
+        _header(config)
+        + device.source()
+        + _constants(config, trace, varlen)
+        + _entry(config, varlen, bool(lse), bool(window)),
         kernel_name_of(config),
     )
 
@@ -194,48 +212,6 @@ def descriptor_type(dtype: str, block: list[int]) -> str:
 
 _GL_DTYPE = {"fp8": lambda gl: gl.float8e4nv, "bf16": lambda gl: gl.bfloat16}
 _TORCH_DTYPE = {"fp8": lambda torch: torch.float8_e4m3fn, "bf16": lambda torch: torch.bfloat16}
-
-#: Kernel parameters after the descriptors (the launcher passes them in this order).
-SCALAR_PARAMS = (
-    "QD",
-    "KD",
-    "VD",
-    "stride_db",
-    "stride_dh",
-    "H",
-    "GROUP",
-    "HKV",
-    "SEQ_Q",
-    "SEQ_K",
-    "N_M_BLOCKS",
-    "N_TILES",
-    "sm_scale_log2",
-)
-
-
-#: Parameters after sm_scale_log2 of the varlen variant (module docstring).
-VARLEN_PARAMS = ("TILE_TABLE", "CU_Q", "CU_K", "O_PTR")
-
-
-def tile_params(c: KernelConfig, varlen: bool = False) -> tuple[str, ...]:
-    """The parameters after sm_scale_log2: the varlen variant's VARLEN_PARAMS; a q_order="balanced"
-    kernel's tile table (int32, kernels/gluon_launch.tile_table); other kernels loop round robin and
-    have none."""
-    if varlen:
-        return VARLEN_PARAMS
-    return ("TILE_TABLE",) if c.q_order == "balanced" else ()
-
-
-def kernel_params(c: KernelConfig, varlen: bool = False, lse: bool = False) -> tuple[str, ...]:
-    """The parameters after the descriptors but CAUSAL (the LSE kernel's LSE beside the descales, as Triton's)."""
-    first = SCALAR_PARAMS[:3] + (("LSE",) if lse else ()) + SCALAR_PARAMS[3:]
-    return first + tile_params(c, varlen) + (("LSE_STRIDE",) if lse else ())
-
-
-#: Integer parameters Triton must not specialise (on == 1 or % 16): the schedule gains nothing from
-#: it, and one compile then serves every shape (a trial, a test run, a new sequence length). The
-#: ahead-of-time compile types them as plain i32, so it builds exactly the code a launch runs.
-UNSPECIALISED = SCALAR_PARAMS[3:12]
 
 
 def _header(c: KernelConfig) -> str:
@@ -413,11 +389,12 @@ def _fence_constants(c: KernelConfig) -> list[tuple[str, object]]:
     return out
 
 
-def _consumer_args(cid: int, c: KernelConfig, lse: bool = False) -> str:
+def _consumer_args(cid: int, c: KernelConfig, lse: bool = False, window: bool = False) -> str:
     # ex2_fence goes in as a literal (a validated bool), not as a module constant, so that the
     # schedule constants of every other config stay exactly as they were
     ones = "ones_bufs" if c.rowsum == "mma" else "None"
     onesb = "onesb_bufs" if c.rowsum == "mma" and key_parts(c)[1] else ones
+    tail = (", LSE, LSE_STRIDE" if lse else ", None, 0" if window else "") + (", WIN_L, WIN_R" if window else "")
     return (
         f"({cid}, desc_o, desc_oc, q_bufs, k_bufs, v_bufs, vc_bufs, o_bufs, oc_bufs, q_ready, q_empty,\n"
         "                    k_ready, k_empty, v_ready, v_empty, turn_bars, QD, KD, VD, stride_db, stride_dh,\n"
@@ -425,7 +402,7 @@ def _consumer_args(cid: int, c: KernelConfig, lse: bool = False) -> str:
         "                    N_M_BLOCKS, N_TILES, TILE_TABLE, BLOCK_M, BLOCK_N, HEAD_D, STAGES, Q_STAGES, NUM_CONSUMERS,\n"
         "                    CAUSAL, HEAVY_FIRST, OVERLAP, PINGPONG, V_PERM, P_OFFSET, "
         f"{bool(c.ex2_fence)!r}, LEAN, {ones}, QK_PARTS,\n"
-        f"                    kb_bufs, vb_bufs, {onesb}, p_bufs, CU_Q, CU_K, O_PTR{', LSE, LSE_STRIDE' if lse else ''})"
+        f"                    kb_bufs, vb_bufs, {onesb}, p_bufs, CU_Q, CU_K, O_PTR{tail})"
     )
 
 
@@ -528,12 +505,14 @@ def _v_lines(c: KernelConfig) -> list[str]:
     ]
 
 
-def _entry(c: KernelConfig, varlen: bool = False, lse: bool = False) -> str:
+def _entry(c: KernelConfig, varlen: bool = False, lse: bool = False, window: bool = False) -> str:
     consumers = c.block_m // 64
-    partitions = [f"        (_consumer, {_consumer_args(i, c, lse)})," for i in range(consumers)]
-    params = kernel_params(c, varlen, lse)
-    split, unspecialised = params.index("GROUP") + 1, UNSPECIALISED + (("LSE_STRIDE",) if lse else ())
-    partitions.append(f"        (_producer, {_PRODUCER_ARGS}),")
+    partitions = [f"        (_consumer, {_consumer_args(i, c, lse, window)})," for i in range(consumers)]
+    params = kernel_params(c, varlen, lse, window)
+    split = params.index("GROUP") + 1
+    unspecialised = UNSPECIALISED + (("LSE_STRIDE",) if lse else ()) + (WINDOW_PARAMS if window else ())
+    producer = _PRODUCER_ARGS[:-1] + (", WIN_L, WIN_R)" if window else ")")
+    partitions.append(f"        (_producer, {producer}),")
     # the default partition is consumer 0; workers: the other consumers (4 warps each), the producer
     # (1 warp; a warpgroup when it transposes V: the register split counts it as one either way)
     warps = "[" + "4, " * (consumers - 1) + ("4]" if c.v_layout == "natural" else "1]")

@@ -9,7 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .schedule import _block_range, _ragged_loop, _ragged_tile, _tile_at, _tile_coords, _tile_loop
+from .schedule import _block_range, _ragged_loop, _ragged_tile, _tile_at, _tile_coords, _tile_loop, _window_range
 
 # ---- emitted below this line ----
 
@@ -21,7 +21,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr, v_raw, v_raw_ready, kb_desc, vb_desc, kb_bufs, vb_bufs,
-              vc_desc, vc_bufs, cu_q, cu_k):
+              vc_desc, vc_bufs, cu_q, cu_k, win_l=None, win_r=None):
     """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
     K and V barriers so that QK^T can start before V has landed). Q and K tiles come in QK_PARTS
     column parts of QK_W (tensor shapes must be powers of two: 192 = 3 x 64; a head dim not of 32s
@@ -37,7 +37,9 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
     VARLEN: packed sequences (one batch entry of their rows): each tile's loads start at its sequence's
     first Q / K row (and V^T column: the launcher's copy starts each sequence at a 32-key boundary, its
     column in the tile table after the n_tiles entries); key blocks past the sequence's keys are not
-    visited (_block_range on its lengths)."""
+    visited (_block_range on its lengths).
+    win_l, win_r (the window kernel only): the blocks of _window_range, the consumers' (same tile, same
+    bounds), so that every stage loaded is one a consumer waits for."""
     n_bh = n_tiles // n_m
     kv_it = 0
     q_it = 0
@@ -67,7 +69,11 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
                     _qk_load(q_desc, q_row + m0 + r * 64, h, p * QK_W, q_ready.index(qs),
                              q_bufs.index((qs * QK_PARTS + p) * Q_BOXES + r))
         q_it += 1
-        n_blocks, n_masked = _block_range(m0, seq_q, seq_k, BLOCK_M, BLOCK_N, CAUSAL)
+        if win_l is None:  # blocks [n_blocks - n_visit, n_blocks), from the top down
+            n_blocks, n_masked = _block_range(m0, seq_q, seq_k, BLOCK_M, BLOCK_N, CAUSAL)
+            n_visit = n_blocks
+        else:
+            n_blocks, n_masked, n_visit, n_open = _window_range(m0, seq_q, seq_k, win_l, win_r, BLOCK_M, BLOCK_N)
         if VARLEN:  # (V^T: one batch entry, the sequence from its column in the table)
             v_row = hk * HEAD_D
             v_key0 = 0 if V_NATURAL else gl.load(tile_table + 1 + n_tiles + b)
@@ -75,7 +81,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             k_row = b * Sk
             v_row = (b * Hkv + hk) * HEAD_D
             v_key0 = 0
-        for j in range(n_blocks):
+        for j in range(n_visit):
             n0 = (n_blocks - 1 - j) * BLOCK_N
             s = kv_it % STAGES
             ph = ((kv_it // STAGES) & 1) ^ 1
@@ -103,7 +109,9 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
                 _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it, v_row, v_key0 + n0, STAGES, vc_desc,
                         vc_bufs)
             kv_it += 1
-        if n_blocks > 0:
+        if n_visit > 0:
+            if win_l is not None:  # V of the last block visited
+                v_key0 += (n_blocks - n_visit) * BLOCK_N
             if V_NATURAL:
                 _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, O_W)
             elif K_AHEAD:

@@ -64,6 +64,24 @@ def _block_range(m0, Sq, Sk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSA
 
 
 @gluon.jit
+def _window_range(m0, Sq, Sk, win_l, win_r, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The window kernel's _block_range: row r sees keys r + off - win_l .. r + off + win_r below Sk (off = Sk -
+    Sq; a causal window has win_r = 0). Returns (top, n_masked, n_visit, n_open): blocks [top - n_visit, top)
+    are visited from the top down (the others hold no key of any row of the tile); visits [0, n_masked)
+    cross the right edge or the key end and [n_open, n_visit) the left edge, so both pay for the mask;
+    every row of the tile sees the whole of each block visited between them."""
+    off = Sk - Sq
+    top = gl.cdiv(gl.minimum(Sk, gl.maximum(m0 + BLOCK_M + off + win_r, 0)), BLOCK_N)
+    lo = gl.minimum(gl.maximum(m0 + off - win_l, 0) // BLOCK_N, top)
+    right_full = gl.minimum(gl.maximum(m0 + off + win_r + 1, 0) // BLOCK_N, Sk // BLOCK_N)  # first row, key end
+    left_full = gl.cdiv(gl.maximum(m0 + BLOCK_M - 1 + off - win_l, 0), BLOCK_N)  # the tile's last row
+    n_visit = top - lo
+    n_masked = top - gl.maximum(right_full, lo)
+    n_open = gl.minimum(gl.maximum(top - left_full, n_masked), n_visit)
+    return top, n_masked, n_visit, n_open
+
+
+@gluon.jit
 def _ragged_loop(tile_table, H):
     """VARLEN: (lo, hi, step) of this program's loop over packed sequences' tiles, round robin over the
     tiles in `_ragged_tile`'s order (kernels/gluon_varlen.ragged_tiles: the table's first word counts

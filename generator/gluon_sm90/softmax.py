@@ -21,7 +21,7 @@ from .p_carry import _carried
 def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
              MASK: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
              qk_layout: gl.constexpr, p_layout: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr,
-             LEAN: gl.constexpr, sb, qkb_layout: gl.constexpr, kv_it=0):
+             LEAN: gl.constexpr, sb, qkb_layout: gl.constexpr, kv_it=0, win_lo=None, win_hi=None):
     """Online softmax of one 64 x BLOCK_N score block. Probabilities are scaled by 2^P_OFFSET so
     that small ones stay out of e4m3 subnormals; l carries the same factor, which cancels.
     LEAN (lean P): no exponential here; one FMA per score leaves what _p_operand turns into e4m3
@@ -31,11 +31,11 @@ def _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off,
     (_pv_issue).
     SPLIT (two key parts): s holds keys [n0, n0 + BN_A) and sb keys [n0 + BN_A, n0 + BN_A + BN_B): one
     row maximum and one row sum over both, two P operands (the last result, p8b; else p8 again).
-    kv_it: the step, for the timeline's row-maximum stamp (TRACE only)."""
+    kv_it: the step, for the timeline's row-maximum stamp (TRACE only). win_lo, win_hi: the window (_masked)."""
     if MASK:
-        s = _masked(s, n0, row0, Sk, off, CAUSAL, qk_layout)
+        s = _masked(s, n0, row0, Sk, off, CAUSAL, qk_layout, win_lo, win_hi)
         if SPLIT:
-            sb = _masked(sb, n0 + BN_A, row0, Sk, off, CAUSAL, qkb_layout)
+            sb = _masked(sb, n0 + BN_A, row0, Sk, off, CAUSAL, qkb_layout, win_lo, win_hi)
     if SPLIT:
         row_max = gl.maximum(gl.max(s, axis=1), gl.convert_layout(gl.max(sb, axis=1), gl.SliceLayout(1, qk_layout)))
         m_new = gl.maximum(m_i, row_max * qk_scale)
@@ -228,11 +228,16 @@ def _key_of_column(c):
 
 
 @gluon.jit
-def _masked(s, n0, row0, Sk, off, CAUSAL: gl.constexpr, layout: gl.constexpr):
-    """s (64 rows x its keys from n0) with keys past Sk, and past each row's diagonal if CAUSAL, at -inf."""
+def _masked(s, n0, row0, Sk, off, CAUSAL: gl.constexpr, layout: gl.constexpr, win_lo=None, win_hi=None):
+    """s (64 rows x its keys from n0) with keys past Sk, and past each row's diagonal if CAUSAL, at -inf.
+    win_lo, win_hi (the window kernel; None compiles none of it): row r keeps keys r + win_lo .. r + win_hi
+    below Sk alone (off - WIN_L and off + WIN_R: a causal window's right edge is the diagonal)."""
     cols = n0 + _key_of_column(gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, layout)))
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-    if CAUSAL and P_SMEM:
+    if win_lo is not None:
+        keep = (cols[None, :] < Sk) & (cols[None, :] <= rows[:, None] + win_hi)
+        keep = keep & (cols[None, :] >= rows[:, None] + win_lo)
+    elif CAUSAL and P_SMEM:
         # a row before the queries' end sees no key at or past Sk (row + off < Sq + off = Sk), so the causal
         # compare alone masks both; rows past the end see finite scores and are not stored. (Here only:
         # ptxas spills 8 bytes in several register-P kernels without the key-end compare, and the P_SMEM

@@ -28,7 +28,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
              qk_layout: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, V_PERM: gl.constexpr,
              P_OFFSET: gl.constexpr, EX2_FENCE: gl.constexpr, LEAN: gl.constexpr, ones_smem, l_zero,
              QK_PARTS: gl.constexpr, pPb, kb_bufs, vb_bufs, sb_zero, onesb_smem, qkb_layout: gl.constexpr,
-             p_smem, accc, vc_bufs, row_oc: gl.constexpr):
+             p_smem, accc, vc_bufs, row_oc: gl.constexpr, win_lo=None, win_hi=None):
     """Overlapped step j >= 1: issue QK^T(j) and PV(j-1) back to back, wait for QK^T(j) only, run
     softmax(j) while PV(j-1) is on the tensor cores, then wait for PV(j-1). What keeps ptxas from
     undoing the overlap: nothing in flight across the loop back-edge (else every wgmma of the kernel
@@ -44,7 +44,8 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
     runs, PV(j-1) issued behind it, and P(j) stored into the other tile before the PV(j-1) wait. PV_DEFER
     (overlap off): both products are waited for before the softmax and V(j-1) is released in this
     step; with two key parts PV(j-1) is issued first and QK^T(j)'s second part only once PV(j-1) is
-    done (below). O_SPLIT: O's second part (accc) goes with O everywhere."""
+    done (below). O_SPLIT: O's second part (accc) goes with O everywhere. win_lo, win_hi: the window kernel's
+    bounds (softmax.py _masked)."""
     _mark(kv_it, EV_START, CID)
     st = kv_it % STAGES
     pst = (kv_it + STAGES - 1) % STAGES
@@ -103,7 +104,7 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
         mbarrier.arrive(v_empty.index((kv_it + STAGES - 2) % STAGES), count=1, pred=j >= 2)
     pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, (n_blocks - 1 - j) * BLOCK_N, row0, Sk, off,
                                         MASK, CAUSAL, BLOCK_N, qk_layout, p_layout, V_PERM, P_OFFSET, LEAN,
-                                        sb, qkb_layout, kv_it)
+                                        sb, qkb_layout, kv_it, win_lo, win_hi)
     l_i = _marked(l_i, kv_it, EV_SOFTMAX_DONE, CID)
     if P_DOUBLE:  # the other tile (PV(j-2), its last reader, is done): stored before the PV(j-1) wait
         _p_stage(pP, _p_tile(p_smem, kv_it, CID))
@@ -137,14 +138,15 @@ def _ov_step(j, n_blocks, kv_it, turn_it, pP, acc, alpha, m_i, l_i, q_bufs, qb, 
 def _first_softmax(s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_smem, CID: gl.constexpr,
                    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
                    row_s: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr, LEAN: gl.constexpr,
-                   qkb_layout: gl.constexpr, HALF: gl.constexpr):
+                   qkb_layout: gl.constexpr, HALF: gl.constexpr, win_lo=None, win_hi=None):
     """The overlapped schedule's first block (visit 0, masked) after its QK^T: softmax, and under P_SMEM
     P staged in its tile (pP then a stand-in). HALF (HALF_BLOCK, 0 otherwise): on the block's lower
     HALF keys only (their scores are half of each thread's registers), P's upper keys staged as zeros,
-    so the pipeline after it, whose PV reads whole tiles, is the same. Returns (pP, m_i, l_i, alpha, pPb)."""
+    so the pipeline after it, whose PV reads whole tiles, is the same. win_lo, win_hi: the window kernel's
+    bounds (softmax.py _masked). Returns (pP, m_i, l_i, alpha, pPb)."""
     n0 = (n_blocks - 1) * BLOCK_N
     if HALF > 0:
-        s = _lower_keys(_masked(s, n0, row0, Sk, off, CAUSAL, s_layout))
+        s = _lower_keys(_masked(s, n0, row0, Sk, off, CAUSAL, s_layout, win_lo, win_hi))
         h_layout: gl.constexpr = s.type.layout
         pP, m_h, l_h, a_h, pPb = _softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
                                           _half_sums(l_i, s), qk_scale, n0, row0, Sk, off, False, CAUSAL,
@@ -154,7 +156,8 @@ def _first_softmax(s, sb, n_blocks, kv_it, m_i, l_i, qk_scale, row0, Sk, off, p_
         alpha = gl.convert_layout(a_h, row_s)
     else:
         pP, m_i, l_i, alpha, pPb = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, True, CAUSAL, BLOCK_N,
-                                            s_layout, p_layout, V_PERM, P_OFFSET, LEAN, sb, qkb_layout, kv_it)
+                                            s_layout, p_layout, V_PERM, P_OFFSET, LEAN, sb, qkb_layout, kv_it,
+                                            win_lo, win_hi)
     if P_SMEM:
         if O_IN_P:  # the tile may still be read by the previous tile's output store
             tma.store_wait(0)
@@ -241,12 +244,13 @@ def _plain_step(j, n_blocks, n_masked, kv_it, turn_it, acc, m_i, l_i, accc, q_bu
                 PINGPONG: gl.constexpr, STAGES: gl.constexpr, QK_PARTS: gl.constexpr, CAUSAL: gl.constexpr,
                 BLOCK_N: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr, row_oc: gl.constexpr,
                 row_s: gl.constexpr, V_PERM: gl.constexpr, P_OFFSET: gl.constexpr, qkb_layout: gl.constexpr,
-                s_zero, sb_zero, HALF: gl.constexpr):
+                s_zero, sb_zero, HALF: gl.constexpr, n_open=None, win_lo=None, win_hi=None):
     """One step of the plain schedule on the K/V block in stage kv_it % STAGES (visit j of n_blocks,
     masked when j < n_masked): S = QK^T; wait; softmax; O += PV; wait; both stages released.
     HALF (HALF_BLOCK, 0 otherwise): only the block's first HALF keys, a masked step on the lower
     halves of the K and V^T tiles, for a block whose upper half no row sees (s_zero: S's shape and
     layout, HALF keys wide then; sb_zero: the second key part's under SPLIT, never halved).
+    n_open, win_lo, win_hi (the window kernel): visits j >= n_open cross the window's left edge, masked too.
     Returns (acc, m_i, l_i, accc)."""
     _mark(kv_it, EV_START, CID)
     s_st = kv_it % STAGES
@@ -255,18 +259,22 @@ def _plain_step(j, n_blocks, n_masked, kv_it, turn_it, acc, m_i, l_i, accc, q_bu
     s, sb = _qk_waited(q_bufs, qb, k_bufs, k_ready, k_empty, turn_bars, s_zero, kv_it, turn_it,
                        CID, NUM_CONSUMERS, PINGPONG, STAGES, QK_PARTS, kb_bufs, sb_zero, HALF)
     n0 = (n_blocks - 1 - j) * BLOCK_N
+    if n_open is None:
+        masked = j < n_masked
+    else:
+        masked = (j < n_masked) | (j >= n_open)
     if HALF > 0:
         p8, m_h, l_h, alpha, p8b = _softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, s_layout)),
                                             _half_sums(l_i, s_zero), qk_scale, n0, row0, Sk, off, True, CAUSAL,
                                             HALF, s_layout, p_layout, V_PERM, P_OFFSET, False, sb, qkb_layout,
-                                            kv_it)
+                                            kv_it, win_lo, win_hi)
         m_i = gl.convert_layout(m_h, row_s)
         l_i = gl.convert_layout(l_h, l_i.type.layout)
         alpha = gl.convert_layout(alpha, row_s)
-    elif j < n_masked:
+    elif masked:
         p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, True, CAUSAL,
                                             BLOCK_N, s_layout, p_layout, V_PERM, P_OFFSET, False,
-                                            sb, qkb_layout, kv_it)
+                                            sb, qkb_layout, kv_it, win_lo, win_hi)
     else:
         p8, m_i, l_i, alpha, p8b = _softmax(s, m_i, l_i, qk_scale, n0, row0, Sk, off, False, CAUSAL,
                                             BLOCK_N, s_layout, p_layout, V_PERM, P_OFFSET, False,
