@@ -11,6 +11,7 @@ import types
 
 import pytest
 import torch
+from test_gluon_lse import BF16, CONFIGS, FP8, GLUON  # (the configs both twins compile)
 
 from zyfa_tune.generator import HOPPER, emit
 from zyfa_tune.generator.build import compile_for_target
@@ -18,11 +19,6 @@ from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
 from zyfa_tune.generator.gluon_sm90 import schedule
 from zyfa_tune.kernels import gluon_launch, gluon_varlen, launch
-from zyfa_tune.search_spaces.seeds import gluon_lean_max_config
-
-FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
-GLUON = default_config("fp8", 128, 128, "gluon")  # (two consumers, ping-pong, overlapped)
-
 
 # ---- the block range, the device function on Python integers -------------------------------------
 
@@ -90,16 +86,6 @@ def test_a_window_that_bounds_nothing_visits_what_the_plain_schedule_does():
 
 
 # ---- compiles ---------------------------------------------------------------------------------------
-
-CONFIGS = [
-    ("128", GLUON),
-    ("128-lean-max", gluon_lean_max_config("fp8", 128, 128)),
-    ("128-rowsum-mma", GLUON.replace(rowsum="mma", skip_rescale=True)),
-    ("128-plain", GLUON.replace(overlap=False, ping_pong=False)),
-    ("64", default_config("fp8", 64, 64, "gluon")),
-    ("256", default_config("fp8", 256, 256, "gluon")),
-    ("192-128", default_config("fp8", 192, 128, "gluon")),
-]
 
 #: every config on the rectangular schedule, causal; the ragged one and non-causal windows with an exact
 #: and a lean P config; the LSE twin's window twin with those and hd64 / 192-128
