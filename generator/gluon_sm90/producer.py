@@ -21,7 +21,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr, v_raw, v_raw_ready, kb_desc, vb_desc, kb_bufs, vb_bufs,
-              vc_desc, vc_bufs, cu_q, cu_k, win_l=None, win_r=None):
+              vc_desc, vc_bufs, cu_q, cu_k, win_l=None, win_r=None, page_table=None, page_stride=0, page_size=0):
     """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
     K and V barriers so that QK^T can start before V has landed). Q and K tiles come in QK_PARTS
     column parts of QK_W (tensor shapes must be powers of two: 192 = 3 x 64; a head dim not of 32s
@@ -39,7 +39,9 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
     column in the tile table after the n_tiles entries); key blocks past the sequence's keys are not
     visited (_block_range on its lengths).
     win_l, win_r (the window kernel only): the blocks of _window_range, the consumers' (same tile, same
-    bounds), so that every stage loaded is one a consumer waits for."""
+    bounds), so that every stage loaded is one a consumer waits for.
+    page_table, page_stride, page_size (the paged twin only): K and V rows come from a paged cache (_key_row);
+    a block never straddles pages (page_size a multiple of BLOCK_N), so one page number serves its boxes."""
     n_bh = n_tiles // n_m
     kv_it = 0
     q_it = 0
@@ -83,6 +85,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             v_key0 = 0
         for j in range(n_visit):
             n0 = (n_blocks - 1 - j) * BLOCK_N
+            key_row = _key_row(k_row, n0, b, page_table, page_stride, page_size)
             s = kv_it % STAGES
             ph = ((kv_it // STAGES) & 1) ^ 1
             mbarrier.wait(k_empty.index(s), ph)
@@ -91,13 +94,13 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             else:
                 mbarrier.expect(k_ready.index(s), QK_PARTS * k_desc.block_type.nbytes)
             for p in gl.static_range(QK_PARTS):
-                _k_load(k_desc, k_row + n0, hk, p * QK_W, k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
+                _k_load(k_desc, key_row, hk, p * QK_W, k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
                 if SPLIT:
-                    _k_load(kb_desc, k_row + n0 + BN_A, hk, p * QK_W, k_ready.index(s), kb_bufs.index(s * QK_PARTS + p))
+                    _k_load(kb_desc, key_row + BN_A, hk, p * QK_W, k_ready.index(s), kb_bufs.index(s * QK_PARTS + p))
             if V_NATURAL:  # V(j) into raw slot j % 2 (its last reader, V^T(j-2), is written), then V^T(j-1)
                 raw_slot = kv_it % 2
                 mbarrier.expect(v_raw_ready.index(raw_slot), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * HEAD_D], v_raw_ready.index(raw_slot),
+                tma.async_copy_global_to_shared(v_desc, [key_row, hk * HEAD_D], v_raw_ready.index(raw_slot),
                                                 v_raw.index(raw_slot))
                 if j > 0:
                     _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, O_W)
@@ -117,6 +120,16 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             elif K_AHEAD:
                 _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, v_key0, STAGES, vc_desc,
                         vc_bufs)
+
+
+@gluon.jit
+def _key_row(k_row, n0, b, page_table, page_stride, page_size):
+    """The K / V row of key n0 of the tile's sequence: k_row + n0, or in a paged cache (page_table given) row
+    page_table[b, n0 // page_size] * page_size + n0 % page_size of the (pages * page_size, Hkv*D) view."""
+    row = k_row + n0
+    if page_table is not None:
+        row = gl.load(page_table + b * page_stride + n0 // page_size) * page_size + n0 % page_size
+    return row
 
 
 @gluon.jit
