@@ -78,10 +78,10 @@ from ..config import (
 )
 from ..emitted import EmittedKernel, emitted, kernel_name_of
 from . import device
+from .params import PAGED_PARAMS, UNSPECIALISED, WINDOW_PARAMS, kernel_params, paged_error
 
 # (SCALAR_PARAMS, VARLEN_PARAMS and tile_params re-exported: the launchers and tests read them here)
 from .params import SCALAR_PARAMS as SCALAR_PARAMS
-from .params import PAGED_PARAMS, UNSPECIALISED, WINDOW_PARAMS, kernel_params, paged_error
 from .params import VARLEN_PARAMS as VARLEN_PARAMS
 from .params import tile_params as tile_params
 from .trace import EVENTS, TraceBuffer, clock_asm
