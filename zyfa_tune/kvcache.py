@@ -2,9 +2,10 @@
 
 A serving engine keeps each sequence's keys and values in fixed-size pages of one cache tensor;
 a chunked prefill or a prefix-cache hit runs its new queries against the cached prefix plus the
-new tokens, whose K/V the engine has already written into the cache. The call runs on the
-serving variant of a Triton config with PAGED on (generator/triton/emit.py): each key tile reads
-its page through the page table. The argument checks and the per-layout fast path are
+new tokens, whose K/V the engine has already written into the cache. The call runs on the paged
+twin of the dispatcher's Gluon choice where it can (kernels/gluon_paged.py), else on the serving
+variant of a Triton config with PAGED on (generator/triton/emit.py): each key tile reads its page
+through the page table. The argument checks and the per-layout fast path are
 flash_attn_func's and flash_attn_varlen_func's (zyfa_tune/api.py, zyfa_tune/varlen.py); only what
 a cache adds is checked here.
 """
@@ -34,7 +35,7 @@ from zyfa_tune.api import (
 )
 from zyfa_tune.generator import ConfigError, KernelConfig
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.kernels import dispatch
+from zyfa_tune.kernels import dispatch, gluon_paged
 from zyfa_tune.kernels.launch import Serving, ServingLaunch, bind, pages_by_tma, tma_readable
 
 _CACHE = ("num_pages", "page_size", "kv_heads", "head_dim")
@@ -88,7 +89,9 @@ def flash_attn_with_kvcache(
     call with validate=True; host ones always: page indices of the pages in use within
     [0, num_pages), cache_seqlens within [seqlen_q, max_pages * page_size]. Later calls with the
     layout launch without checks or synchronisation (CUDA-graph capturable); a bad page index then
-    reads out of bounds. Runs on Triton kernels, as flash_attn_varlen_func (a Gluon config is refused).
+    reads out of bounds. Where the dispatcher picks a Gluon kernel (FP8, head dims TMA reads pages at, a
+    page holding its key blocks whole, pages TMA reads in place) it runs that kernel's paged twin
+    (kernels/gluon_paged.py), else the Triton serving variant; a forced config must be a Triton one.
     """
     tensors = (q, k_cache, v_cache, page_table, cache_seqlens)
     given = (q_descale, k_descale, v_descale)
@@ -215,20 +218,43 @@ def _run(key, p: _Paged, given: tuple, config, causal: bool, as_passed: tuple):
     mean = -(-p.q.shape[0] // batch) if packed else p.q.shape[1]  # the dispatcher keys on the query length
     page_size = p.k_cache.shape[1]
     chosen = config and _varlen.natural_twin(config)
+    window = window_bounds(p.window, causal, max_pages * page_size, p.max_seqlen_q)
     if chosen is None:
         # pages apart in memory (say K and V interleaved per page): pointer loads read them in place
         apart = not (tma_readable(p.k_cache) and tma_readable(p.v_cache))
-        chosen = dispatched_paged_config(p.dtype, dqk, dv, causal, batch, h, hk, mean, page_size, apart, device.index)
-    window = window_bounds(p.window, causal, max_pages * page_size, p.max_seqlen_q)
+        picked = dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, batch, h, hk, mean, device.index)
+        gluon = None if apart else gluon_paged_config(picked, page_size)
+        if gluon is not None:
+            pages = (p.cu_seqlens_q, p.page_table, p.cache_seqlens)
+            args = (p.softmax_scale, causal, p.descales, pages, p.max_seqlen_q, lse, window)
+            with torch.cuda.device(device):
+                bound = gluon_paged.bind(gluon, p.q, p.k_cache, p.v_cache, out, *args)
+            return _remember(key, bound, out, lse, device, given, p, as_passed)
+        chosen = paged_config(serving_config(picked), page_size, pointer=apart)
     serving = Serving(p.cu_seqlens_q, None, p.max_seqlen_q, window, lse, p.page_table, p.cache_seqlens)
     causal_mask = causal and window is None
     with torch.cuda.device(device):
         bound = bind(chosen, q4, p.k_cache, p.v_cache, out4, p.softmax_scale, causal_mask, *p.descales, serving=serving)
+    bound = bound and ServingLaunch(bound, None if lse is None else lse_shape)
+    return _remember(key, bound, out, lse, device, given, p, as_passed)
+
+
+def _remember(key, bound, out, lse, device, given: tuple, p: _Paged, as_passed: tuple):
+    """Leave `bound` as the layout's plan where nothing was copied; the call's result."""
     used = (p.q, p.k_cache, p.v_cache, p.page_table, p.cache_seqlens, p.cu_seqlens_q)
     if all(a is b for a, b in zip(used, as_passed)) and all(d is None or d is c for d, c in zip(given, p.descales)):
-        launch = bound and ServingLaunch(bound, None if lse is None else lse_shape)
-        remember(key, launch, tuple(out.shape), device, given, p.descales)
+        remember(key, bound, tuple(out.shape), device, given, p.descales)
     return out if lse is None else (out, lse)
+
+
+def gluon_paged_config(picked: KernelConfig, page_size: int) -> KernelConfig | None:
+    """The config of the Gluon paged twin where the dispatcher picked the Gluon `picked`: its natural-V
+    version (kernels/gluon_paged.natural_config), or None where the twin cannot run it (a Triton pick, head
+    dims read in several chunks, key blocks a page does not hold whole: the Triton serving variant then)."""
+    if picked.backend != "gluon":
+        return None
+    config = gluon_paged.natural_config(picked)
+    return None if gluon_paged.paged_error(config, page_size) else config
 
 
 def _prepare(tensors, new_kv, cu_q, max_q, given, softmax_scale, causal, window_size, return_lse, config, read):
@@ -375,4 +401,11 @@ def _check_values(q, k_cache, page_table, cache_seqlens, cu_q, max_q, read_cuda:
         )
 
 
-__all__ = ["PAGE_MULTIPLE", "dispatched_paged_config", "flash_attn_with_kvcache", "paged_config", "paged_from_packed"]
+__all__ = [
+    "PAGE_MULTIPLE",
+    "dispatched_paged_config",
+    "flash_attn_with_kvcache",
+    "gluon_paged_config",
+    "paged_config",
+    "paged_from_packed",
+]
