@@ -96,7 +96,7 @@ def arguments(
         raise ValueError("page_table: expected int32 (batch, max_pages), rows contiguous, 16-byte aligned")
     if num_pages * page_size >= _INT32_MAX:  # (TMA row coordinates are int32)
         raise ValueError(f"k_cache: {num_pages} pages of {page_size} keys exceed 2^31 rows")
-    rows = [t.view(num_pages * page_size, hk, t.shape[3]) for t in (k_cache, v_cache)]
+    rows = [t.flatten(0, 1) for t in (k_cache, v_cache)]  # (a view: tma_readable pages are evenly spaced rows)
     capacity = page_table.shape[1] * page_size
     cu = (cu_q, key_offsets(cache_seqlens))
     grid, args, options = gluon_varlen.arguments(
@@ -133,7 +133,7 @@ class PagedLaunch:
 
     def __call__(self, q, k_cache, v_cache, out, qd, kd, vd, cu_seqlens_q=None, _cu_k=None, page_table=None,
                  cache_seqlens=None):  # fmt: skip
-        rows = [t.view(-1, *t.shape[2:]) for t in (k_cache, v_cache)]
+        rows = [t.flatten(0, 1) for t in (k_cache, v_cache)]
         qp, outp = (t.view(-1, *t.shape[-2:]) for t in (q, out))
         cu_q = self.cu_q if self.dense else cu_seqlens_q
         result = self.packed(qp, *rows, outp, qd, kd, vd, cu_q, key_offsets(cache_seqlens), page_table)
