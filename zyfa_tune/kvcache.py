@@ -251,7 +251,7 @@ def gluon_paged_config(picked: KernelConfig, page_size: int) -> KernelConfig | N
     """The config of the Gluon paged twin where the dispatcher picked the Gluon `picked`: its natural-V
     version (kernels/gluon_paged.natural_config), or None where the twin cannot run it (a Triton pick, head
     dims read in several chunks, key blocks a page does not hold whole: the Triton serving variant then)."""
-    if picked.backend != "gluon":
+    if picked.backend != "gluon" or picked.dtype != "fp8":  # (the Gluon kernels run FP8)
         return None
     config = gluon_paged.natural_config(picked)
     return None if gluon_paged.paged_error(config, page_size) else config
