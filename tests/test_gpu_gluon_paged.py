@@ -14,6 +14,7 @@ from zyfa_tune import api, flash_attn_with_kvcache
 from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.kernels import gluon_paged, gluon_varlen
 from zyfa_tune.kvcache import paged_from_packed
+from zyfa_tune.search_spaces.seeds import gluon_lean_max_config
 from zyfa_tune.tuning.reference import attention_reference_paged, rel_l2
 
 pytestmark = pytest.mark.gpu
@@ -127,3 +128,16 @@ def test_the_api_runs_a_gluon_pick_on_the_twin_and_bf16_on_triton(monkeypatch):
     flash_attn_with_kvcache(_queries((3, 300, 8, 128), "bf16", seed=24), k_cache, v_cache, cache_seqlens=lens_t,
                             page_table=table)  # fmt: skip
     assert len(ran) == 1  # (BF16 caches: the Triton serving variant)
+
+
+def test_a_forced_gluon_config_runs_its_natural_version_on_the_twin(monkeypatch):
+    ran = []
+    bind = gluon_paged.bind
+    monkeypatch.setattr(gluon_paged, "bind", lambda c, *a: ran.append(c) or bind(c, *a))
+    k_cache, v_cache, table, lens_t, ds = _cache([900, 300], 128, 2, 128, "fp8", seed=4)
+    q = _queries((2, 300, 8, 128), "fp8", seed=3)
+    lean = gluon_lean_max_config("fp8", 128, 128)  # (no natural V of its own: the natural seed runs)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens_t, page_table=table, config=lean, **ds)
+    assert ran == [gluon_paged.natural_config(lean)]
+    ref = attention_reference_paged(q, k_cache, v_cache, table, lens_t, **ds)
+    assert rel_l2(out, ref) < OUT_BOUND["fp8"]

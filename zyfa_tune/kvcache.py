@@ -91,7 +91,8 @@ def flash_attn_with_kvcache(
     layout launch without checks or synchronisation (CUDA-graph capturable); a bad page index then
     reads out of bounds. Where the dispatcher picks a Gluon kernel (FP8, head dims TMA reads pages at, a
     page holding its key blocks whole, pages TMA reads in place) it runs that kernel's paged twin
-    (kernels/gluon_paged.py), else the Triton serving variant; a forced config must be a Triton one.
+    (kernels/gluon_paged.py), else the Triton serving variant; a forced Gluon config runs its natural-V
+    version on the paged twin too (refused where the twin cannot run it).
     """
     tensors = (q, k_cache, v_cache, page_table, cache_seqlens)
     given = (q_descale, k_descale, v_descale)
@@ -217,20 +218,21 @@ def _run(key, p: _Paged, given: tuple, config, causal: bool, as_passed: tuple):
     q4, out4 = (t.unsqueeze(0) for t in (p.q, out)) if packed else (p.q, out)
     mean = -(-p.q.shape[0] // batch) if packed else p.q.shape[1]  # the dispatcher keys on the query length
     page_size = p.k_cache.shape[1]
-    chosen = config and _varlen.natural_twin(config)
+    forced_gluon = config is not None and config.backend == "gluon"
+    chosen = config and (gluon_paged.natural_config(config) if forced_gluon else _varlen.natural_twin(config))
     window = window_bounds(p.window, causal, max_pages * page_size, p.max_seqlen_q)
     if chosen is None:
         # pages apart in memory (say K and V interleaved per page): pointer loads read them in place
         apart = not (tma_readable(p.k_cache) and tma_readable(p.v_cache))
         picked = dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, batch, h, hk, mean, device.index)
-        gluon = None if apart else gluon_paged_config(picked, page_size)
-        if gluon is not None:
-            pages = (p.cu_seqlens_q, p.page_table, p.cache_seqlens)
-            args = (p.softmax_scale, causal, p.descales, pages, p.max_seqlen_q, lse, window)
-            with torch.cuda.device(device):
-                bound = gluon_paged.bind(gluon, p.q, p.k_cache, p.v_cache, out, *args)
-            return _remember(key, bound, out, lse, device, given, p, as_passed)
-        chosen = paged_config(serving_config(picked), page_size, pointer=apart)
+        chosen = None if apart else gluon_paged_config(picked, page_size)
+        chosen = chosen or paged_config(serving_config(picked), page_size, pointer=apart)
+    if chosen.backend == "gluon":
+        pages = (p.cu_seqlens_q, p.page_table, p.cache_seqlens)
+        args = (p.softmax_scale, causal, p.descales, pages, p.max_seqlen_q, lse, window)
+        with torch.cuda.device(device):
+            bound = gluon_paged.bind(chosen, p.q, p.k_cache, p.v_cache, out, *args)
+        return _remember(key, bound, out, lse, device, given, p, as_passed)
     serving = Serving(p.cu_seqlens_q, None, p.max_seqlen_q, window, lse, p.page_table, p.cache_seqlens)
     causal_mask = causal and window is None
     with torch.cuda.device(device):
@@ -287,11 +289,9 @@ def _prepare(tensors, new_kv, cu_q, max_q, given, softmax_scale, causal, window_
     batch_from = " (batch: len(cu_seqlens_q) - 1)" if packed else ""
     ok = [q_ok, *caches_ok, lens_ok, not packed or cu_ok]
     descales = _api._prepare_descales(q, k_cache, given, ok, read, problems, batch, batch_from)
-    check_config(config, dtype, q, v_cache, related, ["paged KV caches"], problems)
-    if related and isinstance(config, KernelConfig) and k_cache.shape[1] % config.block_n:
-        problems.add(
-            ValueError, f"config: block_n={config.block_n} does not divide k_cache's page_size {k_cache.shape[1]}"
-        )
+    check_config(config, dtype, q, v_cache, related, [], problems)
+    if related and isinstance(config, KernelConfig):
+        _check_forced(config, k_cache, v_cache, problems)
     if related and lens_ok and max_ok and (cu_ok or not packed) and not problems.found:
         _check_values(q, k_cache, page_table, cache_seqlens, cu_q, max_q, read, problems)
     if q_ok:  # the other tensors' devices are checked against q's above
@@ -310,6 +310,24 @@ def _prepare(tensors, new_kv, cu_q, max_q, given, softmax_scale, causal, window_
     return _Paged(
         q, k_cache, v_cache, page_table, cache_seqlens, cu_q, longest, dtype, scale, descales, window, return_lse
     )
+
+
+def _check_forced(config: KernelConfig, k_cache, v_cache, problems: ArgumentProblems) -> None:
+    """A forced config against the cache: its key block (a Gluon config's natural-V version's) divides the
+    page size; a Gluon one runs on the paged twin, which reads pages by TMA at head dims of one chunk."""
+    gluon = config.backend == "gluon"
+    runs = gluon_paged.natural_config(config) if gluon else config
+    page_size = k_cache.shape[1]
+    if page_size % runs.block_n:
+        problems.add(ValueError, f"config: block_n={runs.block_n} does not divide k_cache's page_size {page_size}")
+    elif gluon and (why := gluon_paged.paged_error(runs, page_size)):
+        problems.add(ValueError, f"config: {why}")
+    elif gluon and not (tma_readable(k_cache) and tma_readable(v_cache)):
+        problems.add(
+            ValueError,
+            "config: backend='gluon' reads pages by TMA, which needs k_cache and v_cache pages evenly spaced rows "
+            "from a 16-byte aligned base; pass a Triton config (pointer loads), or none",
+        )
 
 
 def _check_caches(q, k_cache, v_cache, problems: ArgumentProblems) -> bool:
