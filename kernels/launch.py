@@ -385,8 +385,8 @@ def prepare(
     if serving is not None and config.backend == "gluon":  # (its varlen variant has its own launcher)
         if serving.cu_seqlens_q is not None or serving.page_table is not None:
             raise ValueError(
-                "config: backend='gluon' runs packed sequences through kernels.gluon_varlen and no paged KV "
-                "cache; pass a Triton config for the serving variant"
+                "config: backend='gluon' runs packed sequences through kernels.gluon_varlen and paged KV "
+                "caches through kernels.gluon_paged; pass a Triton config for the serving variant"
             )
         gluon_lse, gluon_window, serving = serving.lse, serving.window, None
     if serving is not None:
