@@ -125,3 +125,14 @@ def test_the_api_runs_a_gluon_pick_on_the_paged_twin(picked, page_size, runs):
     assert (config is not None) == runs
     if runs:
         assert config.v_layout == "natural" and gluon_paged.paged_error(config, page_size) is None
+
+
+def test_the_dispatched_paged_config_is_the_twin_s_unless_pages_lie_apart(monkeypatch):
+    from zyfa_tune import kvcache
+
+    fake = type("Dispatcher", (), {"config_for": lambda self, *a: GLUON})()
+    monkeypatch.setattr(kvcache.dispatch, "dispatcher", lambda: fake)
+    dims = ("fp8", 128, 128, True, 2, 8, 2, 300, 128)
+    assert kvcache.dispatched_paged_config(*dims, False, 0) == NATURAL
+    triton = kvcache.dispatched_paged_config(*dims, True, 0)  # (pages apart: pointer loads)
+    assert triton.backend == "triton" and triton.loads == "pointer"

@@ -162,10 +162,12 @@ def dispatched_paged_config(
     device_index: int,
 ) -> KernelConfig:
     """The config a paged call runs where none is forced: the dispatcher's pick for its query length
-    (packed: the mean), as `paged_config` makes it run a cache of `page_size` pages (`apart`: pages
-    TMA cannot read in place)."""
+    (packed: the mean); a Gluon pick on the paged twin where it runs it (`gluon_paged_config`; not where
+    pages lie `apart`, which TMA cannot read in place), else as `paged_config` makes it run a cache of
+    `page_size` pages."""
     picked = dispatch.dispatcher().config_for(dtype, dqk, dv, causal, batch, h, hk, seqlen_q, device_index)
-    return paged_config(serving_config(picked), page_size, pointer=apart)
+    gluon = None if apart else gluon_paged_config(picked, page_size)
+    return gluon or paged_config(serving_config(picked), page_size, pointer=apart)
 
 
 def paged_from_packed(
@@ -224,9 +226,7 @@ def _run(key, p: _Paged, given: tuple, config, causal: bool, as_passed: tuple):
     if chosen is None:
         # pages apart in memory (say K and V interleaved per page): pointer loads read them in place
         apart = not (tma_readable(p.k_cache) and tma_readable(p.v_cache))
-        picked = dispatch.dispatcher().config_for(p.dtype, dqk, dv, causal, batch, h, hk, mean, device.index)
-        chosen = None if apart else gluon_paged_config(picked, page_size)
-        chosen = chosen or paged_config(serving_config(picked), page_size, pointer=apart)
+        chosen = dispatched_paged_config(p.dtype, dqk, dv, causal, batch, h, hk, mean, page_size, apart, device.index)
     if chosen.backend == "gluon":
         pages = (p.cu_seqlens_q, p.page_table, p.cache_seqlens)
         args = (p.softmax_scale, causal, p.descales, pages, p.max_seqlen_q, lse, window)
