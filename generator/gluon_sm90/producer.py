@@ -202,7 +202,7 @@ def _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, it, STAGES: gl.co
         if page_table is not None:
             if keys < (c + 1) * 32:  # (a chunk on the key end: stale slots past it become zeros)
                 keep = gl.arange(0, 32, layout=gl.SliceLayout(1, rows)) < keys - c * 32
-                x = gl.where(gl.expand_dims(keep, 1), x.to(gl.uint8, bitcast=True), 0).to(x.dtype, bitcast=True)
+                x = gl.where(gl.expand_dims(keep, 1), x, gl.zeros_like(x))
         vt.slice(c * 32, 32, dim=1).store(x.permute((1, 0)))
     fence_async_shared()
     gl.thread_barrier()
