@@ -241,7 +241,8 @@ def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int, desc
     shared layouts are what the launcher builds); its integers are never specialised (gluon_sm90.emit's
     UNSPECIALISED), so plain i32 is exactly what a launch compiles. The varlen variant's pointers
     (VARLEN_PARAMS) and the LSE kernel's LSE are 16-byte aligned allocations, as a launch passes them; the
-    window kernel's bounds (WINDOW_PARAMS) plain i32, as UNSPECIALISED."""
+    window kernel's bounds (WINDOW_PARAMS) plain i32, as UNSPECIALISED; the paged twin's page table 16-byte
+    aligned too, its stride and page size plain i32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -251,8 +252,8 @@ def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int, desc
     fn = jit_function(kernel)
     blocks = descriptor_blocks(kernel.config)
     names = [p.name for p in fn.params]
-    varlen, lse, window = "CU_Q" in names, "LSE" in names, "WIN_L" in names
-    assert names == [*blocks, *kernel_params(kernel.config, varlen, lse, window), "CAUSAL"], names
+    varlen, lse, window, paged = "CU_Q" in names, "LSE" in names, "WIN_L" in names, "PAGE_TABLE" in names
+    assert names == [*blocks, *kernel_params(kernel.config, varlen, lse, window, paged), "CAUSAL"], names
     sig, constexprs, attrs = _scalar_signature(names, causal, descales)
     sig.update({n: descriptor_type(*blocks[n]) for n in blocks})
     if varlen:
@@ -260,6 +261,8 @@ def _compile_gluon(kernel: EmittedKernel, *, causal: bool, capability: int, desc
             sig[name], attrs[(names.index(name),)] = ("*bf16" if name == "O_PTR" else "*i32"), _DIV16
     if lse:
         sig["LSE"], attrs[(names.index("LSE"),)] = "*fp32", _DIV16
+    if paged:
+        sig["PAGE_TABLE"], attrs[(names.index("PAGE_TABLE"),)] = "*i32", _DIV16
     src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
         src, target=GPUTarget("cuda", capability, 32), options={"num_warps": load_module(kernel).NUM_WARPS}

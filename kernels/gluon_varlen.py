@@ -298,6 +298,7 @@ class PackedLaunch:
         "tma",
         "lse_shape",
         "window",
+        "pages",
     )
 
     def __init__(
@@ -310,10 +311,11 @@ class PackedLaunch:
         options: dict,
         lse_shape: tuple[int, int] | None = None,
         window: tuple = (),
+        pages: tuple = (),
     ):
         n_desc = len(gluon_launch.descriptor_owners(config))
         self.config, self.compiled, self.programs, self.device = config, compiled, grid[0], device
-        self.causal, self.lse_shape, self.window = options["CAUSAL"], lse_shape, tuple(window)
+        self.causal, self.lse_shape, self.window, self.pages = options["CAUSAL"], lse_shape, tuple(window), tuple(pages)
         first = n_desc + 3 + (lse_shape is not None)  # (the LSE pointer sits between descales and scalars)
         self.scalars = tuple(args[first : first + len(_SCALARS)])
         self.max_q = self.scalars[5]
@@ -329,17 +331,20 @@ class PackedLaunch:
             else tuple((i, fastlaunch.TmaArgs(cls, f, m)) for (i, cls, f), m in zip(self.specs, meta))
         )
 
-    def __call__(self, q, k, v, out, q_descale, k_descale, v_descale, cu_seqlens_q=None, cu_seqlens_k=None, *_):
+    def __call__(self, q, k, v, out, q_descale, k_descale, v_descale, cu_seqlens_q=None, cu_seqlens_k=None, *paged):
+        """`paged`: the paged twin's page table (kernels/gluon_paged.py; its stride and page size are bound)."""
         c = self.config
         table = ragged_tiles(cu_seqlens_q, cu_seqlens_k, self.max_q, c.block_m, c.block_n, self.causal)
         if c.v_layout != "natural":
             v = packed_vt(v, cu_seqlens_k, table[1 + self.scalars[8] :], gluon_launch.v_keys_permuted(c))
         tensors = (q, k, v, out)
+        pages = (paged[0], *self.pages) if self.pages else ()
         if self.lse_shape is None:
-            lse, tail = (), (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, *self.window, self.causal)
+            lse, tail = (), (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, *self.window, *pages, self.causal)
         else:
             lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=out.device),)
-            tail = (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, self.lse_shape[1], *self.window, self.causal)
+            tail = (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, self.lse_shape[1], *self.window, *pages)
+            tail += (self.causal,)
         result = out if self.lse_shape is None else (out, lse[0])
         if self.raw is not None and not fastlaunch.hooks_set():
             inputs = []

@@ -38,16 +38,18 @@ _INT32_MAX = 2**31 - 1
 
 
 @functools.cache
-def emitted(config: KernelConfig, serving: bool = False, lse: bool = False, window: bool = False) -> EmittedKernel:
-    """Emit once per config and variant (configs are frozen and hashable); `lse`, `window`: a Gluon kernel's
-    twin that writes the LSE, takes a window."""
-    return emit(config, serving=serving, lse=lse, window=window)
+def emitted(
+    config: KernelConfig, serving: bool = False, lse: bool = False, window: bool = False, paged: bool = False
+) -> EmittedKernel:
+    """Emit once per config and variant (configs are frozen and hashable); `lse`, `window`, `paged`: a Gluon
+    kernel's twin that writes the LSE, takes a window, reads paged K / V caches."""
+    return emit(config, serving=serving, lse=lse, window=window, paged=paged)
 
 
 @functools.cache
-def kernel(config: KernelConfig, serving: bool = False, lse: bool = False, window: bool = False):
+def kernel(config: KernelConfig, serving: bool = False, lse: bool = False, window: bool = False, paged: bool = False):
     """The JIT function of `config` (emitted, written and imported once per process)."""
-    return jit_function(emitted(config, serving, lse, window))
+    return jit_function(emitted(config, serving, lse, window, paged))
 
 
 def twin_names(lse: bool, window: bool) -> tuple[str, ...]:
@@ -383,8 +385,8 @@ def prepare(
     if serving is not None and config.backend == "gluon":  # (its varlen variant has its own launcher)
         if serving.cu_seqlens_q is not None or serving.page_table is not None:
             raise ValueError(
-                "config: backend='gluon' runs packed sequences through kernels.gluon_varlen and no paged KV "
-                "cache; pass a Triton config for the serving variant"
+                "config: backend='gluon' runs packed sequences through kernels.gluon_varlen and paged KV "
+                "caches through kernels.gluon_paged; pass a Triton config for the serving variant"
             )
         gluon_lse, gluon_window, serving = serving.lse, serving.window, None
     if serving is not None:

@@ -118,13 +118,20 @@ def test_page_sizes_hold_whole_key_blocks():
         call(q, k_cache, v_cache, kw, config=CFG)
 
 
-def test_appending_keys_and_gluon_configs_are_refused():
+def test_appending_keys_and_gluon_configs_the_twin_cannot_run_are_refused():
     q, k_cache, v_cache, kw = paged()
     with pytest.raises(ValueError, match="^k: appending new keys and values is not supported"):
         flash_attn_with_kvcache(q, k_cache, v_cache, k_cache[:2], **kw)
     q8, k8, v8, kw = paged(d=128, dtype=FP8)
-    with pytest.raises(ValueError, match="^config: backend='gluon' has no kernel for paged KV caches"):
-        call(q8, k8, v8, kw, config=GLUON)
+    with pytest.raises(ValueError, match="^config: block_n=128 does not divide k_cache's page_size 64"):
+        call(q8, k8, v8, kw, config=GLUON)  # (its natural-V version, on the Gluon paged twin)
+    q8, k8, v8, kw = paged(d=128, dtype=FP8, page_size=128)
+    apart = torch.zeros(6, 2, 128, 2, 128, dtype=FP8)[:, 0]
+    with pytest.raises(ValueError, match="^config: backend='gluon' reads pages by TMA"):
+        call(q8, apart, v8, kw, config=GLUON)
+    with pytest.raises(ValueError, match="^config: head dims 192/128 are read in several chunks"):
+        q9 = torch.zeros(2, 5, 4, 192, dtype=FP8)
+        call(q9, torch.zeros(6, 128, 2, 192, dtype=FP8), v8, kw, config=default_config("fp8", 192, 128, "gluon"))
     with pytest.raises(ValueError, match=r"^k_descale: expected shape \(batch, kv_heads\) = \(2, 2\)"):
         call(q8, k8, v8, kw, k_descale=torch.ones(3, 2))
 

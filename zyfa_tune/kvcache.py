@@ -2,9 +2,10 @@
 
 A serving engine keeps each sequence's keys and values in fixed-size pages of one cache tensor;
 a chunked prefill or a prefix-cache hit runs its new queries against the cached prefix plus the
-new tokens, whose K/V the engine has already written into the cache. The call runs on the
-serving variant of a Triton config with PAGED on (generator/triton/emit.py): each key tile reads
-its page through the page table. The argument checks and the per-layout fast path are
+new tokens, whose K/V the engine has already written into the cache. The call runs on the paged
+twin of the dispatcher's Gluon choice where it can (kernels/gluon_paged.py), else on the serving
+variant of a Triton config with PAGED on (generator/triton/emit.py): each key tile reads its page
+through the page table. The argument checks and the per-layout fast path are
 flash_attn_func's and flash_attn_varlen_func's (zyfa_tune/api.py, zyfa_tune/varlen.py); only what
 a cache adds is checked here.
 """
@@ -34,7 +35,7 @@ from zyfa_tune.api import (
 )
 from zyfa_tune.generator import ConfigError, KernelConfig
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.kernels import dispatch
+from zyfa_tune.kernels import dispatch, gluon_paged
 from zyfa_tune.kernels.launch import Serving, ServingLaunch, bind, pages_by_tma, tma_readable
 
 _CACHE = ("num_pages", "page_size", "kv_heads", "head_dim")
@@ -88,7 +89,10 @@ def flash_attn_with_kvcache(
     call with validate=True; host ones always: page indices of the pages in use within
     [0, num_pages), cache_seqlens within [seqlen_q, max_pages * page_size]. Later calls with the
     layout launch without checks or synchronisation (CUDA-graph capturable); a bad page index then
-    reads out of bounds. Runs on Triton kernels, as flash_attn_varlen_func (a Gluon config is refused).
+    reads out of bounds. Where the dispatcher picks a Gluon kernel (FP8, head dims TMA reads pages at, a
+    page holding its key blocks whole, pages TMA reads in place) it runs that kernel's paged twin
+    (kernels/gluon_paged.py), else the Triton serving variant; a forced Gluon config runs its natural-V
+    version on the paged twin too (refused where the twin cannot run it).
     """
     tensors = (q, k_cache, v_cache, page_table, cache_seqlens)
     given = (q_descale, k_descale, v_descale)
@@ -158,10 +162,12 @@ def dispatched_paged_config(
     device_index: int,
 ) -> KernelConfig:
     """The config a paged call runs where none is forced: the dispatcher's pick for its query length
-    (packed: the mean), as `paged_config` makes it run a cache of `page_size` pages (`apart`: pages
-    TMA cannot read in place)."""
+    (packed: the mean); a Gluon pick on the paged twin where it runs it (`gluon_paged_config`; not where
+    pages lie `apart`, which TMA cannot read in place), else as `paged_config` makes it run a cache of
+    `page_size` pages."""
     picked = dispatch.dispatcher().config_for(dtype, dqk, dv, causal, batch, h, hk, seqlen_q, device_index)
-    return paged_config(serving_config(picked), page_size, pointer=apart)
+    gluon = None if apart else gluon_paged_config(picked, page_size)
+    return gluon or paged_config(serving_config(picked), page_size, pointer=apart)
 
 
 def paged_from_packed(
@@ -214,21 +220,43 @@ def _run(key, p: _Paged, given: tuple, config, causal: bool, as_passed: tuple):
     q4, out4 = (t.unsqueeze(0) for t in (p.q, out)) if packed else (p.q, out)
     mean = -(-p.q.shape[0] // batch) if packed else p.q.shape[1]  # the dispatcher keys on the query length
     page_size = p.k_cache.shape[1]
-    chosen = config and _varlen.natural_twin(config)
+    forced_gluon = config is not None and config.backend == "gluon"
+    chosen = config and (gluon_paged.natural_config(config) if forced_gluon else _varlen.natural_twin(config))
+    window = window_bounds(p.window, causal, max_pages * page_size, p.max_seqlen_q)
     if chosen is None:
         # pages apart in memory (say K and V interleaved per page): pointer loads read them in place
         apart = not (tma_readable(p.k_cache) and tma_readable(p.v_cache))
         chosen = dispatched_paged_config(p.dtype, dqk, dv, causal, batch, h, hk, mean, page_size, apart, device.index)
-    window = window_bounds(p.window, causal, max_pages * page_size, p.max_seqlen_q)
+    if chosen.backend == "gluon":
+        pages = (p.cu_seqlens_q, p.page_table, p.cache_seqlens)
+        args = (p.softmax_scale, causal, p.descales, pages, p.max_seqlen_q, lse, window)
+        with torch.cuda.device(device):
+            bound = gluon_paged.bind(chosen, p.q, p.k_cache, p.v_cache, out, *args)
+        return _remember(key, bound, out, lse, device, given, p, as_passed)
     serving = Serving(p.cu_seqlens_q, None, p.max_seqlen_q, window, lse, p.page_table, p.cache_seqlens)
     causal_mask = causal and window is None
     with torch.cuda.device(device):
         bound = bind(chosen, q4, p.k_cache, p.v_cache, out4, p.softmax_scale, causal_mask, *p.descales, serving=serving)
+    bound = bound and ServingLaunch(bound, None if lse is None else lse_shape)
+    return _remember(key, bound, out, lse, device, given, p, as_passed)
+
+
+def _remember(key, bound, out, lse, device, given: tuple, p: _Paged, as_passed: tuple):
+    """Leave `bound` as the layout's plan where nothing was copied; the call's result."""
     used = (p.q, p.k_cache, p.v_cache, p.page_table, p.cache_seqlens, p.cu_seqlens_q)
     if all(a is b for a, b in zip(used, as_passed)) and all(d is None or d is c for d, c in zip(given, p.descales)):
-        launch = bound and ServingLaunch(bound, None if lse is None else lse_shape)
-        remember(key, launch, tuple(out.shape), device, given, p.descales)
+        remember(key, bound, tuple(out.shape), device, given, p.descales)
     return out if lse is None else (out, lse)
+
+
+def gluon_paged_config(picked: KernelConfig, page_size: int) -> KernelConfig | None:
+    """The config of the Gluon paged twin where the dispatcher picked the Gluon `picked`: its natural-V
+    version (kernels/gluon_paged.natural_config), or None where the twin cannot run it (a Triton pick, head
+    dims read in several chunks, key blocks a page does not hold whole: the Triton serving variant then)."""
+    if picked.backend != "gluon" or picked.dtype != "fp8":  # (the Gluon kernels run FP8)
+        return None
+    config = gluon_paged.natural_config(picked)
+    return None if gluon_paged.paged_error(config, page_size) else config
 
 
 def _prepare(tensors, new_kv, cu_q, max_q, given, softmax_scale, causal, window_size, return_lse, config, read):
@@ -261,11 +289,9 @@ def _prepare(tensors, new_kv, cu_q, max_q, given, softmax_scale, causal, window_
     batch_from = " (batch: len(cu_seqlens_q) - 1)" if packed else ""
     ok = [q_ok, *caches_ok, lens_ok, not packed or cu_ok]
     descales = _api._prepare_descales(q, k_cache, given, ok, read, problems, batch, batch_from)
-    check_config(config, dtype, q, v_cache, related, ["paged KV caches"], problems)
-    if related and isinstance(config, KernelConfig) and k_cache.shape[1] % config.block_n:
-        problems.add(
-            ValueError, f"config: block_n={config.block_n} does not divide k_cache's page_size {k_cache.shape[1]}"
-        )
+    check_config(config, dtype, q, v_cache, related, [], problems)
+    if related and isinstance(config, KernelConfig):
+        _check_forced(config, k_cache, v_cache, problems)
     if related and lens_ok and max_ok and (cu_ok or not packed) and not problems.found:
         _check_values(q, k_cache, page_table, cache_seqlens, cu_q, max_q, read, problems)
     if q_ok:  # the other tensors' devices are checked against q's above
@@ -284,6 +310,24 @@ def _prepare(tensors, new_kv, cu_q, max_q, given, softmax_scale, causal, window_
     return _Paged(
         q, k_cache, v_cache, page_table, cache_seqlens, cu_q, longest, dtype, scale, descales, window, return_lse
     )
+
+
+def _check_forced(config: KernelConfig, k_cache, v_cache, problems: ArgumentProblems) -> None:
+    """A forced config against the cache: its key block (a Gluon config's natural-V version's) divides the
+    page size; a Gluon one runs on the paged twin, which reads pages by TMA at head dims of one chunk."""
+    gluon = config.backend == "gluon"
+    runs = gluon_paged.natural_config(config) if gluon else config
+    page_size = k_cache.shape[1]
+    if page_size % runs.block_n:
+        problems.add(ValueError, f"config: block_n={runs.block_n} does not divide k_cache's page_size {page_size}")
+    elif gluon and (why := gluon_paged.paged_error(runs, page_size)):
+        problems.add(ValueError, f"config: {why}")
+    elif gluon and not (tma_readable(k_cache) and tma_readable(v_cache)):
+        problems.add(
+            ValueError,
+            "config: backend='gluon' reads pages by TMA, which needs k_cache and v_cache pages evenly spaced rows "
+            "from a 16-byte aligned base; pass a Triton config (pointer loads), or none",
+        )
 
 
 def _check_caches(q, k_cache, v_cache, problems: ArgumentProblems) -> bool:
@@ -375,4 +419,11 @@ def _check_values(q, k_cache, page_table, cache_seqlens, cu_q, max_q, read_cuda:
         )
 
 
-__all__ = ["PAGE_MULTIPLE", "dispatched_paged_config", "flash_attn_with_kvcache", "paged_config", "paged_from_packed"]
+__all__ = [
+    "PAGE_MULTIPLE",
+    "dispatched_paged_config",
+    "flash_attn_with_kvcache",
+    "gluon_paged_config",
+    "paged_config",
+    "paged_from_packed",
+]

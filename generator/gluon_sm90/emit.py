@@ -36,6 +36,9 @@ total (what sizes the loop's L2 head groups); descales are per (sequence, kv hea
 LSE (after VD): (B, H, Sq) contiguous, varlen (H, total_q); LSE_STRIDE (after the tile parameters): Sq or total_q.
 `emit(config, window=True)` (either variant, with or without lse) takes a sliding window: WIN_L, WIN_R (last
 before CAUSAL, int32 >= 0: row r sees keys r + Sk - Sq - WIN_L .. r + Sk - Sq + WIN_R; 0 on the right when CAUSAL).
+`emit(config, paged=True)` (varlen; natural V only) reads K and V from paged caches viewed as (pages * page size,
+Hkv*D): PAGE_TABLE (int32, sequence b's row at b * PAGE_STRIDE), PAGE_SIZE (a multiple of BLOCK_N) last before
+CAUSAL; key j of sequence b is cache row PAGE_TABLE[b, j // PAGE_SIZE] * PAGE_SIZE + j % PAGE_SIZE, CU_K its keys.
 """
 
 from __future__ import annotations
@@ -75,10 +78,10 @@ from ..config import (
 )
 from ..emitted import EmittedKernel, emitted, kernel_name_of
 from . import device
+from .params import PAGED_PARAMS, UNSPECIALISED, WINDOW_PARAMS, kernel_params, paged_error
 
 # (SCALAR_PARAMS, VARLEN_PARAMS and tile_params re-exported: the launchers and tests read them here)
 from .params import SCALAR_PARAMS as SCALAR_PARAMS
-from .params import UNSPECIALISED, WINDOW_PARAMS, kernel_params
 from .params import VARLEN_PARAMS as VARLEN_PARAMS
 from .params import tile_params as tile_params
 from .trace import EVENTS, TraceBuffer, clock_asm
@@ -94,6 +97,7 @@ def emit(
     varlen: bool = False,
     lse: bool = False,
     window: bool = False,
+    paged: bool = False,
 ) -> EmittedKernel:
     """Emit the Gluon kernel source for `config` (deterministic; same config -> same bytes).
     trace: also stamp the SM clock at each consumer step's EVENTS into that buffer (CTA 0;
@@ -101,22 +105,22 @@ def emit(
     varlen: the packed-sequence variant (module docstring; `varlen_error` says which configs it takes).
     lse: also write the LSE (module docstring): a call option, not a config field, so a kernel's twin.
     window: take a sliding window's bounds (module docstring), the same way a twin: their values are runtime
-    arguments, so one compile serves every window."""
+    arguments, so one compile serves every window. paged: the varlen variant reading paged K / V caches."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"emit() takes a KernelConfig, got {type(config).__name__}")
     if config.backend != "gluon":
         raise ValueError(f"gluon_sm90.emit: config has backend={config.backend!r}")
     if trace is not None and not isinstance(trace, TraceBuffer):
         raise TypeError(f"emit(trace=...) takes a TraceBuffer, got {type(trace).__name__}")
-    varlen = bool(varlen)
-    if varlen and (why := varlen_error(config)):
+    varlen = bool(varlen or paged)
+    if (varlen and (why := varlen_error(config))) or (paged and (why := paged_error(config))):
         raise ValueError(f"config: {why}")
     return emitted(
         config,
         _header(config)
         + device.source()
         + _constants(config, trace, varlen)
-        + _entry(config, varlen, bool(lse), bool(window)),
+        + _entry(config, varlen, bool(lse), bool(window), bool(paged)),
         kernel_name_of(config),
     )
 
@@ -505,13 +509,15 @@ def _v_lines(c: KernelConfig) -> list[str]:
     ]
 
 
-def _entry(c: KernelConfig, varlen: bool = False, lse: bool = False, window: bool = False) -> str:
+def _entry(c: KernelConfig, varlen: bool = False, lse: bool = False, window: bool = False, paged: bool = False) -> str:
     consumers = c.block_m // 64
     partitions = [f"        (_consumer, {_consumer_args(i, c, lse, window)})," for i in range(consumers)]
-    params = kernel_params(c, varlen, lse, window)
+    params = kernel_params(c, varlen, lse, window, paged)
     split = params.index("GROUP") + 1
     unspecialised = UNSPECIALISED + (("LSE_STRIDE",) if lse else ()) + (WINDOW_PARAMS if window else ())
-    producer = _PRODUCER_ARGS[:-1] + (", WIN_L, WIN_R)" if window else ")")
+    unspecialised += PAGED_PARAMS[1:] if paged else ()
+    bounds = ", WIN_L, WIN_R" if window else ", None, None" if paged else ""
+    producer = _PRODUCER_ARGS[:-1] + bounds + (", PAGE_TABLE, PAGE_STRIDE, PAGE_SIZE)" if paged else ")")
     partitions.append(f"        (_producer, {producer}),")
     # the default partition is consumer 0; workers: the other consumers (4 warps each), the producer
     # (1 warp; a warpgroup when it transposes V: the register split counts it as one either way)

@@ -37,14 +37,30 @@ def tile_params(c: KernelConfig, varlen: bool = False) -> tuple[str, ...]:
     return ("TILE_TABLE",) if c.q_order == "balanced" else ()
 
 
-def kernel_params(c: KernelConfig, varlen: bool = False, lse: bool = False, window: bool = False) -> tuple[str, ...]:
+def kernel_params(
+    c: KernelConfig, varlen: bool = False, lse: bool = False, window: bool = False, paged: bool = False
+) -> tuple[str, ...]:
     """The parameters after the descriptors but CAUSAL (the LSE kernel's LSE beside the descales, as Triton's)."""
     first = SCALAR_PARAMS[:3] + (("LSE",) if lse else ()) + SCALAR_PARAMS[3:]
-    return first + tile_params(c, varlen) + (("LSE_STRIDE",) if lse else ()) + (WINDOW_PARAMS if window else ())
+    twins = (("LSE_STRIDE",) if lse else ()) + (WINDOW_PARAMS if window else ()) + (PAGED_PARAMS if paged else ())
+    return first + tile_params(c, varlen or paged) + twins
 
 
 #: The window kernel's last parameters before CAUSAL (emit.py's module docstring).
 WINDOW_PARAMS = ("WIN_L", "WIN_R")
+
+
+#: The paged twin's last parameters before CAUSAL (emit.py's module docstring): the int32 page table, its row
+#: stride and the page size in keys.
+PAGED_PARAMS = ("PAGE_TABLE", "PAGE_STRIDE", "PAGE_SIZE")
+
+
+def paged_error(c: KernelConfig) -> str | None:
+    """Why the paged twin cannot run `c`, or None: it reads V from the cache as stored, (keys, dim) rows,
+    so only a natural-V config (its producer transposes each V tile) reads it."""
+    if c.v_layout != "natural":
+        return f"the paged twin reads V as stored: it takes v_layout='natural', got v_layout={c.v_layout!r}"
+    return None
 
 
 #: Integer parameters Triton must not specialise (on == 1 or % 16): the schedule gains nothing from

@@ -21,7 +21,7 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
               HEAD_QK: gl.constexpr, QK_PARTS: gl.constexpr, v_raw, v_raw_ready, kb_desc, vb_desc, kb_bufs, vb_bufs,
-              vc_desc, vc_bufs, cu_q, cu_k, win_l=None, win_r=None):
+              vc_desc, vc_bufs, cu_q, cu_k, win_l=None, win_r=None, page_table=None, page_stride=0, page_size=0):
     """One warp: TMA loads of Q (ring of Q_STAGES) and of K, V^T blocks (ring of STAGES, separate
     K and V barriers so that QK^T can start before V has landed). Q and K tiles come in QK_PARTS
     column parts of QK_W (tensor shapes must be powers of two: 192 = 3 x 64; a head dim not of 32s
@@ -39,7 +39,11 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
     column in the tile table after the n_tiles entries); key blocks past the sequence's keys are not
     visited (_block_range on its lengths).
     win_l, win_r (the window kernel only): the blocks of _window_range, the consumers' (same tile, same
-    bounds), so that every stage loaded is one a consumer waits for."""
+    bounds), so that every stage loaded is one a consumer waits for.
+    page_table, page_stride, page_size (the paged twin only): K and V rows come from a paged cache (_key_row);
+    a block never straddles pages (page_size a multiple of BLOCK_N), so one page number serves its boxes. The
+    slots past a sequence's keys in its last page hold whatever the cache held (NaN too): the consumers mask
+    their scores, and the transpose writes zeros for their V (P = 0 times NaN would still be NaN)."""
     n_bh = n_tiles // n_m
     kv_it = 0
     q_it = 0
@@ -91,16 +95,19 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             else:
                 mbarrier.expect(k_ready.index(s), QK_PARTS * k_desc.block_type.nbytes)
             for p in gl.static_range(QK_PARTS):
-                _k_load(k_desc, k_row + n0, hk, p * QK_W, k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
+                _k_load(k_desc, _key_row(k_row, n0, b, page_table, page_stride, page_size), hk, p * QK_W,
+                        k_ready.index(s), k_bufs.index(s * QK_PARTS + p))
                 if SPLIT:
-                    _k_load(kb_desc, k_row + n0 + BN_A, hk, p * QK_W, k_ready.index(s), kb_bufs.index(s * QK_PARTS + p))
+                    _k_load(kb_desc, _key_row(k_row, n0, b, page_table, page_stride, page_size) + BN_A, hk, p * QK_W,
+                            k_ready.index(s), kb_bufs.index(s * QK_PARTS + p))
             if V_NATURAL:  # V(j) into raw slot j % 2 (its last reader, V^T(j-2), is written), then V^T(j-1)
                 raw_slot = kv_it % 2
                 mbarrier.expect(v_raw_ready.index(raw_slot), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [k_row + n0, hk * HEAD_D], v_raw_ready.index(raw_slot),
-                                                v_raw.index(raw_slot))
+                tma.async_copy_global_to_shared(v_desc, [_key_row(k_row, n0, b, page_table, page_stride, page_size),
+                                                         hk * HEAD_D], v_raw_ready.index(raw_slot), v_raw.index(raw_slot))
                 if j > 0:
-                    _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, O_W)
+                    _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, O_W,
+                                 page_table, seq_k - n0 - BLOCK_N)
             elif K_AHEAD:  # V(j-1) after K(j): K(j) does not wait for V(j-2)'s release (step j's QK^T)
                 if j > 0:
                     _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, v_key0 + n0 + BLOCK_N,
@@ -113,10 +120,21 @@ def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs,
             if win_l is not None:  # V of the last block visited
                 v_key0 += (n_blocks - n_visit) * BLOCK_N
             if V_NATURAL:
-                _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, O_W)
+                _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, kv_it - 1, STAGES, BLOCK_N, O_W,
+                             page_table, seq_k - (n_blocks - n_visit) * BLOCK_N)
             elif K_AHEAD:
                 _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, kv_it - 1, v_row, v_key0, STAGES, vc_desc,
                         vc_bufs)
+
+
+@gluon.jit
+def _key_row(k_row, n0, b, page_table, page_stride, page_size):
+    """The K / V row of key n0 of the tile's sequence: k_row + n0, or in a paged cache (page_table given) row
+    page_table[b, n0 // page_size] * page_size + n0 % page_size of the (pages * page_size, Hkv*D) view."""
+    if page_table is None:
+        return k_row + n0
+    else:
+        return gl.load(page_table + b * page_stride + n0 // page_size) * page_size + n0 % page_size
 
 
 @gluon.jit
@@ -165,12 +183,13 @@ def _load_v(v_desc, vb_desc, v_bufs, vb_bufs, v_ready, v_empty, it, v_row, n0, S
 
 @gluon.jit
 def _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, it, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_D: gl.constexpr):
+                 HEAD_D: gl.constexpr, page_table=None, keys=0):
     """V^T of KV block `it` (V_NATURAL): wait for its (BLOCK_N, D) tile in raw slot it % 2 and for its V^T
     stage to be free, then write the transpose in 32-key chunks. Each thread reads 4 keys x D/16
     dims (one vector per key row), so the transpose is a byte permute inside its registers and the
     writes are vectors along keys (LDS / PRMT / STS, no shuffles, no scratch). The warpgroup's
-    writes are fenced for the async proxy (wgmma reads V^T) and joined before one arrive."""
+    writes are fenced for the async proxy (wgmma reads V^T) and joined before one arrive. page_table given (the
+    paged twin): `keys` is the block's keys of its sequence, and the rows past them are written as zeros."""
     s = it % STAGES
     r = it % 2
     mbarrier.wait(v_raw_ready.index(r), (it // 2) & 1)
@@ -180,6 +199,10 @@ def _transpose_v(v_raw, v_raw_ready, v_bufs, v_ready, v_empty, it, STAGES: gl.co
     raw = v_raw.index(r)
     for c in gl.static_range(BLOCK_N // 32):
         x = raw.slice(c * 32, 32, dim=0).load(rows)
+        if page_table is not None:
+            if keys < (c + 1) * 32:  # (a chunk on the key end: stale slots past it become zeros)
+                keep = gl.arange(0, 32, layout=gl.SliceLayout(1, rows)) < keys - c * 32
+                x = gl.where(gl.expand_dims(keep, 1), x, gl.zeros_like(x))
         vt.slice(c * 32, 32, dim=1).store(x.permute((1, 0)))
     fence_async_shared()
     gl.thread_barrier()

@@ -39,10 +39,13 @@ class _PagedBase(Ours):
         """The paged call's config and why: the forced one (V read as stored), or what
         `flash_attn_with_kvcache` picks for these pages (`kvcache.dispatched_paged_config`)."""
         from zyfa_tune import kvcache
+        from zyfa_tune.kernels.gluon_paged import natural_config
         from zyfa_tune.varlen import natural_twin
 
         s, spec = x.shape, self.spec
         forced = spec.config_for(s.head_dim_qk, s.head_dim_v)
+        if forced is not None and forced.backend == "gluon":  # (the paged twin's natural-V version)
+            return natural_config(forced), "forced"
         if forced is not None:  # as flash_attn_with_kvcache would run it on these pages, for both rows
             return kvcache.paged_config(natural_twin(forced), self.page_size), "forced"
         mean = -(-s.tokens // s.batch)  # (the dispatcher keys a packed call on its mean query length)
