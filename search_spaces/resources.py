@@ -287,8 +287,8 @@ def gluon_register_estimate(c: KernelConfig) -> int:
         else 0
     )
     if c.pv_defer and c.block_n == 256:  # peak at the softmax: no P in flight beside the scores, O in place
-        defer_mma = GLUON_SPLIT_DEFER_MMA_REGISTERS if c.rowsum == "mma" else 0
-        return acc + scores + defer_mma + table + GLUON_SPLIT_DEFER_REGISTERS + GLUON_REGISTER_OVERHEAD
+        split_mma = GLUON_SPLIT_DEFER_MMA_REGISTERS if c.rowsum == "mma" else 0  # (in place of defer_mma)
+        return acc + scores + split_mma + table + GLUON_SPLIT_DEFER_REGISTERS + GLUON_REGISTER_OVERHEAD
     return (
         acc
         + scores
