@@ -77,7 +77,9 @@ def test_dense_gluon_window_against_float64(monkeypatch, name, causal, window, s
 @pytest.mark.parametrize("causal,window", WINDOWS)
 @pytest.mark.parametrize("h,hk", [(8, 2), (4, 4)])
 def test_packed_gluon_window_against_float64(name, causal, window, h, hk):
-    config = CONFIGS[name].replace(v_layout="natural", v_permute=False)
+    config = CONFIGS[name]
+    if config.softmax == "exact":  # natural V (lean P's carry reads V^T's permuted keys: a V^T copy)
+        config = config.replace(v_layout="natural", v_permute=False)
     args, kw = _packed([0, 1, 5, 129, 1000, 333, 2], [3, 1, 0, 129, 1200, 257, 2], h, hk, 128, "fp8", seed=17)
     _check(args, kw, "fp8", causal, window, config=config)
     args, kw = _packed([64, 65, 127, 1], [64, 65, 127, 1], h, hk, 128, "fp8", seed=18)
