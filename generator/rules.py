@@ -223,10 +223,10 @@ def gluon_conflict(f: Mapping[str, Any], defaults: Mapping[str, Any]) -> str | N
         return why
     if f["k_perm"] and not f["v_permute"]:
         return "k_perm=True makes v_permute's relabelling of keys on K instead of V^T: it needs v_permute=True"
-    if f["v_layout"] == "natural" and f["v_permute"]:
+    if f["v_layout"] == "natural" and f["v_permute"] and not f["k_perm"]:
         return (
-            "v_layout='natural' with backend='gluon' writes V^T in key order: it needs "
-            "v_permute=False (and so softmax='exact')"
+            "v_layout='natural' with backend='gluon' writes V^T in key order: with v_permute=True it needs "
+            "k_perm=True (the relabelling made on K)"
         )
     if f["block_m"] == 64 and f["producer_regs"] != defaults["producer_regs"]:
         return (

@@ -15,27 +15,39 @@ import torch
 from zyfa_tune.generator import ConfigError, KernelConfig
 from zyfa_tune.generator.gluon_sm90.emit import varlen_error
 from zyfa_tune.generator.gluon_sm90.params import paged_error as _twin_error
+from zyfa_tune.search_spaces.resources import static_infeasibility
 from zyfa_tune.search_spaces.seeds import gluon_natural_config
 
 from . import fastlaunch, gluon_launch, gluon_varlen
 from .launch import kernel, pages_by_tma, tma_readable, twin_names
 
 _INT32_MAX = 2**31 - 1
+#: producer registers of a natural-V k_perm kernel of 128 keys or more: its transposes beside the 5-D K box
+#: coordinates spill 8 bytes with 40 (the exact schedules; lean P's compiles clean with either)
+PERM_PRODUCER_REGS = 56
 
 
 def natural_config(config: KernelConfig) -> KernelConfig:
     """The natural-V version of a Gluon `config` (a cache has no V^T copy): V read as stored and transposed
-    by the producer warpgroup, with the producer registers of `gluon_natural_config` at least, keys in order
-    (no v_permute, no k_perm); where the config takes no natural V (say a lean P carry, built on permuted
-    keys) the natural seed of its head dims."""
-    if config.v_layout == "natural" and not config.k_perm:
+    by the producer warpgroup, with the producer registers of `gluon_natural_config` at least. A v_permute
+    config keeps its P carry (lean P's too) by making the relabelling on K (k_perm: pages start on 16-key
+    groups), at its own block or, where the raw V slots leave no shared memory for it, at 128 keys; else V^T
+    in key order (no v_permute), or the natural seed of its head dims."""
+    if config.v_layout == "natural":
         return config
     seed = gluon_natural_config(config.dtype, config.head_dim_qk, config.head_dim_v)
-    try:
-        regs = max(config.producer_regs, seed.producer_regs)
-        return config.replace(v_layout="natural", v_permute=False, k_perm=False, producer_regs=regs)
-    except ConfigError:
-        return seed
+    regs = max(config.producer_regs, seed.producer_regs)
+    tries = [dict(k_perm=True), dict(k_perm=True, block_n=128)] if config.v_permute else []
+    for change in (*tries, dict(v_permute=False, k_perm=False)):
+        try:
+            natural = config.replace(v_layout="natural", producer_regs=regs, **change)
+            if natural.k_perm and natural.block_n >= 128:
+                natural = natural.replace(producer_regs=max(regs, PERM_PRODUCER_REGS))
+        except ConfigError:
+            continue
+        if static_infeasibility(natural) is None:
+            return natural
+    return seed
 
 
 def paged_error(config: KernelConfig, page_size: int) -> str | None:
@@ -44,7 +56,7 @@ def paged_error(config: KernelConfig, page_size: int) -> str | None:
     `launch.pages_by_tma` restricts the Triton variant), on key blocks a page holds whole."""
     if config.backend != "gluon":
         return f"backend={config.backend!r}: the paged twin is a Gluon kernel"
-    if why := _twin_error(config) or varlen_error(config):
+    if why := _twin_error(config) or varlen_error(config, paged=True):
         return why
     if not pages_by_tma(config):
         return f"head dims {config.head_dim_qk}/{config.head_dim_v} are read in several chunks; pages are read by TMA"

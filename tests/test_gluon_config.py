@@ -120,8 +120,8 @@ def test_triton_config_keeps_gluon_fields_at_defaults(field):
         (dict(overlap=False, ex2_fence=True), r"^ex2_fence=True needs overlap=True"),
         (
             dict(v_layout="natural"),
-            r"^v_layout='natural' with backend='gluon' writes V\^T in key order: it needs "
-            r"v_permute=False",
+            r"^v_layout='natural' with backend='gluon' writes V\^T in key order: with v_permute=True it "
+            r"needs k_perm=True",
         ),
         (
             dict(overlap=False, p_carry="e4m3"),

@@ -13,6 +13,7 @@ from zyfa_tune.generator.build import compile_for_target
 from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.generator.gluon_sm90 import emit as emit_gluon
 from zyfa_tune.kernels import gluon_launch, gluon_paged
+from zyfa_tune.search_spaces.resources import static_infeasibility
 from zyfa_tune.search_spaces.seeds import gluon_lean_max_config, gluon_natural_config
 
 FP8, BF16 = torch.float8_e4m3fn, torch.bfloat16
@@ -20,17 +21,30 @@ GLUON = default_config("fp8", 128, 128, "gluon")
 NATURAL = gluon_paged.natural_config(GLUON)
 
 
-@pytest.mark.parametrize("name,cfg", [("default", GLUON), ("lean-max", gluon_lean_max_config("fp8", 128, 128))])
+#: the exact schedule of a shipped H200 pick: 256 keys, P through two shared-memory tiles
+EXACT_256 = GLUON.replace(block_n=256, num_stages=2, q_stages=2, skip_rescale=True, p_carry="smem2")
+
+
+@pytest.mark.parametrize(
+    "name,cfg", [("default", GLUON), ("lean-max", gluon_lean_max_config("fp8", 128, 128)), ("exact-256", EXACT_256)]
+)
 @pytest.mark.parametrize("causal", [True, False])
 def test_paged_twin_compiles_clean(name, cfg, causal):
-    """No spills where causal (a cache's queries attend bottom-right aligned); non-causal, no more than the
-    varlen kernel it pages (its natural-V twin spills a few bytes there already); QGMMA only."""
+    """The natural-V versions the API runs (K relabelled by k_perm, P carried as the pick carries it) compile
+    with no spills, causal (a cache's queries attend bottom-right aligned) or not; QGMMA only."""
     natural = gluon_paged.natural_config(cfg)
     art = compile_for_target(emit(natural, paged=True), causal=causal)
-    bound = 0 if causal else compile_for_target(emit(natural, serving=True), causal=False).spill_bytes
-    assert art.spill_bytes <= min(bound, 16), f"{name}: spills {art.spill_bytes} bytes"
+    assert art.spill_bytes == 0, f"{name}: spills {art.spill_bytes} bytes"
     assert art.count("QGMMA") > 0 and art.count("HGMMA") == 0 and art.serialised_wgmma is None
     assert art.shared_bytes <= HOPPER.shared_memory_bytes
+
+
+def test_the_key_order_twin_spills_no_more_than_its_varlen_kernel():
+    """The natural seed (V^T in key order, no k_perm): its varlen kernel runs too, and the pages add no spills."""
+    seed = gluon_natural_config("fp8", 128, 128)
+    for causal in (True, False):
+        bound = compile_for_target(emit(seed, serving=True), causal=causal).spill_bytes
+        assert compile_for_target(emit(seed, paged=True), causal=causal).spill_bytes <= min(bound, 16)
 
 
 @pytest.mark.parametrize("d,bound", [(64, 0), (256, 24)])
@@ -44,19 +58,34 @@ def test_other_head_dims_compile_within_a_spill_bound(d, bound):
 
 
 def test_natural_config_keeps_the_schedule_and_reads_v_as_stored():
-    assert NATURAL.v_layout == "natural" and not NATURAL.v_permute and NATURAL.block_n == GLUON.block_n
+    """A v_permute pick keeps its P carry with the relabelling made on K (k_perm), at its own block where the
+    raw V slots fit beside its rings, else at 128 keys; a pick in key order stays so; a natural config is
+    its own."""
+    assert NATURAL.v_layout == "natural" and NATURAL.k_perm and NATURAL.v_permute
+    assert (NATURAL.block_n, NATURAL.p_carry, NATURAL.softmax) == (GLUON.block_n, GLUON.p_carry, GLUON.softmax)
     assert NATURAL.producer_regs >= gluon_natural_config("fp8", 128, 128).producer_regs
-    assert gluon_paged.natural_config(gluon_lean_max_config("fp8", 128, 128)).v_layout == "natural"
+    lean = gluon_lean_max_config("fp8", 128, 128)
+    too_big = lean.replace(v_layout="natural", k_perm=True, producer_regs=gluon_paged.PERM_PRODUCER_REGS)
+    assert "shared memory" in static_infeasibility(too_big)  # (256 keys: two raw V slots more)
+    natural_lean = gluon_paged.natural_config(lean)
+    assert natural_lean == too_big.replace(block_n=128) and natural_lean.softmax == "lean"
+    in_order = GLUON.replace(v_permute=False, p_carry="f32")
+    assert gluon_paged.natural_config(in_order) == in_order.replace(
+        v_layout="natural", producer_regs=gluon_natural_config("fp8", 128, 128).producer_regs
+    )
     assert gluon_paged.natural_config(NATURAL) is NATURAL
 
 
 def test_the_paged_parameters_exist_only_in_the_twin():
-    plain, twin = emit(NATURAL, serving=True).source, emit(NATURAL, paged=True).source
+    seed = gluon_natural_config("fp8", 128, 128)  # (a varlen kernel takes no k_perm)
+    plain, twin = emit(seed, serving=True).source, emit(NATURAL, paged=True).source
     assert "PAGE_TABLE" not in plain and "PAGE_TABLE, PAGE_STRIDE, PAGE_SIZE" in twin
     params = emit_gluon.kernel_params(NATURAL, True, paged=True)
     assert params[-3:] == ("PAGE_TABLE", "PAGE_STRIDE", "PAGE_SIZE") and params[:-3] == emit_gluon.kernel_params(
         NATURAL, True
     )
+    with pytest.raises(ValueError, match="^config: k_perm reads K in 16-key groups, which packed sequences"):
+        emit(NATURAL, serving=True)
     with pytest.raises(ValueError, match="^config: the paged twin reads V as stored: it takes v_layout='natural'"):
         emit(GLUON, paged=True)
     with pytest.raises(ValueError, match="^paged: backend='triton'"):

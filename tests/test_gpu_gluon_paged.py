@@ -14,14 +14,20 @@ from zyfa_tune import api, flash_attn_with_kvcache
 from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.kernels import gluon_paged, gluon_varlen
 from zyfa_tune.kvcache import paged_from_packed
-from zyfa_tune.search_spaces.seeds import gluon_lean_max_config
+from zyfa_tune.search_spaces.seeds import gluon_lean_max_config, gluon_natural_config
 from zyfa_tune.tuning.reference import attention_reference_paged, rel_l2
 
 pytestmark = pytest.mark.gpu
 
 
-def _natural(d: int):
-    return gluon_paged.natural_config(default_config("fp8", d, d, "gluon"))
+def _natural(d: int, route: str = "k_perm"):
+    """The default's natural-V version the API runs (`k_perm`: V^T's key relabelling made on K), or the natural
+    seed (`key_order`: V^T in key order, no relabelling; its varlen kernel runs the same arithmetic)."""
+    if route == "key_order":
+        return gluon_natural_config("fp8", d, d)
+    config = gluon_paged.natural_config(default_config("fp8", d, d, "gluon"))
+    assert config.k_perm
+    return config
 
 
 def _run(config, q, cache, causal=True, window=None, lse=False, cu_q=None, max_q=None):
@@ -56,11 +62,12 @@ def _against_float64(config, q, cache, causal=True, window=(-1, -1), cu_q=None, 
     assert err < LSE_BOUND["fp8"], f"LSE max abs err {err:.3e}"
 
 
+@pytest.mark.parametrize("route", ["k_perm", "key_order"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("pages_per_block", [1, 2])
 @pytest.mark.parametrize("h,hk", [(8, 8), (8, 2), (8, 1)])  # GQA 1, 4, 8
-def test_the_twin_matches_float64(d, pages_per_block, h, hk):
-    config = _natural(d)
+def test_the_twin_matches_float64(route, d, pages_per_block, h, hk):
+    config = _natural(d, route)
     page_size = config.block_n * pages_per_block
     lens = [1001, 2 * page_size, 1, 129, 130 + page_size]  # (odd, a page's multiple, 1)
     cache = _cache(lens, page_size, hk, d, "fp8", seed=page_size + h + hk + d, shared=1)  # (0 and 1 share a page)
@@ -72,9 +79,10 @@ def test_the_twin_matches_float64(d, pages_per_block, h, hk):
     _against_float64(config, q, cache, cu_q=cu, max_q=max(lq))
 
 
+@pytest.mark.parametrize("name", ["default", "lean"])
 @pytest.mark.parametrize("causal,window", [(True, (127, 0)), (True, (300, 0)), (False, (-1, -1)), (False, (50, 7))])
-def test_the_twin_takes_windows_and_non_causal_calls(causal, window):
-    config = _natural(128)
+def test_the_twin_takes_windows_and_non_causal_calls(name, causal, window):
+    config = _natural(128) if name == "default" else gluon_paged.natural_config(gluon_lean_max_config("fp8", 128, 128))
     cache = _cache([300, 77, 1500], 128, 2, 128, "fp8", seed=9)
     _against_float64(config, _queries((3, 77, 8, 128), "fp8", seed=10), cache, causal, window)
 
@@ -84,8 +92,9 @@ def test_the_twin_takes_windows_and_non_causal_calls(causal, window):
 @pytest.mark.parametrize("lse", [False, True])
 def test_the_twin_equals_the_varlen_kernel_on_contiguous_keys_bitwise(d, pages_per_block, lse):
     """Same tiles, same blocks, same order: the pages change only where K and V rows are read (and the stale
-    slots past a sequence's end, masked there and zero here, add exactly nothing either way)."""
-    config = _natural(d)
+    slots past a sequence's end, masked there and zero here, add exactly nothing either way). The key-order
+    config: a varlen kernel takes no k_perm."""
+    config = _natural(d, "key_order")
     page_size = config.block_n * pages_per_block
     lk, lq = [1, 200, 2 * page_size, 777], [1, 129, 5, 300]
     g = torch.Generator(device="cuda").manual_seed(d + page_size)
@@ -136,8 +145,8 @@ def test_a_forced_gluon_config_runs_its_natural_version_on_the_twin(monkeypatch)
     monkeypatch.setattr(gluon_paged, "bind", lambda c, *a: ran.append(c) or bind(c, *a))
     k_cache, v_cache, table, lens_t, ds = _cache([900, 300], 128, 2, 128, "fp8", seed=4)
     q = _queries((2, 300, 8, 128), "fp8", seed=3)
-    lean = gluon_lean_max_config("fp8", 128, 128)  # (no natural V of its own: the natural seed runs)
+    lean = gluon_lean_max_config("fp8", 128, 128)  # (its natural version: lean P on K relabelled, 128 keys)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens_t, page_table=table, config=lean, **ds)
-    assert ran == [gluon_paged.natural_config(lean)]
+    assert ran == [gluon_paged.natural_config(lean)] and ran[0].softmax == "lean" and ran[0].k_perm
     ref = attention_reference_paged(q, k_cache, v_cache, table, lens_t, **ds)
     assert rel_l2(out, ref) < OUT_BOUND["fp8"]

@@ -113,7 +113,7 @@ def emit(
     if trace is not None and not isinstance(trace, TraceBuffer):
         raise TypeError(f"emit(trace=...) takes a TraceBuffer, got {type(trace).__name__}")
     varlen = bool(varlen or paged)
-    if (varlen and (why := varlen_error(config))) or (paged and (why := paged_error(config))):
+    if (varlen and (why := varlen_error(config, paged))) or (paged and (why := paged_error(config))):
         raise ValueError(f"config: {why}")
     return emitted(
         config,
@@ -125,10 +125,11 @@ def emit(
     )
 
 
-def varlen_error(config: KernelConfig) -> str | None:
-    """Why the varlen variant cannot run `config`, or None. k_perm reads K in 16-row groups from a
-    multiple of 16, which a sequence's first key is not (its twin without k_perm reads the same V^T)."""
-    if config.k_perm:
+def varlen_error(config: KernelConfig, paged: bool = False) -> str | None:
+    """Why the varlen variant (or its `paged` twin) cannot run `config`, or None. k_perm reads K in 16-row
+    groups from a multiple of 16, which a packed sequence's first key is not (its twin without k_perm reads
+    the same V^T) and a page's first key is (page sizes are multiples of 16)."""
+    if config.k_perm and not paged:
         return "k_perm reads K in 16-key groups, which packed sequences do not start on; use k_perm=False"
     return None
 

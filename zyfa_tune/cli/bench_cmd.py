@@ -121,8 +121,8 @@ def register(sub) -> None:
         default=None,
         metavar="PAGE_SIZE",
         help="with --lengths: also run each of ours on a paged KV cache of these pages, shuffled "
-        "(flash_attn_with_kvcache, every token a query), and that call's config on the contiguous tensors "
-        "(<name>-paged-contiguous): what paging costs the same kernel",
+        "(flash_attn_with_kvcache, every token a query), and the same call on pages in order "
+        "(<name>-paged-contiguous): what scattered pages cost the same kernel",
     )
     p.add_argument(
         "--shape",

@@ -1,9 +1,9 @@
 """Paged KV caches (`zyfa-tune bench --lengths MIX --paged PAGE_SIZE`): each of our systems on packed
 sequences also runs as `<name>-paged`, `flash_attn_with_kvcache` over a cache holding the same keys and
 values on shuffled pages (the queries are every token: a whole prefill from the cache), and as
-`<name>-paged-contiguous`, that call's own config through `flash_attn_varlen_func` on the contiguous
-packed tensors. The pair's ratio is what paging costs the same kernel; the cache is built where a
-system is prepared, outside its timing."""
+`<name>-paged-contiguous`, the same call and config on a cache whose pages are in order. The pair's ratio
+is what scattered pages cost the same kernel; the cache is built where a system is prepared, outside its
+timing."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class PagedOurs(_PagedBase):
     """`flash_attn_with_kvcache` on the shuffled pages, with the config it picks (or the forced one)."""
 
     suffix: ClassVar[str] = "-paged"
+    shuffled: ClassVar[bool] = True
 
     def prepare(self, x: Inputs) -> Bound:
         from zyfa_tune.kvcache import flash_attn_with_kvcache, paged_from_packed
@@ -69,7 +70,7 @@ class PagedOurs(_PagedBase):
         s, spec = x.shape, self.spec
         (q, k, v), kw = x.args(spec.dtype, spec.quant)
         cu, most = x.packed_bounds()
-        shuffle = torch.Generator().manual_seed(s.tokens)
+        shuffle = torch.Generator().manual_seed(s.tokens) if self.shuffled else None
         k_cache, v_cache, table, lens = paged_from_packed(k[0], v[0], list(s.lengths), self.page_size, shuffle)
         config, source = self._config(x)
         forced = None if source == "ours" else config
@@ -84,22 +85,11 @@ class PagedOurs(_PagedBase):
 
 
 @dataclass(frozen=True)
-class ContiguousTwin(_PagedBase):
-    """The paged call's config through `flash_attn_varlen_func` on the contiguous packed tensors."""
+class ContiguousTwin(PagedOurs):
+    """The same call, same config, on a cache whose pages are in order: each sequence's keys one run of rows."""
 
     suffix: ClassVar[str] = "-paged-contiguous"
-
-    def prepare(self, x: Inputs) -> Bound:
-        from zyfa_tune.varlen import flash_attn_varlen_func
-
-        (q, k, v), kw = x.args(self.spec.dtype, self.spec.quant)
-        cu, most = x.packed_bounds()
-        config, _ = self._config(x)
-
-        def run():
-            return flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, most, most, causal=True, config=config, **kw)
-
-        return self._bound(run, config, "forced")
+    shuffled: ClassVar[bool] = False
 
 
 def paged_systems(ours, page_size: int) -> list[_PagedBase]:
