@@ -170,12 +170,16 @@ def test_bench_lengths_on_gpu(tmp_path, dtype):
 @pytest.mark.gpu
 def test_bench_paged_on_gpu(tmp_path, monkeypatch):
     """The paged cache and its contiguous twin run the config their rows name (the one the paged call
-    binds) and both match float64."""
+    binds, on the Gluon twin or the Triton serving variant) and both match float64."""
     import zyfa_tune.kvcache as kvcache
+    from zyfa_tune.kernels import gluon_paged
 
     bound = []
-    bind = kvcache.bind
-    monkeypatch.setattr(kvcache, "bind", lambda config, *a, **kw: bound.append(config) or bind(config, *a, **kw))
+    for owner in (kvcache, gluon_paged):
+        bind = owner.bind
+        monkeypatch.setattr(
+            owner, "bind", lambda config, *a, _b=bind, **kw: bound.append(config) or _b(config, *a, **kw)
+        )
     out = tmp_path / "r.json"
     argv = ["bench", "--head-dim", "128", "--lengths", "1,127,3000,700", "--heads", "8", "--paged", "128"]
     assert cli.main([*argv, "--peers", "none", "--reps", "5", "--warm", "0.2", "--json", str(out)]) == 0
