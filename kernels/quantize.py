@@ -339,7 +339,7 @@ _plans: dict[tuple, "_Plan"] = {}
 
 class _Plan:
     """The launches of one call layout: its tensors grouped by the compiled passes they take (a
-    centred tensor alone: the mean is one argument). `onepass`: a plain call takes the one-pass kernel.
+    centred tensor alone: the mean is one argument). `onepass`: its groups of plain rows take the one-pass kernel.
     `buffer`: the floats of the zeroed amax buffer, the amaxes (`scale_row` a tensor) and, one pass,
     as many int32 arrival counts and a ticket a group."""
 
@@ -361,8 +361,9 @@ class _Plan:
             bal = i == balanced  # alone, as a centred tensor (its mean is one argument): its tiles are its own
             by_kind.setdefault((x.shape[3], x.dtype, x.stride(3), r, c, bal, i if c or bal else -1), []).append(i)
         amaxes = len(xs) * scale_row(xs[0].shape[0] if packed is None else packed, kv_heads)
-        onepass = onepass and packed is None and balanced < 0 and not any(rotates) and not any(centres)
-        # (items keep their order in a group, so the K-major tensor, the last item, is its group's last)
+        onepass = onepass and packed is None
+        # (items keep their order in a group, so the K-major tensor, the last item, is its group's last; a
+        # group of plain rows takes the one-pass kernel beside a balanced, rotated or centred one)
         self.groups = [
             _Group(
                 xs,
@@ -373,7 +374,7 @@ class _Plan:
                 members[-1] == k_major,
                 bal,
                 packed,
-                (amaxes, 2 * amaxes + i) if onepass else None,
+                (amaxes, 2 * amaxes + i) if onepass and not (r or c or bal) else None,
             )
             for i, ((_, _, _, r, c, bal, _), members) in enumerate(by_kind.items())
         ]

@@ -123,7 +123,8 @@ def test_plain_calls_plan_one_pass_and_other_recipes_two():
     """A plain call's groups take the one-pass kernel: CHUNKS the blocks of all segments, LAG the most
     blocks of a unit (a kv head's group of q heads), a grid of at most one program a block, and the
     counters after the amaxes in the zeroed buffer (per tensor a 16-byte row of amaxes, as many arrival
-    counts, then a ticket a group). Rotation, centring, balancing, packing or ONE_PASS off: the two passes."""
+    counts, then a ticket a group). A rotated, centred or balanced tensor's group takes the two passes and
+    the plain groups beside it one pass; packing or ONE_PASS off: the two passes for all."""
     b, hk = 2, 3
     q, k, v = (torch.empty(b, s, h, 64) for s, h in ((100, 6), (300, 3), (300, 3)))
     rows = onepass_tiles(64)[0]
@@ -139,17 +140,18 @@ def test_plain_calls_plan_one_pass_and_other_recipes_two():
     v128 = torch.empty(b, 300, 3, 128)
     two = kq._Plan([q, k, v128], [False] * 3, [False] * 3, hk, onepass=True).groups
     assert [g.tail[-1] for g in two] == [48, 49]
-    for opts in (
-        dict(rotates=[True, True, False]),
-        dict(centres=[False, True, False]),
-        dict(balanced=2),
-        dict(packed=2),
-        dict(onepass=False),
+    for opts, passes in (
+        (dict(rotates=[True, True, False]), [2, 1]),  # (Q and K rotated, V plain)
+        (dict(centres=[False, True, False]), [1, 2]),  # (Q and V plain, K centred alone)
+        (dict(balanced=2), [1, 2]),  # (Q and K plain, V balanced alone)
+        (dict(packed=2), [2]),
+        (dict(onepass=False), [2]),
     ):
         args = {**dict(rotates=[False] * 3, centres=[False] * 3, kv_heads=hk, onepass=True), **opts}
         plan = kq._Plan([q, k, v], args.pop("rotates"), args.pop("centres"), **args)
-        assert all(g.kernels[0][0] == "quantize_amax" for g in plan.groups), opts
-        assert plan.buffer == 3 * 8, opts
+        assert [len(g.kernels) for g in plan.groups] == passes, opts
+        assert all((g.kernels[0][0] == "quantize_amax") == (len(g.kernels) == 2) for g in plan.groups), opts
+        assert plan.buffer == (3 * 8 if passes == [2] else 2 * 3 * 8 + 4), opts
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
