@@ -161,9 +161,9 @@ def quantize_tensors(
 
     On a GPU, tensors that take the same compiled passes (head dim, dtype, options, last stride) are
     one launch per pass: each program finds its tensor from its index (quantize_fp8's plain Q, K and
-    V: one launch in all with `ONE_PASS`, else two). The amaxes of all tensors (and, one pass, its
-    counters) are one zeroed buffer and their descales views of one more, each starting 16-byte aligned
-    (`scale_row`). What depends only on the layouts is kept in a plan per layout: a call costs four
+    V: one launch in all with `ONE_PASS`, else two; with balanced V one for Q and K and one for V). The
+    amaxes of all tensors (and, one pass, its counters) are one zeroed buffer and their descales views of
+    one more, each starting 16-byte aligned (`scale_row`). What depends only on the layouts is kept in a plan per layout: a call costs four
     allocations and the launches (host time: docs/results.md)."""
     if balance_last and (items[-1][1] or items[-1][2] is not None):
         raise ValueError("balance_last: the balanced tensor (V) cannot be rotated or centred")
@@ -339,7 +339,8 @@ _plans: dict[tuple, "_Plan"] = {}
 
 class _Plan:
     """The launches of one call layout: its tensors grouped by the compiled passes they take (a
-    centred tensor alone: the mean is one argument). `onepass`: its groups of plain rows take the one-pass kernel.
+    centred tensor alone: the mean is one argument). `onepass`: its groups of plain or balanced rows take the
+    one-pass kernel.
     `buffer`: the floats of the zeroed amax buffer, the amaxes (`scale_row` a tensor) and, one pass,
     as many int32 arrival counts and a ticket a group."""
 
@@ -363,7 +364,7 @@ class _Plan:
         amaxes = len(xs) * scale_row(xs[0].shape[0] if packed is None else packed, kv_heads)
         onepass = onepass and packed is None
         # (items keep their order in a group, so the K-major tensor, the last item, is its group's last; a
-        # group of plain rows takes the one-pass kernel beside a balanced, rotated or centred one)
+        # group of plain or balanced rows takes the one-pass kernel beside a rotated or centred one)
         self.groups = [
             _Group(
                 xs,
@@ -374,7 +375,7 @@ class _Plan:
                 members[-1] == k_major,
                 bal,
                 packed,
-                (amaxes, 2 * amaxes + i) if onepass and not (r or c or bal) else None,
+                (amaxes, 2 * amaxes + i) if onepass and not (r or c) else None,
             )
             for i, ((_, _, _, r, c, bal, _), members) in enumerate(by_kind.items())
         ]
@@ -402,7 +403,7 @@ class _Group:
     rows of that many sequences, whose cumulative lengths each call passes (`cus`); a head's
     programs are total // rows + sequences slots (`_packed_block`), scales per (sequence, kv head).
     `counters`: (ARRIVED_AT, TICKET_AT) in the amax buffer's int32 view: both passes in one persistent
-    launch (`_onepass_kernel`, plain tensors only), LAG the most blocks of a unit."""
+    launch (`_onepass_kernel`, plain or balanced tensors), LAG the most blocks of a unit."""
 
     __slots__ = ("members", "grid", "tail", "consts", "options", "head", "kernels", "bound")
 
@@ -420,7 +421,7 @@ class _Group:
     ):
         x0 = xs[members[0]]
         b, d = x0.shape[0], x0.shape[3]
-        block_s, dp, bn, warps = _tiles(d, rotate, balanced) if counters is None else onepass_tiles(d)
+        block_s, dp, bn, warps = _tiles(d, rotate, balanced) if counters is None or balanced else onepass_tiles(d)
         scales = b if packed is None else packed  # (batch or sequence, kv head) scales per tensor
         starts, fields = [0], []  # per segment: S, H, GROUP, stride_b, stride_s, stride_h
         for i in members:

@@ -30,7 +30,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantize_passes import _SEGMENT_ARGS, _abs_max, _fold_amax, _pick, _plain_codes, _program_rows, _scale_of
+from .quantize_passes import (
+    _SEGMENT_ARGS,
+    _abs_max,
+    _balanced_block,
+    _fold_amax,
+    _free_masks,
+    _free_slot,
+    _pick,
+    _plain_codes,
+    _program_rows,
+    _scale_of,
+)
 
 #: rows x padded head dim per block (64 rows at hd128, 16 KB of bf16): larger than the two-pass's
 #: 4096, since every block costs a few dependent atomics; at most ONEPASS_ROWS rows
@@ -139,14 +150,15 @@ def _onepass_kernel(
 ):
     """Both passes of CHUNKS blocks (the module docstring): `_codes_kernel`'s arguments and, in the int32
     view of AMAX, the per-unit arrival counts from ARRIVED_AT (indexed as AMAX) and the ticket at TICKET_AT,
-    all zero at launch. Plain rows only: no rotation, centring, balancing or packing."""
-    tl.static_assert(not (CENTER or ROTATE or BALANCED or PACKED), "one pass: plain rows only")
+    all zero at launch. Plain rows, or BALANCED ones (V alone, `_codes_kernel`'s rounding: pass 1 also stores
+    which keys of each 16 may move, pass 2 reads them back); no rotation, centring or packing."""
+    tl.static_assert(not (CENTER or ROTATE or PACKED), "one pass: plain or balanced rows only")
     counts = AMAX.to(tl.pointer_type(tl.int32))
     arrived = counts + ARRIVED_AT
     t = tl.atomic_add(counts + TICKET_AT, 1, sem="relaxed")
     while t < CHUNKS + LAG:
         if t < CHUNKS:  # pass 1 of block t: never waits
-            x, _, _, _, kv, _, _, _, _, _, _, _ = _program_rows(
+            x, _, b, h, kv, s0, S, H, _, src, stride_s, _ = _program_rows(
                 X0,
                 X1,
                 X2,
@@ -186,15 +198,19 @@ def _onepass_kernel(
                 BLOCK_S,
                 CENTER,
                 PACKED,
-                True,
+                not BALANCED,
                 t,
                 _FIRST_READ,
             )
-            _fold_amax(AMAX, kv, _abs_max(x.to(tl.float32)))
+            if BALANCED:  # (the masks stored before the release below, as the rows' amax is folded)
+                m = _free_masks(src, stride_s, stride_d, FREE + _free_slot(b, h, H, s0, SKP), S - s0, D, DP, BLOCK_S)
+            else:
+                m = _abs_max(x.to(tl.float32))
+            _fold_amax(AMAX, kv, m)
             tl.debug_barrier()  # (every thread's part of the block done before it counts as arrived)
             tl.atomic_add(arrived + kv, 1, sem="release")
         if t >= LAG:  # pass 2 of block t - LAG, once its unit's blocks have all arrived
-            x, seg, b, h, kv, s0, S, H, GROUP, _, _, first = _program_rows(
+            x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s, first = _program_rows(
                 X0,
                 X1,
                 X2,
@@ -234,7 +250,7 @@ def _onepass_kernel(
                 BLOCK_S,
                 CENTER,
                 PACKED,
-                True,
+                not BALANCED,
                 t - LAG,
                 _SECOND_READ,
             )
@@ -248,25 +264,29 @@ def _onepass_kernel(
             if LAST_K_MAJOR:
                 k_major = seg == NSEG - 1
             out = _pick(seg, OUT0, OUT1, OUT2, NSEG)
-            _plain_codes(
-                x,
-                R,
-                inv_sqrt,
-                scale,
-                out,
-                s0,
-                S,
-                D,
-                b,
-                h,
-                H,
-                SKP,
-                k_major,
-                DP,
-                BN,
-                ROTATE,
-                TERMS,
-                BLOCK_S,
-                _CODES_STORE,
-            )
+            if BALANCED:
+                _balanced_block(src, stride_s, stride_d, S, s0, D, b, h, H, GROUP, scale, out, FREE, WEIGHT, SKP,
+                                k_major, DP, BLOCK_S)  # fmt: skip
+            else:
+                _plain_codes(
+                    x,
+                    R,
+                    inv_sqrt,
+                    scale,
+                    out,
+                    s0,
+                    S,
+                    D,
+                    b,
+                    h,
+                    H,
+                    SKP,
+                    k_major,
+                    DP,
+                    BN,
+                    ROTATE,
+                    TERMS,
+                    BLOCK_S,
+                    _CODES_STORE,
+                )
         t = tl.atomic_add(counts + TICKET_AT, 1, sem="relaxed")

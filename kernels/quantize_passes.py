@@ -442,18 +442,30 @@ def _codes_kernel(
     if LAST_K_MAJOR:
         k_major = seg == NSEG - 1
     if BALANCED:
-        kappa = tl.load(WEIGHT + b.to(tl.int64) * (H // GROUP) + h // GROUP)  # its (batch, kv head)'s
-        dst = out + ((b.to(tl.int64) * S + s0) * H + h) * D  # (natural: keys H x D codes apart)
-        dst_k = H * D
-        dst_c = 1
-        if k_major:
-            dst = out + (b.to(tl.int64) * H + h) * D * SKP + s0
-            dst_k = 1
-            dst_c = SKP
-        free = FREE + _free_slot(b, h, H, s0, SKP)
-        _balanced_rows(src, stride_s, stride_d, S - s0, D, scale, free, kappa, dst, dst_k, dst_c, DP, BLOCK_S)
+        _balanced_block(src, stride_s, stride_d, S, s0, D, b, h, H, GROUP, scale, out, FREE, WEIGHT, SKP, k_major, DP,
+                        BLOCK_S)  # fmt: skip
     else:
         _plain_codes(x, R, inv_sqrt, scale, out, s0, S, D, b, h, H, SKP, k_major, DP, BN, ROTATE, TERMS, BLOCK_S)
+
+
+@triton.jit
+def _balanced_block(
+    src, stride_s, stride_d, S, s0, D, b, h, H, GROUP, scale, out, FREE, WEIGHT, SKP, k_major, DP: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """The balanced codes of the block of (batch b, head h) from row s0 (the codes pass of either kernel): kappa
+    its (batch, kv head)'s from WEIGHT, the codes into `out` as (B, S, H, D), or keys-fastest (k_major) as
+    (B, H, D, SKP)."""
+    kappa = tl.load(WEIGHT + b.to(tl.int64) * (H // GROUP) + h // GROUP)
+    dst = out + ((b.to(tl.int64) * S + s0) * H + h) * D  # (natural: keys H x D codes apart)
+    dst_k = H * D
+    dst_c = 1
+    if k_major:
+        dst = out + (b.to(tl.int64) * H + h) * D * SKP + s0
+        dst_k = 1
+        dst_c = SKP
+    free = FREE + _free_slot(b, h, H, s0, SKP)
+    _balanced_rows(src, stride_s, stride_d, S - s0, D, scale, free, kappa, dst, dst_k, dst_c, DP, BLOCK_S)
 
 
 @triton.jit
@@ -471,7 +483,9 @@ def _balanced_rows(
     for j in range(BLOCK_S // _BALANCE_KEYS):
         k0 = j * _BALANCE_KEYS
         y = _load_keys(src + k0 * stride_s, stride_s, coff, n - k0, cmask, scale, DP)
-        y8 = _balanced_keys(y, tl.load(free + j, mask=k0 < n, other=0), kappa).to(tl.float8e4nv)
+        # (the masks from L2: the one-pass kernel's pass 1 of another program stored them during this launch)
+        moves = tl.load(free + j, mask=k0 < n, other=0, cache_modifier=".cg")
+        y8 = _balanced_keys(y, moves, kappa).to(tl.float8e4nv)
         ok = cmask[:, None] & (k0 + keys < n)[None, :]
         tl.store(dst + (k0 + keys[None, :]) * dst_k + cols[:, None] * dst_c, y8, mask=ok)
 

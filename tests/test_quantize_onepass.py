@@ -14,6 +14,7 @@ from test_quantize import _pass_sass
 
 from zyfa_tune.kernels import quantize as kq
 from zyfa_tune.kernels.quantize_onepass import _onepass_kernel, onepass_lag, onepass_tiles
+from zyfa_tune.kernels.quantize_passes import _amax_kernel, _codes_kernel
 from zyfa_tune.quantize import quantize_fp8
 
 #: the one-pass and two-pass launches (`_launch_tensors`) on CPU tensors in the interpreter, against the torch
@@ -119,12 +120,33 @@ def test_onepass_kernel_compiles_without_spills(dim, dtype, segments, k_major):
     assert re.search(rf"STG\.E{hint}\.128", sass) and not re.search(rf"STG\.E{hint}\.(U8|U16|64)\b", sass)
 
 
+@pytest.mark.parametrize("dim,dtype,k_major", [(128, torch.bfloat16, False), (128, torch.bfloat16, True),
+                                               (64, torch.float16, True), (256, torch.float32, False)])  # fmt: skip
+def test_balanced_onepass_kernel_compiles_without_spills(dim, dtype, k_major):
+    """Balanced V in one pass, at its own tiling (`_tiles`'s balanced rows): no local memory; the waits and the
+    masks of which keys may move (another program stored them in this launch) read past L1, the keys'
+    reductions in registers (no shuffles beyond the two passes' own: pass 1's reductions over the channels),
+    the codes rounded as e4m3."""
+    sass, usage = _pass_sass(
+        _onepass_kernel, dim, dtype, False, False, 1, k_major, True, tiles=lambda d: kq._tiles(d, False, True)
+    )
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+    assert re.search(r"\bLDG\.E\.STRONG\.GPU\b", sass) and "CCTL.IVALL" in sass, "acquire reads"
+    two = [
+        _pass_sass(kernel, dim, dtype, False, False, 1, k_major, True)[0] for kernel in (_amax_kernel, _codes_kernel)
+    ]
+    shuffles = [len(re.findall(r"\bSHFL\.", x)) for x in (sass, *two)]
+    assert shuffles[0] <= shuffles[1] + shuffles[2] + 8, shuffles
+    assert "F2FP.SATFINITE.E4M3" in sass
+    assert not k_major or re.search(r"STG\.E(\.E[LFU])?\.128", sass)
+
+
 def test_plain_calls_plan_one_pass_and_other_recipes_two():
     """A plain call's groups take the one-pass kernel: CHUNKS the blocks of all segments, LAG the most
     blocks of a unit (a kv head's group of q heads), a grid of at most one program a block, and the
     counters after the amaxes in the zeroed buffer (per tensor a 16-byte row of amaxes, as many arrival
-    counts, then a ticket a group). A rotated, centred or balanced tensor's group takes the two passes and
-    the plain groups beside it one pass; packing or ONE_PASS off: the two passes for all."""
+    counts, then a ticket a group). A rotated or centred tensor's group takes the two passes and the plain
+    or balanced groups beside it one pass; packing or ONE_PASS off: the two passes for all."""
     b, hk = 2, 3
     q, k, v = (torch.empty(b, s, h, 64) for s, h in ((100, 6), (300, 3), (300, 3)))
     rows = onepass_tiles(64)[0]
@@ -143,7 +165,7 @@ def test_plain_calls_plan_one_pass_and_other_recipes_two():
     for opts, passes in (
         (dict(rotates=[True, True, False]), [2, 1]),  # (Q and K rotated, V plain)
         (dict(centres=[False, True, False]), [1, 2]),  # (Q and V plain, K centred alone)
-        (dict(balanced=2), [1, 2]),  # (Q and K plain, V balanced alone)
+        (dict(balanced=2), [1, 1]),  # (Q and K plain, V balanced alone)
         (dict(packed=2), [2]),
         (dict(onepass=False), [2]),
     ):
@@ -152,6 +174,8 @@ def test_plain_calls_plan_one_pass_and_other_recipes_two():
         assert [len(g.kernels) for g in plan.groups] == passes, opts
         assert all((g.kernels[0][0] == "quantize_amax") == (len(g.kernels) == 2) for g in plan.groups), opts
         assert plan.buffer == (3 * 8 if passes == [2] else 2 * 3 * 8 + 4), opts
+    balanced = kq._Plan([q, k, v], [False] * 3, [False] * 3, hk, balanced=2, onepass=True).groups[1]
+    assert balanced.consts["BALANCED"] and balanced.consts["BLOCK_S"] == kq.BALANCE_KEYS * kq.BALANCE_BLOCKS
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
@@ -199,3 +223,29 @@ def test_one_pass_at_a_long_prefill_is_the_reference_and_captures(monkeypatch, k
         torch.cuda.synchronize()
         want = quantize_fp8(q, k, v, v_layout=v_layout)
         assert all(_same(a, b) for a, b in zip(captured, want)), scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads,v_layout", [(32, "natural"), (8, "k_major")])
+def test_balanced_v_in_one_pass_is_the_two_passes_bitwise(monkeypatch, kv_heads, v_layout):
+    """Balanced V in the one-pass launch (which keys may move, stored by pass 1 of other programs of the same
+    launch and read back by pass 2) at a long prefill: the two passes' codes and descales bitwise, call after
+    call; Q and K beside it in a one-pass launch of their own."""
+    monkeypatch.setattr(kq, "_plans", {})
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q, k, v = (
+        (torch.randn(1, 16384, h, 128, device="cuda", generator=g) * 2 + 0.25).to(torch.bfloat16)
+        for h in (32, kv_heads, kv_heads)
+    )
+    opts = dict(v_layout=v_layout, v_rounding="balanced")
+    monkeypatch.setattr(kq, "ONE_PASS", False)
+    two = quantize_fp8(q, k, v, **opts)
+    monkeypatch.setattr(kq, "ONE_PASS", True)
+    for _ in range(3):
+        one = quantize_fp8(q, k, v, **opts)
+        assert all(_same(a, b) for a, b in zip(one, two))
+    (plan,) = (p for key, p in kq._plans.items() if key[0])
+    assert [(g.kernels[0][0], g.consts["BALANCED"]) for g in plan.groups] == [
+        ("quantize_onepass", False),
+        ("quantize_onepass", True),
+    ]
