@@ -157,136 +157,99 @@ def _onepass_kernel(
     arrived = counts + ARRIVED_AT
     t = tl.atomic_add(counts + TICKET_AT, 1, sem="relaxed")
     while t < CHUNKS + LAG:
-        if t < CHUNKS:  # pass 1 of block t: never waits
-            x, _, b, h, kv, s0, S, H, _, src, stride_s, _ = _program_rows(
-                X0,
-                X1,
-                X2,
-                MEAN,
-                CU0,
-                CU1,
-                CU2,
-                P1,
-                P2,
-                F0,
-                F1,
-                F2,
-                S0,
-                S1,
-                S2,
-                H0,
-                H1,
-                H2,
-                G0,
-                G1,
-                G2,
-                SB0,
-                SB1,
-                SB2,
-                SS0,
-                SS1,
-                SS2,
-                SH0,
-                SH1,
-                SH2,
-                stride_d,
-                D,
-                NSEQ,
-                STEPS,
-                NSEG,
-                DP,
-                BLOCK_S,
-                CENTER,
-                PACKED,
-                not BALANCED,
-                t,
-                _FIRST_READ,
-            )
-            if BALANCED:  # (the masks stored before the release below, as the rows' amax is folded)
-                m = _free_masks(src, stride_s, stride_d, FREE + _free_slot(b, h, H, s0, SKP), S - s0, D, DP, BLOCK_S)
-            else:
-                m = _abs_max(x.to(tl.float32))
-            _fold_amax(AMAX, kv, m)
-            tl.debug_barrier()  # (every thread's part of the block done before it counts as arrived)
-            tl.atomic_add(arrived + kv, 1, sem="release")
-        if t >= LAG:  # pass 2 of block t - LAG, once its unit's blocks have all arrived
-            x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s, first = _program_rows(
-                X0,
-                X1,
-                X2,
-                MEAN,
-                CU0,
-                CU1,
-                CU2,
-                P1,
-                P2,
-                F0,
-                F1,
-                F2,
-                S0,
-                S1,
-                S2,
-                H0,
-                H1,
-                H2,
-                G0,
-                G1,
-                G2,
-                SB0,
-                SB1,
-                SB2,
-                SS0,
-                SS1,
-                SS2,
-                SH0,
-                SH1,
-                SH2,
-                stride_d,
-                D,
-                NSEQ,
-                STEPS,
-                NSEG,
-                DP,
-                BLOCK_S,
-                CENTER,
-                PACKED,
-                not BALANCED,
-                t - LAG,
-                _SECOND_READ,
-            )
-            blocks = tl.cdiv(S, BLOCK_S) * GROUP
-            while tl.atomic_add(arrived + kv, 0, sem="acquire") < blocks:
-                pass
-            # (an atomic read: served by L2, where the other programs' atomic maxes are)
-            amax = tl.atomic_add(counts + kv, 0, sem="relaxed").to(tl.float32, bitcast=True)
-            scale = _scale_of(amax, DESCALE, kv, first & (h % GROUP == 0))
-            k_major = False
-            if LAST_K_MAJOR:
-                k_major = seg == NSEG - 1
-            out = _pick(seg, OUT0, OUT1, OUT2, NSEG)
-            if BALANCED:
-                _balanced_block(src, stride_s, stride_d, S, s0, D, b, h, H, GROUP, scale, out, FREE, WEIGHT, SKP,
-                                k_major, DP, BLOCK_S)  # fmt: skip
-            else:
-                _plain_codes(
-                    x,
-                    R,
-                    inv_sqrt,
-                    scale,
-                    out,
-                    s0,
-                    S,
+        for p in tl.static_range(2):  # pass 1 of block t (never waits), then pass 2 of block t - LAG
+            go = t < CHUNKS
+            if p == 1:
+                go = t >= LAG
+            if go:
+                x, seg, b, h, kv, s0, S, H, GROUP, src, stride_s, first = _program_rows(
+                    X0,
+                    X1,
+                    X2,
+                    MEAN,
+                    CU0,
+                    CU1,
+                    CU2,
+                    P1,
+                    P2,
+                    F0,
+                    F1,
+                    F2,
+                    S0,
+                    S1,
+                    S2,
+                    H0,
+                    H1,
+                    H2,
+                    G0,
+                    G1,
+                    G2,
+                    SB0,
+                    SB1,
+                    SB2,
+                    SS0,
+                    SS1,
+                    SS2,
+                    SH0,
+                    SH1,
+                    SH2,
+                    stride_d,
                     D,
-                    b,
-                    h,
-                    H,
-                    SKP,
-                    k_major,
+                    NSEQ,
+                    STEPS,
+                    NSEG,
                     DP,
-                    BN,
-                    ROTATE,
-                    TERMS,
                     BLOCK_S,
-                    _CODES_STORE,
+                    CENTER,
+                    PACKED,
+                    not BALANCED,
+                    t - LAG * p,
+                    _FIRST_READ if p == 0 else _SECOND_READ,
                 )
+                if p == 0:
+                    if BALANCED:  # (the masks stored before the release below, as the rows' amax is folded)
+                        m = _free_masks(
+                            src, stride_s, stride_d, FREE + _free_slot(b, h, H, s0, SKP), S - s0, D, DP, BLOCK_S
+                        )
+                    else:
+                        m = _abs_max(x.to(tl.float32))
+                    _fold_amax(AMAX, kv, m)
+                    tl.debug_barrier()  # (every thread's part of the block done before it counts as arrived)
+                    tl.atomic_add(arrived + kv, 1, sem="release")
+                else:  # once its unit's blocks have all arrived
+                    blocks = tl.cdiv(S, BLOCK_S) * GROUP
+                    while tl.atomic_add(arrived + kv, 0, sem="acquire") < blocks:
+                        pass
+                    # (an atomic read: served by L2, where the other programs' atomic maxes are)
+                    amax = tl.atomic_add(counts + kv, 0, sem="relaxed").to(tl.float32, bitcast=True)
+                    scale = _scale_of(amax, DESCALE, kv, first & (h % GROUP == 0))
+                    k_major = False
+                    if LAST_K_MAJOR:
+                        k_major = seg == NSEG - 1
+                    out = _pick(seg, OUT0, OUT1, OUT2, NSEG)
+                    if BALANCED:
+                        _balanced_block(src, stride_s, stride_d, S, s0, D, b, h, H, GROUP, scale, out, FREE, WEIGHT,
+                                        SKP, k_major, DP, BLOCK_S)  # fmt: skip
+                    else:
+                        _plain_codes(
+                            x,
+                            R,
+                            inv_sqrt,
+                            scale,
+                            out,
+                            s0,
+                            S,
+                            D,
+                            b,
+                            h,
+                            H,
+                            SKP,
+                            k_major,
+                            DP,
+                            BN,
+                            ROTATE,
+                            TERMS,
+                            BLOCK_S,
+                            _CODES_STORE,
+                        )
         t = tl.atomic_add(counts + TICKET_AT, 1, sem="relaxed")
