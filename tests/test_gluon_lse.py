@@ -117,14 +117,19 @@ def test_rectangular_lse_arguments_and_the_fast_path(config, monkeypatch):
         launch.prepare(config, q, k, v, out, 0.1, True, *ds, serving=launch.Serving(cu_seqlens_q=lse, lse=lse))
 
 
-def test_varlen_lse_arguments():
-    cfg = GLUON.replace(v_layout="natural", v_permute=False)
+def small_packed_call():
+    """(natural-V config, q, k, v, out, cumulative lengths, descales) of three packed sequences (CPU, zeros)."""
     lq, lk = [5, 0, 300], [7, 2, 300]
     q = torch.zeros(sum(lq), 8, 128, dtype=FP8)
     k, v = (torch.zeros(sum(lk), 2, 128, dtype=FP8) for _ in range(2))
     out = torch.empty(sum(lq), 8, 128, dtype=BF16)
     cu = tuple(torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32) for x in (lq, lk))
-    ds = torch.ones(3, 2)
+    return GLUON.replace(v_layout="natural", v_permute=False), q, k, v, out, cu, torch.ones(3, 2)
+
+
+def test_varlen_lse_arguments():
+    cfg, q, k, v, out, cu, ds = small_packed_call()
+    lq = [5, 0, 300]
     lse = torch.empty(8, sum(lq))
     _, args, _ = gluon_varlen.arguments(cfg, q, k, v, out, 0.1, True, (ds, ds, ds), cu, (300, 300), 132, lse)
     n_desc = len(gluon_launch.descriptor_owners(cfg))

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from test_gluon_lse import BF16, CONFIGS, FP8, GLUON  # (the configs both twins compile)
+from test_gluon_lse import BF16, CONFIGS, FP8, GLUON, small_packed_call  # (the configs both twins compile)
 
 from zyfa_tune.generator import HOPPER, emit
 from zyfa_tune.generator.build import compile_for_target
@@ -167,13 +167,7 @@ def test_rectangular_window_arguments(lse):
 
 
 def test_varlen_window_arguments_and_the_fast_path_keeps_them(monkeypatch):
-    cfg = GLUON.replace(v_layout="natural", v_permute=False)
-    lq, lk = [5, 0, 300], [7, 2, 300]
-    q = torch.zeros(sum(lq), 8, 128, dtype=FP8)
-    k, v = (torch.zeros(sum(lk), 2, 128, dtype=FP8) for _ in range(2))
-    out = torch.empty(sum(lq), 8, 128, dtype=BF16)
-    cu = tuple(torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32) for x in (lq, lk))
-    ds = torch.ones(3, 2)
+    cfg, q, k, v, out, cu, ds = small_packed_call()
     _, args, _ = gluon_varlen.arguments(cfg, q, k, v, out, 0.1, True, (ds, ds, ds), cu, (300, 300), 132, None, (9, 0))
     n_desc = len(gluon_launch.descriptor_owners(cfg))
     named = dict(zip(emit_gluon.kernel_params(cfg, True, window=True), args[n_desc:]))
