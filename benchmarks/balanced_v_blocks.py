@@ -1,8 +1,10 @@
-"""Balanced V's quantiser passes at each program size: `quantize_fp8(q, k, v, v_rounding="balanced")` with
+"""Balanced V's quantiser at each program size: `quantize_fp8(q, k, v, v_rounding="balanced")` with
 `kernels.quantize.BALANCE_BLOCKS` (16-key blocks a program) and `BALANCE_CHANNELS` (channels a thread) set
-to each pair, natural and K-major V, beside the plain quantiser (one persistent pass, `ONE_PASS`, and two passes) and a device-to-device copy of the bytes the
-quantiser must move (its floor), all on the same inputs in one process, in interleaved rounds (each round
-in a rotated order), medians of each round's median. Picks the defaults of those two constants.
+to each pair, in one persistent launch (`ONE_PASS`) and in two passes, natural and K-major V; beside it what
+makes its cost: kappa's estimate alone (`balance_weights`) and the quantiser without it (`v_weight=0`); the
+plain quantiser in one pass and in two; and a device-to-device copy of the bytes the quantiser must move (its
+floor). All on the same inputs in one process, in interleaved rounds (each round in a rotated order), medians
+of each round's median. Each call sets the module constants it is named for (they are part of a plan's key).
 
     python benchmarks/balanced_v_blocks.py [--seqlen 16384] [--heads 32] [--rounds 3] [--json out.json]
 """
@@ -16,39 +18,42 @@ import statistics
 import torch
 
 from zyfa_tune.kernels import quantize as passes
+from zyfa_tune.kernels.balanced_v import balance_weights
 from zyfa_tune.quantize import quantize_fp8
 from zyfa_tune.tuning.inputs import make_qkv
 from zyfa_tune.tuning.timing import gpu_state, time_cuda, warm_gpu
 
-PAIRS = ((1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2))
+PAIRS = ((1, 1), (2, 1), (4, 1), (4, 2))
+#: the constants' defaults, restored before each call that is not named for others
+DEFAULTS = (passes.BALANCE_BLOCKS, passes.BALANCE_CHANNELS)
+
+
+def _quantizer(q, k, v, one_pass: bool, pair: tuple[int, int] = DEFAULTS, **options):
+    def call():
+        passes.ONE_PASS = one_pass
+        passes.BALANCE_BLOCKS, passes.BALANCE_CHANNELS = pair
+        return quantize_fp8(q, k, v, **options)
+
+    return call
 
 
 def systems(q, k, v) -> dict[str, object]:
-    """name -> call; each balanced call sets the constants it is named for (part of the plan's key)."""
-
-    def balanced(blocks: int, channels: int, layout: str):
-        def call():
-            passes.BALANCE_BLOCKS, passes.BALANCE_CHANNELS = blocks, channels
-            return quantize_fp8(q, k, v, v_rounding="balanced", v_layout=layout)
-
-        return call
-
-    out: dict[str, object] = {
-        f"balanced {layout} blocks={b} channels={c}": balanced(b, c, layout)
-        for b, c in PAIRS
-        for layout in ("k_major", "natural")
-    }
-
-    def plain(one_pass: bool, layout: str):
-        def call():
-            passes.ONE_PASS = one_pass
-            return quantize_fp8(q, k, v, v_layout=layout)
-
-        return call
-
+    """name -> call."""
+    out: dict[str, object] = {}
     for one_pass in (True, False):
+        passes_name = "one pass" if one_pass else "two passes"
+        for b, c in PAIRS:
+            for layout in ("k_major", "natural"):
+                opts = dict(v_rounding="balanced", v_layout=layout)
+                out[f"balanced {layout} blocks={b} channels={c} {passes_name}"] = _quantizer(
+                    q, k, v, one_pass, (b, c), **opts
+                )
+        out[f"balanced k_major, kappa 0, {passes_name}"] = _quantizer(
+            q, k, v, one_pass, v_rounding="balanced", v_layout="k_major", v_weight=0.0
+        )
         for layout in ("k_major", "natural"):
-            out[f"plain {layout} {'one pass' if one_pass else 'two passes'}"] = plain(one_pass, layout)
+            out[f"plain {layout} {passes_name}"] = _quantizer(q, k, v, one_pass, v_layout=layout)
+    out["kappa alone (balance_weights)"] = lambda: balance_weights(q, k)
     moved = sum(t.numel() for t in (q, k, v)) * 3  # bf16 read once, e4m3 written once
     src = torch.empty(moved // 2, dtype=torch.uint8, device=q.device)
     dst = torch.empty_like(src)
@@ -77,7 +82,7 @@ def main() -> None:
     floor = statistics.median(times["copy (floor)"])
     for name in names:
         ms = statistics.median(times[name])
-        print(f"{name:40s} {ms:7.3f} ms  {ms / floor:5.2f}x the floor")
+        print(f"{name:52s} {ms:7.3f} ms  {ms / floor:5.2f}x the floor")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu_state(), "shape": vars(args), "ms": times}, f, indent=1)
