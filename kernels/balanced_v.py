@@ -107,14 +107,15 @@ def _balance_weights_gpu(
     q: torch.Tensor, k: torch.Tensor, scale: float, step_q: int, nq: int, step_k: int, nk: int
 ) -> torch.Tensor:
     """`balance_weights` on a GPU in two launches: `_kappa_part_kernel`, one program per (batch, q head, block of
-    sampled queries), enough to fill the GPU at batch 1; then `_kappa_sum_kernel`, one per (batch, kv head), sums the
-    partials in a fixed order (no atomics: the same kappa every run). One buffer holds both: kappa first (padded
-    to 16 bytes), then the partials."""
+    sampled queries, block of sampled keys), many enough to fill the GPU at batch 1 and each one product deep;
+    then `_kappa_sum_kernel`, one per (batch, kv head), merges the key blocks' row statistics and sums the rows in a
+    fixed order (no atomics: the same kappa every run). One buffer holds both: kappa first (padded to 16 bytes),
+    then the partials, a (mean, centred sum of squares) pair of rows per program."""
     b, _, h, d = q.shape
     hk = k.shape[2]
-    blocks = -(-nq // _KAPPA_ROWS)
+    qb, kb = -(-nq // _KAPPA_ROWS), -(-nk // _KAPPA_KEYS)
     lead = -(-b * hk // 4) * 4
-    buf = torch.empty(lead + b * h * blocks, dtype=torch.float32, device=q.device)
+    buf = torch.empty(lead + b * h * qb * kb * 2 * _KAPPA_ROWS, dtype=torch.float32, device=q.device)
     out, part = buf[: b * hk], buf[lead:]
     args = (
         q,
@@ -135,10 +136,10 @@ def _balance_weights_gpu(
     )
     consts = dict(BQ=_KAPPA_ROWS, BK=_KAPPA_KEYS)
     opts = dict(num_warps=4, num_stages=1)
-    run(("balance_weights", "part"), _kappa_part_kernel, (b, h * blocks), args, consts, opts, q.device.index)
-    args = (part, out, blocks, h // hk, nq, float(scale) ** 2)
-    consts = dict(GROUP_P2=triton.next_power_of_2(h // hk))
-    opts = dict(num_warps=1, num_stages=1)
+    run(("balance_weights", "part"), _kappa_part_kernel, (b, h * qb * kb), args, consts, opts, q.device.index)
+    args = (part, out, qb, kb, h // hk, nq, nk, float(scale) ** 2)
+    consts = dict(BQ=_KAPPA_ROWS, BK=_KAPPA_KEYS)
+    opts = dict(num_warps=2, num_stages=1)
     run(("balance_weights", "sum"), _kappa_sum_kernel, (b * hk,), args, consts, opts, q.device.index)
     return out.view(b, hk)
 
@@ -148,7 +149,7 @@ _KAPPA_ROWS = 64
 _KAPPA_KEYS = 64
 #: head-dim columns it multiplies at a time (a loop over the head dim, not unrolled)
 _KAPPA_COLS = tl.constexpr(32)
-#: blocks of sampled queries per q head at most (partials per q head `_kappa_sum_kernel` reads)
+#: blocks of sampled queries per q head at most (a head's rows `_kappa_sum_kernel` holds at once)
 _KAPPA_BLOCKS = tl.constexpr(WEIGHT_SAMPLES // _KAPPA_ROWS)
 _SIGMA2_MAX_C = tl.constexpr(_SIGMA2_MAX)
 _BALANCE_WEIGHT_MAX = tl.constexpr(BALANCE_WEIGHT_MAX)
@@ -174,64 +175,73 @@ def _kappa_part_kernel(
     BQ: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """One block of BQ sampled queries (every SQ_STEP-th element row) of one (batch, q head): the sum over its
-    rows of the variance of their float32 scores against NK sampled keys, to PART[batch, head, block]
-    (`_kappa_sum_kernel` finishes). The scores come BQ x BK at a time (TF32 x3 products: float32's precision) and each
-    row's variance is merged chunk by chunk from the chunks' own means and centred sums (Chan et al.), so rows
-    with means of hundreds keep their spread."""
+    """One block of BQ sampled queries (every SQ_STEP-th element row) of one (batch, q head) against one block of
+    BK of the NK sampled keys: each row's mean and centred sum of squares of its float32 scores there, to
+    PART[batch, program] as two rows of BQ (`_kappa_sum_kernel` merges the key blocks). The scores come from
+    TF32 x3 products (float32's precision), a head-dim slice at a time."""
     b, p = tl.program_id(0), tl.program_id(1)
-    head = p // tl.cdiv(NQ, BQ)
-    rows = (p - head * tl.cdiv(NQ, BQ)) * BQ + tl.arange(0, BQ)
+    qb, kb = tl.cdiv(NQ, BQ), tl.cdiv(NK, BK)
+    head = p // (qb * kb)
+    rows = (p // kb - head * qb) * BQ + tl.arange(0, BQ)
+    k0 = (p % kb) * BK
     qmask = rows < NQ
     q_head = Q + b.to(tl.int64) * sqb + head * sqh
     k_head = K + b.to(tl.int64) * skb + (head // GROUP) * skh
-    n = tl.zeros([BQ], dtype=tl.float32)
-    mean = tl.zeros([BQ], dtype=tl.float32)
-    m2 = tl.zeros([BQ], dtype=tl.float32)
-    for k0 in range(0, NK, BK):
-        keys = k0 + tl.arange(0, BK)
-        kmask = keys < NK
-        acc = tl.zeros([BQ, BK], dtype=tl.float32)
-        for c0 in range(0, D, _KAPPA_COLS):  # (not unrolled: 256 columns would spill)
-            cols = c0 + tl.arange(0, _KAPPA_COLS)
-            qt = tl.load(
-                q_head + rows[:, None].to(tl.int64) * SQ_STEP + cols[None, :] * sqd,
-                mask=qmask[:, None] & (cols[None, :] < D),
-                other=0.0,
-            )
-            kt = tl.load(
-                k_head + keys[None, :].to(tl.int64) * SK_STEP + cols[:, None] * skd,
-                mask=kmask[None, :] & (cols[:, None] < D),
-                other=0.0,
-            )
-            acc = tl.dot(qt.to(tl.float32), kt.to(tl.float32), acc, input_precision="tf32x3")
-        nc = tl.minimum(NK - k0, BK).to(tl.float32)
-        mc = tl.sum(tl.where(kmask[None, :], acc, 0.0), axis=1) / nc
-        dev = tl.where(kmask[None, :], acc - mc[:, None], 0.0)
-        delta = mc - mean
-        both = n + nc
-        mean += delta * (nc / both)
-        m2 += tl.sum(dev * dev, axis=1) + delta * delta * (n * nc / both)
-        n = both
-    tl.store(PART + b.to(tl.int64) * tl.num_programs(1) + p, tl.sum(tl.where(qmask, m2 / NK, 0.0), axis=0))
+    keys = k0 + tl.arange(0, BK)
+    kmask = keys < NK
+    acc = tl.zeros([BQ, BK], dtype=tl.float32)
+    for c0 in range(0, D, _KAPPA_COLS):  # (not unrolled: 256 columns would spill)
+        cols = c0 + tl.arange(0, _KAPPA_COLS)
+        qt = tl.load(
+            q_head + rows[:, None].to(tl.int64) * SQ_STEP + cols[None, :] * sqd,
+            mask=qmask[:, None] & (cols[None, :] < D),
+            other=0.0,
+        )
+        kt = tl.load(
+            k_head + keys[None, :].to(tl.int64) * SK_STEP + cols[:, None] * skd,
+            mask=kmask[None, :] & (cols[:, None] < D),
+            other=0.0,
+        )
+        acc = tl.dot(qt.to(tl.float32), kt.to(tl.float32), acc, input_precision="tf32x3")
+    nc = tl.minimum(NK - k0, BK).to(tl.float32)
+    mc = tl.sum(tl.where(kmask[None, :], acc, 0.0), axis=1) / nc
+    dev = tl.where(kmask[None, :], acc - mc[:, None], 0.0)
+    out = PART + (b.to(tl.int64) * tl.num_programs(1) + p) * 2 * BQ + tl.arange(0, BQ)
+    tl.store(out, mc)
+    tl.store(out + BQ, tl.sum(dev * dev, axis=1))
 
 
 @triton.jit
-def _kappa_sum_kernel(PART, OUT, BLOCKS, GROUP, NQ, scale2, GROUP_P2: tl.constexpr):
+def _kappa_sum_kernel(PART, OUT, QB, KB, GROUP, NQ, NK, scale2, BQ: tl.constexpr, BK: tl.constexpr):
     """kappa of one (batch, kv head) as `balance_weights` from `_kappa_part_kernel`'s partials (its GROUP q heads'
-    BLOCKS each, contiguous): per q head their sum over NQ times scale2, expm1 of it clamped; the group's mean, NaN
-    to the cap, clamped to [0, cap]. Sums in a fixed order, so the result is the same every run."""
+    QB x KB programs each, contiguous), a q head at a time: each sampled query's row statistics merged over the
+    key blocks in order (Chan et al.: rows with means of hundreds keep their spread), the variances summed over
+    the rows, over NQ times scale2, expm1 of it clamped; the heads' mean, NaN to the cap, clamped to [0, cap].
+    Sums in a fixed order, so the result is the same every run."""
     i = tl.program_id(0)
-    heads, blocks = tl.arange(0, GROUP_P2), tl.arange(0, _KAPPA_BLOCKS)
-    mask = heads < GROUP
-    part = tl.load(
-        PART + i.to(tl.int64) * GROUP * BLOCKS + heads[:, None] * BLOCKS + blocks[None, :],
-        mask=mask[:, None] & (blocks[None, :] < BLOCKS),
-        other=0.0,
-    )
-    sigma2 = tl.sum(part, axis=1) / NQ * scale2
-    kappa = tl.exp(tl.minimum(tl.maximum(sigma2, 0.0), _SIGMA2_MAX_C)) - 1.0
-    kappa = tl.sum(tl.where(mask, tl.where(sigma2 != sigma2, float("nan"), kappa), 0.0), axis=0) / GROUP
+    blocks, rows = tl.arange(0, _KAPPA_BLOCKS), tl.arange(0, BQ)
+    mask = (blocks < QB)[:, None] & (blocks[:, None] * BQ + rows[None, :] < NQ)
+    total = tl.zeros([], dtype=tl.float32)
+    for g in range(0, GROUP):
+        first = ((i.to(tl.int64) * GROUP + g) * QB + blocks[:, None]) * KB
+        n = tl.zeros([_KAPPA_BLOCKS, BQ], dtype=tl.float32)
+        mean = tl.zeros([_KAPPA_BLOCKS, BQ], dtype=tl.float32)
+        m2 = tl.zeros([_KAPPA_BLOCKS, BQ], dtype=tl.float32)
+        for j in range(0, KB):
+            at = PART + (first + j) * 2 * BQ + rows[None, :]
+            mc = tl.load(at, mask=mask, other=0.0)
+            m2c = tl.load(at + BQ, mask=mask, other=0.0)
+            nc = tl.minimum(NK - j * BK, BK).to(tl.float32)
+            delta = mc - mean
+            both = n + nc
+            mean += delta * (nc / both)
+            m2 += m2c + delta * delta * (n * nc / both)
+            n = both
+        per_block = tl.sum(tl.where(mask, m2 / NK, 0.0), axis=1)  # (the rows of each block of queries, then those)
+        sigma2 = tl.sum(per_block, axis=0) / NQ * scale2
+        kappa = tl.exp(tl.minimum(tl.maximum(sigma2, 0.0), _SIGMA2_MAX_C)) - 1.0
+        total += tl.where(sigma2 != sigma2, float("nan"), kappa)
+    kappa = total / GROUP
     kappa = tl.where(kappa != kappa, _BALANCE_WEIGHT_MAX, tl.minimum(tl.maximum(kappa, 0.0), _BALANCE_WEIGHT_MAX))
     tl.store(OUT + i, kappa)
 

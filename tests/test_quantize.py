@@ -182,10 +182,10 @@ def test_packed_passes_compile_without_spills(dim, dtype, segments):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_kappa_kernels_compile_without_spills(dtype):
-    """balance_weights' launches on a GPU: _kappa_part_kernel, 64 x 64 float32 scores at a time from 32-column
+    """balance_weights' launches on a GPU: _kappa_part_kernel, one 64 x 64 block of float32 scores from 32-column
     slices of Q and K (a loop over any head dim) on the tensor cores in TF32 x3 (float32's precision: TF32 alone
-    would round Q and K to 10 bits), for the input dtypes the API takes; _kappa_sum_kernel, one warp over a
-    group's partials. Neither uses local memory."""
+    would round Q and K to 10 bits), for the input dtypes the API takes; _kappa_sum_kernel, two warps merging a
+    group's partials a head at a time, with no atomics. Neither uses local memory."""
     from zyfa_tune.kernels.balanced_v import _KAPPA_KEYS, _KAPPA_ROWS, _kappa_part_kernel, _kappa_sum_kernel
 
     sig = {name: "i32" for name in _kappa_part_kernel.arg_names}
@@ -199,11 +199,11 @@ def test_kappa_kernels_compile_without_spills(dtype):
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
     # three TF32 products per 8-column step of a 32-column slice (one slice a loop step)
     assert len(re.findall(r"\bHGMMA\.64x64x8\.F32\.TF32\b", sass)) == 3 * 4
-    sig = dict(PART="*fp32", OUT="*fp32", BLOCKS="i32", GROUP="i32", NQ="i32", scale2="fp32", GROUP_P2="constexpr")
-    for group in (1, 8):
-        sass, usage = _sm90_sass(_kappa_sum_kernel, sig, dict(GROUP_P2=group), {}, 1)
-        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (group, usage)
-        assert "STG.E" in sass and not re.search(r"\b(ATOMG?|RED)\.", sass), group  # a fixed-order sum
+    sig = dict(PART="*fp32", OUT="*fp32", QB="i32", KB="i32", GROUP="i32", NQ="i32", NK="i32", scale2="fp32")
+    sig.update({name: "constexpr" for name in constexprs})
+    sass, usage = _sm90_sass(_kappa_sum_kernel, sig, constexprs, {}, 2)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+    assert "STG.E" in sass and not re.search(r"\b(ATOMG?|RED)\.", sass)  # a fixed-order sum
 
 
 @pytest.mark.parametrize("dtype,parts", [(torch.bfloat16, 1), (torch.float16, 2), (torch.float32, 3)])
