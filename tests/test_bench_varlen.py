@@ -16,7 +16,7 @@ from zyfa_tune.bench.measure import measure_shape
 from zyfa_tune.bench.peers import PEERS, parse_peers, systems_for
 from zyfa_tune.bench.peers.base import Bound, boxed
 from zyfa_tune.bench.peers.ours import OursSpec, parse_ours
-from zyfa_tune.bench.peers.paged import ContiguousTwin, PagedOurs
+from zyfa_tune.bench.peers.paged import ContiguousTwin, FA3Paged, PagedOurs
 from zyfa_tune.bench.peers.varlen import FA3Varlen, VarlenOurs
 from zyfa_tune.bench.results import BenchResult
 from zyfa_tune.bench.run import BenchPlan
@@ -132,8 +132,11 @@ def test_paged_systems_pair_each_of_ours_with_its_contiguous_twin(monkeypatch):
         ("ours-fp8-paged-contiguous", ContiguousTwin),
         ("w-paged", PagedOurs),
         ("w-paged-contiguous", ContiguousTwin),
+        ("fa3-varlen-fp8-paged", FA3Paged),
         ("fa3-varlen-fp8", FA3Varlen),
     ]
+    odd = BenchShape.packed((300, 200), 8, 8, head_dim_qk=80, head_dim_v=80)  # (FA3 has no hd80 kernel to page)
+    assert "fa3-varlen-fp8-paged" not in [s.name for s in systems_for(odd, ours, ["fa3-varlen-fp8"], paged=128)]
     rect = BenchShape(head_dim_qk=128, head_dim_v=128, batch=1, seqlen=1024, heads=8, kv_heads=8)
     assert not any(isinstance(s, PagedOurs) for s in systems_for(rect, ours, [], paged=128))
     for bad in (48, -32):
@@ -182,10 +185,14 @@ def test_bench_paged_on_gpu(tmp_path, monkeypatch):
         )
     out = tmp_path / "r.json"
     argv = ["bench", "--head-dim", "128", "--lengths", "1,127,3000,700", "--heads", "8", "--paged", "128"]
-    assert cli.main([*argv, "--peers", "none", "--reps", "5", "--warm", "0.2", "--json", str(out)]) == 0
+    assert cli.main([*argv, "--peers", "fa3-varlen-fp8", "--reps", "5", "--warm", "0.2", "--json", str(out)]) == 0
     result = BenchResult.load(out)
     rows = {r.system: r for r in result.rows}
     paged, twin = rows["ours-fp8-paged"], rows["ours-fp8-paged-contiguous"]
     assert paged.error is None and twin.error is None and result.settings["paged"] == 128
     assert {c.to_json() for c in bound} == {paged.config} == {twin.config}
     assert paged.tflops > 0 and twin.tflops > 0 and paged.rel_l2 < 5e-2 and twin.rel_l2 < 5e-2
+    fa3 = rows["fa3-varlen-fp8-paged"]  # (FA3's KV-cache entry on the same pages; the wheel is optional)
+    assert fa3.error is None or fa3.error.startswith("ImportError")
+    if fa3.error is None:
+        assert fa3.tflops > 0 and abs(fa3.rel_l2 - paged.rel_l2) < 0.2 * paged.rel_l2

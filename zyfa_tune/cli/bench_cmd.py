@@ -122,7 +122,8 @@ def register(sub) -> None:
         metavar="PAGE_SIZE",
         help="with --lengths: also run each of ours on a paged KV cache of these pages, shuffled "
         "(flash_attn_with_kvcache, every token a query), and the same call on pages in order "
-        "(<name>-paged-contiguous): what scattered pages cost the same kernel",
+        "(<name>-paged-contiguous): what scattered pages cost the same kernel; FA3 varlen peers also run "
+        "FA3's KV-cache entry on the same pages (<peer>-paged)",
     )
     p.add_argument(
         "--shape",

@@ -79,12 +79,13 @@ def systems_for(
     of the floor recipes, of the `--ours` quantisation options and of `attention()` where it is
     benched, and the copy (`peers.quantiser.floor_systems`); on packed sequences the packed
     quantiser and the copy (`peers.quantiser.packed_floor_systems`). `paged` (a page size, packed
-    sequences only): each of ours also on a paged cache and its contiguous twin (`peers.paged`)."""
+    sequences only): each of ours also on a paged cache and its contiguous twin, and each FA3 varlen peer's
+    KV-cache entry point on the same pages (`peers.paged`)."""
     ours, peers = list(ours), list(peers)
     packed = bool(shape.lengths)
     systems: list[Peer] = [VarlenOurs(spec) if packed else Ours(spec) for spec in ours]
     if packed and paged:
-        systems += paged_systems(ours, paged)
+        systems += [s for s in paged_systems(ours, paged, peers) if s.supports(shape)]
     systems += [
         PEERS[name] for name in peers if PEERS[name].supports(shape) and getattr(PEERS[name], "packed", False) == packed
     ]

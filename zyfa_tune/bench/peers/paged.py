@@ -3,7 +3,7 @@ sequences also runs as `<name>-paged`, `flash_attn_with_kvcache` over a cache ho
 values on shuffled pages (the queries are every token: a whole prefill from the cache), and as
 `<name>-paged-contiguous`, the same call and config on a cache whose pages are in order. The pair's ratio
 is what scattered pages cost the same kernel; the cache is built where a system is prepared, outside its
-timing."""
+timing. With an FA3 varlen peer, FA3's KV-cache entry point runs on the same pages too (`<peer>-paged`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from zyfa_tune.bench.inputs import Inputs
 from zyfa_tune.bench.peers.base import Bound, boxed
+from zyfa_tune.bench.peers.fa3 import fa3_width
 from zyfa_tune.bench.peers.ours import Ours
 from zyfa_tune.bench.peers.varlen import one_entry
 from zyfa_tune.bench.shape import BenchShape
@@ -65,13 +66,12 @@ class PagedOurs(_PagedBase):
     shuffled: ClassVar[bool] = True
 
     def prepare(self, x: Inputs) -> Bound:
-        from zyfa_tune.kvcache import flash_attn_with_kvcache, paged_from_packed
+        from zyfa_tune.kvcache import flash_attn_with_kvcache
 
-        s, spec = x.shape, self.spec
+        spec = self.spec
         (q, k, v), kw = x.args(spec.dtype, spec.quant)
         cu, most = x.packed_bounds()
-        shuffle = torch.Generator().manual_seed(s.tokens) if self.shuffled else None
-        k_cache, v_cache, table, lens = paged_from_packed(k[0], v[0], list(s.lengths), self.page_size, shuffle)
+        k_cache, v_cache, table, lens = cache_of(x, k, v, self.page_size, self.shuffled)
         config, source = self._config(x)
         forced = None if source == "ours" else config
 
@@ -92,6 +92,50 @@ class ContiguousTwin(PagedOurs):
     shuffled: ClassVar[bool] = False
 
 
-def paged_systems(ours, page_size: int) -> list[_PagedBase]:
-    """Each of our systems on the paged cache and its contiguous twin."""
-    return [cls(spec, page_size) for spec in ours for cls in (PagedOurs, ContiguousTwin)]
+@dataclass(frozen=True)
+class FA3Paged:
+    """FA3's `flash_attn_with_kvcache` on the same shuffled pages as `<name>-paged` (built alike, outside its
+    timing): the peer of our paged rows, where FA3 has the head dims' kernel."""
+
+    name: str
+    dtype: str
+    page_size: int = 128
+    kind: ClassVar[str] = "peer"
+    quant_modes: ClassVar[tuple[str, ...]] = ("per-tensor",)
+    packed: ClassVar[bool] = True
+
+    def supports(self, shape: BenchShape) -> bool:
+        return bool(shape.lengths) and fa3_width(shape.head_dim_qk) == shape.head_dim_qk == shape.head_dim_v
+
+    def prepare(self, x: Inputs) -> Bound:
+        from fa3_fwd_interface import flash_attn_with_kvcache as fa3_kvcache
+
+        (q, k, v), kw = x.args(self.dtype)
+        cu, most = x.packed_bounds()
+        k_cache, v_cache, table, lens = cache_of(x, k, v, self.page_size, True)
+
+        def run():
+            return fa3_kvcache(
+                q[0], k_cache, v_cache, cache_seqlens=lens, page_table=table, cu_seqlens_q=cu, max_seqlen_q=most,
+                causal=True, **kw,
+            )  # fmt: skip
+
+        return Bound(*boxed(run, one_entry))
+
+
+def cache_of(x: Inputs, k: torch.Tensor, v: torch.Tensor, page_size: int, shuffled: bool) -> tuple:
+    """The paged cache of the packed K and V (batch entry 0) on pages of `page_size`: shuffled by a generator
+    seeded with the token count (every system of a shape gets the same pages), or in order."""
+    from zyfa_tune.kvcache import paged_from_packed
+
+    s = x.shape
+    shuffle = torch.Generator().manual_seed(s.tokens) if shuffled else None
+    return paged_from_packed(k[0], v[0], list(s.lengths), page_size, shuffle)
+
+
+def paged_systems(ours, page_size: int, peers=()) -> list:
+    """Each of our systems on the paged cache and its contiguous twin; for each FA3 varlen peer among `peers`
+    (names), FA3's KV-cache entry point on the same pages (`<peer>-paged`)."""
+    systems: list = [cls(spec, page_size) for spec in ours for cls in (PagedOurs, ContiguousTwin)]
+    fa3 = {"fa3-varlen-fp8": "fp8", "fa3-varlen-bf16": "bf16"}
+    return systems + [FA3Paged(f"{name}-paged", fa3[name], page_size) for name in peers if name in fa3]
