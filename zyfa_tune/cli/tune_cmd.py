@@ -217,7 +217,7 @@ def register(sub) -> None:
         "--lengths",
         default=None,
         metavar="SPEC",
-        help="tune packed sequences (flash_attn_varlen_func, Triton kernels) of one length mix instead of "
+        help="tune packed sequences (flash_attn_varlen_func: Gluon and Triton kernels) of one length mix instead of "
         "--seqlens: a comma list (128,512,8192), a file of lengths (one per line, or a .json list), or a "
         "named mix: chat (64 sequences of 128 to 8K, ~128K tokens) or long-doc (8 of 8K to 32K)",
     )
