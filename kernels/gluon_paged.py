@@ -150,13 +150,13 @@ class PagedLaunch:
         cu_q = self.cu_q if self.dense else cu_seqlens_q
         result = self.packed(qp, *rows, outp, qd, kd, vd, cu_q, key_offsets(cache_seqlens), page_table)
         if isinstance(result, tuple) and self.dense:
-            return out, dense_lse(result[1], *self.dense)
+            return out, dense_lse(result[1], *self.dense).contiguous()
         return out if not isinstance(result, tuple) else (out, result[1])
 
 
 def dense_lse(lse: torch.Tensor, batch: int, seqlen_q: int) -> torch.Tensor:
-    """The kernel's (heads, batch * seqlen_q) LSE as the API's (batch, heads, seqlen_q), contiguous."""
-    return lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1).contiguous()
+    """The kernel's (heads, batch * seqlen_q) LSE viewed as the API's (batch, heads, seqlen_q)."""
+    return lse.view(lse.shape[0], batch, seqlen_q).transpose(0, 1)
 
 
 def bind(config, q, k_cache, v_cache, out, softmax_scale, causal, descales, pages, max_seqlen_q, lse, window):
@@ -178,7 +178,7 @@ def bind(config, q, k_cache, v_cache, out, softmax_scale, causal, descales, page
     grid, launch_args, options = arguments(config, qp, k_cache, v_cache, outp, *args)
     compiled = run(config, grid, launch_args, options, device, lse is not None, window is not None)
     if lse is not None and dense is not None:
-        lse.copy_(lse_p.view(lse_p.shape[0], *dense).transpose(0, 1))
+        lse.copy_(dense_lse(lse_p, *dense))
     copied = qp.data_ptr() != q.data_ptr() or table is not pages[1]
     if copied or any(d is not None and d.data_ptr() % 16 for d in descales):
         return None

@@ -339,12 +339,9 @@ class PackedLaunch:
             v = packed_vt(v, cu_seqlens_k, table[1 + self.scalars[8] :], gluon_launch.v_keys_permuted(c))
         tensors = (q, k, v, out)
         pages = (paged[0], *self.pages) if self.pages else ()
-        if self.lse_shape is None:
-            lse, tail = (), (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, *self.window, *pages, self.causal)
-        else:
-            lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=out.device),)
-            tail = (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, self.lse_shape[1], *self.window, *pages)
-            tail += (self.causal,)
+        lse = () if self.lse_shape is None else (torch.empty(self.lse_shape, dtype=torch.float32, device=out.device),)
+        stride = () if self.lse_shape is None else (self.lse_shape[1],)
+        tail = (*self.scalars, table, cu_seqlens_q, cu_seqlens_k, out, *stride, *self.window, *pages, self.causal)
         result = out if self.lse_shape is None else (out, lse[0])
         if self.raw is not None and not fastlaunch.hooks_set():
             inputs = []

@@ -57,6 +57,11 @@ def twin_names(lse: bool, window: bool) -> tuple[str, ...]:
     return (("lse",) if lse else ()) + (("window",) if window else ())
 
 
+def _twins_of(serving: Serving | None) -> tuple[bool, bool]:
+    """(an LSE, a window): which of a Gluon kernel's twins `serving`'s options ask for."""
+    return (False, False) if serving is None else (serving.lse is not None, serving.window is not None)
+
+
 @dataclass(frozen=True, eq=False)
 class Serving:
     """The problem options of one call, run by the serving variant of a Triton config
@@ -121,7 +126,7 @@ def launch(
     grid, args, options = prepare(
         config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale, serving=serving
     )
-    lse, window = (False, False) if serving is None else (serving.lse is not None, serving.window is not None)
+    lse, window = _twins_of(serving)
     run_prepared(config, grid, args, options, q.device.index, lse=lse, window=window)
     return out
 
@@ -332,7 +337,7 @@ def bind(
         config, q, k, v, out, softmax_scale, causal, q_descale, k_descale, v_descale, serving=serving
     )
     device = q.device.index
-    lse, window = (False, False) if serving is None else (serving.lse is not None, serving.window is not None)
+    lse, window = _twins_of(serving)
     compiled = run_prepared(config, grid, args, options, device, lse=lse, window=window)
     constexprs = tuple(options[k] for k in _CONSTEXPRS if k in options)
     gluon = config.backend == "gluon"

@@ -233,10 +233,9 @@ def serving_config(config: KernelConfig) -> KernelConfig:
     return config
 
 
-def check_config(config, dtype, q, v, related: bool, options: list[str], problems: ArgumentProblems) -> None:
-    """A forced `config`: a KernelConfig of the inputs' dtype and head dims, and a Triton one where
-    the call uses `options` (the options only a Triton kernel serves: ["paged KV caches"]; a window and
-    an LSE run on either backend)."""
+def check_config(config, dtype, q, v, related: bool, problems: ArgumentProblems) -> None:
+    """A forced `config`: a KernelConfig of the inputs' dtype and head dims (every option runs on either
+    backend: a Gluon kernel's twins, a Triton kernel's serving variant)."""
     if config is not None and not isinstance(config, KernelConfig):
         problems.add(TypeError, f"config: expected a KernelConfig, got {type(config).__name__}")
         return
@@ -247,12 +246,6 @@ def check_config(config, dtype, q, v, related: bool, options: list[str], problem
             ValueError,
             f"config: built for {config.dtype} {config.head_dim_qk}/{config.head_dim_v}, "
             f"inputs are {dtype} {q.shape[-1]}/{v.shape[-1]}",
-        )
-    if options and config.backend != "triton":
-        problems.add(
-            ValueError,
-            f"config: backend={config.backend!r} has no kernel for {', '.join(options)} yet; "
-            "pass a Triton config, or none (the dispatcher then picks a Triton one)",
         )
 
 
@@ -295,7 +288,7 @@ def _prepare(
     window = check_options(softmax_scale, causal, window_size, return_lse, problems)
     dtype = _DTYPES[q.dtype] if tensors_ok[0] else None
     descales = _prepare_descales(q, k, (q_descale, k_descale, v_descale), tensors_ok, cuda_values, problems)
-    check_config(config, dtype, q, v, related, [], problems)
+    check_config(config, dtype, q, v, related, problems)
     if cuda and tensors_ok[0]:  # k's and v's device is checked against q's above
         try:
             _on_cuda("q", q)

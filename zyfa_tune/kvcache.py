@@ -289,7 +289,7 @@ def _prepare(tensors, new_kv, cu_q, max_q, given, softmax_scale, causal, window_
     batch_from = " (batch: len(cu_seqlens_q) - 1)" if packed else ""
     ok = [q_ok, *caches_ok, lens_ok, not packed or cu_ok]
     descales = _api._prepare_descales(q, k_cache, given, ok, read, problems, batch, batch_from)
-    check_config(config, dtype, q, v_cache, related, [], problems)
+    check_config(config, dtype, q, v_cache, related, problems)
     if related and isinstance(config, KernelConfig):
         _check_forced(config, k_cache, v_cache, problems)
     if related and lens_ok and max_ok and (cu_ok or not packed) and not problems.found:

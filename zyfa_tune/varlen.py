@@ -220,7 +220,7 @@ def _prepare(
     maxes_ok = _check_max(("max_seqlen_q", "max_seqlen_k"), (max_q, max_k), totals, batch, problems)
     dtype = _api._DTYPES[q.dtype] if tensors_ok[0] else None
     descales = _api._prepare_descales(q, k, given, [*tensors_ok, cu_ok], read_values, problems, batch, _BATCH_FROM)
-    check_config(config, dtype, q, v, related, [], problems)
+    check_config(config, dtype, q, v, related, problems)
     if cu_ok and related and maxes_ok and not problems.found and readable(cu_q, read_values):
         values = torch.stack([cu_q, cu_k]).cpu()  # (one synchronisation for both)
         check_cu_values(zip("qk", values, totals, (max_q, max_k)), problems)
