@@ -5,6 +5,7 @@ expected MMA instructions, the static checks accepting exactly what compiles."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from zyfa_tune.generator import HEAD_DIMS, HOPPER, ConfigError, KernelConfig, chunk_skips, emit, head_chunks
 from zyfa_tune.generator.build import compile_for_target
@@ -125,3 +126,16 @@ def test_quantiser_rotation_of_any_width_is_orthonormal(dim):
     assert dim % block == 0 and block & (block - 1) == 0 and (dim // block) % 2 == 1 or dim == block
     h = hadamard_matrix(dim, dtype=torch.float64)
     assert torch.allclose(h @ h.T, torch.eye(dim, dtype=torch.float64), atol=1e-12)
+
+
+@pytest.mark.parametrize("dim", [48, 80, 112, 160])
+@pytest.mark.parametrize("seqlen,batch", [(8192, 2), (16384, 1)])
+def test_the_shipped_h100_database_serves_its_tuned_widths(dim, seqlen, batch):
+    """An H100 gets its own tuned Gluon entry at these widths FA3 only runs padded (docs/results.md), not
+    the width's untuned default and not an entry borrowed from the H200."""
+    from zyfa_tune.api import explain
+
+    q, k, v = (torch.empty(batch, seqlen, 32, dim, dtype=torch.float8_e4m3fn, device="meta") for _ in range(3))
+    choice = explain(q, k, v, gpu="NVIDIA H100 80GB HBM3")
+    assert choice.source == "exact" and choice.config.backend == "gluon"
+    assert (choice.config.head_dim_qk, choice.config.head_dim_v) == (dim, dim)

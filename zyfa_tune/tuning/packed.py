@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .fa3 import padded
 from .inputs import make_qkv
 from .lengths import check_lengths
 from .reference import attention_reference_varlen, rel_l2
@@ -68,7 +69,8 @@ def packed_reference_error(
     dtype: str, args: tuple, kw: dict, cu: torch.Tensor, max_len: int, causal: bool, reference: torch.Tensor, fa3: bool
 ) -> float:
     """Rel. L2 error against `reference` of FA3's FP8 varlen kernel on these codes (`fa3` and the
-    fa3_fwd_interface wheel importable), else of the exact default config's packed call."""
+    fa3_fwd_interface wheel importable; a width FA3 lacks zero-padded to its next), else of the exact
+    default config's packed call."""
     from zyfa_tune.generator.defaults import default_config
     from zyfa_tune.varlen import flash_attn_varlen_func
 
@@ -78,7 +80,8 @@ def packed_reference_error(
         except ImportError:
             pass
         else:
-            out = fa3_varlen(*args, cu, cu, max_len, max_len, causal=causal, **kw)
+            run = padded(lambda q, k, v, **kw: fa3_varlen(q, k, v, cu, cu, max_len, max_len, causal=causal, **kw))
+            out = run(*args, **kw)
             return rel_l2(out[0] if isinstance(out, tuple) else out, reference)
     base = default_config(dtype, args[0].shape[2], args[2].shape[2])
     out = flash_attn_varlen_func(*args, cu, cu, max_len, max_len, causal=causal, config=base, **kw)

@@ -20,6 +20,7 @@ from zyfa_tune.generator.defaults import default_config
 from zyfa_tune.generator.recipe import Recipe
 from zyfa_tune.kernels.launch import for_v_layout
 
+from .fa3 import padded
 from .inputs import check_input_family, make_qkv
 from .reference import attention_reference, max_abs_err, rel_l2
 from .timing import Timing, time_cuda
@@ -281,7 +282,8 @@ def make_recipe_probe(
 
 def reference_error(dtype: str, args: tuple, kw: dict, causal: bool, reference: torch.Tensor, *, fa3: bool) -> float:
     """Rel. L2 error against `reference` of FA3's FP8 kernel on these codes (`fa3` and the
-    fa3_fwd_interface wheel importable), else of the exact default config on them."""
+    fa3_fwd_interface wheel importable; a width FA3 lacks zero-padded to its next), else of the exact
+    default config on them."""
     from zyfa_tune.api import flash_attn_func
 
     if fa3 and dtype == "fp8":
@@ -290,7 +292,7 @@ def reference_error(dtype: str, args: tuple, kw: dict, causal: bool, reference: 
         except ImportError:
             pass
         else:
-            out = fa3_func(*args, causal=causal, **kw)
+            out = padded(fa3_func)(*args, causal=causal, **kw)
             return rel_l2(out[0] if isinstance(out, tuple) else out, reference)
     base = default_config(dtype, args[0].shape[3], args[2].shape[3])
     return rel_l2(flash_attn_func(*args, causal=causal, config=base, **kw), reference)

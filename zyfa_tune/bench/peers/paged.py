@@ -14,11 +14,11 @@ import torch
 
 from zyfa_tune.bench.inputs import Inputs
 from zyfa_tune.bench.peers.base import Bound, boxed
-from zyfa_tune.bench.peers.fa3 import fa3_width
 from zyfa_tune.bench.peers.ours import Ours
 from zyfa_tune.bench.peers.varlen import one_entry
 from zyfa_tune.bench.shape import BenchShape
 from zyfa_tune.generator import KernelConfig
+from zyfa_tune.tuning.fa3 import fa3_width
 
 
 @dataclass(frozen=True)

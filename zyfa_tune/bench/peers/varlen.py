@@ -13,9 +13,9 @@ from typing import ClassVar
 
 from zyfa_tune.bench.inputs import Inputs
 from zyfa_tune.bench.peers.base import Bound, boxed
-from zyfa_tune.bench.peers.fa3 import padded
 from zyfa_tune.bench.peers.ours import Ours, borrowed_from
 from zyfa_tune.bench.shape import BenchShape
+from zyfa_tune.tuning.fa3 import padded
 
 
 def one_entry(out):
