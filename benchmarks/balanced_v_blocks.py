@@ -1,6 +1,8 @@
 """Balanced V's quantiser at each program size: `quantize_fp8(q, k, v, v_rounding="balanced")` with
 `kernels.quantize.BALANCE_BLOCKS` (16-key blocks a program) and `BALANCE_CHANNELS` (channels a thread) set
-to each pair, in one persistent launch (`ONE_PASS`) and in two passes, natural and K-major V; beside it what
+to each pair, in one persistent launch (`ONE_PASS`) and in two passes, natural and K-major V, and the one
+launch's grid at other `PROGRAMS_PER_SM` (whether more programs in flight hide the balanced rows' integer work
+behind the reads); beside it what
 makes its cost: kappa's estimate alone (`balance_weights`) and the quantiser without it (`v_weight=0`); the
 plain quantiser in one pass and in two; and a device-to-device copy of the bytes the quantiser must move (its
 floor). All on the same inputs in one process, in interleaved rounds (each round in a rotated order), medians
@@ -18,19 +20,23 @@ import statistics
 import torch
 
 from zyfa_tune.kernels import quantize as passes
+from zyfa_tune.kernels import quantize_onepass as onepass
 from zyfa_tune.kernels.balanced_v import balance_weights
 from zyfa_tune.quantize import quantize_fp8
 from zyfa_tune.tuning.inputs import make_qkv
 from zyfa_tune.tuning.timing import gpu_state, time_cuda, warm_gpu
 
 PAIRS = ((1, 1), (2, 1), (4, 1), (4, 2))
+#: one launch's programs per SM beside the default
+GRIDS = (2, 3, 6, 8)
 #: the constants' defaults, restored before each call that is not named for others
 DEFAULTS = (passes.BALANCE_BLOCKS, passes.BALANCE_CHANNELS)
+PROGRAMS = onepass.PROGRAMS_PER_SM
 
 
-def _quantizer(q, k, v, one_pass: bool, pair: tuple[int, int] = DEFAULTS, **options):
+def _quantizer(q, k, v, one_pass: bool, pair: tuple[int, int] = DEFAULTS, programs: int = PROGRAMS, **options):
     def call():
-        passes.ONE_PASS = one_pass
+        passes.ONE_PASS, onepass.PROGRAMS_PER_SM = one_pass, programs
         passes.BALANCE_BLOCKS, passes.BALANCE_CHANNELS = pair
         return quantize_fp8(q, k, v, **options)
 
@@ -47,6 +53,11 @@ def systems(q, k, v) -> dict[str, object]:
                 opts = dict(v_rounding="balanced", v_layout=layout)
                 out[f"balanced {layout} blocks={b} channels={c} {passes_name}"] = _quantizer(
                     q, k, v, one_pass, (b, c), **opts
+                )
+        for programs in GRIDS if one_pass else ():
+            for layout in ("k_major", "natural"):
+                out[f"balanced {layout} {programs} programs an SM one pass"] = _quantizer(
+                    q, k, v, one_pass, programs=programs, v_rounding="balanced", v_layout=layout
                 )
         out[f"balanced k_major, kappa 0, {passes_name}"] = _quantizer(
             q, k, v, one_pass, v_rounding="balanced", v_layout="k_major", v_weight=0.0

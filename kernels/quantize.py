@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from . import quantize_onepass as onepass
 from .balanced_v import (
     BALANCE_COST_CAP,
     BALANCE_FIXED,
@@ -207,6 +208,7 @@ def _launch_tensors(
         xs[0].device.index,
         bool(k_major_last),
         (BALANCE_BLOCKS, BALANCE_CHANNELS) if balance_last else 0,
+        onepass.PROGRAMS_PER_SM if ONE_PASS else 0,
         *(
             (
                 x.shape,

@@ -47,7 +47,8 @@ from .quantize_passes import (
 #: 4096, since every block costs a few dependent atomics; at most ONEPASS_ROWS rows
 ONEPASS_TILE, ONEPASS_ROWS, ONEPASS_WARPS = 8192, 128, 4
 #: resident programs per SM: enough blocks in flight to cover HBM latency, few enough that the rows
-#: read between a block's two reads (about LAG + grid blocks) stay well within L2
+#: read between a block's two reads (about LAG + grid blocks) stay well within L2 (part of a plan's key,
+#: so that benchmarks/balanced_v_blocks.py can time others)
 PROGRAMS_PER_SM = 4
 #: programs where there is no GPU to count SMs of (Triton's interpreter runs them one after another)
 INTERPRETED_PROGRAMS = 4
