@@ -80,7 +80,7 @@ def packed_reference_error(
         except ImportError:
             pass
         else:
-            run = padded(lambda q, k, v, **kw: fa3_varlen(q, k, v, cu, cu, max_len, max_len, causal=causal, **kw))
+            run = padded(lambda q, k, v, **opts: fa3_varlen(q, k, v, cu, cu, max_len, max_len, causal=causal, **opts))
             out = run(*args, **kw)
             return rel_l2(out[0] if isinstance(out, tuple) else out, reference)
     base = default_config(dtype, args[0].shape[2], args[2].shape[2])

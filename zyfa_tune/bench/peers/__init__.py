@@ -85,7 +85,7 @@ def systems_for(
     packed = bool(shape.lengths)
     systems: list[Peer] = [VarlenOurs(spec) if packed else Ours(spec) for spec in ours]
     if packed and paged:
-        systems += [s for s in paged_systems(ours, paged, peers) if s.supports(shape)]
+        systems += [s for s in paged_systems(ours, paged, [PEERS[n] for n in peers]) if s.supports(shape)]
     systems += [
         PEERS[name] for name in peers if PEERS[name].supports(shape) and getattr(PEERS[name], "packed", False) == packed
     ]

@@ -15,7 +15,7 @@ import torch
 from zyfa_tune.bench.inputs import Inputs
 from zyfa_tune.bench.peers.base import Bound, boxed
 from zyfa_tune.bench.peers.ours import Ours
-from zyfa_tune.bench.peers.varlen import one_entry
+from zyfa_tune.bench.peers.varlen import FA3Varlen, one_entry
 from zyfa_tune.bench.shape import BenchShape
 from zyfa_tune.generator import KernelConfig
 from zyfa_tune.tuning.fa3 import fa3_width
@@ -135,7 +135,7 @@ def cache_of(x: Inputs, k: torch.Tensor, v: torch.Tensor, page_size: int, shuffl
 
 def paged_systems(ours, page_size: int, peers=()) -> list:
     """Each of our systems on the paged cache and its contiguous twin; for each FA3 varlen peer among `peers`
-    (names), FA3's KV-cache entry point on the same pages (`<peer>-paged`)."""
+    (peer objects), FA3's KV-cache entry point on the same pages (`<peer>-paged`)."""
     systems: list = [cls(spec, page_size) for spec in ours for cls in (PagedOurs, ContiguousTwin)]
-    fa3 = {"fa3-varlen-fp8": "fp8", "fa3-varlen-bf16": "bf16"}
-    return systems + [FA3Paged(f"{name}-paged", fa3[name], page_size) for name in peers if name in fa3]
+    fa3 = [FA3Paged(f"{p.name}-paged", p.dtype, page_size) for p in peers if isinstance(p, FA3Varlen)]
+    return systems + fa3
