@@ -223,12 +223,18 @@ class Store:
         ) + ((P.tokens_bucket,) if self.version >= 5 else ())
         return self._best(where, order)
 
-    def fastest_within(self, max_error: float) -> list[BestEntry]:
+    def fastest_within(self, max_error: float, *, relative: bool = False) -> list[BestEntry]:
         """Per (fingerprint, problem class), the fastest `ok` trial whose rel. L2 error (against
-        float64, on the tuner's inputs) is at most `max_error`: the runtime's error budget picks from
-        every kernel that passed the study's gate, not only the overall fastest (a multi-objective
-        study keeps the whole front). Rows as `best_entries` (provenance and time of the trial)."""
+        float64, on the tuner's inputs) is at most `max_error` (`relative`: at most `max_error` x its
+        reference's, error_ref, where one was measured): the runtime's error budget picks from every
+        kernel that passed the study's gate, not only the overall fastest (a multi-objective study
+        keeps the whole front). Rows as `best_entries` (provenance and time of the trial)."""
         max_error = finite_float("max_error", max_error, positive=True)
+        within = [T.error_rel_l2 <= max_error]
+        if relative:  # (a file older than version 4 has no reference errors: nothing to judge)
+            if self.version < 4:
+                return []
+            within = [T.error_ref.is_not(None), T.error_rel_l2 <= T.error_ref * max_error]
         cols = _entry_columns(T, T.created_at, self.version) + [
             rows.raw(T.environment_id, "env_id"),
             rows.raw(T.problem_id, "problem_id"),
@@ -238,7 +244,7 @@ class Store:
             .join_from(T, E, T.environment_id == E.id)
             .join(P, T.problem_id == P.id)
             .join(V, T.variant_id == V.id)
-            .where(T.status == "ok", T.error_rel_l2.is_not(None), T.error_rel_l2 <= max_error, T.median_ms > 0)
+            .where(T.status == "ok", T.error_rel_l2.is_not(None), *within, T.median_ms > 0)
             .order_by(T.environment_id, T.problem_id, T.median_ms, T.id)
         )
         out, seen = [], set()

@@ -25,6 +25,11 @@ Layers, first wins: `set_databases(...)` or $ZYFA_TUNE_DATABASES (os.pathsep-sep
 user's default database (zyfa_tune.db.default_db_path(), if it exists), then the databases shipped
 in zyfa_tune/kernels/tuned/. Databases are read once; per call the choice is a dict lookup.
 
+Without an error budget the FP8 API serves FA3-fp8's error: a key's fastest kernel whose measured error is
+within FA3_PARITY of FA3's on the same codes (where the study measured that reference), whatever the study's
+gate let in (its default 1.25 keeps lean P's kernels, 1.038x FA3's error on plain codes in
+docs/results.md row 2, for callers with a budget).
+
 Error budget (`set_error_budget(x)` or $ZYFA_TUNE_ERROR_BUDGET): instead of each key's fastest
 kernel, the fastest whose measured rel. L2 error against float64 is at most x, among every kernel
 that passed its study's accuracy gate (`zyfa-tune tune --gate G --multi-objective` keeps the
@@ -211,6 +216,8 @@ class Dispatcher:
         try:
             with open_store(path, readonly=True, create=False) as store:
                 rows = store.best_entries() if error_budget is None else store.fastest_within(error_budget)
+                if error_budget is None:
+                    rows = _at_parity(rows, store.fastest_within(FA3_PARITY, relative=True))
         except (DatabaseError, OSError) as exc:
             warnings.warn(f"zyfa_tune: skipping tuning database {path}: {exc}", RuntimeWarning, stacklevel=3)
             return []
@@ -337,6 +344,21 @@ class Dispatcher:
             tflops=entry.tflops,
             detail=f"{how} match{budget}; {entry.provenance}",
         )
+
+
+def _at_parity(best: list, parity: list) -> list:
+    """The FP8 API serves FA3-fp8's error: a best entry whose error ratio (against FA3's on the same codes) is
+    over FA3_PARITY, which a study's looser gate let in (lean P's kernels, for callers with an error budget),
+    yields to its class's fastest trial within it (`parity`, store.fastest_within(..., relative=True)), or
+    leaves the class to the lookup order. bf16-API entries are judged per call (`choose_recipe`)."""
+    within = {(e.fingerprint, e.key): e for e in parity}
+    out = []
+    for e in best:
+        if e.key.api == "fp8" and e.error_ratio is not None and e.error_ratio > FA3_PARITY:
+            e = within.get((e.fingerprint, e.key))
+        if e is not None:
+            out.append(e)
+    return out
 
 
 def _announce(key, device_key: tuple[str, str, str], choice: Choice) -> None:

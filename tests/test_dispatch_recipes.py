@@ -145,3 +145,22 @@ def test_the_default_budget_is_fa3_error_within_one_percent(layers, monkeypatch,
     monkeypatch.setattr(dispatch, "_dispatcher", d)
     q = torch.empty(2, 8192, 32, 128, dtype=torch.bfloat16, device="meta")
     assert (explain_attention(q, q, q, gpu="NVIDIA H200").recipe == SMOOTH) is served
+
+
+def test_the_fp8_api_serves_fa3_error_whatever_the_study_gate_let_in(layers):
+    """A faster kernel over FA3_PARITY of its reference (lean P on plain codes, which a gate of 1.25 lets in) is
+    not what flash_attn_func runs by default: the class's fastest trial within parity is; with none, the
+    lookup goes on (here: to the default config); an entry without a reference error is served as stored."""
+    d = layers(
+        lambda s: (
+            record(s, key(), cfg(num_stages=2), 0.8, error=0.0208, error_ref=0.02),  # 1.04x: the study's best
+            record(s, key(), cfg(num_stages=4), 1.0, error=0.0201, error_ref=0.02),  # 1.005x: at parity
+            record(s, key(16384), cfg(num_stages=2), 0.8, error=0.0208, error_ref=0.02),  # nothing at parity
+            record(s, key(4096), cfg(num_stages=2), 0.8, error=0.05),  # no reference: as stored
+        )
+    )
+    assert d.choose(key(), H200).config == cfg(num_stages=4)
+    assert d.choose(key(16384), H200).config != cfg(num_stages=2)
+    assert d.choose(key(4096), H200).config == cfg(num_stages=2)
+    budget = dispatch.Dispatcher(d.layers, error_budget=0.03)  # an explicit budget judges errors itself
+    assert budget.choose(key(), H200).config == cfg(num_stages=2)
