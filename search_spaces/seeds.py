@@ -198,22 +198,7 @@ def gluon_lean_f16_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> Kern
 
     Probabilities at 2^8, not 2^7: lean's lowest codes then sit an octave further from the row maximum,
     which takes the error on inputs with outlier entries from 1.05x FA3's to 1.02x at the same speed."""
-    return _gluon(
-        dtype,
-        head_dim_qk,
-        head_dim_v,
-        block_n=256,
-        num_stages=2,
-        q_stages=2,
-        p_carry="smem2",
-        lane_sums=True,
-        softmax="lean",
-        rowsum="rounded",
-        lean_clamp="sat",
-        producer_regs=56,
-        skip_rescale=True,
-        qk_acc="f16",
-    )
+    return gluon_lean_smem2_config(dtype, head_dim_qk, head_dim_v).replace(qk_acc="f16", p_scale_log2=8)
 
 
 def gluon_lean_f16_async_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
@@ -222,22 +207,7 @@ def gluon_lean_f16_async_config(dtype: str, head_dim_qk: int, head_dim_v: int) -
 
     The two go together: with the synchronous wait a 24-register producer runs 0.88x, with qk_async 56
     registers gain nothing."""
-    return _gluon(
-        dtype,
-        head_dim_qk,
-        head_dim_v,
-        block_n=256,
-        num_stages=2,
-        q_stages=2,
-        p_carry="smem2",
-        lane_sums=True,
-        softmax="lean",
-        rowsum="rounded",
-        lean_clamp="sat",
-        skip_rescale=True,
-        qk_acc="f16",
-        qk_async=True,
-    )
+    return gluon_lean_f16_config(dtype, head_dim_qk, head_dim_v).replace(qk_async=True, producer_regs=24)
 
 
 def gluon_lean_max_config(dtype: str, head_dim_qk: int, head_dim_v: int) -> KernelConfig:
