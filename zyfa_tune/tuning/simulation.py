@@ -38,25 +38,13 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from zyfa_tune.db.records import TRIAL_FLOATS
 from zyfa_tune.generator import HOPPER, ConfigError, KernelConfig
 from zyfa_tune.generator.recipe import PLAIN, Recipe
 
 from .compile_check import CompileCheck, compile_check
 from .task import Reporter, Shape, Task, exception_text, shape_key, tail, task_flops
 
-_TRIAL_FLOATS = (
-    "median_ms",
-    "p20_ms",
-    "p80_ms",
-    "tflops",
-    "error_rel_l2",
-    "error_max",
-    "sm_clock_mhz",
-    "power_w",
-    "energy_j",
-    "tflop_per_j",
-    "error_ref",
-)
 _KEY_FIELDS = (
     "dtype",
     "head_dim_qk",
@@ -111,7 +99,7 @@ class SimulationRunner:
             return None
         exact = (shape.batch, shape.heads, shape.seqlen)
         row = max(found.values(), key=lambda r: ((r["batch"], r["heads"], r["seqlen"]) == exact, r["id"]))
-        out = {f: row[f] for f in _TRIAL_FLOATS}
+        out = {f: row[f] for f in TRIAL_FLOATS}
         msg = f"simulate: stored trial #{row['id']} ({row['gpu_name']}, {row['study'] or 'no study'})"
         if (row["batch"], row["heads"], row["seqlen"]) != exact:
             if row["batch"] and row["heads"] and row["seqlen"]:
