@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import quantize_onepass as onepass
+from . import quantize_onepass
 from .balanced_v import (
     BALANCE_COST_CAP,
     BALANCE_FIXED,
@@ -164,8 +164,8 @@ def quantize_tensors(
     one launch per pass: each program finds its tensor from its index (quantize_fp8's plain Q, K and
     V: one launch in all with `ONE_PASS`, else two; with balanced V one for Q and K and one for V). The
     amaxes of all tensors (and, one pass, its counters) are one zeroed buffer and their descales views of
-    one more, each starting 16-byte aligned (`scale_row`). What depends only on the layouts is kept in a plan per layout: a call costs four
-    allocations and the launches (host time: docs/results.md)."""
+    one more, each starting 16-byte aligned (`scale_row`). What depends only on the layouts is kept in a
+    plan per layout: a call costs four allocations and the launches (host time: docs/results.md)."""
     if balance_last and (items[-1][1] or items[-1][2] is not None):
         raise ValueError("balance_last: the balanced tensor (V) cannot be rotated or centred")
     last = len(items) - 1
@@ -208,7 +208,7 @@ def _launch_tensors(
         xs[0].device.index,
         bool(k_major_last),
         (BALANCE_BLOCKS, BALANCE_CHANNELS) if balance_last else 0,
-        onepass.PROGRAMS_PER_SM if ONE_PASS else 0,
+        quantize_onepass.PROGRAMS_PER_SM if ONE_PASS else 0,  # (read per call: a benchmark sets it)
         *(
             (
                 x.shape,
