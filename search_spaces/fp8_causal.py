@@ -9,6 +9,7 @@ The seeds are named in seeds.py; `field_twins` makes a database winner's seeds.
 
 from zyfa_tune.generator import KernelConfig
 from zyfa_tune.generator.rules import (
+    gluon_head_dim_conflict,
     half_block_conflict,
     lane_sums_conflict,
     lean_floor_conflict,
@@ -20,6 +21,7 @@ from zyfa_tune.generator.rules import (
     pv_defer_conflict,
     qk_acc_conflict,
     qk_async_conflict,
+    triton_head_dim_conflict,
 )
 
 from .params import (
@@ -51,6 +53,21 @@ def _exact_only_block(f: dict) -> bool:
     return f["backend"] == "gluon" and f["block_n"] == 192
 
 
+def _loadable(loads: str, f: dict) -> str:
+    """Triton loads: by pointer where TMA cannot address the rows (FP8 widths of 8s but not 16s)."""
+    return "pointer" if triton_head_dim_conflict({**f, "loads": loads}) else loads
+
+
+def _v_transposed(f: dict, v_layout: str) -> bool:
+    """A Gluon config must read V^T: lean P and 192-key blocks do, and natural V rows of 8s but not 16s
+    columns are not TMA-addressable."""
+    return (
+        f["softmax"] == "lean"
+        or _exact_only_block(f)
+        or gluon_head_dim_conflict({**f, "v_layout": v_layout}) is not None
+    )
+
+
 def decode_lean_mufu(value: int, fields) -> int:
     """A share of the linear f16 fold's pairs from the MUFU where it applies, else 0. Beside the corrected fold it
     is not searched: 0.97-0.99x the exact kernel at every share."""
@@ -78,13 +95,12 @@ PARAMS = (
         ("forward", "heavy_first", "balanced"),  # "balanced": Gluon (persistent) only
         decode=lambda v, f: f["q_order"] if v == "balanced" and f["backend"] != "gluon" else v,
     ),
-    triton_only(Param("loads", ("tma", "pointer"))),
+    # widths of 8s but not 16s (40, 72, 200): FP8 rows a TMA cannot address, so pointer loads / V^T
+    triton_only(Param("loads", ("tma", "pointer"), decode=lambda v, f: _loadable(v, f))),
     Param(
         "v_layout",
         ("transposed", "natural"),  # Gluon lean P and 192-key blocks read V^T: "transposed"
-        decode=lambda v, f: (
-            "transposed" if f["backend"] == "gluon" and (f["softmax"] == "lean" or _exact_only_block(f)) else v
-        ),
+        decode=lambda v, f: "transposed" if f["backend"] == "gluon" and _v_transposed(f, v) else v,
     ),
     gluon_only("ping_pong", (True, False), one_consumer=False),  # consumer warpgroups alternate wgmma issue
     gluon_only("overlap", (True, False), forced=("softmax", "lean", True)),  # softmax(j) while PV(j-1) runs
