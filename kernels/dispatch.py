@@ -215,9 +215,12 @@ class Dispatcher:
 
         try:
             with open_store(path, readonly=True, create=False) as store:
-                rows = store.best_entries() if error_budget is None else store.fastest_within(error_budget)
-                if error_budget is None:
-                    rows = _at_parity(rows, store.fastest_within(FA3_PARITY, relative=True))
+                if error_budget is not None:
+                    rows = store.fastest_within(error_budget)
+                else:  # (the within-parity query only where some best entry needs it)
+                    rows = store.best_entries()
+                    if any(_over_parity(e) for e in rows):
+                        rows = _at_parity(rows, store.fastest_within(FA3_PARITY, relative=True))
         except (DatabaseError, OSError) as exc:
             warnings.warn(f"zyfa_tune: skipping tuning database {path}: {exc}", RuntimeWarning, stacklevel=3)
             return []
@@ -354,11 +357,16 @@ def _at_parity(best: list, parity: list) -> list:
     within = {(e.fingerprint, e.key): e for e in parity}
     out = []
     for e in best:
-        if e.key.api == "fp8" and e.error_ratio is not None and e.error_ratio > FA3_PARITY:
+        if _over_parity(e):
             e = within.get((e.fingerprint, e.key))
         if e is not None:
             out.append(e)
     return out
+
+
+def _over_parity(e) -> bool:
+    """An FP8-API entry measured over FA3_PARITY x FA3-fp8's error on the same codes."""
+    return e.key.api == "fp8" and e.error_ratio is not None and e.error_ratio > FA3_PARITY
 
 
 def _announce(key, device_key: tuple[str, str, str], choice: Choice) -> None:

@@ -58,14 +58,14 @@ def _loadable(loads: str, f: dict) -> str:
     return "pointer" if triton_head_dim_conflict({**f, "loads": loads}) else loads
 
 
-def _v_transposed(f: dict, v_layout: str) -> bool:
-    """A Gluon config must read V^T: lean P and 192-key blocks do, and natural V rows of 8s but not 16s
-    columns are not TMA-addressable."""
-    return (
-        f["softmax"] == "lean"
-        or _exact_only_block(f)
-        or gluon_head_dim_conflict({**f, "v_layout": v_layout}) is not None
-    )
+def _v_layout(v_layout: str, f: dict) -> str:
+    """V^T ("transposed") where a Gluon config must read it: lean P and 192-key blocks do, and natural V rows
+    of 8s but not 16s columns are not TMA-addressable."""
+    if f["backend"] == "gluon" and (
+        f["softmax"] == "lean" or _exact_only_block(f) or gluon_head_dim_conflict({**f, "v_layout": v_layout})
+    ):
+        return "transposed"
+    return v_layout
 
 
 def decode_lean_mufu(value: int, fields) -> int:
@@ -96,12 +96,8 @@ PARAMS = (
         decode=lambda v, f: f["q_order"] if v == "balanced" and f["backend"] != "gluon" else v,
     ),
     # widths of 8s but not 16s (40, 72, 200): FP8 rows a TMA cannot address, so pointer loads / V^T
-    triton_only(Param("loads", ("tma", "pointer"), decode=lambda v, f: _loadable(v, f))),
-    Param(
-        "v_layout",
-        ("transposed", "natural"),  # Gluon lean P and 192-key blocks read V^T: "transposed"
-        decode=lambda v, f: "transposed" if f["backend"] == "gluon" and _v_transposed(f, v) else v,
-    ),
+    triton_only(Param("loads", ("tma", "pointer"), decode=_loadable)),
+    Param("v_layout", ("transposed", "natural"), decode=_v_layout),  # Gluon lean P, 192-key blocks: V^T
     gluon_only("ping_pong", (True, False), one_consumer=False),  # consumer warpgroups alternate wgmma issue
     gluon_only("overlap", (True, False), forced=("softmax", "lean", True)),  # softmax(j) while PV(j-1) runs
     Param(
