@@ -22,7 +22,8 @@ ENTRY = SimpleNamespace(
     batch=1,
     heads=16,
     seqlen=256,
-    key=SimpleNamespace(gqa_group=1, bh_bucket=16, seqlen_bucket=256, causal=True),
+    recipe=None,
+    key=SimpleNamespace(gqa_group=1, bh_bucket=16, seqlen_bucket=256, causal=True, api="fp8", packed=False),
 )
 
 
@@ -141,7 +142,9 @@ def test_a_bucket_without_a_recorded_shape_is_checked_at_its_largest():
             "batch": None,
             "heads": None,
             "seqlen": None,
-            "key": SimpleNamespace(gqa_group=4, bh_bucket=128, seqlen_bucket=8192, causal=True),
+            "key": SimpleNamespace(
+                gqa_group=4, bh_bucket=128, seqlen_bucket=8192, causal=True, api="fp8", packed=False
+            ),
         }
     )
     assert verify.entry_shape(entry) == (2, 64, 16, 8192)
@@ -197,3 +200,27 @@ def test_verify_command_checks_only_the_entries_asked_for(tmp_path, monkeypatch)
     seen.clear()
     assert cli.main(["verify", "--storage", str(path)]) == 0
     assert sorted(seen) == [("bf16", 128), ("fp8", 64), ("fp8", 128)]
+
+
+def test_a_bf16_api_entry_is_rechecked_as_timed_with_its_recipe(monkeypatch):
+    """A bf16-API entry's time is its recipe's quantiser and its kernel on bf16 inputs: that is the probe."""
+    from zyfa_tune.search_spaces.recipes import BALANCED
+
+    made = []
+    monkeypatch.setattr(verify, "make_probe", lambda *a, **k: pytest.fail("the FP8 API's probe for a bf16 entry"))
+    monkeypatch.setattr(verify, "make_recipe_probe", lambda *a, **k: made.append((a, k)) or SimpleNamespace())
+    monkeypatch.setattr(verify, "check_config", lambda *a, **k: Verdict(True, "", 0.02, 0.03, 0.031))
+    key = SimpleNamespace(**{**vars(ENTRY.key), "api": "bf16"})
+    v = verify_entry(SimpleNamespace(**{**vars(ENTRY), "key": key, "recipe": BALANCED.to_json()}))
+    assert v.ok and not v.skipped and made[0][0] == (128, 128, BALANCED)
+    assert made[0][1] == dict(batch=1, heads=16, kv_heads=16, seqlen=256, causal=True, gate=verify.DEFAULT_ERROR_GATE)
+
+
+def test_a_packed_entry_is_skipped_not_failed(monkeypatch):
+    from zyfa_tune.cli.db_cmds import _verdict
+
+    monkeypatch.setattr(verify, "make_probe", lambda *a, **k: pytest.fail("a packed entry re-timed as a rectangle"))
+    key = SimpleNamespace(**{**vars(ENTRY.key), "packed": True})
+    v = verify_entry(SimpleNamespace(**{**vars(ENTRY), "key": key}))
+    assert v.ok and v.skipped and "keeps no lengths" in v.reason
+    assert _verdict(v).startswith("[yellow]skipped") and _verdict(Verdict(False, "slow")) == "[red]slow[/red]"

@@ -184,12 +184,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
             # (mean NVML clocks while timed: a slow reading at a sagging clock is the card's)
             _clocks(r.timing.sm_clock_mhz if r.timing else None, e.sm_clock_mhz),
             f"{r.error_rel_l2:.2e}" if r.error_rel_l2 is not None else "-",
-            (f"[green]ok[/green] ({r.reason})" if r.reason else "[green]ok[/green]")
-            if r.ok
-            else f"[red]{r.reason}[/red]",
+            _verdict(r),
         )
     console.print(table)
     return 1 if failed else 0
+
+
+def _verdict(r) -> str:
+    """verify's verdict cell: ok (with why, where it needed a second look), skipped (why), or the failure."""
+    if r.skipped:
+        return f"[yellow]{r.reason}[/yellow]"
+    if r.ok:
+        return f"[green]ok[/green] ({r.reason})" if r.reason else "[green]ok[/green]"
+    return f"[red]{r.reason}[/red]"
 
 
 def _fresh_process_ms(entry) -> float | None:
@@ -197,7 +204,8 @@ def _fresh_process_ms(entry) -> float | None:
     from zyfa_tune.tuning.verify import entry_shape
     from zyfa_tune.tuning.worker import Shape, time_in_fresh_process
 
-    r = time_in_fresh_process(entry.config_json, Shape(*entry_shape(entry)), causal=entry.key.causal)
+    shape, key = Shape(*entry_shape(entry)), entry.key
+    r = time_in_fresh_process(entry.config_json, shape, causal=key.causal, api=key.api, recipe=entry.recipe)
     return r.median_ms if r.status == "ok" else None
 
 

@@ -17,7 +17,7 @@ import torch
 
 from zyfa_tune.generator import ConfigError, KernelConfig
 from zyfa_tune.generator.defaults import default_config
-from zyfa_tune.generator.recipe import Recipe
+from zyfa_tune.generator.recipe import PLAIN, Recipe
 from zyfa_tune.kernels.launch import for_v_layout
 
 from .fa3 import padded
@@ -129,6 +129,7 @@ class Verdict:
     slowdown: float | None = None  # (now - stored) / stored
     error_max: float | None = None  # max |out - reference| (check_config fills it)
     timing: Timing | None = None  # the whole timing: quantiles, NVML clock/power/energy (check_config)
+    skipped: bool = False  # not re-checked (reason says why); neither passed nor failed
 
 
 @dataclass(frozen=True)
@@ -369,7 +370,9 @@ def verify_entry(
     gate: float = DEFAULT_ERROR_GATE,
     fresh_ms: Callable[[object], float | None] | None = None,
 ) -> Verdict:
-    """Re-check one stored best entry (zyfa_tune.db.BestEntry) on this GPU. A timing more than
+    """Re-check one stored best entry (zyfa_tune.db.BestEntry) on this GPU as it was measured (a bf16-API
+    entry: its recipe's quantiser and its kernel on bf16 inputs; a packed-sequence entry is skipped, its
+    lengths not being stored). A timing more than
     max_slowdown above the stored one is taken again before the entry fails (the better median
     counts): short, launch-bound entries can read 20-110% slow in one process and on record in the
     next, because their time is the host's. If it is still slow, the call is replayed from a CUDA
@@ -380,21 +383,20 @@ def verify_entry(
     fresh process, so a kernel fails only when it is slow there too."""
     try:
         config = KernelConfig.from_json(entry.config_json)
+        recipe = PLAIN if entry.recipe is None else Recipe.from_json(entry.recipe)
     except ConfigError as exc:
         return Verdict(False, f"invalid config: {exc}")
+    if entry.key.packed:  # (its trial kept the class and the longest length, not the lengths it timed)
+        return Verdict(
+            True, "skipped: a packed-sequence entry keeps no lengths to re-time; re-tune its mix", skipped=True
+        )
     batch, heads, kv_heads, seqlen = entry_shape(entry)
     torch.cuda.empty_cache()  # this entry's inputs in fresh allocations, not in blocks earlier entries left cached
-    probe = make_probe(
-        config.dtype,
-        config.head_dim_qk,
-        config.head_dim_v,
-        batch=batch,
-        heads=heads,
-        kv_heads=kv_heads,
-        seqlen=seqlen,
-        causal=entry.key.causal,
-        gate=gate,
-    )
+    where = dict(batch=batch, heads=heads, kv_heads=kv_heads, seqlen=seqlen, causal=entry.key.causal, gate=gate)
+    if entry.key.api == "bf16":  # the whole call as it was timed: the recipe's quantiser and the kernel
+        probe = make_recipe_probe(config.head_dim_qk, config.head_dim_v, recipe, **where)
+    else:
+        probe = make_probe(config.dtype, config.head_dim_qk, config.head_dim_v, **where)
     v = check_config(config, probe)
     if not v.ok:
         return v

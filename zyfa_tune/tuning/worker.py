@@ -509,10 +509,17 @@ def _trial_result(fields: dict[str, Any], shape: Shape, recipe: str | None) -> T
 
 
 def time_in_fresh_process(
-    config_json: str, shape: Shape, *, causal: bool = True, runner: str = "gpu", timeout_s: float = 600.0
+    config_json: str,
+    shape: Shape,
+    *,
+    causal: bool = True,
+    api: str = "fp8",
+    recipe: str | None = None,
+    runner: str = "gpu",
+    timeout_s: float = 600.0,
 ) -> TrialResult:
-    """`config_json` checked and timed at `shape` by a new worker process, as a trial is: its own CUDA
-    context and memory, nothing left over from what the calling process ran before (`zyfa-tune
-    verify`'s last word on an entry that reads slow late in a long run)."""
+    """`config_json` checked and timed at `shape` by a new worker process, as a trial is (for the bf16 API
+    with `recipe`'s quantiser): its own CUDA context and memory, nothing left over from what the calling
+    process ran before (`zyfa-tune verify`'s last word on an entry that reads slow late in a long run)."""
     with Worker(runner=runner, timeout_s=timeout_s) as worker:
-        return worker.run(Task(config_json, (shape,), causal=causal))[0]
+        return worker.run(Task(config_json, (shape,), causal=causal, api=api, recipe=recipe))[0]
