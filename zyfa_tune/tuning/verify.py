@@ -385,7 +385,7 @@ def verify_entry(
         config = KernelConfig.from_json(entry.config_json)
         recipe = PLAIN if entry.recipe is None else Recipe.from_json(entry.recipe)
     except ConfigError as exc:
-        return Verdict(False, f"invalid config: {exc}")
+        return Verdict(False, f"invalid config or recipe: {exc}")
     if entry.key.packed:  # (its trial kept the class and the longest length, not the lengths it timed)
         return Verdict(
             True, "skipped: a packed-sequence entry keeps no lengths to re-time; re-tune its mix", skipped=True
